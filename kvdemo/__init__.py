@@ -1,0 +1,25 @@
+"""kvdemo: ask several questions over one prefilled context with a quantized KV cache, restored exactly
+after every answer, and see the cache's real memory and residual flushes.
+
+Public surface: `load_model`, `LoadedModel`, `CacheSpec`, `BACKENDS`, `build_cache`, `QASession`
+(and its `PrefillReport`, `StepEvent`, `Answer`), `kv_memory`, `MemoryReport`.
+"""
+
+from kvdemo.backends import BACKENDS, CacheSpec, build_cache
+from kvdemo.models import LoadedModel, load_model
+from kvdemo.session import Answer, PrefillReport, QASession, StepEvent
+from kvdemo.telemetry import MemoryReport, kv_memory
+
+__all__ = [
+    "BACKENDS",
+    "Answer",
+    "CacheSpec",
+    "LoadedModel",
+    "MemoryReport",
+    "PrefillReport",
+    "QASession",
+    "StepEvent",
+    "build_cache",
+    "kv_memory",
+    "load_model",
+]

@@ -1,0 +1,309 @@
+"""The one registry of KV cache backends, the `CacheSpec` that names a backend and its options, and
+`build_cache`, which turns a validated spec into the transformers cache.
+
+This module is the only place that knows which backend takes which option. The UI, the command
+line and the validation read `BACKENDS`; nothing else switches on backend names.
+
+The packing rules in `_group_size_problem` were found by running every backend over every nbits,
+q_group_size and axis on the embedded model's shapes (3 KV heads, head_dim 64) and on the test
+model's, for prefill lengths 1, 5, 37, 64 and 130 followed by decode steps with flushes; the test
+`tests/test_backends.py::test_validation_predicts_what_runs` repeats that sweep.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import DynamicCache, PreTrainedConfig, QuantizedCache
+from transformers.cache_utils import Cache, get_layer_types_and_kwargs
+
+GROUP_OPTIONS = ("nbits", "q_group_size", "residual_length", "axis_key", "axis_value")
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option of a backend.
+
+    Attributes:
+        name: the transformers keyword (`nbits`, `q_group_size`, `residual_length`, `axis_key`, `axis_value`).
+        default: the value transformers uses when the option is left unset.
+        choices: the allowed values, or None where any integer >= `minimum` is allowed (then
+            model-dependent rules may narrow it, see `CacheSpec.validate`).
+        minimum: the smallest allowed value when `choices` is None.
+        help: one line for `--help` and the UI, with the unit.
+    """
+
+    name: str
+    default: int
+    choices: tuple[int, ...] | None = None
+    minimum: int | None = None
+    help: str = ""
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A KV cache backend as the registry knows it.
+
+    Attributes:
+        name: `dynamic`, `quanto`, `hqq` or `fp8`.
+        summary: one line for the UI and `--help`.
+        options: the options it takes, by name (empty for `dynamic` and `fp8`).
+        module: the Python module it needs, or None.
+        pip: the command that installs that module.
+        bits_per_value: nominal bits of a stored value when the backend has no `nbits` option.
+    """
+
+    name: str
+    summary: str
+    options: dict[str, Option] = field(default_factory=dict)
+    module: str | None = None
+    pip: str | None = None
+    bits_per_value: int | None = None
+
+    @property
+    def is_quantized(self) -> bool:
+        """True for the `QuantizedCache` backends (everything but `dynamic`)."""
+        return self.name != "dynamic"
+
+    @property
+    def has_residual(self) -> bool:
+        """True where the cache keeps a full-precision residual that is flushed (quanto, hqq)."""
+        return "residual_length" in self.options
+
+    def installed(self) -> bool:
+        """Whether the module this backend needs can be imported (without importing it)."""
+        if self.module is None:
+            return True
+        try:
+            return importlib.util.find_spec(self.module) is not None
+        except ModuleNotFoundError:  # the parent package (e.g. `optimum`) is missing
+            return False
+
+
+def _group_options(nbits: tuple[int, ...], axes: tuple[int, ...]) -> dict[str, Option]:
+    return {
+        "nbits": Option("nbits", 4, choices=nbits, help="bits per quantized value"),
+        "q_group_size": Option(
+            "q_group_size", 64, minimum=1, help="values that share one scale and zero point (must fit head_dim)"
+        ),
+        "residual_length": Option(
+            "residual_length", 128, minimum=1, help="tokens kept in full precision before a flush re-quantizes"
+        ),
+        "axis_key": Option("axis_key", 0, choices=axes, help="axis along which keys are grouped"),
+        "axis_value": Option("axis_value", 0, choices=axes, help="axis along which values are grouped"),
+    }
+
+
+BACKENDS: dict[str, Backend] = {
+    "dynamic": Backend(
+        "dynamic",
+        "DynamicCache: keys and values in the model's dtype, the full-precision baseline",
+    ),
+    "quanto": Backend(
+        "quanto",
+        "QuantizedCache(backend='quanto'): optimum-quanto int2/int4, group-wise, with a full-precision residual",
+        options=_group_options(nbits=(2, 4), axes=(0, -1)),
+        module="optimum.quanto",
+        pip="pip install optimum-quanto==0.2.7",
+    ),
+    "hqq": Backend(
+        "hqq",
+        "QuantizedCache(backend='hqq'): HQQ 1-8 bit, group-wise, with a full-precision residual",
+        options=_group_options(nbits=(1, 2, 3, 4, 8), axes=(0, 1)),
+        module="hqq",
+        pip="pip install hqq==0.2.8.post1",
+    ),
+    "fp8": Backend(
+        "fp8",
+        "QuantizedCache(backend='fp8'): float8_e4m3 per tensor, scale frozen at the first update, no residual",
+        bits_per_value=8,
+    ),
+}
+
+# Values per byte that hqq's bit packing needs along the packed axis (hqq.core.bitpack: 8x1bit, 4x2bit,
+# 2x4bit in a uint8; 3-bit values go 10 to an int32 and 8-bit ones are stored as they are).
+_HQQ_VALUES_PER_PACK = {1: 8, 2: 4, 3: 1, 4: 2, 8: 1}
+
+
+def _group_size_problem(backend: str, nbits: int, group: int, axis: int, kv_heads: int, head_dim: int) -> str | None:
+    """Why `group` cannot be used for one tensor (keys or values) of shape [1, kv_heads, tokens, head_dim]
+    grouped along `axis`, or None when it runs for every token count."""
+    width = kv_heads * head_dim
+    if backend == "quanto":
+        if axis == 0:
+            if head_dim % group:
+                return f"q_group_size={group} must divide head_dim={head_dim}"
+        elif kv_heads % group:
+            # axis -1 groups along batch x heads x tokens: one token must already fill whole groups
+            return f"q_group_size={group} with axis -1 must divide num_key_value_heads={kv_heads}"
+        return None
+    # hqq
+    pack = _HQQ_VALUES_PER_PACK[nbits]
+    if axis == 0:
+        if head_dim % group:
+            return f"q_group_size={group} must divide head_dim={head_dim}"
+        if group % pack:
+            return f"hqq packs {pack} {nbits}-bit values together, so q_group_size must be a multiple of {pack}"
+        return None
+    if nbits == 3:
+        return "hqq's 3-bit packing along axis 1 breaks on some token counts; use axis 0 for nbits=3"
+    if width % group or (width // group) % pack:
+        return (
+            f"with axis 1, num_key_value_heads x head_dim / q_group_size = {width}/{group} must be a whole "
+            f"multiple of {pack} (hqq packs {pack} {nbits}-bit values together)"
+        )
+    return None
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """A KV cache backend and its options; `None` means the backend's default (see `BACKENDS`).
+
+    Attributes:
+        backend: `dynamic`, `quanto`, `hqq` or `fp8`.
+        nbits: bits per quantized value (quanto: 2, 4; hqq: 1, 2, 3, 4, 8).
+        q_group_size: values per scale/zero-point group (quanto, hqq).
+        residual_length: full-precision tokens held before a flush (quanto, hqq); >= 1.
+        axis_key, axis_value: grouping axis (quanto: 0, -1; hqq: 0, 1).
+    """
+
+    backend: str = "dynamic"
+    nbits: int | None = None
+    q_group_size: int | None = None
+    residual_length: int | None = None
+    axis_key: int | None = None
+    axis_value: int | None = None
+
+    @property
+    def info(self) -> Backend:
+        """The registry entry of this spec's backend. Raises ValueError for an unknown backend."""
+        try:
+            return BACKENDS[self.backend]
+        except KeyError:
+            raise ValueError(
+                f"backend={self.backend!r} is not a backend; choose one of {', '.join(BACKENDS)}"
+            ) from None
+
+    def given(self) -> dict[str, int]:
+        """The options set on this spec (not None), by name."""
+        return {name: getattr(self, name) for name in GROUP_OPTIONS if getattr(self, name) is not None}
+
+    def resolved(self) -> dict[str, int]:
+        """Every option the backend takes, with its default filled in where unset."""
+        return {name: self.given().get(name, opt.default) for name, opt in self.info.options.items()}
+
+    @property
+    def label(self) -> str:
+        """A short human name, e.g. `hqq nbits=4 q_group_size=64 residual_length=4`."""
+        opts = " ".join(f"{k}={v}" for k, v in self.resolved().items() if not k.startswith("axis") or v != 0)
+        return f"{self.backend} {opts}".strip()
+
+    def replace(self, **changes: Any) -> "CacheSpec":
+        """A copy with some fields changed."""
+        return dataclasses.replace(self, **changes)
+
+    def validate(self, model_config: PreTrainedConfig | None = None) -> "CacheSpec":
+        """Check this spec against the registry and, when given, the model's shapes.
+
+        Args:
+            model_config: the model's config; gives num_key_value_heads, head_dim and the layer types.
+
+        Returns:
+            self, so that `spec.validate(cfg)` can be chained.
+
+        Raises:
+            ValueError: naming the option, the value given and the values allowed: an unknown backend, an
+                option the backend does not take (fp8 and dynamic take none), a value outside the registry's
+                choices, a q_group_size that does not fit head_dim or the backend's bit packing, a
+                residual_length < 1, or a quantized backend on a model whose layers are not all full attention.
+            ImportError: the backend's package is not installed; the message gives the pip command.
+        """
+        info = self.info
+        for name, value in self.given().items():
+            if name not in info.options:
+                takes = ", ".join(info.options) or "no options"
+                raise ValueError(
+                    f"{name}={value} is not an option of the {self.backend} backend (it takes {takes}); leave it unset"
+                )
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name}={value!r} must be an integer")
+            opt = info.options[name]
+            if opt.choices is not None and value not in opt.choices:
+                allowed = ", ".join(map(str, opt.choices))
+                raise ValueError(f"{name}={value} is not allowed for {self.backend}; allowed: {allowed}")
+            if opt.minimum is not None and value < opt.minimum:
+                raise ValueError(f"{name}={value} is not allowed for {self.backend}; it must be >= {opt.minimum}")
+        if not info.installed():
+            raise ImportError(f"the {self.backend} backend needs the {info.module} package: {info.pip}")
+        if model_config is None:
+            return self
+        text_config = model_config.get_text_config(decoder=True)
+        if info.is_quantized:
+            layer_types, _ = get_layer_types_and_kwargs(text_config)
+            others = sorted(set(layer_types) - {"full_attention"})
+            if others:
+                raise ValueError(
+                    f"backend={self.backend} needs a model whose layers are all full attention; this model also has "
+                    f"{', '.join(others)} layers. Use backend=dynamic with it"
+                )
+        if "q_group_size" in info.options:
+            opts = self.resolved()
+            kv_heads, head_dim = kv_shape(model_config)
+            for axis_name in ("axis_key", "axis_value"):
+                problem = _group_size_problem(
+                    self.backend, opts["nbits"], opts["q_group_size"], opts[axis_name], kv_heads, head_dim
+                )
+                if problem:
+                    allowed = allowed_group_sizes(self.replace(q_group_size=None), model_config)[axis_name]
+                    hint = f"; allowed here: {', '.join(map(str, allowed))}" if allowed else ""
+                    raise ValueError(f"q_group_size={opts['q_group_size']} ({axis_name}={opts[axis_name]}): {problem}{hint}")
+        return self
+
+
+def kv_shape(model_config: PreTrainedConfig) -> tuple[int, int]:
+    """(num_key_value_heads, head_dim) of the model's decoder, as its attention layers cache them."""
+    cfg = model_config.get_text_config(decoder=True)
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return kv_heads, head_dim
+
+
+def allowed_group_sizes(spec: CacheSpec, model_config: PreTrainedConfig) -> dict[str, list[int]]:
+    """The q_group_size values that run with `spec`'s backend, nbits and axes on this model, per axis option.
+
+    Returns:
+        {"axis_key": [...], "axis_value": [...]}, ascending; empty lists for backends without q_group_size.
+    """
+    if "q_group_size" not in spec.info.options:
+        return {"axis_key": [], "axis_value": []}
+    opts = spec.resolved()
+    kv_heads, head_dim = kv_shape(model_config)
+    candidates = range(1, kv_heads * head_dim + 1)
+    return {
+        axis_name: [
+            g
+            for g in candidates
+            if _group_size_problem(spec.backend, opts["nbits"], g, opts[axis_name], kv_heads, head_dim) is None
+        ]
+        for axis_name in ("axis_key", "axis_value")
+    }
+
+
+def build_cache(spec: CacheSpec, model_config: PreTrainedConfig) -> Cache:
+    """Validate `spec` and build its empty transformers cache for a model.
+
+    Returns:
+        `DynamicCache(config=...)` for `dynamic`, else `QuantizedCache(backend, config, **options)` with
+        only the options the spec sets (transformers fills the rest with its defaults, listed in `BACKENDS`).
+
+    Raises:
+        ValueError, ImportError: see `CacheSpec.validate`.
+    """
+    spec.validate(model_config)
+    if not spec.info.is_quantized:
+        return DynamicCache(config=model_config)
+    return QuantizedCache(spec.backend, model_config, **spec.given())

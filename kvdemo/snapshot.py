@@ -1,0 +1,121 @@
+"""Take and restore the post-prefill state of every cache layer, without copying a KV tensor.
+
+Pattern: the kvpress fix for `QuantizedCache` (a shallow `vars(layer).copy()` before the answer,
+written back after it), generalised per layer type. It is exact because every layer type accepted
+here *assigns* new tensors in `update` (`torch.cat`, a fresh quantized store) instead of writing into
+the old ones, so the objects the snapshot holds are never changed while an answer decodes.
+
+- Quantized layers (`quanto`, `hqq`, `fp8`) and sliding-window `DynamicSlidingWindowLayer`s: the
+  snapshot is `vars(layer).copy()`; it keeps the old quantized store and residual alive (small), and
+  restoring puts back the very same tensor objects.
+- Plain `DynamicLayer`s: holding the post-prefill tensors would keep a second full-precision copy alive
+  during the answer (each decode step's `torch.cat` builds a new tensor), so only the length is kept and
+  restore slices the keys and values back to it: `keys[..., :length, :]`, a view, exact and copy-free.
+  Until the next decode step replaces it, that view keeps the longer storage alive;
+  `telemetry.kv_memory` counts it as held.
+
+Layers that write in place (`StaticLayer` and its kin, linear-attention states) cannot be restored
+this way and are refused with `TypeError` instead of being silently mis-restored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from transformers.cache_utils import (
+    BaseQuantizedLayer,
+    Cache,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    StaticLayer,
+)
+
+
+@dataclass(frozen=True)
+class LayerSnapshot:
+    """The saved state of one layer.
+
+    Attributes:
+        attributes: `vars(layer).copy()` for layers restored by writing their attributes back, else None.
+        length: for a plain `DynamicLayer`, its sequence length in tokens; else None.
+    """
+
+    attributes: dict[str, Any] | None
+    length: int | None
+
+
+@dataclass(frozen=True)
+class CacheSnapshot:
+    """The saved state of a whole cache: one `LayerSnapshot` per layer and the total length in tokens."""
+
+    layers: tuple[LayerSnapshot, ...]
+    seq_length: int
+
+
+def _check_layer(index: int, layer: object) -> None:
+    if isinstance(layer, StaticLayer):
+        raise TypeError(
+            f"layer {index} is a {type(layer).__name__}, which writes new tokens into its tensors in place, so a "
+            "shallow snapshot cannot restore it; use a DynamicCache or a QuantizedCache"
+        )
+    if type(layer) is DynamicLayer or isinstance(layer, (BaseQuantizedLayer, DynamicSlidingWindowLayer)):
+        return
+    raise TypeError(
+        f"layer {index} is a {type(layer).__name__}; kvdemo can only snapshot layers that assign new tensors on "
+        "update (DynamicLayer, DynamicSlidingWindowLayer and the QuantizedCache layers)"
+    )
+
+
+def take(cache: Cache) -> CacheSnapshot:
+    """Save the state of every layer of `cache`, copying no tensor.
+
+    Args:
+        cache: a `DynamicCache` or `QuantizedCache` after the prefill.
+
+    Returns:
+        The snapshot to give to `restore`.
+
+    Raises:
+        TypeError: a layer writes into its tensors in place (e.g. `StaticLayer`) or is of a type not known
+            to assign new tensors on update.
+    """
+    saved = []
+    for index, layer in enumerate(cache.layers):
+        _check_layer(index, layer)
+        if type(layer) is DynamicLayer:
+            saved.append(LayerSnapshot(attributes=None, length=layer.get_seq_length()))
+        else:
+            saved.append(LayerSnapshot(attributes=vars(layer).copy(), length=None))
+    return CacheSnapshot(layers=tuple(saved), seq_length=cache.get_seq_length())
+
+
+def restore(cache: Cache, snapshot: CacheSnapshot) -> None:
+    """Put `cache` back to the state saved in `snapshot`, copying no tensor.
+
+    Quantized and sliding-window layers get their saved attributes back (attributes added since are
+    dropped); plain `DynamicLayer`s are sliced back to their saved length (a view).
+
+    Raises:
+        ValueError: the snapshot was taken from a cache with another number of layers, or a
+            `DynamicLayer` is shorter than its saved length (the snapshot belongs to another cache).
+    """
+    if len(snapshot.layers) != len(cache.layers):
+        raise ValueError(
+            f"the snapshot has {len(snapshot.layers)} layers but the cache has {len(cache.layers)}; "
+            "it was taken from another cache"
+        )
+    for index, (layer, saved) in enumerate(zip(cache.layers, snapshot.layers)):
+        if saved.attributes is not None:
+            state = vars(layer)
+            state.clear()
+            state.update(saved.attributes)
+            continue
+        if layer.get_seq_length() < saved.length:
+            raise ValueError(
+                f"layer {index} holds {layer.get_seq_length()} tokens, fewer than the {saved.length} saved; "
+                "the snapshot was taken from another cache"
+            )
+        if layer.get_seq_length() != saved.length:
+            layer.keys = layer.keys[..., : saved.length, :]
+            layer.values = layer.values[..., : saved.length, :]

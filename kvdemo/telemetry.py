@@ -1,0 +1,171 @@
+"""Read a KV cache's real memory and its residual flushes. Nothing here changes the cache.
+
+Memory is counted from the tensors a layer really holds, each storage once
+(`untyped_storage().nbytes()`, keyed by the storage's address), never from a formula:
+
+- a quantized store is walked down to its plain tensors: a quanto `WeightQBitsTensor` through
+  `__tensor_flatten__` to its packed uint8 data, scale and shift (its own `element_size() * nelement()`
+  would give the unpacked size: wrong); an hqq `(W_q, meta)` pair to the packed tensor and the `scale`
+  and `zero` in `meta`; an fp8 `(float8 tensor, scale)` pair to both;
+- the full-precision tensors (`layer.keys`, `layer.values`: the residual of a quantized layer, all of a
+  `DynamicLayer`) are counted as residual bytes. A `DynamicLayer` sliced back by `snapshot.restore`
+  holds a view whose storage is still the longer one until the next decode step: it is counted whole.
+
+The one formula here is `full_precision_bytes`, the reference a `DynamicCache` would need.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Iterator
+
+import torch
+from transformers.cache_utils import Cache, QuantizedLayer
+
+from kvdemo.backends import kv_shape
+
+
+@dataclass(frozen=True)
+class LayerMemory:
+    """Bytes held by one cache layer.
+
+    Attributes:
+        quantized_bytes: the quantized store: packed data, scales, zero points (bytes).
+        residual_bytes: full-precision keys and values held (bytes): a quantized layer's residual, or all of
+            a `DynamicLayer`.
+        residual_tokens: tokens held in full precision (for a `DynamicLayer`, all of them).
+        seq_length: tokens the layer holds in all (`get_seq_length()`).
+    """
+
+    quantized_bytes: int
+    residual_bytes: int
+    residual_tokens: int
+    seq_length: int
+
+    @property
+    def total_bytes(self) -> int:
+        """quantized_bytes + residual_bytes."""
+        return self.quantized_bytes + self.residual_bytes
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Bytes held by a whole cache, per layer and in total (each storage counted once)."""
+
+    layers: tuple[LayerMemory, ...]
+
+    @property
+    def quantized_bytes(self) -> int:
+        """Sum of the layers' quantized bytes."""
+        return sum(layer.quantized_bytes for layer in self.layers)
+
+    @property
+    def residual_bytes(self) -> int:
+        """Sum of the layers' full-precision bytes."""
+        return sum(layer.residual_bytes for layer in self.layers)
+
+    @property
+    def total_bytes(self) -> int:
+        """Everything the cache holds (bytes)."""
+        return self.quantized_bytes + self.residual_bytes
+
+    @property
+    def seq_length(self) -> int:
+        """Tokens in the cache (layer 0's length, as `Cache.get_seq_length()`)."""
+        return self.layers[0].seq_length if self.layers else 0
+
+    def to_dict(self, per_layer: bool = False) -> dict[str, Any]:
+        """Totals as a JSON-ready dict; with `per_layer`, the layers too."""
+        out: dict[str, Any] = {
+            "kv_bytes": self.total_bytes,
+            "quantized_bytes": self.quantized_bytes,
+            "residual_bytes": self.residual_bytes,
+            "seq_length": self.seq_length,
+        }
+        if per_layer:
+            out["layers"] = [asdict(layer) for layer in self.layers]
+        return out
+
+
+def _plain_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """The plain tensors inside a cache attribute: tensor subclasses are opened with `__tensor_flatten__`,
+    tuples, lists and dicts are walked."""
+    if isinstance(obj, torch.Tensor):
+        if type(obj) is not torch.Tensor and hasattr(obj, "__tensor_flatten__"):
+            names, _ = obj.__tensor_flatten__()
+            for name in names:
+                yield from _plain_tensors(getattr(obj, name))
+        else:
+            yield obj
+    elif isinstance(obj, (tuple, list)):
+        for item in obj:
+            yield from _plain_tensors(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _plain_tensors(item)
+
+
+def _bytes(objs: tuple[Any, ...], seen: set[tuple[str, int]]) -> int:
+    total = 0
+    for obj in objs:
+        for tensor in _plain_tensors(obj):
+            storage = tensor.untyped_storage()
+            key = (str(tensor.device), storage.data_ptr())
+            if storage.nbytes() == 0 or key in seen:
+                continue
+            seen.add(key)
+            total += storage.nbytes()
+    return total
+
+
+def _tokens(tensor: torch.Tensor | None) -> int:
+    return tensor.shape[-2] if tensor is not None and tensor.dim() == 4 else 0
+
+
+def kv_memory(cache: Cache) -> MemoryReport:
+    """Measure the bytes each layer of `cache` holds, from its tensors.
+
+    Args:
+        cache: a `DynamicCache` or `QuantizedCache` (any layer with `keys`/`values`, and for quantized layers
+            `_quantized_keys`/`_quantized_values`).
+
+    Returns:
+        A `MemoryReport`; each tensor storage is counted once across the whole cache.
+    """
+    seen: set[tuple[str, int]] = set()
+    layers = []
+    for layer in cache.layers:
+        quantized = _bytes((getattr(layer, "_quantized_keys", None), getattr(layer, "_quantized_values", None)), seen)
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        layers.append(
+            LayerMemory(
+                quantized_bytes=quantized,
+                residual_bytes=_bytes((keys, values), seen),
+                residual_tokens=_tokens(keys),
+                seq_length=layer.get_seq_length(),
+            )
+        )
+    return MemoryReport(tuple(layers))
+
+
+def full_precision_bytes(model_config, tokens: int, dtype: torch.dtype) -> int:
+    """Bytes a `DynamicCache` in `dtype` holds for `tokens` tokens of one sequence:
+    2 (keys and values) x layers x num_key_value_heads x head_dim x tokens x bytes per element."""
+    kv_heads, head_dim = kv_shape(model_config)
+    layers = model_config.get_text_config(decoder=True).num_hidden_layers
+    return 2 * layers * kv_heads * head_dim * tokens * torch.empty((), dtype=dtype).element_size()
+
+
+def flushed_layers(cache: Cache) -> tuple[int, ...]:
+    """The layers that flushed at the update just made: call it right after a forward pass that added tokens.
+
+    A `QuantizedLayer` (quanto, hqq) keeps new tokens in its residual until `residual tokens + new tokens
+    >= residual_length`, and then re-quantizes the whole layer and empties the residual
+    (`transformers.cache_utils.QuantizedLayer.update`). After an update that added tokens, an empty residual
+    therefore means a flush. fp8 and `DynamicLayer`s never flush.
+    """
+    return tuple(
+        index
+        for index, layer in enumerate(cache.layers)
+        if isinstance(layer, QuantizedLayer) and layer.is_initialized and _tokens(layer.keys) == 0
+    )
