@@ -1,0 +1,154 @@
+"""Command line: `python -m kvdemo ask ...` prefills a context once and answers questions in turn over a
+chosen KV cache backend, printing a summary or (with `--json`) one JSON object."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from kvdemo.backends import BACKENDS, GROUP_OPTIONS, CacheSpec
+from kvdemo.cases import load_case
+from kvdemo.session import DEFAULT_MAX_NEW_TOKENS, QUESTION_RESERVE_TOKENS
+
+
+def _backend_help() -> str:
+    lines = []
+    for backend in BACKENDS.values():
+        opts = ", ".join(
+            f"{name} {'|'.join(map(str, opt.choices)) if opt.choices else f'>={opt.minimum}'} (default {opt.default})"
+            for name, opt in backend.options.items()
+        )
+        lines.append(f"  {backend.name}: {backend.summary}" + (f"\n      options: {opts}" if opts else ""))
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of `python -m kvdemo`."""
+    parser = argparse.ArgumentParser(
+        prog="python -m kvdemo",
+        description="Ask several questions over one prefilled context with a (quantized) KV cache.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    ask = sub.add_parser(
+        "ask",
+        help="prefill a context once, answer questions in turn, restore the cache after each",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Prefill the context once into the chosen KV cache, then answer each question on top of it;\n"
+        "after every answer the cache is restored to its post-prefill state (cache_length_after).\n\n"
+        "Backends (options left unset take the default shown):\n" + _backend_help(),
+    )
+    ask.add_argument(
+        "--context-file",
+        required=True,
+        help="a UTF-8 text file, or a SQuAD case file (JSON with 'paragraphs', e.g. ../shared/cases/normans.json)",
+    )
+    ask.add_argument("--paragraphs", help="case files: paragraphs to use, e.g. 0-7 or 0,2,5-7 (default: all)")
+    ask.add_argument("--question", action="append", default=[], help="a question (repeat for several)")
+    ask.add_argument(
+        "--questions-from-case",
+        type=int,
+        metavar="N",
+        help="case files: also ask the first N answerable questions about the chosen paragraphs",
+    )
+    ask.add_argument("--backend", default="dynamic", choices=list(BACKENDS), help="KV cache backend (default dynamic)")
+    ask.add_argument("--nbits", type=int, help="bits per quantized value (quanto 2|4, hqq 1|2|3|4|8)")
+    ask.add_argument("--q-group-size", type=int, help="values per scale/zero-point group; must fit head_dim")
+    ask.add_argument("--residual-length", type=int, help="full-precision tokens held before a flush (>= 1)")
+    ask.add_argument("--axis-key", type=int, help="grouping axis of keys (quanto 0|-1, hqq 0|1)")
+    ask.add_argument("--axis-value", type=int, help="grouping axis of values (quanto 0|-1, hqq 0|1)")
+    ask.add_argument(
+        "--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help="most tokens per answer (default 64)"
+    )
+    ask.add_argument("--model", help="a Hub id, a local folder or a .gguf file (default: the embedded SmolLM2-135M)")
+    ask.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    ask.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
+    return parser
+
+
+def run_ask(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the `ask` command and return its JSON-ready result.
+
+    Raises:
+        ValueError, ImportError, OSError: bad input; the message says what to change.
+    """
+    from kvdemo.models import load_model
+    from kvdemo.session import QASession
+
+    spec = CacheSpec(args.backend, **{name: getattr(args, name) for name in GROUP_OPTIONS})
+    spec.validate()  # options against the registry before the model loads
+    case = load_case(args.context_file).select(args.paragraphs)
+    questions = list(args.question)
+    if args.questions_from_case is not None:
+        if args.questions_from_case < 1:
+            raise ValueError("--questions-from-case must be >= 1")
+        if not case.questions:
+            raise ValueError(f"{args.context_file} has no questions; --questions-from-case needs a case file")
+        questions += [q.question for q in case.answerable(args.questions_from_case)]
+    if not questions:
+        raise ValueError("no question: give --question (repeatable) or --questions-from-case N")
+    loaded = load_model(args.model, device=args.device)
+    session = QASession(loaded, spec)
+    report = session.prefill(case.context, reserve_tokens=QUESTION_RESERVE_TOKENS + args.max_new_tokens)
+    answers = []
+    for question in questions:
+        answer = session.ask(question, max_new_tokens=args.max_new_tokens).to_dict()
+        gold = case.gold_for(question)
+        if gold is not None:
+            answer["gold_answers"] = list(gold)
+        answers.append(answer)
+    return {
+        "model": loaded.name,
+        "backend": spec.backend,
+        "options": spec.resolved(),
+        "context_tokens": report.context_tokens,
+        "prefill_seconds": round(report.seconds, 4),
+        "kv_bytes": report.kv_bytes,
+        "full_precision_bytes": report.full_precision_bytes,
+        "bytes_per_token": round(report.bytes_per_token, 2),
+        "ratio_to_full_precision": round(report.ratio_to_full_precision, 4),
+        "answers": answers,
+    }
+
+
+def format_summary(result: dict[str, Any]) -> str:
+    """The readable summary printed without `--json`."""
+    opts = " ".join(f"{k}={v}" for k, v in result["options"].items())
+    lines = [
+        f"model: {result['model']}",
+        f"backend: {result['backend']} {opts}".rstrip(),
+        f"prefill: {result['context_tokens']} tokens in {result['prefill_seconds']:.2f} s",
+        f"KV cache: {result['kv_bytes']:,} bytes ({result['bytes_per_token']:.0f} bytes/token), "
+        f"{result['ratio_to_full_precision']:.3f} x full precision ({result['full_precision_bytes']:,} bytes)",
+    ]
+    for i, a in enumerate(result["answers"], 1):
+        lines += [
+            "",
+            f"Q{i}: {a['question']}",
+            f"A{i}: {a['answer']}",
+        ]
+        if "gold_answers" in a:
+            lines.append(f"    gold: {' | '.join(a['gold_answers'])}")
+        lines.append(
+            f"    {len(a['token_ids'])} tokens, {a['tokens_per_second']:.1f} tokens/s, {a['flushes']} flushes, "
+            f"cache length after restore = {a['cache_length_after']} (context {result['context_tokens']})"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit status (2 on bad input, with the message on stderr)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        result = run_ask(args)
+    except (ValueError, ImportError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=2, ensure_ascii=False) if args.json else format_summary(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

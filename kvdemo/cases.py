@@ -1,0 +1,153 @@
+"""Read the SQuAD 2.0 case files (`shared/cases/*.json`, CC BY-SA 4.0) and plain-text contexts.
+
+A case file holds one whole Wikipedia article: `title`, `source`, `paragraphs` (joined with blank lines
+they make one long context) and `questions` (`question`, `answers` = accepted gold spans,
+`is_impossible`, `paragraph` = index of the paragraph holding the answer).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class CaseQuestion:
+    """One question of a case: its text, the accepted gold answers and whether the text answers it."""
+
+    question: str
+    answers: tuple[str, ...]
+    is_impossible: bool
+    paragraph: int | None = None
+
+
+@dataclass(frozen=True)
+class Case:
+    """A context and, for case files, its title, source and questions."""
+
+    title: str
+    source: str
+    paragraphs: tuple[str, ...]
+    questions: tuple[CaseQuestion, ...] = field(default_factory=tuple)
+
+    @property
+    def context(self) -> str:
+        """The paragraphs joined with blank lines."""
+        return "\n\n".join(self.paragraphs)
+
+    def select(self, paragraphs: str | None) -> "Case":
+        """The case cut to some paragraphs (see `parse_ranges`); its questions are those about them.
+
+        Raises:
+            ValueError: the range is malformed or out of bounds.
+        """
+        if paragraphs is None:
+            return self
+        keep = parse_ranges(paragraphs, len(self.paragraphs))
+        kept = set(keep)
+        return Case(
+            title=self.title,
+            source=self.source,
+            paragraphs=tuple(self.paragraphs[i] for i in keep),
+            questions=tuple(q for q in self.questions if q.paragraph is None or q.paragraph in kept),
+        )
+
+    def answerable(self, n: int | None = None) -> list[CaseQuestion]:
+        """The first `n` (all when None) questions the text answers."""
+        found = [q for q in self.questions if not q.is_impossible]
+        return found if n is None else found[:n]
+
+    def gold_for(self, question: str) -> tuple[str, ...] | None:
+        """The gold answers of a question of this case, or None when it is not one of them."""
+        for q in self.questions:
+            if q.question.strip() == question.strip():
+                return q.answers
+        return None
+
+
+def parse_ranges(text: str, count: int) -> list[int]:
+    """Indices from `"0-7"`, `"0,2,5-7"` or `"all"` (inclusive ranges, 0-based), checked against `count`.
+
+    Raises:
+        ValueError: malformed, empty, reversed or out of range [0, count - 1].
+    """
+    text = text.strip()
+    if text == "all":
+        return list(range(count))
+    out: list[int] = []
+    for part in text.split(","):
+        bounds = part.strip().split("-")
+        try:
+            if len(bounds) == 1:
+                lo = hi = int(bounds[0])
+            elif len(bounds) == 2:
+                lo, hi = int(bounds[0]), int(bounds[1])
+            else:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"paragraphs={text!r}: write ranges like 0-7 or 0,2,5-7 (or all)") from None
+        if not 0 <= lo <= hi < count:
+            raise ValueError(f"paragraphs={text!r}: this file has paragraphs 0 to {count - 1}")
+        out.extend(i for i in range(lo, hi + 1) if i not in out)
+    return out
+
+
+def load_case(path: str | Path) -> Case:
+    """Read a SQuAD case file (JSON with `paragraphs`) or a UTF-8 text file (one context, no questions).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: not UTF-8 text, an empty file, or JSON without `paragraphs`.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no such file: {path}")
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path} is not UTF-8 text (byte {error.start}); save it as UTF-8") from None
+    if "\x00" in text:
+        raise ValueError(f"{path} looks binary (it holds NUL bytes); give a text file")
+    if not text.strip():
+        raise ValueError(f"{path} is empty; give a file with the context text")
+    if path.suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path} is not valid JSON ({error})") from None
+        if not isinstance(data, dict) or not isinstance(data.get("paragraphs"), list):
+            raise ValueError(f"{path} is JSON but not a case file: it needs a 'paragraphs' list")
+        return Case(
+            title=str(data.get("title", path.stem)),
+            source=str(data.get("source", path.name)),
+            paragraphs=tuple(str(p) for p in data["paragraphs"]),
+            questions=tuple(
+                CaseQuestion(
+                    question=q["question"],
+                    answers=tuple(q.get("answers", ())),
+                    is_impossible=bool(q.get("is_impossible", False)),
+                    paragraph=q.get("paragraph"),
+                )
+                for q in data.get("questions", ())
+            ),
+        )
+    return Case(title=path.stem, source=path.name, paragraphs=(text,))
+
+
+EXAMPLES_DIR = Path(__file__).parent / "data" / "cases"
+"""The case files shipped with kvdemo (copies of `shared/cases`, SQuAD 2.0, CC BY-SA 4.0; see its README.md)."""
+
+
+def example_path(name: str) -> Path:
+    """The path of a shipped case file: `normans` or `southern_california`.
+
+    Raises:
+        FileNotFoundError: no such example; the message lists the ones there are.
+    """
+    path = EXAMPLES_DIR / f"{name}.json"
+    if not path.is_file():
+        names = ", ".join(sorted(p.stem for p in EXAMPLES_DIR.glob("*.json")))
+        raise FileNotFoundError(f"no example named {name!r}; there are: {names}")
+    return path

@@ -1,0 +1,71 @@
+"""Shared fixtures: the embedded model (loaded once), and tiny random Llama models built from a
+`LlamaConfig` that reuse its tokenizer, so the backend matrix runs in seconds and offline."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from kvdemo import CacheSpec, LoadedModel, load_model
+from kvdemo.cases import example_path, load_case
+
+# Every backend and nbits the registry allows; the options left unset take the backend's defaults.
+ALL_SPECS = [CacheSpec("dynamic"), CacheSpec("fp8")] + [
+    CacheSpec(backend, nbits=nbits) for backend, bits in (("quanto", (2, 4)), ("hqq", (1, 2, 3, 4, 8))) for nbits in bits
+]
+
+
+def spec_id(spec: CacheSpec) -> str:
+    return spec.label.replace(" ", ",")
+
+
+@pytest.fixture(scope="session")
+def embedded() -> LoadedModel:
+    """The embedded SmolLM2-135M-Instruct (GGUF Q4_1, float32 on CPU)."""
+    return load_model()
+
+
+def make_tiny(tokenizer, *, kv_heads: int = 2, head_dim: int = 64, layers: int = 2, seed: int = 0) -> LoadedModel:
+    """A random Llama with the given KV shape and the embedded tokenizer (vocab 49,152), float32 on CPU."""
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=layers,
+        num_attention_heads=kv_heads * 2,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        name=f"tiny-llama-{layers}x{kv_heads}x{head_dim}",
+        source=None,
+        max_context_tokens=config.max_position_embeddings,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        eos_token_ids=frozenset({2}),
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny(embedded) -> LoadedModel:
+    return make_tiny(embedded.tokenizer)
+
+
+@pytest.fixture(scope="session")
+def normans():
+    return load_case(example_path("normans"))
