@@ -1,0 +1,178 @@
+"""The backend registry, CacheSpec.validate's messages, build_cache, and a sweep proving that validate
+accepts exactly the option combinations that run."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, QuantizedCache
+from transformers.cache_utils import Fp8QuantizedLayer, HQQQuantizedLayer, QuantoQuantizedLayer
+
+from kvdemo import BACKENDS, CacheSpec, build_cache
+from kvdemo.backends import allowed_group_sizes
+
+
+def _config(kv_heads=3, head_dim=64, layers=1, **extra) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=64,
+        hidden_size=kv_heads * head_dim,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=kv_heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=512,
+        **extra,
+    )
+
+
+def test_registry_lists_the_four_backends_and_their_options():
+    assert list(BACKENDS) == ["dynamic", "quanto", "hqq", "fp8"]
+    assert BACKENDS["quanto"].options["nbits"].choices == (2, 4)
+    assert BACKENDS["hqq"].options["nbits"].choices == (1, 2, 3, 4, 8)
+    assert BACKENDS["fp8"].options == {} and BACKENDS["dynamic"].options == {}
+    assert BACKENDS["hqq"].options["residual_length"].default == 128
+    assert BACKENDS["quanto"].pip == "pip install optimum-quanto==0.2.7"
+    assert [b.has_residual for b in BACKENDS.values()] == [False, True, True, False]
+
+
+def test_spec_defaults_and_label():
+    spec = CacheSpec("hqq", nbits=2, residual_length=4)
+    assert spec.resolved() == {"nbits": 2, "q_group_size": 64, "residual_length": 4, "axis_key": 0, "axis_value": 0}
+    assert spec.label == "hqq nbits=2 q_group_size=64 residual_length=4"
+    assert CacheSpec("fp8").resolved() == {} and CacheSpec("fp8").label == "fp8"
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        (CacheSpec("int8"), "backend='int8' is not a backend; choose one of dynamic, quanto, hqq, fp8"),
+        (CacheSpec("quanto", nbits=3), "nbits=3 is not allowed for quanto; allowed: 2, 4"),
+        (CacheSpec("hqq", nbits=5), "nbits=5 is not allowed for hqq; allowed: 1, 2, 3, 4, 8"),
+        (CacheSpec("hqq", nbits=0), "nbits=0 is not allowed for hqq; allowed: 1, 2, 3, 4, 8"),
+        (CacheSpec("fp8", nbits=4), "nbits=4 is not an option of the fp8 backend (it takes no options); leave it unset"),
+        (CacheSpec("fp8", residual_length=8), "residual_length=8 is not an option of the fp8 backend"),
+        (CacheSpec("dynamic", q_group_size=32), "q_group_size=32 is not an option of the dynamic backend"),
+        (CacheSpec("hqq", residual_length=0), "residual_length=0 is not allowed for hqq; it must be >= 1"),
+        (CacheSpec("quanto", residual_length=-3), "residual_length=-3 is not allowed for quanto; it must be >= 1"),
+        (CacheSpec("quanto", q_group_size=0), "q_group_size=0 is not allowed for quanto; it must be >= 1"),
+        (CacheSpec("quanto", axis_key=1), "axis_key=1 is not allowed for quanto; allowed: 0, -1"),
+        (CacheSpec("hqq", axis_value=-1), "axis_value=-1 is not allowed for hqq; allowed: 0, 1"),
+        (CacheSpec("hqq", nbits=4.0), "nbits=4.0 must be an integer"),
+        (CacheSpec("hqq", residual_length=True), "residual_length=True must be an integer"),
+    ],
+    ids=lambda v: v if isinstance(v, str) and len(v) < 30 else None,
+)
+def test_invalid_options_are_refused_with_what_is_allowed(spec, message):
+    with pytest.raises(ValueError) as error:
+        spec.validate()
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        (
+            CacheSpec("quanto", q_group_size=48),
+            "q_group_size=48 (axis_key=0): q_group_size=48 must divide head_dim=64; allowed here: 1, 2, 4, 8, 16, 32, 64",
+        ),
+        (CacheSpec("hqq", q_group_size=128), "q_group_size=128 must divide head_dim=64"),
+        (
+            CacheSpec("hqq", nbits=1, q_group_size=4),
+            "hqq packs 8 1-bit values together, so q_group_size must be a multiple of 8; allowed here: 8, 16, 32, 64",
+        ),
+        (CacheSpec("hqq", nbits=2, q_group_size=2), "so q_group_size must be a multiple of 4"),
+        (CacheSpec("hqq", nbits=3, axis_key=1), "use axis 0 for nbits=3"),
+        (CacheSpec("hqq", nbits=4, axis_value=1), "num_key_value_heads x head_dim / q_group_size = 192/64"),
+        (CacheSpec("quanto", axis_key=-1), "with axis -1 must divide num_key_value_heads=3; allowed here: 1, 3"),
+    ],
+)
+def test_group_sizes_that_do_not_fit_the_model_are_refused(spec, message):
+    with pytest.raises(ValueError) as error:
+        spec.validate(_config())
+    assert message in str(error.value)
+
+
+def test_quantized_backends_need_full_attention_layers_only():
+    config = _config(layers=2, layer_types=["full_attention", "sliding_attention"], sliding_window=16)
+    with pytest.raises(ValueError, match="all full attention; this model also has sliding_attention layers"):
+        CacheSpec("hqq").validate(config)
+    assert CacheSpec("dynamic").validate(config).backend == "dynamic"
+
+
+def test_missing_backend_package_raises_import_error_with_pip_command(monkeypatch):
+    monkeypatch.setitem(BACKENDS, "hqq", dataclasses.replace(BACKENDS["hqq"], module="hqq_not_installed_here"))
+    with pytest.raises(ImportError, match=r"the hqq backend needs the hqq_not_installed_here package: pip install hqq==0.2.8.post1"):
+        CacheSpec("hqq").validate()
+    monkeypatch.setitem(BACKENDS, "quanto", dataclasses.replace(BACKENDS["quanto"], module="optimum_missing.quanto"))
+    with pytest.raises(ImportError, match="pip install optimum-quanto==0.2.7"):
+        build_cache(CacheSpec("quanto"), _config())
+
+
+def test_build_cache_returns_the_transformers_classes_with_the_options():
+    config = _config(layers=2)
+    assert type(build_cache(CacheSpec(), config)) is DynamicCache
+    cache = build_cache(CacheSpec("hqq", nbits=2, q_group_size=16, residual_length=5, axis_value=1), config)
+    assert type(cache) is QuantizedCache and all(type(layer) is HQQQuantizedLayer for layer in cache.layers)
+    layer = cache.layers[0]
+    assert (layer.nbits, layer.q_group_size, layer.residual_length, layer.axis_key, layer.axis_value) == (2, 16, 5, 0, 1)
+    assert type(build_cache(CacheSpec("quanto"), config).layers[1]) is QuantoQuantizedLayer
+    assert type(build_cache(CacheSpec("fp8"), config).layers[0]) is Fp8QuantizedLayer
+    with pytest.raises(ValueError):
+        build_cache(CacheSpec("quanto", nbits=8), config)
+
+
+def test_allowed_group_sizes_on_the_embedded_shape():
+    config = _config()
+    assert allowed_group_sizes(CacheSpec("hqq", nbits=1), config)["axis_key"] == [8, 16, 32, 64]
+    assert allowed_group_sizes(CacheSpec("hqq", nbits=4, axis_value=1), config)["axis_value"] == [
+        1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 96,
+    ]
+    assert allowed_group_sizes(CacheSpec("fp8"), config) == {"axis_key": [], "axis_value": []}
+
+
+def _runs(model, config, spec) -> bool:
+    """Prefill lengths 1, 5 and 37, then three decode steps with residual_length=2 (flushes)."""
+    for tokens in (1, 5, 37):
+        cache = QuantizedCache(spec.backend, config, **spec.given())
+        try:
+            with torch.no_grad():
+                out = model(torch.arange(tokens).view(1, -1) % 64, past_key_values=cache)
+                for _ in range(3):
+                    out = model(torch.tensor([[1]]), past_key_values=cache)
+        except (ValueError, RuntimeError):
+            return False
+        if not torch.isfinite(out.logits).all():
+            return False
+    return True
+
+
+@pytest.mark.parametrize("kv_heads, head_dim", [(3, 64), (2, 32)])
+@pytest.mark.parametrize("backend", ["quanto", "hqq"])
+def test_validation_predicts_what_runs(backend, kv_heads, head_dim):
+    """Every nbits x q_group_size x axis combination on the embedded model's KV shape (3 heads of 64) and
+    another: every spec validate() accepts runs without an error (validate may refuse a few that would run:
+    it asks q_group_size to divide head_dim where the backend would take a divisor of heads x head_dim)."""
+    config = _config(kv_heads=kv_heads, head_dim=head_dim)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    info = BACKENDS[backend]
+    mismatches, accepted_count = [], 0
+    axes = info.options["axis_key"].choices
+    for nbits, group, axis_key, axis_value in itertools.product(
+        info.options["nbits"].choices, (1, 2, 3, 4, 8, 16, 32, 48, 64, 128), axes, axes
+    ):
+        spec = CacheSpec(backend, nbits=nbits, q_group_size=group, residual_length=2, axis_key=axis_key, axis_value=axis_value)
+        try:
+            spec.validate(config)
+            accepted = True
+        except ValueError:
+            accepted = False
+        accepted_count += accepted
+        if accepted and not _runs(model, config, spec):
+            mismatches.append(f"accepted but fails: {spec.label}")
+    assert mismatches == []
+    assert accepted_count >= 20
