@@ -24,7 +24,7 @@ $(DEV_STAMP): $(APP_STAMP) requirements-dev.txt
 setup: $(DEV_STAMP)
 
 run: $(APP_STAMP)
-	$(PY) -m kvdemo ask --context-file kvdemo/data/cases/normans.json --paragraphs 0-7 --questions-from-case 3 --backend hqq --nbits 4
+	$(PY) app.py
 
 test: $(DEV_STAMP)
 	GRADIO_ANALYTICS_ENABLED=False HF_HUB_OFFLINE=1 $(PY) -m pytest

@@ -11,6 +11,7 @@ the context is plain text and a question is `"\\n" + question + "\\n"`. The user
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -20,7 +21,7 @@ import torch
 from kvdemo import snapshot
 from kvdemo.backends import CacheSpec, build_cache
 from kvdemo.models import LoadedModel
-from kvdemo.telemetry import MemoryReport, flushed_layers, full_precision_bytes, kv_memory
+from kvdemo.telemetry import MemoryReport, StepEvent, flushed_layers, full_precision_bytes, kv_memory
 
 DEFAULT_MAX_NEW_TOKENS = 64
 QUESTION_RESERVE_TOKENS = 64
@@ -60,31 +61,6 @@ class PrefillReport:
     def ratio_to_full_precision(self) -> float:
         """kv_bytes / full_precision_bytes (1.0 for `dynamic`)."""
         return self.kv_bytes / self.full_precision_bytes
-
-
-@dataclass(frozen=True)
-class StepEvent:
-    """One decode step of an answer.
-
-    Attributes:
-        step: 0 for the token produced by the question's forward pass, then 1, 2, ...
-        token_id: the greedy token of this step.
-        text: the answer decoded so far (special tokens skipped).
-        seconds: wall time of this step's forward pass (seconds).
-        elapsed: seconds since the answer started.
-        memory: the cache's memory after this step's update.
-        flushed_layers: indices of the layers whose residual flushed at this step.
-        cache_length: tokens in the cache after this step (the restore brings it back afterwards).
-    """
-
-    step: int
-    token_id: int
-    text: str
-    seconds: float
-    elapsed: float
-    memory: MemoryReport
-    flushed_layers: tuple[int, ...]
-    cache_length: int
 
 
 @dataclass(frozen=True)
@@ -165,6 +141,7 @@ class QASession:
         self._snapshot: snapshot.CacheSnapshot | None = None
         self._prompt: _Prompt | None = None
         self._active: Iterator[StepEvent] | None = None
+        self._stop = threading.Event()
 
     # ---- tokenization -------------------------------------------------------------------------
     def _encode_text(self, text: str) -> list[int]:
@@ -293,8 +270,15 @@ class QASession:
                 f"{limit - context_tokens - len(q_ids)} or shorten the question"
             )
         self._close_active()
+        self._stop.clear()
         self._active = self._decode(question, q_ids, max_new_tokens)
         return self._active
+
+    def request_stop(self) -> None:
+        """Ask the answer now streaming to end after its current decode step (thread-safe: the Stop button of
+        a UI whose answer runs in another thread). The stream then ends with `finish_reason="stopped"`, and the
+        cache is restored as after any answer. Does nothing when no answer is streaming."""
+        self._stop.set()
 
     def _decode(self, question: str, q_ids: list[int], max_new_tokens: int) -> Iterator[StepEvent]:
         loaded, cache = self.loaded, self.cache
@@ -328,8 +312,12 @@ class QASession:
                     memory=kv_memory(cache),
                     flushed_layers=flushed,
                     cache_length=cache.get_seq_length(),
+                    full_precision_bytes=full_precision_bytes(loaded.config, cache.get_seq_length(), loaded.dtype),
                 )
                 if finish_reason == "eos":
+                    break
+                if self._stop.is_set():
+                    finish_reason = "stopped" if step + 1 < max_new_tokens else finish_reason
                     break
                 inputs = torch.tensor([[token]], device=loaded.device)
         except GeneratorExit:

@@ -87,6 +87,33 @@ class MemoryReport:
         return out
 
 
+@dataclass(frozen=True)
+class StepEvent:
+    """The telemetry record of one decode step of an answer (made by `QASession.stream`).
+
+    Attributes:
+        step: 0 for the token produced by the question's forward pass, then 1, 2, ...
+        token_id: the greedy token of this step.
+        text: the answer decoded so far (special tokens skipped).
+        seconds: wall time of this step's forward pass (seconds).
+        elapsed: seconds since the answer started.
+        memory: the cache's memory after this step's update.
+        flushed_layers: indices of the layers whose residual flushed at this step.
+        cache_length: tokens in the cache after this step (the restore brings it back afterwards).
+        full_precision_bytes: what a `DynamicCache` in the model's dtype would hold for `cache_length` tokens.
+    """
+
+    step: int
+    token_id: int
+    text: str
+    seconds: float
+    elapsed: float
+    memory: MemoryReport
+    flushed_layers: tuple[int, ...]
+    cache_length: int
+    full_precision_bytes: int
+
+
 def _plain_tensors(obj: Any) -> Iterator[torch.Tensor]:
     """The plain tensors inside a cache attribute: tensor subclasses are opened with `__tensor_flatten__`,
     tuples, lists and dicts are walked."""

@@ -1,0 +1,473 @@
+"""The Gradio page: load a model, choose a KV cache backend, prefill a context once, ask questions in
+turn and watch the cache's memory and residual flushes live.
+
+No model logic lives here: the handlers call `kvdemo.load_model`, `QASession` and the chart-data
+functions of `kvdemo.charts`, and read the backend options from the one registry, `kvdemo.BACKENDS`.
+One model is shared; each browser session (Gradio's `session_hash`) has its own `QASession`, kept
+server-side in a bounded `SessionStore` and freed on `demo.unload`.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections import OrderedDict
+from contextlib import closing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import gradio as gr
+import pandas as pd
+
+from kvdemo.backends import BACKENDS, GROUP_OPTIONS, CacheSpec
+from kvdemo.cases import example_path, load_case
+from kvdemo.charts import MEMORY_SERIES, answers_frame, flush_frame, memory_frame, residual_frame
+from kvdemo.models import LoadedModel, load_model
+from kvdemo.session import DEFAULT_MAX_NEW_TOKENS, QASession
+
+MAX_UPLOAD_BYTES = 2 * 1024 * 1024
+EXAMPLES = {"Normans": ("normans", "0-7"), "Southern California": ("southern_california", "0-5")}
+EXAMPLE_QUESTIONS = 6
+
+EXPLAINER = """
+**Prefill.** The model reads your whole context once and stores, for every layer, a *key* and a *value*
+vector per token: the **KV cache**. Answers are generated on top of it, one **decode step** per token,
+without reading the context again.
+
+**Quantized cache.** `quanto` and `hqq` store the cache in 1-8 bit integers, in groups of `q_group_size`
+values that share one scale and zero point; `fp8` stores 8-bit floats with one scale per tensor. The
+memory chart shows the bytes really held against what full precision (`dynamic`) would hold.
+
+**Residual and flush.** `quanto` and `hqq` keep the newest tokens in full precision, the **residual**.
+When it reaches `residual_length` tokens, the layer **flushes**: the whole layer is de-quantized,
+joined with the residual and quantized again, and the residual empties. The flush chart marks each one;
+the residual chart shows the sawtooth. `fp8` has no residual: it appends with the scale frozen at the prefill.
+
+**Restore.** After every answer the cache is put back exactly as it was after the prefill (the same
+tensors, no copy), so each question sees the context and nothing else, and gets the answer a fresh
+single-question run would give. `cache length after restore = N (context)` shows it after each answer.
+"""
+
+
+@dataclass
+class UserSession:
+    """One browser session's state, kept on the server."""
+
+    qa: QASession | None = None
+    chat: list[dict[str, str]] = field(default_factory=list)
+    events: list = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    last_used: float = field(default_factory=time.monotonic)
+
+
+class SessionStore:
+    """Per-browser-session state, keyed by Gradio's `session_hash`, at most `max_sessions` at once
+    (the least recently used is freed first; its user is asked to prefill again)."""
+
+    def __init__(self, max_sessions: int = 32):
+        self.max_sessions = max_sessions
+        self._sessions: OrderedDict[str, UserSession] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> UserSession:
+        """The session of `key`, created when missing (evicting the least recently used when full)."""
+        with self._lock:
+            user = self._sessions.pop(key, None) or UserSession()
+            user.last_used = time.monotonic()
+            self._sessions[key] = user
+            while len(self._sessions) > self.max_sessions:
+                self._sessions.popitem(last=False)
+            return user
+
+    def free(self, key: str) -> None:
+        """Drop the session of `key` and its cache."""
+        with self._lock:
+            user = self._sessions.pop(key, None)
+        if user is not None and user.qa is not None:
+            user.qa.request_stop()
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+
+class App:
+    """The shared state behind the page: the model (one for every user) and the per-user sessions.
+
+    Args:
+        model_source: what `load_model` is given at start-up (None: the embedded model).
+        max_sessions: most browser sessions kept at once.
+        loader: the model loader (tests pass one that builds a small model).
+    """
+
+    def __init__(
+        self,
+        model_source: str | None = None,
+        max_sessions: int = 32,
+        loader: Callable[..., LoadedModel] = load_model,
+    ):
+        self.model_source = model_source
+        self.loader = loader
+        self.sessions = SessionStore(max_sessions)
+        self.loaded: LoadedModel | None = None
+        self.load_error: str | None = None
+        self._ready = threading.Event()
+
+    def start_loading(self) -> None:
+        """Load the start-up model in a background thread, so the page is served while it loads."""
+        threading.Thread(target=self._load_startup, daemon=True).start()
+
+    def _load_startup(self) -> None:
+        try:
+            self.loaded = self.loader(self.model_source)
+        except Exception as error:  # shown on the page; the user can load another model
+            self.load_error = f"{type(error).__name__}: {error}"
+        finally:
+            self._ready.set()
+
+    def wait_for_model(self, timeout: float | None = None) -> LoadedModel:
+        """The shared model, once the start-up load is done. Raises gr.Error when there is none."""
+        self._ready.wait(timeout)
+        if self.loaded is None:
+            raise gr.Error(f"No model is loaded ({self.load_error or 'still loading'}). Load one above.")
+        return self.loaded
+
+
+# ---- pure helpers (tested directly) ----------------------------------------------------------------
+
+
+def model_status(loaded: LoadedModel) -> str:
+    """The model's status line."""
+    d = loaded.describe()
+    return (
+        f"**{d['name']}** · {d['parameters'] / 1e6:.0f} M parameters · {d['layers']} layers · "
+        f"{d['kv_heads']} KV heads · head_dim {d['head_dim']} · max context {d['max_context_tokens']:,} tokens · "
+        f"{d['device']} · {d['dtype']}"
+    )
+
+
+def spec_from_inputs(backend: str, nbits, q_group_size, residual_length, axis_key, axis_value) -> CacheSpec:
+    """A `CacheSpec` from the page's option fields; options the backend does not take are ignored (they are
+    hidden on the page), empty fields mean the backend's default.
+
+    Raises:
+        gr.Error: a value that is not a whole number, or a spec the registry refuses (its message).
+    """
+    if backend not in BACKENDS:
+        raise gr.Error(f"backend={backend!r} is not a backend; choose one of {', '.join(BACKENDS)}")
+    given = dict(zip(GROUP_OPTIONS, (nbits, q_group_size, residual_length, axis_key, axis_value)))
+    options = {}
+    for name in BACKENDS[backend].options:
+        value = given[name]
+        if value is None or value == "":
+            continue
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise gr.Error(f"{name}={value!r} must be a whole number") from None
+        if not number.is_integer():
+            raise gr.Error(f"{name}={value} must be a whole number")
+        options[name] = int(number)
+    return CacheSpec(backend, **options)
+
+
+def backend_option_updates(backend: str) -> tuple[Any, ...]:
+    """Visibility, choices and defaults of the five option fields for a backend, from `BACKENDS`."""
+    info = BACKENDS.get(backend, BACKENDS["dynamic"])
+    updates = []
+    for name in GROUP_OPTIONS:
+        option = info.options.get(name)
+        if option is None:
+            updates.append(gr.update(visible=False))
+        elif option.choices is not None:
+            updates.append(gr.update(visible=True, choices=list(option.choices), value=option.default))
+        else:
+            updates.append(gr.update(visible=True, value=option.default))
+    note = "" if info.has_residual else (
+        "fp8 appends every new token with the scale frozen at the prefill: it has no residual and never flushes."
+        if info.is_quantized
+        else "dynamic keeps keys and values in the model's dtype: the full-precision baseline, no flushes."
+    )
+    return (*updates, note)
+
+
+def prefill_summary(qa: QASession) -> str:
+    """The summary shown after a prefill."""
+    r = qa.prefill_report
+    return (
+        f"Prefilled **{r.context_tokens:,} tokens** in {r.seconds:.2f} s with **{qa.spec.label}** · "
+        f"KV cache {r.kv_bytes / 2**20:.2f} MiB ({r.bytes_per_token:,.0f} bytes/token) · "
+        f"**{r.ratio_to_full_precision:.3f}×** full precision ({r.full_precision_bytes / 2**20:.2f} MiB)"
+    )
+
+
+def answer_stats(qa: QASession, first_token_seconds: float | None) -> str:
+    """The line shown after an answer."""
+    a = qa.history[-1]
+    context = qa.prefill_report.context_tokens
+    first = f" · first token after {first_token_seconds:.2f} s" if first_token_seconds is not None else ""
+    stopped = " · stopped" if a.finish_reason == "stopped" else ""
+    return (
+        f"{len(a.token_ids)} tokens · {a.tokens_per_second:.1f} tokens/s · {a.flush_count} flushes "
+        f"({a.flush_count // max(len(a.flushes), 1)} per layer){first}{stopped} · "
+        f"**cache length after restore = {a.cache_length_after:,} ({'context' if a.cache_length_after == context else 'MISMATCH: context is ' + str(context)})**"
+    )
+
+
+def read_upload(path: str | None) -> str:
+    """The text of an uploaded .txt / .md file.
+
+    Raises:
+        gr.Error: no file, a file over `MAX_UPLOAD_BYTES`, not UTF-8, binary (NUL bytes) or empty.
+    """
+    if not path:
+        raise gr.Error("No file was uploaded; choose a .txt or .md file")
+    file = Path(path)
+    if file.suffix.lower() not in (".txt", ".md"):
+        raise gr.Error(f"{file.name} is not a .txt or .md file; upload plain text")
+    size = file.stat().st_size
+    if size > MAX_UPLOAD_BYTES:
+        raise gr.Error(f"{file.name} is {size / 2**20:.1f} MiB; the limit is {MAX_UPLOAD_BYTES / 2**20:.0f} MiB")
+    raw = file.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise gr.Error(f"{file.name} is not UTF-8 text (byte {error.start}); save it as UTF-8") from None
+    if "\x00" in text:
+        raise gr.Error(f"{file.name} looks binary (it holds NUL bytes); upload a text file")
+    if not text.strip():
+        raise gr.Error(f"{file.name} is empty")
+    return text
+
+
+def example(name: str) -> tuple[str, list[str]]:
+    """The context (chosen paragraphs) and the first answerable questions of a shipped example."""
+    stem, paragraphs = EXAMPLES[name]
+    case = load_case(example_path(stem)).select(paragraphs)
+    return case.context, [q.question for q in case.answerable(EXAMPLE_QUESTIONS)]
+
+
+def load_example(name: str) -> tuple[str, Any]:
+    """The example's context for the text box, and its questions for the example-questions list."""
+    context, questions = example(name)
+    return context, gr.Dataset(samples=[[q] for q in questions])
+
+
+def _empty_charts() -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    return memory_frame([]), residual_frame([]), flush_frame([])
+
+
+# ---- the page ---------------------------------------------------------------------------------------
+
+
+def build_demo(app: App) -> gr.Blocks:
+    """The gr.Blocks page, wired to `app`. Every event has an `api_name` for `gradio_client`."""
+
+    def user_of(request: gr.Request) -> UserSession:
+        return app.sessions.get(request.session_hash if request is not None else "api")
+
+    def on_page_load(progress=gr.Progress()):
+        progress(0, desc="Loading the model (the embedded GGUF is de-quantized on start, ~20 s)…")
+        loaded = app.wait_for_model()
+        return model_status(loaded)
+
+    def load_model_handler(model_source: str, progress=gr.Progress()):
+        """Load a model (a Hub id, a local folder or a .gguf file; empty: the embedded model) for everyone."""
+        source = model_source.strip() if isinstance(model_source, str) and model_source.strip() else None
+        progress(0, desc=f"Loading {source or 'the embedded model'}…")
+        try:
+            loaded = app.loader(source)
+        except (ValueError, ImportError, OSError) as error:
+            previous = f" Keeping {app.loaded.name}." if app.loaded else ""
+            raise gr.Error(f"{error}.{previous}") from None
+        app.loaded, app.load_error = loaded, None
+        return model_status(loaded)
+
+    def prefill_handler(context, backend, nbits, q_group_size, residual_length, axis_key, axis_value,
+                        request: gr.Request, progress=gr.Progress()):
+        """Prefill `context` into a new KV cache of the chosen backend (replacing this session's context)."""
+        spec = spec_from_inputs(backend, nbits, q_group_size, residual_length, axis_key, axis_value)
+        loaded = app.wait_for_model()
+        user = user_of(request)
+        if user.qa is not None:
+            user.qa.request_stop()
+        with user.lock:
+            try:
+                qa = QASession(loaded, spec)
+                progress(0, desc="Prefilling the context…")
+                qa.prefill(context)
+            except (ValueError, ImportError) as error:
+                raise gr.Error(str(error)) from None
+            user.qa, user.chat, user.events = qa, [], []
+        return (prefill_summary(qa), [], "", *_empty_charts(), answers_frame([]), gr.update(interactive=True))
+
+    def ask_handler(question: str, max_new_tokens: float, request: gr.Request) -> Iterator[tuple]:
+        """Answer `question` on the prefilled context, streaming the answer and the charts."""
+        user = user_of(request)
+        qa = user.qa
+        if qa is None:
+            raise gr.Error("Prefill a context first (your session may have been freed: prefill again)")
+        if app.loaded is not qa.loaded:
+            raise gr.Error("The model changed since your prefill; press Prefill to rebuild the cache on it")
+        if isinstance(max_new_tokens, float) and max_new_tokens.is_integer():
+            max_new_tokens = int(max_new_tokens)
+        if not user.lock.acquire(blocking=False):
+            raise gr.Error("An answer or a prefill is already running in this session; wait or press Stop")
+        try:
+            try:
+                stream = qa.stream(question, max_new_tokens)
+            except ValueError as error:
+                raise gr.Error(str(error)) from None
+            user.chat = user.chat + [{"role": "user", "content": question.strip()}, {"role": "assistant", "content": ""}]
+            user.events = []
+            first_token = None
+            with closing(stream):
+                for event in stream:
+                    if first_token is None:
+                        first_token = event.elapsed
+                    user.events.append(event)
+                    user.chat[-1] = {"role": "assistant", "content": event.text}
+                    yield (
+                        user.chat, f"step {event.step + 1} · {event.memory.total_bytes / 2**20:.2f} MiB · "
+                        f"cache length {event.cache_length:,}",
+                        memory_frame(user.events), residual_frame(user.events), flush_frame(user.events),
+                        gr.skip(),
+                    )
+            if not user.events:
+                user.chat[-1] = {"role": "assistant", "content": qa.history[-1].text}
+            yield (
+                user.chat, answer_stats(qa, first_token), memory_frame(user.events),
+                residual_frame(user.events), flush_frame(user.events),
+                answers_frame(a.to_dict() for a in qa.history),
+            )
+        finally:
+            user.lock.release()
+
+    def stop_handler(request: gr.Request) -> str:
+        """Stop the answer streaming in this session; the cache is restored as after any answer."""
+        user = user_of(request)
+        if user.qa is None:
+            return "Nothing to stop."
+        user.qa.request_stop()
+        return "Stopping after the current decode step…"
+
+    def options_changed(backend, nbits, q_group_size, residual_length, axis_key, axis_value, request: gr.Request):
+        user = user_of(request)
+        if user.qa is None:
+            return gr.update(), gr.update()
+        try:
+            spec = spec_from_inputs(backend, nbits, q_group_size, residual_length, axis_key, axis_value)
+            same = spec.resolved() == user.qa.spec.resolved() and spec.backend == user.qa.spec.backend
+        except gr.Error:
+            same = False
+        if same:
+            return prefill_summary(user.qa), gr.update(interactive=True)
+        return (
+            f"⚠ The cache was prefilled with **{user.qa.spec.label}**. Press **Prefill** to rebuild it with the "
+            "new backend options; until then Ask is disabled, so states never mix.",
+            gr.update(interactive=False),
+        )
+
+    def unload(request: gr.Request):
+        app.sessions.free(request.session_hash)
+
+    with gr.Blocks(title="kvdemo: KV cache quantization, live") as demo:
+        gr.Markdown(
+            "# kvdemo: a quantized KV cache, live\nPrefill a long context once, ask questions in turn, and watch "
+            "the cache's real memory and every residual flush. After each answer the cache is restored exactly."
+        )
+        with gr.Row():
+            with gr.Column(scale=3):
+                model_line = gr.Markdown("Loading the model…")
+            with gr.Column(scale=2):
+                with gr.Row():
+                    model_source = gr.Textbox(
+                        label="Model", placeholder="empty: embedded SmolLM2-135M · or a Hub id / local folder / .gguf",
+                        scale=3,
+                    )
+                    load_button = gr.Button("Load", scale=1)
+        with gr.Row():
+            with gr.Column(scale=1, min_width=280):
+                gr.Markdown("### Cache backend")
+                backend = gr.Radio(list(BACKENDS), value="hqq", label="backend", info=BACKENDS["hqq"].summary)
+                hqq = BACKENDS["hqq"].options
+                nbits = gr.Dropdown(list(hqq["nbits"].choices), value=4, label="nbits", info=hqq["nbits"].help)
+                q_group_size = gr.Number(hqq["q_group_size"].default, label="q_group_size", precision=0,
+                                         info=hqq["q_group_size"].help)
+                residual_length = gr.Number(16, label="residual_length", precision=0, minimum=1,
+                                            info=hqq["residual_length"].help)
+                axis_key = gr.Dropdown(list(hqq["axis_key"].choices), value=0, label="axis_key")
+                axis_value = gr.Dropdown(list(hqq["axis_value"].choices), value=0, label="axis_value")
+                backend_note = gr.Markdown("")
+            with gr.Column(scale=3):
+                gr.Markdown("### Context")
+                context = gr.Textbox(label="context", lines=10, max_lines=18, placeholder="Paste a long text…")
+                with gr.Row():
+                    upload = gr.File(label="or upload .txt / .md (≤ 2 MiB, UTF-8)", file_types=[".txt", ".md"],
+                                     type="filepath", height=90)
+                    with gr.Column():
+                        example_buttons = {name: gr.Button(f"Example: {name}", size="sm") for name in EXAMPLES}
+                prefill_button = gr.Button("Prefill", variant="primary")
+                prefill_info = gr.Markdown("")
+        gr.Markdown("### Questions")
+        with gr.Row():
+            with gr.Column(scale=3):
+                chat = gr.Chatbot(label="answers", height=320)
+                question = gr.Textbox(label="question", placeholder="Ask about the context…")
+                with gr.Row():
+                    max_new_tokens = gr.Number(DEFAULT_MAX_NEW_TOKENS, label="max_new_tokens", precision=0, minimum=1)
+                    ask_button = gr.Button("Ask", variant="primary", interactive=False)
+                    stop_button = gr.Button("Stop", variant="stop")
+                example_questions = gr.Dataset(components=[question], samples=[], label="example questions")
+                stats = gr.Markdown("")
+            with gr.Column(scale=2):
+                memory_plot = gr.LinePlot(
+                    memory_frame([]), x="step", y="MiB", color="series", title="KV cache memory",
+                    x_title="decode step", y_title="MiB", height=230, y_lim=[0, None],
+                    color_map=dict(zip(MEMORY_SERIES, ("#1f77b4", "#ff7f0e", "#7f7f7f"))),
+                )
+                residual_plot = gr.LinePlot(
+                    residual_frame([]), x="step", y="residual tokens", title="Residual fill (layer 0)",
+                    x_title="decode step", height=180,
+                )
+                flush_plot = gr.ScatterPlot(
+                    flush_frame([]), x="step", y="layer", title="Flushes (decode step × layer)",
+                    x_title="decode step", height=200, tooltip=["step", "layer", "step seconds"],
+                )
+        answers_table = gr.Dataframe(answers_frame([]), label="this session's answers", interactive=False)
+        with gr.Accordion("What am I looking at?", open=False):
+            gr.Markdown(EXPLAINER)
+
+        option_fields = [nbits, q_group_size, residual_length, axis_key, axis_value]
+        outputs_after_prefill = [prefill_info, chat, stats, memory_plot, residual_plot, flush_plot, answers_table,
+                                 ask_button]
+
+        demo.load(on_page_load, outputs=model_line, api_name="model_status")
+        load_button.click(load_model_handler, inputs=model_source, outputs=model_line, api_name="load_model")
+        backend.change(backend_option_updates, inputs=backend, outputs=[*option_fields, backend_note],
+                       api_visibility="private", queue=False).then(
+            options_changed, inputs=[backend, *option_fields], outputs=[prefill_info, ask_button],
+            api_visibility="private", queue=False)
+        for field_ in option_fields:
+            field_.change(options_changed, inputs=[backend, *option_fields], outputs=[prefill_info, ask_button],
+                          api_visibility="private", queue=False)
+        upload.upload(read_upload, inputs=upload, outputs=context, api_name="read_upload")
+        for name, button in example_buttons.items():
+            button.click(
+                functools.partial(load_example, name),
+                outputs=[context, example_questions], api_visibility="private", queue=False,
+            )
+        example_questions.click(lambda sample: sample[0], inputs=example_questions, outputs=question,
+                                api_visibility="private", queue=False)
+        prefill_button.click(
+            prefill_handler, inputs=[context, backend, *option_fields], outputs=outputs_after_prefill,
+            api_name="prefill",
+        )
+        ask_outputs = [chat, stats, memory_plot, residual_plot, flush_plot, answers_table]
+        ask_button.click(ask_handler, inputs=[question, max_new_tokens], outputs=ask_outputs, api_name="ask")
+        question.submit(ask_handler, inputs=[question, max_new_tokens], outputs=ask_outputs,
+                        api_visibility="private")
+        stop_button.click(stop_handler, outputs=stats, api_name="stop", queue=False)
+        demo.unload(unload)
+    return demo
