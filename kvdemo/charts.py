@@ -16,6 +16,12 @@ from matplotlib.figure import Figure
 from kvdemo.telemetry import StepEvent
 
 MIB = 1024 * 1024
+
+
+def _typed(rows: list[tuple], dtypes: dict[str, str]) -> pd.DataFrame:
+    """A DataFrame with fixed column dtypes, also when empty (Gradio's plots take each axis's type,
+    quantitative or nominal, from the dtype, and an empty frame would otherwise be `object`: nominal)."""
+    return pd.DataFrame(rows, columns=list(dtypes)).astype(dtypes)
 MEMORY_SERIES = ("quantized", "quantized + residual", "full precision")
 """The memory chart's series (MiB): the quantized store, the whole cache (the gap between the two lines
 is the residual, stacked on the quantized bytes), and what a `DynamicCache` in the model's dtype holds."""
@@ -32,7 +38,7 @@ def memory_frame(events: Sequence[StepEvent]) -> pd.DataFrame:
         rows.append((e.step, MEMORY_SERIES[0], e.memory.quantized_bytes / MIB))
         rows.append((e.step, MEMORY_SERIES[1], e.memory.total_bytes / MIB))
         rows.append((e.step, MEMORY_SERIES[2], e.full_precision_bytes / MIB))
-    return pd.DataFrame(rows, columns=["step", "series", "MiB"])
+    return _typed(rows, {"step": "int64", "series": "string", "MiB": "float64"})
 
 
 def residual_frame(events: Sequence[StepEvent], layer: int = 0) -> pd.DataFrame:
@@ -41,9 +47,9 @@ def residual_frame(events: Sequence[StepEvent], layer: int = 0) -> pd.DataFrame:
     Returns:
         Columns `step` (int) and `residual tokens` (int) of one layer (every layer fills alike).
     """
-    return pd.DataFrame(
+    return _typed(
         [(e.step, e.memory.layers[layer].residual_tokens) for e in events if e.memory.layers],
-        columns=["step", "residual tokens"],
+        {"step": "int64", "residual tokens": "int64"},
     )
 
 
@@ -54,9 +60,9 @@ def flush_frame(events: Sequence[StepEvent]) -> pd.DataFrame:
         Columns `step` (int), `layer` (int), `step seconds` (float: the whole decode step's wall time, which a
         flush of every layer dominates).
     """
-    return pd.DataFrame(
+    return _typed(
         [(e.step, layer, e.seconds) for e in events for layer in e.flushed_layers],
-        columns=["step", "layer", "step seconds"],
+        {"step": "int64", "layer": "int64", "step seconds": "float64"},
     )
 
 

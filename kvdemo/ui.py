@@ -254,8 +254,10 @@ def load_example(name: str) -> tuple[str, Any]:
     return context, gr.Dataset(samples=[[q] for q in questions])
 
 
-def _empty_charts() -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
-    return memory_frame([]), residual_frame([]), flush_frame([])
+def _empty_charts() -> tuple[None, None, None]:
+    """Cleared charts. An empty plot is `None`, not an empty DataFrame: Gradio's plot takes its series
+    (the color legend) from the first data it gets, and an empty frame would leave it with none."""
+    return None, None, None
 
 
 # ---- the page ---------------------------------------------------------------------------------------
@@ -423,16 +425,16 @@ def build_demo(app: App) -> gr.Blocks:
                 stats = gr.Markdown("")
             with gr.Column(scale=2):
                 memory_plot = gr.LinePlot(
-                    memory_frame([]), x="step", y="MiB", color="series", title="KV cache memory",
+                    None, x="step", y="MiB", color="series", title="KV cache memory",
                     x_title="decode step", y_title="MiB", height=230, y_lim=[0, None],
                     color_map=dict(zip(MEMORY_SERIES, ("#1f77b4", "#ff7f0e", "#7f7f7f"))),
                 )
                 residual_plot = gr.LinePlot(
-                    residual_frame([]), x="step", y="residual tokens", title="Residual fill (layer 0)",
+                    None, x="step", y="residual tokens", title="Residual fill (layer 0)",
                     x_title="decode step", height=180,
                 )
                 flush_plot = gr.ScatterPlot(
-                    flush_frame([]), x="step", y="layer", title="Flushes (decode step × layer)",
+                    None, x="step", y="layer", title="Flushes (decode step × layer)",
                     x_title="decode step", height=200, tooltip=["step", "layer", "step seconds"],
                 )
         answers_table = gr.Dataframe(answers_frame([]), label="this session's answers", interactive=False)

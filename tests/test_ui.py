@@ -1,0 +1,224 @@
+"""The page's handlers called directly (prefill, ask, stop, backend switch, bad input), on a tiny model."""
+
+from __future__ import annotations
+
+import threading
+
+import gradio as gr
+import pytest
+
+from kvdemo import CacheSpec, QASession
+from kvdemo.ui import (
+    EXAMPLES,
+    MAX_UPLOAD_BYTES,
+    App,
+    SessionStore,
+    backend_option_updates,
+    build_demo,
+    example,
+    read_upload,
+    spec_from_inputs,
+)
+
+CONTEXT = "The Normans were the people who gave their name to Normandy, a region in France. Rollo led them."
+HQQ = ("hqq", 4, 64, 4, 0, 0)
+
+
+@pytest.fixture()
+def handlers(tiny):
+    app = App(loader=lambda source=None: tiny)
+    app.start_loading()
+    demo = build_demo(app)
+    fns = {f.api_name: f.fn for f in demo.fns.values() if f.api_name}
+    return app, fns
+
+
+def _request(name="tab-1"):
+    return gr.Request(session_hash=name)
+
+
+def _ask(fns, question, max_new_tokens=6, request=None):
+    return list(fns["ask"](question, max_new_tokens, request or _request()))
+
+
+def test_prefill_then_ask_streams_and_restores(handlers, tiny):
+    app, fns = handlers
+    assert fns["model_status"]().startswith("**tiny-llama-2x2x64** · 7 M parameters · 2 layers · 2 KV heads")
+    summary, chat, *_ , ask_button = fns["prefill"](CONTEXT, *HQQ, _request())
+    assert "Prefilled **" in summary and "hqq nbits=4 q_group_size=64 residual_length=4" in summary
+    assert chat == [] and ask_button["interactive"] is True
+    updates = _ask(fns, "Who led the Normans?", 6)
+    assert len(updates) == 7  # one per decode step, then the final one
+    chat, stats, memory, residual, flushes, table = updates[-1]
+    qa = app.sessions.get("tab-1").qa
+    context_tokens = qa.prefill_report.context_tokens
+    assert f"cache length after restore = {context_tokens:,} (context)" in stats
+    assert chat[-1] == {"role": "assistant", "content": qa.history[-1].text}
+    assert list(memory["step"].unique()) == [0, 1, 2, 3, 4, 5] and len(memory) == 18
+    assert residual["residual tokens"].tolist() == [e.memory.layers[0].residual_tokens for e in app.sessions.get("tab-1").events]
+    assert len(flushes) == qa.history[-1].flush_count > 0
+    assert table["tokens"].tolist() == [6] and table["cache length after"].tolist() == [context_tokens]
+    # the same answer as a fresh single-question session
+    fresh = QASession(tiny, CacheSpec("hqq", nbits=4, q_group_size=64, residual_length=4, axis_key=0, axis_value=0))
+    fresh.prefill(CONTEXT)
+    assert qa.history[-1].token_ids == fresh.ask("Who led the Normans?", 6).token_ids
+    # a second question: the table grows, the chat keeps both turns
+    chat, *_, table = _ask(fns, "Where is Normandy?", 4)[-1]
+    assert len(chat) == 4 and table["answer"].tolist() == [1, 2]
+
+
+def test_stop_ends_the_answer_and_restores(handlers):
+    app, fns = handlers
+    fns["prefill"](CONTEXT, *HQQ, _request())
+    stream = fns["ask"]("Who led the Normans?", 50, _request())
+    next(stream), next(stream)
+    assert fns["stop"](_request()) == "Stopping after the current decode step…"
+    final = list(stream)[-1]
+    qa = app.sessions.get("tab-1").qa
+    assert qa.history[-1].finish_reason == "stopped" and qa.history[-1].steps == 2
+    assert "stopped" in final[1] and f"cache length after restore = {qa.prefill_report.context_tokens:,}" in final[1]
+    assert fns["stop"](_request("other-tab")) == "Nothing to stop."
+
+
+@pytest.mark.parametrize(
+    "inputs, message",
+    [
+        (("", *HQQ), "the context is empty"),
+        (("  \n", *HQQ), "the context is empty"),
+        ((CONTEXT, "quanto", 3, 64, 4, 0, 0), "nbits=3 is not allowed for quanto; allowed: 2, 4"),
+        ((CONTEXT, "hqq", 1, 4, 4, 0, 0), "hqq packs 8 1-bit values together"),
+        ((CONTEXT, "hqq", 4, 64, 0, 0, 0), "residual_length=0 is not allowed for hqq; it must be >= 1"),
+        ((CONTEXT, "hqq", 4, 64.5, 4, 0, 0), "q_group_size=64.5 must be a whole number"),
+        ((CONTEXT, "int3", 4, 64, 4, 0, 0), "backend='int3' is not a backend"),
+        (("word " * 600, *HQQ), "exceeds the model's 512-token window"),
+    ],
+)
+def test_bad_prefill_input_says_what_to_change_and_keeps_the_session(handlers, inputs, message):
+    app, fns = handlers
+    fns["prefill"](CONTEXT, *HQQ, _request())
+    before = app.sessions.get("tab-1").qa
+    with pytest.raises(gr.Error, match=message):
+        fns["prefill"](*inputs, _request())
+    assert app.sessions.get("tab-1").qa is before
+    assert "cache length after restore" in _ask(fns, "Who led the Normans?", 3)[-1][1]
+
+
+@pytest.mark.parametrize(
+    "question, max_new_tokens, message",
+    [("", 5, "the question is empty"), ("Who?", 0, "max_new_tokens=0 must be a whole number >= 1"),
+     ("Who?", None, "max_new_tokens=None must be a whole number"), ("Who?", 4000, "lower max_new_tokens")],
+)
+def test_bad_questions_say_what_to_change(handlers, question, max_new_tokens, message):
+    app, fns = handlers
+    fns["prefill"](CONTEXT, *HQQ, _request())
+    with pytest.raises(gr.Error, match=message):
+        _ask(fns, question, max_new_tokens)
+    assert len(_ask(fns, "Who led the Normans?", 3)) == 4
+
+
+def test_ask_before_prefill_and_after_a_model_change(handlers, tiny, embedded):
+    app, fns = handlers
+    with pytest.raises(gr.Error, match="Prefill a context first"):
+        _ask(fns, "Who?")
+    fns["prefill"](CONTEXT, *HQQ, _request())
+    app.loaded = embedded  # another user loaded another model
+    with pytest.raises(gr.Error, match="The model changed since your prefill; press Prefill"):
+        _ask(fns, "Who?")
+
+
+def test_failed_model_load_keeps_the_previous_model(handlers, tiny):
+    app, fns = handlers
+    app.wait_for_model()
+
+    def failing_loader(source=None):
+        raise OSError(f"could not load {source!r} from the Hugging Face Hub")
+
+    app.loader = failing_loader
+    with pytest.raises(gr.Error, match="could not load 'org/missing' from the Hugging Face Hub. Keeping tiny-llama"):
+        fns["load_model"]("org/missing")
+    assert app.loaded is tiny
+
+
+def test_two_tabs_never_see_each_other(handlers):
+    app, fns = handlers
+    fns["prefill"](CONTEXT, *HQQ, _request("tab-a"))
+    fns["prefill"]("Southern California is a megaregion.", "fp8", None, None, None, None, None, _request("tab-b"))
+    chat_a = _ask(fns, "Who led the Normans?", 3, _request("tab-a"))[-1][0]
+    chat_b = _ask(fns, "What is it?", 3, _request("tab-b"))[-1][0]
+    assert [m["content"] for m in chat_a if m["role"] == "user"] == ["Who led the Normans?"]
+    assert [m["content"] for m in chat_b if m["role"] == "user"] == ["What is it?"]
+    assert app.sessions.get("tab-a").qa.context == CONTEXT
+    assert app.sessions.get("tab-b").qa.spec.backend == "fp8"
+
+
+def test_session_store_is_bounded_and_frees_the_least_recently_used():
+    store = SessionStore(max_sessions=2)
+    a, b = store.get("a"), store.get("b")
+    store.get("a")  # a is now the most recent
+    store.get("c")
+    assert len(store) == 2 and store.get("a") is a and store.get("b") is not b
+    store.free("a")
+    assert len(store) == 1 and store.get("a") is not a
+
+
+def test_backend_options_shown_from_the_registry():
+    *hqq, note = backend_option_updates("hqq")
+    assert [u["visible"] for u in hqq] == [True] * 5
+    assert hqq[0]["choices"] == [1, 2, 3, 4, 8] and hqq[3]["choices"] == [0, 1]
+    *quanto, _ = backend_option_updates("quanto")
+    assert quanto[0]["choices"] == [2, 4] and quanto[4]["choices"] == [0, -1]
+    *fp8, note = backend_option_updates("fp8")
+    assert [u["visible"] for u in fp8] == [False] * 5 and "never flushes" in note
+
+
+def test_spec_from_inputs_ignores_hidden_options():
+    assert spec_from_inputs("fp8", 4, 64, 16, 0, 0) == CacheSpec("fp8")
+    assert spec_from_inputs("quanto", 2.0, None, "", 0, -1) == CacheSpec("quanto", nbits=2, axis_key=0, axis_value=-1)
+
+
+def test_changing_options_after_a_prefill_asks_for_a_new_one(handlers):
+    app, fns = handlers
+    demo_fns = build_demo(app).fns.values()
+    options_changed = next(f.fn for f in demo_fns if getattr(f.fn, "__name__", "") == "options_changed")
+    fns["prefill"](CONTEXT, *HQQ, _request())
+    message, button = options_changed("hqq", 2, 64, 4, 0, 0, _request())
+    assert "Press **Prefill** to rebuild it" in message and button["interactive"] is False
+    message, button = options_changed(*HQQ, _request())
+    assert message.startswith("Prefilled") and button["interactive"] is True
+
+
+def test_uploads(tmp_path):
+    good = tmp_path / "context.md"
+    good.write_text("# Normans\nRollo led them.", encoding="utf-8")
+    assert read_upload(str(good)) == "# Normans\nRollo led them."
+    cases = {
+        "binary.txt": (b"\x00\x01\x02binary", "looks binary"),
+        "latin1.txt": ("café".encode("latin-1"), "is not UTF-8 text"),
+        "empty.txt": (b"  \n", "is empty"),
+        "big.txt": (b"a" * (MAX_UPLOAD_BYTES + 1), "the limit is 2 MiB"),
+        "data.pdf": (b"%PDF", "is not a .txt or .md file"),
+    }
+    for name, (content, message) in cases.items():
+        path = tmp_path / name
+        path.write_bytes(content)
+        with pytest.raises(gr.Error, match=message):
+            read_upload(str(path))
+    with pytest.raises(gr.Error, match="No file was uploaded"):
+        read_upload(None)
+
+
+def test_examples_load_real_articles():
+    for name in EXAMPLES:
+        context, questions = example(name)
+        assert len(context) > 2000 and len(questions) == 6 and all(q.endswith("?") for q in questions)
+
+
+def test_ask_while_an_answer_runs_in_the_same_session_is_refused(handlers):
+    app, fns = handlers
+    fns["prefill"](CONTEXT, *HQQ, _request())
+    first = fns["ask"]("Who led the Normans?", 30, _request())
+    next(first)
+    with pytest.raises(gr.Error, match="already running in this session"):
+        _ask(fns, "Where?")
+    first.close()
+    assert app.sessions.get("tab-1").qa.cache_length == app.sessions.get("tab-1").qa.prefill_report.context_tokens
