@@ -19,6 +19,9 @@ $(APP_STAMP): requirements.txt
 
 $(DEV_STAMP): $(APP_STAMP) requirements-dev.txt
 	$(PY) -m pip install --quiet -r requirements-dev.txt
+	@# the browser test drives Debian's chromium with Playwright (never `playwright install`)
+	command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) \
+		|| (echo "the browser test needs Debian's chromium: sudo apt-get install chromium" && exit 1)
 	touch $@
 
 setup: $(DEV_STAMP)

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import gradio as gr
-import pandas as pd
 
 from kvdemo.backends import BACKENDS, GROUP_OPTIONS, CacheSpec
 from kvdemo.cases import example_path, load_case
@@ -346,13 +345,13 @@ def build_demo(app: App) -> gr.Blocks:
         finally:
             user.lock.release()
 
-    def stop_handler(request: gr.Request) -> str:
-        """Stop the answer streaming in this session; the cache is restored as after any answer."""
+    def stop_handler(request: gr.Request) -> None:
+        """Stop the answer streaming in this session after its current decode step; the cache is restored as
+        after any answer, and the answer's last update says `stopped`. (No output of its own: a reply racing
+        the answer's last update could overwrite it.)"""
         user = user_of(request)
-        if user.qa is None:
-            return "Nothing to stop."
-        user.qa.request_stop()
-        return "Stopping after the current decode step…"
+        if user.qa is not None:
+            user.qa.request_stop()
 
     def options_changed(backend, nbits, q_group_size, residual_length, axis_key, axis_value, request: gr.Request):
         user = user_of(request)
@@ -470,6 +469,6 @@ def build_demo(app: App) -> gr.Blocks:
         ask_button.click(ask_handler, inputs=[question, max_new_tokens], outputs=ask_outputs, api_name="ask")
         question.submit(ask_handler, inputs=[question, max_new_tokens], outputs=ask_outputs,
                         api_visibility="private")
-        stop_button.click(stop_handler, outputs=stats, api_name="stop", queue=False)
+        stop_button.click(stop_handler, api_name="stop", queue=False)
         demo.unload(unload)
     return demo

@@ -72,12 +72,12 @@ def test_stop_ends_the_answer_and_restores(handlers):
     fns["prefill"](CONTEXT, *HQQ, _request())
     stream = fns["ask"]("Who led the Normans?", 50, _request())
     next(stream), next(stream)
-    assert fns["stop"](_request()) == "Stopping after the current decode step…"
+    assert fns["stop"](_request()) is None
     final = list(stream)[-1]
     qa = app.sessions.get("tab-1").qa
     assert qa.history[-1].finish_reason == "stopped" and qa.history[-1].steps == 2
     assert "stopped" in final[1] and f"cache length after restore = {qa.prefill_report.context_tokens:,}" in final[1]
-    assert fns["stop"](_request("other-tab")) == "Nothing to stop."
+    assert fns["stop"](_request("other-tab")) is None  # nothing streams there: nothing happens
 
 
 @pytest.mark.parametrize(

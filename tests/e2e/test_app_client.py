@@ -1,0 +1,68 @@
+"""The app launched on a free port and driven with gradio_client: the answers equal QASession's, and the
+streamed updates arrive before the answer ends."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from gradio_client import Client
+
+from kvdemo import CacheSpec, QASession
+from kvdemo.ui import example
+
+HQQ = CacheSpec("hqq", nbits=4, q_group_size=64, residual_length=16, axis_key=0, axis_value=0)
+
+
+@pytest.fixture(scope="module")
+def client(app_url):
+    return Client(app_url, verbose=False)
+
+
+def _assistant_text(message) -> str:
+    content = message["content"]
+    return content if isinstance(content, str) else "".join(part["text"] for part in content)
+
+
+def test_api_names(client):
+    names = set(client.view_api(print_info=False, return_format="dict")["named_endpoints"])
+    assert {"/load_model", "/prefill", "/ask", "/stop", "/model_status"} <= names
+
+
+def test_load_prefill_and_ask_equal_the_core_session(client, embedded):
+    assert "SmolLM2-135M-Instruct (embedded GGUF Q4_1)" in client.predict("", api_name="/load_model")
+    context, questions = example("Normans")
+    questions = ["Who was the Norse leader?", questions[0]]
+    summary = client.predict(context, "hqq", 4, 64, 16, 0, 0, api_name="/prefill")[0]
+    reference = QASession(embedded, HQQ)
+    tokens = reference.prefill(context).context_tokens
+    assert f"Prefilled **{tokens:,} tokens**" in summary and "0.156×" in summary
+
+    for question in questions:
+        job = client.submit(question, 12, api_name="/ask")
+        arrivals = []
+        for update in job:
+            arrivals.append(time.perf_counter())
+        done = time.perf_counter()
+        outputs = job.outputs()
+        chat, stats = outputs[-1][0], outputs[-1][1]
+        expected = reference.ask(question, 12)
+        assert _assistant_text(chat[-1]) == expected.text
+        assert f"cache length after restore = {tokens:,} (context)" in stats
+        assert len(outputs) >= 3 and arrivals[0] < done  # streamed: updates came before the end
+        assert "step 1 ·" in outputs[0][1]
+
+    summary = client.predict(context, "fp8", None, None, None, None, None, api_name="/prefill")[0]
+    assert "with **fp8**" in summary and "0.250×" in summary
+    job = client.submit(questions[0], 12, api_name="/ask")
+    job.result()
+    fp8 = QASession(embedded, CacheSpec("fp8"))
+    fp8.prefill(context)
+    assert _assistant_text(job.outputs()[-1][0][-1]) == fp8.ask(questions[0], 12).text
+
+
+def test_errors_reach_the_client_with_their_message(client):
+    with pytest.raises(Exception, match="nbits=3 is not allowed for quanto; allowed: 2, 4"):
+        client.predict("Some context.", "quanto", 3, 64, 16, 0, 0, api_name="/prefill")
+    with pytest.raises(Exception, match="the context is empty"):
+        client.predict("   ", "fp8", None, None, None, None, None, api_name="/prefill")

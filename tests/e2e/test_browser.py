@@ -1,0 +1,67 @@
+"""A real browser (Debian's chromium, driven by Playwright): paste a context, prefill, ask two questions,
+see both answers and the charts, press Stop during a third. Saves artifacts/app.png (not committed)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from playwright.sync_api import expect, sync_playwright
+
+from kvdemo import CacheSpec, QASession
+from kvdemo.cases import example_path, load_case
+
+ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
+
+
+@pytest.fixture(scope="module")
+def page(app_url):
+    chromium = shutil.which("chromium")
+    assert chromium, "Debian's chromium is needed: apt-get install chromium (the Makefile's test set-up does it)"
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=chromium)
+        page = browser.new_page(viewport={"width": 1400, "height": 1800})
+        page.goto(app_url)
+        yield page
+        browser.close()
+
+
+def _words(text: str) -> str:
+    return " ".join(text.split())
+
+
+def test_a_person_prefills_asks_and_stops(page, embedded):
+    expect(page.get_by_text("135 M parameters")).to_be_visible(timeout=90_000)
+    context = load_case(example_path("normans")).select("0-3").context
+    page.get_by_label("context").fill(context)
+    page.get_by_role("button", name="Prefill").click()
+    expect(page.get_by_text(re.compile(r"Prefilled [\d,]+ tokens"))).to_be_visible(timeout=120_000)
+    stats = page.get_by_text("cache length after restore")
+    bots = page.locator('[data-testid="bot"]')
+
+    page.get_by_label("max_new_tokens").fill("16")
+    reference = QASession(embedded, CacheSpec("hqq", nbits=4, residual_length=16))  # the page's defaults
+    reference.prefill(context)
+    for n, question in enumerate(["Who was the Norse leader?", "In what country is Normandy located?"], 1):
+        page.get_by_label("question").fill(question)
+        page.get_by_role("button", name="Ask", exact=True).click()
+        expect(bots).to_have_count(n, timeout=60_000)  # the answer streams into a new message
+        expect(stats).to_be_visible(timeout=120_000)  # the line shown once the answer is done
+        assert _words(bots.nth(n - 1).inner_text()) == _words(reference.ask(question, 16).text)
+    expect(page.get_by_text("KV cache memory")).to_be_visible()
+    assert page.locator(".vega-embed").count() == 3
+    assert page.locator(".vega-embed canvas, .vega-embed svg").count() >= 3
+
+    page.get_by_label("max_new_tokens").fill("400")
+    page.get_by_label("question").fill("Tell me everything about the Normans.")
+    page.get_by_role("button", name="Ask", exact=True).click()
+    expect(page.get_by_text(re.compile(r"^step \d+ ·"))).to_be_visible(timeout=60_000)
+    page.get_by_role("button", name="Stop").click()
+    expect(page.get_by_text(re.compile(r"· stopped · cache length after restore = [\d,]+ \(context\)"))).to_be_visible(
+        timeout=60_000
+    )
+    expect(bots).to_have_count(3)
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "app.png"), full_page=True)
