@@ -33,13 +33,16 @@ def test_load_prefill_and_ask_equal_the_core_session(client, embedded):
     assert "SmolLM2-135M-Instruct (embedded GGUF Q4_1)" in client.predict("", api_name="/load_model")
     context, questions = example("Normans")
     questions = ["Who was the Norse leader?", questions[0]]
-    summary = client.predict(context, "hqq", 4, 64, 16, 0, 0, api_name="/prefill")[0]
+    summary = client.predict(
+        context=context, backend="hqq", nbits=4, q_group_size=64, residual_length=16, axis_key=0, axis_value=0,
+        api_name="/prefill",
+    )[0]
     reference = QASession(embedded, HQQ)
     tokens = reference.prefill(context).context_tokens
     assert f"Prefilled **{tokens:,} tokens**" in summary and "0.156×" in summary
 
     for question in questions:
-        job = client.submit(question, 12, api_name="/ask")
+        job = client.submit(question=question, max_new_tokens=12, api_name="/ask")
         arrivals = []
         for update in job:
             arrivals.append(time.perf_counter())
