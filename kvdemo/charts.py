@@ -120,3 +120,61 @@ def flush_figure(events: Sequence[StepEvent], title: str = "Residual fill and fl
     ax.set(xlabel="decode step", ylabel="tokens", title=title)
     ax.legend(loc="upper right", fontsize="small")
     return fig
+
+
+def residual_comparison_figure(runs: Mapping[str, Sequence[StepEvent]], title: str = "Residual fill by residual_length") -> Figure:
+    """The residual's fill (layer 0) over decode steps for several runs, one line each (the sawtooths side by side).
+
+    Args:
+        runs: label (e.g. `residual_length=8`) -> the run's step events.
+    """
+    fig = Figure(figsize=(7, 3.2), layout="constrained")
+    ax = fig.add_subplot()
+    for label, events in runs.items():
+        fill = residual_frame(events)
+        ax.step(fill["step"], fill["residual tokens"], where="post", label=label)
+    ax.set(xlabel="decode step", ylabel="residual tokens", title=title)
+    ax.legend(fontsize="small")
+    return fig
+
+
+def step_time_figure(events: Sequence[StepEvent], title: str = "Time per decode step") -> Figure:
+    """Each decode step's wall time (ms), the steps where layers flushed marked apart: a flush re-quantizes
+    the whole layer, so those steps stand out."""
+    fig = Figure(figsize=(7, 3.2), layout="constrained")
+    ax = fig.add_subplot()
+    plain = [(e.step, e.seconds * 1000) for e in events if not e.flushed_layers]
+    flushed = [(e.step, e.seconds * 1000) for e in events if e.flushed_layers]
+    for points, label, style in ((plain, "no flush", "o"), (flushed, "flush", "v")):
+        if points:
+            ax.scatter(*zip(*points), marker=style, label=label)
+    ax.set(xlabel="decode step", ylabel="ms", title=title)
+    ax.legend(fontsize="small")
+    return fig
+
+
+def tradeoff_figure(frame: pd.DataFrame, fidelity: str = "contains gold", title: str = "Memory against fidelity") -> Figure:
+    """Bytes per context token against a fidelity column, one labelled point per spec.
+
+    Args:
+        frame: `ComparisonReport.to_frame()` (columns `spec`, `bytes/token` and `fidelity`).
+    """
+    fig = Figure(figsize=(7, 3.6), layout="constrained")
+    ax = fig.add_subplot()
+    ax.scatter(frame["bytes/token"], frame[fidelity])
+    for _, row in frame.iterrows():
+        ax.annotate(row["spec"].split(" q_group_size")[0], (row["bytes/token"], row[fidelity]), fontsize="x-small",
+                    xytext=(3, 3), textcoords="offset points")
+    ax.set(xlabel="KV bytes per context token", ylabel=fidelity, title=title)
+    return fig
+
+
+def speed_figure(frame: pd.DataFrame, title: str = "Decode speed") -> Figure:
+    """Decode tokens/s per spec, a horizontal bar each (from `ComparisonReport.to_frame()`)."""
+    fig = Figure(figsize=(7, 3.6), layout="constrained")
+    ax = fig.add_subplot()
+    labels = [s.split(" q_group_size")[0] for s in frame["spec"]]
+    ax.barh(labels, frame["tokens/s"])
+    ax.invert_yaxis()
+    ax.set(xlabel="tokens/s", title=title)
+    return fig

@@ -196,3 +196,20 @@ def flushed_layers(cache: Cache) -> tuple[int, ...]:
         for index, layer in enumerate(cache.layers)
         if isinstance(layer, QuantizedLayer) and layer.is_initialized and _tokens(layer.keys) == 0
     )
+
+
+def expected_flush_steps(question_tokens: int, residual_length: int, steps: int) -> list[int]:
+    """The decode steps at which a `QuantizedLayer` flushes during an answer, by transformers' rule
+    (`QuantizedLayer.update`): new tokens join the residual until residual + new >= residual_length, then the
+    layer is re-quantized and the residual emptied. Step 0 adds the question's tokens, each later step one
+    token; the residual is empty after the prefill.
+    """
+    flushes, residual = [], 0
+    for step in range(steps):
+        new = question_tokens if step == 0 else 1
+        if residual + new >= residual_length:
+            flushes.append(step)
+            residual = 0
+        else:
+            residual += new
+    return flushes

@@ -9,6 +9,7 @@ import torch
 from transformers.cache_utils import BaseQuantizedLayer
 
 from kvdemo import CacheSpec, QASession
+from kvdemo.telemetry import expected_flush_steps
 from tests.conftest import ALL_SPECS, spec_id
 
 QUESTIONS = ["Who was the Norse leader?", "In what country is Normandy located?", "When were the Normans in Normandy?"]
@@ -82,20 +83,6 @@ def test_answers_restore_the_cache_and_equal_fresh_runs(tiny, context, spec):
         assert all(a.flush_count > 0 for a in answers)
 
 
-def _predicted_flush_steps(question_tokens: int, residual_length: int, steps: int) -> list[int]:
-    """transformers' QuantizedLayer.update: tokens go to the residual until residual + new >= residual_length,
-    then the layer is re-quantized and the residual emptied."""
-    flushes, residual = [], 0
-    for step in range(steps):
-        new = question_tokens if step == 0 else 1
-        if residual + new >= residual_length:
-            flushes.append(step)
-            residual = 0
-        else:
-            residual += new
-    return flushes
-
-
 @pytest.mark.parametrize("spec", RESIDUAL_SPECS, ids=spec_id)
 def test_flush_steps_follow_the_rule_and_flush_on_last_step_or_mid_answer_restores(tiny, context, spec):
     spec = spec.replace(residual_length=4)
@@ -105,7 +92,7 @@ def test_flush_steps_follow_the_rule_and_flush_on_last_step_or_mid_answer_restor
     question = QUESTIONS[0]
     q_tokens = len(session.question_ids(question))
     events = list(session.stream(question, max_new_tokens=12))
-    predicted = _predicted_flush_steps(q_tokens, 4, len(events))
+    predicted = expected_flush_steps(q_tokens, 4, len(events))
     seen = [e.step for e in events if e.flushed_layers]
     assert seen == predicted
     assert all(e.flushed_layers == tuple(range(len(session.cache.layers))) for e in events if e.flushed_layers)

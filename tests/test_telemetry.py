@@ -10,7 +10,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvdemo import CacheSpec, build_cache, kv_memory
-from kvdemo.telemetry import flushed_layers, full_precision_bytes
+from kvdemo.telemetry import expected_flush_steps, flushed_layers, full_precision_bytes
 
 HEADS, DIM, TOKENS, LAYERS = 2, 64, 37, 2
 N = HEADS * TOKENS * DIM  # values in one key (or value) tensor of one layer
@@ -117,3 +117,12 @@ def test_full_precision_bytes_formula(model):
     assert full_precision_bytes(model.config, 100, torch.float32) == 2 * LAYERS * HEADS * DIM * 100 * 4
     assert full_precision_bytes(model.config, 100, torch.bfloat16) == 2 * LAYERS * HEADS * DIM * 100 * 2
     assert kv_memory(_prefill(model, CacheSpec())).total_bytes == full_precision_bytes(model.config, TOKENS, torch.float32)
+
+
+def test_expected_flush_steps_follow_transformers_rule():
+    # 5 question tokens >= residual_length 4: flush at step 0, then every 4th single-token step
+    assert expected_flush_steps(5, 4, 10) == [0, 4, 8]
+    # 2 question tokens: the residual holds 2, 3 after step 1, then 4 at step 2 -> flush
+    assert expected_flush_steps(2, 4, 8) == [2, 6]
+    assert expected_flush_steps(3, 1, 3) == [0, 1, 2]  # residual_length=1: every step
+    assert expected_flush_steps(20, 128, 30) == []  # an answer shorter than the residual
