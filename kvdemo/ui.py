@@ -171,23 +171,38 @@ def spec_from_inputs(backend: str, nbits, q_group_size, residual_length, axis_ke
     return CacheSpec(backend, **options)
 
 
-def backend_option_updates(backend: str) -> tuple[Any, ...]:
-    """Visibility, choices and defaults of the five option fields for a backend, from `BACKENDS`."""
+def backend_option_updates(backend: str, *current: Any) -> tuple[Any, ...]:
+    """Visibility, choices and values of the five option fields for a backend, from `BACKENDS`, and the
+    backend's description. A field keeps its current value when the new backend allows it (so switching
+    away and back restores what was there), else it takes the backend's default.
+
+    Args:
+        backend: the chosen backend.
+        current: the fields' current values, in `GROUP_OPTIONS` order (may be omitted).
+    """
     info = BACKENDS.get(backend, BACKENDS["dynamic"])
+    current = current + (None,) * (len(GROUP_OPTIONS) - len(current))
     updates = []
-    for name in GROUP_OPTIONS:
+    for name, value in zip(GROUP_OPTIONS, current):
         option = info.options.get(name)
         if option is None:
             updates.append(gr.update(visible=False))
-        elif option.choices is not None:
-            updates.append(gr.update(visible=True, choices=list(option.choices), value=option.default))
+            continue
+        allowed = value is not None and (
+            value in option.choices if option.choices is not None else isinstance(value, (int, float)) and value >= option.minimum
+        )
+        keep = value if allowed else option.default
+        if option.choices is not None:
+            updates.append(gr.update(visible=True, choices=list(option.choices), value=keep))
         else:
-            updates.append(gr.update(visible=True, value=option.default))
-    note = "" if info.has_residual else (
-        "fp8 appends every new token with the scale frozen at the prefill: it has no residual and never flushes."
-        if info.is_quantized
-        else "dynamic keeps keys and values in the model's dtype: the full-precision baseline, no flushes."
-    )
+            updates.append(gr.update(visible=True, value=keep))
+    note = info.summary + "."
+    if not info.has_residual:
+        note += (
+            " It appends every new token with the scale frozen at the prefill: no residual, never flushes."
+            if info.is_quantized
+            else " The full-precision baseline: no quantization, no flushes."
+        )
     return (*updates, note)
 
 
@@ -296,7 +311,6 @@ def build_demo(app: App) -> gr.Blocks:
         with user.lock:
             try:
                 qa = QASession(loaded, spec)
-                progress(0, desc="Prefilling the context…")
                 qa.prefill(context)
             except (ValueError, ImportError) as error:
                 raise gr.Error(str(error)) from None
@@ -391,7 +405,7 @@ def build_demo(app: App) -> gr.Blocks:
         with gr.Row():
             with gr.Column(scale=1, min_width=280):
                 gr.Markdown("### Cache backend")
-                backend = gr.Radio(list(BACKENDS), value="hqq", label="backend", info=BACKENDS["hqq"].summary)
+                backend = gr.Radio(list(BACKENDS), value="hqq", label="backend")
                 hqq = BACKENDS["hqq"].options
                 nbits = gr.Dropdown(list(hqq["nbits"].choices), value=4, label="nbits", info=hqq["nbits"].help)
                 q_group_size = gr.Number(hqq["q_group_size"].default, label="q_group_size", precision=0,
@@ -400,7 +414,7 @@ def build_demo(app: App) -> gr.Blocks:
                                             info=hqq["residual_length"].help)
                 axis_key = gr.Dropdown(list(hqq["axis_key"].choices), value=0, label="axis_key")
                 axis_value = gr.Dropdown(list(hqq["axis_value"].choices), value=0, label="axis_value")
-                backend_note = gr.Markdown("")
+                backend_note = gr.Markdown(BACKENDS["hqq"].summary + ".")
             with gr.Column(scale=3):
                 gr.Markdown("### Context")
                 context = gr.Textbox(label="context", lines=10, max_lines=18, placeholder="Paste a long text…")
@@ -446,7 +460,7 @@ def build_demo(app: App) -> gr.Blocks:
 
         demo.load(on_page_load, outputs=model_line, api_name="model_status")
         load_button.click(load_model_handler, inputs=model_source, outputs=model_line, api_name="load_model")
-        backend.change(backend_option_updates, inputs=backend, outputs=[*option_fields, backend_note],
+        backend.change(backend_option_updates, inputs=[backend, *option_fields], outputs=[*option_fields, backend_note],
                        api_visibility="private", queue=False).then(
             options_changed, inputs=[backend, *option_fields], outputs=[prefill_info, ask_button],
             api_visibility="private", queue=False)
@@ -466,9 +480,12 @@ def build_demo(app: App) -> gr.Blocks:
             api_name="prefill",
         )
         ask_outputs = [chat, stats, memory_plot, residual_plot, flush_plot, answers_table]
-        ask_button.click(ask_handler, inputs=[question, max_new_tokens], outputs=ask_outputs, api_name="ask")
-        question.submit(ask_handler, inputs=[question, max_new_tokens], outputs=ask_outputs,
-                        api_visibility="private")
+        # Ask is disabled while an answer streams; afterwards its state follows the options (see options_changed)
+        for trigger, api in ((ask_button.click, {"api_name": "ask"}), (question.submit, {"api_visibility": "private"})):
+            trigger(lambda: gr.update(interactive=False), outputs=ask_button, queue=False, api_visibility="private").then(
+                ask_handler, inputs=[question, max_new_tokens], outputs=ask_outputs, **api
+            ).then(options_changed, inputs=[backend, *option_fields], outputs=[prefill_info, ask_button],
+                   api_visibility="private", queue=False)
         stop_button.click(stop_handler, api_name="stop", queue=False)
         demo.unload(unload)
     return demo

@@ -171,6 +171,15 @@ def test_backend_options_shown_from_the_registry():
     assert [u["visible"] for u in fp8] == [False] * 5 and "never flushes" in note
 
 
+def test_switching_backend_keeps_the_values_the_new_backend_allows():
+    *hqq, _ = backend_option_updates("hqq", 3, 32, 16, 1, 0)
+    assert [u["value"] for u in hqq] == [3, 32, 16, 1, 0]  # back to hqq: what was there
+    *quanto, _ = backend_option_updates("quanto", 3, 32, 16, 1, 0)
+    assert [u["value"] for u in quanto] == [4, 32, 16, 0, 0]  # nbits 3 and axis 1 are not quanto's: defaults
+    *hqq, _ = backend_option_updates("hqq", None, None, 0, None, None)
+    assert [u["value"] for u in hqq] == [4, 64, 128, 0, 0]
+
+
 def test_spec_from_inputs_ignores_hidden_options():
     assert spec_from_inputs("fp8", 4, 64, 16, 0, 0) == CacheSpec("fp8")
     assert spec_from_inputs("quanto", 2.0, None, "", 0, -1) == CacheSpec("quanto", nbits=2, axis_key=0, axis_value=-1)
