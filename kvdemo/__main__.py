@@ -78,6 +78,8 @@ def run_ask(args: argparse.Namespace) -> dict[str, Any]:
 
     spec = CacheSpec(args.backend, **{name: getattr(args, name) for name in GROUP_OPTIONS})
     spec.validate()  # options against the registry before the model loads
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens {args.max_new_tokens}: it must be >= 1")
     case = load_case(args.context_file).select(args.paragraphs)
     questions = list(args.question)
     if args.questions_from_case is not None:

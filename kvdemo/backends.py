@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,14 @@ from transformers import DynamicCache, PreTrainedConfig, QuantizedCache
 from transformers.cache_utils import Cache, get_layer_types_and_kwargs
 
 GROUP_OPTIONS = ("nbits", "q_group_size", "residual_length", "axis_key", "axis_value")
+MAX_OPTION_VALUE = 1 << 20
+"""No option means anything above this (1,048,576 tokens or values); larger numbers are refused."""
+
+
+def _show(value: Any) -> str:
+    """`repr(value)`, cut to 40 characters for messages."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 @dataclass(frozen=True)
@@ -180,12 +189,9 @@ class CacheSpec:
     @property
     def info(self) -> Backend:
         """The registry entry of this spec's backend. Raises ValueError for an unknown backend."""
-        try:
-            return BACKENDS[self.backend]
-        except KeyError:
-            raise ValueError(
-                f"backend={self.backend!r} is not a backend; choose one of {', '.join(BACKENDS)}"
-            ) from None
+        if not isinstance(self.backend, str) or self.backend not in BACKENDS:
+            raise ValueError(f"backend={_show(self.backend)} is not a backend; choose one of {', '.join(BACKENDS)}")
+        return BACKENDS[self.backend]
 
     def given(self) -> dict[str, int]:
         """The options set on this spec (not None), by name."""
@@ -228,14 +234,17 @@ class CacheSpec:
                 raise ValueError(
                     f"{name}={value} is not an option of the {self.backend} backend (it takes {takes}); leave it unset"
                 )
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"{name}={value!r} must be an integer")
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise ValueError(f"{name}={_show(value)} must be an integer")
+            value = int(value)
             opt = info.options[name]
             if opt.choices is not None and value not in opt.choices:
                 allowed = ", ".join(map(str, opt.choices))
                 raise ValueError(f"{name}={value} is not allowed for {self.backend}; allowed: {allowed}")
             if opt.minimum is not None and value < opt.minimum:
                 raise ValueError(f"{name}={value} is not allowed for {self.backend}; it must be >= {opt.minimum}")
+            if value > MAX_OPTION_VALUE:
+                raise ValueError(f"{name}={_show(value)} is not allowed; it must be <= {MAX_OPTION_VALUE:,}")
         if not info.installed():
             raise ImportError(f"the {self.backend} backend needs the {info.module} package: {info.pip}")
         if model_config is None:

@@ -8,6 +8,7 @@ they make one long context) and `questions` (`question`, `answers` = accepted go
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,20 +74,15 @@ def parse_ranges(text: str, count: int) -> list[int]:
         ValueError: malformed, empty, reversed or out of range [0, count - 1].
     """
     text = text.strip()
-    if text == "all":
+    if text.lower() == "all":
         return list(range(count))
     out: list[int] = []
     for part in text.split(","):
-        bounds = part.strip().split("-")
-        try:
-            if len(bounds) == 1:
-                lo = hi = int(bounds[0])
-            elif len(bounds) == 2:
-                lo, hi = int(bounds[0]), int(bounds[1])
-            else:
-                raise ValueError
-        except ValueError:
-            raise ValueError(f"paragraphs={text!r}: write ranges like 0-7 or 0,2,5-7 (or all)") from None
+        match = re.fullmatch(r"\s*([0-9]+)\s*(?:-\s*([0-9]+)\s*)?", part)
+        if match is None:
+            raise ValueError(f"paragraphs={text!r}: write ranges like 0-7 or 0,2,5-7 (or all)")
+        lo = int(match.group(1))
+        hi = int(match.group(2)) if match.group(2) is not None else lo
         if not 0 <= lo <= hi < count:
             raise ValueError(f"paragraphs={text!r}: this file has paragraphs 0 to {count - 1}")
         out.extend(i for i in range(lo, hi + 1) if i not in out)
@@ -117,20 +113,29 @@ def load_case(path: str | Path) -> Case:
             data = json.loads(text)
         except json.JSONDecodeError as error:
             raise ValueError(f"{path} is not valid JSON ({error})") from None
-        if not isinstance(data, dict) or not isinstance(data.get("paragraphs"), list):
-            raise ValueError(f"{path} is JSON but not a case file: it needs a 'paragraphs' list")
+        paragraphs = data.get("paragraphs") if isinstance(data, dict) else None
+        if not isinstance(paragraphs, list) or not paragraphs or not all(isinstance(p, str) for p in paragraphs):
+            raise ValueError(f"{path} is JSON but not a case file: it needs a non-empty 'paragraphs' list of strings")
+        questions = data.get("questions", [])
+        if not isinstance(questions, list) or not all(
+            isinstance(q, dict) and isinstance(q.get("question"), str) and isinstance(q.get("answers", []), list)
+            for q in questions
+        ):
+            raise ValueError(
+                f"{path}: 'questions' must be a list of {{\"question\": str, \"answers\": [str], ...}} objects"
+            )
         return Case(
             title=str(data.get("title", path.stem)),
             source=str(data.get("source", path.name)),
-            paragraphs=tuple(str(p) for p in data["paragraphs"]),
+            paragraphs=tuple(paragraphs),
             questions=tuple(
                 CaseQuestion(
                     question=q["question"],
-                    answers=tuple(q.get("answers", ())),
+                    answers=tuple(map(str, q.get("answers", ()))),
                     is_impossible=bool(q.get("is_impossible", False)),
                     paragraph=q.get("paragraph"),
                 )
-                for q in data.get("questions", ())
+                for q in questions
             ),
         )
     return Case(title=path.stem, source=path.name, paragraphs=(text,))

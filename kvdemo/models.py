@@ -92,7 +92,14 @@ def embedded_gguf_path() -> Path:
 
 
 def _resolve_device_dtype(device: str | torch.device | None, dtype: torch.dtype | str | None):
-    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device={device!r} is not a device; use cpu or cuda") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={device.type!r} is not supported; use cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device=cuda was asked for, but no CUDA GPU is available here; use cpu")
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype.removeprefix("torch."), None)
         if not isinstance(dtype, torch.dtype):

@@ -208,8 +208,13 @@ class QASession:
         if not isinstance(context, str) or not context.strip():
             raise ValueError("the context is empty; paste or upload the text to ask about")
         reserve = QUESTION_RESERVE_TOKENS + DEFAULT_MAX_NEW_TOKENS if reserve_tokens is None else reserve_tokens
-        prompt = self._layout(context)
         limit = self.loaded.max_context_tokens
+        if reserve >= limit:
+            raise ValueError(
+                f"keeping {reserve} tokens for a question and its answer leaves no room for a context in the model's "
+                f"{limit}-token window; lower max_new_tokens"
+            )
+        prompt = self._layout(context)
         if len(prompt.prefix) + reserve > limit:
             raise ValueError(
                 f"the context is {len(prompt.prefix)} tokens; with {reserve} tokens kept for a question and its "

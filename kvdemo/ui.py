@@ -153,8 +153,8 @@ def spec_from_inputs(backend: str, nbits, q_group_size, residual_length, axis_ke
     Raises:
         gr.Error: a value that is not a whole number, or a spec the registry refuses (its message).
     """
-    if backend not in BACKENDS:
-        raise gr.Error(f"backend={backend!r} is not a backend; choose one of {', '.join(BACKENDS)}")
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise gr.Error(f"backend={str(backend)[:40]!r} is not a backend; choose one of {', '.join(BACKENDS)}")
     given = dict(zip(GROUP_OPTIONS, (nbits, q_group_size, residual_length, axis_key, axis_value)))
     options = {}
     for name in BACKENDS[backend].options:
@@ -162,11 +162,13 @@ def spec_from_inputs(backend: str, nbits, q_group_size, residual_length, axis_ke
         if value is None or value == "":
             continue
         try:
+            if isinstance(value, bool):
+                raise ValueError
             number = float(value)
-        except (TypeError, ValueError):
-            raise gr.Error(f"{name}={value!r} must be a whole number") from None
-        if not number.is_integer():
-            raise gr.Error(f"{name}={value} must be a whole number")
+            if not number.is_integer():
+                raise ValueError
+        except (TypeError, ValueError, OverflowError):
+            raise gr.Error(f"{name}={str(value)[:40]!r} must be a whole number") from None
         options[name] = int(number)
     return CacheSpec(backend, **options)
 

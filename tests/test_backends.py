@@ -39,6 +39,12 @@ def test_registry_lists_the_four_backends_and_their_options():
     assert [b.has_residual for b in BACKENDS.values()] == [False, True, True, False]
 
 
+def test_numpy_integers_are_integers():
+    import numpy as np
+
+    assert CacheSpec("hqq", nbits=np.int64(4)).validate().nbits == 4
+
+
 def test_spec_defaults_and_label():
     spec = CacheSpec("hqq", nbits=2, residual_length=4)
     assert spec.resolved() == {"nbits": 2, "q_group_size": 64, "residual_length": 4, "axis_key": 0, "axis_value": 0}
@@ -63,6 +69,8 @@ def test_spec_defaults_and_label():
         (CacheSpec("hqq", axis_value=-1), "axis_value=-1 is not allowed for hqq; allowed: 0, 1"),
         (CacheSpec("hqq", nbits=4.0), "nbits=4.0 must be an integer"),
         (CacheSpec("hqq", residual_length=True), "residual_length=True must be an integer"),
+        (CacheSpec(["hqq"]), "backend=['hqq'] is not a backend"),
+        (CacheSpec("hqq", residual_length=10**40), "residual_length=1000000000000000000000000000000000000... is not allowed; it must be <= 1,048,576"),
     ],
     ids=lambda v: v if isinstance(v, str) and len(v) < 30 else None,
 )

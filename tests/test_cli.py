@@ -84,6 +84,33 @@ def test_bad_context_files(tmp_path, capsys):
     assert "no such file" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ('{"paragraphs": ["Text."], "questions": [{"q": 1}]}', "'questions' must be a list of"),
+        ('{"paragraphs": ["Rollo led the Norse."], "questions": "abc"}', "'questions' must be a list of"),
+        ('{"paragraphs": [null, 5]}', "needs a non-empty 'paragraphs' list of strings"),
+        ('{"paragraphs": []}', "needs a non-empty 'paragraphs' list of strings"),
+        ('[1, 2]', "is JSON but not a case file"),
+    ],
+)
+def test_malformed_case_files(tmp_path, capsys, content, message):
+    path = tmp_path / "case.json"
+    path.write_text(content)
+    assert main(["ask", "--context-file", str(path), "--question", "Who?"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bad_device_and_token_counts(embedded, capsys):
+    assert main(["ask", "--context-file", NORMANS, "--question", "Who?", "--device", "tpu"]) == 2
+    assert "device='tpu' is not a device; use cpu or cuda" in capsys.readouterr().err
+    assert main(["ask", "--context-file", NORMANS, "--question", "Who?", "--max-new-tokens", "0"]) == 2
+    assert "--max-new-tokens 0: it must be >= 1" in capsys.readouterr().err
+    args = ["ask", "--context-file", NORMANS, "--paragraphs", "0", "--question", "Who?", "--max-new-tokens", "100000000"]
+    assert main(args) == 2
+    assert "leaves no room for a context in the model's 8192-token window; lower max_new_tokens" in capsys.readouterr().err
+
+
 def test_help_explains_every_option():
     out = subprocess.run([sys.executable, "-m", "kvdemo", "ask", "--help"], capture_output=True, text=True, check=True).stdout
     for option in ("--context-file", "--paragraphs", "--question", "--questions-from-case", "--backend", "--nbits",
