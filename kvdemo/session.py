@@ -307,6 +307,7 @@ class QASession:
                 for index in flushed:
                     flushes[index] += 1
                 token_ids.append(token)
+                cache_length = cache.get_seq_length()
                 finish_reason = "eos" if token in loaded.eos_token_ids else "max_new_tokens"
                 yield StepEvent(
                     step=step,
@@ -316,8 +317,8 @@ class QASession:
                     elapsed=now - start,
                     memory=kv_memory(cache),
                     flushed_layers=flushed,
-                    cache_length=cache.get_seq_length(),
-                    full_precision_bytes=full_precision_bytes(loaded.config, cache.get_seq_length(), loaded.dtype),
+                    cache_length=cache_length,
+                    full_precision_bytes=full_precision_bytes(loaded.config, cache_length, loaded.dtype),
                 )
                 if finish_reason == "eos":
                     break

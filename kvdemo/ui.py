@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import threading
-import time
 from collections import OrderedDict
 from contextlib import closing
 from dataclasses import dataclass, field
@@ -58,7 +57,6 @@ class UserSession:
     chat: list[dict[str, str]] = field(default_factory=list)
     events: list = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
-    last_used: float = field(default_factory=time.monotonic)
 
 
 class SessionStore:
@@ -74,7 +72,6 @@ class SessionStore:
         """The session of `key`, created when missing (evicting the least recently used when full)."""
         with self._lock:
             user = self._sessions.pop(key, None) or UserSession()
-            user.last_used = time.monotonic()
             self._sessions[key] = user
             while len(self._sessions) > self.max_sessions:
                 self._sessions.popitem(last=False)

@@ -3,7 +3,6 @@ kernel, and are committed without outputs."""
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 

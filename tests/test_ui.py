@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import threading
-
 import gradio as gr
 import pytest
 
