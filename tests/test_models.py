@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -88,3 +89,111 @@ def test_saved_folder_loads_and_answers_like_the_model_it_came_from(embedded, tm
         session.prefill("The Normans were in Normandy.")
         answers.append(session.ask("Where?", 6).token_ids)
     assert answers[0] == answers[1]
+
+
+# ---- the converted safetensors copy of a GGUF ---------------------------------------------------------
+
+
+@pytest.fixture
+def fresh_loads(monkeypatch, tmp_path):
+    """load_model with an empty cache of loaded models and a temporary KVDEMO_CACHE_DIR."""
+    monkeypatch.setattr(models, "_loaded", {})
+    monkeypatch.setenv("KVDEMO_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("KVDEMO_GGUF_CACHE", raising=False)
+    return tmp_path / "cache"
+
+
+def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVDEMO_CACHE_DIR", str(tmp_path / "k"))
+    assert models.cache_dir() == tmp_path / "k"
+    monkeypatch.setenv("KVDEMO_CACHE_DIR", "")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert models.cache_dir() == tmp_path / "xdg" / "kvdemo"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert models.cache_dir() == tmp_path / "home" / ".cache" / "kvdemo"
+
+
+def test_gguf_converted_on_first_load_read_on_the_second_with_the_same_answers(fresh_loads):
+    import transformers
+
+    gguf = models.embedded_gguf_path()
+    first = load_model()
+    folder = models.converted_dir(gguf)
+    assert first.weights_from == "gguf"
+    assert folder.parent == fresh_loads / "gguf" and folder.name.endswith(f"-transformers{transformers.__version__}")
+    assert sorted(p.name for p in fresh_loads.joinpath("gguf").iterdir()) == [folder.name]  # no temporary left
+    names = {p.name for p in folder.iterdir()}
+    assert {"model.safetensors", "config.json", "tokenizer.json", models.CACHE_COMPLETE} <= names
+    assert "quantization_config" not in (folder / "config.json").read_text()
+
+    models._loaded.clear()
+    second = load_model()
+    assert second.weights_from == "converted" and second.load_seconds < first.load_seconds
+    assert second.describe() == first.describe() and second.eos_token_ids == first.eos_token_ids
+    a, b = first.model.state_dict(), second.model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert second.tokenizer.chat_template == first.tokenizer.chat_template
+    answers = []
+    for loaded in (first, second):
+        session = QASession(loaded, CacheSpec("hqq", nbits=4, residual_length=4))
+        session.prefill("The Normans gave their name to Normandy, a region in France, in the 10th century.")
+        answers.append(session.ask("Which region did the Normans name?", 8).token_ids)
+    assert answers[0] == answers[1] and len(answers[0]) == 8
+
+
+def _gguf_from(embedded, monkeypatch):
+    """Serve GGUF loads from the already-loaded embedded model (no 15 s de-quantization); other loads are real."""
+    real = models._from_pretrained
+    calls = []
+
+    def fake(where, kwargs, dtype):
+        calls.append(kwargs.get("gguf_file"))
+        return (embedded.tokenizer, embedded.model) if "gguf_file" in kwargs else real(where, kwargs, dtype)
+
+    monkeypatch.setattr(models, "_from_pretrained", fake)
+    return calls
+
+
+def test_unwritable_cache_folder_falls_back_to_the_gguf(embedded, fresh_loads, monkeypatch, tmp_path, caplog):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("KVDEMO_CACHE_DIR", str(blocker / "cache"))  # mkdir fails, even for root
+    calls = _gguf_from(embedded, monkeypatch)
+    loaded = load_model()
+    assert loaded.weights_from == "gguf" and loaded.model is embedded.model
+    assert calls == [models.EMBEDDED_FILE]
+    assert "could not write the converted copy" in caplog.text
+    assert blocker.read_text() == "not a folder"
+
+
+def test_corrupt_copy_is_removed_and_the_gguf_read(embedded, fresh_loads, monkeypatch, caplog):
+    folder = models.converted_dir(models.embedded_gguf_path())
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    (folder / "model.safetensors").write_bytes(b"\0" * 100)
+    (folder / models.CACHE_COMPLETE).write_text("{}")
+    calls = _gguf_from(embedded, monkeypatch)
+    written = []
+    monkeypatch.setattr(models, "_write_converted", lambda model, tok, gguf, where: written.append(where) or False)
+    loaded = load_model()
+    assert loaded.weights_from == "gguf" and calls == [None, models.EMBEDDED_FILE]
+    assert not folder.exists() and written == [folder]
+    assert "does not load" in caplog.text
+
+
+def test_interrupted_write_leaves_nothing_behind(tmp_path):
+    class Broken:
+        def save_pretrained(self, where):
+            (Path(where) / "model.safetensors").write_bytes(b"half")
+            raise OSError("No space left on device")
+
+    folder = tmp_path / "gguf" / "key"
+    assert models._write_converted(Broken(), Broken(), models.embedded_gguf_path(), folder) is False
+    assert list((tmp_path / "gguf").iterdir()) == []
+
+
+def test_gguf_cache_can_be_turned_off(embedded, fresh_loads, monkeypatch):
+    monkeypatch.setenv("KVDEMO_GGUF_CACHE", "0")
+    _gguf_from(embedded, monkeypatch)
+    assert load_model().weights_from == "gguf" and not fresh_loads.exists()
