@@ -207,6 +207,49 @@ class CacheSpec:
         opts = " ".join(f"{k}={v}" for k, v in self.resolved().items() if not k.startswith("axis") or v != 0)
         return f"{self.backend} {opts}".strip()
 
+    @property
+    def text(self) -> str:
+        """The spec in `CacheSpec.parse`'s syntax, only the options set: `hqq:4,residual_length=16`, `fp8`."""
+        given = self.given()
+        head = f"{self.backend}:{given.pop('nbits')}" if "nbits" in given else str(self.backend)
+        return ",".join([head] + [f"{k}={v}" for k, v in given.items()])
+
+    @classmethod
+    def parse(cls, text: str) -> "CacheSpec":
+        """A spec from `backend[:nbits][,option=value...]`, e.g. `dynamic`, `fp8`, `hqq:4`,
+        `quanto:2,q_group_size=32,residual_length=16,axis_key=-1`. Options are `GROUP_OPTIONS`; unset ones
+        take the backend's defaults. The result is checked against the registry (`validate`, no model).
+
+        Raises:
+            ValueError: malformed text, an unknown backend or option, a non-integer value, or a value the
+                registry refuses (the message says which and what is allowed).
+        """
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError("an empty spec; write backend[:nbits][,option=value...], e.g. hqq:4 or dynamic")
+        head, *pairs = [part.strip() for part in text.strip().split(",")]
+        backend, _, nbits = head.partition(":")
+        options: dict[str, Any] = {}
+        if nbits.strip():
+            options["nbits"] = nbits.strip()
+        elif ":" in head:
+            raise ValueError(f"spec {text!r}: give the nbits after the colon, e.g. hqq:4")
+        for pair in pairs:
+            name, sep, value = (p.strip() for p in pair.partition("="))
+            if not sep or not name or not value:
+                raise ValueError(f"spec {text!r}: {pair!r} is not option=value (options: {', '.join(GROUP_OPTIONS)})")
+            name = name.replace("-", "_")
+            if name not in GROUP_OPTIONS:
+                raise ValueError(f"spec {text!r}: {name!r} is not an option; options: {', '.join(GROUP_OPTIONS)}")
+            if name in options:
+                raise ValueError(f"spec {text!r}: {name} is given twice")
+            options[name] = value
+        for name, value in options.items():
+            try:
+                options[name] = int(value)
+            except ValueError:
+                raise ValueError(f"spec {text!r}: {name}={value!r} must be an integer") from None
+        return cls(backend.strip().lower(), **options).validate()
+
     def replace(self, **changes: Any) -> "CacheSpec":
         """A copy with some fields changed."""
         return dataclasses.replace(self, **changes)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -349,6 +349,51 @@ class QASession:
                     finish_reason=finish_reason,
                 )
             )
+
+    def score(self, question: str, answer_ids: Sequence[int]) -> torch.Tensor:
+        """Teacher-forced next-token log-probabilities of a given answer to `question` on this session's cache.
+
+        The question is fed as in `stream`, then the answer's tokens one decode step at a time, so a
+        quantized cache fills and flushes its residual exactly as during generation. Row i is the
+        distribution the model gives before `answer_ids[i]` is known; feeding a session's own greedy answer
+        reproduces the distributions of its generation (each row's argmax is that answer's token). The cache
+        is restored afterwards (also on error); `history` is not changed.
+
+        Args:
+            question: the question, as for `stream`.
+            answer_ids: the answer's token ids (length n >= 1), e.g. another backend's `Answer.token_ids`.
+
+        Returns:
+            float32 log-probabilities on the CPU, shape [n, vocab_size].
+
+        Raises:
+            ValueError: no prefill yet, an empty question or answer, or more tokens than the window holds.
+        """
+        answer_ids = [int(t) for t in answer_ids]
+        if not answer_ids:
+            raise ValueError("answer_ids is empty; give at least one token to score")
+        q_ids = self.question_ids(question)
+        context_tokens = self._snapshot.seq_length
+        if context_tokens + len(q_ids) + len(answer_ids) > self.loaded.max_context_tokens:
+            raise ValueError(
+                f"context {context_tokens} + question {len(q_ids)} + answer {len(answer_ids)} tokens exceeds the "
+                f"model's {self.loaded.max_context_tokens}-token window"
+            )
+        self._close_active()
+        loaded, cache = self.loaded, self.cache
+        rows = []
+        inputs = torch.tensor([q_ids], device=loaded.device)
+        try:
+            for token in answer_ids:
+                with torch.no_grad():
+                    logits = loaded.model(
+                        input_ids=inputs, past_key_values=cache, use_cache=True, logits_to_keep=1
+                    ).logits
+                rows.append(torch.log_softmax(logits[0, -1].float(), dim=-1).cpu())
+                inputs = torch.tensor([[token]], device=loaded.device)
+        finally:
+            snapshot.restore(cache, self._snapshot)
+        return torch.stack(rows)
 
     def ask(self, question: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> Answer:
         """Answer `question` to the end and return the `Answer` (also appended to `history`).

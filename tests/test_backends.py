@@ -53,6 +53,42 @@ def test_spec_defaults_and_label():
 
 
 @pytest.mark.parametrize(
+    "text, spec",
+    [
+        ("dynamic", CacheSpec("dynamic")),
+        ("fp8", CacheSpec("fp8")),
+        ("hqq:4", CacheSpec("hqq", nbits=4)),
+        (" HQQ : 2 , residual-length = 16 ", CacheSpec("hqq", nbits=2, residual_length=16)),
+        ("quanto:2,q_group_size=32,residual_length=8,axis_key=-1,axis_value=-1",
+         CacheSpec("quanto", nbits=2, q_group_size=32, residual_length=8, axis_key=-1, axis_value=-1)),
+        ("hqq,q_group_size=32", CacheSpec("hqq", q_group_size=32)),
+    ],
+)
+def test_spec_syntax_round_trips(text, spec):
+    assert CacheSpec.parse(text) == spec and CacheSpec.parse(spec.text) == spec
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("", "an empty spec; write backend[:nbits][,option=value...]"),
+        ("hqq:", "give the nbits after the colon"),
+        ("hqq:four", "nbits='four' must be an integer"),
+        ("int8", "backend='int8' is not a backend"),
+        ("hqq:4,bits=2", "'bits' is not an option; options: nbits, q_group_size"),
+        ("hqq:4,nbits=2", "nbits is given twice"),
+        ("hqq:4,residual_length", "is not option=value"),
+        ("fp8:4", "nbits=4 is not an option of the fp8 backend"),
+        ("quanto:3", "nbits=3 is not allowed for quanto; allowed: 2, 4"),
+    ],
+)
+def test_spec_syntax_errors_say_what_to_write(text, message):
+    with pytest.raises(ValueError) as error:
+        CacheSpec.parse(text)
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize(
     "spec, message",
     [
         (CacheSpec("int8"), "backend='int8' is not a backend; choose one of dynamic, quanto, hqq, fp8"),

@@ -1,18 +1,38 @@
-"""kvdemo.compare (first version): SQuAD metrics on hand-made cases, and a comparison on a tiny model."""
+"""kvdemo.compare: SQuAD metrics and the unanswerable rule on hand-made cases, KL divergence, and
+comparisons on a tiny model checked against `QASession` and `kv_memory` on the same caches."""
 
 from __future__ import annotations
 
+import json
 import math
+import threading
 
 import pytest
+import torch
 
 from kvdemo import CacheSpec, QASession
-from kvdemo.compare import common_prefix, compare, contains_gold, normalize_answer, token_f1
+from kvdemo.compare import (
+    ComparisonCancelled,
+    common_prefix,
+    compare,
+    contains_gold,
+    kl_divergence,
+    measure_spec,
+    normalize_answer,
+    says_unanswerable,
+    score_against_gold,
+    token_f1,
+)
+from kvdemo.telemetry import kv_memory
+
+CONTEXT = "The Normans were the people who gave their name to Normandy. Rollo led them."
+QUESTIONS = ["Who led them?", "Where?"]
 
 
 def test_squad_normalisation():
     assert normalize_answer("The Normans, in  FRANCE!") == "normans in france"
     assert normalize_answer("An apple a day") == "apple day"
+    assert normalize_answer("Doesn't say.") == "doesnt say"
 
 
 def test_token_f1_and_containment():
@@ -24,30 +44,132 @@ def test_token_f1_and_containment():
     assert contains_gold("anything", []) is False
 
 
+@pytest.mark.parametrize(
+    "answer, expected",
+    [
+        ("The text does not say.", True),
+        ("It doesn't mention who built it.", True),
+        ("That is not mentioned in the context.", True),
+        ("There is no information about that.", True),
+        ("Unknown.", True),
+        ("Rollo led them.", False),
+        ("He said it was unknowable", False),  # whole phrases only
+        ("", False),
+    ],
+)
+def test_says_unanswerable(answer, expected):
+    assert says_unanswerable(answer) is expected
+
+
+def test_score_against_gold_answerable_and_unanswerable():
+    assert score_against_gold("Rollo", ["Rollo", "Rollo the Viking"]) == (s := score_against_gold("rollo.", ["Rollo"]))
+    assert (s.exact_match, s.contains_gold, s.f1) == (1.0, 1.0, 1.0)
+    s = score_against_gold("Their leader was Rollo.", ["Rollo"])
+    assert (s.exact_match, s.contains_gold) == (0.0, 1.0) and s.f1 == pytest.approx(0.4)  # P 1/4, R 1
+    # an abstention on an answerable question is wrong, even if it repeats words of the gold answer
+    s = score_against_gold("The text does not say who Rollo was.", ["Rollo"])
+    assert (s.exact_match, s.contains_gold, s.f1) == (0.0, 0.0, 0.0)
+    # unanswerable (empty gold list): right only when the answer says the text does not give it
+    s = score_against_gold("The passage does not mention it.", [])
+    assert (s.exact_match, s.contains_gold, s.f1) == (1.0, 1.0, 1.0)
+    s = score_against_gold("It was founded in 911.", [])
+    assert (s.exact_match, s.contains_gold, s.f1) == (0.0, 0.0, 0.0)
+
+
 def test_common_prefix():
     assert common_prefix([1, 2, 3], [1, 2, 4]) == 2 and common_prefix([], [1]) == 0 and common_prefix([5], [5]) == 1
 
 
-def test_compare_puts_dynamic_first_and_agrees_with_sessions(tiny):
-    context = "The Normans were the people who gave their name to Normandy. Rollo led them."
-    questions = ["Who led them?", "Where?"]
-    report = compare(tiny, context, questions, [CacheSpec("hqq", nbits=2), CacheSpec("fp8")], max_new_tokens=5,
-                     gold_answers=[["Rollo"], ["Normandy"]])
-    assert [r.backend for r in report.results] == ["dynamic", "hqq", "fp8"]
+def test_kl_divergence_by_hand():
+    p = torch.tensor([[0.5, 0.5], [0.9, 0.1]]).log()
+    q = torch.tensor([[0.9, 0.1], [0.9, 0.1]]).log()
+    kl = kl_divergence(p, q)
+    assert kl[0].item() == pytest.approx(0.5 * math.log(0.5 / 0.9) + 0.5 * math.log(0.5 / 0.1), rel=1e-5)
+    assert kl[1].item() == 0.0
+    assert kl_divergence(p, p).abs().max().item() == 0.0
+    with pytest.raises(ValueError, match="differ"):
+        kl_divergence(p, q[:1])
+
+
+def test_dynamic_against_itself_has_zero_kl_and_identical_answers(tiny):
+    first, reference = measure_spec(tiny, CONTEXT, QUESTIONS, CacheSpec("dynamic"), max_new_tokens=6)
+    # the teacher-forced scoring reproduces the generation: each row's argmax is the answer's token
+    for ids, logprobs in zip(reference.token_ids, reference.logprobs):
+        assert logprobs.shape == (len(ids), len(tiny.tokenizer)) and tuple(logprobs.argmax(-1).tolist()) == ids
+    # a second, independent session (its own prefill) measured against the first one
+    second, _ = measure_spec(tiny, CONTEXT, QUESTIONS, CacheSpec("dynamic"), max_new_tokens=6, reference=reference)
+    assert [q.kl_nats for q in second.questions] == [0.0, 0.0]
+    assert all(q.identical_to_dynamic and q.common_prefix_tokens == len(q.token_ids) == 6 for q in second.questions)
+    assert second.kv_bytes == first.kv_bytes and second.restored
+
+
+def test_compare_against_sessions_and_kv_memory(tiny):
+    specs = [CacheSpec("hqq", nbits=2, residual_length=2), CacheSpec("fp8"), CacheSpec("dynamic"), CacheSpec("fp8")]
+    progress = []
+    report = compare(tiny, CONTEXT, QUESTIONS, specs, max_new_tokens=5, gold_answers=[["Rollo"], []],
+                     on_progress=lambda done, total, what: progress.append((done, total)))
+    assert [r.spec_text for r in report.results] == ["dynamic", "hqq:2,residual_length=2", "fp8"]  # dynamic once, first
+    assert progress[-1] == (15, 15) and [d for d, _ in progress] == sorted(d for d, _ in progress)
     dynamic = report.results[0]
-    assert all(q.identical_to_dynamic and q.common_prefix_tokens == len(q.token_ids) for q in dynamic.questions)
-    assert dynamic.ratio_to_dynamic == 1.0
-    for result, spec in zip(report.results[1:], [CacheSpec("hqq", nbits=2), CacheSpec("fp8")]):
+    assert dynamic.ratio_to_dynamic == 1.0 and all(q.kl_nats == 0.0 for q in dynamic.questions)
+    for result, spec in zip(report.results[1:], specs[:2]):
         session = QASession(tiny, spec)
-        prefill = session.prefill(context)
-        assert result.kv_bytes == prefill.kv_bytes
-        assert result.ratio_to_dynamic == pytest.approx(prefill.kv_bytes / dynamic.kv_bytes)
-        assert [q.token_ids for q in result.questions] == [session.ask(q, 5).token_ids for q in questions]
-        assert all(q.cache_length_after == prefill.context_tokens for q in result.questions)
+        prefill = session.prefill(CONTEXT)
+        memory = kv_memory(session.cache)
+        assert (result.kv_bytes, result.quantized_bytes, result.residual_bytes) == (
+            memory.total_bytes, memory.quantized_bytes, memory.residual_bytes)
+        assert result.bytes_per_token == memory.total_bytes / prefill.context_tokens
+        assert result.ratio_to_dynamic == pytest.approx(memory.total_bytes / dynamic.kv_bytes)
+        assert [q.token_ids for q in result.questions] == [session.ask(q, 5).token_ids for q in QUESTIONS]
+        assert all(q.cache_length_after == prefill.context_tokens for q in result.questions) and result.restored
+        # KL against dynamic's teacher-forced distributions, recomputed here by hand
+        ref_session = QASession(tiny, CacheSpec("dynamic"))
+        ref_session.prefill(CONTEXT)
+        for q, ref in zip(result.questions, dynamic.questions):
+            expected = kl_divergence(ref_session.score(q.question, ref.token_ids), session.score(q.question, ref.token_ids))
+            assert q.kl_nats == pytest.approx(float(expected.mean()), abs=1e-6) and q.kl_nats > 0
+    hqq = report.results[1]
+    assert hqq.flushes > 0 and sum(q.flush_steps for q in hqq.questions) > 0 and hqq.flush_seconds > 0
+    assert [q.answerable for q in hqq.questions] == [True, False]
     frame = report.to_frame()
-    assert list(frame["spec"])[0] == "dynamic" and frame["identical to dynamic"].iloc[0] == 1.0
-    assert not math.isnan(frame["F1"].iloc[0])
-    with pytest.raises(ValueError, match="gold_answers has 1 entries for 2 questions"):
-        compare(tiny, context, questions, [], gold_answers=[["x"]])
-    with pytest.raises(ValueError, match="at least one question"):
-        compare(tiny, context, [], [])
+    assert list(frame["spec"]) == [r.spec for r in report.results]
+    assert frame["identical to dynamic"].iloc[0] == 1.0 and frame["KL (nats)"].iloc[0] == 0.0
+    assert frame["KL (nats)"].iloc[1] == pytest.approx(sum(q.kl_nats for q in hqq.questions) / 2)
+    assert not math.isnan(frame["F1"].iloc[0]) and frame["restored"].all()
+    data = json.loads(json.dumps(report.to_dict()))
+    assert data["results"][1]["questions"][0]["token_ids"] == list(hqq.questions[0].token_ids)
+
+
+def test_compare_without_gold_has_nan_gold_columns(tiny):
+    frame = compare(tiny, CONTEXT, QUESTIONS[:1], [], max_new_tokens=2).to_frame()
+    assert len(frame) == 1 and math.isnan(frame["F1"].iloc[0]) and math.isnan(frame["contains gold"].iloc[0])
+
+
+def test_cancel_stops_at_the_next_step_and_keeps_finished_specs(tiny):
+    cancel = threading.Event()
+
+    def on_progress(done, total, what):
+        if what.startswith("hqq:4: answered 1/"):
+            cancel.set()
+
+    with pytest.raises(ComparisonCancelled) as caught:
+        compare(tiny, CONTEXT, QUESTIONS, [CacheSpec("hqq", nbits=4)], max_new_tokens=4, cancel=cancel,
+                on_progress=on_progress)
+    assert [r.backend for r in caught.value.report.results] == ["dynamic"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(questions=[]), "at least one question"),
+        (dict(questions=["ok", "  "]), "question 2 is empty"),
+        (dict(gold_answers=[["x"]]), "gold_answers has 1 entries for 2 questions"),
+        (dict(max_new_tokens=0), "max_new_tokens=0 must be a whole number >= 1"),
+        (dict(specs=[CacheSpec("hqq", nbits=4, q_group_size=48)]), "q_group_size=48"),
+        (dict(context="   "), "the context is empty"),
+    ],
+)
+def test_bad_input_is_refused(tiny, kwargs, message):
+    args = dict(context=CONTEXT, questions=QUESTIONS, specs=[], max_new_tokens=2) | kwargs
+    with pytest.raises(ValueError, match=message):
+        compare(tiny, **args)

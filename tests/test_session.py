@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+import torch
 
 from kvdemo import CacheSpec, QASession
 from kvdemo.session import QUESTION_RESERVE_TOKENS, DEFAULT_MAX_NEW_TOKENS
@@ -105,6 +106,24 @@ def test_bad_questions_are_refused_and_the_session_still_answers(tiny, question,
     assert session.cache_length == report.context_tokens
     assert session.ask("Where were the Normans?", 5).token_ids == good.token_ids
     assert len(session.history) == 2
+
+
+def test_score_reproduces_generation_restores_and_refuses_bad_input(tiny):
+    session = QASession(tiny, CacheSpec("hqq", nbits=4, residual_length=2))
+    report = session.prefill("The Normans were in Normandy.")
+    answer = session.ask("Where were the Normans?", 6)
+    logprobs = session.score("Where were the Normans?", answer.token_ids)
+    assert logprobs.shape == (6, len(tiny.tokenizer)) and logprobs.dtype == torch.float32
+    assert tuple(logprobs.argmax(-1).tolist()) == answer.token_ids  # the flushes happen as in generation
+    assert torch.allclose(logprobs.exp().sum(-1), torch.ones(6))
+    assert session.cache_length == report.context_tokens and len(session.history) == 1
+    other = session.score("Where were the Normans?", [5, 6, 7])
+    assert other.shape[0] == 3 and torch.equal(other[0], logprobs[0])  # same question, same first distribution
+    with pytest.raises(ValueError, match="answer_ids is empty"):
+        session.score("Where?", [])
+    with pytest.raises(ValueError, match="exceeds the model's 512-token window"):
+        session.score("Where?", [5] * 600)
+    assert session.ask("Where were the Normans?", 6).token_ids == answer.token_ids
 
 
 def test_ask_before_prefill_is_refused(tiny):
