@@ -50,9 +50,18 @@ class LayerMemory:
 
 @dataclass(frozen=True)
 class MemoryReport:
-    """Bytes held by a whole cache, per layer and in total (each storage counted once)."""
+    """Bytes held by a whole cache, per layer and in total (each storage counted once).
+
+    Attributes:
+        layers: one `LayerMemory` per cache layer.
+        device_allocated_bytes: on CUDA only, `torch.cuda.memory_allocated(device)` when the report was made
+            (bytes): everything PyTorch's caching allocator has handed out on the cache's device (the model's
+            weights, the cache, activations alive at that moment), beside the tensor accounting above; None on
+            CPU.
+    """
 
     layers: tuple[LayerMemory, ...]
+    device_allocated_bytes: int | None = None
 
     @property
     def quantized_bytes(self) -> int:
@@ -82,6 +91,8 @@ class MemoryReport:
             "residual_bytes": self.residual_bytes,
             "seq_length": self.seq_length,
         }
+        if self.device_allocated_bytes is not None:
+            out["device_allocated_bytes"] = self.device_allocated_bytes
         if per_layer:
             out["layers"] = [asdict(layer) for layer in self.layers]
         return out
@@ -132,10 +143,12 @@ def _plain_tensors(obj: Any) -> Iterator[torch.Tensor]:
             yield from _plain_tensors(item)
 
 
-def _bytes(objs: tuple[Any, ...], seen: set[tuple[str, int]]) -> int:
+def _bytes(objs: tuple[Any, ...], seen: set[tuple[str, int]], devices: set[torch.device] | None = None) -> int:
     total = 0
     for obj in objs:
         for tensor in _plain_tensors(obj):
+            if devices is not None:
+                devices.add(tensor.device)
             storage = tensor.untyped_storage()
             key = (str(tensor.device), storage.data_ptr())
             if storage.nbytes() == 0 or key in seen:
@@ -157,22 +170,28 @@ def kv_memory(cache: Cache) -> MemoryReport:
             `_quantized_keys`/`_quantized_values`).
 
     Returns:
-        A `MemoryReport`; each tensor storage is counted once across the whole cache.
+        A `MemoryReport`; each tensor storage is counted once across the whole cache. When the cache's tensors
+        are on a CUDA device, `device_allocated_bytes` is `torch.cuda.memory_allocated` of that device.
     """
     seen: set[tuple[str, int]] = set()
+    devices: set[torch.device] = set()
     layers = []
     for layer in cache.layers:
-        quantized = _bytes((getattr(layer, "_quantized_keys", None), getattr(layer, "_quantized_values", None)), seen)
+        quantized = _bytes(
+            (getattr(layer, "_quantized_keys", None), getattr(layer, "_quantized_values", None)), seen, devices
+        )
         keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
         layers.append(
             LayerMemory(
                 quantized_bytes=quantized,
-                residual_bytes=_bytes((keys, values), seen),
+                residual_bytes=_bytes((keys, values), seen, devices),
                 residual_tokens=_tokens(keys),
                 seq_length=layer.get_seq_length(),
             )
         )
-    return MemoryReport(tuple(layers))
+    cuda = sorted((d for d in devices if d.type == "cuda"), key=str)
+    allocated = torch.cuda.memory_allocated(cuda[0]) if cuda else None
+    return MemoryReport(tuple(layers), device_allocated_bytes=allocated)
 
 
 def full_precision_bytes(model_config, tokens: int, dtype: torch.dtype) -> int:
