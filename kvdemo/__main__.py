@@ -1,5 +1,9 @@
-"""Command line: `python -m kvdemo ask ...` prefills a context once and answers questions in turn over a
-chosen KV cache backend, printing a summary or (with `--json`) one JSON object."""
+"""Command line.
+
+`python -m kvdemo ask ...` prefills a context once and answers questions in turn over a chosen KV cache
+backend, printing a summary or (with `--json`) one JSON object. `python -m kvdemo compare ...` runs the same
+context and questions over several backends (`kvdemo.compare`) and prints a table or (with `--json`) the report.
+Bad input exits with status 2 and the message on stderr."""
 
 from __future__ import annotations
 
@@ -8,7 +12,11 @@ import json
 import sys
 from typing import Any
 
+import pandas as pd
+from tqdm.auto import tqdm
+
 from kvdemo.backends import BACKENDS, GROUP_OPTIONS, CacheSpec
+from kvdemo.compare import DEFAULT_SPECS, ComparisonReport, compare
 from kvdemo.cases import load_case
 from kvdemo.session import DEFAULT_MAX_NEW_TOKENS, QUESTION_RESERVE_TOKENS
 
@@ -39,19 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         "after every answer the cache is restored to its post-prefill state (cache_length_after).\n\n"
         "Backends (options left unset take the default shown):\n" + _backend_help(),
     )
-    ask.add_argument(
-        "--context-file",
-        required=True,
-        help="a UTF-8 text file, or a SQuAD case file (JSON with 'paragraphs', e.g. ../shared/cases/normans.json)",
-    )
-    ask.add_argument("--paragraphs", help="case files: paragraphs to use, e.g. 0-7 or 0,2,5-7 (default: all)")
-    ask.add_argument("--question", action="append", default=[], help="a question (repeat for several)")
-    ask.add_argument(
-        "--questions-from-case",
-        type=int,
-        metavar="N",
-        help="case files: also ask the first N answerable questions about the chosen paragraphs",
-    )
+    _context_arguments(ask)
     ask.add_argument("--backend", default="dynamic", choices=list(BACKENDS), help="KV cache backend (default dynamic)")
     ask.add_argument("--nbits", type=int, help="bits per quantized value (quanto 2|4, hqq 1|2|3|4|8)")
     ask.add_argument("--q-group-size", type=int, help="values per scale/zero-point group; must fit head_dim")
@@ -64,7 +60,107 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--model", help="a Hub id, a local folder or a .gguf file (default: the embedded SmolLM2-135M)")
     ask.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     ask.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
+    compare = sub.add_parser(
+        "compare",
+        help="the same context and questions over several backends: memory, fidelity against dynamic and gold, speed",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Prefill the context and answer the questions once per --spec, one backend at a time, dynamic\n"
+        "first (always included). Per spec: KV bytes after the prefill, bytes per context token, ratio to dynamic;\n"
+        "answers identical to dynamic's, common prefix (tokens), mean KL divergence (nats) to dynamic teacher-forced\n"
+        "on dynamic's answer; exact match, gold containment and F1 (SQuAD normalisation) when the case file gives\n"
+        "gold answers (an unanswerable question counts right only when the answer says the text does not say);\n"
+        "prefill seconds, decode tokens/s, seconds of the decode steps that flushed; cache length after restore.\n\n"
+        "Spec syntax: backend[:nbits][,option=value...] with options q_group_size, residual_length, axis_key,\n"
+        "axis_value (unset ones take the defaults below), e.g.\n"
+        "  --spec dynamic --spec hqq:4 --spec quanto:2,q_group_size=32,residual_length=16 --spec fp8\n"
+        f"Default specs: {' '.join(DEFAULT_SPECS)}\n\nBackends:\n" + _backend_help(),
+    )
+    _context_arguments(compare)
+    compare.add_argument(
+        "--unanswerable-from-case",
+        type=int,
+        metavar="N",
+        help="case files: also ask the first N questions the text does not answer (SQuAD 2.0 is_impossible)",
+    )
+    compare.add_argument("--spec", action="append", default=[], help="a spec to compare (repeat for several)")
+    compare.add_argument(
+        "--max-new-tokens", type=int, default=32, help="most tokens per answer (default 32)"
+    )
+    compare.add_argument("--model", help="a Hub id, a local folder or a .gguf file (default: the embedded SmolLM2-135M)")
+    compare.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    compare.add_argument("--json", action="store_true", help="print the report as one JSON object instead of a table")
+    compare.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return parser
+
+
+def _context_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--context-file",
+        required=True,
+        help="a UTF-8 text file, or a SQuAD case file (JSON with 'paragraphs', e.g. ../shared/cases/normans.json)",
+    )
+    parser.add_argument("--paragraphs", help="case files: paragraphs to use, e.g. 0-7 or 0,2,5-7 (default: all)")
+    parser.add_argument("--question", action="append", default=[], help="a question (repeat for several)")
+    parser.add_argument(
+        "--questions-from-case",
+        type=int,
+        metavar="N",
+        help="case files: also ask the first N answerable questions about the chosen paragraphs",
+    )
+
+
+def _case_questions(args: argparse.Namespace) -> tuple[Any, list[str]]:
+    """The case (cut to --paragraphs) and the questions from --question and --questions-from-case (and, for
+    compare, --unanswerable-from-case). Raises ValueError for a missing or bad choice."""
+    case = load_case(args.context_file).select(args.paragraphs)
+    questions = list(args.question)
+    for flag, count, picked in (
+        ("--questions-from-case", args.questions_from_case, lambda n: case.answerable(n)),
+        ("--unanswerable-from-case", getattr(args, "unanswerable_from_case", None), lambda n: case.unanswerable(n)),
+    ):
+        if count is None:
+            continue
+        if count < 1:
+            raise ValueError(f"{flag} must be >= 1")
+        if not case.questions:
+            raise ValueError(f"{args.context_file} has no questions; {flag} needs a case file")
+        questions += [q.question for q in picked(count)]
+    if not questions:
+        raise ValueError("no question: give --question (repeatable) or --questions-from-case N")
+    return case, questions
+
+
+def run_compare(args: argparse.Namespace) -> ComparisonReport:
+    """Run the `compare` command and return its report.
+
+    Raises:
+        ValueError, ImportError, OSError: bad input; the message says what to change.
+    """
+    from kvdemo.models import load_model
+
+    specs = [CacheSpec.parse(text) for text in (args.spec or DEFAULT_SPECS)]
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens {args.max_new_tokens}: it must be >= 1")
+    case, questions = _case_questions(args)
+    golds = [case.gold_for(q) for q in questions]
+    gold_answers = None if any(g is None for g in golds) else [list(g) for g in golds]
+    loaded = load_model(args.model, device=args.device)
+    bars: list[tqdm] = []
+
+    def on_progress(done: int, total: int, what: str) -> None:
+        if args.no_progress:
+            return
+        if not bars:
+            bars.append(tqdm(total=total, unit="step", file=sys.stderr, dynamic_ncols=True))
+        bars[0].set_description(what, refresh=False)
+        bars[0].update(done - bars[0].n)
+
+    try:
+        return compare(loaded, case.context, questions, specs, args.max_new_tokens, gold_answers,
+                       on_progress=on_progress)
+    finally:
+        for bar in bars:
+            bar.close()
 
 
 def run_ask(args: argparse.Namespace) -> dict[str, Any]:
@@ -80,16 +176,7 @@ def run_ask(args: argparse.Namespace) -> dict[str, Any]:
     spec.validate()  # options against the registry before the model loads
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens}: it must be >= 1")
-    case = load_case(args.context_file).select(args.paragraphs)
-    questions = list(args.question)
-    if args.questions_from_case is not None:
-        if args.questions_from_case < 1:
-            raise ValueError("--questions-from-case must be >= 1")
-        if not case.questions:
-            raise ValueError(f"{args.context_file} has no questions; --questions-from-case needs a case file")
-        questions += [q.question for q in case.answerable(args.questions_from_case)]
-    if not questions:
-        raise ValueError("no question: give --question (repeatable) or --questions-from-case N")
+    case, questions = _case_questions(args)
     loaded = load_model(args.model, device=args.device)
     session = QASession(loaded, spec)
     report = session.prefill(case.context, reserve_tokens=QUESTION_RESERVE_TOKENS + args.max_new_tokens)
@@ -144,10 +231,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        result = run_ask(args)
+        if args.command == "compare":
+            report = run_compare(args)
+        else:
+            result = run_ask(args)
     except (ValueError, ImportError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    if args.command == "compare":
+        if args.json:
+            print(json.dumps(report.to_dict(), indent=2, ensure_ascii=False))
+        else:
+            with pd.option_context("display.width", 250, "display.max_columns", None):
+                print(report.to_frame().to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+        return 0
     print(json.dumps(result, indent=2, ensure_ascii=False) if args.json else format_summary(result))
     return 0
 

@@ -59,6 +59,11 @@ class Case:
         found = [q for q in self.questions if not q.is_impossible]
         return found if n is None else found[:n]
 
+    def unanswerable(self, n: int | None = None) -> list[CaseQuestion]:
+        """The first `n` (all when None) questions the text does not answer (SQuAD 2.0 `is_impossible`)."""
+        found = [q for q in self.questions if q.is_impossible]
+        return found if n is None else found[:n]
+
     def gold_for(self, question: str) -> tuple[str, ...] | None:
         """The gold answers of a question of this case, or None when it is not one of them."""
         for q in self.questions:
@@ -156,3 +161,19 @@ def example_path(name: str) -> Path:
         names = ", ".join(sorted(p.stem for p in EXAMPLES_DIR.glob("*.json")))
         raise FileNotFoundError(f"no example named {name!r}; there are: {names}")
     return path
+
+
+def gold_answers_for(context: str, questions: list[str]) -> list[tuple[str, ...]] | None:
+    """The gold answers of `questions` when `context` is made of paragraphs of one shipped example and every
+    question is one of that example's (then an empty tuple marks a question the text does not answer);
+    else None. Lets the app score the example questions against gold."""
+    paragraphs = [p.strip() for p in context.split("\n\n") if p.strip()] if isinstance(context, str) else []
+    if not paragraphs or not questions:
+        return None
+    for path in sorted(EXAMPLES_DIR.glob("*.json")):
+        case = load_case(path)
+        if set(paragraphs) <= {p.strip() for p in case.paragraphs}:
+            golds = [case.gold_for(q) for q in questions]
+            return None if any(g is None for g in golds) else golds
+    return None
+

@@ -178,3 +178,33 @@ def speed_figure(frame: pd.DataFrame, title: str = "Decode speed") -> Figure:
     ax.invert_yaxis()
     ax.set(xlabel="tokens/s", title=title)
     return fig
+
+
+def tradeoff_frame(frame: pd.DataFrame) -> pd.DataFrame:
+    """The app's memory-against-fidelity chart data, one row per spec, from `ComparisonReport.to_frame()`.
+
+    Columns: `spec`, `bytes per token` (KV bytes per context token), `KL (nats)` (mean per answer token,
+    against `dynamic`), `identical` (share of answers identical to `dynamic`'s), `contains gold` (NaN without
+    gold answers).
+    """
+    return pd.DataFrame(
+        {
+            "spec": frame["spec"].astype("string"),
+            "bytes per token": frame["bytes/token"].astype("float64"),
+            "KL (nats)": frame["KL (nats)"].astype("float64"),
+            "identical": frame["identical to dynamic"].astype("float64"),
+            "contains gold": frame["contains gold"].astype("float64"),
+        }
+    )
+
+
+def speed_frame(frame: pd.DataFrame) -> pd.DataFrame:
+    """The app's decode-speed chart data: `spec`, `tokens/s` (median over the answers) and `flush s` (seconds
+    spent in decode steps that flushed), from `ComparisonReport.to_frame()`."""
+    return pd.DataFrame(
+        {
+            "spec": frame["spec"].astype("string"),
+            "tokens/s": frame["tokens/s"].astype("float64"),
+            "flush s": frame["flush s"].astype("float64"),
+        }
+    )

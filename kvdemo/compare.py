@@ -37,7 +37,7 @@ import torch
 
 from kvdemo.backends import CacheSpec
 from kvdemo.models import LoadedModel
-from kvdemo.session import QASession
+from kvdemo.session import QUESTION_RESERVE_TOKENS, QASession
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b", re.UNICODE)
 _PUNCTUATION = set(string.punctuation)
@@ -71,6 +71,9 @@ ABSTENTION_PHRASES = (
 )
 """Normalised phrases (after `normalize_answer`: lower case, no punctuation, no articles) by which an answer
 says that the text does not give the answer."""
+
+DEFAULT_SPECS = ("dynamic", "quanto:2", "quanto:4", "hqq:2", "hqq:4", "hqq:8", "fp8")
+"""The specs compared when none are chosen (`CacheSpec.parse` syntax; unset options take their defaults)."""
 
 ProgressCallback = Callable[[int, int, str], None]
 """`on_progress(done, total, what)`: units of work done so far, the total, and what runs next."""
@@ -335,7 +338,7 @@ def measure_spec(
         ValueError, ImportError: the session refuses the spec, context or a question (its message).
     """
     session = QASession(loaded_model, spec)
-    prefill = session.prefill(context)
+    prefill = session.prefill(context, reserve_tokens=QUESTION_RESERVE_TOKENS + max_new_tokens)
     if on_step is not None:
         on_step(f"{spec.text}: prefilled {prefill.context_tokens} tokens")
     answers, flush_steps, flush_seconds = [], [], []

@@ -20,8 +20,17 @@ from typing import Any, Callable, Iterator
 import gradio as gr
 
 from kvdemo.backends import BACKENDS, GROUP_OPTIONS, CacheSpec
-from kvdemo.cases import example_path, load_case
-from kvdemo.charts import MEMORY_SERIES, answers_frame, flush_frame, memory_frame, residual_frame
+from kvdemo.cases import example_path, gold_answers_for, load_case
+from kvdemo.charts import (
+    MEMORY_SERIES,
+    answers_frame,
+    flush_frame,
+    memory_frame,
+    residual_frame,
+    speed_frame,
+    tradeoff_frame,
+)
+from kvdemo.compare import DEFAULT_SPECS, ComparisonCancelled, ComparisonReport, compare
 from kvdemo.models import LoadedModel, load_model
 from kvdemo.session import DEFAULT_MAX_NEW_TOKENS, QASession
 
@@ -57,6 +66,8 @@ class UserSession:
     chat: list[dict[str, str]] = field(default_factory=list)
     events: list = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    compare_cancel: threading.Event = field(default_factory=threading.Event)
+    compare_lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class SessionStore:
@@ -81,8 +92,10 @@ class SessionStore:
         """Drop the session of `key` and its cache."""
         with self._lock:
             user = self._sessions.pop(key, None)
-        if user is not None and user.qa is not None:
-            user.qa.request_stop()
+        if user is not None:
+            user.compare_cancel.set()
+            if user.qa is not None:
+                user.qa.request_stop()
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -267,6 +280,67 @@ def load_example(name: str) -> tuple[str, Any]:
     return context, gr.Dataset(samples=[[q] for q in questions])
 
 
+COMPARE_CHOICES = tuple(
+    CacheSpec(name, nbits=n).text if n is not None else name
+    for name, info in BACKENDS.items()
+    for n in (info.options["nbits"].choices if "nbits" in info.options else (None,))
+)
+"""The specs offered as checkboxes: every backend and nbits with the other options at their defaults."""
+
+
+def compare_specs(chosen: list[str] | None, more: str | None) -> list[CacheSpec]:
+    """The specs of the Compare tab: the ticked ones, then one per non-empty line of `more` (the
+    `CacheSpec.parse` syntax, e.g. `hqq:4,residual_length=16`).
+
+    Raises:
+        gr.Error: a line that does not parse (its message, with the line number), or no spec at all.
+    """
+    specs = [CacheSpec.parse(text) for text in chosen or []]
+    for number, line in enumerate((more or "").splitlines(), 1):
+        if line.strip():
+            try:
+                specs.append(CacheSpec.parse(line))
+            except ValueError as error:
+                raise gr.Error(f"more specs, line {number}: {error}") from None
+    if not specs:
+        raise gr.Error("Tick at least one spec to compare (dynamic is always included as the baseline)")
+    return specs
+
+
+def compare_questions(text: str | None) -> list[str]:
+    """The questions of the Compare tab: one per non-empty line.
+
+    Raises:
+        gr.Error: there is none.
+    """
+    questions = [line.strip() for line in (text or "").splitlines() if line.strip()]
+    if not questions:
+        raise gr.Error("Give at least one question, one per line (or press 'Fill in questions')")
+    return questions
+
+
+def suggested_questions(qa: QASession | None, context: str) -> list[str]:
+    """The questions asked so far in this session (each once, in order); without any, the example
+    questions when `context` is one of the shipped examples; else none."""
+    asked = list(dict.fromkeys(a.question for a in qa.history)) if qa is not None else []
+    if asked:
+        return asked
+    for name in EXAMPLES:
+        text, questions = example(name)
+        if isinstance(context, str) and context.strip() == text.strip():
+            return questions
+    return []
+
+
+def comparison_outputs(report: ComparisonReport, note: str) -> tuple[str, Any, Any, Any]:
+    """The Compare tab's status line, table and two chart frames for a (possibly partial) report."""
+    frame = report.to_frame()
+    if report.results:
+        tokens = report.results[0].context_tokens
+        note += f" · context {tokens:,} tokens · max_new_tokens {report.max_new_tokens}"
+    return note, frame, tradeoff_frame(frame), speed_frame(frame)
+
+
 def _empty_charts() -> tuple[None, None, None]:
     """Cleared charts. An empty plot is `None`, not an empty DataFrame: Gradio's plot takes its series
     (the color legend) from the first data it gets, and an empty frame would leave it with none."""
@@ -383,6 +457,45 @@ def build_demo(app: App) -> gr.Blocks:
             gr.update(interactive=False),
         )
 
+    def fill_questions_handler(context: str, request: gr.Request) -> str:
+        """The questions asked so far in this session, or the example's questions."""
+        user = user_of(request)
+        return "\n".join(suggested_questions(user.qa, context))
+
+    def compare_handler(context, chosen, more, questions_text, max_new_tokens, request: gr.Request,
+                        progress=gr.Progress()):
+        """Run `kvdemo.compare` on the Context box's text and the questions, one spec at a time, in fresh
+        sessions: this session's own cache is untouched. Cancel stops it at the next decode step."""
+        specs = compare_specs(chosen, more)
+        questions = compare_questions(questions_text)
+        if isinstance(max_new_tokens, float) and max_new_tokens.is_integer():
+            max_new_tokens = int(max_new_tokens)
+        loaded = app.wait_for_model()
+        user = user_of(request)
+        if not user.compare_lock.acquire(blocking=False):
+            raise gr.Error("A comparison is already running in this session; wait or press Cancel")
+        try:
+            user.compare_cancel.clear()
+            golds = gold_answers_for(context, questions)
+            progress(0, desc="Starting the comparison…")
+            report = compare(
+                loaded, context, questions, specs, max_new_tokens, golds, cancel=user.compare_cancel,
+                on_progress=lambda done, total, what: progress((done, total), desc=what, unit="steps"),
+            )
+            note = f"Compared {len(report.results)} specs on {len(questions)} questions"
+            note += " (scored against the example's gold answers)." if golds else " (no gold answers for this text)."
+            return comparison_outputs(report, note)
+        except ComparisonCancelled as cancelled:
+            return comparison_outputs(cancelled.report, f"Cancelled after {len(cancelled.report.results)} spec(s).")
+        except (ValueError, ImportError) as error:
+            raise gr.Error(str(error)) from None
+        finally:
+            user.compare_lock.release()
+
+    def cancel_compare_handler(request: gr.Request) -> None:
+        """Cancel this session's comparison at its next decode step (it returns what finished)."""
+        user_of(request).compare_cancel.set()
+
     def unload(request: gr.Request):
         app.sessions.free(request.session_hash)
 
@@ -401,57 +514,96 @@ def build_demo(app: App) -> gr.Blocks:
                         scale=3,
                     )
                     load_button = gr.Button("Load", scale=1)
-        with gr.Row():
-            with gr.Column(scale=1, min_width=280):
-                gr.Markdown("### Cache backend")
-                backend = gr.Radio(list(BACKENDS), value="hqq", label="backend")
-                hqq = BACKENDS["hqq"].options
-                nbits = gr.Dropdown(list(hqq["nbits"].choices), value=4, label="nbits", info=hqq["nbits"].help)
-                q_group_size = gr.Number(hqq["q_group_size"].default, label="q_group_size", precision=0,
-                                         info=hqq["q_group_size"].help)
-                residual_length = gr.Number(16, label="residual_length", precision=0, minimum=1,
-                                            info=hqq["residual_length"].help)
-                axis_key = gr.Dropdown(list(hqq["axis_key"].choices), value=0, label="axis_key")
-                axis_value = gr.Dropdown(list(hqq["axis_value"].choices), value=0, label="axis_value")
-                backend_note = gr.Markdown(BACKENDS["hqq"].summary + ".")
-            with gr.Column(scale=3):
-                gr.Markdown("### Context")
-                context = gr.Textbox(label="context", lines=10, max_lines=18, placeholder="Paste a long text…")
-                with gr.Row():
-                    upload = gr.File(label="or upload .txt / .md (≤ 2 MiB, UTF-8)", file_types=[".txt", ".md"],
-                                     type="filepath", height=90)
-                    with gr.Column():
-                        example_buttons = {name: gr.Button(f"Example: {name}", size="sm") for name in EXAMPLES}
-                prefill_button = gr.Button("Prefill", variant="primary")
-                prefill_info = gr.Markdown("")
-        gr.Markdown("### Questions")
-        with gr.Row():
-            with gr.Column(scale=3):
-                chat = gr.Chatbot(label="answers", height=320)
-                question = gr.Textbox(label="question", placeholder="Ask about the context…")
-                with gr.Row():
-                    max_new_tokens = gr.Number(DEFAULT_MAX_NEW_TOKENS, label="max_new_tokens", precision=0, minimum=1)
-                    ask_button = gr.Button("Ask", variant="primary", interactive=False)
-                    stop_button = gr.Button("Stop", variant="stop")
-                example_questions = gr.Dataset(components=[question], samples=[], label="example questions")
-                stats = gr.Markdown("")
-            with gr.Column(scale=2):
-                memory_plot = gr.LinePlot(
-                    None, x="step", y="MiB", color="series", title="KV cache memory",
-                    x_title="decode step", y_title="MiB", height=230, y_lim=[0, None],
-                    color_map=dict(zip(MEMORY_SERIES, ("#1f77b4", "#ff7f0e", "#7f7f7f"))),
+        with gr.Tab("Ask", id="ask"):
+            with gr.Row():
+                with gr.Column(scale=1, min_width=280):
+                    gr.Markdown("### Cache backend")
+                    backend = gr.Radio(list(BACKENDS), value="hqq", label="backend")
+                    hqq = BACKENDS["hqq"].options
+                    nbits = gr.Dropdown(list(hqq["nbits"].choices), value=4, label="nbits", info=hqq["nbits"].help)
+                    q_group_size = gr.Number(hqq["q_group_size"].default, label="q_group_size", precision=0,
+                                             info=hqq["q_group_size"].help)
+                    residual_length = gr.Number(16, label="residual_length", precision=0, minimum=1,
+                                                info=hqq["residual_length"].help)
+                    axis_key = gr.Dropdown(list(hqq["axis_key"].choices), value=0, label="axis_key")
+                    axis_value = gr.Dropdown(list(hqq["axis_value"].choices), value=0, label="axis_value")
+                    backend_note = gr.Markdown(BACKENDS["hqq"].summary + ".")
+                with gr.Column(scale=3):
+                    gr.Markdown("### Context")
+                    context = gr.Textbox(label="context", lines=10, max_lines=18, placeholder="Paste a long text…")
+                    with gr.Row():
+                        upload = gr.File(label="or upload .txt / .md (≤ 2 MiB, UTF-8)", file_types=[".txt", ".md"],
+                                         type="filepath", height=90)
+                        with gr.Column():
+                            example_buttons = {name: gr.Button(f"Example: {name}", size="sm") for name in EXAMPLES}
+                    prefill_button = gr.Button("Prefill", variant="primary")
+                    prefill_info = gr.Markdown("")
+            gr.Markdown("### Questions")
+            with gr.Row():
+                with gr.Column(scale=3):
+                    chat = gr.Chatbot(label="answers", height=320)
+                    question = gr.Textbox(label="question", placeholder="Ask about the context…")
+                    with gr.Row():
+                        max_new_tokens = gr.Number(DEFAULT_MAX_NEW_TOKENS, label="max_new_tokens", precision=0, minimum=1)
+                        ask_button = gr.Button("Ask", variant="primary", interactive=False)
+                        stop_button = gr.Button("Stop", variant="stop")
+                    example_questions = gr.Dataset(components=[question], samples=[], label="example questions")
+                    stats = gr.Markdown("")
+                with gr.Column(scale=2):
+                    memory_plot = gr.LinePlot(
+                        None, x="step", y="MiB", color="series", title="KV cache memory",
+                        x_title="decode step", y_title="MiB", height=230, y_lim=[0, None],
+                        color_map=dict(zip(MEMORY_SERIES, ("#1f77b4", "#ff7f0e", "#7f7f7f"))),
+                    )
+                    residual_plot = gr.LinePlot(
+                        None, x="step", y="residual tokens", title="Residual fill (layer 0)",
+                        x_title="decode step", height=180,
+                    )
+                    flush_plot = gr.ScatterPlot(
+                        None, x="step", y="layer", title="Flushes (decode step × layer)",
+                        x_title="decode step", height=200, tooltip=["step", "layer", "step seconds"],
+                    )
+            answers_table = gr.Dataframe(answers_frame([]), label="this session's answers", interactive=False)
+            with gr.Accordion("What am I looking at?", open=False):
+                gr.Markdown(EXPLAINER)
+
+        with gr.Tab("Compare backends", id="compare"):
+            gr.Markdown(
+                "Run the text in the **Context** box and the questions below over several KV cache backends, one at "
+                "a time, each in a fresh cache (your own prefilled cache is untouched): memory, fidelity against "
+                "`dynamic` (identical answers, KL divergence teacher-forced on `dynamic`'s answer) and against the "
+                "gold answers of the examples, and speed. About 2 × (questions × max_new_tokens) decode steps per spec."
+            )
+            with gr.Row():
+                with gr.Column(scale=1, min_width=280):
+                    compare_choice = gr.CheckboxGroup(list(COMPARE_CHOICES), value=list(DEFAULT_SPECS), label="specs",
+                                                      info="backend:nbits, other options at their defaults")
+                    compare_more = gr.Textbox(
+                        label="more specs, one per line", lines=2,
+                        placeholder="hqq:4,residual_length=16\nquanto:2,q_group_size=32,axis_key=-1",
+                        info="backend[:nbits][,option=value...]; options q_group_size, residual_length, axis_key, "
+                        "axis_value",
+                    )
+                    compare_max_new_tokens = gr.Number(32, label="max_new_tokens", precision=0, minimum=1)
+                with gr.Column(scale=2):
+                    compare_questions_box = gr.Textbox(label="questions, one per line", lines=6,
+                                                       placeholder="Who was the Norse leader?")
+                    with gr.Row():
+                        fill_button = gr.Button("Fill in questions (asked so far, or the example's)", size="sm")
+                        compare_button = gr.Button("Run comparison", variant="primary")
+                        cancel_button = gr.Button("Cancel", variant="stop")
+            compare_status = gr.Markdown("")
+            compare_table = gr.Dataframe(label="comparison", interactive=False, wrap=True)
+            with gr.Row():
+                tradeoff_plot = gr.ScatterPlot(
+                    None, x="bytes per token", y="KL (nats)", color="spec", title="Memory against fidelity",
+                    x_title="KV bytes per context token", y_title="mean KL to dynamic (nats)", height=300,
+                    tooltip=["spec", "bytes per token", "KL (nats)", "identical", "contains gold"],
                 )
-                residual_plot = gr.LinePlot(
-                    None, x="step", y="residual tokens", title="Residual fill (layer 0)",
-                    x_title="decode step", height=180,
+                speed_plot = gr.BarPlot(
+                    None, x="spec", y="tokens/s", title="Decode speed", x_title="spec", y_title="tokens/s (median)",
+                    height=300, tooltip=["spec", "tokens/s", "flush s"], sort="-y",
                 )
-                flush_plot = gr.ScatterPlot(
-                    None, x="step", y="layer", title="Flushes (decode step × layer)",
-                    x_title="decode step", height=200, tooltip=["step", "layer", "step seconds"],
-                )
-        answers_table = gr.Dataframe(answers_frame([]), label="this session's answers", interactive=False)
-        with gr.Accordion("What am I looking at?", open=False):
-            gr.Markdown(EXPLAINER)
 
         option_fields = [nbits, q_group_size, residual_length, axis_key, axis_value]
         outputs_after_prefill = [prefill_info, chat, stats, memory_plot, residual_plot, flush_plot, answers_table,
@@ -486,5 +638,15 @@ def build_demo(app: App) -> gr.Blocks:
             ).then(options_changed, inputs=[backend, *option_fields], outputs=[prefill_info, ask_button],
                    api_visibility="private", queue=False)
         stop_button.click(stop_handler, api_name="stop", queue=False)
+        fill_button.click(fill_questions_handler, inputs=context, outputs=compare_questions_box,
+                          api_name="compare_questions", queue=False)
+        # one comparison at a time across users (minutes of CPU); answers keep their own queue slots
+        compare_button.click(
+            compare_handler,
+            inputs=[context, compare_choice, compare_more, compare_questions_box, compare_max_new_tokens],
+            outputs=[compare_status, compare_table, tradeoff_plot, speed_plot],
+            api_name="compare", concurrency_limit=1, concurrency_id="compare",
+        )
+        cancel_button.click(cancel_compare_handler, api_name="cancel_compare", queue=False)
         demo.unload(unload)
     return demo

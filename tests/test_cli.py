@@ -117,3 +117,53 @@ def test_help_explains_every_option():
                    "--q-group-size", "--residual-length", "--axis-key", "--axis-value", "--max-new-tokens", "--json"):
         assert option in out
     assert "hqq: QuantizedCache(backend='hqq')" in out and "nbits 1|2|3|4|8 (default 4)" in out
+
+
+def test_compare_json_on_the_normans_case(embedded, capsys):
+    code = main(["compare", "--context-file", NORMANS, "--paragraphs", "0", "--questions-from-case", "1",
+                 "--unanswerable-from-case", "1", "--spec", "hqq:4,residual_length=2", "--spec", "fp8",
+                 "--max-new-tokens", "4", "--json", "--no-progress"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [r["spec_text"] for r in report["results"]] == ["dynamic", "hqq:4,residual_length=2", "fp8"]
+    assert report["max_new_tokens"] == 4
+    dynamic, hqq, fp8 = report["results"]
+    assert [q["answerable"] for q in dynamic["questions"]] == [True, False]  # gold from the case file
+    assert all(q["kl_nats"] == 0.0 for q in dynamic["questions"]) and dynamic["ratio_to_dynamic"] == 1.0
+    assert dynamic["kv_bytes"] == 2 * 30 * 3 * 64 * 4 * dynamic["context_tokens"]
+    assert hqq["flushes"] > 0 and all(r["restored"] for r in report["results"])
+    assert 0.1 < hqq["ratio_to_dynamic"] < 0.2 and fp8["ratio_to_dynamic"] == pytest.approx(0.25, abs=0.01)
+
+
+def test_compare_table_and_progress_bar(embedded, capsys):
+    assert main(["compare", "--context-file", NORMANS, "--paragraphs", "0", "--question", "Who?",
+                 "--spec", "fp8", "--max-new-tokens", "2"]) == 0
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    assert lines[0].split()[:4] == ["spec", "KV", "bytes", "bytes/token"] and len(lines) == 3
+    assert lines[1].startswith("dynamic") and lines[2].lstrip().startswith("fp8")
+    assert "6/6" in captured.err and "0step" not in captured.err  # tqdm: 2 specs x (prefill + answer + score)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--spec", "hqq:5"], "error: nbits=5 is not allowed for hqq; allowed: 1, 2, 3, 4, 8"),
+        (["--spec", "hqq:4,group=32"], "error: spec 'hqq:4,group=32': 'group' is not an option"),
+        (["--spec", "int8"], "error: backend='int8' is not a backend"),
+        (["--spec", "hqq:4,q_group_size=48"], "error: q_group_size=48 (axis_key=0)"),
+        (["--unanswerable-from-case", "0"], "error: --unanswerable-from-case must be >= 1"),
+        (["--max-new-tokens", "0"], "error: --max-new-tokens 0: it must be >= 1"),
+    ],
+)
+def test_compare_bad_input_exits_2_with_a_message(embedded, args, message, capsys):
+    assert main(["compare", "--context-file", NORMANS, "--paragraphs", "0", "--question", "Who?", "--no-progress",
+                 *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_compare_help_documents_the_spec_syntax():
+    out = subprocess.run([sys.executable, "-m", "kvdemo", "compare", "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    assert "backend[:nbits][,option=value...]" in out and "--spec dynamic --spec hqq:4" in out
+    assert "Default specs: dynamic quanto:2 quanto:4 hqq:2 hqq:4 hqq:8 fp8" in out

@@ -6,6 +6,7 @@ import gradio as gr
 import pytest
 
 from kvdemo import CacheSpec, QASession
+from kvdemo.compare import compare
 from kvdemo.ui import (
     EXAMPLES,
     MAX_UPLOAD_BYTES,
@@ -232,3 +233,83 @@ def test_ask_while_an_answer_runs_in_the_same_session_is_refused(handlers):
         _ask(fns, "Where?")
     first.close()
     assert app.sessions.get("tab-1").qa.cache_length == app.sessions.get("tab-1").qa.prefill_report.context_tokens
+
+
+# ---- the Compare backends tab -------------------------------------------------------------------------
+
+
+def test_compare_tab_runs_and_leaves_the_session_cache_untouched(handlers, tiny):
+    app, fns = handlers
+    fns["prefill"](CONTEXT, *HQQ, _request())
+    before = _ask(fns, "Who led the Normans?", 5)[-1][0][-1]["content"]
+    qa = app.sessions.get("tab-1").qa
+    cache, snapshot_length = qa.cache, qa.cache_length
+    assert fns["compare_questions"](CONTEXT, _request()) == "Who led the Normans?"  # asked so far
+    status, table, tradeoff, speed = fns["compare"](
+        CONTEXT, ["dynamic", "fp8"], "hqq:2,residual_length=2\n\n", "Who led the Normans?\nWhere?", 3.0, _request()
+    )
+    assert status.startswith("Compared 3 specs on 2 questions (no gold answers for this text).")
+    assert table["spec"].tolist() == ["dynamic", "fp8", "hqq nbits=2 q_group_size=64 residual_length=2"]
+    assert table["KL (nats)"].iloc[0] == 0.0 and table["KL (nats)"].iloc[2] > 0 and table["restored"].all()
+    assert tradeoff["bytes per token"].tolist() == table["bytes/token"].tolist()
+    assert speed["tokens/s"].tolist() == table["tokens/s"].tolist()
+    # the same figures as kvdemo.compare called directly
+    direct = compare(tiny, CONTEXT, ["Who led the Normans?", "Where?"],
+                     [CacheSpec("fp8"), CacheSpec("hqq", nbits=2, residual_length=2)], 3).to_frame()
+    assert table["KV bytes"].tolist() == direct["KV bytes"].tolist()
+    assert table["KL (nats)"].tolist() == pytest.approx(direct["KL (nats)"].tolist())
+    # this session's own cache: the same object, the same length, the same answer
+    assert qa.cache is cache and qa.cache_length == snapshot_length and app.sessions.get("tab-1").qa is qa
+    assert _ask(fns, "Who led the Normans?", 5)[-1][0][-1]["content"] == before
+
+
+def test_compare_tab_suggests_the_example_questions_and_scores_gold(handlers):
+    app, fns = handlers
+    context, questions = example("Normans")
+    assert fns["compare_questions"](context, _request("fresh")).splitlines() == questions
+    assert fns["compare_questions"]("Some other text.", _request("fresh")) == ""
+
+
+def test_compare_tab_cancel_returns_the_finished_specs(handlers, monkeypatch):
+    from kvdemo import ui
+
+    app, fns = handlers
+    real = ui.compare
+
+    def compare_then_press_cancel(*args, on_progress, **kwargs):
+        def progress(done, total, what):
+            on_progress(done, total, what)
+            if what.startswith("fp8: answered"):
+                fns["cancel_compare"](_request())  # the Cancel button, as pressed mid-run
+        return real(*args, on_progress=progress, **kwargs)
+
+    monkeypatch.setattr(ui, "compare", compare_then_press_cancel)
+    status, table, *_ = fns["compare"](CONTEXT, ["dynamic", "fp8", "hqq:4"], "", "Who?\nWhere?", 3, _request())
+    assert status.startswith("Cancelled after 1 spec(s).") and table["spec"].tolist() == ["dynamic"]
+    # the next run starts afresh (the cancel flag is cleared)
+    monkeypatch.undo()
+    status, table, *_ = fns["compare"](CONTEXT, ["fp8"], "", "Who?", 2, _request())
+    assert status.startswith("Compared 2 specs") and len(table) == 2
+
+
+@pytest.mark.parametrize(
+    "context, chosen, more, questions, max_new_tokens, message",
+    [
+        (CONTEXT, [], "", "Who?", 3, "Tick at least one spec"),
+        (CONTEXT, ["fp8"], "hqq:4\nhqq:9", "Who?", 3, "more specs, line 2: nbits=9 is not allowed for hqq"),
+        (CONTEXT, ["fp8"], "hqq:4,group=2", "Who?", 3, "'group' is not an option"),
+        (CONTEXT, ["fp8"], "", " \n ", 3, "Give at least one question, one per line"),
+        ("   ", ["fp8"], "", "Who?", 3, "the context is empty"),
+        (CONTEXT, ["fp8"], "", "Who?", 0, "max_new_tokens=0 must be a whole number >= 1"),
+        (CONTEXT, ["fp8"], "", "Who?", 2.5, "max_new_tokens=2.5 must be a whole number >= 1"),
+        (CONTEXT, ["hqq:4"], "hqq:4,q_group_size=48", "Who?", 3, "q_group_size=48"),
+    ],
+)
+def test_compare_tab_bad_input_says_what_to_change(handlers, context, chosen, more, questions, max_new_tokens,
+                                                   message):
+    app, fns = handlers
+    fns["prefill"](CONTEXT, *HQQ, _request())
+    with pytest.raises(gr.Error) as error:
+        fns["compare"](context, chosen, more, questions, max_new_tokens, _request())
+    assert message in str(error.value.message)
+    assert len(_ask(fns, "Who?", 2)) == 3  # the session still answers

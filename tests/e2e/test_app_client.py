@@ -69,3 +69,31 @@ def test_errors_reach_the_client_with_their_message(client):
         client.predict("Some context.", "quanto", 3, 64, 16, 0, 0, api_name="/prefill")
     with pytest.raises(Exception, match="the context is empty"):
         client.predict("   ", "fp8", None, None, None, None, None, api_name="/prefill")
+
+
+def test_compare_tab_through_the_client(client, embedded):
+    from kvdemo.cases import example_path, load_case
+    from kvdemo.compare import compare
+
+    case = load_case(example_path("normans")).select("0")
+    question = case.answerable(1)[0]
+    client.predict(context=case.context, backend="fp8", nbits=None, q_group_size=None, residual_length=None,
+                   axis_key=None, axis_value=None, api_name="/prefill")
+    before = _assistant_text(client.predict(question.question, 6, api_name="/ask")[0][-1])
+    status, table, tradeoff, speed = client.predict(
+        case.context, ["dynamic", "hqq:4"], "quanto:2,residual_length=4", question.question, 4, api_name="/compare"
+    )
+    assert status.startswith("Compared 3 specs on 1 questions (scored against the example's gold answers).")
+    rows = [dict(zip(table["headers"], row)) for row in table["data"]]
+    direct = compare(embedded, case.context, [question.question],
+                     [CacheSpec("hqq", nbits=4), CacheSpec("quanto", nbits=2, residual_length=4)], 4,
+                     gold_answers=[question.answers]).to_frame()
+    assert [r["spec"] for r in rows] == direct["spec"].tolist()
+    assert [r["KV bytes"] for r in rows] == direct["KV bytes"].tolist()
+    assert [r["KL (nats)"] for r in rows] == pytest.approx(direct["KL (nats)"].tolist(), abs=1e-6)
+    assert [r["contains gold"] for r in rows] == direct["contains gold"].tolist()
+    assert len(tradeoff["data"]) == 3 and len(speed["data"]) == 3
+    # the tab's own prefilled cache was untouched: the same answer again
+    assert _assistant_text(client.predict(question.question, 6, api_name="/ask")[0][-1]) == before
+    with pytest.raises(Exception, match="more specs, line 1: nbits=3 is not allowed for quanto"):
+        client.predict(case.context, ["dynamic"], "quanto:3", question.question, 4, api_name="/compare")
