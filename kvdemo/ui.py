@@ -333,12 +333,13 @@ def suggested_questions(qa: QASession | None, context: str) -> list[str]:
 
 
 def comparison_outputs(report: ComparisonReport, note: str) -> tuple[str, Any, Any, Any]:
-    """The Compare tab's status line, table and two chart frames for a (possibly partial) report."""
+    """The Compare tab's status line, table (rounded to 4 decimals for reading) and two chart frames for a
+    (possibly partial) report."""
     frame = report.to_frame()
     if report.results:
         tokens = report.results[0].context_tokens
         note += f" · context {tokens:,} tokens · max_new_tokens {report.max_new_tokens}"
-    return note, frame, tradeoff_frame(frame), speed_frame(frame)
+    return note, frame.round(4), tradeoff_frame(frame), speed_frame(frame)
 
 
 def _empty_charts() -> tuple[None, None, None]:

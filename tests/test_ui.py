@@ -257,7 +257,7 @@ def test_compare_tab_runs_and_leaves_the_session_cache_untouched(handlers, tiny)
     direct = compare(tiny, CONTEXT, ["Who led the Normans?", "Where?"],
                      [CacheSpec("fp8"), CacheSpec("hqq", nbits=2, residual_length=2)], 3).to_frame()
     assert table["KV bytes"].tolist() == direct["KV bytes"].tolist()
-    assert table["KL (nats)"].tolist() == pytest.approx(direct["KL (nats)"].tolist())
+    assert table["KL (nats)"].tolist() == pytest.approx(direct["KL (nats)"].tolist(), abs=5e-5)  # shown to 4 decimals
     # this session's own cache: the same object, the same length, the same answer
     assert qa.cache is cache and qa.cache_length == snapshot_length and app.sessions.get("tab-1").qa is qa
     assert _ask(fns, "Who led the Normans?", 5)[-1][0][-1]["content"] == before

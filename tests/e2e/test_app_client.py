@@ -90,7 +90,7 @@ def test_compare_tab_through_the_client(client, embedded):
                      gold_answers=[question.answers]).to_frame()
     assert [r["spec"] for r in rows] == direct["spec"].tolist()
     assert [r["KV bytes"] for r in rows] == direct["KV bytes"].tolist()
-    assert [r["KL (nats)"] for r in rows] == pytest.approx(direct["KL (nats)"].tolist(), abs=1e-6)
+    assert [r["KL (nats)"] for r in rows] == pytest.approx(direct["KL (nats)"].tolist(), abs=5e-5)
     assert [r["contains gold"] for r in rows] == direct["contains gold"].tolist()
     assert len(tradeoff["data"]) == 3 and len(speed["data"]) == 3
     # the tab's own prefilled cache was untouched: the same answer again

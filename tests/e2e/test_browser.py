@@ -1,5 +1,6 @@
 """A real browser (Debian's chromium, driven by Playwright): paste a context, prefill, ask two questions,
-see both answers and the charts, press Stop during a third. Saves artifacts/app.png (not committed)."""
+see both answers and the charts, press Stop during a third; then compare two backends in the Compare tab.
+Saves artifacts/app.png and artifacts/compare.png (not committed)."""
 
 from __future__ import annotations
 
@@ -35,17 +36,17 @@ def _words(text: str) -> str:
 def test_a_person_prefills_asks_and_stops(page, embedded):
     expect(page.get_by_text("135 M parameters")).to_be_visible(timeout=90_000)
     context = load_case(example_path("normans")).select("0-3").context
-    page.get_by_label("context").fill(context)
+    page.get_by_label("context", exact=True).fill(context)
     page.get_by_role("button", name="Prefill").click()
     expect(page.get_by_text(re.compile(r"Prefilled [\d,]+ tokens"))).to_be_visible(timeout=120_000)
     stats = page.get_by_text("cache length after restore")
     bots = page.locator('[data-testid="bot"]')
 
-    page.get_by_label("max_new_tokens").fill("16")
+    page.get_by_label("max_new_tokens", exact=True).first.fill("16")
     reference = QASession(embedded, CacheSpec("hqq", nbits=4, residual_length=16))  # the page's defaults
     reference.prefill(context)
     for n, question in enumerate(["Who was the Norse leader?", "In what country is Normandy located?"], 1):
-        page.get_by_label("question").fill(question)
+        page.get_by_label("question", exact=True).fill(question)
         page.get_by_role("button", name="Ask", exact=True).click()
         expect(bots).to_have_count(n, timeout=60_000)  # the answer streams into a new message
         expect(stats).to_be_visible(timeout=120_000)  # the line shown once the answer is done
@@ -54,8 +55,8 @@ def test_a_person_prefills_asks_and_stops(page, embedded):
     assert page.locator(".vega-embed").count() == 3
     assert page.locator(".vega-embed canvas, .vega-embed svg").count() >= 3
 
-    page.get_by_label("max_new_tokens").fill("400")
-    page.get_by_label("question").fill("Tell me everything about the Normans.")
+    page.get_by_label("max_new_tokens", exact=True).first.fill("400")
+    page.get_by_label("question", exact=True).fill("Tell me everything about the Normans.")
     page.get_by_role("button", name="Ask", exact=True).click()
     expect(page.get_by_text(re.compile(r"^step \d+ ·"))).to_be_visible(timeout=60_000)
     page.get_by_role("button", name="Stop").click()
@@ -65,3 +66,25 @@ def test_a_person_prefills_asks_and_stops(page, embedded):
     expect(bots).to_have_count(3)
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "app.png"), full_page=True)
+
+
+def test_a_person_compares_two_backends(page):
+    # runs after the test above: the Context box holds the Normans paragraphs, the session asked 3 questions
+    page.get_by_role("tab", name="Compare backends").click()
+    for spec in ("quanto:2", "quanto:4", "hqq:2", "hqq:4", "hqq:8"):  # keep dynamic and fp8 ticked
+        page.get_by_label(spec, exact=True).uncheck()
+    page.get_by_role("button", name=re.compile("Fill in questions")).click()
+    questions = page.get_by_label("questions, one per line")
+    expect(questions).to_have_value(re.compile("^Who was the Norse leader\\?\nIn what country"), timeout=10_000)
+    questions.fill("Who was the Norse leader?")
+    page.get_by_label("max_new_tokens", exact=True).nth(1).fill("4")
+    page.get_by_role("button", name="Run comparison").click()
+    expect(page.get_by_text(re.compile(r"Compared 2 specs on 1 questions"))).to_be_visible(timeout=180_000)
+    expect(page.get_by_role("gridcell", name="fp8", exact=True)).to_be_visible()
+    expect(page.get_by_text("Memory against fidelity")).to_be_visible()
+    expect(page.get_by_text("Decode speed")).to_be_visible()
+    assert page.get_by_role("tabpanel").locator(".vega-embed").count() == 2
+    page.screenshot(path=str(ARTIFACTS / "compare.png"), full_page=True)
+    # back on the Ask tab, the session's answers are still there
+    page.get_by_role("tab", name="Ask").click()
+    expect(page.locator('[data-testid="bot"]')).to_have_count(3)
