@@ -18,6 +18,8 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from transformers import DynamicCache, PreTrainedConfig, QuantizedCache
 from transformers.cache_utils import Cache, get_layer_types_and_kwargs
 
@@ -343,6 +345,53 @@ def allowed_group_sizes(spec: CacheSpec, model_config: PreTrainedConfig) -> dict
         ]
         for axis_name in ("axis_key", "axis_value")
     }
+
+
+STORED_BITS = {("hqq", 3): 3.5}
+"""Bits a stored value takes where the packing is not `nbits` exactly: hqq 0.2.8 packs 3-bit values ten to an
+int32 with padding, measured at 5,040 bytes of packed data per 11,520 values (the embedded model's token)."""
+
+
+def estimate_kv_bytes(
+    spec: CacheSpec, model_config: PreTrainedConfig, tokens: int, dtype: torch.dtype, residual_tokens: int = 0
+) -> int:
+    """The bytes a cache of `spec` holds for `tokens` tokens, from the model's shape, before anything runs
+    (the out-of-memory guard of `QASession.prefill`).
+
+    With V = 2 * layers * kv_heads * head_dim values per token (keys and values) and e = the dtype's element
+    size in bytes:
+    - `dynamic`: V * e per token.
+    - `fp8`: V * 1 byte per token (float8_e4m3), plus one scale per layer and tensor.
+    - `quanto`, `hqq`: V * nbits / 8 bytes per quantized token (`STORED_BITS` where the packing pads), plus a
+      scale and a zero point of e bytes each per group of q_group_size values (V / q_group_size groups per
+      token), plus `residual_tokens` (at most residual_length) tokens in full precision, V * e each.
+    Checked against `telemetry.kv_memory` for every backend and nbits in `tests/test_budget.py`.
+
+    Args:
+        tokens: tokens in the quantized store (all of them after a prefill).
+        dtype: the model's dtype (the residual's and the scales' element type).
+        residual_tokens: tokens in the full-precision residual.
+
+    Returns:
+        Bytes (int).
+
+    Raises:
+        ValueError, ImportError: see `CacheSpec.validate`.
+    """
+    spec.validate(model_config)
+    cfg = model_config.get_text_config(decoder=True)
+    kv_heads, head_dim = kv_shape(model_config)
+    values = 2 * cfg.num_hidden_layers * kv_heads * head_dim
+    element = torch.empty((), dtype=dtype).element_size()
+    if spec.backend == "dynamic":
+        return values * element * (tokens + residual_tokens)
+    if spec.backend == "fp8":
+        return values * (tokens + residual_tokens) + 2 * cfg.num_hidden_layers * 4
+    opts = spec.resolved()
+    bits = STORED_BITS.get((spec.backend, opts["nbits"]), opts["nbits"])
+    per_token = values * bits / 8 + 2 * element * values / opts["q_group_size"]
+    residual = min(residual_tokens, opts["residual_length"])
+    return int(per_token * tokens + values * element * residual)
 
 
 def build_cache(spec: CacheSpec, model_config: PreTrainedConfig) -> Cache:

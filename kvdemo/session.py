@@ -19,7 +19,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from kvdemo import snapshot
-from kvdemo.backends import CacheSpec, build_cache
+from kvdemo.backends import CacheSpec, build_cache, estimate_kv_bytes
 from kvdemo.models import LoadedModel
 from kvdemo.telemetry import MemoryReport, StepEvent, flushed_layers, full_precision_bytes, kv_memory
 
@@ -120,20 +120,39 @@ class _Prompt:
     question_suffix: list[int] = field(default_factory=list)
 
 
+class KVBudgetError(ValueError):
+    """A prefill refused because its estimated KV cache exceeds the session's `kv_budget_bytes`.
+
+    Attributes:
+        estimate_bytes: the estimate (`backends.estimate_kv_bytes`); budget_bytes: the limit.
+    """
+
+    def __init__(self, message: str, estimate_bytes: int, budget_bytes: int):
+        super().__init__(message)
+        self.estimate_bytes = estimate_bytes
+        self.budget_bytes = budget_bytes
+
+
 class QASession:
     """A context prefilled once into a KV cache of one backend, and questions answered in turn on it.
 
     Args:
         loaded_model: from `kvdemo.load_model`.
         spec: the cache backend and its options; validated against the model here.
+        kv_budget_bytes: the out-of-memory guard: a prefill whose cache would hold more than this (estimated
+            from the model's shape, the tokens and the backend's bits before anything runs) is refused.
+            None: no limit.
 
     Raises:
-        ValueError, ImportError: the spec does not validate (see `CacheSpec.validate`).
+        ValueError, ImportError: the spec does not validate (see `CacheSpec.validate`), or a budget < 1.
     """
 
-    def __init__(self, loaded_model: LoadedModel, spec: CacheSpec | None = None):
+    def __init__(self, loaded_model: LoadedModel, spec: CacheSpec | None = None, kv_budget_bytes: int | None = None):
+        if kv_budget_bytes is not None and kv_budget_bytes < 1:
+            raise ValueError(f"kv_budget_bytes={kv_budget_bytes} must be >= 1 (or None for no limit)")
         self.loaded = loaded_model
         self.spec = (spec or CacheSpec()).validate(loaded_model.config)
+        self.kv_budget_bytes = kv_budget_bytes
         self.cache = None
         self.context: str | None = None
         self.prefill_report: PrefillReport | None = None
@@ -204,6 +223,8 @@ class QASession:
         Raises:
             ValueError: the context is empty or blank, or its tokens plus `reserve_tokens` exceed the
                 model's `max_context_tokens` (the message gives the numbers). The session is unchanged then.
+            KVBudgetError (a ValueError): the estimated cache exceeds `kv_budget_bytes`; the session is
+                unchanged (the old context and cache stay).
         """
         if not isinstance(context, str) or not context.strip():
             raise ValueError("the context is empty; paste or upload the text to ask about")
@@ -221,6 +242,7 @@ class QASession:
                 f"answer it exceeds the model's {limit}-token window. Shorten the context to at most "
                 f"{limit - reserve} tokens"
             )
+        self._check_budget(len(prompt.prefix), reserve)
         self._close_active()
         self.cache = self._snapshot = self._prompt = self.prefill_report = None
         self.context = None
@@ -240,6 +262,32 @@ class QASession:
             full_precision_bytes=full_precision_bytes(self.loaded.config, len(prompt.prefix), self.loaded.dtype),
         )
         return self.prefill_report
+
+    def estimate_kv_bytes(self, context_tokens: int, reserve_tokens: int) -> int:
+        """The bytes this session's cache would hold with `context_tokens` prefilled and `reserve_tokens` more
+        decoded (a question and its answer, in the residual as far as it reaches): `backends.estimate_kv_bytes`."""
+        return estimate_kv_bytes(
+            self.spec, self.loaded.config, context_tokens + reserve_tokens, self.loaded.dtype,
+            residual_tokens=reserve_tokens,
+        )
+
+    def _check_budget(self, context_tokens: int, reserve_tokens: int) -> None:
+        budget = self.kv_budget_bytes
+        if budget is None:
+            return
+        estimate = self.estimate_kv_bytes(context_tokens, reserve_tokens)
+        if estimate <= budget:
+            return
+        per_token = estimate / (context_tokens + reserve_tokens)
+        fits = max(int(budget / per_token) - reserve_tokens, 0)
+        raise KVBudgetError(
+            f"a {self.spec.label} KV cache for this context ({context_tokens:,} tokens + {reserve_tokens} for a question "
+            f"and its answer) would hold about {estimate / 2**20:,.1f} MiB; this server's KV budget is "
+            f"{budget / 2**20:,.1f} MiB. Shorten the context to about {fits:,} tokens, or choose a backend with "
+            "fewer bits (e.g. hqq with nbits 2)",
+            estimate,
+            budget,
+        )
 
     # ---- answers ------------------------------------------------------------------------------
     def _close_active(self) -> None:

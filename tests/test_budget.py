@@ -1,0 +1,66 @@
+"""The out-of-memory guard: `estimate_kv_bytes` against the bytes really held (`kv_memory`) for every backend
+and nbits, and a prefill over the budget refused with the estimate and the limit, the session unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvdemo import CacheSpec, QASession
+from kvdemo.backends import estimate_kv_bytes
+from kvdemo.session import KVBudgetError
+from kvdemo.telemetry import kv_memory
+
+from .conftest import ALL_SPECS, spec_id
+
+CONTEXT = " ".join(["The Normans were the people who gave their name to Normandy, a region in France."] * 12)
+
+
+@pytest.mark.parametrize("spec", ALL_SPECS, ids=spec_id)
+def test_estimate_matches_the_bytes_held_after_prefill_and_during_an_answer(tiny, spec):
+    session = QASession(tiny, spec.replace(residual_length=8) if spec.info.has_residual else spec)
+    report = session.prefill(CONTEXT)
+    estimate = estimate_kv_bytes(session.spec, tiny.config, report.context_tokens, torch.float32)
+    assert estimate == pytest.approx(report.kv_bytes, rel=0.02)
+    # mid-answer, with tokens in the residual: the worst case the guard plans for
+    stream = session.stream("Who?", 6)
+    for event in stream:
+        held = event.memory
+    residual = held.layers[0].residual_tokens
+    expected = estimate_kv_bytes(session.spec, tiny.config, held.seq_length - residual, torch.float32, residual)
+    assert expected == pytest.approx(held.total_bytes, rel=0.03)
+
+
+def test_prefill_over_the_budget_is_refused_and_the_session_kept(tiny):
+    spec = CacheSpec("hqq", nbits=4, residual_length=8)
+    probe = QASession(tiny, spec)
+    tokens = probe.prefill(CONTEXT).context_tokens
+    needed = probe.estimate_kv_bytes(tokens, 128)
+    session = QASession(tiny, spec, kv_budget_bytes=needed - 1)
+    small = session.prefill("Rollo led the Normans.")
+    answer = session.ask("Who led them?", 4)
+    with pytest.raises(KVBudgetError) as error:
+        session.prefill(CONTEXT)
+    message = str(error.value)
+    assert f"for this context ({tokens:,} tokens + 128 for a question and its answer)" in message
+    assert f"would hold about {needed / 2**20:,.1f} MiB; this server's KV budget is {(needed - 1) / 2**20:,.1f} MiB" in message
+    assert "Shorten the context to about" in message and "fewer bits" in message
+    assert error.value.estimate_bytes == needed and isinstance(error.value, ValueError)
+    assert session.context == "Rollo led the Normans." and session.cache_length == small.context_tokens
+    assert session.ask("Who led them?", 4).token_ids == answer.token_ids
+    assert QASession(tiny, spec, kv_budget_bytes=needed).prefill(CONTEXT).context_tokens == tokens  # at the limit
+    with pytest.raises(ValueError, match="kv_budget_bytes=0 must be >= 1"):
+        QASession(tiny, spec, kv_budget_bytes=0)
+
+
+def test_estimates_on_the_embedded_shape_match_the_measured_table():
+    """Bytes per token measured on the embedded model (README table): 30 layers, 3 KV heads, head_dim 64."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                         hidden_size=576)
+    measured = {"dynamic": 46_080, "fp8": 11_520, "quanto:2": 4_320, "quanto:4": 7_200, "hqq:1": 2_880,
+                "hqq:2": 4_320, "hqq:3": 6_480, "hqq:4": 7_200, "hqq:8": 12_960}
+    for text, per_token in measured.items():
+        estimate = estimate_kv_bytes(CacheSpec.parse(text), config, 1000, torch.float32)
+        assert estimate == pytest.approx(per_token * 1000, rel=0.001), text
