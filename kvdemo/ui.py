@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 from collections import OrderedDict
 from contextlib import closing
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from kvdemo.charts import (
     tradeoff_frame,
 )
 from kvdemo.compare import DEFAULT_SPECS, ComparisonCancelled, ComparisonReport, compare
+from kvdemo.models import _HUB_ID as HUB_ID
 from kvdemo.models import LoadedModel, load_model
 from kvdemo.session import DEFAULT_MAX_NEW_TOKENS, QASession
 
@@ -60,7 +62,11 @@ single-question run would give. `cache length after restore = N (context)` shows
 
 @dataclass
 class UserSession:
-    """One browser session's state, kept on the server."""
+    """One browser session's state, kept on the server.
+
+    Attributes:
+        last_used: `SessionStore`'s clock reading at the last request (seconds).
+    """
 
     qa: QASession | None = None
     chat: list[dict[str, str]] = field(default_factory=list)
@@ -68,34 +74,99 @@ class UserSession:
     lock: threading.Lock = field(default_factory=threading.Lock)
     compare_cancel: threading.Event = field(default_factory=threading.Event)
     compare_lock: threading.Lock = field(default_factory=threading.Lock)
+    last_used: float = 0.0
+
+    @property
+    def busy(self) -> bool:
+        """An answer, a prefill or a comparison is running in this session."""
+        return self.lock.locked() or self.compare_lock.locked()
+
+    def release(self) -> None:
+        """Stop what runs (it ends after its current decode step and restores) and drop the cache."""
+        self.compare_cancel.set()
+        if self.qa is not None:
+            self.qa.request_stop()
+        self.qa, self.events = None, []
 
 
 class SessionStore:
-    """Per-browser-session state, keyed by Gradio's `session_hash`, at most `max_sessions` at once
-    (the least recently used is freed first; its user is asked to prefill again)."""
+    """Per-browser-session state, keyed by Gradio's `session_hash`.
 
-    def __init__(self, max_sessions: int = 32):
+    Bounded two ways: at most `max_sessions` at once (the least recently used idle session is freed first to
+    make room), and a session unused for `idle_seconds` is freed by `sweep` (run on every `get` and by the
+    app's sweeper thread). A session is never swept while it is busy. The reason a session was freed is
+    kept (for the last 4 x max_sessions keys), so its user can be told to prefill again.
+
+    Args:
+        max_sessions: most sessions held at once (>= 1).
+        idle_seconds: free sessions unused this long (seconds); None: never.
+        clock: the time source (seconds; tests pass a fake one).
+
+    Raises:
+        ValueError: max_sessions < 1 or idle_seconds <= 0.
+    """
+
+    def __init__(self, max_sessions: int = 32, idle_seconds: float | None = 1800.0,
+                 clock: Callable[[], float] = time.monotonic):
+        if max_sessions < 1 or (idle_seconds is not None and idle_seconds <= 0):
+            raise ValueError(f"max_sessions={max_sessions} must be >= 1 and idle_seconds={idle_seconds} > 0 (or None)")
         self.max_sessions = max_sessions
+        self.idle_seconds = idle_seconds
+        self.clock = clock
         self._sessions: OrderedDict[str, UserSession] = OrderedDict()
+        self._freed: OrderedDict[str, str] = OrderedDict()
         self._lock = threading.Lock()
 
     def get(self, key: str) -> UserSession:
-        """The session of `key`, created when missing (evicting the least recently used when full)."""
+        """The session of `key`, created when missing; frees idle sessions and, when full, the least recently
+        used idle one."""
+        self.sweep()
         with self._lock:
             user = self._sessions.pop(key, None) or UserSession()
+            user.last_used = self.clock()
             self._sessions[key] = user
             while len(self._sessions) > self.max_sessions:
-                self._sessions.popitem(last=False)
+                victim = next((k for k, u in self._sessions.items() if not u.busy and k != key), None)
+                if victim is None:
+                    victim = next(iter(self._sessions))
+                self._drop(victim, f"this server keeps at most {self.max_sessions} sessions and yours was the "
+                                   "least recently used")
             return user
 
-    def free(self, key: str) -> None:
-        """Drop the session of `key` and its cache."""
+    def sweep(self) -> int:
+        """Free the sessions idle longer than `idle_seconds` (not busy ones). Returns how many were freed."""
+        if self.idle_seconds is None:
+            return 0
+        limit = self.clock() - self.idle_seconds
         with self._lock:
-            user = self._sessions.pop(key, None)
-        if user is not None:
-            user.compare_cancel.set()
-            if user.qa is not None:
-                user.qa.request_stop()
+            idle = [k for k, u in self._sessions.items() if u.last_used < limit and not u.busy]
+            for key in idle:
+                self._drop(key, f"it was idle for more than {self.idle_seconds / 60:g} minutes")
+        return len(idle)
+
+    def free(self, key: str, reason: str = "its browser tab was closed") -> None:
+        """Drop the session of `key` and its cache (an answer still running ends after its current step)."""
+        with self._lock:
+            self._drop(key, reason)
+
+    def _drop(self, key: str, reason: str) -> None:
+        user = self._sessions.pop(key, None)
+        if user is None:
+            return
+        user.release()
+        self._freed[key] = reason
+        while len(self._freed) > 4 * self.max_sessions:
+            self._freed.popitem(last=False)
+
+    def freed_reason(self, key: str) -> str | None:
+        """Why the session of `key` was freed, or None when it was not (or has prefilled since)."""
+        with self._lock:
+            return self._freed.get(key)
+
+    def forget_freed(self, key: str) -> None:
+        """Clear the freed reason of `key` (after a new prefill)."""
+        with self._lock:
+            self._freed.pop(key, None)
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -108,6 +179,10 @@ class App:
         model_source: what `load_model` is given at start-up (None: the embedded model).
         max_sessions: most browser sessions kept at once.
         loader: the model loader (tests pass one that builds a small model).
+        idle_seconds: free a session unused this long (seconds; None: never).
+        kv_budget_bytes: the largest KV cache one prefill may build (estimated before it runs; None: no limit).
+        allow_local_paths: whether the Load button may read local folders and files; a public server
+            (`--public`) allows only the embedded model and Hub ids.
     """
 
     def __init__(
@@ -115,13 +190,32 @@ class App:
         model_source: str | None = None,
         max_sessions: int = 32,
         loader: Callable[..., LoadedModel] = load_model,
+        idle_seconds: float | None = 1800.0,
+        kv_budget_bytes: int | None = None,
+        allow_local_paths: bool = True,
     ):
         self.model_source = model_source
         self.loader = loader
-        self.sessions = SessionStore(max_sessions)
+        self.sessions = SessionStore(max_sessions, idle_seconds)
+        self.kv_budget_bytes = kv_budget_bytes
+        self.allow_local_paths = allow_local_paths
         self.loaded: LoadedModel | None = None
         self.load_error: str | None = None
         self._ready = threading.Event()
+
+    def start_sweeper(self, every_seconds: float | None = None) -> None:
+        """Free idle sessions in a background thread, every `every_seconds` (default: a quarter of the idle
+        time, at most a minute), also when nobody makes a request."""
+        if self.sessions.idle_seconds is None:
+            return
+        every = every_seconds or min(60.0, self.sessions.idle_seconds / 4)
+
+        def sweep_forever() -> None:
+            while True:
+                time.sleep(every)
+                self.sessions.sweep()
+
+        threading.Thread(target=sweep_forever, daemon=True, name="kvdemo-session-sweeper").start()
 
     def start_loading(self) -> None:
         """Load the start-up model in a background thread, so the page is served while it loads."""
@@ -342,6 +436,30 @@ def comparison_outputs(report: ComparisonReport, note: str) -> tuple[str, Any, A
     return note, frame.round(4), tradeoff_frame(frame), speed_frame(frame)
 
 
+def _guarded(stream: Iterator, qa: QASession) -> Iterator:
+    """`stream`, with an exception inside a decode step turned into a message for the user. The session has
+    restored the cache and recorded the answer (`finish_reason="error"`) before the exception reaches here."""
+    try:
+        yield from stream
+    except Exception as error:
+        steps = qa.history[-1].steps if qa.history else 0
+        raise gr.Error(
+            f"The answer failed after {steps} decode step(s) ({type(error).__name__}: {str(error)[:200]}). The cache "
+            "was restored to the prefilled context; ask again, or press Prefill to start over"
+        ) from None
+
+
+def is_hub_id(source: str) -> bool:
+    """Whether `source` names a Hugging Face Hub model (`name` or `org/name`) and nothing on this machine:
+    not an existing path, no `..`, no leading `/`, `.` or `~`, no `.gguf` file name."""
+    return (
+        bool(HUB_ID.fullmatch(source))
+        and ".." not in source
+        and not source.lower().endswith(".gguf")
+        and not Path(source).expanduser().exists()
+    )
+
+
 def _empty_charts() -> tuple[None, None, None]:
     """Cleared charts. An empty plot is `None`, not an empty DataFrame: Gradio's plot takes its series
     (the color legend) from the first data it gets, and an empty frame would leave it with none."""
@@ -365,6 +483,11 @@ def build_demo(app: App) -> gr.Blocks:
     def load_model_handler(model_source: str, progress=gr.Progress()):
         """Load a model (a Hub id, a local folder or a .gguf file; empty: the embedded model) for everyone."""
         source = model_source.strip() if isinstance(model_source, str) and model_source.strip() else None
+        if source is not None and not app.allow_local_paths and not is_hub_id(source):
+            raise gr.Error(
+                f"{source[:80]!r} is not a Hugging Face Hub id; this server loads only the embedded model and Hub "
+                "ids like HuggingFaceTB/SmolLM2-135M-Instruct (local paths are disabled)"
+            )
         progress(0, desc=f"Loading {source or 'the embedded model'}…")
         try:
             loaded = app.loader(source)
@@ -384,11 +507,12 @@ def build_demo(app: App) -> gr.Blocks:
             user.qa.request_stop()
         with user.lock:
             try:
-                qa = QASession(loaded, spec)
+                qa = QASession(loaded, spec, kv_budget_bytes=app.kv_budget_bytes)
                 qa.prefill(context)
             except (ValueError, ImportError) as error:
                 raise gr.Error(str(error)) from None
             user.qa, user.chat, user.events = qa, [], []
+            app.sessions.forget_freed(request.session_hash if request is not None else "api")
         return (prefill_summary(qa), [], "", *_empty_charts(), answers_frame([]), gr.update(interactive=True))
 
     def ask_handler(question: str, max_new_tokens: float, request: gr.Request) -> Iterator[tuple]:
@@ -396,7 +520,10 @@ def build_demo(app: App) -> gr.Blocks:
         user = user_of(request)
         qa = user.qa
         if qa is None:
-            raise gr.Error("Prefill a context first (your session may have been freed: prefill again)")
+            reason = app.sessions.freed_reason(request.session_hash if request is not None else "api")
+            if reason:
+                raise gr.Error(f"Your session was freed because {reason}; press Prefill again to rebuild the cache")
+            raise gr.Error("Prefill a context first: paste or load a text and press Prefill")
         if app.loaded is not qa.loaded:
             raise gr.Error("The model changed since your prefill; press Prefill to rebuild the cache on it")
         if isinstance(max_new_tokens, float) and max_new_tokens.is_integer():
@@ -412,7 +539,7 @@ def build_demo(app: App) -> gr.Blocks:
             user.events = []
             first_token = None
             with closing(stream):
-                for event in stream:
+                for event in _guarded(stream, qa):
                     if first_token is None:
                         first_token = event.elapsed
                     user.events.append(event)
