@@ -120,6 +120,9 @@ class SessionStore:
     def get(self, key: str) -> UserSession:
         """The session of `key`, created when missing; frees idle sessions and, when full, the least recently
         used idle one."""
+        with self._lock:
+            if key in self._sessions:  # a request is a use: never sweep the session it is for
+                self._sessions[key].last_used = self.clock()
         self.sweep()
         with self._lock:
             user = self._sessions.pop(key, None) or UserSession()
@@ -157,6 +160,10 @@ class SessionStore:
         self._freed[key] = reason
         while len(self._freed) > 4 * self.max_sessions:
             self._freed.popitem(last=False)
+
+    def touch(self, user: UserSession) -> None:
+        """Mark `user` as used now (when a long answer or comparison ends)."""
+        user.last_used = self.clock()
 
     def freed_reason(self, key: str) -> str | None:
         """Why the session of `key` was freed, or None when it was not (or has prefilled since)."""
@@ -558,6 +565,7 @@ def build_demo(app: App) -> gr.Blocks:
                 answers_frame(a.to_dict() for a in qa.history),
             )
         finally:
+            app.sessions.touch(user)
             user.lock.release()
 
     def stop_handler(request: gr.Request) -> None:
@@ -618,6 +626,7 @@ def build_demo(app: App) -> gr.Blocks:
         except (ValueError, ImportError) as error:
             raise gr.Error(str(error)) from None
         finally:
+            app.sessions.touch(user)
             user.compare_lock.release()
 
     def cancel_compare_handler(request: gr.Request) -> None:

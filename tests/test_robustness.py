@@ -1,0 +1,207 @@
+"""Stops, faults, idle and crowded sessions, memory over time, and what user text may never reach
+(issue 6), on the app's handlers with tiny random Llamas."""
+
+from __future__ import annotations
+
+import gc
+import json
+import re
+from pathlib import Path
+
+import gradio as gr
+import psutil
+import pytest
+
+from kvdemo import CacheSpec, QASession
+from kvdemo.ui import App, SessionStore, build_demo
+
+from .conftest import make_tiny
+
+CONTEXT = "The Normans were the people who gave their name to Normandy, a region in France. Rollo led them."
+QUESTION = "Who led the Normans?"
+HQQ = ("hqq", 4, 64, 4, 0, 0)
+ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _req(name: str = "tab-1") -> gr.Request:
+    return gr.Request(session_hash=name)
+
+
+def _handlers(loaded, **app_kwargs):
+    app = App(loader=lambda source=None: loaded, **app_kwargs)
+    app.start_loading()
+    app.wait_for_model()
+    demo = build_demo(app)
+    return app, {f.api_name: f.fn for f in demo.fns.values() if f.api_name}
+
+
+def _fresh_answer(loaded, question=QUESTION, n=6, context=CONTEXT, spec=CacheSpec("hqq", nbits=4, residual_length=4)):
+    session = QASession(loaded, spec)
+    session.prefill(context)
+    return session.ask(question, n)
+
+
+def test_tab_closed_mid_answer_restores_the_cache_and_frees_the_session(tiny):
+    app, fns = _handlers(tiny)
+    fns["prefill"](CONTEXT, *HQQ, _req())
+    qa = app.sessions.get("tab-1").qa
+    context_tokens = qa.cache_length
+    stream = fns["ask"](QUESTION, 40, _req())
+    next(stream), next(stream)
+    fns["unload"](_req())  # what Gradio calls when the tab closes
+    rest = list(stream)  # the answer ends after its current decode step
+    assert len(rest) <= 2 and qa.history[-1].finish_reason == "stopped"
+    assert qa.cache_length == context_tokens == qa.history[-1].cache_length_after
+    assert qa.ask(QUESTION, 6).token_ids == _fresh_answer(tiny).token_ids  # restored exactly
+    assert len(app.sessions) == 0
+    with pytest.raises(gr.Error, match="Your session was freed because its browser tab was closed; press Prefill again"):
+        list(fns["ask"](QUESTION, 6, _req()))
+    fns["prefill"](CONTEXT, *HQQ, _req())
+    assert app.sessions.freed_reason("tab-1") is None
+    assert list(fns["ask"](QUESTION, 6, _req()))[-1][0][-1]["content"] == _fresh_answer(tiny).text
+
+
+def test_fault_inside_a_decode_step_shows_a_message_and_restores(tiny, monkeypatch):
+    app, fns = _handlers(tiny)
+    fns["prefill"](CONTEXT, *HQQ, _req())
+    qa = app.sessions.get("tab-1").qa
+    context_tokens = qa.cache_length
+    real_forward = tiny.model.forward
+    calls = {"n": 0}
+
+    def failing_forward(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected fault")
+        return real_forward(*args, **kwargs)
+
+    monkeypatch.setattr(tiny.model, "forward", failing_forward)
+    updates = []
+    with pytest.raises(gr.Error) as error:
+        for update in fns["ask"](QUESTION, 10, _req()):
+            updates.append(update)
+    assert len(updates) == 2  # two decode steps streamed before the fault
+    assert error.value.message.startswith("The answer failed after 2 decode step(s) (RuntimeError: injected fault). "
+                                          "The cache was restored to the prefilled context")
+    assert qa.history[-1].finish_reason == "error" and qa.cache_length == context_tokens
+    monkeypatch.undo()
+    assert list(fns["ask"](QUESTION, 6, _req()))[-1][0][-1]["content"] == _fresh_answer(tiny).text
+    assert not app.sessions.get("tab-1").busy  # the session's lock was released
+
+
+def test_idle_sessions_are_freed_and_their_users_told(tiny):
+    app, fns = _handlers(tiny, idle_seconds=60)
+    clock = FakeClock()
+    app.sessions.clock = clock
+    fns["prefill"](CONTEXT, *HQQ, _req("idle"))
+    fns["prefill"](CONTEXT, *HQQ, _req("busy"))
+    busy_stream = fns["ask"](QUESTION, 30, _req("busy"))
+    next(busy_stream)  # an answer is running in "busy"
+    clock.now += 61
+    assert app.sessions.sweep() == 1  # "idle" is freed, "busy" is not
+    with pytest.raises(gr.Error, match="Your session was freed because it was idle for more than 1 minutes"):
+        list(fns["ask"](QUESTION, 6, _req("idle")))
+    assert list(busy_stream)[-1][0][-1]["content"]  # the running answer finishes normally
+    assert app.sessions.get("busy").qa is not None
+
+
+def test_the_number_of_sessions_is_capped_least_recently_used_idle_first(tiny):
+    app, fns = _handlers(tiny, max_sessions=2)
+    fns["prefill"](CONTEXT, *HQQ, _req("a"))
+    fns["prefill"](CONTEXT, *HQQ, _req("b"))
+    stream = fns["ask"](QUESTION, 30, _req("a"))  # "a" is the oldest, but busy
+    next(stream)
+    fns["prefill"](CONTEXT, *HQQ, _req("c"))
+    assert len(app.sessions) == 2 and app.sessions.freed_reason("b").startswith("this server keeps at most 2 sessions")
+    list(stream)
+    with pytest.raises(gr.Error, match="Your session was freed because this server keeps at most 2 sessions"):
+        list(fns["ask"](QUESTION, 6, _req("b")))
+
+
+def test_session_store_arguments_are_checked():
+    with pytest.raises(ValueError, match="max_sessions=0 must be >= 1"):
+        SessionStore(0)
+    with pytest.raises(ValueError, match="idle_seconds=0"):
+        SessionStore(4, idle_seconds=0)
+
+
+def _rss() -> int:
+    gc.collect()
+    return psutil.Process().memory_info().rss
+
+
+def test_memory_stays_bounded_over_200_questions_and_50_sessions(embedded):
+    """Resident memory after 200 questions in one session, and after 50 sessions opened, used and closed,
+    stays within 5 % of where it was after the model load and one warm-up session. The model (4 layers,
+    4 KV heads) makes each session's dynamic cache ~2.7 MiB, so 50 leaked caches would add ~20 %."""
+    loaded = make_tiny(embedded.tokenizer, kv_heads=4, layers=4, seed=1)
+    app, fns = _handlers(loaded, max_sessions=8)
+    context = " ".join([CONTEXT] * 14)  # ~ 345 tokens
+    dynamic = ("dynamic", None, None, None, None, None)
+    fns["prefill"](context, *dynamic, _req("warm-up"))
+    list(fns["ask"](QUESTION, 2, _req("warm-up")))
+    fns["unload"](_req("warm-up"))
+    start = _rss()
+    fns["prefill"](context, *dynamic, _req("long"))
+    for i in range(200):
+        list(fns["ask"](f"{QUESTION} ({i})", 1, _req("long")))
+    qa = app.sessions.get("long").qa
+    assert len(qa.history) == 200 and qa.cache_length == qa.prefill_report.context_tokens
+    fns["unload"](_req("long"))
+    after_questions = _rss()
+    for i in range(50):
+        fns["prefill"](context, *(HQQ if i % 2 else dynamic), _req(f"s{i}"))
+        list(fns["ask"](QUESTION, 1, _req(f"s{i}")))
+        fns["unload"](_req(f"s{i}"))
+    after_sessions = _rss()
+    figures = {"rss_start_mib": start / 2**20, "after_200_questions_mib": after_questions / 2**20,
+               "after_50_sessions_mib": after_sessions / 2**20,
+               "cache_mib_per_session": qa.prefill_report.kv_bytes / 2**20}
+    ARTIFACTS.mkdir(exist_ok=True)
+    (ARTIFACTS / "memory.json").write_text(json.dumps(figures, indent=2))
+    assert len(app.sessions) == 0
+    assert after_questions < start * 1.05, figures
+    assert after_sessions < start * 1.05, figures
+
+
+def test_model_loading_never_trusts_remote_code(monkeypatch, tmp_path):
+    import transformers
+
+    from kvdemo import models
+
+    seen = []
+
+    def capture(*args, **kwargs):
+        seen.append(kwargs.get("trust_remote_code"))
+        raise OSError("stop here")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", capture)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", capture)
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(OSError):
+        models.load_model(str(tmp_path))
+    with pytest.raises(OSError):
+        models.load_model("some-org/some-model")
+    assert seen and all(value is False for value in seen)
+    source = "\n".join(p.read_text() for p in Path(models.__file__).parent.glob("*.py"))
+    assert "trust_remote_code=True" not in source
+
+
+def test_no_user_text_reaches_a_shell_or_executed_code():
+    """The package never starts a process, evaluates text or renders user text as a template: user text
+    reaches the tokenizer's chat template only as a message's content (data), never as template source."""
+    package = Path(__file__).resolve().parents[1] / "kvdemo"
+    source = {p.name: p.read_text() for p in package.glob("*.py")}
+    forbidden = re.compile(r"\b(subprocess|os\.system|os\.popen|(?<!\.)eval\(|(?<!\.)exec\(|shell=True|"
+                           r"pickle\.load|jinja2|Template\(|trust_remote_code=True)")
+    hits = {name: forbidden.findall(text) for name, text in source.items() if forbidden.search(text)}
+    assert hits == {}
