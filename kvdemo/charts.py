@@ -66,6 +66,34 @@ def flush_frame(events: Sequence[StepEvent]) -> pd.DataFrame:
     )
 
 
+STEP_KINDS = ("question pass", "decode step", "flush step")
+"""The step-time chart's series: the question's own forward pass (step 0), decode steps without a flush,
+and decode steps during which at least one layer flushed."""
+
+
+def step_time_frame(events: Sequence[StepEvent]) -> pd.DataFrame:
+    """One row per decode step: its wall time, and whether layers flushed in it (time per flush, live).
+
+    Returns:
+        Columns `step` (int), `ms` (float: the step's wall time in milliseconds), `kind` (one of
+        `STEP_KINDS`), `layers flushed` (int).
+    """
+    rows = []
+    for e in events:
+        kind = STEP_KINDS[0] if e.step == 0 else STEP_KINDS[2] if e.flushed_layers else STEP_KINDS[1]
+        rows.append((e.step, e.seconds * 1000, kind, len(e.flushed_layers)))
+    return _typed(rows, {"step": "int64", "ms": "float64", "kind": "string", "layers flushed": "int64"})
+
+
+def flush_timing(events: Sequence[StepEvent]) -> tuple[int, float | None, float | None]:
+    """(flush steps, median seconds of a flush step, median seconds of another decode step), over the decode
+    steps after the question pass; a median is None when there is no such step."""
+    flush = [e.seconds for e in events if e.step > 0 and e.flushed_layers]
+    other = [e.seconds for e in events if e.step > 0 and not e.flushed_layers]
+    median = lambda xs: float(pd.Series(xs).median()) if xs else None  # noqa: E731
+    return len(flush), median(flush), median(other)
+
+
 ANSWER_COLUMNS = ["answer", "question", "tokens", "flushes", "tokens/s", "seconds", "cache length after", "finish"]
 
 

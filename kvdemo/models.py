@@ -27,6 +27,7 @@ import re
 import shutil
 import tempfile
 import threading
+import weakref
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,7 +46,10 @@ _WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "*.gguf")
 CACHE_COMPLETE = "kvdemo-cache.json"
 """The marker written last into a converted copy: the GGUF's path, size, SHA-256 and the transformers version."""
 
-_loaded: dict[tuple[str, str, str], "LoadedModel"] = {}
+_loaded: "weakref.WeakValueDictionary[tuple[str, str, str], LoadedModel]" = weakref.WeakValueDictionary()
+"""Loaded models by (source, device, dtype), held weakly: a model stays while a session, the app or a caller
+uses it, and loading it again then returns the same object; once nothing uses it, it is freed (the app's
+Load button can switch models many times without growing memory)."""
 _lock = threading.Lock()
 _log = logging.getLogger(__name__)
 
@@ -299,7 +303,8 @@ def load_model(
         dtype: default float32 on CPU (float16 does not run there for these backends), bfloat16 on CUDA.
 
     Returns:
-        The `LoadedModel`; loading the same source again returns the same object.
+        The `LoadedModel`; loading the same source again, while the first is still in use, returns the same
+        object (models no longer referenced anywhere are freed).
 
     Raises:
         ImportError: the embedded model package is not installed (message gives the pip command).

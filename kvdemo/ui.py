@@ -24,11 +24,13 @@ from kvdemo.backends import BACKENDS, GROUP_OPTIONS, CacheSpec
 from kvdemo.cases import example_path, gold_answers_for, load_case
 from kvdemo.charts import (
     MEMORY_SERIES,
+    STEP_KINDS,
     answers_frame,
-    flush_frame,
+    flush_timing,
     memory_frame,
     residual_frame,
     speed_frame,
+    step_time_frame,
     tradeoff_frame,
 )
 from kvdemo.compare import DEFAULT_SPECS, ComparisonCancelled, ComparisonReport, compare
@@ -329,11 +331,16 @@ def prefill_summary(qa: QASession) -> str:
     )
 
 
-def answer_stats(qa: QASession, first_token_seconds: float | None) -> str:
-    """The line shown after an answer."""
+def answer_stats(qa: QASession, first_token_seconds: float | None, events: list | None = None) -> str:
+    """The line shown after an answer; with the answer's `StepEvent`s, also the time per flush step."""
     a = qa.history[-1]
     context = qa.prefill_report.context_tokens
     first = f" · first token after {first_token_seconds:.2f} s" if first_token_seconds is not None else ""
+    if events:
+        steps, flush_s, other_s = flush_timing(events)
+        if steps and flush_s is not None:
+            against = f" vs {other_s * 1000:.0f} ms per other step" if other_s is not None else ""
+            first += f" · {steps} flush step(s), {flush_s * 1000:.0f} ms each (median){against}"
     stopped = " · stopped" if a.finish_reason == "stopped" else ""
     return (
         f"{len(a.token_ids)} tokens · {a.tokens_per_second:.1f} tokens/s · {a.flush_count} flushes "
@@ -483,14 +490,15 @@ def build_demo(app: App) -> gr.Blocks:
         return app.sessions.get(request.session_hash if request is not None else "api")
 
     def on_page_load(progress=gr.Progress()):
-        progress(0, desc="Loading the model (the embedded GGUF is de-quantized on start, ~20 s)…")
+        progress(0, desc="Loading the model (a first start converts the embedded GGUF, ~20-30 s; later starts "
+                         "load the converted copy in seconds)…")
         loaded = app.wait_for_model()
         return model_status(loaded)
 
     def load_model_handler(model_source: str, progress=gr.Progress()):
-        """Load a model (a Hub id, a local folder or a .gguf file; empty: the embedded model) for everyone."""
-        source = model_source.strip() if isinstance(model_source, str) and model_source.strip() else None
-        if source is not None and not app.allow_local_paths and not is_hub_id(source):
+        """Load a model (a Hub id, a local folder or a .gguf file; empty: the start-up model) for everyone."""
+        source = model_source.strip() if isinstance(model_source, str) and model_source.strip() else app.model_source
+        if source != app.model_source and source is not None and not app.allow_local_paths and not is_hub_id(source):
             raise gr.Error(
                 f"{source[:80]!r} is not a Hugging Face Hub id; this server loads only the embedded model and Hub "
                 "ids like HuggingFaceTB/SmolLM2-135M-Instruct (local paths are disabled)"
@@ -554,14 +562,14 @@ def build_demo(app: App) -> gr.Blocks:
                     yield (
                         user.chat, f"step {event.step + 1} · {event.memory.total_bytes / 2**20:.2f} MiB · "
                         f"cache length {event.cache_length:,}",
-                        memory_frame(user.events), residual_frame(user.events), flush_frame(user.events),
+                        memory_frame(user.events), residual_frame(user.events), step_time_frame(user.events),
                         gr.skip(),
                     )
             if not user.events:
                 user.chat[-1] = {"role": "assistant", "content": qa.history[-1].text}
             yield (
-                user.chat, answer_stats(qa, first_token), memory_frame(user.events),
-                residual_frame(user.events), flush_frame(user.events),
+                user.chat, answer_stats(qa, first_token, user.events), memory_frame(user.events),
+                residual_frame(user.events), step_time_frame(user.events),
                 answers_frame(a.to_dict() for a in qa.history),
             )
         finally:
@@ -697,8 +705,10 @@ def build_demo(app: App) -> gr.Blocks:
                         x_title="decode step", height=180,
                     )
                     flush_plot = gr.ScatterPlot(
-                        None, x="step", y="layer", title="Flushes (decode step × layer)",
-                        x_title="decode step", height=200, tooltip=["step", "layer", "step seconds"],
+                        None, x="step", y="ms", color="kind", title="Time per decode step (flush steps marked)",
+                        x_title="decode step", y_title="ms", height=220,
+                        color_map=dict(zip(STEP_KINDS, ("#7f7f7f", "#1f77b4", "#d62728"))),
+                        tooltip=["step", "ms", "kind", "layers flushed"],
                     )
             answers_table = gr.Dataframe(answers_frame([]), label="this session's answers", interactive=False)
             with gr.Accordion("What am I looking at?", open=False):

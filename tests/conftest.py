@@ -8,6 +8,9 @@ import os
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# the converted copy of the embedded GGUF goes into .venv (ignored, removed by `make clean`), not the user's cache
+os.environ.setdefault("KVDEMO_CACHE_DIR", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                       ".venv", "kvdemo-cache"))
 
 import pytest
 import torch

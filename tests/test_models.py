@@ -197,3 +197,20 @@ def test_gguf_cache_can_be_turned_off(embedded, fresh_loads, monkeypatch):
     monkeypatch.setenv("KVDEMO_GGUF_CACHE", "0")
     _gguf_from(embedded, monkeypatch)
     assert load_model().weights_from == "gguf" and not fresh_loads.exists()
+
+
+def test_models_no_longer_used_are_freed(tiny, tmp_path):
+    """The load cache holds models weakly: the same object while in use, freed once nothing uses it."""
+    import gc
+
+    from kvdemo import models
+
+    tiny.model.save_pretrained(tmp_path)
+    tiny.tokenizer.save_pretrained(tmp_path)
+    first = load_model(str(tmp_path), device="cpu")
+    assert load_model(str(tmp_path), device="cpu") is first
+    key = (str(tmp_path), "cpu", "torch.float32")
+    assert models._loaded.get(key) is first
+    del first
+    gc.collect()
+    assert key not in models._loaded

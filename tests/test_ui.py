@@ -55,7 +55,12 @@ def test_prefill_then_ask_streams_and_restores(handlers, tiny):
     assert chat[-1] == {"role": "assistant", "content": qa.history[-1].text}
     assert list(memory["step"].unique()) == [0, 1, 2, 3, 4, 5] and len(memory) == 18
     assert residual["residual tokens"].tolist() == [e.memory.layers[0].residual_tokens for e in app.sessions.get("tab-1").events]
-    assert len(flushes) == qa.history[-1].flush_count > 0
+    assert flushes["step"].tolist() == list(range(6)) and flushes["kind"].iloc[0] == "question pass"
+    assert flushes["layers flushed"].sum() == qa.history[-1].flush_count > 0
+    assert set(flushes.loc[flushes["layers flushed"] > 0, "kind"]) <= {"question pass", "flush step"}
+    assert flushes["ms"].tolist() == pytest.approx([e.seconds * 1000 for e in app.sessions.get("tab-1").events])
+    if (flushes["kind"] == "flush step").any():
+        assert " flush step(s), " in stats and " ms each (median) vs " in stats
     assert table["tokens"].tolist() == [6] and table["cache length after"].tolist() == [context_tokens]
     # the same answer as a fresh single-question session
     fresh = QASession(tiny, CacheSpec("hqq", nbits=4, q_group_size=64, residual_length=4, axis_key=0, axis_value=0))
@@ -313,3 +318,21 @@ def test_compare_tab_bad_input_says_what_to_change(handlers, context, chosen, mo
         fns["compare"](context, chosen, more, questions, max_new_tokens, _request())
     assert message in str(error.value.message)
     assert len(_ask(fns, "Who?", 2)) == 3  # the session still answers
+
+
+def test_load_with_an_empty_field_reloads_the_start_up_model(tiny):
+    asked = []
+
+    def loader(source=None):
+        asked.append(source)
+        return tiny
+
+    app = App(model_source="/srv/models/start-up", loader=loader, allow_local_paths=False)
+    app.start_loading()
+    app.wait_for_model()
+    fns = {f.api_name: f.fn for f in build_demo(app).fns.values() if f.api_name}
+    assert fns["load_model"]("  ").startswith("**tiny-llama")  # the operator's own path, even on a public server
+    assert asked == ["/srv/models/start-up", "/srv/models/start-up"]
+    with pytest.raises(gr.Error, match="is not a Hugging Face Hub id"):
+        fns["load_model"]("/srv/models/other")
+    assert fns["load_model"]("HuggingFaceTB/SmolLM2-135M-Instruct") and asked[-1] == "HuggingFaceTB/SmolLM2-135M-Instruct"
