@@ -205,3 +205,38 @@ def test_no_user_text_reaches_a_shell_or_executed_code():
                            r"pickle\.load|jinja2|Template\(|trust_remote_code=True)")
     hits = {name: forbidden.findall(text) for name, text in source.items() if forbidden.search(text)}
     assert hits == {}
+
+
+def test_switching_backend_mid_answer_finishes_on_the_old_cache_then_asks_for_a_prefill(tiny):
+    app, fns = _handlers(tiny)
+    fns["prefill"](CONTEXT, *HQQ, _req())
+    stream = fns["ask"](QUESTION, 6, _req())
+    next(stream)
+    note, ask_button = fns["options_changed"]("fp8", None, None, None, None, None, _req())
+    assert "Press **Prefill** to rebuild it" in note and ask_button["interactive"] is False
+    final = list(stream)[-1]
+    assert final[0][-1]["content"] == _fresh_answer(tiny).text  # the answer ran on its own (hqq) cache
+    fns["prefill"](CONTEXT, "fp8", None, None, None, None, None, _req())
+    expected = _fresh_answer(tiny, spec=CacheSpec("fp8")).text
+    assert list(fns["ask"](QUESTION, 6, _req()))[-1][0][-1]["content"] == expected
+
+
+def test_prefill_during_an_answer_stops_it_then_replaces_the_context(tiny):
+    import threading
+
+    app, fns = _handlers(tiny)
+    fns["prefill"](CONTEXT, *HQQ, _req())
+    old = app.sessions.get("tab-1").qa
+    stream = fns["ask"](QUESTION, 40, _req())
+    next(stream)
+    other = "Southern California is a megaregion in the United States."
+    done = threading.Thread(target=fns["prefill"], args=(other, *HQQ, _req()))
+    done.start()  # like a second click in the browser: it waits for the running answer
+    list(stream)  # the answer sees the stop request and ends after its current step
+    done.join(timeout=60)
+    assert not done.is_alive() and old.history[-1].finish_reason == "stopped"
+    assert old.cache_length == old.prefill_report.context_tokens
+    qa = app.sessions.get("tab-1").qa
+    assert qa is not old and qa.context == other
+    answer = list(fns["ask"]("What is it?", 5, _req()))[-1][0][-1]["content"]
+    assert answer == _fresh_answer(tiny, "What is it?", 5, context=other).text
