@@ -52,9 +52,9 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from kvdemo import CacheSpec, QASession, load_model, snapshot  # noqa: E402
-from kvdemo.backends import build_cache, kv_shape  # noqa: E402
+from kvdemo.backends import build_cache, estimate_kv_bytes  # noqa: E402
 from kvdemo.cases import example_path, load_case  # noqa: E402
-from kvdemo.charts import answers_frame, flush_frame, memory_frame, residual_frame  # noqa: E402
+from kvdemo.charts import answers_frame, memory_frame, residual_frame, step_time_frame  # noqa: E402
 from kvdemo.telemetry import _plain_tensors, full_precision_bytes, kv_memory  # noqa: E402
 
 MiB = 2**20
@@ -97,39 +97,11 @@ def held_bytes(*objects: Any) -> int:
 
 def theoretical_kv_bytes(spec: CacheSpec, config, quantized_tokens: int, residual_tokens: int,
                          dtype: torch.dtype) -> int:
-    """The bytes a cache of `spec` should hold, by the group-wise affine quantization formula.
-
-    For each of the L layers, keys and values each hold H x D values per token (H = num_key_value_heads,
-    D = head_dim). With n = nbits, g = q_group_size and s = bytes of the model's dtype (the dtype the scales
-    and zero points are kept in):
-
-        quanto, hqq: L x 2 x H x D x [ T_q x (n/8 + 2 s / g) + T_r x s ]
-        fp8:         L x 2 x (H x D x T x 1 + s)        (one float8 byte per value, one scale per tensor)
-        dynamic:     L x 2 x H x D x T x s
-
-    where T_q = quantized tokens and T_r = residual tokens. Source: group-wise affine quantization,
-    x ~ scale x (q - zero) with one scale and one zero point per group of g values, as in HQQ (Badri and
-    Shaji, "Half-Quadratic Quantization of Large Machine Learning Models", 2023) and optimum-quanto, which
-    transformers' `QuantizedCache` uses ("KV cache quantization", transformers docs, cache explanation);
-    the residual is the full-precision tail `QuantizedLayer.keys/values` (KIVI, Liu et al. 2024, which
-    transformers' `QuantizedLayer` follows, with grouping per channel). Bit packing (hqq packs 3-bit
-    values 10 to an int32), padding and anything else a library stores count only in the measured bytes,
-    so measured / theoretical shows them.
-
-    Returns:
-        bytes (int).
-    """
-    kv_heads, head_dim = kv_shape(config)
-    layers = config.get_text_config(decoder=True).num_hidden_layers
-    s = torch.empty((), dtype=dtype).element_size()
-    per_layer_values = 2 * kv_heads * head_dim
-    if spec.backend == "dynamic":
-        return layers * per_layer_values * (quantized_tokens + residual_tokens) * s
-    if spec.backend == "fp8":
-        return layers * 2 * (kv_heads * head_dim * (quantized_tokens + residual_tokens) + s)
-    opts = spec.resolved()
-    n, g = opts["nbits"], opts["q_group_size"]
-    return round(layers * per_layer_values * (quantized_tokens * (n / 8 + 2 * s / g) + residual_tokens * s))
+    """The bytes a cache of `spec` should hold by the group-wise formula with nominal bits:
+    `kvdemo.backends.estimate_kv_bytes(..., nominal_bits=True)` (formula and sources in its docstring). Bit
+    packing (hqq packs 3-bit values 10 to an int32), padding and anything else a library stores count only in
+    the measured bytes, so measured / theoretical shows them."""
+    return estimate_kv_bytes(spec, config, quantized_tokens, dtype, residual_tokens, nominal_bits=True)
 
 
 # ---- the two restore mechanisms ---------------------------------------------------------------------
@@ -298,7 +270,7 @@ def run_overhead(session: QASession, rounds: int, max_new_tokens: int) -> dict[s
             for event in session.stream(OVERHEAD_QUESTION, max_new_tokens):
                 events.append(event)
                 if charts:  # what the app's ask handler builds at every step
-                    memory_frame(events), residual_frame(events), flush_frame(events)
+                    memory_frame(events), residual_frame(events), step_time_frame(events)
             if charts:
                 answers_frame(a.to_dict() for a in session.history)
             results[name].append(len(events) / (time.perf_counter() - start))

@@ -353,10 +353,15 @@ int32 with padding, measured at 5,040 bytes of packed data per 11,520 values (th
 
 
 def estimate_kv_bytes(
-    spec: CacheSpec, model_config: PreTrainedConfig, tokens: int, dtype: torch.dtype, residual_tokens: int = 0
+    spec: CacheSpec,
+    model_config: PreTrainedConfig,
+    tokens: int,
+    dtype: torch.dtype,
+    residual_tokens: int = 0,
+    nominal_bits: bool = False,
 ) -> int:
     """The bytes a cache of `spec` holds for `tokens` tokens, from the model's shape, before anything runs
-    (the out-of-memory guard of `QASession.prefill`).
+    (the out-of-memory guard of `QASession.prefill`, and the theoretical figure of `benchmarks/run_all.py`).
 
     With V = 2 * layers * kv_heads * head_dim values per token (keys and values) and e = the dtype's element
     size in bytes:
@@ -365,12 +370,16 @@ def estimate_kv_bytes(
     - `quanto`, `hqq`: V * nbits / 8 bytes per quantized token (`STORED_BITS` where the packing pads), plus a
       scale and a zero point of e bytes each per group of q_group_size values (V / q_group_size groups per
       token), plus `residual_tokens` (at most residual_length) tokens in full precision, V * e each.
-    Checked against `telemetry.kv_memory` for every backend and nbits in `tests/test_budget.py`.
+    Source: group-wise affine quantization, x ~ scale * (q - zero) with one scale and zero point per group
+    (HQQ, Badri and Shaji 2023; optimum-quanto), with the full-precision residual of KIVI (Liu et al. 2024)
+    that transformers' `QuantizedLayer` keeps. Checked against `telemetry.kv_memory` for every backend and
+    nbits in `tests/test_budget.py`.
 
     Args:
         tokens: tokens in the quantized store (all of them after a prefill).
         dtype: the model's dtype (the residual's and the scales' element type).
         residual_tokens: tokens in the full-precision residual.
+        nominal_bits: count nbits exactly, ignoring `STORED_BITS` (the textbook formula, without packing).
 
     Returns:
         Bytes (int).
@@ -388,7 +397,7 @@ def estimate_kv_bytes(
     if spec.backend == "fp8":
         return values * (tokens + residual_tokens) + 2 * cfg.num_hidden_layers * 4
     opts = spec.resolved()
-    bits = STORED_BITS.get((spec.backend, opts["nbits"]), opts["nbits"])
+    bits = opts["nbits"] if nominal_bits else STORED_BITS.get((spec.backend, opts["nbits"]), opts["nbits"])
     per_token = values * bits / 8 + 2 * element * values / opts["q_group_size"]
     residual = min(residual_tokens, opts["residual_length"])
     return int(per_token * tokens + values * element * residual)
