@@ -101,7 +101,7 @@ def theoretical_kv_bytes(spec: CacheSpec, config, quantized_tokens: int, residua
     `kvdemo.backends.estimate_kv_bytes(..., nominal_bits=True)` (formula and sources in its docstring). Bit
     packing (hqq packs 3-bit values 10 to an int32), padding and anything else a library stores count only in
     the measured bytes, so measured / theoretical shows them."""
-    return estimate_kv_bytes(spec, config, quantized_tokens, dtype, residual_tokens, nominal_bits=True)
+    return estimate_kv_bytes(spec, config, quantized_tokens + residual_tokens, dtype, residual_tokens, nominal_bits=True)
 
 
 # ---- the two restore mechanisms ---------------------------------------------------------------------

@@ -360,25 +360,26 @@ def estimate_kv_bytes(
     residual_tokens: int = 0,
     nominal_bits: bool = False,
 ) -> int:
-    """The bytes a cache of `spec` holds for `tokens` tokens, from the model's shape, before anything runs
-    (the out-of-memory guard of `QASession.prefill`, and the theoretical figure of `benchmarks/run_all.py`).
+    """The bytes a cache of `spec` holds with `tokens` tokens in it, from the model's shape, before anything
+    runs (the out-of-memory guard of `QASession`, and the theoretical figure of `benchmarks/run_all.py`).
 
     With V = 2 * layers * kv_heads * head_dim values per token (keys and values) and e = the dtype's element
     size in bytes:
     - `dynamic`: V * e per token.
     - `fp8`: V * 1 byte per token (float8_e4m3), plus one scale per layer and tensor.
-    - `quanto`, `hqq`: V * nbits / 8 bytes per quantized token (`STORED_BITS` where the packing pads), plus a
-      scale and a zero point of e bytes each per group of q_group_size values (V / q_group_size groups per
-      token), plus `residual_tokens` (at most residual_length) tokens in full precision, V * e each.
+    - `quanto`, `hqq`: r = min(residual_tokens, residual_length, tokens) of the tokens sit in the full-precision
+      residual, V * e bytes each; the others are quantized: V * nbits / 8 bytes each (`STORED_BITS` where the
+      packing pads) plus a scale and a zero point of e bytes each per group of q_group_size values
+      (V / q_group_size groups per token).
     Source: group-wise affine quantization, x ~ scale * (q - zero) with one scale and zero point per group
     (HQQ, Badri and Shaji 2023; optimum-quanto), with the full-precision residual of KIVI (Liu et al. 2024)
     that transformers' `QuantizedLayer` keeps. Checked against `telemetry.kv_memory` for every backend and
     nbits in `tests/test_budget.py`.
 
     Args:
-        tokens: tokens in the quantized store (all of them after a prefill).
+        tokens: all tokens in the cache (the cache length).
         dtype: the model's dtype (the residual's and the scales' element type).
-        residual_tokens: tokens in the full-precision residual.
+        residual_tokens: how many of them sit in the full-precision residual (quanto, hqq; ignored otherwise).
         nominal_bits: count nbits exactly, ignoring `STORED_BITS` (the textbook formula, without packing).
 
     Returns:
@@ -393,14 +394,14 @@ def estimate_kv_bytes(
     values = 2 * cfg.num_hidden_layers * kv_heads * head_dim
     element = torch.empty((), dtype=dtype).element_size()
     if spec.backend == "dynamic":
-        return values * element * (tokens + residual_tokens)
+        return values * element * tokens
     if spec.backend == "fp8":
-        return values * (tokens + residual_tokens) + 2 * cfg.num_hidden_layers * 4
+        return values * tokens + 2 * cfg.num_hidden_layers * 4
     opts = spec.resolved()
     bits = opts["nbits"] if nominal_bits else STORED_BITS.get((spec.backend, opts["nbits"]), opts["nbits"])
     per_token = values * bits / 8 + 2 * element * values / opts["q_group_size"]
-    residual = min(residual_tokens, opts["residual_length"])
-    return int(per_token * tokens + values * element * residual)
+    residual = max(min(residual_tokens, opts["residual_length"], tokens), 0)
+    return int(per_token * (tokens - residual) + values * element * residual)
 
 
 def build_cache(spec: CacheSpec, model_config: PreTrainedConfig) -> Cache:

@@ -271,20 +271,23 @@ class QASession:
             residual_tokens=reserve_tokens,
         )
 
-    def _check_budget(self, context_tokens: int, reserve_tokens: int) -> None:
+    def _check_budget(self, context_tokens: int, reserve_tokens: int, advice: str | None = None) -> None:
+        """Raise `KVBudgetError` when `estimate_kv_bytes(context_tokens, reserve_tokens)` exceeds the budget."""
         budget = self.kv_budget_bytes
         if budget is None:
             return
         estimate = self.estimate_kv_bytes(context_tokens, reserve_tokens)
         if estimate <= budget:
             return
-        per_token = estimate / (context_tokens + reserve_tokens)
-        fits = max(int(budget / per_token) - reserve_tokens, 0)
+        if advice is None:
+            per_token = estimate / (context_tokens + reserve_tokens)
+            fits = max(int(budget / per_token) - reserve_tokens, 0)
+            advice = (f"Shorten the context to about {fits:,} tokens, or choose a backend with fewer bits "
+                      "(e.g. hqq with nbits 2)")
         raise KVBudgetError(
-            f"a {self.spec.label} KV cache for this context ({context_tokens:,} tokens + {reserve_tokens} for a question "
-            f"and its answer) would hold about {estimate / 2**20:,.1f} MiB; this server's KV budget is "
-            f"{budget / 2**20:,.1f} MiB. Shorten the context to about {fits:,} tokens, or choose a backend with "
-            "fewer bits (e.g. hqq with nbits 2)",
+            f"a {self.spec.label} KV cache for this context ({context_tokens:,} tokens + {reserve_tokens} for a "
+            f"question and its answer) would hold about {estimate / 2**20:,.1f} MiB; the KV budget is "
+            f"{budget / 2**20:,.1f} MiB. {advice}",
             estimate,
             budget,
         )
@@ -310,6 +313,8 @@ class QASession:
         Raises:
             ValueError: no prefill yet, an empty question, max_new_tokens < 1 or not an integer, or a
                 question plus `max_new_tokens` that does not fit the model's window (numbers given).
+            KVBudgetError (a ValueError): the cache with the question and `max_new_tokens` decoded would
+                exceed `kv_budget_bytes`.
         """
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a whole number >= 1")
@@ -322,6 +327,8 @@ class QASession:
                 f"the model's {limit}-token window; lower max_new_tokens to at most "
                 f"{limit - context_tokens - len(q_ids)} or shorten the question"
             )
+        self._check_budget(context_tokens, len(q_ids) + max_new_tokens,
+                           advice="Lower max_new_tokens, or prefill a shorter context")
         self._close_active()
         self._stop.clear()
         self._active = self._decode(question, q_ids, max_new_tokens)

@@ -133,7 +133,7 @@ TABLE: list[tuple[str, str, Callable[[Env], Any], str]] = [
     ("api", "local folder without weights", lambda e: load_model(str(e.tmp)), "holds no model"),
     ("api", "a file that is not GGUF", lambda e: load_model(e.file("weights.bin", b"xx")), "is a file but not a .gguf file"),
     ("api", "KV cache over the budget", lambda e: QASession(e.tiny, CacheSpec("hqq"), kv_budget_bytes=1000).prefill(CONTEXT),
-     "this server's KV budget is 0.0 MiB"),
+     "the KV budget is 0.0 MiB"),
     ("api", "compare without questions", lambda e: compare(e.tiny, CONTEXT, [], []), "compare needs at least one question"),
     # ---- the app ----
     ("app", "Prefill with an empty context", lambda e: e.fns["prefill"]("", *HQQ, _req()), "the context is empty"),
@@ -145,7 +145,7 @@ TABLE: list[tuple[str, str, Callable[[Env], Any], str]] = [
      "q_group_size='2.5' must be a whole number"),
     ("app", "a backend not in the list", lambda e: e.fns["prefill"](CONTEXT, "int8", 4, 64, 4, 0, 0, _req()),
      "backend='int8' is not a backend"),
-    ("app", "KV cache over the server's budget", _over_budget, "this server's KV budget is"),
+    ("app", "KV cache over the server's budget", _over_budget, "the KV budget is"),
     ("app", "upload: binary file", lambda e: e.fns["read_upload"](e.file("blob.txt", b"abc\x00def")), "looks binary (it holds NUL bytes)"),
     ("app", "upload: not UTF-8", lambda e: e.fns["read_upload"](e.file("latin.txt", "café".encode("latin-1"))),
      "latin.txt is not UTF-8 text (byte 3); save it as UTF-8"),

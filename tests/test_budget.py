@@ -27,7 +27,7 @@ def test_estimate_matches_the_bytes_held_after_prefill_and_during_an_answer(tiny
     for event in stream:
         held = event.memory
     residual = held.layers[0].residual_tokens
-    expected = estimate_kv_bytes(session.spec, tiny.config, held.seq_length - residual, torch.float32, residual)
+    expected = estimate_kv_bytes(session.spec, tiny.config, held.seq_length, torch.float32, residual)
     assert expected == pytest.approx(held.total_bytes, rel=0.03)
 
 
@@ -43,7 +43,7 @@ def test_prefill_over_the_budget_is_refused_and_the_session_kept(tiny):
         session.prefill(CONTEXT)
     message = str(error.value)
     assert f"for this context ({tokens:,} tokens + 128 for a question and its answer)" in message
-    assert f"would hold about {needed / 2**20:,.1f} MiB; this server's KV budget is {(needed - 1) / 2**20:,.1f} MiB" in message
+    assert f"would hold about {needed / 2**20:,.1f} MiB; the KV budget is {(needed - 1) / 2**20:,.1f} MiB" in message
     assert "Shorten the context to about" in message and "fewer bits" in message
     assert error.value.estimate_bytes == needed and isinstance(error.value, ValueError)
     assert session.context == "Rollo led the Normans." and session.cache_length == small.context_tokens
@@ -64,3 +64,17 @@ def test_estimates_on_the_embedded_shape_match_the_measured_table():
     for text, per_token in measured.items():
         estimate = estimate_kv_bytes(CacheSpec.parse(text), config, 1000, torch.float32)
         assert estimate == pytest.approx(per_token * 1000, rel=0.001), text
+
+
+def test_an_answer_that_would_grow_the_cache_over_the_budget_is_refused(tiny):
+    spec = CacheSpec("fp8")
+    probe = QASession(tiny, spec)
+    tokens = probe.prefill("Rollo led the Normans.").context_tokens
+    question = len(probe.question_ids("Who led them?"))
+    budget = probe.estimate_kv_bytes(tokens, question + 40)
+    session = QASession(tiny, spec, kv_budget_bytes=budget)
+    session.prefill("Rollo led the Normans.", reserve_tokens=question + 40)
+    assert session.ask("Who led them?", 40).cache_length_after == tokens  # exactly at the budget
+    with pytest.raises(KVBudgetError, match="Lower max_new_tokens, or prefill a shorter context"):
+        session.ask("Who led them?", 41)
+    assert session.cache_length == tokens and len(session.history) == 1
