@@ -28,6 +28,12 @@ def _flag(value: str | None, default: bool) -> bool:
     return value.strip().lower() in ("1", "true", "yes", "on")
 
 
+def _is_hub_id(source: str) -> bool:
+    from kvdemo.models import is_hub_id
+
+    return is_hub_id(source)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The app's settings from `argv` and the environment."""
     env = os.environ.get
@@ -36,7 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     default_host = "0.0.0.0" if space else "127.0.0.1"
     parser.add_argument("--host", default=env("KVDEMO_HOST", env("GRADIO_SERVER_NAME", default_host)),
                         help="address to bind (env KVDEMO_HOST; default 127.0.0.1, on a Space 0.0.0.0)")
-    parser.add_argument("--port", type=int, default=int(env("KVDEMO_PORT", env("GRADIO_SERVER_PORT", "7860"))),
+    parser.add_argument("--port", type=int, default=env("KVDEMO_PORT", env("GRADIO_SERVER_PORT", "7860")),
                         help="port (env KVDEMO_PORT; default 7860)")
     parser.add_argument("--model", default=env("KVDEMO_MODEL") or (SPACE_MODEL if space else None),
                         help="model loaded at start: a Hub id, a local folder or a .gguf file "
@@ -44,31 +50,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=env("KVDEMO_CONCURRENCY"),
                         help="answers and prefills running at once, across users (env KVDEMO_CONCURRENCY; "
                         "default 1 on CPU, 2 on CUDA); others wait in the queue and see their place")
-    parser.add_argument("--max-sessions", type=int, default=int(env("KVDEMO_MAX_SESSIONS", "32")),
+    parser.add_argument("--max-sessions", type=int, default=env("KVDEMO_MAX_SESSIONS", "32"),
                         help="browser sessions kept at once; the least recently used is freed first "
                         "(env KVDEMO_MAX_SESSIONS; default 32)")
-    parser.add_argument("--idle-minutes", type=float, default=float(env("KVDEMO_IDLE_MINUTES", "30")),
+    parser.add_argument("--idle-minutes", type=float, default=env("KVDEMO_IDLE_MINUTES", "30"),
                         help="free a session unused this long; its user is asked to prefill again "
                         "(env KVDEMO_IDLE_MINUTES; default 30; 0 = never)")
-    parser.add_argument("--kv-budget-mib", type=float, default=float(env("KVDEMO_KV_BUDGET_MIB", "1024")),
+    parser.add_argument("--kv-budget-mib", type=float, default=env("KVDEMO_KV_BUDGET_MIB", "1024"),
                         help="largest KV cache one prefill may build, estimated before it runs (MiB; "
                         "env KVDEMO_KV_BUDGET_MIB; default 1024; 0 = no limit)")
     parser.add_argument("--public", action=argparse.BooleanOptionalAction,
                         default=_flag(env("KVDEMO_PUBLIC"), default=space),
-                        help="a public server: the Load button takes only the embedded model and Hub ids, no "
-                        "local paths (env KVDEMO_PUBLIC=1; default on a Space)")
+                        help="a public server: visitors cannot load another model (it would end the other users' "
+                        "sessions) and --model must be the embedded model or a Hub id (env KVDEMO_PUBLIC=1; default "
+                        "on a Space)")
     parser.add_argument("--allow-local-paths", action=argparse.BooleanOptionalAction,
                         default=_flag(env("KVDEMO_ALLOW_LOCAL_PATHS"), default=False),
-                        help="let a --public server load local folders and .gguf files anyway "
+                        help="let a --public server start from a local folder or .gguf file "
                         "(env KVDEMO_ALLOW_LOCAL_PATHS=1)")
     args = parser.parse_args(argv)
     if args.idle_minutes < 0 or args.kv_budget_mib < 0:
         parser.error("--idle-minutes and --kv-budget-mib must be >= 0 (0 turns them off)")
+    if args.public and args.model and not args.allow_local_paths and not _is_hub_id(args.model):
+        parser.error(f"--public serves the embedded model or a Hub id; {args.model!r} is a local path "
+                     "(add --allow-local-paths to serve it anyway)")
     if args.concurrency is None:
         import torch
 
         args.concurrency = 2 if torch.cuda.is_available() else 1
-    args.concurrency = int(args.concurrency)
     if args.concurrency < 1 or args.max_sessions < 1:
         parser.error("--concurrency and --max-sessions must be >= 1")
     return args
@@ -85,6 +94,7 @@ def main(argv: list[str] | None = None) -> None:
         idle_seconds=args.idle_minutes * 60 or None,
         kv_budget_bytes=int(args.kv_budget_mib * 2**20) or None,
         allow_local_paths=not args.public or args.allow_local_paths,
+        public=args.public,
     )
     app.start_loading()
     app.start_sweeper()

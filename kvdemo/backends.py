@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import numbers
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -246,10 +247,9 @@ class CacheSpec:
                 raise ValueError(f"spec {text!r}: {name} is given twice")
             options[name] = value
         for name, value in options.items():
-            try:
-                options[name] = int(value)
-            except ValueError:
-                raise ValueError(f"spec {text!r}: {name}={value!r} must be an integer") from None
+            if not re.fullmatch(r"-?[0-9]+", value):
+                raise ValueError(f"spec {text!r}: {name}={value!r} must be an integer")
+            options[name] = int(value)
         return cls(backend.strip().lower(), **options).validate()
 
     def replace(self, **changes: Any) -> "CacheSpec":

@@ -165,15 +165,18 @@ def example_path(name: str) -> Path:
 
 def gold_answers_for(context: str, questions: list[str]) -> list[tuple[str, ...]] | None:
     """The gold answers of `questions` when `context` is made of paragraphs of one shipped example and every
-    question is one of that example's (then an empty tuple marks a question the text does not answer);
-    else None. Lets the app score the example questions against gold."""
+    question is one of that example's about those paragraphs (then an empty tuple marks a question the text
+    does not answer); else None. Lets the app score the example questions against gold."""
     paragraphs = [p.strip() for p in context.split("\n\n") if p.strip()] if isinstance(context, str) else []
     if not paragraphs or not questions:
         return None
     for path in sorted(EXAMPLES_DIR.glob("*.json")):
         case = load_case(path)
-        if set(paragraphs) <= {p.strip() for p in case.paragraphs}:
-            golds = [case.gold_for(q) for q in questions]
+        index = {p.strip(): i for i, p in enumerate(case.paragraphs)}
+        if all(p in index for p in paragraphs):
+            # only the questions about the paragraphs in the context (`Case.select`)
+            chosen = case.select(",".join(str(index[p]) for p in paragraphs))
+            golds = [chosen.gold_for(q) for q in questions]
             return None if any(g is None for g in golds) else golds
     return None
 

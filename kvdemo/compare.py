@@ -211,8 +211,10 @@ class SpecResult:
         bytes_per_token: kv_bytes / context_tokens.
         ratio_to_dynamic: kv_bytes / `dynamic`'s kv_bytes (the cache in the model's dtype).
         prefill_seconds: the prefill's wall time.
-        tokens_per_second: median over the answers.
-        flushes: flushes summed over layers and answers; flush_seconds: summed `QuestionResult.flush_seconds`.
+        tokens_per_second: median over the answers of `Answer.tokens_per_second` (generated tokens over the
+            answer's wall time, the question's own forward pass included).
+        flushes: flushes summed over layers and answers, those of the question's own pass included;
+            flush_seconds: summed `QuestionResult.flush_seconds` (decode steps after the question's pass).
         restored: every answer's cache_length_after equals context_tokens.
     """
 
@@ -249,9 +251,13 @@ class ComparisonReport:
     max_new_tokens: int
     results: tuple[SpecResult, ...]
 
+    COLUMNS = ("spec", "KV bytes", "bytes/token", "ratio to dynamic", "identical to dynamic", "common prefix (tokens)",
+               "KL (nats)", "exact match", "contains gold", "F1", "prefill s", "tokens/s", "flushes", "flush s",
+               "restored")
+
     def to_frame(self) -> pd.DataFrame:
-        """One row per spec. Fidelity columns are means over the questions; the gold columns are NaN without
-        gold answers. Columns: spec, KV bytes, bytes/token, ratio to dynamic, identical to dynamic (share),
+        """One row per spec (`COLUMNS`, also when there is none). Fidelity columns are means over the questions;
+        the gold columns are NaN without gold answers. Columns: spec, KV bytes, bytes/token, ratio to dynamic, identical to dynamic (share),
         common prefix (tokens), KL (nats), exact match, contains gold, F1, prefill s, tokens/s, flushes,
         flush s, restored."""
         rows = []
@@ -277,7 +283,7 @@ class ComparisonReport:
                     "restored": r.restored,
                 }
             )
-        return pd.DataFrame(rows)
+        return pd.DataFrame(rows, columns=list(self.COLUMNS))
 
     def to_dict(self) -> dict:
         """JSON-ready: model, max_new_tokens and every result with its answers."""
@@ -320,7 +326,8 @@ def measure_spec(
     dynamic_kv_bytes: int | None = None,
     cancel: threading.Event | None = None,
     on_step: Callable[[str], None] | None = None,
-) -> tuple[SpecResult, Reference]:
+    kv_budget_bytes: int | None = None,
+) -> tuple[SpecResult, Reference | None]:
     """One spec of `compare`: a fresh `QASession`, one prefill, every question answered then scored.
 
     Args:
@@ -331,13 +338,15 @@ def measure_spec(
             internal cancellation propagates to `compare`.
         on_step: called with a description after the prefill and after each answer and each score.
 
+        kv_budget_bytes: the session's out-of-memory guard (`QASession`).
+
     Returns:
-        The `SpecResult` and this run's own `Reference` (its answers, scored teacher-forced on itself).
+        The `SpecResult`, and this run's own `Reference` when it is the reference run (else None).
 
     Raises:
         ValueError, ImportError: the session refuses the spec, context or a question (its message).
     """
-    session = QASession(loaded_model, spec)
+    session = QASession(loaded_model, spec, kv_budget_bytes=kv_budget_bytes)
     prefill = session.prefill(context, reserve_tokens=QUESTION_RESERVE_TOKENS + max_new_tokens)
     if on_step is not None:
         on_step(f"{spec.text}: prefilled {prefill.context_tokens} tokens")
@@ -362,8 +371,10 @@ def measure_spec(
     for i, question in enumerate(questions):
         _check_cancel(cancel)
         logprobs = session.score(question, ref_ids[i])
-        own.append(logprobs)
+        if reference is None:
+            own.append(logprobs)  # kept only when this run is the reference ([n, vocab] float32 per question)
         kls.append(0.0 if reference is None else float(kl_divergence(reference.logprobs[i], logprobs).mean()))
+        del logprobs
         if on_step is not None:
             on_step(f"{spec.text}: scored {i + 1}/{len(questions)}")
     questions_out = []
@@ -406,7 +417,7 @@ def measure_spec(
         restored=all(a.cache_length_after == prefill.context_tokens for a in answers),
         questions=tuple(questions_out),
     )
-    own_reference = Reference(tuple(a.token_ids for a in answers) if reference is None else ref_ids, tuple(own))
+    own_reference = Reference(tuple(a.token_ids for a in answers), tuple(own)) if reference is None else None
     return result, own_reference
 
 
@@ -419,6 +430,7 @@ def compare(
     gold_answers: Sequence[Sequence[str]] | None = None,
     cancel: threading.Event | None = None,
     on_progress: ProgressCallback | None = None,
+    kv_budget_bytes: int | None = None,
 ) -> ComparisonReport:
     """Prefill `context` and answer `questions` once per spec, one backend at a time (each session and cache
     is freed before the next), `dynamic` first and always included; duplicates are run once.
@@ -435,13 +447,15 @@ def compare(
             answer (see `score_against_gold`). None: no gold figures.
         cancel: set it (from another thread) to stop at the next decode step.
         on_progress: `ProgressCallback`, called as work units finish (a prefill, an answer, a score).
+        kv_budget_bytes: each session's out-of-memory guard (`QASession`); None: no limit.
 
     Returns:
         The `ComparisonReport`.
 
     Raises:
-        ValueError: no question, gold answers not one list per question, max_new_tokens < 1, or a spec,
-            context or question the session refuses (its message); nothing has run then.
+        ValueError: no question, an empty one, gold answers not one list per question, max_new_tokens < 1 or a
+            spec the model cannot run (nothing has run then); or a context or question the session refuses
+            (its message; a question too long for the window is found when its turn comes).
         ImportError: a spec's backend package is missing.
         ComparisonCancelled: `cancel` was set; its `report` holds the specs finished before.
     """
@@ -486,6 +500,7 @@ def compare(
                 dynamic_kv_bytes=results[0].kv_bytes if results else None,
                 cancel=cancel,
                 on_step=step,
+                kv_budget_bytes=kv_budget_bytes,
             )
         except _Cancelled:
             raise ComparisonCancelled(ComparisonReport(loaded_model.name, max_new_tokens, tuple(results))) from None

@@ -54,6 +54,18 @@ _lock = threading.Lock()
 _log = logging.getLogger(__name__)
 
 
+def is_hub_id(source: str) -> bool:
+    """Whether `source` names a Hugging Face Hub model (`name` or `org/name`) and nothing on this machine:
+    not an existing path, no `..`, no leading `/`, `.` or `~`, no `.gguf` file name (the public mode's rule)."""
+    return (
+        isinstance(source, str)
+        and bool(_HUB_ID.fullmatch(source))
+        and ".." not in source
+        and not source.lower().endswith(".gguf")
+        and not Path(source).expanduser().exists()
+    )
+
+
 @dataclass
 class LoadedModel:
     """A model ready for `QASession`.

@@ -34,8 +34,7 @@ from kvdemo.charts import (
     tradeoff_frame,
 )
 from kvdemo.compare import DEFAULT_SPECS, ComparisonCancelled, ComparisonReport, compare
-from kvdemo.models import _HUB_ID as HUB_ID
-from kvdemo.models import LoadedModel, load_model
+from kvdemo.models import LoadedModel, is_hub_id, load_model
 from kvdemo.session import DEFAULT_MAX_NEW_TOKENS, QASession
 
 MAX_UPLOAD_BYTES = 2 * 1024 * 1024
@@ -76,6 +75,7 @@ class UserSession:
     lock: threading.Lock = field(default_factory=threading.Lock)
     compare_cancel: threading.Event = field(default_factory=threading.Event)
     compare_lock: threading.Lock = field(default_factory=threading.Lock)
+    compare_pending: bool = False
     last_used: float = 0.0
 
     @property
@@ -89,6 +89,10 @@ class UserSession:
         if self.qa is not None:
             self.qa.request_stop()
         self.qa, self.events = None, []
+
+
+class ServerFull(Exception):
+    """No session can be created: the cap is reached and every session is busy."""
 
 
 class SessionStore:
@@ -119,23 +123,39 @@ class SessionStore:
         self._freed: OrderedDict[str, str] = OrderedDict()
         self._lock = threading.Lock()
 
+    def peek(self, key: str) -> UserSession | None:
+        """The session of `key` if it exists (marked as used), else None; never creates or evicts one."""
+        with self._lock:
+            user = self._sessions.get(key)
+            if user is not None:
+                user.last_used = self.clock()
+            return user
+
     def get(self, key: str) -> UserSession:
         """The session of `key`, created when missing; frees idle sessions and, when full, the least recently
-        used idle one."""
+        used idle one.
+
+        Raises:
+            ServerFull: every session is busy and the cap is reached (a new session is not created, and
+                nobody's running answer is cut).
+        """
         with self._lock:
             if key in self._sessions:  # a request is a use: never sweep the session it is for
                 self._sessions[key].last_used = self.clock()
         self.sweep()
         with self._lock:
-            user = self._sessions.pop(key, None) or UserSession()
-            user.last_used = self.clock()
-            self._sessions[key] = user
-            while len(self._sessions) > self.max_sessions:
-                victim = next((k for k, u in self._sessions.items() if not u.busy and k != key), None)
+            user = self._sessions.pop(key, None)
+            if user is None and len(self._sessions) >= self.max_sessions:
+                victim = next((k for k, u in self._sessions.items() if not u.busy), None)
                 if victim is None:
-                    victim = next(iter(self._sessions))
+                    raise ServerFull(
+                        f"The server is full: all {self.max_sessions} sessions are busy answering. Try again in a minute"
+                    )
                 self._drop(victim, f"this server keeps at most {self.max_sessions} sessions and yours was the "
                                    "least recently used")
+            user = user or UserSession()
+            user.last_used = self.clock()
+            self._sessions[key] = user
             return user
 
     def sweep(self) -> int:
@@ -190,8 +210,9 @@ class App:
         loader: the model loader (tests pass one that builds a small model).
         idle_seconds: free a session unused this long (seconds; None: never).
         kv_budget_bytes: the largest KV cache one prefill may build (estimated before it runs; None: no limit).
-        allow_local_paths: whether the Load button may read local folders and files; a public server
-            (`--public`) allows only the embedded model and Hub ids.
+        allow_local_paths: whether the Load button may read local folders and files (else Hub ids only).
+        public: a public server: the model is chosen by its operator and visitors cannot replace it (it
+            would end every other user's session).
     """
 
     def __init__(
@@ -202,12 +223,14 @@ class App:
         idle_seconds: float | None = 1800.0,
         kv_budget_bytes: int | None = None,
         allow_local_paths: bool = True,
+        public: bool = False,
     ):
         self.model_source = model_source
         self.loader = loader
         self.sessions = SessionStore(max_sessions, idle_seconds)
         self.kv_budget_bytes = kv_budget_bytes
         self.allow_local_paths = allow_local_paths
+        self.public = public
         self.loaded: LoadedModel | None = None
         self.load_error: str | None = None
         self._ready = threading.Event()
@@ -415,15 +438,23 @@ def compare_specs(chosen: list[str] | None, more: str | None) -> list[CacheSpec]
     return specs
 
 
+COMPARE_MAX_QUESTIONS = 20
+COMPARE_MAX_NEW_TOKENS = 256
+"""Limits of one comparison in the app (its reference keeps [tokens, vocab] float32 per question)."""
+
+
 def compare_questions(text: str | None) -> list[str]:
     """The questions of the Compare tab: one per non-empty line.
 
     Raises:
-        gr.Error: there is none.
+        gr.Error: there is none, or more than `COMPARE_MAX_QUESTIONS`.
     """
     questions = [line.strip() for line in (text or "").splitlines() if line.strip()]
     if not questions:
         raise gr.Error("Give at least one question, one per line (or press 'Fill in questions')")
+    if len(questions) > COMPARE_MAX_QUESTIONS:
+        raise gr.Error(f"{len(questions)} questions is more than a comparison runs here; give at most "
+                       f"{COMPARE_MAX_QUESTIONS}")
     return questions
 
 
@@ -463,17 +494,6 @@ def _guarded(stream: Iterator, qa: QASession) -> Iterator:
         ) from None
 
 
-def is_hub_id(source: str) -> bool:
-    """Whether `source` names a Hugging Face Hub model (`name` or `org/name`) and nothing on this machine:
-    not an existing path, no `..`, no leading `/`, `.` or `~`, no `.gguf` file name."""
-    return (
-        bool(HUB_ID.fullmatch(source))
-        and ".." not in source
-        and not source.lower().endswith(".gguf")
-        and not Path(source).expanduser().exists()
-    )
-
-
 def _empty_charts() -> tuple[None, None, None]:
     """Cleared charts. An empty plot is `None`, not an empty DataFrame: Gradio's plot takes its series
     (the color legend) from the first data it gets, and an empty frame would leave it with none."""
@@ -486,8 +506,19 @@ def _empty_charts() -> tuple[None, None, None]:
 def build_demo(app: App) -> gr.Blocks:
     """The gr.Blocks page, wired to `app`. Every event has an `api_name` for `gradio_client`."""
 
+    def key_of(request: gr.Request) -> str:
+        return request.session_hash if request is not None else "api"
+
     def user_of(request: gr.Request) -> UserSession:
-        return app.sessions.get(request.session_hash if request is not None else "api")
+        """This tab's session, created when missing (Prefill and Compare only)."""
+        try:
+            return app.sessions.get(key_of(request))
+        except ServerFull as error:
+            raise gr.Error(str(error)) from None
+
+    def existing_user(request: gr.Request) -> UserSession | None:
+        """This tab's session if it has one; handlers that only read or stop never create (or evict) one."""
+        return app.sessions.peek(key_of(request))
 
     def on_page_load(progress=gr.Progress()):
         progress(0, desc="Loading the model (a first start converts the embedded GGUF, ~20-30 s; later starts "
@@ -497,6 +528,12 @@ def build_demo(app: App) -> gr.Blocks:
 
     def load_model_handler(model_source: str, progress=gr.Progress()):
         """Load a model (a Hub id, a local folder or a .gguf file; empty: the start-up model) for everyone."""
+        if app.public:
+            name = app.loaded.name if app.loaded else "its start-up model"
+            raise gr.Error(
+                f"This public server serves one model to everyone ({name}); loading another would end the other "
+                "users' sessions. Run kvdemo on your own machine to try other models"
+            )
         source = model_source.strip() if isinstance(model_source, str) and model_source.strip() else app.model_source
         if source != app.model_source and source is not None and not app.allow_local_paths and not is_hub_id(source):
             raise gr.Error(
@@ -506,9 +543,10 @@ def build_demo(app: App) -> gr.Blocks:
         progress(0, desc=f"Loading {source or 'the embedded model'}…")
         try:
             loaded = app.loader(source)
-        except (ValueError, ImportError, OSError) as error:
+        except Exception as error:  # any failure (bad id, offline, out of memory) keeps the current model
             previous = f" Keeping {app.loaded.name}." if app.loaded else ""
-            raise gr.Error(f"{error}.{previous}") from None
+            kind = "" if isinstance(error, (ValueError, ImportError, OSError)) else f"{type(error).__name__}: "
+            raise gr.Error(f"{kind}{str(error)[:400]}.{previous}") from None
         app.loaded, app.load_error = loaded, None
         return model_status(loaded)
 
@@ -527,25 +565,27 @@ def build_demo(app: App) -> gr.Blocks:
             except (ValueError, ImportError) as error:
                 raise gr.Error(str(error)) from None
             user.qa, user.chat, user.events = qa, [], []
-            app.sessions.forget_freed(request.session_hash if request is not None else "api")
+            app.sessions.forget_freed(key_of(request))
         return (prefill_summary(qa), [], "", *_empty_charts(), answers_frame([]), gr.update(interactive=True))
 
     def ask_handler(question: str, max_new_tokens: float, request: gr.Request) -> Iterator[tuple]:
         """Answer `question` on the prefilled context, streaming the answer and the charts."""
-        user = user_of(request)
-        qa = user.qa
-        if qa is None:
-            reason = app.sessions.freed_reason(request.session_hash if request is not None else "api")
+        user = existing_user(request)
+        if user is None or user.qa is None:
+            reason = app.sessions.freed_reason(key_of(request))
             if reason:
                 raise gr.Error(f"Your session was freed because {reason}; press Prefill again to rebuild the cache")
             raise gr.Error("Prefill a context first: paste or load a text and press Prefill")
-        if app.loaded is not qa.loaded:
-            raise gr.Error("The model changed since your prefill; press Prefill to rebuild the cache on it")
         if isinstance(max_new_tokens, float) and max_new_tokens.is_integer():
             max_new_tokens = int(max_new_tokens)
         if not user.lock.acquire(blocking=False):
             raise gr.Error("An answer or a prefill is already running in this session; wait or press Stop")
         try:
+            qa = user.qa  # read under the lock: a prefill that just finished has replaced it
+            if qa is None:
+                raise gr.Error("Your session was freed; press Prefill again to rebuild the cache")
+            if app.loaded is not qa.loaded:
+                raise gr.Error("The model changed since your prefill; press Prefill to rebuild the cache on it")
             try:
                 stream = qa.stream(question, max_new_tokens)
             except ValueError as error:
@@ -580,13 +620,13 @@ def build_demo(app: App) -> gr.Blocks:
         """Stop the answer streaming in this session after its current decode step; the cache is restored as
         after any answer, and the answer's last update says `stopped`. (No output of its own: a reply racing
         the answer's last update could overwrite it.)"""
-        user = user_of(request)
-        if user.qa is not None:
+        user = existing_user(request)
+        if user is not None and user.qa is not None:
             user.qa.request_stop()
 
     def options_changed(backend, nbits, q_group_size, residual_length, axis_key, axis_value, request: gr.Request):
-        user = user_of(request)
-        if user.qa is None:
+        user = existing_user(request)
+        if user is None or user.qa is None:
             return gr.update(), gr.update()
         try:
             spec = spec_from_inputs(backend, nbits, q_group_size, residual_length, axis_key, axis_value)
@@ -603,28 +643,34 @@ def build_demo(app: App) -> gr.Blocks:
 
     def fill_questions_handler(context: str, request: gr.Request) -> str:
         """The questions asked so far in this session, or the example's questions."""
-        user = user_of(request)
-        return "\n".join(suggested_questions(user.qa, context))
+        user = existing_user(request)
+        return "\n".join(suggested_questions(user.qa if user is not None else None, context))
 
     def compare_handler(context, chosen, more, questions_text, max_new_tokens, request: gr.Request,
                         progress=gr.Progress()):
         """Run `kvdemo.compare` on the Context box's text and the questions, one spec at a time, in fresh
         sessions: this session's own cache is untouched. Cancel stops it at the next decode step."""
-        specs = compare_specs(chosen, more)
-        questions = compare_questions(questions_text)
-        if isinstance(max_new_tokens, float) and max_new_tokens.is_integer():
-            max_new_tokens = int(max_new_tokens)
-        loaded = app.wait_for_model()
         user = user_of(request)
         if not user.compare_lock.acquire(blocking=False):
             raise gr.Error("A comparison is already running in this session; wait or press Cancel")
         try:
-            user.compare_cancel.clear()
+            if not user.compare_pending:  # called through the API, not queued by the button
+                user.compare_cancel.clear()
+                user.compare_pending = True
+            specs = compare_specs(chosen, more)
+            questions = compare_questions(questions_text)
+            if isinstance(max_new_tokens, float) and max_new_tokens.is_integer():
+                max_new_tokens = int(max_new_tokens)
+            if isinstance(max_new_tokens, int) and max_new_tokens > COMPARE_MAX_NEW_TOKENS:
+                raise gr.Error(f"max_new_tokens={max_new_tokens} is more than a comparison runs here; use at most "
+                               f"{COMPARE_MAX_NEW_TOKENS}")
+            loaded = app.wait_for_model()
             golds = gold_answers_for(context, questions)
             progress(0, desc="Starting the comparison…")
             report = compare(
                 loaded, context, questions, specs, max_new_tokens, golds, cancel=user.compare_cancel,
                 on_progress=lambda done, total, what: progress((done, total), desc=what, unit="steps"),
+                kv_budget_bytes=app.kv_budget_bytes,
             )
             note = f"Compared {len(report.results)} specs on {len(questions)} questions"
             note += " (scored against the example's gold answers)." if golds else " (no gold answers for this text)."
@@ -633,13 +679,28 @@ def build_demo(app: App) -> gr.Blocks:
             return comparison_outputs(cancelled.report, f"Cancelled after {len(cancelled.report.results)} spec(s).")
         except (ValueError, ImportError) as error:
             raise gr.Error(str(error)) from None
+        except gr.Error:
+            raise
+        except Exception as error:  # a fault inside a decode step: every session it used has restored
+            raise gr.Error(f"The comparison failed ({type(error).__name__}: {str(error)[:200]}); your own "
+                           "session is untouched") from None
         finally:
+            user.compare_pending = False
             app.sessions.touch(user)
             user.compare_lock.release()
 
     def cancel_compare_handler(request: gr.Request) -> None:
-        """Cancel this session's comparison at its next decode step (it returns what finished)."""
-        user_of(request).compare_cancel.set()
+        """Cancel this session's comparison at its next decode step (it returns what finished), also while
+        it still waits in the queue; does nothing when none is running or waiting."""
+        user = existing_user(request)
+        if user is not None and user.compare_pending:
+            user.compare_cancel.set()
+
+    def compare_queued(request: gr.Request) -> None:
+        """Runs at the click, before the comparison waits in the queue: from now on Cancel applies to it."""
+        user = user_of(request)
+        user.compare_cancel.clear()
+        user.compare_pending = True
 
     def unload(request: gr.Request):
         app.sessions.free(request.session_hash)
@@ -731,7 +792,8 @@ def build_demo(app: App) -> gr.Blocks:
                         info="backend[:nbits][,option=value...]; options q_group_size, residual_length, axis_key, "
                         "axis_value",
                     )
-                    compare_max_new_tokens = gr.Number(32, label="max_new_tokens", precision=0, minimum=1)
+                    compare_max_new_tokens = gr.Number(32, label="max_new_tokens", precision=0, minimum=1,
+                                                       maximum=COMPARE_MAX_NEW_TOKENS)
                 with gr.Column(scale=2):
                     compare_questions_box = gr.Textbox(label="questions, one per line", lines=6,
                                                        placeholder="Who was the Norse leader?")
@@ -757,7 +819,10 @@ def build_demo(app: App) -> gr.Blocks:
                                  ask_button]
 
         demo.load(on_page_load, outputs=model_line, api_name="model_status")
-        load_button.click(load_model_handler, inputs=model_source, outputs=model_line, api_name="load_model")
+        # prefills, answers and model loads share one queue group: `--concurrency` of them run at once
+        model_work = {"concurrency_id": "model"}
+        load_button.click(load_model_handler, inputs=model_source, outputs=model_line, api_name="load_model",
+                          **model_work)
         backend.change(backend_option_updates, inputs=[backend, *option_fields], outputs=[*option_fields, backend_note],
                        api_visibility="private", queue=False).then(
             options_changed, inputs=[backend, *option_fields], outputs=[prefill_info, ask_button],
@@ -775,20 +840,20 @@ def build_demo(app: App) -> gr.Blocks:
                                 api_visibility="private", queue=False)
         prefill_button.click(
             prefill_handler, inputs=[context, backend, *option_fields], outputs=outputs_after_prefill,
-            api_name="prefill",
+            api_name="prefill", **model_work,
         )
         ask_outputs = [chat, stats, memory_plot, residual_plot, flush_plot, answers_table]
         # Ask is disabled while an answer streams; afterwards its state follows the options (see options_changed)
         for trigger, api in ((ask_button.click, {"api_name": "ask"}), (question.submit, {"api_visibility": "private"})):
             trigger(lambda: gr.update(interactive=False), outputs=ask_button, queue=False, api_visibility="private").then(
-                ask_handler, inputs=[question, max_new_tokens], outputs=ask_outputs, **api
+                ask_handler, inputs=[question, max_new_tokens], outputs=ask_outputs, **api, **model_work
             ).then(options_changed, inputs=[backend, *option_fields], outputs=[prefill_info, ask_button],
                    api_visibility="private", queue=False)
         stop_button.click(stop_handler, api_name="stop", queue=False)
         fill_button.click(fill_questions_handler, inputs=context, outputs=compare_questions_box,
                           api_name="compare_questions", queue=False)
         # one comparison at a time across users (minutes of CPU); answers keep their own queue slots
-        compare_button.click(
+        compare_button.click(compare_queued, queue=False, api_visibility="private").then(
             compare_handler,
             inputs=[context, compare_choice, compare_more, compare_questions_box, compare_max_new_tokens],
             outputs=[compare_status, compare_table, tradeoff_plot, speed_plot],

@@ -74,6 +74,8 @@ def test_spec_syntax_round_trips(text, spec):
         ("", "an empty spec; write backend[:nbits][,option=value...]"),
         ("hqq:", "give the nbits after the colon"),
         ("hqq:four", "nbits='four' must be an integer"),
+        ("hqq:4,residual_length=1_6", "residual_length='1_6' must be an integer"),
+        ("hqq:+4", "nbits='+4' must be an integer"),
         ("int8", "backend='int8' is not a backend"),
         ("hqq:4,bits=2", "'bits' is not an option; options: nbits, q_group_size"),
         ("hqq:4,nbits=2", "nbits is given twice"),

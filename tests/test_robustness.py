@@ -139,9 +139,10 @@ def _rss() -> int:
 
 
 def test_memory_stays_bounded_over_200_questions_and_50_sessions(embedded):
-    """Resident memory after 200 questions in one session, and after 50 sessions opened, used and closed,
-    stays within 5 % of where it was after the model load and one warm-up session. The model (4 layers,
-    4 KV heads) makes each session's dynamic cache ~2.7 MiB, so 50 leaked caches would add ~20 %."""
+    """Resident memory after 200 questions (4 tokens each, flushing) in one session, and after 50 sessions
+    opened, used and closed, stays within 5 % of where it was after the model load and one warm-up session.
+    The model (4 layers, 4 KV heads) makes each session's dynamic cache ~2.7 MiB, so 50 leaked caches would
+    add ~20 %."""
     loaded = make_tiny(embedded.tokenizer, kv_heads=4, layers=4, seed=1)
     app, fns = _handlers(loaded, max_sessions=8)
     context = " ".join([CONTEXT] * 14)  # ~ 345 tokens
@@ -150,12 +151,14 @@ def test_memory_stays_bounded_over_200_questions_and_50_sessions(embedded):
     list(fns["ask"](QUESTION, 2, _req("warm-up")))
     fns["unload"](_req("warm-up"))
     start = _rss()
-    fns["prefill"](context, *dynamic, _req("long"))
+    fns["prefill"](context, *HQQ, _req("long"))  # residual_length 4: the answers flush
     for i in range(200):
-        list(fns["ask"](f"{QUESTION} ({i})", 1, _req("long")))
+        list(fns["ask"](f"{QUESTION} ({i})", 4, _req("long")))
     qa = app.sessions.get("long").qa
     assert len(qa.history) == 200 and qa.cache_length == qa.prefill_report.context_tokens
+    assert sum(a.flush_count for a in qa.history) >= 200 * 4  # every layer flushed in every answer
     fns["unload"](_req("long"))
+    del qa
     after_questions = _rss()
     for i in range(50):
         fns["prefill"](context, *(HQQ if i % 2 else dynamic), _req(f"s{i}"))
@@ -163,8 +166,7 @@ def test_memory_stays_bounded_over_200_questions_and_50_sessions(embedded):
         fns["unload"](_req(f"s{i}"))
     after_sessions = _rss()
     figures = {"rss_start_mib": start / 2**20, "after_200_questions_mib": after_questions / 2**20,
-               "after_50_sessions_mib": after_sessions / 2**20,
-               "cache_mib_per_session": qa.prefill_report.kv_bytes / 2**20}
+               "after_50_sessions_mib": after_sessions / 2**20}
     ARTIFACTS.mkdir(exist_ok=True)
     (ARTIFACTS / "memory.json").write_text(json.dumps(figures, indent=2))
     assert len(app.sessions) == 0
@@ -240,3 +242,74 @@ def test_prefill_during_an_answer_stops_it_then_replaces_the_context(tiny):
     assert qa is not old and qa.context == other
     answer = list(fns["ask"]("What is it?", 5, _req()))[-1][0][-1]["content"]
     assert answer == _fresh_answer(tiny, "What is it?", 5, context=other).text
+
+
+def test_a_full_server_refuses_new_sessions_instead_of_cutting_a_running_answer(tiny):
+    app, fns = _handlers(tiny, max_sessions=1)
+    fns["prefill"](CONTEXT, *HQQ, _req("a"))
+    stream = fns["ask"](QUESTION, 30, _req("a"))
+    next(stream)
+    with pytest.raises(gr.Error, match="The server is full: all 1 sessions are busy answering. Try again in a minute"):
+        fns["prefill"](CONTEXT, *HQQ, _req("b"))
+    assert list(stream)[-1][0][-1]["content"] == _fresh_answer(tiny, n=30).text  # "a" answered to the end
+
+
+def test_handlers_that_only_read_or_stop_never_create_or_evict_sessions(tiny):
+    app, fns = _handlers(tiny, max_sessions=1)
+    fns["prefill"](CONTEXT, *HQQ, _req("a"))
+    for i in range(5):  # an API client cycling session ids through the read-only endpoints
+        assert fns["stop"](_req(f"x{i}")) is None
+        assert fns["cancel_compare"](_req(f"x{i}")) is None
+        assert fns["compare_questions"](CONTEXT, _req(f"x{i}")) == ""
+        assert fns["options_changed"]("fp8", None, None, None, None, None, _req(f"x{i}")) == (gr.update(), gr.update())
+    assert len(app.sessions) == 1 and app.sessions.peek("a").qa is not None
+
+
+def test_a_public_server_keeps_its_model(tiny):
+    app, fns = _handlers(tiny, public=True)
+    with pytest.raises(gr.Error, match=r"This public server serves one model to everyone \(tiny-llama-2x2x64\)"):
+        fns["load_model"]("HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert app.loaded is tiny
+
+
+def test_cancel_pressed_while_the_comparison_waits_in_the_queue_is_kept(tiny):
+    app, fns = _handlers(tiny)
+    compare_queued = next(f.fn for f in build_demo(app).fns.values() if getattr(f.fn, "__name__", "") == "compare_queued")
+    fns["cancel_compare"](_req())  # nothing is queued: ignored
+    compare_queued(_req())  # the button's click, before the run leaves the queue
+    fns["cancel_compare"](_req())  # pressed while waiting
+    status, table, tradeoff, speed = fns["compare"](CONTEXT, ["fp8"], "", QUESTION, 3, _req())
+    assert status.startswith("Cancelled after 0 spec(s).") and len(table) == 0 and list(table.columns)[0] == "spec"
+    status, *_ = fns["compare"](CONTEXT, ["fp8"], "", QUESTION, 3, _req())  # the next run is not affected
+    assert status.startswith("Compared 2 specs")
+
+
+@pytest.mark.parametrize(
+    "env, argv, message",
+    [
+        ({"KVDEMO_PORT": "eighty"}, [], "argument --port: invalid int value: 'eighty'"),
+        ({"KVDEMO_IDLE_MINUTES": "soon"}, [], "argument --idle-minutes: invalid float value: 'soon'"),
+        ({"KVDEMO_CONCURRENCY": "0"}, [], "--concurrency and --max-sessions must be >= 1"),
+        ({}, ["--kv-budget-mib", "-1"], "--idle-minutes and --kv-budget-mib must be >= 0"),
+        ({"KVDEMO_PUBLIC": "1"}, ["--model", "/srv/models/x"], "--public serves the embedded model or a Hub id"),
+    ],
+)
+def test_bad_app_settings_stop_with_a_message(monkeypatch, capsys, env, argv, message):
+    import app as app_module
+
+    for name in ("SPACE_ID", "KVDEMO_PORT", "KVDEMO_IDLE_MINUTES", "KVDEMO_CONCURRENCY", "KVDEMO_PUBLIC"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as exit_:
+        app_module.parse_args(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_app_settings_reach_the_app(monkeypatch):
+    import app as app_module
+
+    monkeypatch.delenv("SPACE_ID", raising=False)
+    args = app_module.parse_args(["--public", "--idle-minutes", "5", "--kv-budget-mib", "64", "--concurrency", "2"])
+    assert (args.public, args.idle_minutes, args.kv_budget_mib, args.concurrency) == (True, 5.0, 64.0, 2)
+    assert app_module.parse_args(["--model", "HuggingFaceTB/SmolLM2-135M-Instruct", "--public"]).public

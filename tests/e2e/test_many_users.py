@@ -115,6 +115,10 @@ def test_client_disconnecting_mid_answer_leaves_the_cache_restored(app_url, embe
             time.sleep(0.5)
     assert _text(chat[-1]) == expected
     assert f"cache length after restore = {tokens:,} (context)" in stats
+    table = client.predict(question, 8, api_name="/ask")[5]  # this session's answers, one row each
+    rows = [dict(zip(table["headers"], row)) for row in table["data"]]
+    assert rows[0]["finish"] == "stopped" and rows[0]["tokens"] < 300  # the disconnect ended that answer
+    assert rows[0]["cache length after"] == tokens
 
 
 @pytest.mark.parametrize("path", ["/etc/passwd", "kvdemo/data/cases/normans.json", "../../etc/hostname"])
