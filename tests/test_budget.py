@@ -9,7 +9,6 @@ import torch
 from kvdemo import CacheSpec, QASession
 from kvdemo.backends import estimate_kv_bytes
 from kvdemo.session import KVBudgetError
-from kvdemo.telemetry import kv_memory
 
 from .conftest import ALL_SPECS, spec_id
 

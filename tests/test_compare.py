@@ -1,4 +1,4 @@
-"""kvdemo.compare: SQuAD metrics and the unanswerable rule on hand-made cases, KL divergence, and
+"""kvdemo.metrics and kvdemo.compare: SQuAD metrics and the unanswerable rule on hand-made cases, KL divergence, and
 comparisons on a tiny model checked against `QASession` and `kv_memory` on the same caches."""
 
 from __future__ import annotations
@@ -11,13 +11,11 @@ import pytest
 import torch
 
 from kvdemo import CacheSpec, QASession
-from kvdemo.compare import (
-    ComparisonCancelled,
+from kvdemo.compare import ComparisonCancelled, compare, measure_spec
+from kvdemo.metrics import (
     common_prefix,
-    compare,
     contains_gold,
     kl_divergence,
-    measure_spec,
     normalize_answer,
     says_unanswerable,
     score_against_gold,
