@@ -37,7 +37,7 @@ notebook: $(APP_STAMP)
 test: $(DEV_STAMP)
 	GRADIO_ANALYTICS_ENABLED=False HF_HUB_OFFLINE=1 $(PY) -m pytest
 
-# every benchmark figure side by side in one run (4-6 min on 2 cores): artifacts/bench/{results.json,bench.png}
+# every benchmark figure side by side in one run (3.5 min on 2 cores): artifacts/bench/{results.json,bench.png}
 bench: $(APP_STAMP)
 	GRADIO_ANALYTICS_ENABLED=False HF_HUB_OFFLINE=1 $(PY) benchmarks/run_all.py
 

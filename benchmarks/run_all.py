@@ -1,7 +1,7 @@
 """kvdemo's figures, measured side by side in one run (`make bench`), printed as ratios and written to
 `artifacts/bench/results.json` and `artifacts/bench/bench.png` (and `bench.svg`).
 
-Sized for a 2-core CPU (about 4-6 minutes there): one context of the Normans article (paragraphs 0-11,
+Sized for a 2-core CPU (about 3.5 minutes there): one context of the Normans article (paragraphs 0-11,
 2,172 tokens with the chat template), two questions of 24 new tokens each, residual_length 16 so that
 answers flush. Sections:
 
