@@ -97,7 +97,7 @@ def _context_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--context-file",
         required=True,
-        help="a UTF-8 text file, or a SQuAD case file (JSON with 'paragraphs', e.g. ../shared/cases/normans.json)",
+        help="a UTF-8 text file, or a SQuAD case file (JSON with 'paragraphs', e.g. kvdemo/data/cases/normans.json)",
     )
     parser.add_argument("--paragraphs", help="case files: paragraphs to use, e.g. 0-7 or 0,2,5-7 (default: all)")
     parser.add_argument("--question", action="append", default=[], help="a question (repeat for several)")

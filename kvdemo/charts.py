@@ -211,13 +211,14 @@ def speed_figure(frame: pd.DataFrame, title: str = "Decode speed") -> Figure:
 def tradeoff_frame(frame: pd.DataFrame) -> pd.DataFrame:
     """The app's memory-against-fidelity chart data, one row per spec, from `ComparisonReport.to_frame()`.
 
-    Columns: `spec`, `bytes per token` (KV bytes per context token), `KL (nats)` (mean per answer token,
+    Columns: `spec`, `backend` (the spec's first word), `bytes per token` (KV bytes per context token), `KL (nats)` (mean per answer token,
     against `dynamic`), `identical` (share of answers identical to `dynamic`'s), `contains gold` (NaN without
     gold answers).
     """
     return pd.DataFrame(
         {
             "spec": frame["spec"].astype("string"),
+            "backend": frame["spec"].str.split().str[0].astype("string"),
             "bytes per token": frame["bytes/token"].astype("float64"),
             "KL (nats)": frame["KL (nats)"].astype("float64"),
             "identical": frame["identical to dynamic"].astype("float64"),

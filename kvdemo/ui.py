@@ -16,7 +16,7 @@ from collections import OrderedDict
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import gradio as gr
 
@@ -256,8 +256,10 @@ class App:
     def _load_startup(self) -> None:
         try:
             self.loaded = self.loader(self.model_source)
+            print(f"kvdemo: model loaded: {self.loaded.name}", flush=True)
         except Exception as error:  # shown on the page; the user can load another model
             self.load_error = f"{type(error).__name__}: {error}"
+            print(f"kvdemo: the model did not load ({self.load_error}); load another on the page", flush=True)
         finally:
             self._ready.set()
 
@@ -478,7 +480,39 @@ def comparison_outputs(report: ComparisonReport, note: str) -> tuple[str, Any, A
     if report.results:
         tokens = report.results[0].context_tokens
         note += f" · context {tokens:,} tokens · max_new_tokens {report.max_new_tokens}"
-    return note, frame.round(4), tradeoff_frame(frame), speed_frame(frame)
+    tradeoff = with_every_series(tradeoff_frame(frame), "backend", BACKENDS)
+    return note, frame.round(4), tradeoff, speed_frame(frame)
+
+
+def _step_times(events: list) -> Any:
+    """The step-time chart's data with every `STEP_KINDS` series in its legend."""
+    return with_every_series(step_time_frame(events), "kind", STEP_KINDS)
+
+
+def with_every_series(frame: Any, column: str, names: Iterable[str]) -> Any:
+    """`frame` plus one invisible row (NaN in its float columns, 0 in its integer ones) for each of `names`
+    missing from `column`. Gradio's plots fix their colour legend at the first data they get, so a series
+    that appears later (a flush step, another backend) would never be drawn; these rows put every series in
+    the legend from the start, and Vega does not draw points whose value is NaN."""
+    import pandas as pd
+
+    missing = [name for name in names if name not in set(frame[column])]
+    if not missing:
+        return frame
+    rows = []
+    for name in missing:
+        row = {}
+        for col, dtype in frame.dtypes.items():
+            if col == column:
+                row[col] = name
+            elif pd.api.types.is_float_dtype(dtype):
+                row[col] = float("nan")
+            elif pd.api.types.is_integer_dtype(dtype):
+                row[col] = 0
+            else:
+                row[col] = ""
+        rows.append(row)
+    return pd.concat([frame, pd.DataFrame(rows).astype(frame.dtypes.to_dict())], ignore_index=True)
 
 
 def _guarded(stream: Iterator, qa: QASession) -> Iterator:
@@ -602,14 +636,14 @@ def build_demo(app: App) -> gr.Blocks:
                     yield (
                         user.chat, f"step {event.step + 1} · {event.memory.total_bytes / 2**20:.2f} MiB · "
                         f"cache length {event.cache_length:,}",
-                        memory_frame(user.events), residual_frame(user.events), step_time_frame(user.events),
+                        memory_frame(user.events), residual_frame(user.events), _step_times(user.events),
                         gr.skip(),
                     )
             if not user.events:
                 user.chat[-1] = {"role": "assistant", "content": qa.history[-1].text}
             yield (
                 user.chat, answer_stats(qa, first_token, user.events), memory_frame(user.events),
-                residual_frame(user.events), step_time_frame(user.events),
+                residual_frame(user.events), _step_times(user.events),
                 answers_frame(a.to_dict() for a in qa.history),
             )
         finally:
@@ -672,7 +706,7 @@ def build_demo(app: App) -> gr.Blocks:
                 on_progress=lambda done, total, what: progress((done, total), desc=what, unit="steps"),
                 kv_budget_bytes=app.kv_budget_bytes,
             )
-            note = f"Compared {len(report.results)} specs on {len(questions)} questions"
+            note = f"Compared {len(report.results)} specs on {len(questions)} question{'s' if len(questions) > 1 else ''}"
             note += " (scored against the example's gold answers)." if golds else " (no gold answers for this text)."
             return comparison_outputs(report, note)
         except ComparisonCancelled as cancelled:
@@ -696,8 +730,14 @@ def build_demo(app: App) -> gr.Blocks:
         if user is not None and user.compare_pending:
             user.compare_cancel.set()
 
-    def compare_queued(request: gr.Request) -> None:
-        """Runs at the click, before the comparison waits in the queue: from now on Cancel applies to it."""
+    def compare_queued(chosen, more, questions_text, max_new_tokens, request: gr.Request) -> None:
+        """Runs at the click, before the comparison waits in the queue: bad input is refused here (the last
+        results stay on the page), and from now on Cancel applies to the run."""
+        compare_specs(chosen, more)
+        compare_questions(questions_text)
+        if isinstance(max_new_tokens, (int, float)) and max_new_tokens > COMPARE_MAX_NEW_TOKENS:
+            raise gr.Error(f"max_new_tokens={max_new_tokens:g} is more than a comparison runs here; use at most "
+                           f"{COMPARE_MAX_NEW_TOKENS}")
         user = user_of(request)
         user.compare_cancel.clear()
         user.compare_pending = True
@@ -785,7 +825,8 @@ def build_demo(app: App) -> gr.Blocks:
             with gr.Row():
                 with gr.Column(scale=1, min_width=280):
                     compare_choice = gr.CheckboxGroup(list(COMPARE_CHOICES), value=list(DEFAULT_SPECS), label="specs",
-                                                      info="backend:nbits, other options at their defaults")
+                                                      info="backend:nbits; other options at their defaults (q_group_size 64, residual_length 128, "
+                                                      "axes 0)")
                     compare_more = gr.Textbox(
                         label="more specs, one per line", lines=2,
                         placeholder="hqq:4,residual_length=16\nquanto:2,q_group_size=32,axis_key=-1",
@@ -805,13 +846,13 @@ def build_demo(app: App) -> gr.Blocks:
             compare_table = gr.Dataframe(label="comparison", interactive=False, wrap=True)
             with gr.Row():
                 tradeoff_plot = gr.ScatterPlot(
-                    None, x="bytes per token", y="KL (nats)", color="spec", title="Memory against fidelity",
+                    None, x="bytes per token", y="KL (nats)", color="backend", title="Memory against fidelity",
                     x_title="KV bytes per context token", y_title="mean KL to dynamic (nats)", height=300,
                     tooltip=["spec", "bytes per token", "KL (nats)", "identical", "contains gold"],
                 )
                 speed_plot = gr.BarPlot(
                     None, x="spec", y="tokens/s", title="Decode speed", x_title="spec", y_title="tokens/s (median)",
-                    height=300, tooltip=["spec", "tokens/s", "flush s"], sort="-y",
+                    height=300, tooltip=["spec", "tokens/s", "flush s"], sort="-y", y_lim=[0, None],
                 )
 
         option_fields = [nbits, q_group_size, residual_length, axis_key, axis_value]
@@ -853,7 +894,10 @@ def build_demo(app: App) -> gr.Blocks:
         fill_button.click(fill_questions_handler, inputs=context, outputs=compare_questions_box,
                           api_name="compare_questions", queue=False)
         # one comparison at a time across users (minutes of CPU); answers keep their own queue slots
-        compare_button.click(compare_queued, queue=False, api_visibility="private").then(
+        compare_button.click(
+            compare_queued, inputs=[compare_choice, compare_more, compare_questions_box, compare_max_new_tokens],
+            concurrency_limit=None, api_visibility="private",  # queued (its error shows as a toast), never waits
+        ).success(
             compare_handler,
             inputs=[context, compare_choice, compare_more, compare_questions_box, compare_max_new_tokens],
             outputs=[compare_status, compare_table, tradeoff_plot, speed_plot],

@@ -276,7 +276,7 @@ def test_cancel_pressed_while_the_comparison_waits_in_the_queue_is_kept(tiny):
     app, fns = _handlers(tiny)
     compare_queued = next(f.fn for f in build_demo(app).fns.values() if getattr(f.fn, "__name__", "") == "compare_queued")
     fns["cancel_compare"](_req())  # nothing is queued: ignored
-    compare_queued(_req())  # the button's click, before the run leaves the queue
+    compare_queued(["fp8"], "", QUESTION, 3, _req())  # the button's click, before the run leaves the queue
     fns["cancel_compare"](_req())  # pressed while waiting
     status, table, tradeoff, speed = fns["compare"](CONTEXT, ["fp8"], "", QUESTION, 3, _req())
     assert status.startswith("Cancelled after 0 spec(s).") and len(table) == 0 and list(table.columns)[0] == "spec"
@@ -313,3 +313,15 @@ def test_app_settings_reach_the_app(monkeypatch):
     args = app_module.parse_args(["--public", "--idle-minutes", "5", "--kv-budget-mib", "64", "--concurrency", "2"])
     assert (args.public, args.idle_minutes, args.kv_budget_mib, args.concurrency) == (True, 5.0, 64.0, 2)
     assert app_module.parse_args(["--model", "HuggingFaceTB/SmolLM2-135M-Instruct", "--public"]).public
+
+
+def test_bad_compare_input_is_refused_at_the_click(tiny):
+    app, fns = _handlers(tiny)
+    compare_queued = next(f.fn for f in build_demo(app).fns.values() if getattr(f.fn, "__name__", "") == "compare_queued")
+    for args, message in (((["fp8"], "hqq:9", QUESTION, 3), "more specs, line 1: nbits=9"),
+                          (([], "", QUESTION, 3), "Tick at least one spec"),
+                          ((["fp8"], "", "", 3), "Give at least one question"),
+                          ((["fp8"], "", QUESTION, 10_000), "max_new_tokens=10000 is more than a comparison runs here")):
+        with pytest.raises(gr.Error, match=message):
+            compare_queued(*args, _req())
+    assert app.sessions.peek("tab-1") is None  # refused before anything was queued or created

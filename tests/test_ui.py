@@ -256,7 +256,9 @@ def test_compare_tab_runs_and_leaves_the_session_cache_untouched(handlers, tiny)
     assert status.startswith("Compared 3 specs on 2 questions (no gold answers for this text).")
     assert table["spec"].tolist() == ["dynamic", "fp8", "hqq nbits=2 q_group_size=64 residual_length=2"]
     assert table["KL (nats)"].iloc[0] == 0.0 and table["KL (nats)"].iloc[2] > 0 and table["restored"].all()
-    assert tradeoff["bytes per token"].tolist() == table["bytes/token"].tolist()
+    drawn = tradeoff.dropna(subset=["bytes per token"])
+    assert drawn["bytes per token"].tolist() == table["bytes/token"].tolist()
+    assert sorted(tradeoff["backend"]) == ["dynamic", "fp8", "hqq", "quanto"]  # quanto: an invisible legend row
     assert speed["tokens/s"].tolist() == table["tokens/s"].tolist()
     # the same figures as kvdemo.compare called directly
     direct = compare(tiny, CONTEXT, ["Who led the Normans?", "Where?"],
@@ -336,3 +338,16 @@ def test_load_with_an_empty_field_reloads_the_start_up_model(tiny):
     with pytest.raises(gr.Error, match="is not a Hugging Face Hub id"):
         fns["load_model"]("/srv/models/other")
     assert fns["load_model"]("HuggingFaceTB/SmolLM2-135M-Instruct") and asked[-1] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def test_every_series_is_in_the_chart_data_from_the_first_update(handlers):
+    from kvdemo.ui import with_every_series
+
+    app, fns = handlers
+    fns["prefill"](CONTEXT, *HQQ, _request())
+    first = next(iter(fns["ask"]("Who led the Normans?", 3, _request())))
+    steps = first[4]
+    assert list(steps["kind"]) == ["question pass", "decode step", "flush step"]  # one real row, two invisible
+    assert steps["ms"].notna().tolist() == [True, False, False]
+    frame = with_every_series(steps.iloc[:1], "kind", ["question pass"])
+    assert len(frame) == 1  # nothing missing: unchanged

@@ -53,6 +53,10 @@ def test_a_person_prefills_asks_and_stops(page, embedded):
         assert _words(bots.nth(n - 1).inner_text()) == _words(reference.ask(question, 16).text)
     expect(page.get_by_text("KV cache memory")).to_be_visible()
     assert page.locator(".vega-embed").count() == 3
+    # every series is in the step-time chart's legend, also those that appeared after the first update
+    step_chart = page.get_by_role("img").filter(has_text="Time per decode step (flush steps marked)")
+    for kind in ("question pass", "decode step", "flush step"):
+        expect(step_chart).to_contain_text(kind)
     assert page.locator(".vega-embed canvas, .vega-embed svg").count() >= 3
 
     page.get_by_label("max_new_tokens", exact=True).first.fill("400")
@@ -79,9 +83,15 @@ def test_a_person_compares_two_backends(page):
     questions.fill("Who was the Norse leader?")
     page.get_by_label("max_new_tokens", exact=True).nth(1).fill("4")
     page.get_by_role("button", name="Run comparison").click()
-    expect(page.get_by_text(re.compile(r"Compared 2 specs on 1 questions"))).to_be_visible(timeout=180_000)
+    expect(page.get_by_text(re.compile(r"Compared 2 specs on 1 question\b"))).to_be_visible(timeout=180_000)
     expect(page.get_by_role("gridcell", name="fp8", exact=True)).to_be_visible()
     expect(page.get_by_text("Memory against fidelity")).to_be_visible()
+    # a bad spec line is refused at the click: the message shows and the results stay
+    page.get_by_label("more specs, one per line").fill("hqq:9")
+    page.get_by_role("button", name="Run comparison").click()
+    expect(page.get_by_text("more specs, line 1: nbits=9 is not allowed for hqq").first).to_be_visible(timeout=10_000)
+    expect(page.get_by_role("gridcell", name="fp8", exact=True)).to_be_visible()
+    page.get_by_label("more specs, one per line").fill("")
     expect(page.get_by_text("Decode speed")).to_be_visible()
     assert page.get_by_role("tabpanel").locator(".vega-embed").count() == 2
     page.screenshot(path=str(ARTIFACTS / "compare.png"), full_page=True)
