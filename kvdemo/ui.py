@@ -460,6 +460,25 @@ def compare_questions(text: str | None) -> list[str]:
     return questions
 
 
+def compare_inputs(chosen: list[str] | None, more: str | None, questions_text: str | None,
+                   max_new_tokens: Any) -> tuple[list[CacheSpec], list[str], Any]:
+    """The Compare tab's inputs checked, for the click and for the run: `compare_specs`, `compare_questions`,
+    and max_new_tokens as a whole number when it is one, at most `COMPARE_MAX_NEW_TOKENS` (`compare` checks
+    the rest).
+
+    Raises:
+        gr.Error: see `compare_specs` and `compare_questions`, or max_new_tokens over the limit.
+    """
+    specs = compare_specs(chosen, more)
+    questions = compare_questions(questions_text)
+    if isinstance(max_new_tokens, float) and max_new_tokens.is_integer():
+        max_new_tokens = int(max_new_tokens)
+    if isinstance(max_new_tokens, (int, float)) and max_new_tokens > COMPARE_MAX_NEW_TOKENS:
+        raise gr.Error(f"max_new_tokens={max_new_tokens} is more than a comparison runs here; use at most "
+                       f"{COMPARE_MAX_NEW_TOKENS}")
+    return specs, questions, max_new_tokens
+
+
 def suggested_questions(qa: QASession | None, context: str) -> list[str]:
     """The questions asked so far in this session (each once, in order); without any, the example
     questions when `context` is one of the shipped examples; else none."""
@@ -691,13 +710,7 @@ def build_demo(app: App) -> gr.Blocks:
             if not user.compare_pending:  # called through the API, not queued by the button
                 user.compare_cancel.clear()
                 user.compare_pending = True
-            specs = compare_specs(chosen, more)
-            questions = compare_questions(questions_text)
-            if isinstance(max_new_tokens, float) and max_new_tokens.is_integer():
-                max_new_tokens = int(max_new_tokens)
-            if isinstance(max_new_tokens, int) and max_new_tokens > COMPARE_MAX_NEW_TOKENS:
-                raise gr.Error(f"max_new_tokens={max_new_tokens} is more than a comparison runs here; use at most "
-                               f"{COMPARE_MAX_NEW_TOKENS}")
+            specs, questions, max_new_tokens = compare_inputs(chosen, more, questions_text, max_new_tokens)
             loaded = app.wait_for_model()
             golds = gold_answers_for(context, questions)
             progress(0, desc="Starting the comparison…")
@@ -733,11 +746,7 @@ def build_demo(app: App) -> gr.Blocks:
     def compare_queued(chosen, more, questions_text, max_new_tokens, request: gr.Request) -> None:
         """Runs at the click, before the comparison waits in the queue: bad input is refused here (the last
         results stay on the page), and from now on Cancel applies to the run."""
-        compare_specs(chosen, more)
-        compare_questions(questions_text)
-        if isinstance(max_new_tokens, (int, float)) and max_new_tokens > COMPARE_MAX_NEW_TOKENS:
-            raise gr.Error(f"max_new_tokens={max_new_tokens:g} is more than a comparison runs here; use at most "
-                           f"{COMPARE_MAX_NEW_TOKENS}")
+        compare_inputs(chosen, more, questions_text, max_new_tokens)
         user = user_of(request)
         user.compare_cancel.clear()
         user.compare_pending = True

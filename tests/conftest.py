@@ -72,3 +72,18 @@ def tiny(embedded) -> LoadedModel:
 @pytest.fixture(scope="session")
 def normans():
     return load_case(example_path("normans"))
+
+
+def fail_forward_at(monkeypatch, loaded: LoadedModel, call: int, message: str) -> None:
+    """Make the model's `call`-th forward pass from now on raise `RuntimeError(message)` (a fault inside a
+    decode step); the others run as usual. Undone by `monkeypatch.undo()` or at the test's end."""
+    calls = {"n": 0}
+    forward = loaded.model.forward
+
+    def failing_forward(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == call:
+            raise RuntimeError(message)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(loaded.model, "forward", failing_forward)

@@ -10,7 +10,7 @@ from transformers.cache_utils import BaseQuantizedLayer
 
 from kvdemo import CacheSpec, QASession
 from kvdemo.telemetry import expected_flush_steps
-from tests.conftest import ALL_SPECS, spec_id
+from tests.conftest import ALL_SPECS, fail_forward_at, spec_id
 
 QUESTIONS = ["Who was the Norse leader?", "In what country is Normandy located?", "When were the Normans in Normandy?"]
 
@@ -135,16 +135,7 @@ def test_early_closed_stream_and_failed_step_restore(tiny, context, spec, monkey
     assert session.history[-1].token_ids == tuple(e.token_id for e in events)
     _assert_restored(session, state, context_tokens)
 
-    calls = {"n": 0}
-    forward = tiny.model.forward
-
-    def failing_forward(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 4:
-            raise RuntimeError("injected failure in a decode step")
-        return forward(*args, **kwargs)
-
-    monkeypatch.setattr(tiny.model, "forward", failing_forward)
+    fail_forward_at(monkeypatch, tiny, 4, "injected failure in a decode step")
     with pytest.raises(RuntimeError, match="injected failure"):
         session.ask(QUESTIONS[1], max_new_tokens=10)
     monkeypatch.undo()

@@ -15,7 +15,7 @@ import pytest
 from kvdemo import CacheSpec, QASession
 from kvdemo.ui import App, SessionStore, build_demo
 
-from .conftest import make_tiny
+from .conftest import fail_forward_at, make_tiny
 
 CONTEXT = "The Normans were the people who gave their name to Normandy, a region in France. Rollo led them."
 QUESTION = "Who led the Normans?"
@@ -74,16 +74,7 @@ def test_fault_inside_a_decode_step_shows_a_message_and_restores(tiny, monkeypat
     fns["prefill"](CONTEXT, *HQQ, _req())
     qa = app.sessions.get("tab-1").qa
     context_tokens = qa.cache_length
-    real_forward = tiny.model.forward
-    calls = {"n": 0}
-
-    def failing_forward(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("injected fault")
-        return real_forward(*args, **kwargs)
-
-    monkeypatch.setattr(tiny.model, "forward", failing_forward)
+    fail_forward_at(monkeypatch, tiny, 3, "injected fault")
     updates = []
     with pytest.raises(gr.Error) as error:
         for update in fns["ask"](QUESTION, 10, _req()):
