@@ -52,7 +52,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from kvdemo import CacheSpec, QASession, load_model, snapshot  # noqa: E402
-from kvdemo.backends import build_cache, estimate_kv_bytes  # noqa: E402
+from kvdemo.spec import build_cache, estimate_kv_bytes  # noqa: E402
 from kvdemo.cases import example_path, load_case  # noqa: E402
 from kvdemo.charts import answers_frame, memory_frame, residual_frame, step_time_frame  # noqa: E402
 from kvdemo.telemetry import _plain_tensors, full_precision_bytes, kv_memory  # noqa: E402
@@ -98,7 +98,7 @@ def held_bytes(*objects: Any) -> int:
 def theoretical_kv_bytes(spec: CacheSpec, config, quantized_tokens: int, residual_tokens: int,
                          dtype: torch.dtype) -> int:
     """The bytes a cache of `spec` should hold by the group-wise formula with nominal bits:
-    `kvdemo.backends.estimate_kv_bytes(..., nominal_bits=True)` (formula and sources in its docstring). Bit
+    `kvdemo.spec.estimate_kv_bytes(..., nominal_bits=True)` (formula and sources in its docstring). Bit
     packing (hqq packs 3-bit values 10 to an int32), padding and anything else a library stores count only in
     the measured bytes, so measured / theoretical shows them."""
     return estimate_kv_bytes(spec, config, quantized_tokens + residual_tokens, dtype, residual_tokens, nominal_bits=True)

@@ -5,7 +5,8 @@ Public surface: `load_model`, `LoadedModel`, `CacheSpec`, `BACKENDS`, `build_cac
 (and its `PrefillReport`, `StepEvent`, `Answer`), `kv_memory`, `MemoryReport`.
 """
 
-from kvdemo.backends import BACKENDS, CacheSpec, build_cache
+from kvdemo.backends import BACKENDS
+from kvdemo.spec import CacheSpec, build_cache
 from kvdemo.models import LoadedModel, load_model
 from kvdemo.session import Answer, PrefillReport, QASession, StepEvent
 from kvdemo.telemetry import MemoryReport, kv_memory

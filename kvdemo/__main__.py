@@ -15,21 +15,20 @@ from typing import Any
 import pandas as pd
 from tqdm.auto import tqdm
 
-from kvdemo.backends import BACKENDS, GROUP_OPTIONS, CacheSpec
-from kvdemo.compare import DEFAULT_SPECS, ComparisonReport, compare
+from kvdemo import checks
+from kvdemo.backends import BACKENDS, GROUP_OPTIONS, option_choices_text
+from kvdemo.spec import CacheSpec, default_compare_specs
+from kvdemo.compare import ComparisonReport, compare
 from kvdemo.cases import load_case
-from kvdemo.session import DEFAULT_MAX_NEW_TOKENS, QUESTION_RESERVE_TOKENS
+from kvdemo.session import DEFAULT_MAX_NEW_TOKENS
 
 
 def _backend_help() -> str:
-    lines = []
-    for backend in BACKENDS.values():
-        opts = ", ".join(
-            f"{name} {'|'.join(map(str, opt.choices)) if opt.choices else f'>={opt.minimum}'} (default {opt.default})"
-            for name, opt in backend.options.items()
-        )
-        lines.append(f"  {backend.name}: {backend.summary}" + (f"\n      options: {opts}" if opts else ""))
-    return "\n".join(lines)
+    """Every backend's summary and options, from the registry."""
+    return "\n".join(
+        f"  {b.name}: {b.summary}" + (f"\n      options: {b.options_text()}" if b.options else "")
+        for b in BACKENDS.values()
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,11 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _context_arguments(ask)
     ask.add_argument("--backend", default="dynamic", choices=list(BACKENDS), help="KV cache backend (default dynamic)")
-    ask.add_argument("--nbits", type=int, help="bits per quantized value (quanto 2|4, hqq 1|2|3|4|8)")
-    ask.add_argument("--q-group-size", type=int, help="values per scale/zero-point group; must fit head_dim")
-    ask.add_argument("--residual-length", type=int, help="full-precision tokens held before a flush (>= 1)")
-    ask.add_argument("--axis-key", type=int, help="grouping axis of keys (quanto 0|-1, hqq 0|1)")
-    ask.add_argument("--axis-value", type=int, help="grouping axis of values (quanto 0|-1, hqq 0|1)")
+    for name in GROUP_OPTIONS:  # each option's help and allowed values from the registry
+        option = next(b.options[name] for b in BACKENDS.values() if name in b.options)
+        ask.add_argument(f"--{name.replace('_', '-')}", type=int, help=f"{option.help} ({option_choices_text(name)})")
     ask.add_argument(
         "--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help="most tokens per answer (default 64)"
     )
@@ -73,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Spec syntax: backend[:nbits][,option=value...] with options q_group_size, residual_length, axis_key,\n"
         "axis_value (unset ones take the defaults below), e.g.\n"
         "  --spec dynamic --spec hqq:4 --spec quanto:2,q_group_size=32,residual_length=16 --spec fp8\n"
-        f"Default specs: {' '.join(DEFAULT_SPECS)}\n\nBackends:\n" + _backend_help(),
+        f"Default specs: {' '.join(s.text for s in default_compare_specs())}\n\nBackends:\n" + _backend_help(),
     )
     _context_arguments(compare)
     compare.add_argument(
@@ -138,9 +135,8 @@ def run_compare(args: argparse.Namespace) -> ComparisonReport:
     """
     from kvdemo.models import load_model
 
-    specs = [CacheSpec.parse(text) for text in (args.spec or DEFAULT_SPECS)]
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens {args.max_new_tokens}: it must be >= 1")
+    specs = [CacheSpec.parse(text) for text in args.spec] or default_compare_specs()
+    checks.max_new_tokens(args.max_new_tokens)
     case, questions = _case_questions(args)
     golds = [case.gold_for(q) for q in questions]
     gold_answers = None if any(g is None for g in golds) else [list(g) for g in golds]
@@ -174,12 +170,11 @@ def run_ask(args: argparse.Namespace) -> dict[str, Any]:
 
     spec = CacheSpec(args.backend, **{name: getattr(args, name) for name in GROUP_OPTIONS})
     spec.validate()  # options against the registry before the model loads
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens {args.max_new_tokens}: it must be >= 1")
+    checks.max_new_tokens(args.max_new_tokens)
     case, questions = _case_questions(args)
     loaded = load_model(args.model, device=args.device)
     session = QASession(loaded, spec)
-    report = session.prefill(case.context, reserve_tokens=QUESTION_RESERVE_TOKENS + args.max_new_tokens)
+    report = session.prefill(case.context, max_new_tokens=args.max_new_tokens)
     answers = []
     for question in questions:
         answer = session.ask(question, max_new_tokens=args.max_new_tokens).to_dict()
@@ -243,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(report.to_dict(), indent=2, ensure_ascii=False))
         else:
             with pd.option_context("display.width", 250, "display.max_columns", None):
-                print(report.to_frame().to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+                table = report.to_frame().drop(columns=["backend", "nbits"])  # the spec column names both
+                print(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
         return 0
     print(json.dumps(result, indent=2, ensure_ascii=False) if args.json else format_summary(result))
     return 0

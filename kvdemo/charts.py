@@ -13,7 +13,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import pandas as pd
 from matplotlib.figure import Figure
 
-from kvdemo.telemetry import StepEvent
+from kvdemo.telemetry import STEP_KINDS, StepEvent  # noqa: F401  (STEP_KINDS: the chart's series)
 
 MIB = 1024 * 1024
 
@@ -66,11 +66,6 @@ def flush_frame(events: Sequence[StepEvent]) -> pd.DataFrame:
     )
 
 
-STEP_KINDS = ("question pass", "decode step", "flush step")
-"""The step-time chart's series: the question's own forward pass (step 0), decode steps without a flush,
-and decode steps during which at least one layer flushed."""
-
-
 def step_time_frame(events: Sequence[StepEvent]) -> pd.DataFrame:
     """One row per decode step: its wall time, and whether layers flushed in it (time per flush, live).
 
@@ -80,16 +75,15 @@ def step_time_frame(events: Sequence[StepEvent]) -> pd.DataFrame:
     """
     rows = []
     for e in events:
-        kind = STEP_KINDS[0] if e.step == 0 else STEP_KINDS[2] if e.flushed_layers else STEP_KINDS[1]
-        rows.append((e.step, e.seconds * 1000, kind, len(e.flushed_layers)))
+        rows.append((e.step, e.seconds * 1000, e.kind, len(e.flushed_layers)))
     return _typed(rows, {"step": "int64", "ms": "float64", "kind": "string", "layers flushed": "int64"})
 
 
 def flush_timing(events: Sequence[StepEvent]) -> tuple[int, float | None, float | None]:
     """(flush steps, median seconds of a flush step, median seconds of another decode step), over the decode
     steps after the question pass; a median is None when there is no such step."""
-    flush = [e.seconds for e in events if e.step > 0 and e.flushed_layers]
-    other = [e.seconds for e in events if e.step > 0 and not e.flushed_layers]
+    flush = [e.seconds for e in events if e.is_flush_step]
+    other = [e.seconds for e in events if e.kind == STEP_KINDS[1]]
     median = lambda xs: float(pd.Series(xs).median()) if xs else None  # noqa: E731
     return len(flush), median(flush), median(other)
 
@@ -171,28 +165,37 @@ def step_time_figure(events: Sequence[StepEvent], title: str = "Time per decode 
     the whole layer, so those steps stand out."""
     fig = Figure(figsize=(7, 3.2), layout="constrained")
     ax = fig.add_subplot()
-    plain = [(e.step, e.seconds * 1000) for e in events if not e.flushed_layers]
-    flushed = [(e.step, e.seconds * 1000) for e in events if e.flushed_layers]
-    for points, label, style in ((plain, "no flush", "o"), (flushed, "flush", "v")):
+    for kind, style in zip(STEP_KINDS, ("s", "o", "v")):
+        points = [(e.step, e.seconds * 1000) for e in events if e.kind == kind]
         if points:
-            ax.scatter(*zip(*points), marker=style, label=label)
+            ax.scatter(*zip(*points), marker=style, label=kind)
     ax.set(xlabel="decode step", ylabel="ms", title=title)
     ax.legend(fontsize="small")
     return fig
 
 
-def tradeoff_figure(frame: pd.DataFrame, fidelity: str = "contains gold", title: str = "Memory against fidelity") -> Figure:
+def _short_label(frame: pd.DataFrame) -> pd.Series:
+    """`spec text` where the frame has it (`hqq:4`), else the backend and nbits fields (`hqq:4`, `fp8`)."""
+    if "spec text" in frame:
+        return frame["spec text"]
+    return pd.Series(
+        [b if pd.isna(n) else f"{b}:{int(n)}" for b, n in zip(frame["backend"], frame["nbits"])], index=frame.index
+    )
+
+
+def tradeoff_figure(
+    frame: pd.DataFrame, fidelity: str = "contains gold", title: str = "Memory against fidelity"
+) -> Figure:
     """Bytes per context token against a fidelity column, one labelled point per spec.
 
     Args:
-        frame: `ComparisonReport.to_frame()` (columns `spec`, `bytes/token` and `fidelity`).
+        frame: `ComparisonReport.to_frame()` (columns `backend`, `nbits`, `bytes/token` and `fidelity`).
     """
     fig = Figure(figsize=(7, 3.6), layout="constrained")
     ax = fig.add_subplot()
     ax.scatter(frame["bytes/token"], frame[fidelity])
-    for _, row in frame.iterrows():
-        ax.annotate(row["spec"].split(" q_group_size")[0], (row["bytes/token"], row[fidelity]), fontsize="x-small",
-                    xytext=(3, 3), textcoords="offset points")
+    for label, x, y in zip(_short_label(frame), frame["bytes/token"], frame[fidelity]):
+        ax.annotate(label, (x, y), fontsize="x-small", xytext=(3, 3), textcoords="offset points")
     ax.set(xlabel="KV bytes per context token", ylabel=fidelity, title=title)
     return fig
 
@@ -201,8 +204,7 @@ def speed_figure(frame: pd.DataFrame, title: str = "Decode speed") -> Figure:
     """Decode tokens/s per spec, a horizontal bar each (from `ComparisonReport.to_frame()`)."""
     fig = Figure(figsize=(7, 3.6), layout="constrained")
     ax = fig.add_subplot()
-    labels = [s.split(" q_group_size")[0] for s in frame["spec"]]
-    ax.barh(labels, frame["tokens/s"])
+    ax.barh(list(_short_label(frame)), frame["tokens/s"])
     ax.invert_yaxis()
     ax.set(xlabel="tokens/s", title=title)
     return fig
@@ -211,14 +213,14 @@ def speed_figure(frame: pd.DataFrame, title: str = "Decode speed") -> Figure:
 def tradeoff_frame(frame: pd.DataFrame) -> pd.DataFrame:
     """The app's memory-against-fidelity chart data, one row per spec, from `ComparisonReport.to_frame()`.
 
-    Columns: `spec`, `backend` (the spec's first word), `bytes per token` (KV bytes per context token), `KL (nats)` (mean per answer token,
-    against `dynamic`), `identical` (share of answers identical to `dynamic`'s), `contains gold` (NaN without
-    gold answers).
+    Columns: `spec`, `backend` (the row's backend field), `bytes per token` (KV bytes per context token),
+    `KL (nats)` (mean per answer token, against `dynamic`), `identical` (share of answers identical to
+    `dynamic`'s), `contains gold` (NaN without gold answers).
     """
     return pd.DataFrame(
         {
             "spec": frame["spec"].astype("string"),
-            "backend": frame["spec"].str.split().str[0].astype("string"),
+            "backend": frame["backend"].astype("string"),
             "bytes per token": frame["bytes/token"].astype("float64"),
             "KL (nats)": frame["KL (nats)"].astype("float64"),
             "identical": frame["identical to dynamic"].astype("float64"),

@@ -31,13 +31,11 @@ from typing import Callable, Sequence
 import pandas as pd
 import torch
 
-from kvdemo.backends import CacheSpec
+from kvdemo import checks
+from kvdemo.spec import CacheSpec
 from kvdemo.models import LoadedModel
 from kvdemo.metrics import common_prefix, kl_divergence, score_against_gold
-from kvdemo.session import QUESTION_RESERVE_TOKENS, QASession
-
-DEFAULT_SPECS = ("dynamic", "quanto:2", "quanto:4", "hqq:2", "hqq:4", "hqq:8", "fp8")
-"""The specs compared when none are chosen (`CacheSpec.parse` syntax; unset options take their defaults)."""
+from kvdemo.session import QASession
 
 ProgressCallback = Callable[[int, int, str], None]
 """`on_progress(done, total, what)`: units of work done so far, the total, and what runs next."""
@@ -82,6 +80,8 @@ class SpecResult:
 
     Attributes:
         spec: `CacheSpec.label` (every option resolved); `spec_text` is `CacheSpec.text`.
+        backend, nbits, options: the spec's fields (nbits None where the backend takes none; options every
+            option the backend takes, resolved): read these, never cut `spec` apart.
         kv_bytes, quantized_bytes, residual_bytes: the cache after the prefill (bytes, `kv_memory`).
         bytes_per_token: kv_bytes / context_tokens.
         ratio_to_dynamic: kv_bytes / `dynamic`'s kv_bytes (the cache in the model's dtype).
@@ -96,6 +96,8 @@ class SpecResult:
     spec: str
     spec_text: str
     backend: str
+    nbits: int | None
+    options: dict[str, int]
     context_tokens: int
     kv_bytes: int
     quantized_bytes: int
@@ -126,13 +128,13 @@ class ComparisonReport:
     max_new_tokens: int
     results: tuple[SpecResult, ...]
 
-    COLUMNS = ("spec", "KV bytes", "bytes/token", "ratio to dynamic", "identical to dynamic", "common prefix (tokens)",
+    COLUMNS = ("spec", "backend", "nbits", "KV bytes", "bytes/token", "ratio to dynamic", "identical to dynamic", "common prefix (tokens)",
                "KL (nats)", "exact match", "contains gold", "F1", "prefill s", "tokens/s", "flushes", "flush s",
                "restored")
 
     def to_frame(self) -> pd.DataFrame:
         """One row per spec (`COLUMNS`, also when there is none). Fidelity columns are means over the questions;
-        the gold columns are NaN without gold answers. Columns: spec, KV bytes, bytes/token, ratio to dynamic, identical to dynamic (share),
+        the gold columns are NaN without gold answers. Columns: spec, backend, nbits (NaN without), KV bytes, bytes/token, ratio to dynamic, identical to dynamic (share),
         common prefix (tokens), KL (nats), exact match, contains gold, F1, prefill s, tokens/s, flushes,
         flush s, restored."""
         rows = []
@@ -142,6 +144,8 @@ class ComparisonReport:
             rows.append(
                 {
                     "spec": r.spec,
+                    "backend": r.backend,
+                    "nbits": r.nbits,
                     "KV bytes": r.kv_bytes,
                     "bytes/token": round(r.bytes_per_token, 1),
                     "ratio to dynamic": round(r.ratio_to_dynamic, 4),
@@ -158,7 +162,7 @@ class ComparisonReport:
                     "restored": r.restored,
                 }
             )
-        return pd.DataFrame(rows, columns=list(self.COLUMNS))
+        return pd.DataFrame(rows, columns=list(self.COLUMNS)).astype({"nbits": "Int64"})
 
     def to_dict(self) -> dict:
         """JSON-ready: model, max_new_tokens and every result with its answers."""
@@ -222,7 +226,7 @@ def measure_spec(
         ValueError, ImportError: the session refuses the spec, context or a question (its message).
     """
     session = QASession(loaded_model, spec, kv_budget_bytes=kv_budget_bytes)
-    prefill = session.prefill(context, reserve_tokens=QUESTION_RESERVE_TOKENS + max_new_tokens)
+    prefill = session.prefill(context, max_new_tokens=max_new_tokens)
     if on_step is not None:
         on_step(f"{spec.text}: prefilled {prefill.context_tokens} tokens")
     answers, flush_steps, flush_seconds = [], [], []
@@ -231,7 +235,7 @@ def measure_spec(
         steps, seconds = 0, 0.0
         try:
             for event in stream:
-                if event.step > 0 and event.flushed_layers:
+                if event.is_flush_step:
                     steps, seconds = steps + 1, seconds + event.seconds
                 _check_cancel(cancel)
         finally:
@@ -279,6 +283,8 @@ def measure_spec(
         spec=spec.label,
         spec_text=spec.text,
         backend=spec.backend,
+        nbits=spec.resolved().get("nbits"),
+        options=spec.resolved(),
         context_tokens=prefill.context_tokens,
         kv_bytes=prefill.kv_bytes,
         quantized_bytes=memory.quantized_bytes,
@@ -347,8 +353,7 @@ def compare(
     for i, question in enumerate(questions):  # refuse bad input before minutes of work
         if not isinstance(question, str) or not question.strip():
             raise ValueError(f"question {i + 1} is empty; give the text of every question")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a whole number >= 1")
+    max_new_tokens = checks.max_new_tokens(max_new_tokens)
     total = len(ordered) * (1 + 2 * len(questions))
     done = 0
 

@@ -102,7 +102,7 @@ class LoadedModel:
 
     def describe(self) -> dict[str, Any]:
         """Name, parameter count, layers, KV heads, head_dim, max context (tokens), device and dtype."""
-        from kvdemo.backends import kv_shape
+        from kvdemo.geometry import kv_shape
 
         kv_heads, head_dim = kv_shape(self.config)
         text_config = self.config.get_text_config(decoder=True)

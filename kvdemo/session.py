@@ -18,8 +18,8 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from kvdemo import snapshot
-from kvdemo.backends import CacheSpec, build_cache, estimate_kv_bytes
+from kvdemo import checks, snapshot
+from kvdemo.spec import CacheSpec, build_cache, estimate_kv_bytes
 from kvdemo.models import LoadedModel
 from kvdemo.telemetry import MemoryReport, StepEvent, flushed_layers, full_precision_bytes, kv_memory
 
@@ -209,13 +209,21 @@ class QASession:
         """Tokens in the cache now (0 before a prefill)."""
         return self.cache.get_seq_length() if self.cache is not None else 0
 
-    def prefill(self, context: str, reserve_tokens: int | None = None) -> PrefillReport:
+    def prefill(
+        self, context: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, reserve_tokens: int | None = None
+    ) -> PrefillReport:
         """Prefill `context` into a new cache of this session's backend, replacing (and freeing) any old one.
+
+        Example:
+            >>> session = QASession(load_model(), CacheSpec.parse("hqq:4"))
+            >>> session.prefill(open("article.txt").read(), max_new_tokens=32).context_tokens
+            2172
 
         Args:
             context: the text the questions are about.
-            reserve_tokens: tokens to keep free for a question and its answer; default
-                `QUESTION_RESERVE_TOKENS + DEFAULT_MAX_NEW_TOKENS`.
+            max_new_tokens: the longest answer to keep room for: the prefill keeps
+                `QUESTION_RESERVE_TOKENS + max_new_tokens` tokens of the window free.
+            reserve_tokens: overrides that reserve with an exact number of tokens.
 
         Returns:
             A `PrefillReport` (tokens, seconds, memory).
@@ -228,7 +236,9 @@ class QASession:
         """
         if not isinstance(context, str) or not context.strip():
             raise ValueError("the context is empty; paste or upload the text to ask about")
-        reserve = QUESTION_RESERVE_TOKENS + DEFAULT_MAX_NEW_TOKENS if reserve_tokens is None else reserve_tokens
+        if reserve_tokens is None:
+            reserve_tokens = QUESTION_RESERVE_TOKENS + checks.max_new_tokens(max_new_tokens)
+        reserve = reserve_tokens
         limit = self.loaded.max_context_tokens
         if reserve >= limit:
             raise ValueError(
@@ -316,8 +326,7 @@ class QASession:
             KVBudgetError (a ValueError): the cache with the question and `max_new_tokens` decoded would
                 exceed `kv_budget_bytes`.
         """
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a whole number >= 1")
+        max_new_tokens = checks.max_new_tokens(max_new_tokens)
         q_ids = self.question_ids(question)
         context_tokens = self._snapshot.seq_length
         limit = self.loaded.max_context_tokens

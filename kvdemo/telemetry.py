@@ -11,7 +11,7 @@ Memory is counted from the tensors a layer really holds, each storage once
   `DynamicLayer`) are counted as residual bytes. A `DynamicLayer` sliced back by `snapshot.restore`
   holds a view whose storage is still the longer one until the next decode step: it is counted whole.
 
-The one formula here is `full_precision_bytes`, the reference a `DynamicCache` would need.
+The reference a `DynamicCache` would need is `kvdemo.geometry.full_precision_bytes` (re-exported here).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any, Iterator
 import torch
 from transformers.cache_utils import Cache, QuantizedLayer
 
-from kvdemo.backends import kv_shape
+from kvdemo.geometry import full_precision_bytes  # noqa: F401  (re-exported: the one formula)
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,11 @@ class MemoryReport:
         return out
 
 
+STEP_KINDS = ("question pass", "decode step", "flush step")
+"""The kinds of decode step: the question's own forward pass (step 0), decode steps without a flush, and decode
+steps during which at least one layer flushed."""
+
+
 @dataclass(frozen=True)
 class StepEvent:
     """The telemetry record of one decode step of an answer (made by `QASession.stream`).
@@ -123,6 +128,18 @@ class StepEvent:
     flushed_layers: tuple[int, ...]
     cache_length: int
     full_precision_bytes: int
+
+    @property
+    def is_flush_step(self) -> bool:
+        """A decode step after the question's own pass during which at least one layer flushed: the one
+        definition of a flush step (the step-time chart, the flush timings, the comparison's flush seconds)."""
+        return self.step > 0 and bool(self.flushed_layers)
+
+    @property
+    def kind(self) -> str:
+        """Which of `STEP_KINDS` this step is: the question's pass (step 0, whatever flushed in it), a flush
+        step, or a decode step without a flush."""
+        return STEP_KINDS[0] if self.step == 0 else STEP_KINDS[2] if self.is_flush_step else STEP_KINDS[1]
 
 
 def _plain_tensors(obj: Any) -> Iterator[torch.Tensor]:
@@ -192,14 +209,6 @@ def kv_memory(cache: Cache) -> MemoryReport:
     cuda = sorted((d for d in devices if d.type == "cuda"), key=str)
     allocated = torch.cuda.memory_allocated(cuda[0]) if cuda else None
     return MemoryReport(tuple(layers), device_allocated_bytes=allocated)
-
-
-def full_precision_bytes(model_config, tokens: int, dtype: torch.dtype) -> int:
-    """Bytes a `DynamicCache` in `dtype` holds for `tokens` tokens of one sequence:
-    2 (keys and values) x layers x num_key_value_heads x head_dim x tokens x bytes per element."""
-    kv_heads, head_dim = kv_shape(model_config)
-    layers = model_config.get_text_config(decoder=True).num_hidden_layers
-    return 2 * layers * kv_heads * head_dim * tokens * torch.empty((), dtype=dtype).element_size()
 
 
 def flushed_layers(cache: Cache) -> tuple[int, ...]:

@@ -17,12 +17,11 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvdemo import CacheSpec, LoadedModel, load_model
+from kvdemo.spec import all_specs
 from kvdemo.cases import example_path, load_case
 
 # Every backend and nbits the registry allows; the options left unset take the backend's defaults.
-ALL_SPECS = [CacheSpec("dynamic"), CacheSpec("fp8")] + [
-    CacheSpec(backend, nbits=nbits) for backend, bits in (("quanto", (2, 4)), ("hqq", (1, 2, 3, 4, 8))) for nbits in bits
-]
+ALL_SPECS = all_specs()
 
 
 def spec_id(spec: CacheSpec) -> str:

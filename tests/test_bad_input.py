@@ -176,7 +176,7 @@ CLI_TABLE: list[tuple[str, list[str], str]] = [
      "paragraphs='9-3': this file has paragraphs 0 to 38"),
     ("ask: no question", ["ask", "--context-file", NORMANS], "no question: give --question"),
     ("ask: max_new_tokens -1", ["ask", "--context-file", NORMANS, "--question", "Who?", "--max-new-tokens", "-1"],
-     "--max-new-tokens -1: it must be >= 1"),
+     "max_new_tokens=-1 must be a whole number >= 1"),
     ("ask: a missing file", ["ask", "--context-file", "/nonexistent/ctx.txt", "--question", "Who?"], "no such file"),
     ("compare: a spec that does not parse", ["compare", "--context-file", NORMANS, "--question", "Who?", "--spec", "hqq:"],
      "give the nbits after the colon"),

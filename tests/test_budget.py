@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvdemo import CacheSpec, QASession
-from kvdemo.backends import estimate_kv_bytes
+from kvdemo.spec import estimate_kv_bytes
 from kvdemo.session import KVBudgetError
 
 from .conftest import ALL_SPECS, spec_id

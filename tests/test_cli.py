@@ -105,7 +105,7 @@ def test_bad_device_and_token_counts(embedded, capsys):
     assert main(["ask", "--context-file", NORMANS, "--question", "Who?", "--device", "tpu"]) == 2
     assert "device='tpu' is not a device; use cpu or cuda" in capsys.readouterr().err
     assert main(["ask", "--context-file", NORMANS, "--question", "Who?", "--max-new-tokens", "0"]) == 2
-    assert "--max-new-tokens 0: it must be >= 1" in capsys.readouterr().err
+    assert "max_new_tokens=0 must be a whole number >= 1" in capsys.readouterr().err
     args = ["ask", "--context-file", NORMANS, "--paragraphs", "0", "--question", "Who?", "--max-new-tokens", "100000000"]
     assert main(args) == 2
     assert "leaves no room for a context in the model's 8192-token window; lower max_new_tokens" in capsys.readouterr().err
@@ -153,7 +153,7 @@ def test_compare_table_and_progress_bar(embedded, capsys):
         (["--spec", "int8"], "error: backend='int8' is not a backend"),
         (["--spec", "hqq:4,q_group_size=48"], "error: q_group_size=48 (axis_key=0)"),
         (["--unanswerable-from-case", "0"], "error: --unanswerable-from-case must be >= 1"),
-        (["--max-new-tokens", "0"], "error: --max-new-tokens 0: it must be >= 1"),
+        (["--max-new-tokens", "0"], "error: max_new_tokens=0 must be a whole number >= 1"),
     ],
 )
 def test_compare_bad_input_exits_2_with_a_message(embedded, args, message, capsys):

@@ -13,7 +13,8 @@ import psutil
 import pytest
 
 from kvdemo import CacheSpec, QASession
-from kvdemo.ui import App, SessionStore, build_demo
+from kvdemo.server import App, SessionStore
+from kvdemo.ui import build_demo
 
 from .conftest import fail_forward_at, make_tiny
 
@@ -265,7 +266,7 @@ def test_a_public_server_keeps_its_model(tiny):
 
 def test_cancel_pressed_while_the_comparison_waits_in_the_queue_is_kept(tiny):
     app, fns = _handlers(tiny)
-    compare_queued = next(f.fn for f in build_demo(app).fns.values() if getattr(f.fn, "__name__", "") == "compare_queued")
+    compare_queued = next(f.fn for f in build_demo(app).fns.values() if getattr(f.fn, "__name__", "") == "queued")
     fns["cancel_compare"](_req())  # nothing is queued: ignored
     compare_queued(["fp8"], "", QUESTION, 3, _req())  # the button's click, before the run leaves the queue
     fns["cancel_compare"](_req())  # pressed while waiting
@@ -308,7 +309,7 @@ def test_app_settings_reach_the_app(monkeypatch):
 
 def test_bad_compare_input_is_refused_at_the_click(tiny):
     app, fns = _handlers(tiny)
-    compare_queued = next(f.fn for f in build_demo(app).fns.values() if getattr(f.fn, "__name__", "") == "compare_queued")
+    compare_queued = next(f.fn for f in build_demo(app).fns.values() if getattr(f.fn, "__name__", "") == "queued")
     for args, message in (((["fp8"], "hqq:9", QUESTION, 3), "more specs, line 1: nbits=9"),
                           (([], "", QUESTION, 3), "Tick at least one spec"),
                           ((["fp8"], "", "", 3), "Give at least one question"),

@@ -67,7 +67,7 @@ def test_memory_after_prefill_matches_bytes_by_hand(model, spec, per_tensor):
     report = kv_memory(_prefill(model, spec))
     assert report.total_bytes == 2 * LAYERS * per_tensor
     assert report.seq_length == TOKENS
-    if spec.info.is_quantized:
+    if spec.info.quantized:
         assert report.residual_bytes == 0 and all(layer.residual_tokens == 0 for layer in report.layers)
     else:
         assert report.quantized_bytes == 0 and report.layers[0].residual_tokens == TOKENS

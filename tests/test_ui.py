@@ -7,17 +7,11 @@ import pytest
 
 from kvdemo import CacheSpec, QASession
 from kvdemo.compare import compare
-from kvdemo.ui import (
-    EXAMPLES,
-    MAX_UPLOAD_BYTES,
-    App,
-    SessionStore,
-    backend_option_updates,
-    build_demo,
-    example,
-    read_upload,
-    spec_from_inputs,
-)
+from kvdemo.server import App, SessionStore
+from kvdemo.ui import build_demo
+from kvdemo.ui.examples import EXAMPLES, example
+from kvdemo.ui.inputs import MAX_UPLOAD_BYTES, read_upload, spec_from_inputs
+from kvdemo.ui.views import backend_option_updates
 
 CONTEXT = "The Normans were the people who gave their name to Normandy, a region in France. Rollo led them."
 HQQ = ("hqq", 4, 64, 4, 0, 0)
@@ -217,9 +211,9 @@ def test_uploads(tmp_path):
     for name, (content, message) in cases.items():
         path = tmp_path / name
         path.write_bytes(content)
-        with pytest.raises(gr.Error, match=message):
+        with pytest.raises(ValueError, match=message):  # the parser's error; the page shows it (user_errors)
             read_upload(str(path))
-    with pytest.raises(gr.Error, match="No file was uploaded"):
+    with pytest.raises(ValueError, match="No file was uploaded"):
         read_upload(None)
 
 
@@ -278,10 +272,10 @@ def test_compare_tab_suggests_the_example_questions_and_scores_gold(handlers):
 
 
 def test_compare_tab_cancel_returns_the_finished_specs(handlers, monkeypatch):
-    from kvdemo import ui
+    from kvdemo.ui import compare_tab
 
     app, fns = handlers
-    real = ui.compare
+    real = compare_tab.compare
 
     def compare_then_press_cancel(*args, on_progress, **kwargs):
         def progress(done, total, what):
@@ -290,7 +284,7 @@ def test_compare_tab_cancel_returns_the_finished_specs(handlers, monkeypatch):
                 fns["cancel_compare"](_request())  # the Cancel button, as pressed mid-run
         return real(*args, on_progress=progress, **kwargs)
 
-    monkeypatch.setattr(ui, "compare", compare_then_press_cancel)
+    monkeypatch.setattr(compare_tab, "compare", compare_then_press_cancel)
     status, table, *_ = fns["compare"](CONTEXT, ["dynamic", "fp8", "hqq:4"], "", "Who?\nWhere?", 3, _request())
     assert status.startswith("Cancelled after 1 spec(s).") and table["spec"].tolist() == ["dynamic"]
     # the next run starts afresh (the cancel flag is cleared)
@@ -341,7 +335,7 @@ def test_load_with_an_empty_field_reloads_the_start_up_model(tiny):
 
 
 def test_every_series_is_in_the_chart_data_from_the_first_update(handlers):
-    from kvdemo.ui import with_every_series
+    from kvdemo.ui.views import with_every_series
 
     app, fns = handlers
     fns["prefill"](CONTEXT, *HQQ, _request())

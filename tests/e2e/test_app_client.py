@@ -9,7 +9,7 @@ import pytest
 from gradio_client import Client
 
 from kvdemo import CacheSpec, QASession
-from kvdemo.ui import example
+from kvdemo.ui.examples import example
 
 HQQ = CacheSpec("hqq", nbits=4, q_group_size=64, residual_length=16, axis_key=0, axis_value=0)
 

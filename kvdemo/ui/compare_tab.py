@@ -1,0 +1,163 @@
+"""The Compare tab: the Ask tab's context and a list of questions run over several specs, one at a time in fresh
+sessions (`kvdemo.compare`), with progress and Cancel; a table and two charts. `CompareTab` builds the widgets
+and owns the handlers; the user's own prefilled cache is never touched."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import gradio as gr
+
+from kvdemo.backends import BACKENDS
+from kvdemo.cases import gold_answers_for
+from kvdemo.compare import ComparisonCancelled, compare
+from kvdemo.spec import all_specs, default_compare_specs
+from kvdemo.ui import views
+from kvdemo.ui.ask_tab import AskTab
+from kvdemo.ui.examples import suggested_questions
+from kvdemo.ui.inputs import COMPARE_MAX_NEW_TOKENS, compare_inputs, user_errors
+
+
+class CompareView(NamedTuple):
+    """What a comparison shows (`CompareTab.run`), in the order of its outputs."""
+
+    compare_status: Any
+    compare_table: Any
+    tradeoff_plot: Any
+    speed_plot: Any
+
+
+def _view(report, note: str) -> CompareView:
+    return CompareView(*views.comparison_outputs(report, note))
+
+
+class CompareTab:
+    """The Compare tab, sharing the Ask tab's sessions (its Cancel and lock live in the same `UserSession`).
+
+    Args:
+        ask: the Ask tab (its session helpers and its Context box).
+    """
+
+    def __init__(self, ask: AskTab):
+        self.ask = ask
+        self.app = ask.app
+        self.w: dict[str, Any] = {}
+
+    @user_errors
+    def fill_questions(self, context: str, request: gr.Request) -> str:
+        """The questions asked so far in this session, or the example's questions."""
+        user = self.ask.existing_user(request)
+        return "\n".join(suggested_questions(user.qa if user is not None else None, context))
+
+    @user_errors
+    def queued(self, chosen, more, questions_text, max_new_tokens, request: gr.Request) -> None:
+        """Runs at the click, before the comparison waits in the queue: bad input is refused here (the last
+        results stay on the page), and from now on Cancel applies to the run."""
+        compare_inputs(chosen, more, questions_text, max_new_tokens)
+        user = self.ask.user_of(request)
+        user.compare_cancel.clear()
+        user.compare_pending = True
+
+    @user_errors
+    def run(self, context, chosen, more, questions_text, max_new_tokens, request: gr.Request,
+            progress=gr.Progress()) -> CompareView:
+        """Run `kvdemo.compare` on the Context box's text and the questions, one spec at a time, in fresh
+        sessions: this session's own cache is untouched. Cancel stops it at the next decode step."""
+        user = self.ask.user_of(request)
+        if not user.compare_lock.acquire(blocking=False):
+            raise gr.Error("A comparison is already running in this session; wait or press Cancel")
+        try:
+            if not user.compare_pending:  # called through the API, not queued by the button
+                user.compare_cancel.clear()
+                user.compare_pending = True
+            specs, questions, max_new_tokens = compare_inputs(chosen, more, questions_text, max_new_tokens)
+            loaded = self.app.wait_for_model()
+            golds = gold_answers_for(context, questions)
+            progress(0, desc="Starting the comparison…")
+            report = compare(
+                loaded, context, questions, specs, max_new_tokens, golds, cancel=user.compare_cancel,
+                on_progress=lambda done, total, what: progress((done, total), desc=what, unit="steps"),
+                kv_budget_bytes=self.app.kv_budget_bytes,
+            )
+            note = f"Compared {len(report.results)} specs on {len(questions)} question{'s' if len(questions) > 1 else ''}"
+            note += " (scored against the example's gold answers)." if golds else " (no gold answers for this text)."
+            return _view(report, note)
+        except ComparisonCancelled as cancelled:
+            return _view(cancelled.report, f"Cancelled after {len(cancelled.report.results)} spec(s).")
+        except (ValueError, ImportError, gr.Error):
+            raise
+        except Exception as error:  # a fault inside a decode step: every session it used has restored
+            raise gr.Error(f"The comparison failed ({type(error).__name__}: {str(error)[:200]}); your own "
+                           "session is untouched") from None
+        finally:
+            user.compare_pending = False
+            self.app.sessions.touch(user)
+            user.compare_lock.release()
+
+    def cancel(self, request: gr.Request) -> None:
+        """Cancel this session's comparison at its next decode step (it returns what finished), also while
+        it still waits in the queue; does nothing when none is running or waiting."""
+        user = self.ask.existing_user(request)
+        if user is not None and user.compare_pending:
+            user.compare_cancel.set()
+
+    def build(self) -> None:
+        """The tab's widgets (inside a `gr.Blocks` and `gr.Tab` context), kept in `self.w` by name."""
+        w = self.w
+        gr.Markdown(
+            "Run the text in the **Context** box and the questions below over several KV cache backends, one at "
+            "a time, each in a fresh cache (your own prefilled cache is untouched): memory, fidelity against "
+            "`dynamic` (identical answers, KL divergence teacher-forced on `dynamic`'s answer) and against the "
+            "gold answers of the examples, and speed. About 2 × (questions × max_new_tokens) decode steps per spec."
+        )
+        defaults = {name: opt.default for b in BACKENDS.values() for name, opt in b.options.items()}
+        with gr.Row():
+            with gr.Column(scale=1, min_width=280):
+                w["choice"] = gr.CheckboxGroup(
+                    [s.text for s in all_specs()], value=[s.text for s in default_compare_specs()], label="specs",
+                    info="backend:nbits; other options at their defaults ("
+                    + ", ".join(f"{k} {v}" for k, v in defaults.items() if k != "nbits") + ")",
+                )
+                w["more"] = gr.Textbox(
+                    label="more specs, one per line", lines=2,
+                    placeholder="hqq:4,residual_length=16\nquanto:2,q_group_size=32,axis_key=-1",
+                    info="backend[:nbits][,option=value...]; options q_group_size, residual_length, axis_key, "
+                    "axis_value",
+                )
+                w["max_new_tokens"] = gr.Number(32, label="max_new_tokens", precision=0, minimum=1,
+                                                maximum=COMPARE_MAX_NEW_TOKENS)
+            with gr.Column(scale=2):
+                w["questions"] = gr.Textbox(label="questions, one per line", lines=6,
+                                            placeholder="Who was the Norse leader?")
+                with gr.Row():
+                    w["fill_button"] = gr.Button("Fill in questions (asked so far, or the example's)", size="sm")
+                    w["compare_button"] = gr.Button("Run comparison", variant="primary")
+                    w["cancel_button"] = gr.Button("Cancel", variant="stop")
+        w["compare_status"] = gr.Markdown("")
+        w["compare_table"] = gr.Dataframe(label="comparison", interactive=False, wrap=True)
+        with gr.Row():
+            w["tradeoff_plot"] = gr.ScatterPlot(
+                None, x="bytes per token", y="KL (nats)", color="backend", title="Memory against fidelity",
+                x_title="KV bytes per context token", y_title="mean KL to dynamic (nats)", height=300,
+                tooltip=["spec", "bytes per token", "KL (nats)", "identical", "contains gold"],
+            )
+            w["speed_plot"] = gr.BarPlot(
+                None, x="spec", y="tokens/s", title="Decode speed", x_title="spec", y_title="tokens/s (median)",
+                height=300, tooltip=["spec", "tokens/s", "flush s"], sort="-y", y_lim=[0, None],
+            )
+
+    def wire(self) -> None:
+        """The tab's events: one comparison at a time across users (minutes of CPU); answers keep their own
+        queue slots."""
+        w = self.w
+        settings = [w["choice"], w["more"], w["questions"], w["max_new_tokens"]]
+        w["fill_button"].click(self.fill_questions, inputs=self.ask.w["context"], outputs=w["questions"],
+                               api_name="compare_questions", queue=False)
+        w["compare_button"].click(
+            self.queued, inputs=settings,
+            concurrency_limit=None, api_visibility="private",  # queued (its error shows as a toast), never waits
+        ).success(
+            self.run, inputs=[self.ask.w["context"], *settings], outputs=[w[name] for name in CompareView._fields],
+            api_name="compare", concurrency_limit=1, concurrency_id="compare",
+        )
+        w["cancel_button"].click(self.cancel, api_name="cancel_compare", queue=False)

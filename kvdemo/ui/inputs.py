@@ -1,0 +1,151 @@
+"""The page's input rules: pure parsing of what a user typed, ticked or uploaded, raising `ValueError` with a
+message that says what to change; and `user_errors`, the one place where such an error becomes a `gr.Error`
+shown on the page (tests call the parsers directly)."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from pathlib import Path
+from typing import Any, Callable
+
+import gradio as gr
+
+from kvdemo import checks
+from kvdemo.backends import BACKENDS, GROUP_OPTIONS
+from kvdemo.spec import CacheSpec
+
+MAX_UPLOAD_BYTES = 2 * 1024 * 1024
+COMPARE_MAX_QUESTIONS = 20
+COMPARE_MAX_NEW_TOKENS = 256
+"""Limits of one comparison in the app (its reference keeps [tokens, vocab] float32 per question)."""
+
+
+def spec_from_inputs(backend: str, nbits, q_group_size, residual_length, axis_key, axis_value) -> CacheSpec:
+    """A `CacheSpec` from the Ask tab's option fields (in `GROUP_OPTIONS` order); options the backend does not
+    take are ignored (they are hidden on the page), empty fields mean the backend's default.
+
+    Raises:
+        ValueError: an unknown backend or a value that is not a whole number.
+    """
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend={str(backend)[:40]!r} is not a backend; choose one of {', '.join(BACKENDS)}")
+    given = dict(zip(GROUP_OPTIONS, (nbits, q_group_size, residual_length, axis_key, axis_value)))
+    options = {}
+    for name in BACKENDS[backend].options:
+        value = given[name]
+        if value is None or value == "":
+            continue
+        try:
+            if isinstance(value, bool):
+                raise ValueError
+            number = float(value)
+            if not number.is_integer():
+                raise ValueError
+        except (TypeError, ValueError, OverflowError):
+            raise ValueError(f"{name}={str(value)[:40]!r} must be a whole number") from None
+        options[name] = int(number)
+    return CacheSpec(backend, **options)
+
+
+def read_upload(path: str | None) -> str:
+    """The text of an uploaded .txt / .md file.
+
+    Raises:
+        ValueError: no file, another suffix, a file over `MAX_UPLOAD_BYTES`, not UTF-8, binary (NUL bytes) or
+            empty.
+    """
+    if not path:
+        raise ValueError("No file was uploaded; choose a .txt or .md file")
+    file = Path(path)
+    if file.suffix.lower() not in (".txt", ".md"):
+        raise ValueError(f"{file.name} is not a .txt or .md file; upload plain text")
+    size = file.stat().st_size
+    if size > MAX_UPLOAD_BYTES:
+        raise ValueError(f"{file.name} is {size / 2**20:.1f} MiB; the limit is {MAX_UPLOAD_BYTES / 2**20:.0f} MiB")
+    raw = file.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{file.name} is not UTF-8 text (byte {error.start}); save it as UTF-8") from None
+    if "\x00" in text:
+        raise ValueError(f"{file.name} looks binary (it holds NUL bytes); upload a text file")
+    if not text.strip():
+        raise ValueError(f"{file.name} is empty")
+    return text
+
+
+def compare_specs(chosen: list[str] | None, more: str | None) -> list[CacheSpec]:
+    """The specs of the Compare tab: the ticked ones, then one per non-empty line of `more` (the
+    `CacheSpec.parse` syntax, e.g. `hqq:4,residual_length=16`).
+
+    Raises:
+        ValueError: a line that does not parse (its message, with the line number), or no spec at all.
+    """
+    specs = [CacheSpec.parse(text) for text in chosen or []]
+    for number, line in enumerate((more or "").splitlines(), 1):
+        if line.strip():
+            try:
+                specs.append(CacheSpec.parse(line))
+            except ValueError as error:
+                raise ValueError(f"more specs, line {number}: {error}") from None
+    if not specs:
+        raise ValueError("Tick at least one spec to compare (dynamic is always included as the baseline)")
+    return specs
+
+
+def compare_questions(text: str | None) -> list[str]:
+    """The questions of the Compare tab: one per non-empty line.
+
+    Raises:
+        ValueError: there is none, or more than `COMPARE_MAX_QUESTIONS`.
+    """
+    questions = [line.strip() for line in (text or "").splitlines() if line.strip()]
+    if not questions:
+        raise ValueError("Give at least one question, one per line (or press 'Fill in questions')")
+    if len(questions) > COMPARE_MAX_QUESTIONS:
+        raise ValueError(f"{len(questions)} questions is more than a comparison runs here; give at most "
+                         f"{COMPARE_MAX_QUESTIONS}")
+    return questions
+
+
+def compare_inputs(chosen: list[str] | None, more: str | None, questions_text: str | None,
+                   max_new_tokens: Any) -> tuple[list[CacheSpec], list[str], int]:
+    """The Compare tab's inputs checked, for the click and for the run: `compare_specs`, `compare_questions`,
+    and `checks.max_new_tokens` with at most `COMPARE_MAX_NEW_TOKENS`.
+
+    Raises:
+        ValueError: see those three.
+    """
+    specs = compare_specs(chosen, more)
+    questions = compare_questions(questions_text)
+    return specs, questions, checks.max_new_tokens(max_new_tokens, COMPARE_MAX_NEW_TOKENS, what="a comparison")
+
+
+def user_errors(fn: Callable) -> Callable:
+    """`fn` (a handler, plain or a generator) with `ValueError` and `ImportError`, the library's errors meant for
+    the user, raised as `gr.Error` carrying the same message, so the page shows it. The signature is kept
+    (`functools.wraps`), so Gradio still finds `gr.Request` and `gr.Progress` parameters."""
+    if inspect.isgeneratorfunction(fn):
+
+        @functools.wraps(fn)
+        def stream(*args, **kwargs):
+            try:
+                yield from fn(*args, **kwargs)
+            except gr.Error:  # already a message for the page (gr.Error is a ValueError)
+                raise
+            except (ValueError, ImportError) as error:
+                raise gr.Error(str(error)) from None
+
+        return stream
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except gr.Error:
+            raise
+        except (ValueError, ImportError) as error:
+            raise gr.Error(str(error)) from None
+
+    return call

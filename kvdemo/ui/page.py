@@ -1,0 +1,78 @@
+"""The page: the model bar over one tab per job (`AskTab`, `CompareTab`), composed into one `gr.Blocks`.
+
+Every event has an `api_name` for `gradio_client` (or is private). One model is shared; each browser session
+(Gradio's `session_hash`) has its own `QASession`, kept server-side in `kvdemo.server.SessionStore` and freed
+on `demo.unload`. Adding a tab: CONTRIBUTING.md, "Adding a tab".
+"""
+
+from __future__ import annotations
+
+import gradio as gr
+
+from kvdemo.server import App
+from kvdemo.ui import views
+from kvdemo.ui.ask_tab import AskTab
+from kvdemo.ui.compare_tab import CompareTab
+from kvdemo.ui.inputs import user_errors
+
+
+class ModelBar:
+    """The model's status line and the Load field above the tabs."""
+
+    def __init__(self, app: App):
+        self.app = app
+
+    @user_errors
+    def on_page_load(self, progress=gr.Progress()) -> str:
+        """The model's status once the start-up load is done (the page shows real progress meanwhile)."""
+        progress(0, desc="Loading the model (a first start converts the embedded GGUF, ~20-60 s; later starts "
+                         "load the converted copy in seconds)…")
+        return views.model_status(self.app.wait_for_model())
+
+    @user_errors
+    def load(self, model_source: str, progress=gr.Progress()) -> str:
+        """Load a model (a Hub id, a local folder or a .gguf file; empty: the start-up model) for everyone."""
+        progress(0, desc=f"Loading {model_source.strip() if model_source else 'the start-up model'}…")
+        return views.model_status(self.app.load(model_source))
+
+    def build(self) -> None:
+        with gr.Row():
+            with gr.Column(scale=3):
+                self.line = gr.Markdown("Loading the model…")
+            with gr.Column(scale=2):
+                with gr.Row():
+                    self.source = gr.Textbox(
+                        label="Model", placeholder="empty: embedded SmolLM2-135M · or a Hub id / local folder / .gguf",
+                        scale=3,
+                    )
+                    self.button = gr.Button("Load", scale=1)
+
+
+def build_demo(app: App) -> gr.Blocks:
+    """The gr.Blocks page, wired to `app`.
+
+    Example:
+        >>> app = App(); app.start_loading(); build_demo(app).queue().launch()
+    """
+    bar, ask = ModelBar(app), AskTab(app)
+    compare = CompareTab(ask)
+    with gr.Blocks(title="kvdemo: KV cache quantization, live") as demo:
+        gr.Markdown(
+            "# kvdemo: a quantized KV cache, live\nPrefill a long context once, ask questions in turn, and watch "
+            "the cache's real memory and every residual flush. After each answer the cache is restored exactly."
+        )
+        bar.build()
+        with gr.Tab("Ask", id="ask"):
+            ask.build()
+        with gr.Tab("Compare backends", id="compare"):
+            compare.build()
+        demo.load(bar.on_page_load, outputs=bar.line, api_name="model_status")
+        bar.button.click(bar.load, inputs=bar.source, outputs=bar.line, api_name="load_model", concurrency_id="model")
+        ask.wire()
+        compare.wire()
+
+        def unload(request: gr.Request) -> None:
+            app.sessions.free(request.session_hash)
+
+        demo.unload(unload)
+    return demo

@@ -1,0 +1,153 @@
+"""Pure display functions of the page: status lines, option-field updates, chart frames with every series,
+the comparison's outputs. They read records and the registry, never a live cache, and are tested directly."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import gradio as gr
+import pandas as pd
+
+from kvdemo.backends import BACKENDS, GROUP_OPTIONS
+from kvdemo.charts import flush_timing, speed_frame, step_time_frame, tradeoff_frame
+from kvdemo.compare import ComparisonReport
+from kvdemo.models import LoadedModel
+from kvdemo.session import QASession
+from kvdemo.telemetry import STEP_KINDS
+
+EXPLAINER = """
+**Prefill.** The model reads your whole context once and stores, for every layer, a *key* and a *value*
+vector per token: the **KV cache**. Answers are generated on top of it, one **decode step** per token,
+without reading the context again.
+
+**Quantized cache.** `quanto` and `hqq` store the cache in 1-8 bit integers, in groups of `q_group_size`
+values that share one scale and zero point; `fp8` stores 8-bit floats with one scale per tensor. The
+memory chart shows the bytes really held against what full precision (`dynamic`) would hold.
+
+**Residual and flush.** `quanto` and `hqq` keep the newest tokens in full precision, the **residual**.
+When it reaches `residual_length` tokens, the layer **flushes**: the whole layer is de-quantized,
+joined with the residual and quantized again, and the residual empties. The flush chart marks each one;
+the residual chart shows the sawtooth. `fp8` has no residual: it appends with the scale frozen at the prefill.
+
+**Restore.** After every answer the cache is put back exactly as it was after the prefill (the same
+tensors, no copy), so each question sees the context and nothing else, and gets the answer a fresh
+single-question run would give. `cache length after restore = N (context)` shows it after each answer.
+"""
+
+
+def model_status(loaded: LoadedModel) -> str:
+    """The model's status line."""
+    d = loaded.describe()
+    return (
+        f"**{d['name']}** · {d['parameters'] / 1e6:.0f} M parameters · {d['layers']} layers · "
+        f"{d['kv_heads']} KV heads · head_dim {d['head_dim']} · max context {d['max_context_tokens']:,} tokens · "
+        f"{d['device']} · {d['dtype']}"
+    )
+
+
+def backend_option_updates(backend: str, *current: Any) -> tuple[Any, ...]:
+    """Visibility, choices and values of the five option fields for a backend, from `BACKENDS`, and the
+    backend's description. A field keeps its current value when the new backend allows it (so switching
+    away and back restores what was there), else it takes the backend's default.
+
+    Args:
+        backend: the chosen backend.
+        current: the fields' current values, in `GROUP_OPTIONS` order (may be omitted).
+    """
+    info = BACKENDS.get(backend) or next(iter(BACKENDS.values()))
+    current = current + (None,) * (len(GROUP_OPTIONS) - len(current))
+    updates = []
+    for name, value in zip(GROUP_OPTIONS, current):
+        option = info.options.get(name)
+        if option is None:
+            updates.append(gr.update(visible=False))
+            continue
+        if option.choices is not None:
+            allowed = value in option.choices
+        else:
+            allowed = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= option.minimum
+        keep = value if allowed else option.default
+        if option.choices is not None:
+            updates.append(gr.update(visible=True, choices=list(option.choices), value=keep))
+        else:
+            updates.append(gr.update(visible=True, value=keep))
+    note = f"{info.summary}. {info.behaviour}"
+    return (*updates, note)
+
+
+def prefill_summary(qa: QASession) -> str:
+    """The summary shown after a prefill."""
+    r = qa.prefill_report
+    return (
+        f"Prefilled **{r.context_tokens:,} tokens** in {r.seconds:.2f} s with **{qa.spec.label}** · "
+        f"KV cache {r.kv_bytes / 2**20:.2f} MiB ({r.bytes_per_token:,.0f} bytes/token) · "
+        f"**{r.ratio_to_full_precision:.3f}×** full precision ({r.full_precision_bytes / 2**20:.2f} MiB)"
+    )
+
+
+def answer_stats(qa: QASession, first_token_seconds: float | None, events: list | None = None) -> str:
+    """The line shown after an answer; with the answer's `StepEvent`s, also the time per flush step."""
+    a = qa.history[-1]
+    context = qa.prefill_report.context_tokens
+    first = f" · first token after {first_token_seconds:.2f} s" if first_token_seconds is not None else ""
+    if events:
+        steps, flush_s, other_s = flush_timing(events)
+        if steps and flush_s is not None:
+            against = f" vs {other_s * 1000:.0f} ms per other step" if other_s is not None else ""
+            first += f" · {steps} flush step(s), {flush_s * 1000:.0f} ms each (median){against}"
+    stopped = " · stopped" if a.finish_reason == "stopped" else ""
+    restored = "context" if a.cache_length_after == context else f"MISMATCH: context is {context}"
+    return (
+        f"{len(a.token_ids)} tokens · {a.tokens_per_second:.1f} tokens/s · {a.flush_count} flushes "
+        f"({a.flush_count // max(len(a.flushes), 1)} per layer){first}{stopped} · "
+        f"**cache length after restore = {a.cache_length_after:,} ({restored})**"
+    )
+
+
+def comparison_outputs(report: ComparisonReport, note: str) -> tuple[str, Any, Any, Any]:
+    """The Compare tab's status line, table (rounded to 4 decimals for reading) and two chart frames for a
+    (possibly partial) report."""
+    frame = report.to_frame()
+    if report.results:
+        tokens = report.results[0].context_tokens
+        note += f" · context {tokens:,} tokens · max_new_tokens {report.max_new_tokens}"
+    tradeoff = with_every_series(tradeoff_frame(frame), "backend", BACKENDS)
+    table = frame.drop(columns=["backend", "nbits"]).round(4)  # the spec column names both
+    return note, table, tradeoff, speed_frame(frame)
+
+
+def step_times(events: list) -> Any:
+    """The step-time chart's data with every `STEP_KINDS` series in its legend."""
+    return with_every_series(step_time_frame(events), "kind", STEP_KINDS)
+
+
+def with_every_series(frame: Any, column: str, names: Iterable[str]) -> Any:
+    """`frame` plus one invisible row (NaN in its float columns, 0 in its integer ones) for each of `names`
+    missing from `column`. Gradio's plots fix their colour legend at the first data they get, so a series
+    that appears later (a flush step, another backend) would never be drawn; these rows put every series in
+    the legend from the start, and Vega does not draw points whose value is NaN."""
+    missing = [name for name in names if name not in set(frame[column])]
+    if not missing:
+        return frame
+    rows = []
+    for name in missing:
+        row = {}
+        for col, dtype in frame.dtypes.items():
+            if col == column:
+                row[col] = name
+            elif pd.api.types.is_float_dtype(dtype):
+                row[col] = float("nan")
+            elif pd.api.types.is_integer_dtype(dtype):
+                row[col] = 0
+            else:
+                row[col] = ""
+        rows.append(row)
+    return pd.concat([frame, pd.DataFrame(rows).astype(frame.dtypes.to_dict())], ignore_index=True)
+
+
+def empty_charts() -> tuple[None, None, None]:
+    """Cleared charts. An empty plot is `None`, not an empty DataFrame: Gradio's plot takes its series
+    (the color legend) from the first data it gets, and an empty frame would leave it with none."""
+    return None, None, None
+
+
