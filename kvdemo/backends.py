@@ -251,5 +251,7 @@ def option_choices_text(option: str) -> str:
 def markdown_table() -> str:
     """The README's backend table (a test checks the README holds exactly this)."""
     rows = ["| backend | what stores the cache | options (allowed values, default) |", "|---|---|---|"]
-    rows += [f"| `{b.name}` | {b.summary} | {b.options_text()} |" for b in BACKENDS.values()]
+    for b in BACKENDS.values():
+        options = b.options_text().replace("|", "\\|")  # a bare | would end the table cell
+        rows.append(f"| `{b.name}` | {b.summary} | {options} |")
     return "\n".join(rows)

@@ -1,0 +1,127 @@
+"""The registry is the one place that knows the backends: a fifth backend added only there reaches the
+spec syntax, the byte estimate, the session, the compare defaults, the command line and the page; and no
+backend's facts are written by hand anywhere else (code, README)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from kvdemo import QASession, kv_memory
+from kvdemo.backends import BACKENDS, Backend, Option, markdown_table
+from kvdemo.spec import CacheSpec, all_specs, default_compare_specs, estimate_kv_bytes
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _dummy() -> Backend:
+    """A fifth backend: a plain `DynamicCache` under another name, with one option of its own choices (nbits, which
+    it ignores) and its own byte formula: enough to see every consumer pick it up from the entry alone."""
+    dynamic = BACKENDS["dynamic"]
+    return Backend(
+        "dummy",
+        "DynamicCache under another name, for the registry test",
+        "It never flushes.",
+        quantized=False,
+        build=dynamic.build,
+        kv_bytes=dynamic.kv_bytes,
+        options={"nbits": Option("nbits", 16, choices=(16,), help="bits per value (ignored)")},
+        compare_nbits=(16,),
+    )
+
+
+@pytest.fixture()
+def with_dummy(monkeypatch):
+    monkeypatch.setitem(BACKENDS, "dummy", _dummy())
+
+
+def test_a_fifth_backend_needs_only_its_registry_entry(with_dummy, tiny):
+    spec = CacheSpec.parse("dummy:16")
+    assert spec == CacheSpec("dummy", nbits=16) and spec.text == "dummy:16" and spec.label == "dummy nbits=16"
+    assert spec in all_specs() and spec in default_compare_specs()
+    with pytest.raises(ValueError, match="nbits=4 is not allowed for dummy; allowed: 16"):
+        CacheSpec.parse("dummy:4")
+    session = QASession(tiny, spec)
+    report = session.prefill("The Normans were in Normandy. Rollo led them.")
+    assert report.kv_bytes == estimate_kv_bytes(spec, tiny.config, report.context_tokens, tiny.dtype)
+    fresh = QASession(tiny, CacheSpec("dynamic"))
+    fresh.prefill("The Normans were in Normandy. Rollo led them.")
+    assert session.ask("Who led them?", 4).token_ids == fresh.ask("Who led them?", 4).token_ids
+    assert kv_memory(session.cache).seq_length == report.context_tokens
+    assert "| `dummy` | DynamicCache under another name" in markdown_table()
+
+
+def test_a_fifth_backend_reaches_the_command_line(with_dummy, capsys):
+    from kvdemo.__main__ import build_parser
+
+    parser = build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["ask", "--help"])
+    out = capsys.readouterr().out
+    assert "dummy: DynamicCache under another name" in out and "dummy 16" in out
+    assert parser.parse_args(["ask", "--context-file", "x", "--backend", "dummy"]).backend == "dummy"
+
+
+def test_a_fifth_backend_reaches_the_page(with_dummy, tiny):
+    import gradio as gr
+
+    from kvdemo.server import App
+    from kvdemo.ui import build_demo
+    from kvdemo.ui.inputs import spec_from_inputs
+    from kvdemo.ui.views import backend_option_updates
+
+    demo = build_demo(App(loader=lambda source=None: tiny))
+    radios = [b for b in demo.blocks.values() if isinstance(b, gr.Radio) and b.label == "backend"]
+    assert [choice[1] for choice in radios[0].choices] == ["dynamic", "quanto", "hqq", "fp8", "dummy"]
+    boxes = [b for b in demo.blocks.values() if isinstance(b, gr.CheckboxGroup)]
+    assert ("dummy:16", "dummy:16") in boxes[0].choices and "dummy:16" in boxes[0].value
+    *fields, note = backend_option_updates("dummy")
+    assert fields[0]["visible"] and fields[0]["choices"] == [16] and not any(f["visible"] for f in fields[1:])
+    assert note == "DynamicCache under another name, for the registry test. It never flushes."
+    assert spec_from_inputs("dummy", 16, 64, 4, 0, 0) == CacheSpec("dummy", nbits=16)
+
+
+def test_the_readme_backend_table_is_the_registry():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert markdown_table() in readme, "README's backend table differs: paste kvdemo.backends.markdown_table()"
+
+
+def _choice_lists() -> set[str]:
+    """Every registry choice tuple of two or more values as it would be written by hand: `1, 2, 3, 4, 8`,
+    `1|2|3|4|8`, `(2, 4)`."""
+    lists = set()
+    for backend in BACKENDS.values():
+        for option in backend.options.values():
+            if option.choices and len(option.choices) > 2:
+                values = list(map(str, option.choices))
+                lists |= {", ".join(values), "|".join(values), "/".join(values)}
+    return lists
+
+
+def test_no_backend_facts_written_by_hand_outside_the_registry():
+    """Backend names with their allowed values, and the lists of allowed values, appear only in the registry
+    (and the README table generated from it)."""
+    sources = [p for p in (ROOT / "kvdemo").rglob("*.py") if p.name != "backends.py"]
+    sources += [ROOT / "app.py"]
+    pattern = re.compile(r"\b(quanto|hqq)\b[^\n]{0,12}\b[0-9]\|[0-9]")
+    for path in sources:
+        text = path.read_text(encoding="utf-8")
+        for written in _choice_lists():
+            assert written not in text, f"{path.relative_to(ROOT)} writes the registry's choices {written!r} by hand"
+        assert not pattern.search(text), f"{path.relative_to(ROOT)} writes a backend's allowed values by hand"
+    # the backend names themselves are switched on nowhere but the registry
+    switch = re.compile(r"""(==|!=|\bin\b)\s*\(?["'](dynamic|quanto|hqq|fp8)["']""")
+    for path in sources:
+        match = switch.search(path.read_text(encoding="utf-8"))
+        assert match is None, f"{path.relative_to(ROOT)} switches on a backend name: {match.group(0)!r}"
+
+
+def test_every_backend_entry_is_complete():
+    for name, backend in BACKENDS.items():
+        assert backend.name == name and backend.summary and backend.behaviour.endswith(".")
+        assert callable(backend.build) and callable(backend.kv_bytes)
+        assert (backend.group_rule is None) == ("q_group_size" not in backend.options)
+        assert dataclasses.is_dataclass(backend)
