@@ -88,11 +88,12 @@ def flush_timing(events: Sequence[StepEvent]) -> tuple[int, float | None, float 
     return len(flush), median(flush), median(other)
 
 
-ANSWER_COLUMNS = ["answer", "question", "tokens", "flushes", "tokens/s", "seconds", "cache length after", "finish"]
+ANSWER_COLUMNS = ["answer", "spec", "question", "tokens", "flushes", "tokens/s", "seconds", "cache length after", "finish"]
 
 
 def answers_frame(records: Iterable[Mapping[str, Any]]) -> pd.DataFrame:
-    """One row per answer of a session, from `Answer.to_dict()` records.
+    """One row per answer of a session, from `Answer.to_dict()` records (with a `spec` key: the cache it was
+    answered on, `CacheSpec.full_text`; the page keeps answers across prefills).
 
     Returns:
         Columns `ANSWER_COLUMNS`; `answer` counts from 1.
@@ -100,6 +101,7 @@ def answers_frame(records: Iterable[Mapping[str, Any]]) -> pd.DataFrame:
     rows = [
         (
             i,
+            r.get("spec", ""),
             r["question"],
             len(r["token_ids"]),
             r["flushes"],

@@ -28,6 +28,7 @@ class UserSession:
     qa: QASession | None = None
     chat: list[dict[str, str]] = field(default_factory=list)
     events: list = field(default_factory=list)
+    answers: list = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     compare_cancel: threading.Event = field(default_factory=threading.Event)
     compare_lock: threading.Lock = field(default_factory=threading.Lock)

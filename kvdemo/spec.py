@@ -80,6 +80,14 @@ class CacheSpec:
         head = f"{self.backend}:{given.pop('nbits')}" if "nbits" in given else str(self.backend)
         return ",".join([head] + [f"{k}={v}" for k, v in given.items()])
 
+    @property
+    def full_text(self) -> str:
+        """The spec in `CacheSpec.parse`'s syntax with every option resolved, so that it means one thing
+        wherever it is shown: `hqq:4,q_group_size=64,residual_length=16,axis_key=0,axis_value=0`, `fp8`."""
+        resolved = self.resolved()
+        head = f"{self.backend}:{resolved.pop('nbits')}" if "nbits" in resolved else str(self.backend)
+        return ",".join([head] + [f"{k}={v}" for k, v in resolved.items()])
+
     @classmethod
     def parse(cls, text: str) -> "CacheSpec":
         """A spec from `backend[:nbits][,option=value...]`, e.g. `dynamic`, `fp8`, `hqq:4`,

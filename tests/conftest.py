@@ -86,3 +86,14 @@ def fail_forward_at(monkeypatch, loaded: LoadedModel, call: int, message: str) -
         return forward(*args, **kwargs)
 
     monkeypatch.setattr(loaded.model, "forward", failing_forward)
+
+
+def refused(result) -> str:
+    """The refusal a page handler showed: the output that starts with ⚠ (a prefill's or a comparison's view, an
+    answer's updates, a status line). Fails when there is none, so a test cannot pass on a silent handler."""
+    if not isinstance(result, (str, tuple)):  # an answer's updates (a generator or a list of views)
+        result = list(result)[-1]
+    items = [result] if isinstance(result, str) else list(result)
+    found = [item for item in items if isinstance(item, str) and "⚠ " in item]
+    assert found, f"no refusal shown in {result!r}"
+    return found[-1]

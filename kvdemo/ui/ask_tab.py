@@ -20,7 +20,7 @@ from kvdemo.spec import CacheSpec
 from kvdemo.telemetry import STEP_KINDS
 from kvdemo.ui import views
 from kvdemo.ui.examples import EXAMPLES, example
-from kvdemo.ui.inputs import read_upload, spec_from_inputs, user_errors
+from kvdemo.ui.inputs import read_upload, refusal, spec_from_inputs
 
 START_SPEC = CacheSpec("hqq", nbits=4, residual_length=16)
 """The Ask tab's starting spec: a short residual, so that flushes show within the first answers."""
@@ -36,7 +36,14 @@ class PrefillView(NamedTuple):
     residual_plot: Any
     step_plot: Any
     answers_table: Any
+    notice: Any
     ask_button: Any
+
+    @classmethod
+    def refused(cls, message: str, ask_enabled: bool | None) -> PrefillView:
+        """A refusal: the message beside Prefill, every other output as it was (the previous cache stays)."""
+        ask = gr.skip() if ask_enabled is None else gr.update(interactive=ask_enabled)
+        return cls(*[gr.skip()] * 7, message, ask)
 
 
 class AnswerView(NamedTuple):
@@ -48,6 +55,11 @@ class AnswerView(NamedTuple):
     residual_plot: Any
     step_plot: Any
     answers_table: Any
+
+    @classmethod
+    def refused(cls, message: str) -> AnswerView:
+        """A refusal: the message beside Ask; the chat, charts and table stay as they were."""
+        return cls(gr.skip(), message, gr.skip(), gr.skip(), gr.skip(), gr.skip())
 
 
 def _guarded(stream: Iterator, qa: QASession) -> Iterator:
@@ -93,74 +105,113 @@ class AskTab:
         return self.app.sessions.peek(self.key_of(request))
 
     # ---- handlers -----------------------------------------------------------------------------------
-    @user_errors
+    def _prefilled_matches(self, user: UserSession | None, context: str | None, spec: CacheSpec | None) -> bool:
+        """Whether the page's Context box and options are what this session's cache holds."""
+        if user is None or user.qa is None or spec is None:
+            return False
+        same_spec = spec.backend == user.qa.spec.backend and spec.resolved() == user.qa.spec.resolved()
+        return same_spec and (context is None or context == user.qa.context)
+
     def prefill(self, context, backend, nbits, q_group_size, residual_length, axis_key, axis_value,
                 request: gr.Request, progress=gr.Progress()) -> PrefillView:
-        """Prefill `context` into a new KV cache of the chosen backend (replacing this session's context)."""
-        spec = spec_from_inputs(backend, nbits, q_group_size, residual_length, axis_key, axis_value)
-        loaded = self.app.wait_for_model()
-        user = self.user_of(request)
-        if user.qa is not None:
-            user.qa.request_stop()
-        with user.lock:
-            qa = QASession(loaded, spec, kv_budget_bytes=self.app.kv_budget_bytes)
-            qa.prefill(context)
-            user.qa, user.chat, user.events = qa, [], []
-            self.app.sessions.forget_freed(self.key_of(request))
-        return PrefillView(views.prefill_summary(qa), [], "", *views.empty_charts(), answers_frame([]),
-                           gr.update(interactive=True))
+        """Prefill `context` into a new KV cache of the chosen backend (replacing this session's context).
+        A refusal (bad options, a context over the window or the KV budget, a full server) is a message beside
+        the button; the previous cache, chat and charts stay, and Ask stays enabled only if they still match."""
+        spec = None
+        try:
+            spec = spec_from_inputs(backend, nbits, q_group_size, residual_length, axis_key, axis_value)
+            loaded = self.app.wait_for_model()
+            user = self.user_of(request)
+            if user.qa is not None:
+                user.qa.request_stop()
+            with user.lock:
+                qa = QASession(loaded, spec, kv_budget_bytes=self.app.kv_budget_bytes)
+                qa.prefill(context)
+                user.qa, user.chat, user.events = qa, [], []
+                self.app.sessions.forget_freed(self.key_of(request))
+        except (ValueError, ImportError) as error:
+            user = self.existing_user(request)
+            kept = f" The cache still holds the previous context ({user.qa.prefill_report.context_tokens:,} tokens)." \
+                if user is not None and user.qa is not None else ""
+            matches = self._prefilled_matches(user, context, spec)
+            return PrefillView.refused(refusal(error, "a prefill") + kept, matches)
+        cleared = " · the chat starts afresh on this context; the answers table keeps earlier answers" \
+            if user.answers else ""
+        return PrefillView(views.prefill_summary(qa) + cleared, [], "", *views.empty_charts(),
+                           views.answers_table(user.answers), "", gr.update(interactive=True))
 
-    def _answerable_session(self, request: gr.Request | None) -> UserSession:
-        """This tab's session with a prefilled cache, or a `gr.Error` that says why there is none."""
+    def _answerable_session(self, request: gr.Request | None, context: str | None) -> UserSession:
+        """This tab's session with a prefilled cache of the page's context.
+
+        Raises:
+            ValueError: there is none (the message says why: freed, never prefilled, the context changed).
+        """
         user = self.existing_user(request)
         if user is None or user.qa is None:
             reason = self.app.sessions.freed_reason(self.key_of(request))
             if reason:
-                raise gr.Error(f"Your session was freed because {reason}; press Prefill again to rebuild the cache")
-            raise gr.Error("Prefill a context first: paste or load a text and press Prefill")
+                raise ValueError(f"Your session was freed because {reason}; press Prefill again to rebuild the cache")
+            raise ValueError("Prefill a context first: paste or load a text and press Prefill")
+        if context is not None and context != user.qa.context:
+            raise ValueError("The Context box has changed since the prefill; press Prefill to prefill the text it "
+                             "shows (answers come only from the prefilled text)")
         return user
 
-    @user_errors
-    def ask(self, question: str, max_new_tokens: float, request: gr.Request) -> Iterator[AnswerView]:
-        """Answer `question` on the prefilled context, streaming the answer and the charts."""
-        user = self._answerable_session(request)
-        max_new_tokens = checks.max_new_tokens(max_new_tokens)
-        if not user.lock.acquire(blocking=False):
-            raise gr.Error("An answer or a prefill is already running in this session; wait or press Stop")
+    def ask(self, question: str, max_new_tokens: float, request: gr.Request,
+            context: str | None = None) -> Iterator[AnswerView]:
+        """Answer `question` on the prefilled context, streaming the answer and the charts. `context` is the
+        page's Context box: an answer is refused when it is no longer the prefilled text (None: not checked,
+        for direct Python calls). A refusal is a message beside Ask; the chat and charts stay."""
         try:
-            qa = user.qa  # read under the lock: a prefill that just finished has replaced it
-            if qa is None:
-                raise gr.Error("Your session was freed; press Prefill again to rebuild the cache")
-            if self.app.loaded is not qa.loaded:
-                raise gr.Error("The model changed since your prefill; press Prefill to rebuild the cache on it")
-            stream = qa.stream(question, max_new_tokens)
-            user.chat = user.chat + [{"role": "user", "content": question.strip()},
-                                     {"role": "assistant", "content": ""}]
-            user.events = []
-            first_token = None
-            with closing(stream):
-                for event in _guarded(stream, qa):
-                    if first_token is None:
-                        first_token = event.elapsed
-                    user.events.append(event)
-                    user.chat[-1] = {"role": "assistant", "content": event.text}
-                    yield AnswerView(
-                        user.chat,
-                        f"step {event.step + 1} · {event.memory.total_bytes / 2**20:.2f} MiB · "
-                        f"cache length {event.cache_length:,}",
-                        memory_frame(user.events), residual_frame(user.events), views.step_times(user.events),
-                        gr.skip(),
-                    )
-            if not user.events:
-                user.chat[-1] = {"role": "assistant", "content": qa.history[-1].text}
-            yield AnswerView(
-                user.chat, views.answer_stats(qa, first_token, user.events), memory_frame(user.events),
-                residual_frame(user.events), views.step_times(user.events),
-                answers_frame(a.to_dict() for a in qa.history),
-            )
+            user = self._answerable_session(request, context)
+            max_new_tokens = checks.max_new_tokens(max_new_tokens)
+            if not user.lock.acquire(blocking=False):
+                raise ValueError("An answer or a prefill is already running in this session; wait or press Stop")
+        except ValueError as error:
+            yield AnswerView.refused(refusal(error, "a question"))
+            return
+        try:
+            yield from self._answer(user, question, max_new_tokens)
         finally:
             self.app.sessions.touch(user)
             user.lock.release()
+
+    def _answer(self, user: UserSession, question: str, max_new_tokens: int) -> Iterator[AnswerView]:
+        """The answer's updates, with the session's lock held."""
+        qa = user.qa  # read under the lock: a prefill that just finished has replaced it
+        try:
+            if qa is None:
+                raise ValueError("Your session was freed; press Prefill again to rebuild the cache")
+            if self.app.loaded is not qa.loaded:
+                raise ValueError("The model changed since your prefill; press Prefill to rebuild the cache on it")
+            stream = qa.stream(question, max_new_tokens)
+        except ValueError as error:
+            yield AnswerView.refused(refusal(error, "a question"))
+            return
+        user.chat = user.chat + [{"role": "user", "content": question.strip()},
+                                 {"role": "assistant", "content": ""}]
+        user.events = []
+        first_token = None
+        with closing(stream):
+            for event in _guarded(stream, qa):
+                if first_token is None:
+                    first_token = event.elapsed
+                user.events.append(event)
+                user.chat[-1] = {"role": "assistant", "content": event.text}
+                yield AnswerView(
+                    user.chat,
+                    f"step {event.step + 1} · {event.memory.total_bytes / 2**20:,.2f} MiB · "
+                    f"cache length {event.cache_length:,}",
+                    memory_frame(user.events), residual_frame(user.events), views.step_times(user.events),
+                    gr.skip(),
+                )
+        if not user.events:
+            user.chat[-1] = {"role": "assistant", "content": qa.history[-1].text}
+        user.answers.append(dict(qa.history[-1].to_dict(), spec=qa.spec.full_text))
+        yield AnswerView(
+            user.chat, views.answer_stats(qa, first_token, user.events), memory_frame(user.events),
+            residual_frame(user.events), views.step_times(user.events), views.answers_table(user.answers),
+        )
 
     def stop(self, request: gr.Request) -> None:
         """Stop the answer streaming in this session after its current decode step; the cache is restored as
@@ -170,24 +221,35 @@ class AskTab:
         if user is not None and user.qa is not None:
             user.qa.request_stop()
 
-    def options_changed(self, backend, nbits, q_group_size, residual_length, axis_key, axis_value,
-                        request: gr.Request) -> tuple[Any, Any]:
-        """(prefill line, Ask button): Ask is enabled only while the options equal the prefilled cache's."""
+    def gate(self, context, backend, nbits, q_group_size, residual_length, axis_key, axis_value,
+             request: gr.Request) -> tuple[Any, Any, Any]:
+        """(prefill line, notice, Ask button) for what the page shows now: Ask is enabled only while the Context
+        box and the options are exactly what the cache was prefilled with; otherwise the line says what differs."""
         user = self.existing_user(request)
-        if user is None or user.qa is None:
-            return gr.update(), gr.update()
         try:
             spec = spec_from_inputs(backend, nbits, q_group_size, residual_length, axis_key, axis_value)
-            same = spec.resolved() == user.qa.spec.resolved() and spec.backend == user.qa.spec.backend
         except ValueError:
-            same = False
-        if same:
-            return views.prefill_summary(user.qa), gr.update(interactive=True)
+            spec = None
+        shown = f"**spec** `{spec.full_text}`" if spec is not None else "**spec**: options not valid yet"
+        if user is None or user.qa is None:
+            return f"{shown} · nothing prefilled in this tab yet", "", gr.update(interactive=False)
+        if self._prefilled_matches(user, context, spec):
+            return views.prefill_summary(user.qa), "", gr.update(interactive=True)
+        what = "options" if context == user.qa.context else "Context box"
         return (
-            f"⚠ The cache was prefilled with **{user.qa.spec.label}**. Press **Prefill** to rebuild it with the "
-            "new backend options; until then Ask is disabled, so states never mix.",
-            gr.update(interactive=False),
+            f"⚠ The {what} changed since the prefill (the cache holds {user.qa.prefill_report.context_tokens:,} "
+            f"tokens with `{user.qa.spec.full_text}`). Press **Prefill** to rebuild it; until then Ask is "
+            f"disabled, so answers never come from a state the page does not show. Now: {shown}",
+            "", gr.update(interactive=False),
         )
+
+    def upload(self, path: str | None) -> tuple[Any, Any]:
+        """(Context box, notice) for an uploaded file: its text, or a refusal beside Prefill (the box keeps
+        its text)."""
+        try:
+            return read_upload(path), ""
+        except ValueError as error:
+            return gr.skip(), refusal(error, "an upload")
 
     @staticmethod
     def load_example(name: str) -> tuple[str, Any]:
@@ -211,7 +273,10 @@ class AskTab:
                     with gr.Column():
                         w["examples"] = {name: gr.Button(f"Example: {name}", size="sm") for name in EXAMPLES}
                 w["prefill_button"] = gr.Button("Prefill", variant="primary")
-                w["prefill_info"] = gr.Markdown("")
+                w["notice"] = gr.Markdown("")  # refusals, beside the button they refuse
+                w["prefill_info"] = gr.Markdown(f"**spec** `{START_SPEC.full_text}` · nothing prefilled in this tab yet")
+        # what a reload should keep: the Context box and the options, in the browser's localStorage
+        w["saved"] = gr.BrowserState(None, storage_key="kvdemo-ask-tab")
         gr.Markdown("### Questions")
         with gr.Row():
             with gr.Column(scale=3):
@@ -265,33 +330,53 @@ class AskTab:
             tooltip=["step", "ms", "kind", "layers flushed"],
         )
 
-    def wire(self) -> None:
+    @staticmethod
+    def remember(context, backend, *options) -> dict[str, Any]:
+        """What the browser keeps across a reload: the Context box, the backend and its options."""
+        return {"context": context, "backend": backend, "options": list(options)}
+
+    @staticmethod
+    def restore(saved: dict[str, Any] | None) -> list[Any]:
+        """The Context box, backend and options as the browser kept them (nothing when it kept nothing)."""
+        if not isinstance(saved, dict) or saved.get("backend") not in BACKENDS:
+            return [gr.skip()] * (2 + len(GROUP_OPTIONS))
+        options = list(saved.get("options") or [])[: len(GROUP_OPTIONS)]
+        return [saved.get("context") or "", saved["backend"], *options, *[gr.skip()] * (len(GROUP_OPTIONS) - len(options))]
+
+    def wire(self, demo: gr.Blocks) -> None:
         """The tab's events. Prefills, answers and model loads share one queue group (`concurrency_id="model"`):
-        `--concurrency` of them run at once across users."""
-        w, model_work = self.w, {"concurrency_id": "model"}
+        `--concurrency` of them run at once across users. The gate (`AskTab.gate`) runs after every change of
+        the Context box or the options, after a prefill and after an answer, so Ask is enabled only when the
+        page shows what the cache holds."""
+        w, model_work, private = self.w, {"concurrency_id": "model"}, {"api_visibility": "private", "queue": False}
         option_fields = [w[name] for name in GROUP_OPTIONS]
-        options_inputs = [w["backend"], *option_fields]
-        gate = {"fn": self.options_changed, "inputs": options_inputs, "outputs": [w["prefill_info"], w["ask_button"]],
-                "api_visibility": "private", "queue": False}
-        w["backend"].change(views.backend_option_updates, inputs=options_inputs,
-                            outputs=[*option_fields, w["backend_note"]], api_visibility="private",
-                            queue=False).then(**gate)
-        for field_ in option_fields:
+        state_inputs = [w["context"], w["backend"], *option_fields]
+        gate = {"fn": self.gate, "inputs": state_inputs, "outputs": [w["prefill_info"], w["notice"], w["ask_button"]],
+                **private}
+        remember = {"fn": self.remember, "inputs": state_inputs, "outputs": w["saved"], **private}
+        w["backend"].change(views.backend_option_updates, inputs=[w["backend"], *option_fields],
+                            outputs=[*option_fields, w["backend_note"]], **private).then(**gate)
+        for field_ in [w["context"], *option_fields]:
             field_.change(**gate)
-        w["upload"].upload(user_errors(read_upload), inputs=w["upload"], outputs=w["context"], api_name="read_upload")
+        for field_ in state_inputs:
+            field_.change(**remember)
+        demo.load(self.restore, inputs=w["saved"], outputs=state_inputs, **private)
+        w["upload"].upload(self.upload, inputs=w["upload"], outputs=[w["context"], w["notice"]], api_name="read_upload")
         for name, button in w["examples"].items():
             button.click(functools.partial(self.load_example, name), outputs=[w["context"], w["example_questions"]],
-                         api_visibility="private", queue=False)
+                         **private)
         w["example_questions"].click(lambda sample: sample[0], inputs=w["example_questions"], outputs=w["question"],
-                                     api_visibility="private", queue=False)
-        w["prefill_button"].click(self.prefill, inputs=[w["context"], *options_inputs],
-                                  outputs=[w[name] for name in PrefillView._fields], api_name="prefill", **model_work)
+                                     **private)
+        # Ask is disabled while a prefill runs (a queued question would be answered on the new cache)
+        w["prefill_button"].click(lambda: gr.update(interactive=False), outputs=w["ask_button"], **private).then(
+            self.prefill, inputs=state_inputs, outputs=[w[name] for name in PrefillView._fields],
+            api_name="prefill", **model_work)
         answer_outputs = [w[name] for name in AnswerView._fields]
-        # Ask is disabled while an answer streams; afterwards its state follows the options (see options_changed)
+        # Ask is disabled while an answer streams; afterwards the gate decides
         for trigger, api in ((w["ask_button"].click, {"api_name": "ask"}),
                              (w["question"].submit, {"api_visibility": "private"})):
-            trigger(lambda: gr.update(interactive=False), outputs=w["ask_button"], queue=False,
-                    api_visibility="private").then(
-                self.ask, inputs=[w["question"], w["max_new_tokens"]], outputs=answer_outputs, **api, **model_work
+            trigger(lambda: gr.update(interactive=False), outputs=w["ask_button"], **private).then(
+                self.ask, inputs=[w["question"], w["max_new_tokens"], w["context"]], outputs=answer_outputs,
+                **api, **model_work,
             ).then(**gate)
         w["stop_button"].click(self.stop, api_name="stop", queue=False)

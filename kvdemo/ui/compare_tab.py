@@ -15,7 +15,7 @@ from kvdemo.spec import all_specs, default_compare_specs
 from kvdemo.ui import views
 from kvdemo.ui.ask_tab import AskTab
 from kvdemo.ui.examples import suggested_questions
-from kvdemo.ui.inputs import COMPARE_MAX_NEW_TOKENS, compare_inputs, user_errors
+from kvdemo.ui.inputs import COMPARE_MAX_NEW_TOKENS, compare_inputs, refusal, user_errors
 
 
 class CompareView(NamedTuple):
@@ -25,6 +25,11 @@ class CompareView(NamedTuple):
     compare_table: Any
     tradeoff_plot: Any
     speed_plot: Any
+
+    @classmethod
+    def refused(cls, message: str) -> CompareView:
+        """A refusal: the message in the status line; the last table and charts stay."""
+        return cls(message, gr.skip(), gr.skip(), gr.skip())
 
 
 def _view(report, note: str) -> CompareView:
@@ -49,23 +54,29 @@ class CompareTab:
         user = self.ask.existing_user(request)
         return "\n".join(suggested_questions(user.qa if user is not None else None, context))
 
-    @user_errors
-    def queued(self, chosen, more, questions_text, max_new_tokens, request: gr.Request) -> None:
-        """Runs at the click, before the comparison waits in the queue: bad input is refused here (the last
-        results stay on the page), and from now on Cancel applies to the run."""
-        compare_inputs(chosen, more, questions_text, max_new_tokens)
-        user = self.ask.user_of(request)
+    def queued(self, chosen, more, questions_text, max_new_tokens, request: gr.Request) -> str:
+        """Runs at the click, before the comparison waits in the queue: bad input is refused here, beside the
+        button (the last results stay on the page), and from now on Cancel applies to the run."""
+        try:
+            compare_inputs(chosen, more, questions_text, max_new_tokens)
+            user = self.ask.user_of(request)
+        except ValueError as error:
+            return refusal(error, "a comparison")
         user.compare_cancel.clear()
         user.compare_pending = True
+        return "Queued: one comparison runs at a time on this server; it starts when the one before it ends…"
 
-    @user_errors
     def run(self, context, chosen, more, questions_text, max_new_tokens, request: gr.Request,
             progress=gr.Progress()) -> CompareView:
         """Run `kvdemo.compare` on the Context box's text and the questions, one spec at a time, in fresh
-        sessions: this session's own cache is untouched. Cancel stops it at the next decode step."""
-        user = self.ask.user_of(request)
-        if not user.compare_lock.acquire(blocking=False):
-            raise gr.Error("A comparison is already running in this session; wait or press Cancel")
+        sessions: this session's own cache is untouched. Cancel stops it at the next decode step. A refusal is
+        a message in the status line; the last results stay."""
+        try:
+            user = self.ask.user_of(request)
+            if not user.compare_lock.acquire(blocking=False):
+                raise ValueError("A comparison is already running in this session; wait or press Cancel")
+        except ValueError as error:
+            return CompareView.refused(refusal(error, "a comparison"))
         try:
             if not user.compare_pending:  # called through the API, not queued by the button
                 user.compare_cancel.clear()
@@ -84,11 +95,12 @@ class CompareTab:
             return _view(report, note)
         except ComparisonCancelled as cancelled:
             return _view(cancelled.report, f"Cancelled after {len(cancelled.report.results)} spec(s).")
-        except (ValueError, ImportError, gr.Error):
-            raise
+        except (ValueError, ImportError) as error:
+            return CompareView.refused(refusal(error, "a comparison"))
         except Exception as error:  # a fault inside a decode step: every session it used has restored
-            raise gr.Error(f"The comparison failed ({type(error).__name__}: {str(error)[:200]}); your own "
-                           "session is untouched") from None
+            print(f"kvdemo: a comparison failed: {type(error).__name__}: {error}", flush=True)
+            return CompareView.refused(f"⚠ The comparison failed ({type(error).__name__}: {str(error)[:200]}); your "
+                                       "own session is untouched")
         finally:
             user.compare_pending = False
             self.app.sessions.touch(user)
@@ -154,9 +166,9 @@ class CompareTab:
         w["fill_button"].click(self.fill_questions, inputs=self.ask.w["context"], outputs=w["questions"],
                                api_name="compare_questions", queue=False)
         w["compare_button"].click(
-            self.queued, inputs=settings,
-            concurrency_limit=None, api_visibility="private",  # queued (its error shows as a toast), never waits
-        ).success(
+            self.queued, inputs=settings, outputs=w["compare_status"],
+            concurrency_limit=None, api_visibility="private",  # never waits in the queue: it answers at once
+        ).then(
             self.run, inputs=[self.ask.w["context"], *settings], outputs=[w[name] for name in CompareView._fields],
             api_name="compare", concurrency_limit=1, concurrency_id="compare",
         )

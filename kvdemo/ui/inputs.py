@@ -122,6 +122,14 @@ def compare_inputs(chosen: list[str] | None, more: str | None, questions_text: s
     return specs, questions, checks.max_new_tokens(max_new_tokens, COMPARE_MAX_NEW_TOKENS, what="a comparison")
 
 
+def refusal(error: Exception, what: str) -> str:
+    """The message shown beside the button that was refused (it stays until the next action there), after one
+    line in the server log (no traceback: a refusal is not a fault)."""
+    message = error.message if isinstance(error, gr.Error) else str(error)
+    print(f"kvdemo: refused {what}: {message}", flush=True)
+    return f"⚠ {message}"
+
+
 def user_errors(fn: Callable) -> Callable:
     """`fn` (a handler, plain or a generator) with `ValueError` and `ImportError`, the library's errors meant for
     the user, raised as `gr.Error` carrying the same message, so the page shows it. The signature is kept

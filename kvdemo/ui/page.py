@@ -13,7 +13,7 @@ from kvdemo.server import App
 from kvdemo.ui import views
 from kvdemo.ui.ask_tab import AskTab
 from kvdemo.ui.compare_tab import CompareTab
-from kvdemo.ui.inputs import user_errors
+from kvdemo.ui.inputs import refusal
 
 
 class ModelBar:
@@ -22,18 +22,25 @@ class ModelBar:
     def __init__(self, app: App):
         self.app = app
 
-    @user_errors
     def on_page_load(self, progress=gr.Progress()) -> str:
-        """The model's status once the start-up load is done (the page shows real progress meanwhile)."""
+        """The model's status once the start-up load is done (the page shows real progress meanwhile), or why
+        there is none."""
         progress(0, desc="Loading the model (a first start converts the embedded GGUF, ~20-60 s; later starts "
                          "load the converted copy in seconds)…")
-        return views.model_status(self.app.wait_for_model())
+        try:
+            return views.model_status(self.app.wait_for_model())
+        except ValueError as error:
+            return refusal(error, "the page (no model)")
 
-    @user_errors
     def load(self, model_source: str, progress=gr.Progress()) -> str:
-        """Load a model (a Hub id, a local folder or a .gguf file; empty: the start-up model) for everyone."""
+        """Load a model (a Hub id, a local folder or a .gguf file; empty: the start-up model) for everyone. A
+        refusal keeps the current model and says so under its status line."""
         progress(0, desc=f"Loading {model_source.strip() if model_source else 'the start-up model'}…")
-        return views.model_status(self.app.load(model_source))
+        try:
+            return views.model_status(self.app.load(model_source))
+        except ValueError as error:
+            current = views.model_status(self.app.loaded) if self.app.loaded is not None else "No model is loaded."
+            return f"{current}\n\n{refusal(error, 'a model load')}"
 
     def build(self) -> None:
         with gr.Row():
@@ -68,7 +75,7 @@ def build_demo(app: App) -> gr.Blocks:
             compare.build()
         demo.load(bar.on_page_load, outputs=bar.line, api_name="model_status")
         bar.button.click(bar.load, inputs=bar.source, outputs=bar.line, api_name="load_model", concurrency_id="model")
-        ask.wire()
+        ask.wire(demo)
         compare.wire()
 
         def unload(request: gr.Request) -> None:

@@ -9,7 +9,7 @@ import gradio as gr
 import pandas as pd
 
 from kvdemo.backends import BACKENDS, GROUP_OPTIONS
-from kvdemo.charts import flush_timing, speed_frame, step_time_frame, tradeoff_frame
+from kvdemo.charts import answers_frame, flush_timing, speed_frame, step_time_frame, tradeoff_frame
 from kvdemo.compare import ComparisonReport
 from kvdemo.models import LoadedModel
 from kvdemo.session import QASession
@@ -151,3 +151,8 @@ def empty_charts() -> tuple[None, None, None]:
     return None, None, None
 
 
+
+
+def answers_table(records: list[dict]) -> Any:
+    """The Ask tab's answers table: `charts.answers_frame` with the figures rounded for reading."""
+    return answers_frame(records).round({"tokens/s": 1, "seconds": 2})

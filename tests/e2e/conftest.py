@@ -6,7 +6,8 @@ import socket
 
 import pytest
 
-from kvdemo.ui import App, build_demo
+from kvdemo.server import App
+from kvdemo.ui import build_demo
 
 
 def free_port() -> int:

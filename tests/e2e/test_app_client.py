@@ -42,7 +42,7 @@ def test_load_prefill_and_ask_equal_the_core_session(client, embedded):
     assert f"Prefilled **{tokens:,} tokens**" in summary and "0.156×" in summary
 
     for question in questions:
-        job = client.submit(question=question, max_new_tokens=12, api_name="/ask")
+        job = client.submit(question=question, max_new_tokens=12, context=context, api_name="/ask")
         arrivals = []
         for update in job:
             arrivals.append(time.perf_counter())
@@ -57,18 +57,22 @@ def test_load_prefill_and_ask_equal_the_core_session(client, embedded):
 
     summary = client.predict(context, "fp8", None, None, None, None, None, api_name="/prefill")[0]
     assert "with **fp8**" in summary and "0.250×" in summary
-    job = client.submit(questions[0], 12, api_name="/ask")
+    job = client.submit(questions[0], 12, context, api_name="/ask")
     job.result()
     fp8 = QASession(embedded, CacheSpec("fp8"))
     fp8.prefill(context)
     assert _assistant_text(job.outputs()[-1][0][-1]) == fp8.ask(questions[0], 12).text
 
 
-def test_errors_reach_the_client_with_their_message(client):
-    with pytest.raises(Exception, match="nbits=3 is not allowed for quanto; allowed: 2, 4"):
-        client.predict("Some context.", "quanto", 3, 64, 16, 0, 0, api_name="/prefill")
-    with pytest.raises(Exception, match="the context is empty"):
-        client.predict("   ", "fp8", None, None, None, None, None, api_name="/prefill")
+def test_refusals_reach_the_client_with_their_message(client):
+    notice = client.predict("Some context.", "quanto", 3, 64, 16, 0, 0, api_name="/prefill")[7]
+    assert notice.startswith("⚠ nbits=3 is not allowed for quanto; allowed: 2, 4")
+    notice = client.predict("   ", "fp8", None, None, None, None, None, api_name="/prefill")[7]
+    assert notice.startswith("⚠ the context is empty")
+    # an answer over a context the page no longer shows is refused, also through the API
+    client.predict("Rollo led the Normans.", "fp8", None, None, None, None, None, api_name="/prefill")
+    stats = client.predict("Who led them?", 4, "Another text.", api_name="/ask")[1]
+    assert stats.startswith("⚠ The Context box has changed since the prefill")
 
 
 def test_compare_tab_through_the_client(client, embedded):
@@ -79,7 +83,7 @@ def test_compare_tab_through_the_client(client, embedded):
     question = case.answerable(1)[0]
     client.predict(context=case.context, backend="fp8", nbits=None, q_group_size=None, residual_length=None,
                    axis_key=None, axis_value=None, api_name="/prefill")
-    before = _assistant_text(client.predict(question.question, 6, api_name="/ask")[0][-1])
+    before = _assistant_text(client.predict(question.question, 6, case.context, api_name="/ask")[0][-1])
     status, table, tradeoff, speed = client.predict(
         case.context, ["dynamic", "hqq:4"], "quanto:2,residual_length=4", question.question, 4, api_name="/compare"
     )
@@ -94,6 +98,6 @@ def test_compare_tab_through_the_client(client, embedded):
     assert [r["contains gold"] for r in rows] == direct["contains gold"].tolist()
     assert len(tradeoff["data"]) == 4 and len(speed["data"]) == 3  # + an invisible legend row for fp8
     # the tab's own prefilled cache was untouched: the same answer again
-    assert _assistant_text(client.predict(question.question, 6, api_name="/ask")[0][-1]) == before
-    with pytest.raises(Exception, match="more specs, line 1: nbits=3 is not allowed for quanto"):
-        client.predict(case.context, ["dynamic"], "quanto:3", question.question, 4, api_name="/compare")
+    assert _assistant_text(client.predict(question.question, 6, case.context, api_name="/ask")[0][-1]) == before
+    status = client.predict(case.context, ["dynamic"], "quanto:3", question.question, 4, api_name="/compare")[0]
+    assert status.startswith("⚠ more specs, line 1: nbits=3 is not allowed for quanto")
