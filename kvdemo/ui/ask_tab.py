@@ -192,22 +192,24 @@ class AskTab:
                                  {"role": "assistant", "content": ""}]
         user.events = []
         first_token = None
-        with closing(stream):
-            for event in _guarded(stream, qa):
-                if first_token is None:
-                    first_token = event.elapsed
-                user.events.append(event)
-                user.chat[-1] = {"role": "assistant", "content": event.text}
-                yield AnswerView(
-                    user.chat,
-                    f"step {event.step + 1} · {event.memory.total_bytes / 2**20:,.2f} MiB · "
-                    f"cache length {event.cache_length:,}",
-                    memory_frame(user.events), residual_frame(user.events), views.step_times(user.events),
-                    gr.skip(),
-                )
+        try:
+            with closing(stream):
+                for event in _guarded(stream, qa):
+                    if first_token is None:
+                        first_token = event.elapsed
+                    user.events.append(event)
+                    user.chat[-1] = {"role": "assistant", "content": event.text}
+                    yield AnswerView(
+                        user.chat,
+                        f"step {event.step + 1} · {event.memory.total_bytes / 2**20:,.2f} MiB · "
+                        f"cache length {event.cache_length:,}",
+                        memory_frame(user.events), residual_frame(user.events), views.step_times(user.events),
+                        gr.skip(),
+                    )
+        finally:  # also a stopped, disconnected or failed answer: the session recorded it when its stream closed
+            user.answers.append(dict(qa.history[-1].to_dict(), spec=qa.spec.full_text))
         if not user.events:
             user.chat[-1] = {"role": "assistant", "content": qa.history[-1].text}
-        user.answers.append(dict(qa.history[-1].to_dict(), spec=qa.spec.full_text))
         yield AnswerView(
             user.chat, views.answer_stats(qa, first_token, user.events), memory_frame(user.events),
             residual_frame(user.events), views.step_times(user.events), views.answers_table(user.answers),
