@@ -271,7 +271,7 @@ class AskTab:
                 w["context"] = gr.Textbox(label="context", lines=10, max_lines=18, placeholder="Paste a long text…")
                 with gr.Row():
                     w["upload"] = gr.File(label="or upload .txt / .md (≤ 2 MiB, UTF-8)", file_types=[".txt", ".md"],
-                                          type="filepath", height=90)
+                                          type="filepath", height=130)
                     with gr.Column():
                         w["examples"] = {name: gr.Button(f"Example: {name}", size="sm") for name in EXAMPLES}
                 w["prefill_button"] = gr.Button("Prefill", variant="primary")
@@ -363,6 +363,8 @@ class AskTab:
         for field_ in state_inputs:
             field_.change(**remember)
         demo.load(self.restore, inputs=w["saved"], outputs=state_inputs, **private)
+        # typing or pasting into the box makes it no longer the uploaded file's text: the file name goes
+        w["context"].input(lambda: None, outputs=w["upload"], **private)
         w["upload"].upload(self.upload, inputs=w["upload"], outputs=[w["context"], w["notice"]], api_name="read_upload")
         for name, button in w["examples"].items():
             button.click(functools.partial(self.load_example, name), outputs=[w["context"], w["example_questions"]],

@@ -49,7 +49,7 @@ class ModelBar:
             with gr.Column(scale=2):
                 with gr.Row():
                     self.source = gr.Textbox(
-                        label="Model", placeholder="empty: embedded SmolLM2-135M · or a Hub id / local folder / .gguf",
+                        label="Model", placeholder="Hub id, folder or .gguf (empty: embedded)",
                         scale=3,
                     )
                     self.button = gr.Button("Load", scale=1)
