@@ -6,10 +6,12 @@ here *assigns* new tensors in `update` (`torch.cat`, a fresh quantized store) in
 the old ones, so the objects the snapshot holds are never changed while an answer decodes.
 
 - Quantized layers (`quanto`, `hqq`, `fp8`) and sliding-window `DynamicSlidingWindowLayer`s: the
-  snapshot is `vars(layer).copy()`; it keeps the old quantized store and residual alive (small for quanto
-  and hqq; for fp8, which appends with `torch.cat`, the whole post-prefill fp8 store once an answer has
-  added a token), and restoring puts back the very same tensor objects. `telemetry.kv_memory(cache, snapshot)`
-  counts what the snapshot keeps alive beside the cache.
+  snapshot is `vars(layer).copy()`, and restoring puts back the very same tensor objects. While an answer
+  decodes it keeps the post-prefill store alive once the cache has replaced it: for quanto and hqq from the
+  first flush (the flush re-quantizes every token into a new store, so the old one, as big as the cache's own
+  quantized store, is the only exact way back), for fp8 from the first step (each `torch.cat` builds a new
+  fp8 tensor). The quantized bytes held during an answer can so reach twice the cache's;
+  `telemetry.kv_memory(cache, snapshot)` counts them.
 - A `DynamicSlidingWindowLayer` keeps only its last `sliding_window - 1` tokens, but after the prefill they
   are a view (`full[:, :, -sliding_window + 1:, :]`) into the prefill's whole `torch.cat`, whose storage stays
   alive as long as the view does: held by the snapshot, it would pin the whole prefill for the session's life

@@ -60,7 +60,7 @@ def test_prefix_and_question_part_equal_the_template_ids(embedded, context):
     layout = PromptLayout(tokenizer)
     split = layout.split(context)
     assert split.matches_template and split.note is None
-    assert context.startswith(context[:len(context) - len(split.tail)]) and split.tail == context[len(context.rstrip()):]
+    assert split.tail == context[len(context.rstrip()):]  # the trailing whitespace goes with each question
     for question in QUESTIONS:
         expected = _template_ids(tokenizer, context, question)
         if not _has_control_text(tokenizer, context + question):  # then sanitizing changes nothing

@@ -171,7 +171,8 @@ def normans_context(normans):
     return normans.select("0-7").context
 
 
-@pytest.mark.parametrize("spec", [CacheSpec("hqq", nbits=4, residual_length=4), CacheSpec("fp8")], ids=lambda s: s.backend)
+@pytest.mark.parametrize("spec", [CacheSpec("hqq", nbits=4, residual_length=4), CacheSpec("fp8")],
+                         ids=lambda s: s.backend)
 def test_embedded_model_answers_from_the_context_and_restores(embedded, normans_context, spec):
     session = QASession(embedded, spec)
     report = session.prefill(normans_context)

@@ -118,7 +118,8 @@ def test_reading_memory_changes_nothing(model):
 def test_full_precision_bytes_formula(model):
     assert full_precision_bytes(model.config, 100, torch.float32) == 2 * LAYERS * HEADS * DIM * 100 * 4
     assert full_precision_bytes(model.config, 100, torch.bfloat16) == 2 * LAYERS * HEADS * DIM * 100 * 2
-    assert kv_memory(_prefill(model, CacheSpec())).total_bytes == full_precision_bytes(model.config, TOKENS, torch.float32)
+    full = full_precision_bytes(model.config, TOKENS, torch.float32)
+    assert kv_memory(_prefill(model, CacheSpec())).total_bytes == full
 
 
 def test_expected_flush_steps_follow_transformers_rule():
