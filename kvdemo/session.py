@@ -269,12 +269,22 @@ class QASession:
         return self.prefill_report
 
     def estimate_kv_bytes(self, context_tokens: int, reserve_tokens: int) -> int:
-        """The bytes this session's cache would hold with `context_tokens` prefilled and `reserve_tokens` more
-        decoded (a question and its answer, in the residual as far as it reaches): `backends.estimate_kv_bytes`."""
-        return estimate_kv_bytes(
-            self.spec, self.loaded.config, context_tokens + reserve_tokens, self.loaded.dtype,
-            residual_tokens=reserve_tokens,
-        )
+        """The bytes held for this session's cache with `context_tokens` prefilled and `reserve_tokens` more
+        decoded (a question and its answer), the peak that `kv_memory(cache, snapshot)` can report:
+
+        - the cache: `backends.estimate_kv_bytes` with the reserve in the residual as far as it reaches;
+        - plus what the snapshot keeps alive meanwhile: for a quantized backend the post-prefill store, once the
+          cache replaces it: fp8 at the first decode step (`torch.cat` builds a new store), a residual backend at
+          its first flush, which comes when `reserve_tokens >= residual_length` (the residual is empty after the
+          prefill); `backends.estimate_kv_bytes(context_tokens)` without a residual. `dynamic` keeps only lengths.
+        """
+        spec, config, dtype = self.spec, self.loaded.config, self.loaded.dtype
+        held = estimate_kv_bytes(spec, config, context_tokens + reserve_tokens, dtype, residual_tokens=reserve_tokens)
+        info = spec.info
+        flushes = not info.has_residual or reserve_tokens >= spec.resolved()["residual_length"]
+        if info.is_quantized and reserve_tokens > 0 and flushes:
+            held += estimate_kv_bytes(spec, config, context_tokens, dtype)
+        return held
 
     def _check_budget(self, context_tokens: int, reserve_tokens: int, advice: str | None = None) -> None:
         """Raise `KVBudgetError` when `estimate_kv_bytes(context_tokens, reserve_tokens)` exceeds the budget."""
