@@ -21,6 +21,7 @@ from kvdemo.spec import CacheSpec, default_compare_specs
 from kvdemo.compare import ComparisonReport, compare
 from kvdemo.cases import load_case
 from kvdemo.session import DEFAULT_MAX_NEW_TOKENS
+from kvdemo.text import check_text
 
 
 def _backend_help() -> str:
@@ -108,9 +109,10 @@ def _context_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _case_questions(args: argparse.Namespace) -> tuple[Any, list[str]]:
     """The case (cut to --paragraphs) and the questions from --question and --questions-from-case (and, for
-    compare, --unanswerable-from-case). Raises ValueError for a missing or bad choice."""
+    compare, --unanswerable-from-case). Raises ValueError for a missing or bad choice, or a question with a broken
+    character (an argument that is not UTF-8 reaches Python as an unpaired surrogate: `check_text`)."""
+    questions = [check_text(q, f"--question number {i}") for i, q in enumerate(args.question, 1)]
     case = load_case(args.context_file).select(args.paragraphs)
-    questions = list(args.question)
     for flag, count, picked in (
         ("--questions-from-case", args.questions_from_case, lambda n: case.answerable(n)),
         ("--unanswerable-from-case", getattr(args, "unanswerable_from_case", None), lambda n: case.unanswerable(n)),

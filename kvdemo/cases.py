@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvdemo.text import check_text
+
 
 @dataclass(frozen=True)
 class CaseQuestion:
@@ -99,7 +101,9 @@ def load_case(path: str | Path) -> Case:
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: not UTF-8 text, an empty file, or JSON without `paragraphs`.
+        ValueError: not UTF-8 text, an empty file, JSON without `paragraphs`, or a broken character: an unpaired
+            surrogate, e.g. a JSON escape `"\\ud83d"` (`kvdemo.text.check_text`; the message names the file, the
+            paragraph or question, and the position).
     """
     path = Path(path)
     if not path.is_file():
@@ -130,20 +134,21 @@ def load_case(path: str | Path) -> Case:
                 f"{path}: 'questions' must be a list of {{\"question\": str, \"answers\": [str], ...}} objects"
             )
         return Case(
-            title=str(data.get("title", path.stem)),
-            source=str(data.get("source", path.name)),
-            paragraphs=tuple(paragraphs),
+            title=check_text(str(data.get("title", path.stem)), f"{path}, title"),
+            source=check_text(str(data.get("source", path.name)), f"{path}, source"),
+            paragraphs=tuple(check_text(p, f"{path}, paragraph {i}") for i, p in enumerate(paragraphs)),
             questions=tuple(
                 CaseQuestion(
-                    question=q["question"],
-                    answers=tuple(map(str, q.get("answers", ()))),
+                    question=check_text(q["question"], f"{path}, question {i}"),
+                    answers=tuple(check_text(str(a), f"{path}, question {i}, answer {j}")
+                                  for j, a in enumerate(q.get("answers", ()))),
                     is_impossible=bool(q.get("is_impossible", False)),
                     paragraph=q.get("paragraph"),
                 )
-                for q in questions
+                for i, q in enumerate(questions)
             ),
         )
-    return Case(title=path.stem, source=path.name, paragraphs=(text,))
+    return Case(title=path.stem, source=path.name, paragraphs=(check_text(text, str(path)),))
 
 
 EXAMPLES_DIR = Path(__file__).parent / "data" / "cases"

@@ -71,11 +71,33 @@ def contains_gold(prediction: str, golds: Iterable[str]) -> bool:
     return any(f" {normalize_answer(g)} " in text for g in golds if normalize_answer(g))
 
 
+def _has_abstention_phrase(normalized: str) -> bool:
+    text = f" {normalized} "
+    return any(f" {phrase} " in text for phrase in ABSTENTION_PHRASES)
+
+
 def says_unanswerable(prediction: str) -> bool:
     """Whether the answer says the text does not give the answer (an `ABSTENTION_PHRASES` phrase on word
     boundaries in the normalised answer), e.g. "The text does not say." or "It is not mentioned."."""
-    text = f" {normalize_answer(prediction)} "
-    return any(f" {phrase} " in text for phrase in ABSTENTION_PHRASES)
+    return _has_abstention_phrase(normalize_answer(prediction))
+
+
+def is_abstention(prediction: str, golds: Iterable[str]) -> bool:
+    """Whether the answer abstains on a question with gold answers `golds`: an `ABSTENTION_PHRASES` phrase
+    outside every gold answer it contains (after `normalize_answer`, on word boundaries). A gold answer may hold
+    such a phrase ("Tomb of the Unknown Soldier" holds "unknown", "Not Given" holds "not given"): an answer
+    naming it is an answer, not an abstention; "The text does not say who Rollo was." still abstains (gold
+    "Rollo": the phrase is outside it). Without golds this is `says_unanswerable`.
+
+    Example:
+        >>> is_abstention("Tomb of the Unknown Soldier", ["Tomb of the Unknown Soldier"])
+        False
+    """
+    text = normalize_answer(prediction)
+    for gold in sorted({normalize_answer(g) for g in golds} - {""}, key=len, reverse=True):
+        # a barrier ("|" never survives normalisation) keeps phrases from joining across a removed gold answer
+        text = re.sub(rf"(?<!\S){re.escape(gold)}(?!\S)", " | ", text)
+    return _has_abstention_phrase(text)
 
 
 @dataclass(frozen=True)
@@ -91,14 +113,16 @@ def score_against_gold(prediction: str, golds: Sequence[str]) -> GoldScore:
     """Exact match, containment and token F1 of `prediction` against the accepted answers `golds`.
 
     Answerable question (`golds` non-empty): each figure is the best over the golds, after
-    `normalize_answer`; an answer that `says_unanswerable` scores 0 on all three. Unanswerable question
+    `normalize_answer`; an abstention (`is_abstention`: an abstention phrase outside the gold answers the answer
+    contains) scores 0 on all three. An answer matching a gold answer is never an abstention, even where that gold
+    holds an abstention phrase ("Tomb of the Unknown Soldier" holds "unknown"). Unanswerable question
     (`golds` empty, SQuAD 2.0's `is_impossible`): all three are 1.0 when the answer `says_unanswerable`
     (or is empty, SQuAD 2.0's own no-answer prediction), else 0.0.
     """
     if not golds:
         right = float(says_unanswerable(prediction) or not normalize_answer(prediction))
         return GoldScore(right, right, right)
-    if says_unanswerable(prediction):
+    if is_abstention(prediction, golds):
         return GoldScore(0.0, 0.0, 0.0)
     norm = normalize_answer(prediction)
     return GoldScore(

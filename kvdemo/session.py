@@ -1,19 +1,19 @@
 """`QASession`: prefill a context once into a KV cache, then answer questions in turn on top of it,
 restoring the cache to its post-prefill state after every answer (see DESIGN.md, invariants 1-3).
 
-Prompt layout. For a chat model the user turn is rendered with the tokenizer's chat template around two
-markers and split there, as kvpress's pipeline splits its context from its questions: the prefix (system
-turn, user turn opening, the context) is prefilled once; each question is `"\\n\\n" + question` followed by
-the rest of the template (end of the user turn, opening of the assistant turn). Without a chat template
-the context is plain text and a question is `"\\n" + question + "\\n"`. The user's text is tokenized with
-`split_special_tokens=True`, so text that imitates a special token (`<|im_end|>`) stays text.
+The prompt is laid out by `kvdemo.prompt.PromptLayout`: the model reads exactly what its chat template gives
+for one user message `context + "\\n\\n" + question` with the generation prompt (`prompt_ids`, invariant 5); the
+part up to the context's end is prefilled once, and each question is fed with the rest. User text that looks like
+a control token (`<|im_end|>`) stays text. Text in (context, question) is checked by `kvdemo.text.check_text`;
+text out (each step's and the answer's) is decoded incrementally by `kvdemo.text.TextStream`, so it never ends in
+half a character. Memory figures count the cache and what the snapshot keeps alive (`telemetry.kv_memory`).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -21,14 +21,13 @@ import torch
 from kvdemo import checks, snapshot
 from kvdemo.spec import CacheSpec, build_cache, estimate_kv_bytes
 from kvdemo.models import LoadedModel
+from kvdemo.prompt import PromptLayout, PromptSplit
 from kvdemo.telemetry import MemoryReport, StepEvent, flushed_layers, full_precision_bytes, kv_memory
+from kvdemo.text import TextStream, check_text
 
 DEFAULT_MAX_NEW_TOKENS = 64
 QUESTION_RESERVE_TOKENS = 64
 """Tokens a prefill keeps free for a question, on top of the answer's `max_new_tokens`."""
-
-_CONTEXT_MARK = "\ue000KVDEMO_CONTEXT\ue000"
-_QUESTION_MARK = "\ue000KVDEMO_QUESTION\ue000"
 
 
 @dataclass(frozen=True)
@@ -36,16 +35,23 @@ class PrefillReport:
     """What a prefill did.
 
     Attributes:
-        context_tokens: tokens prefilled (chat template prefix included).
+        context_tokens: tokens prefilled (chat template prefix included; the context's trailing whitespace, fed
+            with each question, not).
         seconds: wall time of the prefill forward pass and snapshot.
-        memory: the cache's memory right after the prefill.
+        memory: the bytes held for the cache right after the prefill (the snapshot's included).
         full_precision_bytes: what a `DynamicCache` in the model's dtype holds for the same tokens.
+        prompt_matches_template: `QASession.prompt_ids` equals the chat template's ids (checked on probe
+            questions, `kvdemo.prompt.PROBE_QUESTIONS`); False when this tokenizer merges the context's end with
+            the question or its template changes the user's text, with `prompt_note` saying so.
+        prompt_note: why the ids differ from the template's; None when they do not.
     """
 
     context_tokens: int
     seconds: float
     memory: MemoryReport
     full_precision_bytes: int
+    prompt_matches_template: bool = True
+    prompt_note: str | None = None
 
     @property
     def kv_bytes(self) -> int:
@@ -69,7 +75,8 @@ class Answer:
 
     Attributes:
         question: the question as asked.
-        text: the answer text (special tokens skipped).
+        text: the answer text (special tokens skipped; whole characters only: an answer cut inside a character
+            ends before it).
         token_ids: the generated token ids, EOS included when it was generated.
         steps: decode steps run (forward passes: the question's and one per fed-back token).
         flushes: flushes counted per layer during the answer (tuple of length num_layers).
@@ -113,13 +120,6 @@ class Answer:
         }
 
 
-@dataclass
-class _Prompt:
-    prefix: list[int]
-    question_separator: str
-    question_suffix: list[int] = field(default_factory=list)
-
-
 class KVBudgetError(ValueError):
     """A prefill refused because its estimated KV cache exceeds the session's `kv_budget_bytes`.
 
@@ -158,50 +158,50 @@ class QASession:
         self.prefill_report: PrefillReport | None = None
         self.history: list[Answer] = []
         self._snapshot: snapshot.CacheSnapshot | None = None
-        self._prompt: _Prompt | None = None
+        self.layout = PromptLayout(loaded_model.tokenizer)
+        self._split: PromptSplit | None = None
         self._active: Iterator[StepEvent] | None = None
         self._stop = threading.Event()
 
-    # ---- tokenization -------------------------------------------------------------------------
-    def _encode_text(self, text: str) -> list[int]:
-        """User text: special-token look-alikes stay text."""
-        return self.loaded.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
-
-    def _encode_template(self, text: str) -> list[int]:
-        """Template text: its special tokens are parsed as such."""
-        return self.loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    def _layout(self, context: str) -> _Prompt:
-        tokenizer = self.loaded.tokenizer
-        if getattr(tokenizer, "chat_template", None):
-            rendered = tokenizer.apply_chat_template(
-                [{"role": "user", "content": _CONTEXT_MARK + _QUESTION_MARK}],
-                tokenize=False,
-                add_generation_prompt=True,
-            )
-            before, rest = rendered.split(_CONTEXT_MARK)
-            _, after = rest.split(_QUESTION_MARK)
-            bos, separator = [], "\n\n"
-        else:
-            before, after, separator = "", "\n", "\n"
-            bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-        return _Prompt(
-            prefix=bos + self._encode_template(before) + self._encode_text(context),
-            question_separator=separator,
-            question_suffix=self._encode_template(after),
-        )
-
+    # ---- the prompt ---------------------------------------------------------------------------------
     def question_ids(self, question: str) -> list[int]:
-        """The token ids fed for `question` on top of the prefilled context (see the module docstring).
+        """The token ids fed for `question` on top of the prefilled context: the context's tail that the
+        tokenizer joins with the separator (usually its trailing whitespace, else ""), `"\\n\\n"`, the question
+        stripped of surrounding whitespace, and the rest of the chat template (see `kvdemo.prompt`).
 
         Raises:
-            ValueError: no context was prefilled, or the question is empty or blank.
+            ValueError: no context was prefilled, the question is empty or blank, or it holds a broken character
+                (an unpaired surrogate: `kvdemo.text.check_text`).
         """
-        if self._prompt is None:
+        if self._split is None:
             raise ValueError("prefill a context before asking a question")
         if not isinstance(question, str) or not question.strip():
             raise ValueError("the question is empty; type a question about the context")
-        return self._encode_text(self._prompt.question_separator + question.strip()) + self._prompt.question_suffix
+        return self.layout.question_ids(self._split, check_text(question, "the question"))
+
+    def prompt_ids(self, question: str) -> list[int]:
+        """The whole token ids the model reads for `question` after the prefill: the prefilled ids followed by
+        `question_ids(question)`.
+
+        They equal the chat template's ids for the one user message `context + "\\n\\n" + question.strip()` with
+        the generation prompt, `tokenizer.apply_chat_template([{"role": "user", "content": ...}], tokenize=True,
+        add_generation_prompt=True, sanitize_control_tokens=True)` (the last option only matters for user text
+        that looks like a control token, which stays text), and for a tokenizer without a chat template the plain
+        layout's: BOS + `context + "\\n" + question.strip() + "\\n"`. Where the tokenizer cannot give that (it
+        merges the context's end with the question), `prefill_report.prompt_matches_template` is False.
+
+        Raises:
+            ValueError: as `question_ids`.
+
+        Example:
+            >>> report = session.prefill("Hi.\\n")  # a saved text file ends in a newline
+            >>> session.prompt_ids("Who?") == tokenizer.apply_chat_template(
+            ...     [{"role": "user", "content": "Hi.\\n\\n\\nWho?"}], tokenize=True, add_generation_prompt=True,
+            ...     return_dict=False)
+            True
+        """
+        q_ids = self.question_ids(question)
+        return list(self._split.prefix) + q_ids
 
     # ---- prefill ------------------------------------------------------------------------------
     @property
@@ -229,13 +229,16 @@ class QASession:
             A `PrefillReport` (tokens, seconds, memory).
 
         Raises:
-            ValueError: the context is empty or blank, or its tokens plus `reserve_tokens` exceed the
-                model's `max_context_tokens` (the message gives the numbers). The session is unchanged then.
+            ValueError: the context is empty or blank, holds a broken character (an unpaired surrogate, e.g. half
+                an emoji: the message gives its position; `kvdemo.text.check_text`), or its tokens plus
+                `reserve_tokens` exceed the model's `max_context_tokens` (the message gives the numbers). The
+                session is unchanged then.
             KVBudgetError (a ValueError): the estimated cache exceeds `kv_budget_bytes`; the session is
                 unchanged (the old context and cache stay).
         """
         if not isinstance(context, str) or not context.strip():
             raise ValueError("the context is empty; paste or upload the text to ask about")
+        context = check_text(context, "the context")
         if reserve_tokens is None:
             reserve_tokens = QUESTION_RESERVE_TOKENS + checks.max_new_tokens(max_new_tokens)
         reserve = reserve_tokens
@@ -245,41 +248,53 @@ class QASession:
                 f"keeping {reserve} tokens for a question and its answer leaves no room for a context in the model's "
                 f"{limit}-token window; lower max_new_tokens"
             )
-        prompt = self._layout(context)
-        if len(prompt.prefix) + reserve > limit:
+        split = self.layout.split(context, max_prefix_tokens=limit - reserve)
+        if len(split.prefix) + reserve > limit:
             raise ValueError(
-                f"the context is {len(prompt.prefix)} tokens; with {reserve} tokens kept for a question and its "
+                f"the context is {len(split.prefix)} tokens; with {reserve} tokens kept for a question and its "
                 f"answer it exceeds the model's {limit}-token window. Shorten the context to at most "
                 f"{limit - reserve} tokens"
             )
-        self._check_budget(len(prompt.prefix), reserve)
+        self._check_budget(len(split.prefix), reserve)
         self._close_active()
-        self.cache = self._snapshot = self._prompt = self.prefill_report = None
+        self.cache = self._snapshot = self._split = self.prefill_report = None
         self.context = None
         self.history = []
         cache = build_cache(self.spec, self.loaded.config)
-        ids = torch.tensor([prompt.prefix], device=self.loaded.device)
+        ids = torch.tensor([split.prefix], device=self.loaded.device)
         start = time.perf_counter()
         with torch.no_grad():
             self.loaded.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         saved = snapshot.take(cache)
         seconds = time.perf_counter() - start
-        self.cache, self._snapshot, self._prompt, self.context = cache, saved, prompt, context
+        self.cache, self._snapshot, self._split, self.context = cache, saved, split, context
         self.prefill_report = PrefillReport(
-            context_tokens=len(prompt.prefix),
+            context_tokens=len(split.prefix),
             seconds=seconds,
-            memory=kv_memory(cache),
-            full_precision_bytes=full_precision_bytes(self.loaded.config, len(prompt.prefix), self.loaded.dtype),
+            memory=kv_memory(cache, saved),
+            full_precision_bytes=full_precision_bytes(self.loaded.config, len(split.prefix), self.loaded.dtype),
+            prompt_matches_template=split.matches_template,
+            prompt_note=split.note,
         )
         return self.prefill_report
 
     def estimate_kv_bytes(self, context_tokens: int, reserve_tokens: int) -> int:
-        """The bytes this session's cache would hold with `context_tokens` prefilled and `reserve_tokens` more
-        decoded (a question and its answer, in the residual as far as it reaches): `backends.estimate_kv_bytes`."""
-        return estimate_kv_bytes(
-            self.spec, self.loaded.config, context_tokens + reserve_tokens, self.loaded.dtype,
-            residual_tokens=reserve_tokens,
-        )
+        """The bytes held for this session's cache with `context_tokens` prefilled and `reserve_tokens` more
+        decoded (a question and its answer), the peak that `kv_memory(cache, snapshot)` can report:
+
+        - the cache: `backends.estimate_kv_bytes` with the reserve in the residual as far as it reaches;
+        - plus what the snapshot keeps alive meanwhile: for a quantized backend the post-prefill store, once the
+          cache replaces it: fp8 at the first decode step (`torch.cat` builds a new store), a residual backend at
+          its first flush, which comes when `reserve_tokens >= residual_length` (the residual is empty after the
+          prefill); `backends.estimate_kv_bytes(context_tokens)` without a residual. `dynamic` keeps only lengths.
+        """
+        spec, config, dtype = self.spec, self.loaded.config, self.loaded.dtype
+        held = estimate_kv_bytes(spec, config, context_tokens + reserve_tokens, dtype, residual_tokens=reserve_tokens)
+        info = spec.info
+        flushes = not info.has_residual or reserve_tokens >= spec.resolved()["residual_length"]
+        if info.quantized and reserve_tokens > 0 and flushes:
+            held += estimate_kv_bytes(spec, config, context_tokens, dtype)
+        return held
 
     def _check_budget(self, context_tokens: int, reserve_tokens: int, advice: str | None = None) -> None:
         """Raise `KVBudgetError` when `estimate_kv_bytes(context_tokens, reserve_tokens)` exceeds the budget."""
@@ -321,8 +336,9 @@ class QASession:
             max_new_tokens: most tokens to generate, >= 1; generation stops earlier at an EOS token.
 
         Raises:
-            ValueError: no prefill yet, an empty question, max_new_tokens < 1 or not an integer, or a
-                question plus `max_new_tokens` that does not fit the model's window (numbers given).
+            ValueError: no prefill yet, an empty question or one with a broken character (`check_text`),
+                max_new_tokens < 1 or not an integer, or a question plus `max_new_tokens` that does not fit the
+                model's window (numbers given).
             KVBudgetError (a ValueError): the cache with the question and `max_new_tokens` decoded would
                 exceed `kv_budget_bytes`.
         """
@@ -350,7 +366,8 @@ class QASession:
         self._stop.set()
 
     def _decode(self, question: str, q_ids: list[int], max_new_tokens: int) -> Iterator[StepEvent]:
-        loaded, cache = self.loaded, self.cache
+        loaded, cache, saved = self.loaded, self.cache, self._snapshot
+        text = TextStream(loaded.tokenizer)
         flushes = [0] * len(cache.layers)
         token_ids: list[int] = []
         finish_reason = "error"
@@ -371,15 +388,16 @@ class QASession:
                 for index in flushed:
                     flushes[index] += 1
                 token_ids.append(token)
+                text.push(token)
                 cache_length = cache.get_seq_length()
                 finish_reason = "eos" if token in loaded.eos_token_ids else "max_new_tokens"
                 yield StepEvent(
                     step=step,
                     token_id=token,
-                    text=loaded.tokenizer.decode(token_ids, skip_special_tokens=True),
+                    text=text.text,
                     seconds=now - step_start,
                     elapsed=now - start,
-                    memory=kv_memory(cache),
+                    memory=kv_memory(cache, saved),
                     flushed_layers=flushed,
                     cache_length=cache_length,
                     full_precision_bytes=full_precision_bytes(loaded.config, cache_length, loaded.dtype),
@@ -398,13 +416,13 @@ class QASession:
             finish_reason = "error"
             raise
         finally:
-            snapshot.restore(cache, self._snapshot)
+            snapshot.restore(cache, saved)
             if self._active is not None and cache is self.cache:
                 self._active = None
             self.history.append(
                 Answer(
                     question=question,
-                    text=loaded.tokenizer.decode(token_ids, skip_special_tokens=True),
+                    text=text.text,
                     token_ids=tuple(token_ids),
                     steps=steps,
                     flushes=tuple(flushes),

@@ -6,8 +6,18 @@ here *assigns* new tensors in `update` (`torch.cat`, a fresh quantized store) in
 the old ones, so the objects the snapshot holds are never changed while an answer decodes.
 
 - Quantized layers (`quanto`, `hqq`, `fp8`) and sliding-window `DynamicSlidingWindowLayer`s: the
-  snapshot is `vars(layer).copy()`; it keeps the old quantized store and residual alive (small), and
-  restoring puts back the very same tensor objects.
+  snapshot is `vars(layer).copy()`, and restoring puts back the very same tensor objects. While an answer
+  decodes it keeps the post-prefill store alive once the cache has replaced it: for quanto and hqq from the
+  first flush (the flush re-quantizes every token into a new store, so the old one, as big as the cache's own
+  quantized store, is the only exact way back), for fp8 from the first step (each `torch.cat` builds a new
+  fp8 tensor). The quantized bytes held during an answer can so reach twice the cache's;
+  `telemetry.kv_memory(cache, snapshot)` counts them.
+- A `DynamicSlidingWindowLayer` keeps only its last `sliding_window - 1` tokens, but after the prefill they
+  are a view (`full[:, :, -sliding_window + 1:, :]`) into the prefill's whole `torch.cat`, whose storage stays
+  alive as long as the view does: held by the snapshot, it would pin the whole prefill for the session's life
+  (transformers alone frees it at the next decode step). `take` therefore first replaces such a view by a
+  compact copy of the window (`clone()`: at most `sliding_window - 1` tokens per layer, once per prefill, the
+  same values), so after the prefill and after every restore the layer holds no more than the window.
 - Plain `DynamicLayer`s: holding the post-prefill tensors would keep a second full-precision copy alive
   during the answer (each decode step's `torch.cat` builds a new tensor), so only the length is kept and
   restore slices the keys and values back to it: `keys[..., :length, :]`, a view, exact and copy-free.
@@ -23,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from transformers.cache_utils import (
     BaseQuantizedLayer,
     Cache,
@@ -67,8 +78,20 @@ def _check_layer(index: int, layer: object) -> None:
     )
 
 
+def _compact_window(layer: DynamicSlidingWindowLayer) -> None:
+    """Replace a sliding-window layer's keys and values by compact copies when they are views pinning a larger
+    storage (the prefill's whole `torch.cat`); the values are unchanged."""
+    for name in ("keys", "values"):
+        tensor = getattr(layer, name, None)
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        if tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
+            setattr(layer, name, tensor.clone(memory_format=torch.contiguous_format))
+
+
 def take(cache: Cache) -> CacheSnapshot:
-    """Save the state of every layer of `cache`, copying no tensor.
+    """Save the state of every layer of `cache`, copying no tensor (a sliding-window layer's view of the
+    prefill is first compacted to its window: see the module docstring).
 
     Args:
         cache: a `DynamicCache` or `QuantizedCache` after the prefill.
@@ -86,6 +109,8 @@ def take(cache: Cache) -> CacheSnapshot:
         if type(layer) is DynamicLayer:
             saved.append(LayerSnapshot(attributes=None, length=layer.get_seq_length()))
         else:
+            if isinstance(layer, DynamicSlidingWindowLayer) and not getattr(layer, "record_past", False):
+                _compact_window(layer)
             saved.append(LayerSnapshot(attributes=vars(layer).copy(), length=None))
     return CacheSnapshot(layers=tuple(saved), seq_length=cache.get_seq_length())
 

@@ -9,20 +9,31 @@ Memory is counted from the tensors a layer really holds, each storage once
   and `zero` in `meta`; an fp8 `(float8 tensor, scale)` pair to both;
 - the full-precision tensors (`layer.keys`, `layer.values`: the residual of a quantized layer, all of a
   `DynamicLayer`) are counted as residual bytes. A `DynamicLayer` sliced back by `snapshot.restore`
-  holds a view whose storage is still the longer one until the next decode step: it is counted whole.
+  holds a view whose storage is still the longer one until the next decode step: it is counted whole;
+- given the session's `snapshot.CacheSnapshot`, what it keeps alive beside the cache (the post-prefill
+  quantized store after a flush, the post-prefill fp8 store once an answer appended to it, a sliding-window
+  layer's post-prefill window) is counted as snapshot bytes, after the cache, so that a storage both hold is
+  counted once. DESIGN invariant 4: no figure may under-report what the session holds for its cache.
 
 The reference a `DynamicCache` would need is `kvdemo.geometry.full_precision_bytes` (re-exported here).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 from transformers.cache_utils import Cache, QuantizedLayer
 
 from kvdemo.geometry import full_precision_bytes  # noqa: F401  (re-exported: the one formula)
+
+if TYPE_CHECKING:
+    from kvdemo.snapshot import CacheSnapshot
+
+_KV_ATTRIBUTES = ("_quantized_keys", "_quantized_values", "keys", "values")
+"""The layer attributes that hold the KV cache's tensors (a quantized store, then the full-precision tensors)."""
 
 
 @dataclass(frozen=True)
@@ -35,17 +46,25 @@ class LayerMemory:
             a `DynamicLayer`.
         residual_tokens: tokens held in full precision (for a `DynamicLayer`, all of them).
         seq_length: tokens the layer holds in all (`get_seq_length()`).
+        snapshot_bytes: bytes of the storages that the layer's snapshot keeps alive and the cache does not hold
+            (0 without a snapshot, and right after the prefill or a restore, when both hold the same tensors).
     """
 
     quantized_bytes: int
     residual_bytes: int
     residual_tokens: int
     seq_length: int
+    snapshot_bytes: int = 0
+
+    @property
+    def cache_bytes(self) -> int:
+        """quantized_bytes + residual_bytes: what the cache layer itself holds."""
+        return self.quantized_bytes + self.residual_bytes
 
     @property
     def total_bytes(self) -> int:
-        """quantized_bytes + residual_bytes."""
-        return self.quantized_bytes + self.residual_bytes
+        """cache_bytes + snapshot_bytes: everything held for this layer."""
+        return self.quantized_bytes + self.residual_bytes + self.snapshot_bytes
 
 
 @dataclass(frozen=True)
@@ -74,9 +93,20 @@ class MemoryReport:
         return sum(layer.residual_bytes for layer in self.layers)
 
     @property
-    def total_bytes(self) -> int:
-        """Everything the cache holds (bytes)."""
+    def snapshot_bytes(self) -> int:
+        """Sum of the layers' snapshot bytes: what the snapshot keeps alive beside the cache."""
+        return sum(layer.snapshot_bytes for layer in self.layers)
+
+    @property
+    def cache_bytes(self) -> int:
+        """quantized_bytes + residual_bytes: what the cache itself holds (bytes)."""
         return self.quantized_bytes + self.residual_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        """Everything held for the cache (bytes): cache_bytes + snapshot_bytes. The figure to show: it never
+        under-reports (without a snapshot it equals cache_bytes)."""
+        return self.quantized_bytes + self.residual_bytes + self.snapshot_bytes
 
     @property
     def seq_length(self) -> int:
@@ -89,6 +119,7 @@ class MemoryReport:
             "kv_bytes": self.total_bytes,
             "quantized_bytes": self.quantized_bytes,
             "residual_bytes": self.residual_bytes,
+            "snapshot_bytes": self.snapshot_bytes,
             "seq_length": self.seq_length,
         }
         if self.device_allocated_bytes is not None:
@@ -110,10 +141,11 @@ class StepEvent:
     Attributes:
         step: 0 for the token produced by the question's forward pass, then 1, 2, ...
         token_id: the greedy token of this step.
-        text: the answer decoded so far (special tokens skipped).
+        text: the answer decoded so far (special tokens skipped; whole characters only: a character whose last
+            byte has not come yet is held back, `kvdemo.text.TextStream`).
         seconds: wall time of this step's forward pass (seconds).
         elapsed: seconds since the answer started.
-        memory: the cache's memory after this step's update.
+        memory: the bytes held for the cache after this step's update, the snapshot's included.
         flushed_layers: indices of the layers whose residual flushed at this step.
         cache_length: tokens in the cache after this step (the restore brings it back afterwards).
         full_precision_bytes: what a `DynamicCache` in the model's dtype would hold for `cache_length` tokens.
@@ -179,17 +211,34 @@ def _tokens(tensor: torch.Tensor | None) -> int:
     return tensor.shape[-2] if tensor is not None and tensor.dim() == 4 else 0
 
 
-def kv_memory(cache: Cache) -> MemoryReport:
-    """Measure the bytes each layer of `cache` holds, from its tensors.
+def kv_memory(cache: Cache, snapshot: CacheSnapshot | None = None) -> MemoryReport:
+    """Measure the bytes each layer of `cache` holds, from its tensors, and what `snapshot` keeps alive beside it.
 
     Args:
         cache: a `DynamicCache` or `QuantizedCache` (any layer with `keys`/`values`, and for quantized layers
             `_quantized_keys`/`_quantized_values`).
+        snapshot: the `snapshot.CacheSnapshot` taken of this cache after its prefill (as `QASession` holds it),
+            or None. Its saved KV attributes are walked after the whole cache; a storage the cache holds too is
+            not counted again.
 
     Returns:
-        A `MemoryReport`; each tensor storage is counted once across the whole cache. When the cache's tensors
-        are on a CUDA device, `device_allocated_bytes` is `torch.cuda.memory_allocated` of that device.
+        A `MemoryReport`; each tensor storage is counted once across the whole cache and snapshot: the cache's
+        in `quantized_bytes`/`residual_bytes`, the rest of the snapshot's in `snapshot_bytes`. When the cache's
+        tensors are on a CUDA device, `device_allocated_bytes` is `torch.cuda.memory_allocated` of that device.
+
+    Raises:
+        ValueError: the snapshot has another number of layers than the cache.
+
+    Example:
+        >>> report = kv_memory(session.cache, session._snapshot)
+        >>> report.total_bytes == report.quantized_bytes + report.residual_bytes + report.snapshot_bytes
+        True
     """
+    if snapshot is not None and len(snapshot.layers) != len(cache.layers):
+        raise ValueError(
+            f"the snapshot has {len(snapshot.layers)} layers but the cache has {len(cache.layers)}; "
+            "it was taken from another cache"
+        )
     seen: set[tuple[str, int]] = set()
     devices: set[torch.device] = set()
     layers = []
@@ -206,6 +255,12 @@ def kv_memory(cache: Cache) -> MemoryReport:
                 seq_length=layer.get_seq_length(),
             )
         )
+    if snapshot is not None:
+        for index, saved in enumerate(snapshot.layers):
+            attributes = saved.attributes or {}
+            held = _bytes(tuple(attributes.get(name) for name in _KV_ATTRIBUTES), seen)
+            if held:
+                layers[index] = dataclasses.replace(layers[index], snapshot_bytes=held)
     cuda = sorted((d for d in devices if d.type == "cuda"), key=str)
     allocated = torch.cuda.memory_allocated(cuda[0]) if cuda else None
     return MemoryReport(tuple(layers), device_allocated_bytes=allocated)

@@ -19,7 +19,7 @@ import pytest
 
 from kvdemo import CacheSpec, QASession, load_model
 from kvdemo.__main__ import main as cli
-from kvdemo.cases import example_path
+from kvdemo.cases import example_path, load_case
 from kvdemo.compare import compare
 from kvdemo.server import App
 from kvdemo.ui import build_demo
@@ -137,6 +137,25 @@ TABLE: list[tuple[str, str, Callable[[Env], Any], str]] = [
     ("api", "KV cache over the budget", lambda e: QASession(e.tiny, CacheSpec("hqq"), kv_budget_bytes=1000).prefill(CONTEXT),
      "the KV budget is 0.0 MiB"),
     ("api", "compare without questions", lambda e: compare(e.tiny, CONTEXT, [], []), "compare needs at least one question"),
+    ("api", "context with an unpaired surrogate", lambda e: e.qa.prefill("Caf\udbc0"),
+     "the context holds a broken character at position 3 (line 1, column 4, after 'Caf'): U+DBC0 is not a character"),
+    ("api", "context with half an emoji deep inside", lambda e: e.qa.prefill(CONTEXT + "\nSee \ud83d here."),
+     f"the context holds a broken character at position {len(CONTEXT) + 5} (line 2, column 5, after 'See ')"),
+    ("api", "question that is half an emoji", lambda e: e.qa.ask("\ud83d"),
+     "the question holds a broken character at position 0 (line 1, column 1): U+D83D"),
+    ("api", "question with a lone low surrogate", lambda e: e.qa.ask("Who led \ude00 them?"),
+     "the question holds a broken character at position 8"),
+    ("api", "scoring a question with a broken character", lambda e: e.qa.score("Who\udbc0?", [1]),
+     "the question holds a broken character at position 3"),
+    ("api", "case file with a JSON escape of half an emoji",
+     lambda e: load_case(e.file("broken.json", b'{"paragraphs": ["Fine.", "Caf\\udbc0"]}')),
+     "broken.json, paragraph 1 holds a broken character at position 3 (line 1, column 4, after 'Caf')"),
+    ("api", "case file whose question is half an emoji",
+     lambda e: load_case(e.file("q.json", b'{"paragraphs": ["Fine."], "questions": [{"question": "\\ud83d"}]}')),
+     "q.json, question 0 holds a broken character at position 0"),
+    ("api", "text file with a surrogate encoded as bytes (CESU-8)",
+     lambda e: load_case(e.file("cesu.txt", b"Caf\xed\xaf\x80")),
+     "cesu.txt is not UTF-8 text (byte 3); save it as UTF-8"),
     # ---- the app ----
     ("app", "Prefill with an empty context", lambda e: e.fns["prefill"]("", *HQQ, _req()), "the context is empty"),
     ("app", "Prefill with a context longer than the window", lambda e: e.fns["prefill"](LONG, *HQQ, _req()),
@@ -157,6 +176,13 @@ TABLE: list[tuple[str, str, Callable[[Env], Any], str]] = [
     ("app", "upload: a PDF", lambda e: e.fns["read_upload"](e.file("paper.pdf", b"%PDF-1.7")), "paper.pdf is not a .txt or .md file"),
     ("app", "upload: nothing", lambda e: e.fns["read_upload"](None), "No file was uploaded; choose a .txt or .md file"),
     ("app", "Ask with an empty question", lambda e: _app_ask(e, "  "), "the question is empty"),
+    ("app", "Prefill a context holding half an emoji", lambda e: e.fns["prefill"]("Caf\udbc0", *HQQ, _req()),
+     "the context holds a broken character at position 3 (line 1, column 4, after 'Caf')"),
+    ("app", "Ask a question that is half an emoji", lambda e: _app_ask(e, "\ud83d"),
+     "the question holds a broken character at position 0"),
+    ("app", "upload: a surrogate encoded as bytes (CESU-8)",
+     lambda e: e.fns["read_upload"](e.file("cesu.txt", b"Caf\xed\xaf\x80")),
+     "cesu.txt is not UTF-8 text (byte 3); save it as UTF-8"),
     ("app", "Ask with max_new_tokens 0", lambda e: _app_ask(e, QUESTION, 0), "max_new_tokens=0 must be a whole number >= 1"),
     ("app", "Ask with max_new_tokens huge", lambda e: _app_ask(e, QUESTION, 1e9), "lower max_new_tokens to at most"),
     ("app", "Ask before Prefill (another tab)", lambda e: _app_ask(e, QUESTION, 5, tab="new-tab"),
@@ -182,6 +208,14 @@ CLI_TABLE: list[tuple[str, list[str], str]] = [
     ("ask: a missing file", ["ask", "--context-file", "/nonexistent/ctx.txt", "--question", "Who?"], "no such file"),
     ("compare: a spec that does not parse", ["compare", "--context-file", NORMANS, "--question", "Who?", "--spec", "hqq:"],
      "give the nbits after the colon"),
+    ("ask: a question that is half an emoji",
+     ["ask", "--context-file", NORMANS, "--question", "Who?", "--question", "\ud83d"],
+     "--question number 2 holds a broken character at position 0"),
+    ("ask: an argument that is not UTF-8 (Python's surrogateescape)",
+     ["ask", "--context-file", NORMANS, "--question", b"Caf\xe9?".decode("utf-8", "surrogateescape")],
+     "--question number 1 holds a broken character at position 3 (line 1, column 4, after 'Caf'): U+DCE9"),
+    ("compare: a question that is half an emoji", ["compare", "--context-file", NORMANS, "--question", "\ud83d"],
+     "--question number 1 holds a broken character at position 0"),
 ]
 
 
@@ -253,17 +287,21 @@ def test_unusual_contexts_stay_text_and_answer(tiny, context):
     or its Jinja syntax: all stay plain text (checked on the token ids) and the session answers and restores."""
     session = QASession(tiny, CacheSpec("hqq", nbits=4, residual_length=4))
     tokens = session.prefill(context).context_tokens
-    prompt = session._prompt.prefix
     tokenizer = tiny.tokenizer
     specials = set(tokenizer.all_special_ids)
-    template_ids = session._encode_template(
-        tokenizer.apply_chat_template([{"role": "user", "content": "\ue000"}], tokenize=False).split("\ue000")[0]
-    )
-    # the only special tokens in the prefix are the template's own, before the user's text
-    assert [t for t in prompt if t in specials] == [t for t in template_ids if t in specials]
-    user_ids = prompt[len(template_ids):]
-    assert tokenizer.decode(user_ids) == context  # round trip: nothing dropped, nothing rendered ("{{ 7 * 7 }}" stays)
+    ids = session.prompt_ids("Who led them?")
+    # the model reads the chat template's ids, the user's look-alikes encoded as text (sanitize_control_tokens)
+    assert ids == tokenizer.apply_chat_template(
+        [{"role": "user", "content": context + "\n\nWho led them?"}], tokenize=True, add_generation_prompt=True,
+        return_dict=False, sanitize_control_tokens=True)
+    harmless = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=True,
+                                             add_generation_prompt=True, return_dict=False)
+    # the only special tokens are the template's own, and decoding gives the text back ("{{ 7 * 7 }}" stays)
+    assert [t for t in ids if t in specials] == [t for t in harmless if t in specials]
+    assert tokenizer.decode(ids) == tokenizer.apply_chat_template(
+        [{"role": "user", "content": context + "\n\nWho led them?"}], tokenize=False, add_generation_prompt=True)
     answer = session.ask("Who led them?", 4)
     assert session.cache_length == tokens == answer.cache_length_after
     question_ids = session.question_ids(context)  # the same text as a question stays text too
-    assert [t for t in question_ids if t in specials] == [t for t in session._prompt.question_suffix if t in specials]
+    after_x = harmless[harmless.index(tokenizer.convert_tokens_to_ids("x")) + 1:]  # the template after the message
+    assert [t for t in question_ids if t in specials] == [t for t in after_x if t in specials]

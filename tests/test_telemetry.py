@@ -1,5 +1,6 @@
 """kv_memory against bytes computed by hand for a known shape, for each backend; flush detection;
-full-precision reference; telemetry never changes the cache."""
+full-precision reference; telemetry never changes the cache; during an answer every figure counts what the
+snapshot keeps alive beside the cache."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ import math
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from kvdemo import CacheSpec, build_cache, kv_memory
+from kvdemo import CacheSpec, QASession, build_cache, kv_memory, snapshot
 from kvdemo.telemetry import expected_flush_steps, flushed_layers, full_precision_bytes
+from tests.test_snapshot import held_bytes
 
 HEADS, DIM, TOKENS, LAYERS = 2, 64, 37, 2
 N = HEADS * TOKENS * DIM  # values in one key (or value) tensor of one layer
@@ -116,7 +118,8 @@ def test_reading_memory_changes_nothing(model):
 def test_full_precision_bytes_formula(model):
     assert full_precision_bytes(model.config, 100, torch.float32) == 2 * LAYERS * HEADS * DIM * 100 * 4
     assert full_precision_bytes(model.config, 100, torch.bfloat16) == 2 * LAYERS * HEADS * DIM * 100 * 2
-    assert kv_memory(_prefill(model, CacheSpec())).total_bytes == full_precision_bytes(model.config, TOKENS, torch.float32)
+    full = full_precision_bytes(model.config, TOKENS, torch.float32)
+    assert kv_memory(_prefill(model, CacheSpec())).total_bytes == full
 
 
 def test_expected_flush_steps_follow_transformers_rule():
@@ -126,3 +129,45 @@ def test_expected_flush_steps_follow_transformers_rule():
     assert expected_flush_steps(2, 4, 8) == [2, 6]
     assert expected_flush_steps(3, 1, 3) == [0, 1, 2]  # residual_length=1: every step
     assert expected_flush_steps(20, 128, 30) == []  # an answer shorter than the residual
+
+
+# ---- what the snapshot keeps alive: every figure counts it ---------------------------------------------------
+
+SESSION_SPECS = [CacheSpec("dynamic"), CacheSpec("fp8")] + [
+    CacheSpec(backend, nbits=nbits, residual_length=3)
+    for backend, bits in (("quanto", (2, 4)), ("hqq", (1, 2, 3, 4, 8))) for nbits in bits
+]
+
+
+@pytest.mark.parametrize("spec", SESSION_SPECS, ids=lambda s: s.label)
+def test_every_memory_figure_counts_what_the_snapshot_keeps_alive(tiny, spec):
+    """At the prefill and at every decode step the figure equals the bytes held by the cache and the snapshot
+    together (counted independently), and the snapshot's share is what each layer type leaves it holding."""
+    session = QASession(tiny, spec)
+    report = session.prefill("The Normans gave their name to Normandy, a region in France. Rollo led them.")
+    held_after_prefill = held_bytes(session.cache, session._snapshot)
+    assert report.memory.total_bytes == report.kv_bytes == held_after_prefill and report.memory.snapshot_bytes == 0
+    store = report.memory.quantized_bytes  # the post-prefill quantized store, which the snapshot keeps
+    layers, tokens = len(session.cache.layers), report.context_tokens
+    question = "Who led the Normans?"
+    flush_steps = expected_flush_steps(len(session.question_ids(question)), 3, 8)
+    for event in session.stream(question, 8):
+        assert event.memory.total_bytes == held_bytes(session.cache, session._snapshot)
+        assert event.memory.cache_bytes == kv_memory(session.cache).total_bytes
+        if spec.backend == "dynamic":  # the snapshot keeps only lengths
+            snapshot_bytes = 0
+        elif spec.backend == "fp8":  # torch.cat appends: the post-prefill fp8 keys and values stay with the snapshot
+            snapshot_bytes = 2 * layers * 2 * tokens * 64 * 1  # K and V x layers x 2 KV heads x tokens x head_dim x 1 B
+            assert store == snapshot_bytes + 2 * layers * 4  # + a float32 scale for K and V per layer, the cache's too
+        else:  # the old quantized store, from the first flush on (the residual is empty after the prefill)
+            snapshot_bytes = store if event.step >= flush_steps[0] else 0
+        assert event.memory.snapshot_bytes == snapshot_bytes
+    if spec.info.quantized:  # restored: the very objects of the prefill, nothing more
+        assert held_bytes(session.cache, session._snapshot) == held_after_prefill
+        assert kv_memory(session.cache, session._snapshot).total_bytes == held_after_prefill
+
+
+def test_a_snapshot_of_another_cache_is_refused(model):
+    saved = snapshot.take(_prefill(model, CacheSpec()))
+    with pytest.raises(ValueError, match="the snapshot has 2 layers but the cache has 0; it was taken from another"):
+        kv_memory(DynamicCache(), saved)

@@ -14,6 +14,7 @@ import gradio as gr
 from kvdemo import checks
 from kvdemo.backends import BACKENDS, GROUP_OPTIONS
 from kvdemo.spec import CacheSpec
+from kvdemo.text import check_text
 
 MAX_UPLOAD_BYTES = 2 * 1024 * 1024
 COMPARE_MAX_QUESTIONS = 20
@@ -72,7 +73,7 @@ def read_upload(path: str | None) -> str:
         raise ValueError(f"{file.name} looks binary (it holds NUL bytes); upload a text file")
     if not text.strip():
         raise ValueError(f"{file.name} is empty")
-    return text
+    return check_text(text, file.name)
 
 
 def compare_specs(chosen: list[str] | None, more: str | None) -> list[CacheSpec]:
@@ -100,7 +101,8 @@ def compare_questions(text: str | None) -> list[str]:
     Raises:
         ValueError: there is none, or more than `COMPARE_MAX_QUESTIONS`.
     """
-    questions = [line.strip() for line in (text or "").splitlines() if line.strip()]
+    questions = [check_text(line.strip(), f"question line {n}") for n, line in enumerate((text or "").splitlines(), 1)
+                 if line.strip()]
     if not questions:
         raise ValueError("Give at least one question, one per line (or press 'Fill in questions')")
     if len(questions) > COMPARE_MAX_QUESTIONS:
