@@ -22,22 +22,38 @@ def _typed(rows: list[tuple], dtypes: dict[str, str]) -> pd.DataFrame:
     """A DataFrame with fixed column dtypes, also when empty (Gradio's plots take each axis's type,
     quantitative or nominal, from the dtype, and an empty frame would otherwise be `object`: nominal)."""
     return pd.DataFrame(rows, columns=list(dtypes)).astype(dtypes)
-MEMORY_SERIES = ("quantized", "quantized + residual", "full precision")
-"""The memory chart's series (MiB): the quantized store, the whole cache (the gap between the two lines
-is the residual, stacked on the quantized bytes), and what a `DynamicCache` in the model's dtype holds."""
 
 
-def memory_frame(events: Sequence[StepEvent]) -> pd.DataFrame:
+MEMORY_SERIES = ("quantized store", "KV cache", "held (cache + snapshot)", "full precision")
+"""The memory chart's series (MiB): the quantized store; the whole cache (the store plus the full-precision
+residual); everything held for it, the post-prefill state the snapshot keeps alive included (the figure that
+never under-reports); and what a `DynamicCache` in the model's dtype would hold."""
+
+
+def memory_series(has_quantized_store: bool, has_residual: bool) -> tuple[str, ...]:
+    """The memory series that exist for a backend: a quantized store only for the quantized backends, and as
+    a line apart from the cache only where a residual sits beside it."""
+    return tuple(
+        name for name in MEMORY_SERIES if name != MEMORY_SERIES[0] or (has_quantized_store and has_residual)
+    )
+
+
+def memory_frame(events: Sequence[StepEvent], series: Sequence[str] = MEMORY_SERIES) -> pd.DataFrame:
     """KV memory over decode steps, long format for a line plot.
 
+    Args:
+        series: which of `MEMORY_SERIES` to include (see `memory_series`).
+
     Returns:
-        Columns `step` (int), `series` (one of `MEMORY_SERIES`), `MiB` (float: bytes / 2**20); 3 rows per event.
+        Columns `step` (int), `series` (one of `series`), `MiB` (float: bytes / 2**20); one row per event and series.
     """
-    rows = []
-    for e in events:
-        rows.append((e.step, MEMORY_SERIES[0], e.memory.quantized_bytes / MIB))
-        rows.append((e.step, MEMORY_SERIES[1], e.memory.total_bytes / MIB))
-        rows.append((e.step, MEMORY_SERIES[2], e.full_precision_bytes / MIB))
+    values = {
+        MEMORY_SERIES[0]: lambda e: e.memory.quantized_bytes,
+        MEMORY_SERIES[1]: lambda e: e.memory.cache_bytes,
+        MEMORY_SERIES[2]: lambda e: e.memory.total_bytes,
+        MEMORY_SERIES[3]: lambda e: e.full_precision_bytes,
+    }
+    rows = [(e.step, name, values[name](e) / MIB) for e in events for name in series]
     return _typed(rows, {"step": "int64", "series": "string", "MiB": "float64"})
 
 
@@ -123,9 +139,11 @@ def memory_figure(events: Sequence[StepEvent], title: str = "KV cache memory") -
     if not frame.empty:
         quantized = frame[MEMORY_SERIES[0]]
         residual = frame[MEMORY_SERIES[1]] - quantized
-        ax.stackplot(frame.index, quantized, residual, labels=["quantized", "residual"], alpha=0.8)
-        ax.plot(frame.index, frame[MEMORY_SERIES[2]], color="black", linestyle="--", label="full precision")
-        ax.legend(loc="upper left", fontsize="small")
+        snapshot = frame[MEMORY_SERIES[2]] - frame[MEMORY_SERIES[1]]
+        ax.stackplot(frame.index, quantized, residual, snapshot, labels=["quantized", "residual", "snapshot"],
+                     alpha=0.8)
+        ax.plot(frame.index, frame[MEMORY_SERIES[3]], color="black", linestyle="--", label="full precision")
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")  # outside: it hides no line
     ax.set(xlabel="decode step", ylabel="MiB", title=title)
     ax.set_ylim(bottom=0)
     return fig

@@ -50,8 +50,13 @@ def test_prefill_then_ask_streams_and_restores(handlers, tiny):
     context_tokens = qa.prefill_report.context_tokens
     assert f"cache length after restore = {context_tokens:,} (context)" in stats
     assert chat[-1] == {"role": "assistant", "content": qa.history[-1].text}
-    assert list(memory["step"].unique()) == [0, 1, 2, 3, 4, 5] and len(memory) == 18
-    assert residual["residual tokens"].tolist() == [e.memory.layers[0].residual_tokens for e in app.sessions.get("tab-1").events]
+    assert list(memory["step"].unique()) == [0, 1, 2, 3, 4, 5] and len(memory) == 24  # 4 series for hqq
+    events = app.sessions.get("tab-1").events
+    held = memory[memory["series"] == "held (cache + snapshot)"]["MiB"].tolist()
+    assert held == pytest.approx([e.memory.total_bytes / 2**20 for e in events])  # the snapshot counted
+    assert residual.title.startswith("Residual fill (layer 0; flushes at residual_length=4)")
+    residual = residual.value
+    assert [row[1] for row in residual["data"]] == [e.memory.layers[0].residual_tokens for e in events]
     assert flushes["step"].tolist() == list(range(6)) and flushes["kind"].iloc[0] == "question pass"
     assert flushes["layers flushed"].sum() == qa.history[-1].flush_count > 0
     assert set(flushes.loc[flushes["layers flushed"] > 0, "kind"]) <= {"question pass", "flush step"}
@@ -352,3 +357,20 @@ def test_every_series_is_in_the_chart_data_from_the_first_update(handlers):
     assert steps["ms"].notna().tolist() == [True, False, False]
     frame = with_every_series(steps.iloc[:1], "kind", ["question pass"])
     assert len(frame) == 1  # nothing missing: unchanged
+
+
+@pytest.mark.parametrize(
+    "backend, series, residual_title",
+    [("dynamic", ["KV cache", "held (cache + snapshot)", "full precision"], "dynamic keeps no residual"),
+     ("fp8", ["KV cache", "held (cache + snapshot)", "full precision"], "fp8 keeps no residual"),
+     ("hqq", ["quantized store", "KV cache", "held (cache + snapshot)", "full precision"], "flushes at")],
+)
+def test_each_chart_shows_what_exists_for_the_backend(handlers, backend, series, residual_title):
+    app, fns = handlers
+    options = HQQ[1:] if backend == "hqq" else (None,) * 5
+    view = fns["prefill"](CONTEXT, backend, *options, _request())
+    assert residual_title in view.residual_plot.title and view.memory_plot is None
+    chat, stats, memory, residual, *_ = _ask(fns, "Who led the Normans?", 3)[-1]
+    assert sorted(set(memory["series"])) == sorted(series) and residual_title in residual.title
+    if backend != "hqq":
+        assert residual.value is None  # no sawtooth of a residual that does not exist

@@ -13,7 +13,7 @@ import gradio as gr
 
 from kvdemo import checks
 from kvdemo.backends import BACKENDS, GROUP_OPTIONS
-from kvdemo.charts import MEMORY_SERIES, answers_frame, memory_frame, residual_frame
+from kvdemo.charts import MEMORY_SERIES, answers_frame
 from kvdemo.server import App, UserSession
 from kvdemo.session import DEFAULT_MAX_NEW_TOKENS, QASession
 from kvdemo.spec import CacheSpec
@@ -137,7 +137,7 @@ class AskTab:
             return PrefillView.refused(refusal(error, "a prefill") + kept, matches)
         cleared = " · the chat starts afresh on this context; the answers table keeps earlier answers" \
             if user.answers else ""
-        return PrefillView(views.prefill_summary(qa) + cleared, [], "", *views.empty_charts(),
+        return PrefillView(views.prefill_summary(qa) + cleared, [], "", None, views.residual_chart([], qa.spec), None,
                            views.answers_table(user.answers), "", gr.update(interactive=True))
 
     def _answerable_session(self, request: gr.Request | None, context: str | None) -> UserSession:
@@ -201,18 +201,19 @@ class AskTab:
                     user.chat[-1] = {"role": "assistant", "content": event.text}
                     yield AnswerView(
                         user.chat,
-                        f"step {event.step + 1} · {event.memory.total_bytes / 2**20:,.2f} MiB · "
+                        f"step {event.step + 1} · {event.memory.total_bytes / 2**20:,.2f} MiB held · "
                         f"cache length {event.cache_length:,}",
-                        memory_frame(user.events), residual_frame(user.events), views.step_times(user.events),
-                        gr.skip(),
+                        views.memory_chart(user.events, qa.spec), views.residual_chart(user.events, qa.spec),
+                        views.step_times(user.events), gr.skip(),
                     )
         finally:  # also a stopped, disconnected or failed answer: the session recorded it when its stream closed
             user.answers.append(dict(qa.history[-1].to_dict(), spec=qa.spec.full_text))
         if not user.events:
             user.chat[-1] = {"role": "assistant", "content": qa.history[-1].text}
         yield AnswerView(
-            user.chat, views.answer_stats(qa, first_token, user.events), memory_frame(user.events),
-            residual_frame(user.events), views.step_times(user.events), views.answers_table(user.answers),
+            user.chat, views.answer_stats(qa, first_token, user.events), views.memory_chart(user.events, qa.spec),
+            views.residual_chart(user.events, qa.spec), views.step_times(user.events),
+            views.answers_table(user.answers),
         )
 
     def stop(self, request: gr.Request) -> None:
@@ -320,7 +321,7 @@ class AskTab:
         w["memory_plot"] = gr.LinePlot(
             None, x="step", y="MiB", color="series", title="KV cache memory",
             x_title="decode step", y_title="MiB", height=230, y_lim=[0, None],
-            color_map=dict(zip(MEMORY_SERIES, ("#1f77b4", "#ff7f0e", "#7f7f7f"))),
+            color_map=dict(zip(MEMORY_SERIES, ("#1f77b4", "#ff7f0e", "#d62728", "#7f7f7f"))),
         )
         w["residual_plot"] = gr.LinePlot(
             None, x="step", y="residual tokens", title="Residual fill (layer 0)", x_title="decode step", height=180,

@@ -9,7 +9,17 @@ import gradio as gr
 import pandas as pd
 
 from kvdemo.backends import BACKENDS, GROUP_OPTIONS
-from kvdemo.charts import answers_frame, flush_timing, speed_frame, step_time_frame, tradeoff_frame
+from kvdemo.charts import (
+    answers_frame,
+    flush_timing,
+    memory_frame,
+    memory_series,
+    residual_frame,
+    speed_frame,
+    step_time_frame,
+    tradeoff_frame,
+)
+from kvdemo.spec import CacheSpec
 from kvdemo.compare import ComparisonReport
 from kvdemo.models import LoadedModel
 from kvdemo.session import QASession
@@ -145,14 +155,22 @@ def with_every_series(frame: Any, column: str, names: Iterable[str]) -> Any:
     return pd.concat([frame, pd.DataFrame(rows).astype(frame.dtypes.to_dict())], ignore_index=True)
 
 
-def empty_charts() -> tuple[None, None, None]:
-    """Cleared charts. An empty plot is `None`, not an empty DataFrame: Gradio's plot takes its series
-    (the color legend) from the first data it gets, and an empty frame would leave it with none."""
-    return None, None, None
-
-
-
-
 def answers_table(records: list[dict]) -> Any:
     """The Ask tab's answers table: `charts.answers_frame` with the figures rounded for reading."""
     return answers_frame(records).round({"tokens/s": 1, "seconds": 2})
+
+
+def memory_chart(events: list, spec: CacheSpec) -> Any:
+    """The memory chart's data: the series that exist for `spec`'s backend (`charts.memory_series`), each in the
+    legend from the first update."""
+    series = memory_series(spec.info.quantized, spec.info.has_residual)
+    return with_every_series(memory_frame(events, series), "series", series)
+
+
+def residual_chart(events: list, spec: CacheSpec) -> Any:
+    """The residual chart for `spec`: its fill (layer 0), or, for a backend that keeps no residual, an empty
+    chart whose title says so."""
+    if not spec.info.has_residual:
+        return gr.LinePlot(value=None, title=f"Residual fill: {spec.backend} keeps no residual (nothing to show)")
+    title = f"Residual fill (layer 0; flushes at residual_length={spec.resolved()['residual_length']:,})"
+    return gr.LinePlot(value=residual_frame(events) if events else None, title=title)
