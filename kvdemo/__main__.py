@@ -217,7 +217,9 @@ def format_summary(result: dict[str, Any]) -> str:
         if "gold_answers" in a:
             lines.append(f"    gold: {' | '.join(a['gold_answers'])}")
         lines.append(
-            f"    {len(a['token_ids'])} tokens, {a['tokens_per_second']:.1f} tokens/s, {a['flushes']} flushes, "
+            f"    {len(a['token_ids'])} tokens; question pass {a['question_seconds']:.2f} s ({a['question_tokens']} "
+            f"tokens, {a['question_flushes']} flushes); decode {a['decode_tokens_per_second']:.1f} tokens/s; "
+            f"{a['flushes']} flushes, "
             f"cache length after restore = {a['cache_length_after']} (context {result['context_tokens']})"
         )
     return "\n".join(lines)

@@ -104,7 +104,8 @@ def flush_timing(events: Sequence[StepEvent]) -> tuple[int, float | None, float 
     return len(flush), median(flush), median(other)
 
 
-ANSWER_COLUMNS = ["answer", "spec", "question", "tokens", "flushes", "tokens/s", "seconds", "cache length after", "finish"]
+ANSWER_COLUMNS = ["answer", "spec", "question", "tokens", "question s", "decode tokens/s", "flushes", "seconds",
+                  "cache length after", "finish"]
 
 
 def answers_frame(records: Iterable[Mapping[str, Any]]) -> pd.DataFrame:
@@ -112,7 +113,8 @@ def answers_frame(records: Iterable[Mapping[str, Any]]) -> pd.DataFrame:
     answered on, `CacheSpec.full_text`; the page keeps answers across prefills).
 
     Returns:
-        Columns `ANSWER_COLUMNS`; `answer` counts from 1.
+        Columns `ANSWER_COLUMNS`; `answer` counts from 1; `question s` is the question's own pass, apart from
+        the decode speed.
     """
     rows = [
         (
@@ -120,8 +122,9 @@ def answers_frame(records: Iterable[Mapping[str, Any]]) -> pd.DataFrame:
             r.get("spec", ""),
             r["question"],
             len(r["token_ids"]),
+            r["question_seconds"],
+            r["decode_tokens_per_second"],
             r["flushes"],
-            r["tokens_per_second"],
             r["seconds"],
             r["cache_length_after"],
             r["finish_reason"],

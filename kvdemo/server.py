@@ -33,7 +33,15 @@ class UserSession:
     compare_cancel: threading.Event = field(default_factory=threading.Event)
     compare_lock: threading.Lock = field(default_factory=threading.Lock)
     compare_pending: bool = False
+    prefilling: QASession | None = None
     last_used: float = 0.0
+
+    def interrupt(self) -> None:
+        """Stop this session's answer after its current decode step and its prefill before its next chunk
+        (Stop, or a new prefill); a comparison has its own Cancel."""
+        for qa in (self.qa, self.prefilling):
+            if qa is not None:
+                qa.request_stop()
 
     @property
     def busy(self) -> bool:
@@ -43,8 +51,7 @@ class UserSession:
     def release(self) -> None:
         """Stop what runs (it ends after its current decode step and restores) and drop the cache."""
         self.compare_cancel.set()
-        if self.qa is not None:
-            self.qa.request_stop()
+        self.interrupt()
         self.qa, self.events = None, []
 
 

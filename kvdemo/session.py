@@ -21,6 +21,7 @@ import torch
 from kvdemo import checks, snapshot
 from kvdemo.spec import CacheSpec, build_cache, estimate_kv_bytes
 from kvdemo.models import LoadedModel
+from kvdemo.prefill import PREFILL_CHUNK_TOKENS, PrefillStopped, ProgressCallback, run_prefill  # noqa: F401
 from kvdemo.prompt import PromptLayout, PromptSplit
 from kvdemo.telemetry import MemoryReport, StepEvent, flushed_layers, full_precision_bytes, kv_memory
 from kvdemo.text import TextStream, check_text
@@ -83,6 +84,9 @@ class Answer:
         seconds: wall time of the answer (seconds).
         cache_length_after: the cache's length after the restore; equals the context's tokens.
         finish_reason: `eos`, `max_new_tokens`, `stopped` (the stream was closed early) or `error`.
+        question_tokens: tokens of the question's own forward pass (step 0, which also gives the first token).
+        question_seconds: wall time of that pass (seconds): it reads the whole question at once and may flush.
+        question_flushes: flushes during that pass, summed over layers.
     """
 
     question: str
@@ -93,6 +97,9 @@ class Answer:
     seconds: float
     cache_length_after: int
     finish_reason: str
+    question_tokens: int = 0
+    question_seconds: float = 0.0
+    question_flushes: int = 0
 
     @property
     def flush_count(self) -> int:
@@ -101,8 +108,15 @@ class Answer:
 
     @property
     def tokens_per_second(self) -> float:
-        """Generated tokens per second of the answer."""
+        """Generated tokens per second of the whole answer, the question's pass included."""
         return len(self.token_ids) / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Tokens per second of the decode steps after the question's pass (one token each); 0 without any."""
+        decode_seconds = self.seconds - self.question_seconds
+        decoded = len(self.token_ids) - 1
+        return decoded / decode_seconds if decoded > 0 and decode_seconds > 0 else 0.0
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
@@ -115,6 +129,10 @@ class Answer:
             "flushes": self.flush_count,
             "seconds": round(self.seconds, 4),
             "tokens_per_second": round(self.tokens_per_second, 2),
+            "question_tokens": self.question_tokens,
+            "question_seconds": round(self.question_seconds, 4),
+            "question_flushes": self.question_flushes,
+            "decode_tokens_per_second": round(self.decode_tokens_per_second, 2),
             "cache_length_after": self.cache_length_after,
             "finish_reason": self.finish_reason,
         }
@@ -210,7 +228,12 @@ class QASession:
         return self.cache.get_seq_length() if self.cache is not None else 0
 
     def prefill(
-        self, context: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, reserve_tokens: int | None = None
+        self,
+        context: str,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+        reserve_tokens: int | None = None,
+        on_progress: ProgressCallback | None = None,
+        chunk_tokens: int = PREFILL_CHUNK_TOKENS,
     ) -> PrefillReport:
         """Prefill `context` into a new cache of this session's backend, replacing (and freeing) any old one.
 
@@ -224,6 +247,9 @@ class QASession:
             max_new_tokens: the longest answer to keep room for: the prefill keeps
                 `QUESTION_RESERVE_TOKENS + max_new_tokens` tokens of the window free.
             reserve_tokens: overrides that reserve with an exact number of tokens.
+            on_progress: `on_progress(done_tokens, total_tokens)` after each chunk of the forward pass.
+            chunk_tokens: tokens per forward pass (`kvdemo.prefill.run_prefill`: the same cache as one pass);
+                `request_stop()` from another thread stops the prefill between two chunks.
 
         Returns:
             A `PrefillReport` (tokens, seconds, memory).
@@ -235,6 +261,8 @@ class QASession:
                 session is unchanged then.
             KVBudgetError (a ValueError): the estimated cache exceeds `kv_budget_bytes`; the session is
                 unchanged (the old context and cache stay).
+            PrefillStopped: `request_stop()` was called during the prefill; the old cache was already freed, so
+                the session then holds no context (`cache_length` 0).
         """
         if not isinstance(context, str) or not context.strip():
             raise ValueError("the context is empty; paste or upload the text to ask about")
@@ -260,11 +288,10 @@ class QASession:
         self.cache = self._snapshot = self._split = self.prefill_report = None
         self.context = None
         self.history = []
+        self._stop.clear()
         cache = build_cache(self.spec, self.loaded.config)
-        ids = torch.tensor([split.prefix], device=self.loaded.device)
         start = time.perf_counter()
-        with torch.no_grad():
-            self.loaded.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        run_prefill(self.loaded, cache, split.prefix, self.spec.info.quantized, chunk_tokens, on_progress, self._stop)
         saved = snapshot.take(cache)
         seconds = time.perf_counter() - start
         self.cache, self._snapshot, self._split, self.context = cache, saved, split, context
@@ -360,9 +387,10 @@ class QASession:
         return self._active
 
     def request_stop(self) -> None:
-        """Ask the answer now streaming to end after its current decode step (thread-safe: the Stop button of
-        a UI whose answer runs in another thread). The stream then ends with `finish_reason="stopped"`, and the
-        cache is restored as after any answer. Does nothing when no answer is streaming."""
+        """Ask the answer now streaming to end after its current decode step, or the prefill now running to
+        stop before its next chunk (thread-safe: the Stop button of a UI whose work runs in another thread). The
+        stream then ends with `finish_reason="stopped"`, and the cache is restored as after any answer; a stopped
+        prefill raises `PrefillStopped`. Does nothing when neither runs."""
         self._stop.set()
 
     def _decode(self, question: str, q_ids: list[int], max_new_tokens: int) -> Iterator[StepEvent]:
@@ -372,7 +400,7 @@ class QASession:
         token_ids: list[int] = []
         finish_reason = "error"
         start = time.perf_counter()
-        steps = 0
+        steps, question_seconds, question_flushes = 0, 0.0, 0
         inputs = torch.tensor([q_ids], device=loaded.device)
         try:
             for step in range(max_new_tokens):
@@ -387,6 +415,8 @@ class QASession:
                 flushed = flushed_layers(cache)
                 for index in flushed:
                     flushes[index] += 1
+                if step == 0:
+                    question_seconds, question_flushes = now - step_start, len(flushed)
                 token_ids.append(token)
                 text.push(token)
                 cache_length = cache.get_seq_length()
@@ -429,6 +459,9 @@ class QASession:
                     seconds=time.perf_counter() - start,
                     cache_length_after=cache.get_seq_length(),
                     finish_reason=finish_reason,
+                    question_tokens=len(q_ids),
+                    question_seconds=question_seconds,
+                    question_flushes=question_flushes,
                 )
             )
 

@@ -81,7 +81,7 @@ def test_fault_inside_a_decode_step_shows_a_message_and_restores(tiny, monkeypat
     with pytest.raises(gr.Error) as error:
         for update in fns["ask"](QUESTION, 10, _req()):
             updates.append(update)
-    assert len(updates) == 2  # two decode steps streamed before the fault
+    assert len(updates) == 3  # "reading the question", then two decode steps before the fault
     assert error.value.message.startswith("The answer failed after 2 decode step(s) (RuntimeError: injected fault). "
                                           "The cache was restored to the prefilled context")
     assert qa.history[-1].finish_reason == "error" and qa.cache_length == context_tokens

@@ -44,7 +44,9 @@ def test_prefill_then_ask_streams_and_restores(handlers, tiny):
     assert "Prefilled **" in summary and "hqq nbits=4 q_group_size=64 residual_length=4" in summary
     assert chat == [] and ask_button["interactive"] is True
     updates = _ask(fns, "Who led the Normans?", 6)
-    assert len(updates) == 7  # one per decode step, then the final one
+    assert len(updates) == 8  # at once "reading the question", one per decode step, then the final one
+    assert updates[0].stats.startswith("reading the question (") and updates[0].chat[-1]["content"] == "…"
+    assert updates[1].chat[-1]["content"] != "…"  # each update carries its own chat
     chat, stats, memory, residual, flushes, table = updates[-1]
     qa = app.sessions.get("tab-1").qa
     context_tokens = qa.prefill_report.context_tokens
@@ -77,7 +79,7 @@ def test_stop_ends_the_answer_and_restores(handlers):
     app, fns = handlers
     fns["prefill"](CONTEXT, *HQQ, _request())
     stream = fns["ask"]("Who led the Normans?", 50, _request())
-    next(stream), next(stream)
+    next(stream), next(stream), next(stream)  # reading the question, then two decode steps
     assert fns["stop"](_request()) is None
     final = list(stream)[-1]
     qa = app.sessions.get("tab-1").qa
@@ -122,7 +124,7 @@ def test_bad_questions_say_what_to_change(handlers, question, max_new_tokens, me
     app, fns = handlers
     fns["prefill"](CONTEXT, *HQQ, _request())
     assert re.search(message, refused(_ask(fns, question, max_new_tokens)))
-    assert len(_ask(fns, "Who led the Normans?", 3)) == 4
+    assert len(_ask(fns, "Who led the Normans?", 3)) == 5
 
 
 def test_ask_before_prefill_and_after_a_model_change(handlers, tiny, embedded):
@@ -210,7 +212,7 @@ def test_changing_options_or_the_context_after_a_prefill_asks_for_a_new_one(hand
     # the API path cannot answer over a context the page no longer shows
     updates = list(fns["ask"]("Who led the Normans?", 3, _request(), "Another text entirely."))
     assert "The Context box has changed since the prefill" in refused(updates) and len(updates) == 1
-    assert len(list(fns["ask"]("Who led the Normans?", 3, _request(), CONTEXT))) == 4
+    assert len(list(fns["ask"]("Who led the Normans?", 3, _request(), CONTEXT))) == 5
 
 
 def test_uploads(tmp_path):
@@ -326,7 +328,7 @@ def test_compare_tab_bad_input_says_what_to_change(handlers, context, chosen, mo
     app, fns = handlers
     fns["prefill"](CONTEXT, *HQQ, _request())
     assert message in refused(fns["compare"](context, chosen, more, questions, max_new_tokens, _request()))
-    assert len(_ask(fns, "Who?", 2)) == 3  # the session still answers
+    assert len(_ask(fns, "Who?", 2)) == 4  # the session still answers
 
 
 def test_load_with_an_empty_field_reloads_the_start_up_model(tiny):
@@ -351,7 +353,7 @@ def test_every_series_is_in_the_chart_data_from_the_first_update(handlers):
 
     app, fns = handlers
     fns["prefill"](CONTEXT, *HQQ, _request())
-    first = next(iter(fns["ask"]("Who led the Normans?", 3, _request())))
+    first = list(fns["ask"]("Who led the Normans?", 3, _request()))[1]  # the first step's update
     steps = first[4]
     assert list(steps["kind"]) == ["question pass", "decode step", "flush step"]  # one real row, two invisible
     assert steps["ms"].notna().tolist() == [True, False, False]
@@ -374,3 +376,25 @@ def test_each_chart_shows_what_exists_for_the_backend(handlers, backend, series,
     assert sorted(set(memory["series"])) == sorted(series) and residual_title in residual.title
     if backend != "hqq":
         assert residual.value is None  # no sawtooth of a residual that does not exist
+
+
+def test_prefill_shows_real_progress_and_stop_ends_it(handlers):
+    app, fns = handlers
+    long_context = " ".join(f"Council {i} met at Rouen." for i in range(40))  # ~300 tokens: 2 chunks
+    calls = []
+    view = fns["prefill"](long_context, *HQQ, _request(), progress=lambda value, desc=None, unit=None: calls.append(
+        (value, desc, unit)))
+    tokens = app.sessions.get("tab-1").qa.prefill_report.context_tokens
+    assert [c[0] for c in calls] == [(256, tokens), (tokens, tokens)] and tokens > 256
+    assert calls[-1][1] == f"Prefilling: {tokens:,} of {tokens:,} tokens" and calls[-1][2] == "tokens"
+    assert view.prefill_info.startswith("Prefilled")
+
+    def stop_after_the_first_chunk(value, desc=None, unit=None):
+        fns["stop"](_request())  # the Stop button while the prefill runs
+
+    view = fns["prefill"](long_context, *HQQ, _request(), progress=stop_after_the_first_chunk)
+    assert view.prefill_info.startswith("⚠ Stopped: the prefill was stopped after 256 of")
+    assert view.ask_button["interactive"] is False and app.sessions.get("tab-1").qa is None
+    assert "Prefill a context first" in refused(_ask(fns, "Who?"))
+    fns["prefill"](long_context, *HQQ, _request())  # and it prefills again
+    assert len(_ask(fns, "Where did they meet?", 2)) == 4

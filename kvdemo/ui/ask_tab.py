@@ -15,7 +15,7 @@ from kvdemo import checks
 from kvdemo.backends import BACKENDS, GROUP_OPTIONS
 from kvdemo.charts import MEMORY_SERIES, answers_frame
 from kvdemo.server import App, UserSession
-from kvdemo.session import DEFAULT_MAX_NEW_TOKENS, QASession
+from kvdemo.session import DEFAULT_MAX_NEW_TOKENS, PrefillStopped, QASession
 from kvdemo.spec import CacheSpec
 from kvdemo.telemetry import STEP_KINDS
 from kvdemo.ui import views
@@ -122,13 +122,22 @@ class AskTab:
             spec = spec_from_inputs(backend, nbits, q_group_size, residual_length, axis_key, axis_value)
             loaded = self.app.wait_for_model()
             user = self.user_of(request)
-            if user.qa is not None:
-                user.qa.request_stop()
+            user.interrupt()
             with user.lock:
                 qa = QASession(loaded, spec, kv_budget_bytes=self.app.kv_budget_bytes)
-                qa.prefill(context)
+                user.prefilling = qa
+                try:
+                    qa.prefill(context, on_progress=lambda done, total: progress(
+                        (done, total), desc=f"Prefilling: {done:,} of {total:,} tokens", unit="tokens"))
+                finally:
+                    user.prefilling = None
                 user.qa, user.chat, user.events = qa, [], []
                 self.app.sessions.forget_freed(self.key_of(request))
+        except PrefillStopped as stopped:
+            user.qa, user.chat, user.events = None, [], []  # its cache was freed when the new prefill began
+            print(f"kvdemo: {stopped}", flush=True)
+            return PrefillView(f"⚠ Stopped: {stopped}. Nothing is prefilled now; press Prefill to start again.",
+                               [], "", None, None, None, gr.skip(), "", gr.update(interactive=False))
         except (ValueError, ImportError) as error:
             user = self.existing_user(request)
             kept = f" The cache still holds the previous context ({user.qa.prefill_report.context_tokens:,} tokens)." \
@@ -189,21 +198,21 @@ class AskTab:
             yield AnswerView.refused(refusal(error, "a question"))
             return
         user.chat = user.chat + [{"role": "user", "content": question.strip()},
-                                 {"role": "assistant", "content": ""}]
+                                 {"role": "assistant", "content": "…"}]
         user.events = []
         first_token = None
+        # at once, before the question's own forward pass (seconds on a long context): what is happening
+        yield AnswerView(list(user.chat), f"reading the question ({len(qa.question_ids(question)):,} tokens) on top of "
+                         f"the {qa.cache_length:,}-token context…", gr.skip(), gr.skip(), gr.skip(), gr.skip())
         try:
             with closing(stream):
                 for event in _guarded(stream, qa):
                     if first_token is None:
                         first_token = event.elapsed
                     user.events.append(event)
-                    user.chat[-1] = {"role": "assistant", "content": event.text}
+                    user.chat = user.chat[:-1] + [{"role": "assistant", "content": event.text}]
                     yield AnswerView(
-                        user.chat,
-                        f"step {event.step + 1} · {event.memory.total_bytes / 2**20:,.2f} MiB held · "
-                        f"cache length {event.cache_length:,}",
-                        views.memory_chart(user.events, qa.spec), views.residual_chart(user.events, qa.spec),
+                        user.chat, views.step_line(event, qa.spec), views.memory_chart(user.events, qa.spec), views.residual_chart(user.events, qa.spec),
                         views.step_times(user.events), gr.skip(),
                     )
         finally:  # also a stopped, disconnected or failed answer: the session recorded it when its stream closed
@@ -217,12 +226,19 @@ class AskTab:
         )
 
     def stop(self, request: gr.Request) -> None:
-        """Stop the answer streaming in this session after its current decode step; the cache is restored as
-        after any answer, and the answer's last update says `stopped`. (No output of its own: a reply racing
-        the answer's last update could overwrite it.)"""
+        """Stop the answer streaming in this session after its current decode step (the cache is restored as
+        after any answer, and the answer's last update says `stopped`), or the prefill running in it before its
+        next chunk. (No output of its own: a reply racing the answer's last update could overwrite it.)"""
         user = self.existing_user(request)
-        if user is not None and user.qa is not None:
-            user.qa.request_stop()
+        if user is not None:
+            user.interrupt()
+
+    def before_prefill(self, request: gr.Request) -> Any:
+        """At a Prefill click, before it waits in the queue: stop what runs in this session and disable Ask."""
+        user = self.existing_user(request)
+        if user is not None:
+            user.interrupt()
+        return gr.update(interactive=False)
 
     def gate(self, context, backend, nbits, q_group_size, residual_length, axis_key, axis_value,
              request: gr.Request) -> tuple[Any, Any, Any]:
@@ -372,8 +388,9 @@ class AskTab:
                          **private)
         w["example_questions"].click(lambda sample: sample[0], inputs=w["example_questions"], outputs=w["question"],
                                      **private)
-        # Ask is disabled while a prefill runs (a queued question would be answered on the new cache)
-        w["prefill_button"].click(lambda: gr.update(interactive=False), outputs=w["ask_button"], **private).then(
+        # at the click, before the queue: Ask disabled while a prefill runs (a queued question would be answered on
+        # the new cache), and this session's running prefill or answer stopped (the new prefill replaces it)
+        w["prefill_button"].click(self.before_prefill, outputs=w["ask_button"], **private).then(
             self.prefill, inputs=state_inputs, outputs=[w[name] for name in PrefillView._fields],
             api_name="prefill", **model_work)
         answer_outputs = [w[name] for name in AnswerView._fields]

@@ -96,22 +96,37 @@ def prefill_summary(qa: QASession) -> str:
 
 
 def answer_stats(qa: QASession, first_token_seconds: float | None, events: list | None = None) -> str:
-    """The line shown after an answer; with the answer's `StepEvent`s, also the time per flush step."""
+    """The line shown after an answer: tokens, the question's own pass apart from the decode speed, flushes
+    (with the time per flush step, from the answer's `StepEvent`s), and the cache length after the restore."""
     a = qa.history[-1]
     context = qa.prefill_report.context_tokens
-    first = f" · first token after {first_token_seconds:.2f} s" if first_token_seconds is not None else ""
+    parts = [
+        f"{len(a.token_ids):,} tokens",
+        f"question pass {a.question_seconds:,.2f} s ({a.question_tokens:,} tokens, {a.question_flushes:,} flushes)",
+        f"decode {a.decode_tokens_per_second:,.1f} tokens/s",
+        f"{a.flush_count:,} flushes ({a.flush_count // max(len(a.flushes), 1):,} per layer)",
+    ]
     if events:
         steps, flush_s, other_s = flush_timing(events)
         if steps and flush_s is not None:
-            against = f" vs {other_s * 1000:.0f} ms per other step" if other_s is not None else ""
-            first += f" · {steps} flush step(s), {flush_s * 1000:.0f} ms each (median){against}"
-    stopped = " · stopped" if a.finish_reason == "stopped" else ""
-    restored = "context" if a.cache_length_after == context else f"MISMATCH: context is {context}"
-    return (
-        f"{len(a.token_ids)} tokens · {a.tokens_per_second:.1f} tokens/s · {a.flush_count} flushes "
-        f"({a.flush_count // max(len(a.flushes), 1)} per layer){first}{stopped} · "
-        f"**cache length after restore = {a.cache_length_after:,} ({restored})**"
-    )
+            against = f" vs {other_s * 1000:,.0f} ms per other step" if other_s is not None else ""
+            parts.append(f"{steps:,} flush step(s), {flush_s * 1000:,.0f} ms each (median){against}")
+    if a.finish_reason == "stopped":
+        parts.append("stopped")
+    restored = "context" if a.cache_length_after == context else f"MISMATCH: context is {context:,}"
+    parts.append(f"**cache length after restore = {a.cache_length_after:,} ({restored})**")
+    return " · ".join(parts)
+
+
+def step_line(event: Any, spec: CacheSpec) -> str:
+    """The line shown while an answer streams: the step, the bytes held, the cache length, and, when the next
+    decode step will flush, what it will re-quantize (a flush step takes far longer than the others)."""
+    line = f"step {event.step + 1:,} · {event.memory.total_bytes / 2**20:,.2f} MiB held · cache length {event.cache_length:,}"
+    if spec.info.has_residual and event.memory.layers:
+        if event.memory.layers[0].residual_tokens + 1 >= spec.resolved()["residual_length"]:
+            line += (f" · the next step flushes: every layer re-quantizes its {event.cache_length + 1:,} tokens, "
+                     "which takes longer than a plain step")
+    return line
 
 
 def comparison_outputs(report: ComparisonReport, note: str) -> tuple[str, Any, Any, Any]:
@@ -157,7 +172,7 @@ def with_every_series(frame: Any, column: str, names: Iterable[str]) -> Any:
 
 def answers_table(records: list[dict]) -> Any:
     """The Ask tab's answers table: `charts.answers_frame` with the figures rounded for reading."""
-    return answers_frame(records).round({"tokens/s": 1, "seconds": 2})
+    return answers_frame(records).round({"question s": 2, "decode tokens/s": 1, "seconds": 2})
 
 
 def memory_chart(events: list, spec: CacheSpec) -> Any:
