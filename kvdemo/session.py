@@ -13,142 +13,23 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import torch
 
-from kvdemo import checks, snapshot
-from kvdemo.spec import CacheSpec, build_cache, estimate_kv_bytes
+from kvdemo import budget, checks, snapshot
+from kvdemo.budget import KVBudgetError  # noqa: F401  (raised here, part of the session's API)
+from kvdemo.spec import CacheSpec, build_cache
 from kvdemo.models import LoadedModel
 from kvdemo.prefill import PREFILL_CHUNK_TOKENS, PrefillStopped, ProgressCallback, run_prefill  # noqa: F401
 from kvdemo.prompt import PromptLayout, PromptSplit
-from kvdemo.telemetry import MemoryReport, StepEvent, flushed_layers, full_precision_bytes, kv_memory
+from kvdemo.records import Answer, PrefillReport
+from kvdemo.telemetry import StepEvent, flushed_layers, full_precision_bytes, kv_memory
 from kvdemo.text import TextStream, check_text
 
 DEFAULT_MAX_NEW_TOKENS = 64
 QUESTION_RESERVE_TOKENS = 64
 """Tokens a prefill keeps free for a question, on top of the answer's `max_new_tokens`."""
-
-
-@dataclass(frozen=True)
-class PrefillReport:
-    """What a prefill did.
-
-    Attributes:
-        context_tokens: tokens prefilled (chat template prefix included; the context's trailing whitespace, fed
-            with each question, not).
-        seconds: wall time of the prefill forward pass and snapshot.
-        memory: the bytes held for the cache right after the prefill (the snapshot's included).
-        full_precision_bytes: what a `DynamicCache` in the model's dtype holds for the same tokens.
-        prompt_matches_template: `QASession.prompt_ids` equals the chat template's ids (checked on probe
-            questions, `kvdemo.prompt.PROBE_QUESTIONS`); False when this tokenizer merges the context's end with
-            the question or its template changes the user's text, with `prompt_note` saying so.
-        prompt_note: why the ids differ from the template's; None when they do not.
-    """
-
-    context_tokens: int
-    seconds: float
-    memory: MemoryReport
-    full_precision_bytes: int
-    prompt_matches_template: bool = True
-    prompt_note: str | None = None
-
-    @property
-    def kv_bytes(self) -> int:
-        """Bytes the cache holds after the prefill."""
-        return self.memory.total_bytes
-
-    @property
-    def bytes_per_token(self) -> float:
-        """kv_bytes / context_tokens."""
-        return self.kv_bytes / self.context_tokens
-
-    @property
-    def ratio_to_full_precision(self) -> float:
-        """kv_bytes / full_precision_bytes (1.0 for `dynamic`)."""
-        return self.kv_bytes / self.full_precision_bytes
-
-
-@dataclass(frozen=True)
-class Answer:
-    """One finished answer.
-
-    Attributes:
-        question: the question as asked.
-        text: the answer text (special tokens skipped; whole characters only: an answer cut inside a character
-            ends before it).
-        token_ids: the generated token ids, EOS included when it was generated.
-        steps: decode steps run (forward passes: the question's and one per fed-back token).
-        flushes: flushes counted per layer during the answer (tuple of length num_layers).
-        seconds: wall time of the answer (seconds).
-        cache_length_after: the cache's length after the restore; equals the context's tokens.
-        finish_reason: `eos`, `max_new_tokens`, `stopped` (the stream was closed early) or `error`.
-        question_tokens: tokens of the question's own forward pass (step 0, which also gives the first token).
-        question_seconds: wall time of that pass (seconds): it reads the whole question at once and may flush.
-        question_flushes: flushes during that pass, summed over layers.
-    """
-
-    question: str
-    text: str
-    token_ids: tuple[int, ...]
-    steps: int
-    flushes: tuple[int, ...]
-    seconds: float
-    cache_length_after: int
-    finish_reason: str
-    question_tokens: int = 0
-    question_seconds: float = 0.0
-    question_flushes: int = 0
-
-    @property
-    def flush_count(self) -> int:
-        """Flushes summed over layers."""
-        return sum(self.flushes)
-
-    @property
-    def tokens_per_second(self) -> float:
-        """Generated tokens per second of the whole answer, the question's pass included."""
-        return len(self.token_ids) / self.seconds if self.seconds > 0 else 0.0
-
-    @property
-    def decode_tokens_per_second(self) -> float:
-        """Tokens per second of the decode steps after the question's pass (one token each); 0 without any."""
-        decode_seconds = self.seconds - self.question_seconds
-        decoded = len(self.token_ids) - 1
-        return decoded / decode_seconds if decoded > 0 and decode_seconds > 0 else 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict."""
-        return {
-            "question": self.question,
-            "answer": self.text,
-            "token_ids": list(self.token_ids),
-            "steps": self.steps,
-            "flushes_per_layer": list(self.flushes),
-            "flushes": self.flush_count,
-            "seconds": round(self.seconds, 4),
-            "tokens_per_second": round(self.tokens_per_second, 2),
-            "question_tokens": self.question_tokens,
-            "question_seconds": round(self.question_seconds, 4),
-            "question_flushes": self.question_flushes,
-            "decode_tokens_per_second": round(self.decode_tokens_per_second, 2),
-            "cache_length_after": self.cache_length_after,
-            "finish_reason": self.finish_reason,
-        }
-
-
-class KVBudgetError(ValueError):
-    """A prefill refused because its estimated KV cache exceeds the session's `kv_budget_bytes`.
-
-    Attributes:
-        estimate_bytes: the estimate (`backends.estimate_kv_bytes`); budget_bytes: the limit.
-    """
-
-    def __init__(self, message: str, estimate_bytes: int, budget_bytes: int):
-        super().__init__(message)
-        self.estimate_bytes = estimate_bytes
-        self.budget_bytes = budget_bytes
 
 
 class QASession:
@@ -307,42 +188,14 @@ class QASession:
 
     def estimate_kv_bytes(self, context_tokens: int, reserve_tokens: int) -> int:
         """The bytes held for this session's cache with `context_tokens` prefilled and `reserve_tokens` more
-        decoded (a question and its answer), the peak that `kv_memory(cache, snapshot)` can report:
-
-        - the cache: `backends.estimate_kv_bytes` with the reserve in the residual as far as it reaches;
-        - plus what the snapshot keeps alive meanwhile: for a quantized backend the post-prefill store, once the
-          cache replaces it: fp8 at the first decode step (`torch.cat` builds a new store), a residual backend at
-          its first flush, which comes when `reserve_tokens >= residual_length` (the residual is empty after the
-          prefill); `backends.estimate_kv_bytes(context_tokens)` without a residual. `dynamic` keeps only lengths.
-        """
-        spec, config, dtype = self.spec, self.loaded.config, self.loaded.dtype
-        held = estimate_kv_bytes(spec, config, context_tokens + reserve_tokens, dtype, residual_tokens=reserve_tokens)
-        info = spec.info
-        flushes = not info.has_residual or reserve_tokens >= spec.resolved()["residual_length"]
-        if info.quantized and reserve_tokens > 0 and flushes:
-            held += estimate_kv_bytes(spec, config, context_tokens, dtype)
-        return held
+        decoded, the snapshot's share included: `kvdemo.budget.held_bytes_estimate`."""
+        return budget.held_bytes_estimate(self.spec, self.loaded.config, self.loaded.dtype, context_tokens,
+                                          reserve_tokens)
 
     def _check_budget(self, context_tokens: int, reserve_tokens: int, advice: str | None = None) -> None:
-        """Raise `KVBudgetError` when `estimate_kv_bytes(context_tokens, reserve_tokens)` exceeds the budget."""
-        budget = self.kv_budget_bytes
-        if budget is None:
-            return
-        estimate = self.estimate_kv_bytes(context_tokens, reserve_tokens)
-        if estimate <= budget:
-            return
-        if advice is None:
-            per_token = estimate / (context_tokens + reserve_tokens)
-            fits = max(int(budget / per_token) - reserve_tokens, 0)
-            advice = (f"Shorten the context to about {fits:,} tokens, or choose a backend with fewer bits "
-                      "(e.g. hqq with nbits 2)")
-        raise KVBudgetError(
-            f"a {self.spec.label} KV cache for this context ({context_tokens:,} tokens + {reserve_tokens} for a "
-            f"question and its answer) would hold about {estimate / 2**20:,.1f} MiB; the KV budget is "
-            f"{budget / 2**20:,.1f} MiB. {advice}",
-            estimate,
-            budget,
-        )
+        """Raise `KVBudgetError` when the estimate exceeds `kv_budget_bytes` (`kvdemo.budget.check_budget`)."""
+        budget.check_budget(self.spec, self.loaded.config, self.loaded.dtype, self.kv_budget_bytes, context_tokens,
+                            reserve_tokens, advice)
 
     # ---- answers ------------------------------------------------------------------------------
     def _close_active(self) -> None:
