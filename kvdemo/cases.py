@@ -31,14 +31,24 @@ class Case:
     source: str
     paragraphs: tuple[str, ...]
     questions: tuple[CaseQuestion, ...] = field(default_factory=tuple)
+    following: tuple[str, ...] = ()
+    """After `select`: the article's paragraphs after the last one selected (the text that continues the context)."""
 
     @property
     def context(self) -> str:
         """The paragraphs joined with blank lines."""
         return "\n\n".join(self.paragraphs)
 
+    @property
+    def continuation(self) -> str | None:
+        """The text that follows the context in the article: a blank line and the `following` paragraphs joined
+        with blank lines, as `context` joins its own (None when the selection reaches the article's end, or
+        before `select`). What `kvdemo.fidelity.perplexity_inputs` feeds after the context."""
+        return "\n\n" + "\n\n".join(self.following) if self.following else None
+
     def select(self, paragraphs: str | None) -> "Case":
-        """The case cut to some paragraphs (see `parse_ranges`); its questions are those about them.
+        """The case cut to some paragraphs (see `parse_ranges`); its questions are those about them, and `following`
+        holds the paragraphs after the last one kept.
 
         Raises:
             ValueError: the range is malformed or out of bounds.
@@ -52,6 +62,7 @@ class Case:
             source=self.source,
             paragraphs=tuple(self.paragraphs[i] for i in keep),
             questions=tuple(q for q in self.questions if q.paragraph is None or q.paragraph in kept),
+            following=tuple(self.paragraphs[max(keep) + 1:]) + self.following,
         )
 
     def answerable(self, n: int | None = None) -> list[CaseQuestion]:

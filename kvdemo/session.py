@@ -14,9 +14,10 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
+from transformers.cache_utils import Cache
 
 from kvdemo import snapshot
 from kvdemo.backends import CacheSpec, build_cache, estimate_kv_bytes
@@ -190,6 +191,16 @@ class QASession:
             question_separator=separator,
             question_suffix=self._encode_template(after),
         )
+
+    def context_ids(self, context: str) -> list[int]:
+        """The token ids a prefill of `context` feeds (the chat template's opening and the context; see the module
+        docstring). Tokenizes only: the session's cache is not touched."""
+        return self._layout(context).prefix
+
+    def text_ids(self, text: str) -> list[int]:
+        """`text` as the user's text is tokenized (no special tokens added; text that imitates a special token, such
+        as `<|im_end|>`, stays text), e.g. a continuation of the context."""
+        return self._encode_text(text)
 
     def question_ids(self, question: str) -> list[int]:
         """The token ids fed for `question` on top of the prefilled context (see the module docstring).
@@ -405,7 +416,9 @@ class QASession:
                 )
             )
 
-    def score(self, question: str, answer_ids: Sequence[int]) -> torch.Tensor:
+    def score(
+        self, question: str, answer_ids: Sequence[int], on_step: Callable[[int, Cache], None] | None = None
+    ) -> torch.Tensor:
         """Teacher-forced next-token log-probabilities of a given answer to `question` on this session's cache.
 
         The question is fed as in `stream`, then the answer's tokens one decode step at a time, so a
@@ -417,6 +430,8 @@ class QASession:
         Args:
             question: the question, as for `stream`.
             answer_ids: the answer's token ids (length n >= 1), e.g. another backend's `Answer.token_ids`.
+            on_step: called as `on_step(i, cache)` after the forward pass that gives row i, before the restore; it
+                may read the cache (e.g. `telemetry.flushed_layers`, `fidelity.dequantized_kv`), never change it.
 
         Returns:
             float32 log-probabilities on the CPU, shape [n, vocab_size].
@@ -445,6 +460,8 @@ class QASession:
                         input_ids=inputs, past_key_values=cache, use_cache=True, logits_to_keep=1
                     ).logits
                 rows.append(torch.log_softmax(logits[0, -1].float(), dim=-1).cpu())
+                if on_step is not None:
+                    on_step(len(rows) - 1, cache)
                 inputs = torch.tensor([[token]], device=loaded.device)
         finally:
             snapshot.restore(cache, self._snapshot)
