@@ -120,7 +120,8 @@ def test_kv_error_of_fp8_by_hand():
     v_heads, v_total, v_err, v_norm = by_hand(values)
     assert list(error.keys[0]) == pytest.approx(k_heads, rel=1e-6)
     assert list(error.values[0]) == pytest.approx(v_heads, rel=1e-6)
-    assert error.keys_total == pytest.approx(k_total, rel=1e-6) and error.values_total == pytest.approx(v_total, rel=1e-6)
+    assert error.keys_total == pytest.approx(k_total, rel=1e-6)
+    assert error.values_total == pytest.approx(v_total, rel=1e-6)
     assert error.total == pytest.approx(math.sqrt((k_err + v_err) / (k_norm + v_norm)), rel=1e-6)
     assert 0 < error.total < 0.1 and error.tokens == 10
     keys_matrix, values_matrix = error.matrices()
