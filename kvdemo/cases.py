@@ -191,3 +191,19 @@ def gold_answers_for(context: str, questions: list[str]) -> list[tuple[str, ...]
             return None if any(g is None for g in golds) else golds
     return None
 
+
+
+def continuation_for(context: str) -> str | None:
+    """The text that follows `context` in its article when `context` is made of paragraphs of one shipped example
+    (`Case.continuation` after the last of them: the next paragraphs, joined as the context joins its own), else
+    None. Lets the app measure perplexity on the article's next paragraphs (`kvdemo.fidelity.perplexity_inputs`);
+    with None the tail of the user's own text is used."""
+    paragraphs = [p.strip() for p in context.split("\n\n") if p.strip()] if isinstance(context, str) else []
+    if not paragraphs:
+        return None
+    for path in sorted(EXAMPLES_DIR.glob("*.json")):
+        case = load_case(path)
+        index = {p.strip(): i for i, p in enumerate(case.paragraphs)}
+        if all(p in index for p in paragraphs):
+            return case.select(",".join(str(index[p]) for p in paragraphs)).continuation
+    return None
