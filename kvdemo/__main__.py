@@ -17,8 +17,9 @@ from tqdm.auto import tqdm
 
 from kvdemo import checks
 from kvdemo.backends import BACKENDS, GROUP_OPTIONS, option_choices_text
-from kvdemo.spec import CacheSpec, default_compare_specs
+from kvdemo.charts import comparison_display_frame
 from kvdemo.compare import ComparisonReport, compare
+from kvdemo.spec import CacheSpec, default_compare_specs
 from kvdemo.cases import load_case
 from kvdemo.session import DEFAULT_MAX_NEW_TOKENS
 from kvdemo.text import check_text
@@ -64,10 +65,15 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Prefill the context and answer the questions once per --spec, one backend at a time, dynamic\n"
         "first (always included). Per spec: KV bytes after the prefill, bytes per context token, ratio to dynamic;\n"
-        "answers identical to dynamic's, common prefix (tokens), mean KL divergence (nats) to dynamic teacher-forced\n"
-        "on dynamic's answer; exact match, gold containment and F1 (SQuAD normalisation) when the case file gives\n"
+        "answers identical to dynamic's, common prefix (tokens); over every position of dynamic's answers, both\n"
+        "teacher-forced on them: KL divergence to dynamic (mean, median, 99%, max; nats/token), same top token (%),\n"
+        "|delta log p| of dynamic's token (named as llama.cpp's --kl-divergence report names them); the relative\n"
+        "error of the de-quantized keys and values after the prefill and its drift across flushes; with\n"
+        "--perplexity-tokens N the perplexity of the N tokens after the context fed one decode step each, and its\n"
+        "ratio to dynamic's; exact match, gold containment and F1 (SQuAD normalisation) when the case file gives\n"
         "gold answers (an unanswerable question counts right only when the answer says the text does not say);\n"
-        "prefill seconds, decode tokens/s, seconds of the decode steps that flushed; cache length after restore.\n\n"
+        "prefill seconds, decode tokens/s, seconds of the decode steps that flushed; cache length after restore.\n"
+        "The table is the short one (MiB, ratios; columns without values left out); --json gives everything.\n\n"
         "Spec syntax: backend[:nbits][,option=value...] with options q_group_size, residual_length, axis_key,\n"
         "axis_value (unset ones take the defaults below), e.g.\n"
         "  --spec dynamic --spec hqq:4 --spec quanto:2,q_group_size=32,residual_length=16 --spec fp8\n"
@@ -83,6 +89,15 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--spec", action="append", default=[], help="a spec to compare (repeat for several)")
     compare.add_argument(
         "--max-new-tokens", type=int, default=32, help="most tokens per answer (default 32)"
+    )
+    compare.add_argument(
+        "--perplexity-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also measure the perplexity of N tokens read through each cache: for a case file the paragraphs after "
+        "the chosen ones (or, when none follow, the context's last N+1 tokens held out of the prefill); for a text "
+        "file its last N+1 tokens (default 0: none)",
     )
     compare.add_argument("--model", help="a Hub id, a local folder or a .gguf file (default: the embedded SmolLM2-135M)")
     compare.add_argument("--device", help="cpu or cuda (default: cuda when available)")
@@ -139,6 +154,8 @@ def run_compare(args: argparse.Namespace) -> ComparisonReport:
 
     specs = [CacheSpec.parse(text) for text in args.spec] or default_compare_specs()
     checks.max_new_tokens(args.max_new_tokens)
+    if args.perplexity_tokens < 0:
+        raise ValueError(f"--perplexity-tokens {args.perplexity_tokens}: it must be >= 0 (0: no perplexity)")
     case, questions = _case_questions(args)
     golds = [case.gold_for(q) for q in questions]
     gold_answers = None if any(g is None for g in golds) else [list(g) for g in golds]
@@ -155,7 +172,8 @@ def run_compare(args: argparse.Namespace) -> ComparisonReport:
 
     try:
         return compare(loaded, case.context, questions, specs, args.max_new_tokens, gold_answers,
-                       on_progress=on_progress)
+                       on_progress=on_progress, perplexity_tokens=args.perplexity_tokens,
+                       continuation=case.continuation)
     finally:
         for bar in bars:
             bar.close()
@@ -225,6 +243,21 @@ def format_summary(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def format_comparison(report: ComparisonReport) -> str:
+    """The table printed without `--json`: `charts.comparison_display_frame` with its groups as a first header
+    line, then a line on the perplexity's text when there was a perplexity run."""
+    display = comparison_display_frame(report.to_frame(), grouped=True)
+    with pd.option_context("display.width", 400, "display.max_columns", None, "display.max_colwidth", 60):
+        text = display.to_string(index=False)
+    ppl = next((r.perplexity for r in report.results if r.perplexity is not None), None)
+    if ppl is not None:
+        where = ("the text after the context" if report.perplexity_source == "continuation"
+                 else "the context's last tokens, held out of the prefill")
+        text += (f"\nperplexity: {ppl.tokens} tokens of {where}, fed one decode step each after a "
+                 f"{ppl.context_tokens}-token prefill")
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status (2 on bad input, with the message on stderr)."""
     parser = build_parser()
@@ -238,12 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     if args.command == "compare":
-        if args.json:
-            print(json.dumps(report.to_dict(), indent=2, ensure_ascii=False))
-        else:
-            with pd.option_context("display.width", 250, "display.max_columns", None):
-                table = report.to_frame().drop(columns=["backend", "nbits"])  # the spec column names both
-                print(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+        print(report.to_json() if args.json else format_comparison(report))
         return 0
     print(json.dumps(result, indent=2, ensure_ascii=False) if args.json else format_summary(result))
     return 0

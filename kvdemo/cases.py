@@ -33,14 +33,24 @@ class Case:
     source: str
     paragraphs: tuple[str, ...]
     questions: tuple[CaseQuestion, ...] = field(default_factory=tuple)
+    following: tuple[str, ...] = ()
+    """After `select`: the article's paragraphs after the last one selected (the text that continues the context)."""
 
     @property
     def context(self) -> str:
         """The paragraphs joined with blank lines."""
         return "\n\n".join(self.paragraphs)
 
+    @property
+    def continuation(self) -> str | None:
+        """The text that follows the context in the article: a blank line and the `following` paragraphs joined
+        with blank lines, as `context` joins its own (None when the selection reaches the article's end, or
+        before `select`). What `kvdemo.fidelity.perplexity_inputs` feeds after the context."""
+        return "\n\n" + "\n\n".join(self.following) if self.following else None
+
     def select(self, paragraphs: str | None) -> "Case":
-        """The case cut to some paragraphs (see `parse_ranges`); its questions are those about them.
+        """The case cut to some paragraphs (see `parse_ranges`); its questions are those about them, and `following`
+        holds the paragraphs after the last one kept.
 
         Raises:
             ValueError: the range is malformed or out of bounds.
@@ -54,6 +64,7 @@ class Case:
             source=self.source,
             paragraphs=tuple(self.paragraphs[i] for i in keep),
             questions=tuple(q for q in self.questions if q.paragraph is None or q.paragraph in kept),
+            following=tuple(self.paragraphs[max(keep) + 1:]) + self.following,
         )
 
     def answerable(self, n: int | None = None) -> list[CaseQuestion]:
@@ -185,3 +196,19 @@ def gold_answers_for(context: str, questions: list[str]) -> list[tuple[str, ...]
             return None if any(g is None for g in golds) else golds
     return None
 
+
+
+def continuation_for(context: str) -> str | None:
+    """The text that follows `context` in its article when `context` is made of paragraphs of one shipped example
+    (`Case.continuation` after the last of them: the next paragraphs, joined as the context joins its own), else
+    None. Lets the app measure perplexity on the article's next paragraphs (`kvdemo.fidelity.perplexity_inputs`);
+    with None the tail of the user's own text is used."""
+    paragraphs = [p.strip() for p in context.split("\n\n") if p.strip()] if isinstance(context, str) else []
+    if not paragraphs:
+        return None
+    for path in sorted(EXAMPLES_DIR.glob("*.json")):
+        case = load_case(path)
+        index = {p.strip(): i for i, p in enumerate(case.paragraphs)}
+        if all(p in index for p in paragraphs):
+            return case.select(",".join(str(index[p]) for p in paragraphs)).continuation
+    return None

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
+from transformers.cache_utils import Cache
 
 from kvdemo import budget, checks, snapshot
 from kvdemo.budget import KVBudgetError  # noqa: F401  (raised here, part of the session's API)
@@ -63,6 +64,20 @@ class QASession:
         self._stop = threading.Event()
 
     # ---- the prompt ---------------------------------------------------------------------------------
+    def context_ids(self, context: str) -> list[int]:
+        """The token ids a prefill of `context` feeds: the template's opening and the context up to its split
+        (`PromptLayout.split`, the prefix of `prompt_ids`). Tokenizes only: the session's cache is not touched.
+
+        Raises:
+            ValueError: the context holds a broken character (`check_text`).
+        """
+        return list(self.layout.split(check_text(context, "the context")).prefix)
+
+    def text_ids(self, text: str) -> list[int]:
+        """`text` as the user's text is tokenized (no special tokens added; text that imitates a special token,
+        such as `<|im_end|>`, stays text), e.g. a continuation of the context."""
+        return self.loaded.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
     def question_ids(self, question: str) -> list[int]:
         """The token ids fed for `question` on top of the prefilled context: the context's tail that the
         tokenizer joins with the separator (usually its trailing whitespace, else ""), `"\\n\\n"`, the question
@@ -318,7 +333,9 @@ class QASession:
                 )
             )
 
-    def score(self, question: str, answer_ids: Sequence[int]) -> torch.Tensor:
+    def score(
+        self, question: str, answer_ids: Sequence[int], on_step: Callable[[int, Cache], None] | None = None
+    ) -> torch.Tensor:
         """Teacher-forced next-token log-probabilities of a given answer to `question` on this session's cache.
 
         The question is fed as in `stream`, then the answer's tokens one decode step at a time, so a
@@ -330,6 +347,8 @@ class QASession:
         Args:
             question: the question, as for `stream`.
             answer_ids: the answer's token ids (length n >= 1), e.g. another backend's `Answer.token_ids`.
+            on_step: called as `on_step(i, cache)` after the forward pass that gives row i, before the restore; it
+                may read the cache (e.g. `telemetry.flushed_layers`, `fidelity.dequantized_kv`), never change it.
 
         Returns:
             float32 log-probabilities on the CPU, shape [n, vocab_size].
@@ -358,6 +377,8 @@ class QASession:
                         input_ids=inputs, past_key_values=cache, use_cache=True, logits_to_keep=1
                     ).logits
                 rows.append(torch.log_softmax(logits[0, -1].float(), dim=-1).cpu())
+                if on_step is not None:
+                    on_step(len(rows) - 1, cache)
                 inputs = torch.tensor([[token]], device=loaded.device)
         finally:
             snapshot.restore(cache, self._snapshot)

@@ -8,8 +8,11 @@ import sys
 
 import pytest
 
+from kvdemo import CacheSpec
 from kvdemo.__main__ import main
-from kvdemo.cases import example_path
+from kvdemo.cases import example_path, load_case
+from kvdemo.compare import compare
+from kvdemo.fidelity import perplexity, perplexity_inputs
 
 NORMANS = str(example_path("normans"))
 
@@ -140,9 +143,51 @@ def test_compare_table_and_progress_bar(embedded, capsys):
                  "--spec", "fp8", "--max-new-tokens", "2"]) == 0
     captured = capsys.readouterr()
     lines = captured.out.splitlines()
-    assert lines[0].split()[:4] == ["spec", "KV", "bytes", "bytes/token"] and len(lines) == 3
-    assert lines[1].startswith("dynamic") and lines[2].lstrip().startswith("fp8")
+    # the short table: a line of groups, a line of headers, one row per spec; no gold, perplexity or drift columns
+    assert lines[0].split() == ["memory", "fidelity", "speed"] and len(lines) == 4
+    headers = lines[1]
+    assert headers.split()[:3] == ["spec", "KV", "MiB"] and "same top %" in headers and "99% KLD" in headers
+    assert "F1" not in headers and "PPL" not in headers and "drift" not in headers
+    assert lines[2].split()[0] == "dynamic" and lines[3].split()[0] == "fp8"
     assert "| 0/6 [" in captured.err and "6/6" in captured.err  # tqdm knows the total: 2 specs x (prefill + answer + score)
+
+
+def test_compare_perplexity_on_the_next_paragraphs(embedded, capsys, monkeypatch):
+    import kvdemo.__main__ as cli
+
+    reports = []
+
+    def keep(*args, **kwargs):
+        reports.append(compare(*args, **kwargs))
+        return reports[-1]
+
+    monkeypatch.setattr(cli, "compare", keep)
+    code = main(["compare", "--context-file", NORMANS, "--paragraphs", "0", "--question", "Who?", "--spec", "hqq:2",
+                 "--max-new-tokens", "2", "--perplexity-tokens", "16", "--json", "--no-progress"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert out == reports[0].to_json() + "\n"  # --json prints the report's own JSON
+    report = json.loads(out)
+    assert report["perplexity_source"] == "continuation"
+    dynamic, hqq = report["results"]
+    assert dynamic["perplexity"]["tokens"] == 16 and dynamic["perplexity"]["ratio_to_dynamic"] == 1.0
+    case = load_case(NORMANS).select("0")
+    inputs = perplexity_inputs(embedded, case.context, 16, case.continuation)
+    assert dynamic["perplexity"]["perplexity"] == pytest.approx(
+        perplexity(embedded, CacheSpec("dynamic"), inputs).perplexity, rel=1e-6)
+    assert hqq["nbits"] == 2 and hqq["options"]["residual_length"] == 128 and hqq["perplexity"]["ratio_to_dynamic"] > 1
+    assert len(hqq["kv_error"]["keys"]) == 30 and len(hqq["kv_error"]["keys"][0]) == 3  # layers x KV heads
+    assert 0 < hqq["kl"]["same_top_p"] <= 100 and hqq["kl"]["positions"] == len(dynamic["questions"][0]["token_ids"])
+
+
+def test_compare_perplexity_on_the_tail_of_a_text_file(embedded, capsys, tmp_path):
+    text = tmp_path / "normans.txt"
+    text.write_text(load_case(NORMANS).select("0").context)
+    assert main(["compare", "--context-file", str(text), "--question", "Who?", "--spec", "fp8", "--max-new-tokens",
+                 "2", "--perplexity-tokens", "8", "--no-progress"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "PPL" in lines[1] and "PPL ×" in lines[1]
+    assert lines[-1].startswith("perplexity: 8 tokens of the context's last tokens, held out of the prefill")
 
 
 @pytest.mark.parametrize(
@@ -154,6 +199,8 @@ def test_compare_table_and_progress_bar(embedded, capsys):
         (["--spec", "hqq:4,q_group_size=48"], "error: q_group_size=48 (axis_key=0)"),
         (["--unanswerable-from-case", "0"], "error: --unanswerable-from-case must be >= 1"),
         (["--max-new-tokens", "0"], "error: max_new_tokens=0 must be a whole number >= 1"),
+        (["--perplexity-tokens", "-3"], "error: --perplexity-tokens -3: it must be >= 0"),
+        (["--paragraphs", "38", "--perplexity-tokens", "5000"], "holding out its last 5001 to score 5000 leaves none"),
     ],
 )
 def test_compare_bad_input_exits_2_with_a_message(embedded, args, message, capsys):

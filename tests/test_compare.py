@@ -1,16 +1,18 @@
 """kvdemo.metrics and kvdemo.compare: SQuAD metrics and the unanswerable rule on hand-made cases, KL divergence, and
-comparisons on a tiny model checked against `QASession` and `kv_memory` on the same caches."""
+comparisons on a tiny model checked against `QASession`, `kv_memory` and `kvdemo.fidelity` on the same caches."""
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import threading
 
+import pandas as pd
 import pytest
 import torch
 
-from kvdemo import CacheSpec, QASession
+from kvdemo import CacheSpec, QASession, fidelity
 from kvdemo.compare import ComparisonCancelled, compare, measure_spec
 from kvdemo.metrics import (
     common_prefix,
@@ -21,7 +23,7 @@ from kvdemo.metrics import (
     score_against_gold,
     token_f1,
 )
-from kvdemo.telemetry import kv_memory
+from kvdemo.telemetry import flushed_layers, kv_memory
 
 CONTEXT = "The Normans were the people who gave their name to Normandy. Rollo led them."
 QUESTIONS = ["Who led them?", "Where?"]
@@ -171,3 +173,115 @@ def test_bad_input_is_refused(tiny, kwargs, message):
     args = dict(context=CONTEXT, questions=QUESTIONS, specs=[], max_new_tokens=2) | kwargs
     with pytest.raises(ValueError, match=message):
         compare(tiny, **args)
+
+
+LONG_CONTEXT = CONTEXT + " They came from Denmark, Iceland and Norway and settled on the Seine. " * 2
+CONTINUATION = " In the following century the Normans spread to England, Italy and the Near East. " * 2
+
+
+def test_fidelity_figures_against_sessions_by_hand(tiny):
+    specs = [CacheSpec("hqq", nbits=2, residual_length=2), CacheSpec("fp8")]
+    progress = []
+    report = compare(tiny, LONG_CONTEXT, QUESTIONS, specs, max_new_tokens=5, perplexity_tokens=12,
+                     continuation=CONTINUATION, on_progress=lambda done, total, what: progress.append((done, total)))
+    assert progress[-1] == (18, 18)  # 3 specs x (prefill + 2 answers + 2 scores + 1 perplexity unit)
+    assert report.perplexity_source == "continuation"
+    dynamic, hqq, fp8 = report.results
+    assert (dynamic.nbits, dynamic.options, hqq.nbits, fp8.nbits) == (None, {}, 2, None)
+    assert hqq.options == specs[0].resolved() and hqq.backend == "hqq"
+    # dynamic against itself: zeros, 100 % the same top token, no cache error, PPL ratio 1
+    assert (dynamic.kl.mean_kld, dynamic.kl.max_kld, dynamic.kl.same_top_p) == (0.0, 0.0, 100.0)
+    assert dynamic.kv_error.total == 0.0 and dynamic.drift is None and dynamic.perplexity.ratio_to_dynamic == 1.0
+    ref_session = QASession(tiny, CacheSpec("dynamic"))
+    ref_session.prefill(LONG_CONTEXT)
+    ref_ids = [q.token_ids for q in dynamic.questions]
+    ref_logprobs = [ref_session.score(q, ids) for q, ids in zip(QUESTIONS, ref_ids)]
+    inputs = fidelity.perplexity_inputs(tiny, LONG_CONTEXT, 12, CONTINUATION)
+    reference = fidelity.reference_kv(tiny, inputs.context_ids)
+    for result, spec in zip((hqq, fp8), specs):
+        session = QASession(tiny, spec)
+        session.prefill(LONG_CONTEXT)
+        expected_error = fidelity.kv_error(reference, session.cache)
+        assert result.kv_error == expected_error and result.kv_error.total > 0
+        runs, logprobs = [], []
+        for question, ids in zip(QUESTIONS, ref_ids):
+            errors = []
+
+            def after_step(_, cache, errors=errors):
+                if flushed_layers(cache):
+                    errors.append(fidelity.context_error(reference, cache))
+
+            logprobs.append(session.score(question, ids, on_step=after_step))
+            runs.append(tuple(errors))
+        stats = fidelity.kl_statistics(ref_logprobs, logprobs, ref_ids)
+        for name in ("mean_kld", "median_kld", "p99_kld", "max_kld", "same_top_p", "mean_abs_dlogp", "p99_abs_dlogp"):
+            assert getattr(result.kl, name) == pytest.approx(getattr(stats, name), abs=1e-6), name
+        assert result.kl.positions == sum(len(ids) for ids in ref_ids) == 10
+        for q, run in zip(result.questions, runs):
+            assert q.context_errors == pytest.approx(run)
+        ppl = fidelity.perplexity(tiny, spec, inputs, reference=reference)
+        assert result.perplexity.perplexity == pytest.approx(ppl.perplexity, rel=1e-6)
+        assert result.perplexity.ratio_to_dynamic == pytest.approx(ppl.perplexity / dynamic.perplexity.perplexity)
+        assert result.perplexity.context_errors == pytest.approx(ppl.context_errors)
+        expected_drift = fidelity.drift_ratio(expected_error.total, runs + [ppl.context_errors])
+        assert (result.drift, result.drift_flushes) == (pytest.approx(expected_drift[0]), expected_drift[1])
+    assert hqq.drift_flushes == 6 and len(hqq.perplexity.flush_steps) == 6  # 12 fed tokens, residual_length 2
+    assert fp8.drift is None and fp8.drift_flushes == 0  # fp8 appends, never flushes
+    # the full table and its CSV, the JSON the CLI prints
+    frame = report.to_frame()
+    assert list(frame.columns) == list(report.COLUMNS)
+    assert frame["same top p (%)"].tolist() == [r.kl.same_top_p for r in report.results]
+    assert frame["99.0% KLD"].tolist() == [r.kl.p99_kld for r in report.results]
+    assert frame["PPL ratio to dynamic"].iloc[0] == 1.0 and frame["nbits"].iloc[1] == 2
+    assert frame["KL (nats)"].tolist() == [r.kl.mean_kld for r in report.results]
+    from_csv = pd.read_csv(io.StringIO(report.to_csv()))
+    assert list(from_csv.columns) == list(report.COLUMNS)
+    assert from_csv["KV bytes"].tolist() == frame["KV bytes"].tolist()
+    assert from_csv["K error"].tolist() == pytest.approx(frame["K error"].tolist())
+    data = json.loads(report.to_json())
+    assert data == json.loads(json.dumps(report.to_dict()))
+    assert data["results"][1]["kv_error"]["keys"] == [list(row) for row in hqq.kv_error.keys]
+    assert data["results"][1]["kl"]["same_top_p"] == hqq.kl.same_top_p and data["perplexity_source"] == "continuation"
+
+
+def test_perplexity_on_the_tail_of_the_text(tiny):
+    report = compare(tiny, LONG_CONTEXT, QUESTIONS[:1], [CacheSpec("quanto", nbits=4, residual_length=4)],
+                     max_new_tokens=2, perplexity_tokens=10)
+    assert report.perplexity_source == "tail"
+    inputs = fidelity.perplexity_inputs(tiny, LONG_CONTEXT, 10)
+    expected = fidelity.perplexity(tiny, CacheSpec("dynamic"), inputs)
+    dynamic, quanto = report.results
+    assert dynamic.perplexity.perplexity == pytest.approx(expected.perplexity, rel=1e-6)
+    assert dynamic.perplexity.context_tokens == quanto.perplexity.context_tokens == len(inputs.context_ids)
+    # the held-out tail's context is a prefix of the questions' context: its reference is the first positions
+    assert quanto.perplexity.prefill_context_error > 0 and len(quanto.perplexity.context_errors) == 2
+
+
+def test_cancel_during_the_perplexity_feed(tiny):
+    cancel = threading.Event()
+
+    def on_progress(done, total, what):
+        if what.startswith("fp8: perplexity"):
+            cancel.set()
+
+    with pytest.raises(ComparisonCancelled) as caught:
+        compare(tiny, LONG_CONTEXT, QUESTIONS[:1], [CacheSpec("fp8")], max_new_tokens=2, perplexity_tokens=34,
+                continuation=CONTINUATION, cancel=cancel, on_progress=on_progress)
+    assert [r.backend for r in caught.value.report.results] == ["dynamic"]
+    assert caught.value.report.perplexity_source == "continuation"
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(perplexity_tokens=-1), "perplexity_tokens=-1 must be a whole number >= 0"),
+        (dict(perplexity_tokens=1.5), "perplexity_tokens=1.5 must be a whole number >= 0"),
+        (dict(perplexity_tokens=50, continuation=" Rollo."), "the continuation holds 3 tokens; scoring 50 needs 51"),
+        (dict(perplexity_tokens=100), "holding out its last 101 to score 100 leaves none to prefill"),
+    ],
+)
+def test_bad_perplexity_input_is_refused_before_anything_runs(tiny, kwargs, message):
+    progress = []
+    with pytest.raises(ValueError, match=message):
+        compare(tiny, CONTEXT, QUESTIONS, [], max_new_tokens=2, on_progress=lambda *a: progress.append(a), **kwargs)
+    assert progress == []
