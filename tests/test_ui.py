@@ -261,21 +261,27 @@ def test_compare_tab_runs_and_leaves_the_session_cache_untouched(handlers, tiny)
     qa = app.sessions.get("tab-1").qa
     cache, snapshot_length = qa.cache, qa.cache_length
     assert fns["compare_questions"](CONTEXT, _request()) == "Who led the Normans?"  # asked so far
-    status, table, tradeoff, speed = fns["compare"](
+    view = fns["compare"](
         CONTEXT, ["dynamic", "fp8"], "hqq:2,residual_length=2\n\n", "Who led the Normans?\nWhere?", 3.0, _request()
     )
+    status, table, tradeoff, speed = view[:4]
     assert status.startswith("Compared 3 specs on 2 questions (no gold answers for this text).")
-    assert table["spec"].tolist() == ["dynamic", "fp8", "hqq nbits=2 q_group_size=64 residual_length=2"]
-    assert table["KL (nats)"].iloc[0] == 0.0 and table["KL (nats)"].iloc[2] > 0 and table["restored"].all()
+    assert table["spec"].tolist() == ["dynamic", "fp8", "hqq:2,residual_length=2"]
+    assert table["mean KLD"].iloc[0] == 0.0 and table["mean KLD"].iloc[2] > 0 and table["restored"].all()
+    assert "contains gold" not in table and "PPL" not in table  # columns with no value are not shown
     drawn = tradeoff.dropna(subset=["bytes per token"])
-    assert drawn["bytes per token"].tolist() == table["bytes/token"].tolist()
+    assert drawn["bytes per token"].round(0).tolist() == table["bytes/token"].tolist()
     assert sorted(tradeoff["backend"]) == ["dynamic", "fp8", "hqq", "quanto"]  # quanto: an invisible legend row
-    assert speed["tokens/s"].tolist() == table["tokens/s"].tolist()
     # the same figures as kvdemo.compare called directly
     direct = compare(tiny, CONTEXT, ["Who led the Normans?", "Where?"],
                      [CacheSpec("fp8"), CacheSpec("hqq", nbits=2, residual_length=2)], 3).to_frame()
-    assert table["KV bytes"].tolist() == direct["KV bytes"].tolist()
-    assert table["KL (nats)"].tolist() == pytest.approx(direct["KL (nats)"].tolist(), abs=5e-5)  # shown to 4 decimals
+    assert table["KV MiB"].tolist() == (direct["KV bytes"] / 2**20).round(2).tolist()
+    assert table["mean KLD"].tolist() == pytest.approx(direct["KL (nats)"].tolist(), abs=5e-4)  # rounded to show
+    # the full report to download, and where the error sits for the smallest quantized cache
+    csv_path, json_path = view.files
+    assert open(csv_path, encoding="utf-8").read() == view.report.to_csv()
+    assert open(json_path, encoding="utf-8").read() == view.report.to_json()  # what the CLI prints with --json
+    assert view.heatmap_spec["value"] == "hqq:2,residual_length=2" and view.heatmap_plot is not None
     # this session's own cache: the same object, the same length, the same answer
     assert qa.cache is cache and qa.cache_length == snapshot_length and app.sessions.get("tab-1").qa is qa
     assert _ask(fns, "Who led the Normans?", 5)[-1][0][-1]["content"] == before

@@ -4,18 +4,27 @@ and owns the handlers; the user's own prefilled cache is never touched."""
 
 from __future__ import annotations
 
+import tempfile
 from typing import Any, NamedTuple
 
 import gradio as gr
 
 from kvdemo.backends import BACKENDS
-from kvdemo.cases import gold_answers_for
-from kvdemo.compare import ComparisonCancelled, compare
+from kvdemo.cases import continuation_for, gold_answers_for
+from kvdemo.charts import DISPLAY_HELP
+from kvdemo.compare import ComparisonCancelled, ComparisonReport, compare
 from kvdemo.spec import all_specs, default_compare_specs
 from kvdemo.ui import views
 from kvdemo.ui.ask_tab import AskTab
 from kvdemo.ui.examples import suggested_questions
-from kvdemo.ui.inputs import COMPARE_MAX_NEW_TOKENS, compare_inputs, refusal, user_errors
+from kvdemo.ui.inputs import (
+    COMPARE_MAX_NEW_TOKENS,
+    COMPARE_MAX_PERPLEXITY_TOKENS,
+    compare_inputs,
+    perplexity_tokens,
+    refusal,
+    user_errors,
+)
 
 
 class CompareView(NamedTuple):
@@ -25,15 +34,26 @@ class CompareView(NamedTuple):
     compare_table: Any
     tradeoff_plot: Any
     speed_plot: Any
+    files: Any
+    heatmap_spec: Any
+    heatmap_plot: Any
+    report: Any
 
     @classmethod
     def refused(cls, message: str) -> CompareView:
-        """A refusal: the message in the status line; the last table and charts stay."""
-        return cls(message, gr.skip(), gr.skip(), gr.skip())
+        """A refusal: the message in the status line; the last table, charts and files stay."""
+        return cls(message, *[gr.skip()] * (len(cls._fields) - 1))
 
 
-def _view(report, note: str) -> CompareView:
-    return CompareView(*views.comparison_outputs(report, note))
+def _view(report: ComparisonReport, note: str) -> CompareView:
+    """The outputs of a (possibly partial) report: table, charts, the CSV and JSON files, and the KV error heatmap
+    of the quantized spec with the fewest bytes (the one whose error is largest to see)."""
+    specs = [r.spec_text for r in report.results]
+    quantized = [r for r in report.results if BACKENDS[r.backend].quantized]
+    chosen = min(quantized, key=lambda r: r.kv_bytes).spec_text if quantized else (specs[0] if specs else None)
+    files = views.comparison_files(report, tempfile.mkdtemp(prefix="kvdemo-compare-")) if report.results else None
+    return CompareView(*views.comparison_outputs(report, note), files, gr.update(choices=specs, value=chosen),
+                       views.kv_error_plot(report, chosen), report)
 
 
 class CompareTab:
@@ -67,7 +87,7 @@ class CompareTab:
         return "Queued: one comparison runs at a time on this server; it starts when the one before it ends…"
 
     def run(self, context, chosen, more, questions_text, max_new_tokens, request: gr.Request,
-            progress=gr.Progress()) -> CompareView:
+            perplexity=0, progress=gr.Progress()) -> CompareView:
         """Run `kvdemo.compare` on the Context box's text and the questions, one spec at a time, in fresh
         sessions: this session's own cache is untouched. Cancel stops it at the next decode step. A refusal is
         a message in the status line; the last results stay."""
@@ -82,13 +102,15 @@ class CompareTab:
                 user.compare_cancel.clear()
                 user.compare_pending = True
             specs, questions, max_new_tokens = compare_inputs(chosen, more, questions_text, max_new_tokens)
+            ppl_tokens = perplexity_tokens(perplexity)
             loaded = self.app.wait_for_model()
             golds = gold_answers_for(context, questions)
             progress(0, desc="Starting the comparison…")
             report = compare(
                 loaded, context, questions, specs, max_new_tokens, golds, cancel=user.compare_cancel,
                 on_progress=lambda done, total, what: progress((done, total), desc=what, unit="steps"),
-                kv_budget_bytes=self.app.kv_budget_bytes,
+                kv_budget_bytes=self.app.kv_budget_bytes, perplexity_tokens=ppl_tokens,
+                continuation=continuation_for(context) if ppl_tokens else None,
             )
             note = f"Compared {len(report.results)} specs on {len(questions)} question{'s' if len(questions) > 1 else ''}"
             note += " (scored against the example's gold answers)." if golds else " (no gold answers for this text)."
@@ -138,6 +160,11 @@ class CompareTab:
                 )
                 w["max_new_tokens"] = gr.Number(32, label="max_new_tokens", precision=0, minimum=1,
                                                 maximum=COMPARE_MAX_NEW_TOKENS)
+                w["perplexity"] = gr.Number(
+                    0, label="perplexity tokens", precision=0, minimum=0, maximum=COMPARE_MAX_PERPLEXITY_TOKENS,
+                    info="0: none. N > 0: read N tokens of the text that follows (an example's next paragraphs, or "
+                    "the tail of your text) one decode step at a time through each cache: perplexity and its ratio "
+                    "to dynamic")
             with gr.Column(scale=2):
                 w["questions"] = gr.Textbox(label="questions, one per line", lines=6,
                                             placeholder="Who was the Norse leader?")
@@ -146,7 +173,13 @@ class CompareTab:
                     w["compare_button"] = gr.Button("Run comparison", variant="primary")
                     w["cancel_button"] = gr.Button("Cancel", variant="stop")
         w["compare_status"] = gr.Markdown("")
-        w["compare_table"] = gr.Dataframe(label="comparison", interactive=False, wrap=True)
+        w["compare_table"] = gr.Dataframe(label="comparison (memory · fidelity against dynamic · speed)",
+                                          interactive=False, wrap=True)
+        with gr.Accordion("What each column means", open=False):
+            gr.Markdown("\n".join(f"- **{name}**: {text}" for name, text in DISPLAY_HELP.items()))
+        w["files"] = gr.File(label="the full table (CSV) and the whole report (JSON, as the CLI's --json)",
+                             file_count="multiple", interactive=False, height=100)
+        w["report"] = gr.State(None)
         with gr.Row():
             w["tradeoff_plot"] = gr.ScatterPlot(
                 None, x="bytes per token", y="KL (nats)", color="backend", title="Memory against fidelity",
@@ -157,6 +190,11 @@ class CompareTab:
                 None, x="spec", y="tokens/s", title="Decode speed", x_title="spec", y_title="tokens/s (median)",
                 height=300, tooltip=["spec", "tokens/s", "flush s"], sort="-y", y_lim=[0, None],
             )
+        with gr.Row():
+            w["heatmap_spec"] = gr.Dropdown([], label="where the error sits: spec", scale=1,
+                                            info="relative error ||K - K^|| / ||K|| per layer and KV head after the "
+                                            "prefill, against dynamic's keys and values")
+            w["heatmap_plot"] = gr.Plot(label="relative KV error per layer and KV head", scale=3)
 
     def wire(self) -> None:
         """The tab's events: one comparison at a time across users (minutes of CPU); answers keep their own
@@ -169,7 +207,10 @@ class CompareTab:
             self.queued, inputs=settings, outputs=w["compare_status"],
             concurrency_limit=None, api_visibility="private",  # never waits in the queue: it answers at once
         ).then(
-            self.run, inputs=[self.ask.w["context"], *settings], outputs=[w[name] for name in CompareView._fields],
+            self.run, inputs=[self.ask.w["context"], *settings, w["perplexity"]],
+            outputs=[w[name] for name in CompareView._fields],
             api_name="compare", concurrency_limit=1, concurrency_id="compare",
         )
         w["cancel_button"].click(self.cancel, api_name="cancel_compare", queue=False)
+        w["heatmap_spec"].change(views.kv_error_plot, inputs=[w["report"], w["heatmap_spec"]],
+                                 outputs=w["heatmap_plot"], api_visibility="private")

@@ -19,6 +19,7 @@ from kvdemo.text import check_text
 MAX_UPLOAD_BYTES = 2 * 1024 * 1024
 COMPARE_MAX_QUESTIONS = 20
 COMPARE_MAX_NEW_TOKENS = 256
+COMPARE_MAX_PERPLEXITY_TOKENS = 512
 """Limits of one comparison in the app (its reference keeps [tokens, vocab] float32 per question)."""
 
 
@@ -130,6 +131,22 @@ def refusal(error: Exception, what: str) -> str:
     message = error.message if isinstance(error, gr.Error) else str(error)
     print(f"kvdemo: refused {what}: {message}", flush=True)
     return f"⚠ {message}"
+
+
+def perplexity_tokens(value: Any) -> int:
+    """The Compare tab's perplexity field: a whole number of tokens, 0 (no perplexity) to
+    `COMPARE_MAX_PERPLEXITY_TOKENS`; empty means 0.
+
+    Raises:
+        ValueError: anything else.
+    """
+    if value is None or value == "":
+        return 0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or not (
+            0 <= value <= COMPARE_MAX_PERPLEXITY_TOKENS):
+        raise ValueError(f"perplexity tokens={str(value)[:40]!r} must be a whole number from 0 (none) to "
+                         f"{COMPARE_MAX_PERPLEXITY_TOKENS}")
+    return int(value)
 
 
 def user_errors(fn: Callable) -> Callable:

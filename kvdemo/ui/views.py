@@ -3,6 +3,7 @@ the comparison's outputs. They read records and the registry, never a live cache
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Iterable
 
 import gradio as gr
@@ -11,6 +12,8 @@ import pandas as pd
 from kvdemo.backends import BACKENDS, GROUP_OPTIONS
 from kvdemo.charts import (
     answers_frame,
+    comparison_display_frame,
+    kv_error_figure,
     flush_timing,
     memory_frame,
     memory_series,
@@ -130,15 +133,38 @@ def step_line(event: Any, spec: CacheSpec) -> str:
 
 
 def comparison_outputs(report: ComparisonReport, note: str) -> tuple[str, Any, Any, Any]:
-    """The Compare tab's status line, table (rounded to 4 decimals for reading) and two chart frames for a
-    (possibly partial) report."""
+    """The Compare tab's status line, the short table a reader sees (`charts.comparison_display_frame`: MiB,
+    rounded, grouped memory · fidelity · speed, empty columns dropped) and two chart frames, for a (possibly
+    partial) report."""
     frame = report.to_frame()
     if report.results:
         tokens = report.results[0].context_tokens
-        note += f" · context {tokens:,} tokens · max_new_tokens {report.max_new_tokens}"
+        note += f" · context {tokens:,} tokens · max_new_tokens {report.max_new_tokens:,}"
+        if report.perplexity_source:
+            note += f" · perplexity on the {report.perplexity_source}"
     tradeoff = with_every_series(tradeoff_frame(frame), "backend", BACKENDS)
-    table = frame.drop(columns=["backend", "nbits"]).round(4)  # the spec column names both
-    return note, table, tradeoff, speed_frame(frame)
+    return note, comparison_display_frame(frame), tradeoff, speed_frame(frame)
+
+
+def comparison_files(report: ComparisonReport, folder: str) -> list[str]:
+    """The full table as CSV and the whole report as JSON (what `python -m kvdemo compare --json` prints), written
+    into `folder`; their paths, for a download."""
+    base = Path(folder)
+    base.mkdir(parents=True, exist_ok=True)
+    csv_path, json_path = base / "kvdemo-comparison.csv", base / "kvdemo-comparison.json"
+    csv_path.write_text(report.to_csv(), encoding="utf-8")
+    json_path.write_text(report.to_json(), encoding="utf-8")
+    return [str(csv_path), str(json_path)]
+
+
+def kv_error_plot(report: ComparisonReport | None, spec_text: str | None) -> Any:
+    """The heatmap of the relative KV error per layer and KV head (keys and values) of one spec of the report
+    (`charts.kv_error_figure`), or None when there is no such spec."""
+    results = {r.spec_text: r for r in report.results} if report is not None else {}
+    result = results.get(spec_text)
+    if result is None:
+        return None
+    return kv_error_figure(result.kv_error, title=f"Relative KV error after the prefill: {result.spec_text}")
 
 
 def step_times(events: list) -> Any:

@@ -4,11 +4,13 @@ streamed updates arrive before the answer ends."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 from gradio_client import Client
 
 from kvdemo import CacheSpec, QASession
+from kvdemo.charts import comparison_display_frame
 from kvdemo.ui.examples import example
 
 HQQ = CacheSpec("hqq", nbits=4, q_group_size=64, residual_length=16, axis_key=0, axis_value=0)
@@ -84,20 +86,21 @@ def test_compare_tab_through_the_client(client, embedded):
     client.predict(context=case.context, backend="fp8", nbits=None, q_group_size=None, residual_length=None,
                    axis_key=None, axis_value=None, api_name="/prefill")
     before = _assistant_text(client.predict(question.question, 6, case.context, api_name="/ask")[0][-1])
-    status, table, tradeoff, speed = client.predict(
-        case.context, ["dynamic", "hqq:4"], "quanto:2,residual_length=4", question.question, 4, api_name="/compare"
+    status, table, tradeoff, speed, files, *_ = client.predict(
+        case.context, ["dynamic", "hqq:4"], "quanto:2,residual_length=4", question.question, 4, 0, api_name="/compare"
     )
     assert status.startswith("Compared 3 specs on 1 question (scored against the example's gold answers).")
     rows = [dict(zip(table["headers"], row)) for row in table["data"]]
     direct = compare(embedded, case.context, [question.question],
                      [CacheSpec("hqq", nbits=4), CacheSpec("quanto", nbits=2, residual_length=4)], 4,
                      gold_answers=[question.answers]).to_frame()
-    assert [r["spec"] for r in rows] == direct["spec"].tolist()
-    assert [r["KV bytes"] for r in rows] == direct["KV bytes"].tolist()
-    assert [r["KL (nats)"] for r in rows] == pytest.approx(direct["KL (nats)"].tolist(), abs=5e-5)
-    assert [r["contains gold"] for r in rows] == direct["contains gold"].tolist()
+    shown = comparison_display_frame(direct)
+    assert [r["spec"] for r in rows] == shown["spec"].tolist() == ["dynamic", "hqq:4", "quanto:2,residual_length=4"]
+    assert [r["KV MiB"] for r in rows] == shown["KV MiB"].tolist()
+    assert [r["contains gold"] for r in rows] == shown["contains gold"].tolist()
+    assert len(files) == 2 and {Path(f).suffix for f in files} == {".csv", ".json"}  # the full table, to download
     assert len(tradeoff["data"]) == 4 and len(speed["data"]) == 3  # + an invisible legend row for fp8
     # the tab's own prefilled cache was untouched: the same answer again
     assert _assistant_text(client.predict(question.question, 6, case.context, api_name="/ask")[0][-1]) == before
-    status = client.predict(case.context, ["dynamic"], "quanto:3", question.question, 4, api_name="/compare")[0]
+    status = client.predict(case.context, ["dynamic"], "quanto:3", question.question, 4, 0, api_name="/compare")[0]
     assert status.startswith("⚠ more specs, line 1: nbits=3 is not allowed for quanto")
