@@ -191,6 +191,17 @@ class QASession:
             question_suffix=self._encode_template(after),
         )
 
+    def context_ids(self, context: str) -> list[int]:
+        """The token ids a prefill of `context` feeds: the chat template's opening (system turn, user turn
+        opening) followed by the context's tokens (see the module docstring). Checks nothing: a prefill
+        refuses what does not fit, this only tokenizes (a tool to build a context of an exact token length).
+
+        Example:
+            >>> len(session.context_ids(text))  # equals session.prefill(text).context_tokens
+            1341
+        """
+        return list(self._layout(context).prefix)
+
     def question_ids(self, question: str) -> list[int]:
         """The token ids fed for `question` on top of the prefilled context (see the module docstring).
 
