@@ -4,7 +4,8 @@
 backend, printing a summary or (with `--json`) one JSON object. `python -m kvdemo compare ...` runs the same
 context and questions over several backends (`kvdemo.compare`) and prints a table or (with `--json`) the report.
 `python -m kvdemo needle ...` runs a needle-in-a-haystack grid (`kvdemo.needle`): context lengths x needle
-depths per backend, hits and graded scores, as tables or (with `--json`) the grid. Bad input exits with status 2 and the message on stderr."""
+depths per backend, hits and graded scores, as tables or (with `--json`) the grid.
+Bad input exits with status 2 and the message on stderr."""
 
 from __future__ import annotations
 

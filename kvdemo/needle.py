@@ -58,10 +58,11 @@ import random
 import re
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import pandas as pd
 
@@ -402,7 +403,8 @@ def parse_depths(text: str) -> list[float]:
         try:
             out.append(float(part.rstrip("%")))
         except ValueError:
-            raise ValueError(f"depths: {part!r} is not a number; write percentages like {_EXAMPLES['depths']}") from None
+            raise ValueError(
+                f"depths: {part!r} is not a number; write percentages like {_EXAMPLES['depths']}") from None
     return check_depths(out)
 
 
