@@ -3,6 +3,8 @@
 `python -m kvdemo ask ...` prefills a context once and answers questions in turn over a chosen KV cache
 backend, printing a summary or (with `--json`) one JSON object. `python -m kvdemo compare ...` runs the same
 context and questions over several backends (`kvdemo.compare`) and prints a table or (with `--json`) the report.
+`python -m kvdemo needle ...` runs a needle-in-a-haystack grid (`kvdemo.needle`): context lengths x needle
+depths per backend, hits and graded scores, as tables or (with `--json`) the grid.
 Bad input exits with status 2 and the message on stderr."""
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -103,7 +106,44 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     compare.add_argument("--json", action="store_true", help="print the report as one JSON object instead of a table")
     compare.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    _needle_parser(sub)
     return parser
+
+
+def _needle_parser(sub: Any) -> None:
+    """The `needle` subcommand's arguments (defaults from `kvdemo.needle`)."""
+    from kvdemo import needle
+
+    parser = sub.add_parser(
+        "needle",
+        help="needle in a haystack: a fact hidden at depths of contexts of several lengths, per backend",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Hide a short fact (\"The special magic number for <invented name> is <6 digits>.\") at each\n"
+        "--depths % of the shipped SQuAD articles' text, in contexts of exactly --lengths tokens, prefill each\n"
+        "context into every --spec's cache and ask for the number. Per cell: hit (the answer holds the number),\n"
+        "the graded score log P(number | context, question, answer prefix) in nats (0 = certain, about -13.8 =\n"
+        "a guess), the answer, and the seconds of the prefill (shared by the needles of one context), the\n"
+        "answer and the scoring. By default the needles of every depth of a length share one prefill per spec\n"
+        "(--needles-per-context 1: one prefill per cell, the classic grid, slower).\n\n"
+        "Example (about 2 minutes on 2 CPU cores):\n"
+        "  python -m kvdemo needle --spec dynamic --spec hqq:2 --lengths 512,1024 --depths 0,50,100\n\n"
+        f"Defaults: --spec {' --spec '.join(needle.DEFAULT_SPECS)} --lengths "
+        f"{','.join(map(str, needle.DEFAULT_LENGTHS))} --depths {','.join(f'{d:g}' for d in needle.DEFAULT_DEPTHS)}"
+        "\n(about an hour on 2 CPU cores). Spec syntax as for compare: backend[:nbits][,option=value...].",
+    )
+    parser.add_argument("--spec", action="append", default=[], help="a spec to run (repeat for several)")
+    parser.add_argument("--lengths", help="context lengths in tokens, comma-separated (the chat template included)")
+    parser.add_argument("--depths", help="needle depths in %% of the haystack, comma-separated, 0 to 100")
+    parser.add_argument("--needles-per-context", type=int, metavar="N",
+                        help="needles sharing one prefill (default: every depth of a length in one context)")
+    parser.add_argument("--seed", type=int, default=0, help="draws the needles' names and numbers (default 0)")
+    parser.add_argument("--max-new-tokens", type=int, default=needle.DEFAULT_MAX_NEW_TOKENS,
+                        help=f"most tokens per answer (default {needle.DEFAULT_MAX_NEW_TOKENS})")
+    parser.add_argument("--model", help="a Hub id, a local folder or a .gguf file (default: the embedded SmolLM2-135M)")
+    parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--json", action="store_true", help="print the grid as one JSON object instead of tables")
+    parser.add_argument("--csv", metavar="PATH", help="also write the table of cells as CSV to PATH")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
 def _context_arguments(parser: argparse.ArgumentParser) -> None:
@@ -177,6 +217,72 @@ def run_compare(args: argparse.Namespace) -> ComparisonReport:
     finally:
         for bar in bars:
             bar.close()
+
+
+def run_needle(args: argparse.Namespace) -> Any:
+    """Run the `needle` command and return its `NeedleGrid`.
+
+    Raises:
+        ValueError, ImportError, OSError: bad input; the message says what to change.
+    """
+    from kvdemo import needle
+    from kvdemo.models import load_model
+
+    specs = [CacheSpec.parse(text) for text in (args.spec or needle.DEFAULT_SPECS)]
+    lengths = needle.parse_lengths(args.lengths) if args.lengths is not None else list(needle.DEFAULT_LENGTHS)
+    depths = needle.parse_depths(args.depths) if args.depths is not None else list(needle.DEFAULT_DEPTHS)
+    if args.csv is not None and not Path(args.csv).expanduser().parent.is_dir():
+        raise ValueError(f"--csv {args.csv}: the folder {Path(args.csv).expanduser().parent} does not exist")
+    loaded = load_model(args.model, device=args.device)
+    with _ProgressBar(args.no_progress) as on_progress:
+        return needle.needle_grid(loaded, specs, lengths, depths, needles_per_context=args.needles_per_context,
+                                  seed=args.seed, max_new_tokens=args.max_new_tokens, on_progress=on_progress)
+
+
+class _ProgressBar:
+    """A context manager giving an `on_progress(done, total, what)` that draws one tqdm bar on stderr (none
+    when `off`), closed on exit."""
+
+    def __init__(self, off: bool):
+        self.off, self.bar = off, None
+
+    def __enter__(self):
+        def on_progress(done: int, total: int, what: str) -> None:
+            if self.off:
+                return
+            if self.bar is None:
+                self.bar = tqdm(total=total, unit="step", file=sys.stderr, dynamic_ncols=True)
+            self.bar.set_description(what, refresh=False)
+            self.bar.update(done - self.bar.n)
+
+        return on_progress
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def format_needle(grid: Any) -> str:
+    """The readable tables printed by `needle` without `--json`: per spec, depth rows x length columns with a
+    tick (hit) or a cross (miss) and the score (nats), then one summary row per spec."""
+    from kvdemo.charts import needle_heatmap_frame
+
+    table = grid.to_frame()
+    lines = [f"model: {grid.model} on {grid.device}; seed {grid.seed}; needles per context: "
+             f"{grid.needles_per_context or 'all depths'}; {grid.seconds:.1f} s"]
+    for spec in grid.specs:
+        scores, hits = needle_heatmap_frame(table, spec, "score"), needle_heatmap_frame(table, spec, "hit")
+        if scores.empty:
+            continue
+        shown = pd.DataFrame(
+            [[("\u2713" if hits.at[d, n] >= 0.5 else "\u2717") + f" {scores.at[d, n]:.2f}" if pd.notna(scores.at[d, n])
+              else "" for n in scores.columns] for d in scores.index],
+            index=[f"{d:g} %" for d in scores.index], columns=[f"{n:,} tokens" for n in scores.columns],
+        )
+        lines += ["", f"{spec}: hit (\u2713/\u2717) and log P(value) in nats, depth x context length",
+                  shown.to_string()]
+    lines += ["", grid.summary_frame().to_string(index=False, float_format=lambda v: f"{v:.3f}")]
+    return "\n".join(lines)
 
 
 def run_ask(args: argparse.Namespace) -> dict[str, Any]:
@@ -265,11 +371,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "compare":
             report = run_compare(args)
+        elif args.command == "needle":
+            grid = run_needle(args)
         else:
             result = run_ask(args)
     except (ValueError, ImportError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    if args.command == "needle":
+        if args.csv:
+            try:
+                Path(args.csv).write_text(grid.to_csv(), encoding="utf-8")
+            except OSError as error:
+                print(f"error: could not write --csv {args.csv}: {error}", file=sys.stderr)
+                return 2
+        print(grid.to_json() if args.json else format_needle(grid))
+        return 0
     if args.command == "compare":
         print(report.to_json() if args.json else format_comparison(report))
         return 0

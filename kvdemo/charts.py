@@ -455,4 +455,82 @@ def drift_figure(runs: Mapping[str, Sequence[float]], title: str = "The context'
     ax.set_ylim(bottom=0)
     if runs:
         ax.legend(fontsize="small")
+
+
+NEEDLE_VALUES = ("score", "hit")
+"""What a needle heatmap colours: `score` (log P of the value, nats) or `hit` (the answer holds the value)."""
+
+
+def needle_heatmap_frame(table: pd.DataFrame, spec: str, value: str = "score") -> pd.DataFrame:
+    """One spec's needle grid as a matrix: depth (%) rows from 0 down, context length (tokens) columns.
+
+    Args:
+        table: `NeedleGrid.to_frame()` (columns `spec text`, `length`, `depth`, `hit`, `score`).
+        spec: a `spec text` of the table, e.g. `hqq:4`.
+        value: one of `NEEDLE_VALUES`; `hit` gives 1.0 or 0.0 (the mean, should a cell appear twice).
+
+    Returns:
+        float64 values indexed by `depth`, columns `length`; empty when the spec has no cell.
+
+    Raises:
+        ValueError: `value` is not one of `NEEDLE_VALUES`.
+    """
+    if value not in NEEDLE_VALUES:
+        raise ValueError(f"value={value!r}: choose one of {', '.join(NEEDLE_VALUES)}")
+    rows = table[table["spec text"] == spec].astype({value: "float64"})
+    if rows.empty:
+        return pd.DataFrame(dtype="float64")
+    return rows.pivot_table(index="depth", columns="length", values=value, aggfunc="mean").sort_index()
+
+
+def needle_heatmap_figure(table: pd.DataFrame, specs: Sequence[str] | None = None, value: str = "score",
+                          title: str | None = None) -> Figure:
+    """Needle-in-a-haystack heatmaps, one panel per spec side by side, on one colour scale.
+
+    `score` colours the graded score (log P of the value in nats, from the table's lowest score to 0); `hit`
+    colours hits green and misses red. Every cell is labelled with a tick (hit) or a cross (miss) and its
+    score.
+
+    Args:
+        table: `NeedleGrid.to_frame()`.
+        specs: `spec text`s to draw, in order (default: the table's, in order of appearance).
+        value: one of `NEEDLE_VALUES`.
+
+    Raises:
+        ValueError: `value` is not one of `NEEDLE_VALUES`.
+    """
+    if value not in NEEDLE_VALUES:
+        raise ValueError(f"value={value!r}: choose one of {', '.join(NEEDLE_VALUES)}")
+    specs = list(dict.fromkeys(table["spec text"])) if specs is None else list(specs)
+    lengths = sorted(set(table["length"])) or [0]
+    depths = sorted(set(table["depth"])) or [0]
+    width = 1.0 + 0.62 * len(lengths)
+    fig = Figure(figsize=(min(1.2 + width * max(len(specs), 1), 18), 1.5 + 0.36 * len(depths)), layout="constrained")
+    axes = fig.subplots(1, max(len(specs), 1), squeeze=False)[0]
+    low = float(table["score"].min()) if len(table) else -1.0
+    scale = {"cmap": "viridis", "vmin": min(low, -1e-3), "vmax": 0.0} if value == "score" else \
+        {"cmap": "RdYlGn", "vmin": 0.0, "vmax": 1.0}
+    image = None
+    for ax, spec in zip(axes, specs):
+        shown = needle_heatmap_frame(table, spec, value).reindex(index=depths, columns=lengths)
+        scores = needle_heatmap_frame(table, spec, "score").reindex(index=depths, columns=lengths)
+        hits = needle_heatmap_frame(table, spec, "hit").reindex(index=depths, columns=lengths)
+        image = ax.imshow(shown.to_numpy(), aspect="auto", **scale)
+        for i in range(len(depths)):
+            for j in range(len(lengths)):
+                if pd.isna(scores.iat[i, j]):
+                    continue
+                mark = "\u2713" if hits.iat[i, j] >= 0.5 else "\u2717"
+                ax.text(j, i, f"{mark}{scores.iat[i, j]:.1f}", ha="center", va="center", fontsize="x-small",
+                        color="black" if value == "hit" or scores.iat[i, j] > scale["vmin"] / 2 else "white")
+        ax.set_xticks(range(len(lengths)), [f"{n:,}" for n in lengths], fontsize="small", rotation=45)
+        ax.set_yticks(range(len(depths)), [f"{d:g} %" for d in depths], fontsize="small")
+        ax.set_title(spec, fontsize="medium")
+        ax.set_xlabel("context tokens", fontsize="small")
+    axes[0].set_ylabel("needle depth")
+    if image is not None:
+        label = "log P(value), nats" if value == "score" else "hit"
+        fig.colorbar(image, ax=list(axes), label=label, shrink=0.9)
+    fig.suptitle(title or ("Needle in a haystack: graded score (\u2713 hit, \u2717 miss)" if value == "score"
+                           else "Needle in a haystack: hits (labels: log P(value), nats)"), fontsize="medium")
     return fig

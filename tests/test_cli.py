@@ -214,3 +214,64 @@ def test_compare_help_documents_the_spec_syntax():
                          check=True).stdout
     assert "backend[:nbits][,option=value...]" in out and "--spec dynamic --spec hqq:4" in out
     assert "Default specs: dynamic quanto:2 quanto:4 hqq:2 hqq:4 hqq:8 fp8" in out
+
+
+def test_needle_json_and_csv_on_the_embedded_model(embedded, capsys, tmp_path):
+    csv = tmp_path / "grid.csv"
+    code = main(["needle", "--spec", "dynamic", "--spec", "fp8", "--lengths", "300", "--depths", "100,0",
+                 "--max-new-tokens", "24", "--json", "--no-progress", "--csv", str(csv)])
+    assert code == 0
+    grid = json.loads(capsys.readouterr().out)
+    assert grid["specs"] == ["dynamic", "fp8"] and grid["lengths"] == [300] and grid["depths"] == [0.0, 100.0]
+    assert grid["complete"] and grid["needles_per_context"] is None and grid["max_new_tokens"] == 24
+    cells = grid["cells"]
+    assert [(c["spec_text"], c["depth"]) for c in cells] == [("dynamic", 0.0), ("dynamic", 100.0), ("fp8", 0.0),
+                                                             ("fp8", 100.0)]
+    for cell in cells:
+        assert cell["length"] == cell["cache_length_after"] == 300 and cell["needles_in_context"] == 2
+        assert cell["hit"] == (cell["value"] in cell["answer"].replace(",", "")) and cell["score"] < 0
+        assert cell["value_tokens"] == 6 and cell["prefill_seconds"] > 0 and cell["score_seconds"] > 0
+    assert cells[0]["value"] == cells[2]["value"]  # the same needles for every spec
+    lines = csv.read_text().splitlines()
+    assert lines[0].startswith("spec text,length,depth,placed depth,hit,score") and len(lines) == 5
+
+
+def test_needle_tables_and_progress_bar(embedded, capsys):
+    assert main(["needle", "--spec", "dynamic", "--lengths", "256", "--depths", "50", "--max-new-tokens", "2"]) == 0
+    captured = capsys.readouterr()
+    out = captured.out.splitlines()
+    assert "needles per context: all depths" in out[0]
+    assert out[2] == "dynamic: hit (\u2713/\u2717) and log P(value) in nats, depth x context length"
+    assert out[3].split() == ["256", "tokens"] and out[4].split()[:2] == ["50", "%"]
+    assert out[-2].split()[:3] == ["spec", "text", "cells"] and out[-1].split()[:2] == ["dynamic", "1"]
+    assert "| 0/3 [" in captured.err and "3/3" in captured.err  # prefill, answer, scoring
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--lengths", "1024,abc"], "error: lengths: 'abc' is not a whole number of tokens"),
+        (["--lengths", "0"], "error: length 0 must be a whole number of tokens >= 1"),
+        (["--lengths", "512,512"], "error: length 512 is given twice"),
+        (["--depths", "0,150"], "error: depth 150.0 must be a number from 0 to 100"),
+        (["--depths", ""], "error: depths is empty"),
+        (["--spec", "hqq:5"], "error: nbits=5 is not allowed for hqq"),
+        (["--needles-per-context", "0"], "error: needles_per_context=0 must be a whole number >= 1 (or None)"),
+        (["--max-new-tokens", "0"], "error: max_new_tokens=0 must be a whole number >= 1"),
+        (["--lengths", "9000"], "error: length 9,000 does not fit: the longest context is 8,096 tokens"),
+        (["--lengths", "40"], "error: length 40 is too short for 1 needle(s)"),
+        (["--csv", "/no/such/folder/grid.csv"], "error: --csv /no/such/folder/grid.csv: the folder /no/such/folder"),
+    ],
+)
+def test_needle_bad_input_exits_2_with_a_message(embedded, args, message, capsys):
+    assert main(["needle", "--spec", "dynamic", "--lengths", "256", "--depths", "50", "--no-progress", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_needle_help_documents_the_grid():
+    out = subprocess.run([sys.executable, "-m", "kvdemo", "needle", "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    for option in ("--spec", "--lengths", "--depths", "--needles-per-context", "--seed", "--max-new-tokens",
+                   "--json", "--csv", "--no-progress"):
+        assert option in out
+    assert "--spec dynamic --spec hqq:2 --spec hqq:4 --spec quanto:4 --spec fp8 --lengths 1024,2048,4096,7936" in out

@@ -1,4 +1,4 @@
-"""The three walkthroughs run top to bottom (shorter: KVDEMO_NOTEBOOK_QUICK=1, same cells) with the project's
+"""The walkthroughs run top to bottom (shorter: KVDEMO_NOTEBOOK_QUICK=1, same cells) with the project's
 kernel, and are committed without outputs."""
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ from nbclient import NotebookClient
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
 
 
-def test_the_three_walkthroughs_are_there():
+def test_the_walkthroughs_are_there():
     assert [p.name for p in NOTEBOOKS] == [
         "01_quickstart.ipynb", "02_residual_and_flushes.ipynb", "03_backends_side_by_side.ipynb",
+        "04_needle_in_a_haystack.ipynb",
     ]
 
 
