@@ -143,7 +143,9 @@ class AskTab:
             kept = f" The cache still holds the previous context ({user.qa.prefill_report.context_tokens:,} tokens)." \
                 if user is not None and user.qa is not None else ""
             matches = self._prefilled_matches(user, context, spec)
-            return PrefillView.refused(refusal(error, "a prefill") + kept, matches)
+            message = refusal(error, "a prefill")
+            message = message.rstrip(".") + "." + kept if kept else message  # "... tokens. The cache still ..."
+            return PrefillView.refused(message, matches)
         cleared = " · the chat starts afresh on this context; the answers table keeps earlier answers" \
             if user.answers else ""
         return PrefillView(views.prefill_summary(qa) + cleared, [], "", None, views.residual_chart([], qa.spec), None,

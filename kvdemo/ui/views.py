@@ -210,8 +210,9 @@ def memory_chart(events: list, spec: CacheSpec) -> Any:
 
 def residual_chart(events: list, spec: CacheSpec) -> Any:
     """The residual chart for `spec`: its fill (layer 0), or, for a backend that keeps no residual, an empty
-    chart whose title says so."""
+    chart whose title says so. Never `value=None`: Gradio then draws an empty box without the title."""
     if not spec.info.has_residual:
-        return gr.LinePlot(value=None, title=f"Residual fill: {spec.backend} keeps no residual (nothing to show)")
+        return gr.LinePlot(value=residual_frame([]),
+                           title=f"Residual fill: {spec.backend} keeps no residual (nothing to show)")
     title = f"Residual fill (layer 0; flushes at residual_length={spec.resolved()['residual_length']:,})"
-    return gr.LinePlot(value=residual_frame(events) if events else None, title=title)
+    return gr.LinePlot(value=residual_frame(events), title=title)

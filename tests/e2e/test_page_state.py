@@ -1,0 +1,315 @@
+"""Chromium (Debian's, driven by Playwright) checks that the page's state matches the server's at every moment,
+on SQuAD articles: a changed Context box disables Ask; a refusal stays beside its button and keeps the rest;
+a long prefill shows real progress and stops; a question shows at once; the residual chart says when a backend
+keeps none; a reload brings back the Context box and options and says that nothing is prefilled in the tab.
+Saves screenshots under artifacts/state/ (not committed)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from playwright.sync_api import Page, expect, sync_playwright
+
+from kvdemo.cases import example_path, load_case
+from kvdemo.prefill import PREFILL_CHUNK_TOKENS
+
+ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts" / "state"
+LONGER_THAN_A_TOAST_MS = 12_000
+"""How long a refusal must stay on the page: Gradio's toasts vanish after about 10 s."""
+PROGRESS = re.compile(r"Prefilling: ([\d,]+) of ([\d,]+) tokens")
+
+
+@pytest.fixture(scope="module")
+def browser():
+    chromium = shutil.which("chromium")
+    assert chromium, "Debian's chromium is needed: apt-get install chromium (the Makefile's test set-up does it)"
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=chromium)
+        yield browser
+        browser.close()
+
+
+@pytest.fixture()
+def page(browser, app_url):
+    """A new browser context (its own localStorage, so no test sees another's kept Context box) and tab."""
+    context = browser.new_context(viewport={"width": 1400, "height": 1800})
+    page = context.new_page()
+    page.goto(app_url)
+    expect(page.get_by_text("135 M parameters")).to_be_visible(timeout=120_000)
+    yield page
+    context.close()
+
+
+@pytest.fixture(scope="module")
+def normans():
+    return load_case(example_path("normans"))
+
+
+@pytest.fixture(scope="module")
+def southern_california():
+    return load_case(example_path("southern_california"))
+
+
+def _shot(page: Page, name: str) -> None:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+
+
+def _number(text: str) -> int:
+    return int(text.replace(",", ""))
+
+
+def _ask_button(page: Page):
+    return page.get_by_role("button", name="Ask", exact=True)
+
+
+def _box(page: Page):
+    return page.get_by_label("context", exact=True)
+
+
+def _prefill(page: Page, context: str, backend: str = "hqq") -> int:
+    """Fill the Context box, press Prefill and wait for the summary line; returns the tokens prefilled."""
+    _box(page).fill(context)
+    page.get_by_role("button", name="Prefill").click()
+    line = page.get_by_text(re.compile(rf"^Prefilled [\d,]+ tokens in [\d.]+ s with {backend}\b"))
+    expect(line).to_be_visible(timeout=180_000)
+    expect(_ask_button(page)).to_be_enabled()
+    return _number(re.search(r"Prefilled ([\d,]+) tokens", line.inner_text()).group(1))
+
+
+def _ask(page: Page, question: str, max_new_tokens: int) -> None:
+    """Ask a question and wait for the line shown once the answer is done, and the Ask button enabled again."""
+    bots = page.locator('[data-testid="bot"]')
+    before = bots.count()
+    page.get_by_label("max_new_tokens", exact=True).first.fill(str(max_new_tokens))
+    page.get_by_label("question", exact=True).fill(question)
+    _ask_button(page).click()
+    # the new message and "reading the question" come in one update, which replaces the last answer's line
+    expect(bots).to_have_count(before + 1, timeout=60_000)
+    expect(page.get_by_text("cache length after restore")).to_be_visible(timeout=180_000)
+    expect(_ask_button(page)).to_be_enabled(timeout=30_000)
+
+
+def _changed_warning(page: Page, what: str, tokens: int):
+    return page.get_by_text(f"⚠ The {what} changed since the prefill (the cache holds {tokens:,} tokens")
+
+
+def test_a_changed_context_disables_ask_until_it_is_prefilled(page, normans, southern_california, tmp_path):
+    first, other = normans.select("0-1").context, southern_california.select("0").context
+    tokens = _prefill(page, first)
+    summary = page.get_by_text(re.compile(rf"^Prefilled {tokens:,} tokens"))
+    ask, box = _ask_button(page), _box(page)
+
+    box.fill(other)  # a paste of another article
+    expect(ask).to_be_disabled()
+    expect(_changed_warning(page, "Context box", tokens)).to_be_visible()
+    expect(summary).to_have_count(0)
+    _shot(page, "1-context-pasted")
+    # Enter in the question box still reaches the server, which refuses to answer over a text the page does not show
+    page.get_by_label("question", exact=True).fill("Who was the Norse leader?")
+    page.get_by_label("question", exact=True).press("Enter")
+    expect(page.get_by_text("⚠ The Context box has changed since the prefill; press Prefill")).to_be_visible(
+        timeout=30_000
+    )
+    expect(page.locator('[data-testid="user"]')).to_have_count(0)
+
+    box.fill(first)  # the prefilled text again: the cache matches the page
+    expect(ask).to_be_enabled()
+    expect(summary).to_be_visible()
+    expect(_changed_warning(page, "Context box", tokens)).to_have_count(0)
+
+    box.press("Control+End")  # an edit: one word typed at the end
+    box.press_sequentially(" Rollo")
+    expect(ask).to_be_disabled()
+    expect(_changed_warning(page, "Context box", tokens)).to_be_visible()
+    for _ in " Rollo":
+        box.press("Backspace")
+    expect(ask).to_be_enabled()
+    expect(summary).to_be_visible()
+
+    upload = tmp_path / "southern_california.txt"  # an upload
+    upload.write_text(other, encoding="utf-8")
+    page.locator('input[type="file"]').first.set_input_files(str(upload))
+    expect(box).to_have_value(other, timeout=30_000)
+    expect(ask).to_be_disabled()
+    expect(_changed_warning(page, "Context box", tokens)).to_be_visible()
+    _shot(page, "1-context-uploaded")
+
+    box.fill(first)
+    expect(ask).to_be_enabled()
+    page.get_by_role("button", name="Example: Southern California").click()  # an example
+    expect(box).to_have_value(re.compile("^Southern California, often abbreviated SoCal"), timeout=30_000)
+    expect(ask).to_be_disabled()
+    expect(_changed_warning(page, "Context box", tokens)).to_be_visible()
+
+
+def test_a_refusal_stays_beside_its_button_and_keeps_the_page(page, normans, capfd):
+    first = normans.select("0-1").context
+    tokens = _prefill(page, first)
+    _ask(page, "Who was the Norse leader?", 4)
+    bots, users = page.locator('[data-testid="bot"]'), page.locator('[data-testid="user"]')
+    answer = bots.first.inner_text()
+    stats = page.get_by_text(re.compile(rf"cache length after restore = {tokens:,} \(context\)"))
+    charts = page.locator(".vega-embed")
+    expect(charts).to_have_count(3)
+    capfd.readouterr()
+
+    # a context over the model's window (three copies of the whole article), then a model id that does not exist
+    _box(page).fill("\n\n".join([normans.context] * 3))
+    page.get_by_role("button", name="Prefill").click()
+    notice = page.get_by_text(
+        re.compile(
+            r"^⚠ the context is \d+ tokens; .* exceeds the model's 8192-token window\. Shorten the context to at most "
+            rf"\d+ tokens\. The cache still holds the previous context \({tokens:,} tokens\)\.$"
+        )
+    )
+    expect(notice).to_be_visible(timeout=60_000)
+    page.get_by_label("Model", exact=True).fill("kvdemo-test/no-such-model")
+    page.get_by_role("button", name="Load", exact=True).click()
+    refused = page.get_by_text(re.compile(r"^⚠ could not load 'kvdemo-test/no-such-model'.*Keeping HuggingFaceTB/"))
+    expect(refused).to_be_visible(timeout=60_000)
+    _shot(page, "2-refused")
+    page.wait_for_timeout(LONGER_THAN_A_TOAST_MS)
+    expect(notice).to_be_visible()
+    expect(refused).to_be_visible()
+    # the rest as it was, and consistent: the box is not what the cache holds, so Ask is disabled and says why
+    expect(page.get_by_text("135 M parameters")).to_be_visible()
+    expect(users).to_have_count(1)
+    expect(bots).to_have_count(1)
+    assert bots.first.inner_text() == answer
+    expect(stats).to_be_visible()
+    expect(charts).to_have_count(3)
+    expect(_changed_warning(page, "Context box", tokens)).to_be_visible()
+    expect(_ask_button(page)).to_be_disabled()
+    expect(page.get_by_text("Error", exact=True)).to_have_count(0)  # no red badges over the outputs
+    _shot(page, "2-refused-12s")
+    log = capfd.readouterr()
+    assert log.out.count("kvdemo: refused a prefill: the context is") == 1
+    assert log.out.count("kvdemo: refused a model load: could not load 'kvdemo-test/no-such-model'") == 1
+    assert "Traceback" not in log.out + log.err
+
+    # the previous text: its cache is still there, Ask works on it, and the prefill's refusal is gone
+    _box(page).fill(first)
+    expect(_ask_button(page)).to_be_enabled()
+    expect(notice).to_have_count(0)
+    expect(page.get_by_text(re.compile(rf"^Prefilled {tokens:,} tokens"))).to_be_visible()
+    _ask(page, "In what country is Normandy located?", 3)  # the cache still answers, restored to the context
+    expect(bots).to_have_count(2)
+    expect(stats).to_be_visible()
+
+
+# Records, with the page's clock (ms), when each sign of an answer first shows: the click on Ask, the question
+# in the chat, "reading the question", the first answer token (the assistant message is no longer "…"), and a
+# streaming line that announces a flush. A MutationObserver sees every change, however brief.
+WATCH_ANSWER = """question => {
+    const seen = window.kvdemoSeen = {};
+    const mark = (name) => { if (!(name in seen)) seen[name] = performance.now(); };
+    document.addEventListener('click', (event) => {
+        const button = event.target.closest('button');
+        if (button && button.textContent.trim() === 'Ask' && button.getAttribute('role') !== 'tab') mark('click');
+    }, {capture: true});
+    new MutationObserver(() => {
+        if (!('click' in seen)) return;
+        const users = document.querySelectorAll('[data-testid="user"]');
+        if ([...users].some(u => u.textContent.includes(question))) mark('question');
+        const text = document.body.textContent;
+        if (text.includes('reading the question (')) mark('reading');
+        if (text.includes('the next step flushes')) mark('flush announced');
+        const bots = document.querySelectorAll('[data-testid="bot"]');
+        const last = bots.length ? bots[bots.length - 1].textContent.trim() : '';
+        if (last && last !== '…') mark('first token');
+    }).observe(document.body, {subtree: true, childList: true, characterData: true});
+}"""
+
+
+def test_a_long_prefill_shows_progress_and_stops_and_a_question_shows_at_once(page, normans, capsys):
+    _box(page).fill(normans.context)  # the whole article, about 5,600 tokens: 23 chunks
+    page.get_by_role("button", name="Prefill").click()
+    expect(_ask_button(page)).to_be_disabled(timeout=5_000)  # at the click, while the prefill runs
+    progress, seen = page.locator(".progress-level-inner").first, []
+    for _ in range(600):  # at most about 2.5 minutes
+        match = PROGRESS.search(progress.inner_text()) if progress.count() else None
+        if match and (not seen or _number(match.group(1)) != seen[-1][0]):
+            seen.append((_number(match.group(1)), _number(match.group(2))))
+            if len(seen) == 3:
+                break
+        page.wait_for_timeout(250)
+    assert len(seen) == 3, f"the progress text showed {seen}"
+    done, totals = [d for d, _ in seen], {t for _, t in seen}
+    assert done == sorted(done) and len(totals) == 1 and min(totals) > 5_000
+    assert all(d % PREFILL_CHUNK_TOKENS == 0 and d < min(totals) for d in done)  # whole chunks, not a guess
+    expect(_ask_button(page)).to_be_disabled()
+    _shot(page, "3-prefill-progress")
+
+    page.get_by_role("button", name="Stop").click()
+    total = min(totals)
+    stopped = page.get_by_text(re.compile(rf"^⚠ Stopped: the prefill was stopped after ([\d,]+) of {total:,} tokens\."))
+    expect(stopped).to_be_visible(timeout=60_000)
+    at = _number(re.search(r"after ([\d,]+) of", stopped.inner_text()).group(1))
+    assert done[-1] <= at < total and at % PREFILL_CHUNK_TOKENS == 0
+    expect(page.get_by_text("Nothing is prefilled now; press Prefill to start again")).to_be_visible()
+    expect(_ask_button(page)).to_be_disabled()
+    _shot(page, "3-prefill-stopped")
+
+    # a question on a shorter prefill: it shows at once, with "reading the question", before the first token
+    tokens = _prefill(page, normans.select("0-1").context)
+    question = "What is the original meaning of the word Norman?"
+    page.evaluate(WATCH_ANSWER, question)
+    _ask(page, question, 24)
+    seen = page.evaluate("window.kvdemoSeen")
+    assert {"click", "question", "reading", "first token"} <= set(seen), seen
+    assert seen["question"] <= seen["first token"] and seen["reading"] <= seen["first token"]
+    # hqq with residual_length 16: the question's ~20 tokens fill the residual, so the next step flushes
+    assert "flush announced" in seen
+    expect(page.get_by_text(re.compile(rf"cache length after restore = {tokens:,} \(context\)"))).to_be_visible()
+    _shot(page, "3-answered")
+    after = {name: f"{seen[name] - seen['click']:,.0f} ms" for name in ("question", "reading", "first token")}
+    with capsys.disabled():
+        print(f"\nafter the click on Ask: {after}")
+
+
+@pytest.mark.parametrize("backend", ["dynamic", "fp8"])
+def test_a_backend_without_residual_says_so_in_the_residual_chart(page, normans, backend):
+    page.get_by_label(backend, exact=True).check()
+    _prefill(page, normans.select("0").context, backend)
+    title = page.get_by_text(f"Residual fill: {backend} keeps no residual (nothing to show)")
+    expect(title).to_be_visible()  # already after the prefill, before any answer
+    _ask(page, "Who was the Norse leader?", 4)
+    expect(title).to_be_visible()
+    memory = page.get_by_role("img").filter(has_text="KV cache memory")
+    for series in ("KV cache", "held (cache + snapshot)", "full precision"):
+        expect(memory).to_contain_text(series)
+    expect(memory).not_to_contain_text("quantized store")  # no quantized store beside a residual here
+    _shot(page, f"4-charts-{backend}")
+
+
+def test_a_reload_keeps_the_context_and_options_and_says_nothing_is_prefilled(page, southern_california):
+    context = southern_california.select("0-1").context
+    _prefill(page, context)
+    page.get_by_label("quanto", exact=True).check()
+    page.get_by_label("residual_length", exact=True).fill("48")
+    page.get_by_label("residual_length", exact=True).press("Tab")
+    expect(page.get_by_text(re.compile(r"^⚠ The options changed since the prefill"))).to_be_visible()
+    expect(page.get_by_text(re.compile(r"Now: spec quanto:4,q_group_size=64,residual_length=48"))).to_be_visible()
+    page.wait_for_timeout(1_000)  # the browser state is written after each change
+
+    page.reload()
+    expect(page.get_by_text("135 M parameters")).to_be_visible(timeout=60_000)
+    expect(_box(page)).to_have_value(context, timeout=30_000)
+    expect(page.get_by_label("quanto", exact=True)).to_be_checked()
+    expect(page.get_by_label("residual_length", exact=True)).to_have_value("48")
+    expect(page.get_by_label("nbits", exact=True)).to_have_value("4")
+    expect(
+        page.get_by_text(
+            re.compile(
+                r"^spec quanto:4,q_group_size=64,residual_length=48,axis_key=0,axis_value=0 · nothing prefilled "
+                r"in this tab yet$"
+            )
+        )
+    ).to_be_visible()
+    expect(_ask_button(page)).to_be_disabled()
+    expect(page.locator('[data-testid="bot"]')).to_have_count(0)
+    _shot(page, "7-after-reload")
