@@ -404,3 +404,25 @@ def test_prefill_shows_real_progress_and_stop_ends_it(handlers):
     assert "Prefill a context first" in refused(_ask(fns, "Who?"))
     fns["prefill"](long_context, *HQQ, _request())  # and it prefills again
     assert len(_ask(fns, "Where did they meet?", 2)) == 4
+
+
+# ---- the Needle tab ------------------------------------------------------------------------------------
+
+
+def test_needle_tab_runs_a_grid_cancels_and_refuses_bad_input(handlers, tiny):
+    from kvdemo.needle import needle_grid
+
+    app, fns = handlers
+    view = fns["needle"](["dynamic", "fp8"], "128,192", "0,100", 3, 4, _request())
+    assert view.needle_status.startswith("8 cells in ")  # 2 specs x 2 lengths x 2 depths
+    direct = needle_grid(tiny, ["dynamic", "fp8"], [128, 192], [0.0, 100.0], seed=3, max_new_tokens=4)
+    assert view.needle_table.drop(columns=[c for c in view.needle_table if "s" == c[-1:]]).equals(
+        direct.summary_frame().drop(columns=[c for c in direct.summary_frame() if "s" == c[-1:]]))
+    assert view.score_plot is not None and view.hit_plot is not None and len(view.needle_files) == 2
+    assert "lengths" in refused(fns["needle"](["dynamic"], "12x", "0", 0, 4, _request()))
+    assert "depth 150.0 must be a number from 0 to 100" in refused(fns["needle"](["dynamic"], "128", "150", 0, 4, _request()))
+    # Cancel while it runs: the cells finished so far are shown
+    app.sessions.get("tab-1").compare_pending = True
+    app.sessions.get("tab-1").compare_cancel.set()
+    cancelled = fns["needle"](["dynamic"], "128", "0", 0, 4, _request())
+    assert cancelled.needle_status.startswith("Cancelled after 0 cells")

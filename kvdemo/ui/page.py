@@ -13,6 +13,7 @@ from kvdemo.server import App
 from kvdemo.ui import views
 from kvdemo.ui.ask_tab import AskTab
 from kvdemo.ui.compare_tab import CompareTab
+from kvdemo.ui.needle_tab import NeedleTab
 from kvdemo.ui.inputs import refusal
 
 
@@ -62,7 +63,7 @@ def build_demo(app: App) -> gr.Blocks:
         >>> app = App(); app.start_loading(); build_demo(app).queue().launch()
     """
     bar, ask = ModelBar(app), AskTab(app)
-    compare = CompareTab(ask)
+    compare, grid = CompareTab(ask), NeedleTab(ask)
     with gr.Blocks(title="kvdemo: KV cache quantization, live") as demo:
         gr.Markdown(
             "# kvdemo: a quantized KV cache, live\nPrefill a long context once, ask questions in turn, and watch "
@@ -73,10 +74,13 @@ def build_demo(app: App) -> gr.Blocks:
             ask.build()
         with gr.Tab("Compare backends", id="compare"):
             compare.build()
+        with gr.Tab("Needle in a haystack", id="needle"):
+            grid.build()
         demo.load(bar.on_page_load, outputs=bar.line, api_name="model_status")
         bar.button.click(bar.load, inputs=bar.source, outputs=bar.line, api_name="load_model", concurrency_id="model")
         ask.wire(demo)
         compare.wire()
+        grid.wire()
 
         def unload(request: gr.Request) -> None:
             app.sessions.free(request.session_hash)

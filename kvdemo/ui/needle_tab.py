@@ -1,0 +1,148 @@
+"""The Needle tab: a needle-in-a-haystack grid (`kvdemo.needle`) over chosen specs, context lengths and depths,
+with progress and Cancel; one heatmap per spec for the hit and for the graded score, the table, and the grid as
+CSV and JSON. It shares the Compare tab's queue group (one long job at a time across users), the session's Cancel
+and lock, and the server's KV budget."""
+
+from __future__ import annotations
+
+import tempfile
+from typing import Any, NamedTuple
+
+import gradio as gr
+
+from kvdemo import needle
+from kvdemo.charts import needle_heatmap_figure
+from kvdemo.spec import all_specs
+from kvdemo.ui.ask_tab import AskTab
+from kvdemo.ui.inputs import refusal
+
+QUICK_LENGTHS, QUICK_DEPTHS = "512,1024", "0,50,100"
+"""The tab's starting grid: a few minutes on 2 CPU cores for two specs."""
+
+
+class NeedleView(NamedTuple):
+    """What a grid shows (`NeedleTab.run`), in the order of its outputs."""
+
+    needle_status: Any
+    needle_table: Any
+    score_plot: Any
+    hit_plot: Any
+    needle_files: Any
+
+    @classmethod
+    def refused(cls, message: str) -> NeedleView:
+        """A refusal: the message in the status line; the last grid stays."""
+        return cls(message, *[gr.skip()] * (len(cls._fields) - 1))
+
+
+def _view(grid: needle.NeedleGrid, note: str) -> NeedleView:
+    """The outputs of a (possibly partial) grid."""
+    table = grid.to_frame()
+    if table.empty:
+        return NeedleView(note, table, None, None, None)
+    files = list(map(str, grid.write(tempfile.mkdtemp(prefix="kvdemo-needle-"))))
+    return NeedleView(note, grid.summary_frame(), needle_heatmap_figure(table, value="score"),
+                      needle_heatmap_figure(table, value="hit"), files)
+
+
+class NeedleTab:
+    """The Needle tab over the Ask tab's sessions (`UserSession.compare_lock` and `compare_cancel` serve every
+    long job of a session: a comparison or a grid).
+
+    Args:
+        ask: the Ask tab (its session helpers).
+    """
+
+    def __init__(self, ask: AskTab):
+        self.ask = ask
+        self.app = ask.app
+        self.w: dict[str, Any] = {}
+
+    def queued(self, request: gr.Request) -> str:
+        """At the click, before the grid waits in the queue: from now on Cancel applies to it."""
+        try:
+            user = self.ask.user_of(request)
+        except ValueError as error:
+            return refusal(error, "a needle grid")
+        user.compare_cancel.clear()
+        user.compare_pending = True
+        return "Queued: one long job (a comparison or a grid) runs at a time on this server…"
+
+    def run(self, specs, lengths, depths, seed, max_new_tokens, request: gr.Request,
+            progress=gr.Progress()) -> NeedleView:
+        """Run `kvdemo.needle.needle_grid` with the tab's settings; Cancel stops it at the next decode step and
+        shows the cells finished. A refusal is a message in the status line; the last grid stays."""
+        try:
+            user = self.ask.user_of(request)
+            if not user.compare_lock.acquire(blocking=False):
+                raise ValueError("A comparison or a grid is already running in this session; wait or press Cancel")
+        except ValueError as error:
+            return NeedleView.refused(refusal(error, "a needle grid"))
+        try:
+            if not user.compare_pending:  # called through the API, not queued by the button
+                user.compare_cancel.clear()
+            loaded = self.app.wait_for_model()
+            grid = needle.needle_grid(
+                loaded, list(specs or []), needle.parse_lengths(lengths or ""), needle.parse_depths(depths or ""),
+                seed=int(seed or 0), max_new_tokens=int(max_new_tokens or needle.DEFAULT_MAX_NEW_TOKENS),
+                cancel=user.compare_cancel, kv_budget_bytes=self.app.kv_budget_bytes,
+                on_progress=lambda done, total, what: progress((done, total), desc=what, unit="steps"),
+            )
+            return _view(grid, f"{len(grid.cells):,} cells in {grid.seconds:,.0f} s on {grid.device}.")
+        except needle.NeedleCancelled as cancelled:
+            return _view(cancelled.grid, f"Cancelled after {len(cancelled.grid.cells):,} cells.")
+        except (ValueError, ImportError, TypeError) as error:
+            return NeedleView.refused(refusal(error, "a needle grid"))
+        finally:
+            user.compare_pending = False
+            self.app.sessions.touch(user)
+            user.compare_lock.release()
+
+    def build(self) -> None:
+        """The tab's widgets (inside a `gr.Blocks` and `gr.Tab` context), kept in `self.w` by name."""
+        w = self.w
+        gr.Markdown(
+            "A short fact (the **needle**: an invented name and a 6-digit number) hidden at several **depths** of "
+            "real text (SQuAD articles) cut to several **lengths** in tokens; the model is asked for the number. "
+            "Per cell: **hit** (the answer holds the number) and a graded **score**, the log-probability of the "
+            "number teacher-forced after the question (higher is better; it separates caches when the model "
+            "misses). One prefill per length holds every depth's needle; each question is answered on the "
+            "restored cache."
+        )
+        with gr.Row():
+            with gr.Column(scale=1, min_width=280):
+                w["specs"] = gr.CheckboxGroup([s.text for s in all_specs()], value=list(needle.DEFAULT_SPECS[:2]), label="specs")
+                w["seed"] = gr.Number(0, label="seed (draws the needles)", precision=0)
+                w["max_new_tokens"] = gr.Number(16, label="max_new_tokens", precision=0, minimum=1, maximum=64)
+            with gr.Column(scale=2):
+                w["lengths"] = gr.Textbox(QUICK_LENGTHS, label="context lengths (tokens)",
+                                          info="comma-separated, e.g. 1024,2048,4096,7936 (the model's window "
+                                          "less room for the question and the answer)")
+                w["depths"] = gr.Textbox(QUICK_DEPTHS, label="depths (%)", info="comma-separated, 0 to 100")
+                with gr.Row():
+                    w["run_button"] = gr.Button("Run grid", variant="primary")
+                    w["cancel_button"] = gr.Button("Cancel", variant="stop")
+        w["needle_status"] = gr.Markdown("")
+        with gr.Row():
+            w["score_plot"] = gr.Plot(label="graded score: log P(number) per depth and length")
+            w["hit_plot"] = gr.Plot(label="hit: the answer holds the number")
+        w["needle_table"] = gr.Dataframe(label="per spec and length", interactive=False, wrap=True)
+        w["needle_files"] = gr.File(label="every cell (CSV) and the whole grid (JSON)", file_count="multiple",
+                                    interactive=False, height=100)
+
+    def wire(self) -> None:
+        """The tab's events: the grid shares the comparisons' queue group (one long job at a time)."""
+        w = self.w
+        w["run_button"].click(self.queued, outputs=w["needle_status"], concurrency_limit=None,
+                              api_visibility="private").then(
+            self.run, inputs=[w["specs"], w["lengths"], w["depths"], w["seed"], w["max_new_tokens"]],
+            outputs=[w[name] for name in NeedleView._fields], api_name="needle", concurrency_limit=1,
+            concurrency_id="compare",
+        )
+        w["cancel_button"].click(self.cancel, api_name="cancel_needle", queue=False)
+
+    def cancel(self, request: gr.Request) -> None:
+        """Cancel this session's grid at its next decode step; does nothing when none runs or waits."""
+        user = self.ask.existing_user(request)
+        if user is not None and user.compare_pending:
+            user.compare_cancel.set()
