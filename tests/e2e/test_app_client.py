@@ -55,7 +55,7 @@ def test_load_prefill_and_ask_equal_the_core_session(client, embedded):
         assert _assistant_text(chat[-1]) == expected.text
         assert f"cache length after restore = {tokens:,} (context)" in stats
         assert len(outputs) >= 3 and arrivals[0] < done  # streamed: updates came before the end
-        assert "step 1 ·" in outputs[0][1]
+        assert outputs[0][1].startswith("reading the question (") and "step 1 ·" in outputs[1][1]
 
     summary = client.predict(context, "fp8", None, None, None, None, None, api_name="/prefill")[0]
     assert "with **fp8**" in summary and "0.250×" in summary
