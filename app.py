@@ -81,9 +81,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="let a --public server start from a local folder or .gguf file "
                         "(env KVDEMO_ALLOW_LOCAL_PATHS=1)")
     args = parser.parse_args(argv)
-    if min(args.idle_minutes, args.kv_budget_mib, args.server_kv_budget_mib, args.queue_size) < 0:
-        parser.error("--idle-minutes, --kv-budget-mib, --server-kv-budget-mib and --queue-size must be >= 0 "
-                     "(0 turns them off)")
+    if args.idle_minutes < 0 or args.kv_budget_mib < 0:
+        parser.error("--idle-minutes and --kv-budget-mib must be >= 0 (0 turns them off)")
+    if args.server_kv_budget_mib < 0 or args.queue_size < 0:
+        parser.error("--server-kv-budget-mib and --queue-size must be >= 0 (0 turns them off)")
     if args.public and args.model and not args.allow_local_paths and not _is_hub_id(args.model):
         parser.error(f"--public serves the embedded model or a Hub id; {args.model!r} is a local path "
                      "(add --allow-local-paths to serve it anyway)")

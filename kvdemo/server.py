@@ -12,9 +12,9 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
 
 from kvdemo import checks
 from kvdemo.models import LoadedModel, is_hub_id, load_model
