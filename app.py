@@ -116,8 +116,10 @@ def main(argv: list[str] | None = None) -> None:
     demo = build_demo(app)
     demo.queue(default_concurrency_limit=args.concurrency, max_size=args.queue_size or None)
     print(f"kvdemo: serving on http://{args.host}:{args.port} (model loading in the background)", flush=True)
+    # Gradio keeps each browser session's component updates (charts, chat) until it has seen this many newer
+    # sessions (default 10,000): bound it by the sessions the app itself keeps
     demo.launch(server_name=args.host, server_port=args.port, ssr_mode=False, max_file_size="2mb", show_error=True,
-                mcp_server=args.mcp, prevent_thread_lock=True)
+                mcp_server=args.mcp, prevent_thread_lock=True, state_session_capacity=4 * args.max_sessions)
     if args.mcp:
         from kvdemo.ui.mcp_tools import serve_only_tools
 

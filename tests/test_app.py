@@ -95,6 +95,7 @@ def test_main_hands_the_settings_to_the_app_the_queue_and_launch(fake_page):
     assert fake_page["app"]["server_kv_budget_bytes"] == 256 * 2**20
     assert calls["queue"] == {"default_concurrency_limit": 1, "max_size": 16}
     assert calls["launch"]["mcp_server"] is False and calls["block_thread"]
+    assert calls["launch"]["state_session_capacity"] == 4 * 32  # Gradio's per-session state, bounded like ours
     app_module.main(["--server-kv-budget-mib", "0", "--queue-size", "0", "--concurrency", "1"])
     assert fake_page["app"]["server_kv_budget_bytes"] is None
     assert fake_page["demo"].calls["queue"] == {"default_concurrency_limit": 1, "max_size": None}
