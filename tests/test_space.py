@@ -26,7 +26,7 @@ def pins() -> dict[str, str]:
         line = line.split("#", 1)[0].strip()
         if line:
             name, _, version = line.partition("==")
-            out[name.lower()] = version
+            out[name.split("[")[0].lower()] = version  # gradio[mcp]: the package, whatever extras it asks for
     return out
 
 

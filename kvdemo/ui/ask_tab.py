@@ -127,7 +127,7 @@ class AskTab:
                 qa = QASession(loaded, spec, kv_budget_bytes=self.app.kv_budget_bytes)
                 user.prefilling = qa
                 try:
-                    qa.prefill(context, on_progress=lambda done, total: progress(
+                    self.app.prefill(self.key_of(request), qa, context, on_progress=lambda done, total: progress(
                         (done, total), desc=f"Prefilling: {done:,} of {total:,} tokens", unit="tokens"))
                 finally:
                     user.prefilling = None

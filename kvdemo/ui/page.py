@@ -1,8 +1,8 @@
 """The page: the model bar over one tab per job (`AskTab`, `CompareTab`), composed into one `gr.Blocks`.
 
-Every event has an `api_name` for `gradio_client` (or is private). One model is shared; each browser session
-(Gradio's `session_hash`) has its own `QASession`, kept server-side in `kvdemo.server.SessionStore` and freed
-on `demo.unload`. Adding a tab: CONTRIBUTING.md, "Adding a tab".
+Every event has an `api_name` for `gradio_client` (or is private); `mcp_tools` adds typed endpoints, the app's
+MCP tools. One model is shared; each browser session (Gradio's `session_hash`) has its own `QASession`, kept
+server-side in `kvdemo.server.SessionStore` and freed on `demo.unload`. Adding a tab: CONTRIBUTING.md, "Adding a tab".
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ from kvdemo.server import App
 from kvdemo.ui import views
 from kvdemo.ui.ask_tab import AskTab
 from kvdemo.ui.compare_tab import CompareTab
-from kvdemo.ui.needle_tab import NeedleTab
 from kvdemo.ui.inputs import refusal
+from kvdemo.ui.mcp_tools import McpTools
+from kvdemo.ui.needle_tab import NeedleTab
 
 
 class ModelBar:
@@ -81,6 +82,7 @@ def build_demo(app: App) -> gr.Blocks:
         ask.wire(demo)
         compare.wire()
         grid.wire()
+        McpTools(app).register()  # typed endpoints, served as MCP tools by `launch(mcp_server=True)` (app.py --mcp)
 
         def unload(request: gr.Request) -> None:
             app.sessions.free(request.session_hash)

@@ -1,0 +1,272 @@
+"""The app's MCP tools: typed functions over the same `App` as the tabs (the per-session store, the per-cache
+and server-wide KV budgets, the `model` and `compare` queue groups), registered with `gr.api` so that
+`launch(mcp_server=True)` (app.py `--mcp`) serves them as MCP tools, each described by its docstring, with
+typed parameters from its signature. Their results are JSON text.
+
+Sessions. An MCP client reaches a tool through Gradio's loopback `gradio_client`, one client for the whole MCP
+server, so every MCP call carries the same Gradio `session_hash`. A tool's `session` argument names the caller's
+own session in `App.sessions` (key `mcp:<session>`), so that several MCP clients do not share a context; left
+empty, the request's `session_hash` is the key (one session for every MCP client that gives none, and each
+`gradio_client.Client` calling the endpoints directly gets its own).
+
+Example:
+    >>> with gr.Blocks() as demo:
+    ...     McpTools(app).register()
+    >>> demo.queue().launch(mcp_server=True, prevent_thread_lock=True)
+    >>> serve_only_tools(demo)  # the tabs' own endpoints stay API endpoints but are not MCP tools
+    ['ask_question', 'compare_backends', 'prefill_context']
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from contextlib import closing
+from typing import Any
+
+import gradio as gr
+
+from kvdemo import checks
+from kvdemo.cases import gold_answers_for
+from kvdemo.compare import ComparisonCancelled, compare
+from kvdemo.server import App, UserSession
+from kvdemo.session import DEFAULT_MAX_NEW_TOKENS, QASession
+from kvdemo.spec import CacheSpec, default_compare_specs
+from kvdemo.ui.ask_tab import START_SPEC
+from kvdemo.ui.inputs import compare_inputs, user_errors
+
+TOOLS = ("prefill_context", "ask_question", "compare_backends")
+"""The MCP tools, by endpoint name (`api_name`). The needle grid's tool joins here (a method of `McpTools`
+registered in `register`) when its tab lands."""
+
+_SESSION_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
+class McpTools:
+    """The MCP tools over the shared `App`; `register` adds them to the page being built.
+
+    Every tool refuses bad input with a `gr.Error` whose message says what to change (nothing changes then):
+    an empty context or question, a spec that does not parse or that the model cannot run, a context over the
+    model's window or a cache over the KV budget (per cache, or server-wide: `ServerKVBudgetError`), a question
+    before any prefill, a session name that is not 1-64 letters, digits, `_`, `.` or `-`, a second answer or
+    comparison while one runs in the same session.
+
+    Args:
+        app: the server state the tabs share.
+    """
+
+    def __init__(self, app: App):
+        self.app = app
+
+    @staticmethod
+    def key_of(session: str, request: gr.Request | None) -> str:
+        """The `App.sessions` key of a call: `mcp:<session>`, or the request's `session_hash` when `session` is
+        empty (`api` without a request).
+
+        Raises:
+            ValueError: `session` is not 1-64 letters, digits, `_`, `.` or `-`.
+        """
+        if not isinstance(session, str) or not session.strip():
+            return request.session_hash if request is not None and request.session_hash else "api"
+        if not _SESSION_NAME.fullmatch(session.strip()):
+            raise ValueError(f"session={session[:40]!r} must be 1-64 letters, digits, '_', '.' or '-' (or empty)")
+        return f"mcp:{session.strip()}"
+
+    def _prefilled(self, key: str) -> UserSession:
+        """The session of `key` with a prefilled cache, or a ValueError that says why there is none."""
+        user = self.app.sessions.peek(key)
+        if user is None or user.qa is None:
+            reason = self.app.sessions.freed_reason(key)
+            if reason:
+                raise ValueError(f"This session was freed because {reason}; call prefill_context again")
+            raise ValueError("Nothing is prefilled in this session: call prefill_context first (with the same "
+                             "session)")
+        return user
+
+    @user_errors
+    def prefill_context(self, context: str, spec: str = START_SPEC.text, session: str = "",
+                        request: gr.Request = None) -> str:
+        """Prefill a text once into a new KV cache of the chosen backend, so that ask_question can answer
+        questions about it; replaces this session's context.
+
+        Args:
+            context: the text the questions will be about (plain text, up to the model's window less 128 tokens)
+            spec: the KV cache, backend[:nbits][,option=value...]: dynamic, fp8, hqq:4,residual_length=16, quanto:2
+            session: your session's name (letters, digits, _ . -), the same for ask_question; empty: a shared one
+
+        Returns:
+            JSON: spec, context_tokens, prefill_seconds, kv_bytes, bytes_per_token, ratio_to_full_precision, model
+        """
+        if not isinstance(spec, str):
+            raise ValueError("spec must be a text like hqq:4,residual_length=16")
+        parsed = CacheSpec.parse(spec)
+        key = self.key_of(session, request)
+        loaded = self.app.wait_for_model()
+        user = self.app.sessions.get(key)
+        if user.qa is not None:
+            user.qa.request_stop()
+        with user.lock:
+            qa = QASession(loaded, parsed, kv_budget_bytes=self.app.kv_budget_bytes)
+            report = self.app.prefill(key, qa, context)
+            user.qa, user.chat, user.events = qa, [], []
+            self.app.sessions.forget_freed(key)
+        return _json({
+            "spec": qa.spec.text,
+            "context_tokens": report.context_tokens,
+            "prefill_seconds": round(report.seconds, 3),
+            "kv_bytes": report.kv_bytes,
+            "bytes_per_token": round(report.bytes_per_token, 1),
+            "ratio_to_full_precision": round(report.ratio_to_full_precision, 4),
+            "model": loaded.name,
+        })
+
+    @user_errors
+    def ask_question(self, question: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, session: str = "",
+                     request: gr.Request = None) -> str:
+        """Answer a question about the text prefilled by prefill_context (greedy decoding); afterwards the KV
+        cache is restored exactly to the prefilled context.
+
+        Args:
+            question: the question about the prefilled text
+            max_new_tokens: the most tokens the answer may have (>= 1; it also ends at the end-of-turn token)
+            session: the session name given to prefill_context (empty: the shared one)
+
+        Returns:
+            JSON: question, answer, tokens, steps, flushes, seconds, tokens_per_second, first_token_seconds
+            finish_reason, cache_length_after (equal to context_tokens: the cache was restored), spec
+        """
+        key = self.key_of(session, request)
+        user = self._prefilled(key)
+        max_new_tokens = checks.max_new_tokens(max_new_tokens)
+        if not user.lock.acquire(blocking=False):
+            raise ValueError("An answer or a prefill is already running in this session; wait for it to end")
+        try:
+            qa = user.qa  # read under the lock: a prefill that just finished has replaced it
+            if qa is None:
+                raise ValueError("This session was freed; call prefill_context again")
+            if self.app.loaded is not qa.loaded:
+                raise ValueError("The model changed since your prefill; call prefill_context again")
+            self.app.reserve_answer(key, qa, question, max_new_tokens)
+            stream = qa.stream(question, max_new_tokens)
+            first_token = None
+            try:
+                with closing(stream):
+                    for event in stream:
+                        if first_token is None:
+                            first_token = event.elapsed
+            except Exception as error:  # a fault inside a decode step: the session has restored the cache
+                steps = qa.history[-1].steps if qa.history else 0
+                raise ValueError(
+                    f"The answer failed after {steps} decode step(s) ({type(error).__name__}: {str(error)[:200]}). "
+                    "The cache was restored to the prefilled context; ask again"
+                ) from None
+            answer = qa.history[-1]
+            return _json({
+                "question": answer.question,
+                "answer": answer.text,
+                "tokens": len(answer.token_ids),
+                "steps": answer.steps,
+                "flushes": answer.flush_count,
+                "seconds": round(answer.seconds, 3),
+                "tokens_per_second": round(answer.tokens_per_second, 2),
+                "first_token_seconds": None if first_token is None else round(first_token, 3),
+                "finish_reason": answer.finish_reason,
+                "cache_length_after": answer.cache_length_after,
+                "context_tokens": qa.prefill_report.context_tokens,
+                "spec": qa.spec.text,
+            })
+        finally:
+            self.app.sessions.touch(user)
+            user.lock.release()
+
+    @user_errors
+    def compare_backends(self, questions: list[str], specs: list[str] | None = None, max_new_tokens: int = 32,
+                         context: str = "", session: str = "", request: gr.Request = None) -> str:
+        """Compare KV cache backends on one text: each spec prefills it in a fresh cache and answers the
+        questions; gives memory, agreement with dynamic (identical answers, KL divergence) and speed. Minutes on
+        a CPU; one comparison runs at a time on the server.
+
+        Args:
+            questions: the questions, asked in turn on the text (1-20)
+            specs: the specs, e.g. ["hqq:4", "quanto:2", "fp8"]; dynamic is always included; empty: the default set
+            max_new_tokens: the most tokens per answer (1-256)
+            context: the text; empty: the text this session prefilled with prefill_context
+            session: the session name given to prefill_context (empty: the shared one)
+
+        Returns:
+            JSON: context_tokens, max_new_tokens, scored_against_gold, note, results (one row per spec)
+            each row: spec, KV bytes, bytes/token, ratio to dynamic, identical to dynamic, KL (nats), tokens/s, answers
+        """
+        key = self.key_of(session, request)
+        if not isinstance(questions, list) or not questions or not all(isinstance(q, str) for q in questions):
+            raise ValueError("questions must be a list of 1-20 question texts")
+        if specs is not None and (not isinstance(specs, list) or not all(isinstance(s, str) for s in specs)):
+            raise ValueError("specs must be a list of spec texts like hqq:4 (or empty for the default set)")
+        chosen = specs or [s.text for s in default_compare_specs()]
+        if any(not q.strip() for q in questions):
+            raise ValueError("a question is empty; give the text of every question")
+        questions_text = "\n".join(" ".join(q.split()) for q in questions)  # one line each, for compare_inputs
+        parsed, questions, max_new_tokens = compare_inputs(chosen, None, questions_text, max_new_tokens)
+        if not isinstance(context, str) or not context.strip():
+            context = self._prefilled(key).qa.context
+        loaded = self.app.wait_for_model()
+        user = self.app.sessions.get(key)
+        if not user.compare_lock.acquire(blocking=False):
+            raise ValueError("A comparison is already running in this session; wait for it to end")
+        try:
+            user.compare_cancel.clear()
+            golds = gold_answers_for(context, questions)
+            note = ""
+            with self.app.comparison(key, loaded, context, parsed, max_new_tokens):
+                try:
+                    report = compare(loaded, context, questions, parsed, max_new_tokens, golds,
+                                     cancel=user.compare_cancel, kv_budget_bytes=self.app.kv_budget_bytes)
+                except ComparisonCancelled as cancelled:  # the session was freed meanwhile
+                    report, note = cancelled.report, "cancelled: the session was freed; the finished specs follow"
+                except (ValueError, ImportError):
+                    raise
+                except Exception as error:  # a fault inside a decode step: every session it used has restored
+                    raise ValueError(f"The comparison failed ({type(error).__name__}: {str(error)[:200]})") from None
+            rows = json.loads(report.to_frame().to_json(orient="records"))
+            for row, result in zip(rows, report.results):
+                row["answers"] = [q.answer for q in result.questions]
+            return _json({
+                "context_tokens": report.results[0].context_tokens if report.results else None,
+                "max_new_tokens": max_new_tokens,
+                "scored_against_gold": golds is not None,
+                "note": note,
+                "results": rows,
+            })
+        finally:
+            self.app.sessions.touch(user)
+            user.compare_lock.release()
+
+    def register(self) -> None:
+        """Add the tools to the `gr.Blocks` being built, as API endpoints named `TOOLS`: prefill and ask in the
+        tabs' `model` queue group (`--concurrency` at once across users), compare in their `compare` group (one
+        at a time)."""
+        gr.api(self.prefill_context, api_name="prefill_context", concurrency_id="model")
+        gr.api(self.ask_question, api_name="ask_question", concurrency_id="model")
+        gr.api(self.compare_backends, api_name="compare_backends", concurrency_limit=1, concurrency_id="compare")
+
+
+def serve_only_tools(demo: gr.Blocks) -> list[str]:
+    """After `demo.launch(mcp_server=True, ...)`: make `TOOLS` the MCP server's only tools. Gradio makes every
+    public endpoint a tool; the tabs' endpoints return page updates (charts, chat) and stay what they are, API
+    endpoints for `gradio_client`, but are no MCP tools. Returns the tool names served (a Space prefixes them
+    with its name).
+
+    Raises:
+        RuntimeError: the MCP server did not start (Gradio's message, e.g. the `mcp` package is missing).
+    """
+    server = getattr(demo, "mcp_server_obj", None)
+    if server is None:
+        raise RuntimeError(getattr(demo, "mcp_error", None) or "the MCP server is not running; launch with "
+                           "mcp_server=True (pip install 'gradio[mcp]')")
+    endpoints = {f"/{name}" for name in TOOLS}
+    server.tool_to_endpoint = {tool: ep for tool, ep in server.tool_to_endpoint.items() if ep in endpoints}
+    return sorted(server.tool_to_endpoint)

@@ -1,0 +1,258 @@
+"""The server-wide KV budget (`kvdemo.server.KVAccount`, `App.prefill`, `App.reserve_answer`, `App.comparison`)
+and the MCP tools' handlers (`kvdemo.ui.mcp_tools.McpTools`) called directly on a tiny model: what a session may
+hold against what it really holds, refusals with the figures before anything runs, reservations released when a
+session is freed or replaced, and the MCP sessions kept apart."""
+
+from __future__ import annotations
+
+import json
+import threading
+from types import SimpleNamespace
+
+import gradio as gr
+import pytest
+
+from kvdemo import CacheSpec, QASession
+from kvdemo.compare import compare
+from kvdemo.server import App, KVAccount, ServerKVBudgetError, prefill_tokens, session_kv_bytes
+from kvdemo.session import QUESTION_RESERVE_TOKENS
+from kvdemo.spec import estimate_kv_bytes
+from kvdemo.telemetry import _bytes
+from kvdemo.ui.mcp_tools import McpTools
+
+MIB = 2**20
+
+
+def _request(session_hash: str) -> SimpleNamespace:
+    return SimpleNamespace(session_hash=session_hash)
+
+
+def _app(tiny, limit_bytes: int | None) -> App:
+    app = App(loader=lambda source: tiny, server_kv_budget_bytes=limit_bytes)
+    app.start_loading()
+    app.wait_for_model()
+    return app
+
+
+# ---- what a session may hold ----------------------------------------------------------------------------
+def test_a_dynamic_session_holds_its_tokens_in_full_precision_and_nothing_more(tiny):
+    # tiny: 2 layers x 2 KV heads x head_dim 64, keys and values, float32: 2 * 2 * 2 * 64 * 4 = 2,048 bytes/token
+    assert session_kv_bytes(CacheSpec("dynamic"), tiny, 300, 128) == 2048 * 428
+
+
+def _held_with_snapshot(qa: QASession) -> int:
+    """Bytes of every tensor storage the cache and its snapshot hold, each counted once (as `kv_memory` counts)."""
+    names, seen, total = ("_quantized_keys", "_quantized_values", "keys", "values"), set(), 0
+    for layer, saved in zip(qa.cache.layers, qa._snapshot.layers):
+        total += _bytes(tuple(getattr(layer, name, None) for name in names), seen)
+        if saved.attributes is not None:
+            total += _bytes(tuple(saved.attributes.get(name) for name in names), seen)
+    return total
+
+
+@pytest.mark.parametrize("text, flushes", [("dynamic", False), ("fp8", True), ("hqq:4,residual_length=8", True),
+                                           ("quanto:2,residual_length=8", True), ("hqq:2,residual_length=128", False)])
+def test_what_a_session_may_hold_bounds_its_cache_and_snapshot_during_an_answer(tiny, normans, text, flushes):
+    spec = CacheSpec.parse(text)
+    qa = QASession(tiny, spec)
+    context = normans.select("0").context
+    assert prefill_tokens(qa, context) == qa.prefill(context).context_tokens
+    question = "Tell me about the Normans."
+    decoded = len(qa.question_ids(question)) + 40
+    limit = session_kv_bytes(qa.spec, tiny, qa.prefill_report.context_tokens, decoded)
+    peak = max(_held_with_snapshot(qa) for _ in qa.stream(question, 40))
+    assert len(qa.history[-1].token_ids) == 40  # the answer used the whole reserve (no EOS)
+    assert peak <= limit
+    # once the answer has flushed, the snapshot keeps the post-prefill store alive (fp8 appends: from the first
+    # step); before, it shares the cache's store; dynamic's restore slices back and keeps nothing
+    store = estimate_kv_bytes(qa.spec, tiny.config, qa.prefill_report.context_tokens, tiny.dtype)
+    expected = limit if flushes or not spec.info.quantized else limit - store
+    assert peak == pytest.approx(expected, rel=0.03)
+
+
+def test_prefill_tokens_of_what_is_not_text_is_zero(tiny):
+    qa = QASession(tiny, CacheSpec("dynamic"))
+    assert prefill_tokens(qa, "") == prefill_tokens(qa, "   ") == prefill_tokens(qa, None) == 0
+
+
+# ---- the account ----------------------------------------------------------------------------------------
+def test_the_account_refuses_what_would_pass_its_limit_with_the_figures():
+    account = KVAccount(100 * MIB)
+    account.reserve("cache:a", 60 * MIB, "a cache")
+    account.reserve("cache:a", 70 * MIB, "a bigger cache")  # replaces its own reservation
+    assert account.held_bytes == 70 * MIB
+    with pytest.raises(ServerKVBudgetError) as refused:
+        account.reserve("compare:b", 40 * MIB, "a comparison of 2 spec(s) on 300 context tokens")
+    assert str(refused.value) == (
+        "The server's KV budget is full: a comparison of 2 spec(s) on 300 context tokens needs about 40.0 MiB, and "
+        "70.0 MiB of its 100.0 MiB are held by 1 other cache and comparisons (30.0 MiB free). Try again when other "
+        "users finish, or ask for less: a shorter context, fewer max_new_tokens, or a backend with fewer bits (e.g. "
+        "hqq with nbits 2)"
+    )
+    assert (refused.value.request_bytes, refused.value.held_bytes, refused.value.limit_bytes) == (
+        40 * MIB, 70 * MIB, 100 * MIB)
+    assert account.holders() == {"cache:a": 70 * MIB}  # nothing reserved by the refusal
+    account.reserve("cache:a", 10 * MIB, "an answer", grow_only=True)  # never shrinks
+    account.reserve("prefill:b", 30 * MIB, "a prefill")
+    account.transfer("prefill:b", "cache:b")
+    assert account.holders() == {"cache:a": 70 * MIB, "cache:b": 30 * MIB}
+    assert account.release("cache:a") == 70 * MIB and account.release("cache:a") == 0
+    assert KVAccount(None).reserve("x", 10**15, "anything") is None  # no limit: counted, never refused
+    with pytest.raises(ValueError, match="limit_bytes=0 must be >= 1"):
+        KVAccount(0)
+
+
+# ---- the app --------------------------------------------------------------------------------------------
+def _one_session_bytes(tiny, context: str, spec: CacheSpec) -> int:
+    qa = QASession(tiny, spec)
+    return session_kv_bytes(qa.spec, tiny, prefill_tokens(qa, context), QUESTION_RESERVE_TOKENS + 64)
+
+
+def test_a_prefill_over_the_server_budget_is_refused_before_it_runs_and_a_freed_session_makes_room(tiny, normans):
+    context = normans.select("0").context
+    spec = CacheSpec("hqq", nbits=4, residual_length=8)
+    one = _one_session_bytes(tiny, context, spec)
+    app = _app(tiny, int(1.5 * one))
+    a, b = app.sessions.get("a"), app.sessions.get("b")
+    a.qa = QASession(tiny, spec)
+    app.prefill("a", a.qa, context)
+    assert app.kv.holders() == {"cache:a": one}
+    qa_b = QASession(tiny, spec)
+    refused = r"needs about 0\.\d MiB, and 0\.\d MiB of its 0\.\d MiB are held by 1 other cache and comparisons"
+    with pytest.raises(ServerKVBudgetError, match=refused):
+        app.prefill("b", qa_b, context)
+    assert qa_b.cache is None and app.kv.holders() == {"cache:a": one}  # nothing ran, nothing reserved
+    # a new prefill in session a counts its old cache too: it is alive until the new one replaces it
+    with pytest.raises(ServerKVBudgetError):
+        app.prefill("a", QASession(tiny, spec), context)
+    assert a.qa.ask("Who were the Normans?", 4).cache_length_after == a.qa.prefill_report.context_tokens
+    app.sessions.free("a")
+    assert app.kv.holders() == {}
+    app.prefill("b", qa_b, context)
+    b.qa = qa_b
+    assert app.kv.holders() == {"cache:b": one}
+    alone = QASession(tiny, spec)
+    alone.prefill(context)
+    assert b.qa.ask("Who were the Normans?", 6).text == alone.ask("Who were the Normans?", 6).text
+
+
+def test_a_refused_or_failed_prefill_keeps_the_old_reservation_and_a_closed_tab_releases_the_new_one(tiny, normans):
+    context = normans.select("0").context
+    app = _app(tiny, None)
+    user = app.sessions.get("a")
+    user.qa = QASession(tiny, CacheSpec("dynamic"))
+    app.prefill("a", user.qa, context)
+    old = app.kv.holders()
+    with pytest.raises(ValueError, match="the context is empty"):
+        app.prefill("a", QASession(tiny, CacheSpec("dynamic")), " ")
+    with pytest.raises(ValueError, match="exceeds the model's 512-token window"):
+        app.prefill("a", QASession(tiny, CacheSpec("dynamic")), normans.select("0-7").context)
+    assert app.kv.holders() == old
+    app.sessions.free("a")  # the tab closes while another prefill of it runs: nothing keeps that cache
+    app.prefill("a", QASession(tiny, CacheSpec("dynamic")), context)
+    assert app.kv.holders() == {}
+
+
+def test_an_answer_longer_than_the_prefill_reserved_grows_the_reservation_or_is_refused(tiny, normans):
+    context = normans.select("0").context
+    spec = CacheSpec("dynamic")
+    one = _one_session_bytes(tiny, context, spec)
+    app = _app(tiny, one + 2048 * 100)  # room for 100 more tokens (dynamic: 2,048 bytes per token)
+    user = app.sessions.get("a")
+    user.qa = QASession(tiny, spec)
+    tokens = app.prefill("a", user.qa, context).context_tokens
+    question = "Who were the Normans?"
+    q = len(user.qa.question_ids(question))
+    app.reserve_answer("a", user.qa, question, 8)  # inside the prefill's reserve: unchanged
+    assert app.kv.holders() == {"cache:a": one}
+    app.reserve_answer("a", user.qa, question, 128 + 90 - q)
+    assert app.kv.holders() == {"cache:a": 2048 * (tokens + 128 + 90)}
+    with pytest.raises(ServerKVBudgetError, match="an answer of up to 300 tokens on your"):
+        app.reserve_answer("a", user.qa, question, 300)
+    with pytest.raises(ValueError, match="the question is empty"):
+        app.reserve_answer("a", user.qa, "  ", 8)
+
+
+def test_a_comparison_holds_its_largest_spec_while_it_runs(tiny, normans):
+    context = normans.select("0").context
+    specs = [CacheSpec.parse("hqq:4"), CacheSpec.parse("fp8")]
+    dynamic = session_kv_bytes(CacheSpec("dynamic"), tiny, prefill_tokens(QASession(tiny), context),
+                               QUESTION_RESERVE_TOKENS + 4)
+    app = _app(tiny, dynamic + 1000)
+    with app.comparison("a", tiny, context, specs, 4) as held:
+        assert held == dynamic and app.kv.holders() == {"compare:a": dynamic}
+        report = compare(tiny, context, ["Who were the Normans?"], specs, 4)
+        # no spec's session held more than the reservation (measured after its prefill)
+        assert max(r.kv_bytes for r in report.results) <= held
+        with pytest.raises(ServerKVBudgetError, match="a comparison of 2 spec"):
+            with app.comparison("b", tiny, context, specs, 4):
+                pass
+    assert app.kv.holders() == {}
+    with pytest.raises(ValueError, match="nbits=3 is not allowed for quanto"):
+        app.comparison("a", tiny, context, [CacheSpec("quanto", nbits=3)], 4)
+
+
+# ---- the MCP tools' handlers ------------------------------------------------------------------------------
+def test_mcp_sessions_are_named_and_kept_apart_from_each_other_and_from_the_tabs(tiny, normans):
+    app = _app(tiny, None)
+    tools = McpTools(app)
+    assert tools.key_of("alice", _request("h")) == "mcp:alice" and tools.key_of("", _request("h")) == "h"
+    contexts = {"alice": normans.select("0").context, "bob": normans.select("2").context}
+    for name, context in contexts.items():
+        json.loads(tools.prefill_context(context, "quanto:4,residual_length=4", name, _request("loopback")))
+    question = "Who were the Normans?"
+    for name, context in contexts.items():
+        answer = json.loads(tools.ask_question(question, 5, name, _request("loopback")))
+        alone = QASession(tiny, CacheSpec.parse("quanto:4,residual_length=4"))
+        tokens = alone.prefill(context).context_tokens
+        assert (answer["answer"], answer["cache_length_after"]) == (alone.ask(question, 5).text, tokens)
+    assert set(app.kv.holders()) == {"cache:mcp:alice", "cache:mcp:bob"}
+    with pytest.raises(gr.Error, match="Nothing is prefilled in this session"):
+        tools.ask_question(question, 5, "", _request("a-browser-tab"))
+
+
+def test_mcp_tools_obey_the_server_budget_and_refuse_bad_input(tiny, normans):
+    context = normans.select("0").context
+    one = _one_session_bytes(tiny, context, CacheSpec.parse("hqq:4,residual_length=16"))
+    app = _app(tiny, int(1.5 * one))
+    tools = McpTools(app)
+    tools.prefill_context(context, session="a", request=None)
+    with pytest.raises(gr.Error, match="The server's KV budget is full: a hqq .* KV cache for .* context tokens"):
+        tools.prefill_context(context, session="b", request=None)
+    cases = [
+        (lambda: tools.prefill_context(context, "hqq:4,nbits=2", "a"), "nbits is given twice"),
+        (lambda: tools.prefill_context(context, 4, "a"), "spec must be a text like hqq:4,residual_length=16"),
+        (lambda: tools.prefill_context(context, "dynamic", "../etc"), "session='../etc' must be 1-64 letters"),
+        (lambda: tools.ask_question("Who?", 0, "a"), "max_new_tokens=0 must be a whole number >= 1"),
+        (lambda: tools.ask_question("", 4, "a"), "the question is empty"),
+        (lambda: tools.compare_backends(["Who?"], ["hqq:9"], 4, "", "a"), "nbits=9 is not allowed for hqq"),
+        (lambda: tools.compare_backends(["Who?", " "], None, 4, "", "a"), "a question is empty"),
+        (lambda: tools.compare_backends(["Who?"], None, 1000, "", "a"), "max_new_tokens=1000 is more than a "
+                                                                      "comparison runs here; use at most 256"),
+        (lambda: tools.compare_backends(["Who?"], None, 4, "", "nobody"), "Nothing is prefilled in this session"),
+        (lambda: tools.compare_backends("Who?", None, 4, "", "a"), "questions must be a list of 1-20"),
+    ]
+    for call, message in cases:
+        with pytest.raises(gr.Error, match=message):
+            call()
+    # the session still answers as alone after every refusal
+    alone = QASession(tiny, CacheSpec.parse("hqq:4,residual_length=16"))
+    alone.prefill(context)
+    assert json.loads(tools.ask_question("Who?", 4, "a"))["answer"] == alone.ask("Who?", 4).text
+
+
+def test_mcp_compare_uses_the_sessions_context_and_one_comparison_at_a_time(tiny, normans):
+    app = _app(tiny, None)
+    tools = McpTools(app)
+    context = normans.select("1").context
+    tools.prefill_context(context, "dynamic", "a")
+    report = json.loads(tools.compare_backends(["Who ruled the duchy?"], ["hqq:2"], 3, "", "a"))
+    assert report["context_tokens"] == app.sessions.peek("mcp:a").qa.prefill_report.context_tokens
+    assert [row["backend"] for row in report["results"]] == ["dynamic", "hqq"] and app.kv.holders() == {
+        "cache:mcp:a": app.kv.holders()["cache:mcp:a"]}
+    user = app.sessions.peek("mcp:a")
+    started = threading.Event()
+    with user.compare_lock:  # a comparison already running in this session
+        started.set()
+        with pytest.raises(gr.Error, match="A comparison is already running in this session"):
+            tools.compare_backends(["Who?"], ["hqq:2"], 3, "", "a")
