@@ -17,9 +17,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from kvdemo import checks
+from kvdemo import budget
 from kvdemo.models import LoadedModel, is_hub_id, load_model
 from kvdemo.session import DEFAULT_MAX_NEW_TOKENS, QUESTION_RESERVE_TOKENS, PrefillReport, QASession
-from kvdemo.spec import CacheSpec, estimate_kv_bytes
+from kvdemo.spec import CacheSpec
 
 
 @dataclass
@@ -285,15 +286,13 @@ def prefill_tokens(qa: QASession, context: object) -> int:
     0 for what is not a non-blank text (the session refuses that with its own message)."""
     if not isinstance(context, str) or not context.strip():
         return 0
-    return len(qa._layout(context).prefix)  # the session's own layout: the one definition of the prompt
+    return len(qa.context_ids(context))  # the session's own layout: the one definition of the prompt
 
 
 def session_kv_bytes(spec: CacheSpec, loaded: LoadedModel, context_tokens: int, reserve_tokens: int) -> int:
     """The most bytes a session of `spec` holds with `context_tokens` prefilled: its cache with `reserve_tokens`
     more decoded (a question and its answer, `QASession.estimate_kv_bytes`), plus what the snapshot keeps alive
-    during an answer. For a quantized backend that is the post-prefill quantized store (every flush builds a new
-    store while the snapshot holds the old one; fp8 appends a new tensor every step): `estimate_kv_bytes` at
-    `context_tokens` with an empty residual (transformers' `QuantizedLayer` quantizes the whole prefill). For
+    during an answer once the cache replaces its post-prefill store (`kvdemo.budget.held_bytes_estimate`). For
     `dynamic` nothing: the restore slices back instead of holding a copy (DESIGN.md, invariant 3).
 
     Returns:
@@ -302,11 +301,8 @@ def session_kv_bytes(spec: CacheSpec, loaded: LoadedModel, context_tokens: int, 
     Raises:
         ValueError, ImportError: the spec does not validate on the model (`CacheSpec.validate`).
     """
-    config, dtype = loaded.config, loaded.dtype
-    tokens = context_tokens + reserve_tokens
-    cache = estimate_kv_bytes(spec, config, tokens, dtype, residual_tokens=reserve_tokens)
-    snapshot = estimate_kv_bytes(spec, config, context_tokens, dtype) if spec.info.quantized else 0
-    return cache + snapshot
+    return budget.held_bytes_estimate(spec.validate(loaded.config), loaded.config, loaded.dtype, context_tokens,
+                                      reserve_tokens)  # the one estimate, the session's own guard uses it too
 
 
 class App:

@@ -182,12 +182,12 @@ class AskTab:
             yield AnswerView.refused(refusal(error, "a question"))
             return
         try:
-            yield from self._answer(user, question, max_new_tokens)
+            yield from self._answer(user, self.key_of(request), question, max_new_tokens)
         finally:
             self.app.sessions.touch(user)
             user.lock.release()
 
-    def _answer(self, user: UserSession, question: str, max_new_tokens: int) -> Iterator[AnswerView]:
+    def _answer(self, user: UserSession, key: str, question: str, max_new_tokens: int) -> Iterator[AnswerView]:
         """The answer's updates, with the session's lock held."""
         qa = user.qa  # read under the lock: a prefill that just finished has replaced it
         try:
@@ -195,6 +195,7 @@ class AskTab:
                 raise ValueError("Your session was freed; press Prefill again to rebuild the cache")
             if self.app.loaded is not qa.loaded:
                 raise ValueError("The model changed since your prefill; press Prefill to rebuild the cache on it")
+            self.app.reserve_answer(key, qa, question, max_new_tokens)  # within the server-wide KV budget
             stream = qa.stream(question, max_new_tokens)
         except ValueError as error:
             yield AnswerView.refused(refusal(error, "a question"))

@@ -106,12 +106,13 @@ class CompareTab:
             loaded = self.app.wait_for_model()
             golds = gold_answers_for(context, questions)
             progress(0, desc="Starting the comparison…")
-            report = compare(
-                loaded, context, questions, specs, max_new_tokens, golds, cancel=user.compare_cancel,
-                on_progress=lambda done, total, what: progress((done, total), desc=what, unit="steps"),
-                kv_budget_bytes=self.app.kv_budget_bytes, perplexity_tokens=ppl_tokens,
-                continuation=continuation_for(context) if ppl_tokens else None,
-            )
+            with self.app.comparison(self.ask.key_of(request), loaded, context, specs, max_new_tokens):
+                report = compare(
+                    loaded, context, questions, specs, max_new_tokens, golds, cancel=user.compare_cancel,
+                    on_progress=lambda done, total, what: progress((done, total), desc=what, unit="steps"),
+                    kv_budget_bytes=self.app.kv_budget_bytes, perplexity_tokens=ppl_tokens,
+                    continuation=continuation_for(context) if ppl_tokens else None,
+                )
             note = f"Compared {len(report.results)} specs on {len(questions)} question{'s' if len(questions) > 1 else ''}"
             note += " (scored against the example's gold answers)." if golds else " (no gold answers for this text)."
             return _view(report, note)
