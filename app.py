@@ -40,54 +40,98 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     space = bool(env("SPACE_ID"))
     parser = argparse.ArgumentParser(description="kvdemo: prefill a context once, ask in turn, watch the KV cache.")
     default_host = "0.0.0.0" if space else "127.0.0.1"
-    parser.add_argument("--host", default=env("KVDEMO_HOST", env("GRADIO_SERVER_NAME", default_host)),
-                        help="address to bind (env KVDEMO_HOST; default 127.0.0.1, on a Space 0.0.0.0)")
-    parser.add_argument("--port", type=int, default=env("KVDEMO_PORT", env("GRADIO_SERVER_PORT", "7860")),
-                        help="port (env KVDEMO_PORT; default 7860)")
-    parser.add_argument("--model", default=env("KVDEMO_MODEL") or (SPACE_MODEL if space else None),
-                        help="model loaded at start: a Hub id, a local folder or a .gguf file "
-                        "(env KVDEMO_MODEL; default the embedded SmolLM2-135M-Instruct, on a Space " + SPACE_MODEL + ")")
-    parser.add_argument("--concurrency", type=int, default=env("KVDEMO_CONCURRENCY"),
-                        help="answers and prefills running at once, across users (env KVDEMO_CONCURRENCY; "
-                        "default 1 on CPU, 2 on CUDA); others wait in the queue and see their place")
-    parser.add_argument("--max-sessions", type=int, default=env("KVDEMO_MAX_SESSIONS", "32"),
-                        help="browser sessions kept at once; the least recently used is freed first "
-                        "(env KVDEMO_MAX_SESSIONS; default 32)")
-    parser.add_argument("--idle-minutes", type=float, default=env("KVDEMO_IDLE_MINUTES", "30"),
-                        help="free a session unused this long; its user is asked to prefill again "
-                        "(env KVDEMO_IDLE_MINUTES; default 30; 0 = never)")
-    parser.add_argument("--kv-budget-mib", type=float, default=env("KVDEMO_KV_BUDGET_MIB", "1024"),
-                        help="largest KV cache one prefill may build, estimated before it runs (MiB; "
-                        "env KVDEMO_KV_BUDGET_MIB; default 1024; 0 = no limit)")
-    parser.add_argument("--server-kv-budget-mib", type=float, default=env("KVDEMO_SERVER_KV_BUDGET_MIB", "4096"),
-                        help="KV bytes all sessions' caches and snapshots, prefills in progress and running "
-                        "comparisons may hold together; what would pass it is refused with the figures (MiB; env "
-                        "KVDEMO_SERVER_KV_BUDGET_MIB; default 4096; 0 = no limit)")
-    parser.add_argument("--queue-size", type=int, default=env("KVDEMO_QUEUE_SIZE", "64"),
-                        help="requests that may wait in the queue; more are turned away with Gradio's 'This "
-                        "application is currently busy. Please try again.' (env KVDEMO_QUEUE_SIZE; default 64; "
-                        "0 = no limit)")
-    parser.add_argument("--mcp", action=argparse.BooleanOptionalAction,
-                        default=_flag(env("KVDEMO_MCP"), default=False),
-                        help="also serve the MCP tools prefill_context, ask_question and compare_backends at "
-                        "/gradio_api/mcp/ (needs gradio[mcp]; env KVDEMO_MCP=1)")
-    parser.add_argument("--public", action=argparse.BooleanOptionalAction,
-                        default=_flag(env("KVDEMO_PUBLIC"), default=space),
-                        help="a public server: visitors cannot load another model (it would end the other users' "
-                        "sessions) and --model must be the embedded model or a Hub id (env KVDEMO_PUBLIC=1; default "
-                        "on a Space)")
-    parser.add_argument("--allow-local-paths", action=argparse.BooleanOptionalAction,
-                        default=_flag(env("KVDEMO_ALLOW_LOCAL_PATHS"), default=False),
-                        help="let a --public server start from a local folder or .gguf file "
-                        "(env KVDEMO_ALLOW_LOCAL_PATHS=1)")
+    parser.add_argument(
+        "--host",
+        default=env("KVDEMO_HOST", env("GRADIO_SERVER_NAME", default_host)),
+        help="address to bind (env KVDEMO_HOST; default 127.0.0.1, on a Space 0.0.0.0)",
+    )
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=env("KVDEMO_PORT", env("GRADIO_SERVER_PORT", "7860")),
+        help="port (env KVDEMO_PORT; default 7860)",
+    )
+    parser.add_argument(
+        "--model",
+        default=env("KVDEMO_MODEL") or (SPACE_MODEL if space else None),
+        help="model loaded at start: a Hub id, a local folder or a .gguf file "
+        "(env KVDEMO_MODEL; default the embedded SmolLM2-135M-Instruct, on a Space " + SPACE_MODEL + ")",
+    )
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=env("KVDEMO_CONCURRENCY"),
+        help="answers and prefills running at once, across users (env KVDEMO_CONCURRENCY; "
+        "default 1 on CPU, 2 on CUDA); others wait in the queue and see their place",
+    )
+    parser.add_argument(
+        "--max-sessions",
+        type=int,
+        default=env("KVDEMO_MAX_SESSIONS", "32"),
+        help="browser sessions kept at once; the least recently used is freed first "
+        "(env KVDEMO_MAX_SESSIONS; default 32)",
+    )
+    parser.add_argument(
+        "--idle-minutes",
+        type=float,
+        default=env("KVDEMO_IDLE_MINUTES", "30"),
+        help="free a session unused this long; its user is asked to prefill again "
+        "(env KVDEMO_IDLE_MINUTES; default 30; 0 = never)",
+    )
+    parser.add_argument(
+        "--kv-budget-mib",
+        type=float,
+        default=env("KVDEMO_KV_BUDGET_MIB", "1024"),
+        help="largest KV cache one prefill may build, estimated before it runs (MiB; "
+        "env KVDEMO_KV_BUDGET_MIB; default 1024; 0 = no limit)",
+    )
+    parser.add_argument(
+        "--server-kv-budget-mib",
+        type=float,
+        default=env("KVDEMO_SERVER_KV_BUDGET_MIB", "4096"),
+        help="KV bytes all sessions' caches and snapshots, prefills in progress and running "
+        "comparisons may hold together; what would pass it is refused with the figures (MiB; env "
+        "KVDEMO_SERVER_KV_BUDGET_MIB; default 4096; 0 = no limit)",
+    )
+    parser.add_argument(
+        "--queue-size",
+        type=int,
+        default=env("KVDEMO_QUEUE_SIZE", "64"),
+        help="requests that may wait in the queue; more are turned away with Gradio's 'This "
+        "application is currently busy. Please try again.' (env KVDEMO_QUEUE_SIZE; default 64; "
+        "0 = no limit)",
+    )
+    parser.add_argument(
+        "--mcp",
+        action=argparse.BooleanOptionalAction,
+        default=_flag(env("KVDEMO_MCP"), default=False),
+        help="also serve the MCP tools prefill_context, ask_question and compare_backends at "
+        "/gradio_api/mcp/ (needs gradio[mcp]; env KVDEMO_MCP=1)",
+    )
+    parser.add_argument(
+        "--public",
+        action=argparse.BooleanOptionalAction,
+        default=_flag(env("KVDEMO_PUBLIC"), default=space),
+        help="a public server: visitors cannot load another model (it would end the other users' "
+        "sessions) and --model must be the embedded model or a Hub id (env KVDEMO_PUBLIC=1; default "
+        "on a Space)",
+    )
+    parser.add_argument(
+        "--allow-local-paths",
+        action=argparse.BooleanOptionalAction,
+        default=_flag(env("KVDEMO_ALLOW_LOCAL_PATHS"), default=False),
+        help="let a --public server start from a local folder or .gguf file (env KVDEMO_ALLOW_LOCAL_PATHS=1)",
+    )
     args = parser.parse_args(argv)
     if args.idle_minutes < 0 or args.kv_budget_mib < 0:
         parser.error("--idle-minutes and --kv-budget-mib must be >= 0 (0 turns them off)")
     if args.server_kv_budget_mib < 0 or args.queue_size < 0:
         parser.error("--server-kv-budget-mib and --queue-size must be >= 0 (0 turns them off)")
     if args.public and args.model and not args.allow_local_paths and not _is_hub_id(args.model):
-        parser.error(f"--public serves the embedded model or a Hub id; {args.model!r} is a local path "
-                     "(add --allow-local-paths to serve it anyway)")
+        parser.error(
+            f"--public serves the embedded model or a Hub id; {args.model!r} is a local path "
+            "(add --allow-local-paths to serve it anyway)"
+        )
     if args.concurrency is None:
         import torch
 
@@ -118,8 +162,16 @@ def main(argv: list[str] | None = None) -> None:
     print(f"kvdemo: serving on http://{args.host}:{args.port} (model loading in the background)", flush=True)
     # Gradio keeps each browser session's component updates (charts, chat) until it has seen this many newer
     # sessions (default 10,000): bound it by the sessions the app itself keeps
-    demo.launch(server_name=args.host, server_port=args.port, ssr_mode=False, max_file_size="2mb", show_error=True,
-                mcp_server=args.mcp, prevent_thread_lock=True, state_session_capacity=4 * args.max_sessions)
+    demo.launch(
+        server_name=args.host,
+        server_port=args.port,
+        ssr_mode=False,
+        max_file_size="2mb",
+        show_error=True,
+        mcp_server=args.mcp,
+        prevent_thread_lock=True,
+        state_session_capacity=4 * args.max_sessions,
+    )
     if args.mcp:
         from kvdemo.ui.mcp_tools import serve_only_tools
 

@@ -35,8 +35,12 @@ def main() -> None:
     parser.add_argument("--spec", action="append", help=f"default: {' '.join(DEFAULT_SPECS)}")
     parser.add_argument("--lengths", default=",".join(map(str, DEFAULT_LENGTHS)))
     parser.add_argument("--depths", default=",".join(f"{d:g}" for d in DEFAULT_DEPTHS))
-    parser.add_argument("--one-per-context", action="append", default=None,
-                        help="specs to run again with one needle per context (default: dynamic; 'none' for none)")
+    parser.add_argument(
+        "--one-per-context",
+        action="append",
+        default=None,
+        help="specs to run again with one needle per context (default: dynamic; 'none' for none)",
+    )
     parser.add_argument("--quick", action="store_true", help="dynamic and hqq:2, lengths 512,1024, depths 0,50,100")
     parser.add_argument("--out", default="artifacts/needle")
     parser.add_argument("--svg", default="benchmarks/needle.svg")
@@ -50,9 +54,12 @@ def main() -> None:
 
     start = time.perf_counter()
     loaded = load_model()
-    print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__} "
-          f"({torch.get_num_threads()} threads), {loaded.name} on {loaded.device} ({loaded.dtype}); load average "
-          f"{os.getloadavg()[0]:.1f} at the start", flush=True)
+    print(
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads), {loaded.name} on {loaded.device} ({loaded.dtype}); load average "
+        f"{os.getloadavg()[0]:.1f} at the start",
+        flush=True,
+    )
 
     def progress(done: int, total: int, what: str) -> None:
         if "prefilling" in what:
@@ -61,8 +68,9 @@ def main() -> None:
     grid = needle_grid(loaded, specs, lengths, depths, on_progress=progress)
     grid.write(out, "grid")
     print(format_needle(grid), flush=True)
-    figure = needle_heatmap_figure(grid.to_frame(), title="Needle in a haystack, SmolLM2-135M: log P(value), "
-                                   "\u2713 hit / \u2717 miss")
+    figure = needle_heatmap_figure(
+        grid.to_frame(), title="Needle in a haystack, SmolLM2-135M: log P(value), \u2713 hit / \u2717 miss"
+    )
     figure.savefig(args.svg, format=Path(args.svg).suffix.lstrip(".") or "svg")
     print(f"\nheatmap: {args.svg}", flush=True)
 
@@ -71,8 +79,12 @@ def main() -> None:
         single.write(out, "one_per_context")
         print("\nOne needle per context (one prefill per cell):")
         print(format_needle(single))
-        both = pd.concat([grid.summary_frame().assign(needles="all depths in one context"),
-                          single.summary_frame().assign(needles="one per context")])
+        both = pd.concat(
+            [
+                grid.summary_frame().assign(needles="all depths in one context"),
+                single.summary_frame().assign(needles="one per context"),
+            ]
+        )
         both = both[both["spec text"].isin(single.specs)]
         print("\nSeveral needles per context against one:")
         print(both.to_string(index=False, float_format=lambda v: f"{v:.3f}"))

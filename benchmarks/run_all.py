@@ -41,8 +41,9 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
@@ -52,9 +53,9 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from kvdemo import CacheSpec, QASession, load_model, snapshot  # noqa: E402
-from kvdemo.spec import build_cache, estimate_kv_bytes  # noqa: E402
 from kvdemo.cases import example_path, load_case  # noqa: E402
 from kvdemo.charts import answers_frame, memory_frame, residual_frame, step_time_frame  # noqa: E402
+from kvdemo.spec import build_cache, estimate_kv_bytes  # noqa: E402
 from kvdemo.telemetry import _plain_tensors, full_precision_bytes, kv_memory  # noqa: E402
 
 MiB = 2**20
@@ -65,10 +66,15 @@ MAIN_SPECS = [
     CacheSpec("hqq", nbits=4, residual_length=RESIDUAL),
     CacheSpec("fp8"),
 ]
-NBITS_SPECS = [CacheSpec("dynamic")] + [
-    CacheSpec(b, nbits=n, residual_length=RESIDUAL) for b, bits in (("quanto", (2, 4)), ("hqq", (1, 2, 3, 4, 8)))
-    for n in bits
-] + [CacheSpec("fp8")]
+NBITS_SPECS = (
+    [CacheSpec("dynamic")]
+    + [
+        CacheSpec(b, nbits=n, residual_length=RESIDUAL)
+        for b, bits in (("quanto", (2, 4)), ("hqq", (1, 2, 3, 4, 8)))
+        for n in bits
+    ]
+    + [CacheSpec("fp8")]
+)
 OVERHEAD_QUESTION = "Tell me everything about the Normans."  # runs to max_new_tokens on this model
 
 
@@ -95,13 +101,16 @@ def held_bytes(*objects: Any) -> int:
     return total
 
 
-def theoretical_kv_bytes(spec: CacheSpec, config, quantized_tokens: int, residual_tokens: int,
-                         dtype: torch.dtype) -> int:
+def theoretical_kv_bytes(
+    spec: CacheSpec, config, quantized_tokens: int, residual_tokens: int, dtype: torch.dtype
+) -> int:
     """The bytes a cache of `spec` should hold by the group-wise formula with nominal bits:
     `kvdemo.spec.estimate_kv_bytes(..., nominal_bits=True)` (formula and sources in its docstring). Bit
     packing (hqq packs 3-bit values 10 to an int32), padding and anything else a library stores count only in
     the measured bytes, so measured / theoretical shows them."""
-    return estimate_kv_bytes(spec, config, quantized_tokens + residual_tokens, dtype, residual_tokens, nominal_bits=True)
+    return estimate_kv_bytes(
+        spec, config, quantized_tokens + residual_tokens, dtype, residual_tokens, nominal_bits=True
+    )
 
 
 # ---- the two restore mechanisms ---------------------------------------------------------------------
@@ -179,10 +188,10 @@ def answer_with_deepcopy(session: QASession, question: str, max_new_tokens: int)
     copy_seconds = time.perf_counter() - start
     cache_alone, held, measuring = [], [], [0.0]
 
-    def measure():
+    def measure():  # `working` is this function's local, alive until the `del` below
         m0 = time.perf_counter()
-        cache_alone.append(held_bytes(working))
-        held.append(held_bytes(working, original))
+        cache_alone.append(held_bytes(working))  # noqa: F821
+        held.append(held_bytes(working, original))  # noqa: F821
         measuring[0] += time.perf_counter() - m0
 
     tokens = bare_decode(session.loaded, working, session.question_ids(question), max_new_tokens, measure)
@@ -206,8 +215,9 @@ def median(values: Iterable[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def run_backends(loaded, context: str, questions: list[str], max_new_tokens: int, overhead_rounds: int,
-                 overhead_tokens: int) -> tuple[list[dict], list[dict], dict]:
+def run_backends(
+    loaded, context: str, questions: list[str], max_new_tokens: int, overhead_rounds: int, overhead_tokens: int
+) -> tuple[list[dict], list[dict], dict]:
     """Sections 1, 2, 4 and 5: one prefill per main backend, both mechanisms, the overhead rounds."""
     rows, overhead = [], []
     sessions = {}
@@ -223,13 +233,21 @@ def run_backends(loaded, context: str, questions: list[str], max_new_tokens: int
             "context_tokens": report.context_tokens,
             "prefill_seconds": report.seconds,
             "kv_bytes_after_prefill": report.kv_bytes,
-            "restore": {k: [a[k] for a in restore] for k in
-                        ("seconds", "mechanism_seconds", "peak_cache_bytes", "peak_held_bytes", "extra_bytes")},
-            "deepcopy": ({"error": deep[0]["error"]} if "error" in deep[0] else
-                         {k: [a[k] for a in deep] for k in
-                          ("seconds", "mechanism_seconds", "peak_cache_bytes", "peak_held_bytes", "extra_bytes")}),
-            "same_answers": None if "error" in deep[0] else all(
-                r["token_ids"] == d["token_ids"] for r, d in zip(restore, deep)),
+            "restore": {
+                k: [a[k] for a in restore]
+                for k in ("seconds", "mechanism_seconds", "peak_cache_bytes", "peak_held_bytes", "extra_bytes")
+            },
+            "deepcopy": (
+                {"error": deep[0]["error"]}
+                if "error" in deep[0]
+                else {
+                    k: [a[k] for a in deep]
+                    for k in ("seconds", "mechanism_seconds", "peak_cache_bytes", "peak_held_bytes", "extra_bytes")
+                }
+            ),
+            "same_answers": None
+            if "error" in deep[0]
+            else all(r["token_ids"] == d["token_ids"] for r, d in zip(restore, deep)),
             "cache_length_after": [a["cache_length_after"] for a in restore],
             "device_allocated_peak_bytes": max((a["device_allocated_peak_bytes"] or 0) for a in restore) or None,
             "tokens": sum(len(a["token_ids"]) for a in restore),
@@ -241,8 +259,11 @@ def run_backends(loaded, context: str, questions: list[str], max_new_tokens: int
         }
         rows.append(row)
         sessions[spec.backend] = session
-        print(f"  {spec.label}: prefill {report.context_tokens} tokens in {report.seconds:.1f} s, "
-              f"{row['decode_steps']} decode steps, {row['flush_steps']} with a flush", flush=True)
+        print(
+            f"  {spec.label}: prefill {report.context_tokens} tokens in {report.seconds:.1f} s, "
+            f"{row['decode_steps']} decode steps, {row['flush_steps']} with a flush",
+            flush=True,
+        )
     # dynamic: the fastest decode steps, so the largest relative overhead; fp8: a quantized cache without flushes.
     # (hqq, the app's default, is left out: its flush steps, ~1-80 s on 2 cores, swamp the overhead and the run time)
     for backend in ("dynamic", "fp8"):
@@ -317,8 +338,7 @@ def run_bytes_per_token(loaded, sessions: dict[str, QASession]) -> list[dict]:
                 "measured_bytes_per_token": measured[state] / (tq + tr),
                 "theoretical_bytes_per_token": theory / (tq + tr),
                 "ratio": measured[state] / theory,
-                "ratio_to_full_precision": measured[state]
-                / full_precision_bytes(loaded.config, tq + tr, loaded.dtype),
+                "ratio_to_full_precision": measured[state] / full_precision_bytes(loaded.config, tq + tr, loaded.dtype),
             }
         rows.append(row)
     return rows
@@ -350,8 +370,13 @@ def _app_start(env: dict[str, str], timeout: float = 180) -> dict[str, Any]:
     port = _free_port()
     url = f"http://127.0.0.1:{port}/"
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "app.py", "--port", str(port), "--host", "127.0.0.1"], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "app.py", "--port", str(port), "--host", "127.0.0.1"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         while True:
             if proc.poll() is not None:
@@ -426,18 +451,26 @@ def _s(s: float | None) -> str:
 
 def print_report(results: dict[str, Any]) -> None:
     cfg = results["config"]
-    print(f"\nmodel: {results['model']}; {results['machine']['cpu']} ({results['machine']['cpu_cores']} cores, "
-          f"{results['machine']['torch_threads']} torch threads), torch {results['machine']['torch']}; "
-          f"load average {results['load_average_at_start'][0]:.1f} at the start, {results['load_average_at_end'][0]:.1f} "
-          "at the end (above the core count, other processes shared the CPU)")
-    print(f"context: Normans paragraphs {cfg['paragraphs']} ({cfg['context_tokens']} tokens); {len(cfg['questions'])} "
-          f"questions x {cfg['max_new_tokens']} new tokens; residual_length {RESIDUAL}")
+    print(
+        f"\nmodel: {results['model']}; {results['machine']['cpu']} ({results['machine']['cpu_cores']} cores, "
+        f"{results['machine']['torch_threads']} torch threads), torch {results['machine']['torch']}; "
+        f"load average {results['load_average_at_start'][0]:.1f} at the start, {results['load_average_at_end'][0]:.1f} "
+        "at the end (above the core count, other processes shared the CPU)"
+    )
+    print(
+        f"context: Normans paragraphs {cfg['paragraphs']} ({cfg['context_tokens']} tokens); {len(cfg['questions'])} "
+        f"questions x {cfg['max_new_tokens']} new tokens; residual_length {RESIDUAL}"
+    )
 
-    print("\n1-2. restore (kvdemo snapshot) against copy.deepcopy of the prefilled cache (transformers docs' "
-          "prefix-cache pattern), per question (median)")
-    print("| backend | restore s | deepcopy s | question s: restore | question s: deepcopy | extra MiB held: restore "
-          "| extra MiB held: deepcopy | peak held / cache alone: restore | peak held / cache alone: deepcopy |"
-          " same answers |")
+    print(
+        "\n1-2. restore (kvdemo snapshot) against copy.deepcopy of the prefilled cache (transformers docs' "
+        "prefix-cache pattern), per question (median)"
+    )
+    print(
+        "| backend | restore s | deepcopy s | question s: restore | question s: deepcopy | extra MiB held: restore "
+        "| extra MiB held: deepcopy | peak held / cache alone: restore | peak held / cache alone: deepcopy |"
+        " same answers |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results["backends"]:
         rs, dc = r["restore"], r["deepcopy"]
@@ -445,53 +478,84 @@ def print_report(results: dict[str, Any]) -> None:
         if "error" in dc:
             dcells = [f"fails: {dc['error'][:70]}", "-", "-", "-"]
         else:
-            dcells = [f"{median(dc['mechanism_seconds']):.4f}", f"{median(dc['seconds']):.2f}",
-                      _mib(max(dc["extra_bytes"])), f"{max(dc['peak_held_bytes']) / max(dc['peak_cache_bytes']):.3f}"]
-        cells = [r["backend"], f"{median(rs['mechanism_seconds']):.6f}", dcells[0],
-                 f"{median(rs['seconds']):.2f}", dcells[1], _mib(max(rs["extra_bytes"])), dcells[2],
-                 f"{peak_r:.3f}", dcells[3], r["same_answers"] if r["same_answers"] is not None else "-"]
+            dcells = [
+                f"{median(dc['mechanism_seconds']):.4f}",
+                f"{median(dc['seconds']):.2f}",
+                _mib(max(dc["extra_bytes"])),
+                f"{max(dc['peak_held_bytes']) / max(dc['peak_cache_bytes']):.3f}",
+            ]
+        cells = [
+            r["backend"],
+            f"{median(rs['mechanism_seconds']):.6f}",
+            dcells[0],
+            f"{median(rs['seconds']):.2f}",
+            dcells[1],
+            _mib(max(rs["extra_bytes"])),
+            dcells[2],
+            f"{peak_r:.3f}",
+            dcells[3],
+            r["same_answers"] if r["same_answers"] is not None else "-",
+        ]
         print("| " + " | ".join(map(str, cells)) + " |")
     for r in results["backends"]:
         if r.get("device_allocated_peak_bytes"):
-            print(f"   {r['backend']}: torch.cuda.memory_allocated peak during the answers "
-                  f"{_mib(r['device_allocated_peak_bytes'])} MiB (weights, cache, activations)")
-    print("   (question s: restore goes through QASession.stream, which also reads telemetry at every step; the "
-          "deepcopy answer is a bare loop)")
+            print(
+                f"   {r['backend']}: torch.cuda.memory_allocated peak during the answers "
+                f"{_mib(r['device_allocated_peak_bytes'])} MiB (weights, cache, activations)"
+            )
+    print(
+        "   (question s: restore goes through QASession.stream, which also reads telemetry at every step; the "
+        "deepcopy answer is a bare loop)"
+    )
 
-    print("\n3. KV bytes per token, measured (kvdemo.telemetry) / theoretical (bits per value + a scale and a "
-          "zero point per group + the residual)")
-    print("| spec | bytes/token after prefill | theoretical | ratio | with a 3-token residual: ratio | "
-          "ratio to full precision |")
+    print(
+        "\n3. KV bytes per token, measured (kvdemo.telemetry) / theoretical (bits per value + a scale and a "
+        "zero point per group + the residual)"
+    )
+    print(
+        "| spec | bytes/token after prefill | theoretical | ratio | with a 3-token residual: ratio | "
+        "ratio to full precision |"
+    )
     print("|---|---|---|---|---|---|")
     for r in results["bytes_per_token"]:
         a, b = r["after prefill"], r["with a residual"]
-        print(f"| {r['spec']} | {a['measured_bytes_per_token']:,.1f} | {a['theoretical_bytes_per_token']:,.1f} | "
-              f"{a['ratio']:.3f} | {b['ratio']:.3f} | {a['ratio_to_full_precision']:.3f} |")
+        print(
+            f"| {r['spec']} | {a['measured_bytes_per_token']:,.1f} | {a['theoretical_bytes_per_token']:,.1f} | "
+            f"{a['ratio']:.3f} | {b['ratio']:.3f} | {a['ratio_to_full_precision']:.3f} |"
+        )
 
     base = next(r for r in results["backends"] if r["backend"] == "dynamic")
-    print(f"\n4. decode speed (median seconds per decode step, step 0 left out), relative to dynamic")
-    print("| backend | steps | flush steps | s/step without flush | x dynamic | s/flush step | tokens/s | "
-          "x dynamic |")
+    print("\n4. decode speed (median seconds per decode step, step 0 left out), relative to dynamic")
+    print("| backend | steps | flush steps | s/step without flush | x dynamic | s/flush step | tokens/s | x dynamic |")
     print("|---|---|---|---|---|---|---|---|")
     for r in results["backends"]:
-        print(f"| {r['spec']} | {r['decode_steps']} | {r['flush_steps']} | {r['step_seconds']:.3f} | "
-              f"{r['step_seconds'] / base['step_seconds']:.2f} | "
-              f"{_s(r['flush_step_seconds'])} | "
-              f"{r['decode_tokens_per_second']:.2f} | "
-              f"{r['decode_tokens_per_second'] / base['decode_tokens_per_second']:.2f} |")
+        print(
+            f"| {r['spec']} | {r['decode_steps']} | {r['flush_steps']} | {r['step_seconds']:.3f} | "
+            f"{r['step_seconds'] / base['step_seconds']:.2f} | "
+            f"{_s(r['flush_step_seconds'])} | "
+            f"{r['decode_tokens_per_second']:.2f} | "
+            f"{r['decode_tokens_per_second'] / base['decode_tokens_per_second']:.2f} |"
+        )
     hqq = next(r for r in results["backends"] if r["backend"] == "hqq")
     if hqq["flush_step_seconds"] is not None:
-        print(f"   hqq: a flush step on the {hqq['context_tokens']}-token context takes {hqq['flush_step_seconds']:.2f} s "
-              f"({hqq['flush_step_seconds'] / hqq['step_seconds']:.1f}x a step without a flush)")
+        print(
+            f"   hqq: a flush step on the {hqq['context_tokens']}-token context takes "
+            f"{hqq['flush_step_seconds']:.2f} s "
+            f"({hqq['flush_step_seconds'] / hqq['step_seconds']:.1f}x a step without a flush)"
+        )
 
     print("\n5. the app's overhead: tokens/s against a bare decode loop (forward + argmax, no telemetry)")
-    print("| spec | tokens | bare | QASession.stream | stream + chart frames | overhead stream | "
-          "overhead stream + charts |")
+    print(
+        "| spec | tokens | bare | QASession.stream | stream + chart frames | overhead stream | "
+        "overhead stream + charts |"
+    )
     print("|---|---|---|---|---|---|---|")
     for o in results["overhead"]:
         t = o["tokens_per_second"]
-        print(f"| {o['spec']} | {o['tokens']['bare']} | {t['bare']:.2f} | {t['stream']:.2f} | {t['stream_charts']:.2f} | "
-              f"{o['overhead_stream']:+.1%} | {o['overhead_stream_charts']:+.1%} |")
+        print(
+            f"| {o['spec']} | {o['tokens']['bare']} | {t['bare']:.2f} | {t['stream']:.2f} | {t['stream_charts']:.2f} | "
+            f"{o['overhead_stream']:+.1%} | {o['overhead_stream_charts']:+.1%} |"
+        )
     print("   target: <= 5 % overhead with the charts")
 
     s = results.get("startup")
@@ -499,12 +563,16 @@ def print_report(results: dict[str, Any]) -> None:
         print("\n6. start-up (fresh processes)")
         print("| what | load s (in load_model) | process s |")
         print("|---|---|---|")
-        for key, label in (("gguf", "embedded model from the GGUF (de-quantized)"),
-                           ("gguf_first_load_writing_copy", "first load: GGUF + writing the converted copy"),
-                           ("converted_copy", "later loads: the converted safetensors copy")):
+        for key, label in (
+            ("gguf", "embedded model from the GGUF (de-quantized)"),
+            ("gguf_first_load_writing_copy", "first load: GGUF + writing the converted copy"),
+            ("converted_copy", "later loads: the converted safetensors copy"),
+        ):
             print(f"| {label} | {s[key]['load_seconds']:.2f} | {s[key]['wall_seconds']:.2f} |")
-        print(f"   GGUF / converted copy: {s['gguf']['load_seconds'] / s['converted_copy']['load_seconds']:.1f}x "
-              f"(load), {s['gguf']['wall_seconds'] / s['converted_copy']['wall_seconds']:.1f}x (process)")
+        print(
+            f"   GGUF / converted copy: {s['gguf']['load_seconds'] / s['converted_copy']['load_seconds']:.1f}x "
+            f"(load), {s['gguf']['wall_seconds'] / s['converted_copy']['wall_seconds']:.1f}x (process)"
+        )
         print("| app.py | first page s | model loaded s |")
         print("|---|---|---|")
         for key, label in (("app_with_converted_copy", "with the converted copy"), ("app_gguf", "from the GGUF")):
@@ -539,12 +607,22 @@ def draw(results: dict[str, Any], folder: Path) -> list[Path]:
 
     ax = axes[0][1]
     bpt = results["bytes_per_token"]
-    labels = [r["spec"].replace(" q_group_size=64", "").replace(f" residual_length={RESIDUAL}", "")
-              .replace("nbits=", "") for r in bpt]
-    ax.bar([i - 0.2 for i in range(len(bpt))], [r["after prefill"]["measured_bytes_per_token"] for r in bpt], 0.4,
-           label="measured")
-    ax.bar([i + 0.2 for i in range(len(bpt))], [r["after prefill"]["theoretical_bytes_per_token"] for r in bpt], 0.4,
-           label="theoretical")
+    labels = [
+        r["spec"].replace(" q_group_size=64", "").replace(f" residual_length={RESIDUAL}", "").replace("nbits=", "")
+        for r in bpt
+    ]
+    ax.bar(
+        [i - 0.2 for i in range(len(bpt))],
+        [r["after prefill"]["measured_bytes_per_token"] for r in bpt],
+        0.4,
+        label="measured",
+    )
+    ax.bar(
+        [i + 0.2 for i in range(len(bpt))],
+        [r["after prefill"]["theoretical_bytes_per_token"] for r in bpt],
+        0.4,
+        label="theoretical",
+    )
     ax.set_xticks(range(len(bpt)), labels, rotation=30, ha="right")
     ax.set_yscale("log")
     ax.set_ylabel("bytes per token (log)")
@@ -562,17 +640,19 @@ def draw(results: dict[str, Any], folder: Path) -> list[Path]:
     ax = axes[1][1]
     s = results.get("startup")
     if s:
-        bars = [("GGUF load", s["gguf"]["load_seconds"]), ("copy load", s["converted_copy"]["load_seconds"]),
-                ("app: model\n(GGUF)", s["app_gguf"]["model_loaded_seconds"]),
-                ("app: model\n(copy)", s["app_with_converted_copy"]["model_loaded_seconds"])]
+        bars = [
+            ("GGUF load", s["gguf"]["load_seconds"]),
+            ("copy load", s["converted_copy"]["load_seconds"]),
+            ("app: model\n(GGUF)", s["app_gguf"]["model_loaded_seconds"]),
+            ("app: model\n(copy)", s["app_with_converted_copy"]["model_loaded_seconds"]),
+        ]
         ax.bar([b[0] for b in bars], [b[1] for b in bars], color=["C1", "C0", "C1", "C0"])
         ax.set_ylabel("seconds")
         ax.set_title("start-up")
     else:
         ax.set_axis_off()
     m = results["machine"]
-    fig.suptitle(f"kvdemo on {results['model']} - {m['cpu']}, {m['cpu_cores']} cores - {results['date']}",
-                 fontsize=10)
+    fig.suptitle(f"kvdemo on {results['model']} - {m['cpu']}, {m['cpu_cores']} cores - {results['date']}", fontsize=10)
     fig.tight_layout()
     paths = [folder / "bench.png", folder / "bench.svg"]
     for path in paths:
@@ -602,11 +682,15 @@ def main() -> None:
     case = load_case(example_path("normans")).select(args.paragraphs)
     questions = [q.question for q in case.answerable(args.questions)]
     loaded = load_model()
-    print(f"kvdemo benchmarks: {loaded.name} on {loaded.device} ({loaded.dtype}), loaded in {loaded.load_seconds:.1f} s "
-          f"from {loaded.weights_from}", flush=True)
+    print(
+        f"kvdemo benchmarks: {loaded.name} on {loaded.device} ({loaded.dtype}), loaded in {loaded.load_seconds:.1f} s "
+        f"from {loaded.weights_from}",
+        flush=True,
+    )
     print("sections 1, 2, 4, 5: prefill and answers per backend", flush=True)
-    rows, overhead, sessions = run_backends(loaded, case.context, questions, args.max_new_tokens,
-                                            args.overhead_rounds, args.overhead_tokens)
+    rows, overhead, sessions = run_backends(
+        loaded, case.context, questions, args.max_new_tokens, args.overhead_rounds, args.overhead_tokens
+    )
     print("section 3: bytes per token", flush=True)
     bpt = run_bytes_per_token(loaded, sessions)
     sessions.clear()
@@ -615,9 +699,15 @@ def main() -> None:
         "model": loaded.name,
         "machine": machine(),
         "load_average_at_start": load_at_start,
-        "config": {"paragraphs": args.paragraphs, "context_tokens": rows[0]["context_tokens"], "questions": questions,
-                   "max_new_tokens": args.max_new_tokens, "residual_length": RESIDUAL,
-                   "overhead_question": OVERHEAD_QUESTION, "overhead_tokens": args.overhead_tokens},
+        "config": {
+            "paragraphs": args.paragraphs,
+            "context_tokens": rows[0]["context_tokens"],
+            "questions": questions,
+            "max_new_tokens": args.max_new_tokens,
+            "residual_length": RESIDUAL,
+            "overhead_question": OVERHEAD_QUESTION,
+            "overhead_tokens": args.overhead_tokens,
+        },
         "backends": rows,
         "bytes_per_token": bpt,
         "overhead": overhead,

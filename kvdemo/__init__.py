@@ -6,9 +6,9 @@ Public surface: `load_model`, `LoadedModel`, `CacheSpec`, `BACKENDS`, `build_cac
 """
 
 from kvdemo.backends import BACKENDS
-from kvdemo.spec import CacheSpec, build_cache
 from kvdemo.models import LoadedModel, load_model
 from kvdemo.session import Answer, PrefillReport, QASession, StepEvent
+from kvdemo.spec import CacheSpec, build_cache
 from kvdemo.telemetry import MemoryReport, kv_memory
 
 __all__ = [

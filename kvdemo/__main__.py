@@ -20,11 +20,11 @@ from tqdm.auto import tqdm
 
 from kvdemo import checks
 from kvdemo.backends import BACKENDS, GROUP_OPTIONS, option_choices_text
+from kvdemo.cases import load_case
 from kvdemo.charts import comparison_display_frame
 from kvdemo.compare import ComparisonReport, compare
-from kvdemo.spec import CacheSpec, default_compare_specs
-from kvdemo.cases import load_case
 from kvdemo.session import DEFAULT_MAX_NEW_TOKENS
+from kvdemo.spec import CacheSpec, default_compare_specs
 from kvdemo.text import check_text
 
 
@@ -90,9 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="case files: also ask the first N questions the text does not answer (SQuAD 2.0 is_impossible)",
     )
     compare.add_argument("--spec", action="append", default=[], help="a spec to compare (repeat for several)")
-    compare.add_argument(
-        "--max-new-tokens", type=int, default=32, help="most tokens per answer (default 32)"
-    )
+    compare.add_argument("--max-new-tokens", type=int, default=32, help="most tokens per answer (default 32)")
     compare.add_argument(
         "--perplexity-tokens",
         type=int,
@@ -102,7 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
         "the chosen ones (or, when none follow, the context's last N+1 tokens held out of the prefill); for a text "
         "file its last N+1 tokens (default 0: none)",
     )
-    compare.add_argument("--model", help="a Hub id, a local folder or a .gguf file (default: the embedded SmolLM2-135M)")
+    compare.add_argument(
+        "--model", help="a Hub id, a local folder or a .gguf file (default: the embedded SmolLM2-135M)"
+    )
     compare.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     compare.add_argument("--json", action="store_true", help="print the report as one JSON object instead of a table")
     compare.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -118,7 +118,7 @@ def _needle_parser(sub: Any) -> None:
         "needle",
         help="needle in a haystack: a fact hidden at depths of contexts of several lengths, per backend",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Hide a short fact (\"The special magic number for <invented name> is <6 digits>.\") at each\n"
+        description='Hide a short fact ("The special magic number for <invented name> is <6 digits>.") at each\n'
         "--depths % of the shipped SQuAD articles' text, in contexts of exactly --lengths tokens, prefill each\n"
         "context into every --spec's cache and ask for the number. Per cell: hit (the answer holds the number),\n"
         "the graded score log P(number | context, question, answer prefix) in nats (0 = certain, about -13.8 =\n"
@@ -134,11 +134,19 @@ def _needle_parser(sub: Any) -> None:
     parser.add_argument("--spec", action="append", default=[], help="a spec to run (repeat for several)")
     parser.add_argument("--lengths", help="context lengths in tokens, comma-separated (the chat template included)")
     parser.add_argument("--depths", help="needle depths in %% of the haystack, comma-separated, 0 to 100")
-    parser.add_argument("--needles-per-context", type=int, metavar="N",
-                        help="needles sharing one prefill (default: every depth of a length in one context)")
+    parser.add_argument(
+        "--needles-per-context",
+        type=int,
+        metavar="N",
+        help="needles sharing one prefill (default: every depth of a length in one context)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="draws the needles' names and numbers (default 0)")
-    parser.add_argument("--max-new-tokens", type=int, default=needle.DEFAULT_MAX_NEW_TOKENS,
-                        help=f"most tokens per answer (default {needle.DEFAULT_MAX_NEW_TOKENS})")
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=needle.DEFAULT_MAX_NEW_TOKENS,
+        help=f"most tokens per answer (default {needle.DEFAULT_MAX_NEW_TOKENS})",
+    )
     parser.add_argument("--model", help="a Hub id, a local folder or a .gguf file (default: the embedded SmolLM2-135M)")
     parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--json", action="store_true", help="print the grid as one JSON object instead of tables")
@@ -211,9 +219,17 @@ def run_compare(args: argparse.Namespace) -> ComparisonReport:
         bars[0].update(done - bars[0].n)
 
     try:
-        return compare(loaded, case.context, questions, specs, args.max_new_tokens, gold_answers,
-                       on_progress=on_progress, perplexity_tokens=args.perplexity_tokens,
-                       continuation=case.continuation)
+        return compare(
+            loaded,
+            case.context,
+            questions,
+            specs,
+            args.max_new_tokens,
+            gold_answers,
+            on_progress=on_progress,
+            perplexity_tokens=args.perplexity_tokens,
+            continuation=case.continuation,
+        )
     finally:
         for bar in bars:
             bar.close()
@@ -235,8 +251,16 @@ def run_needle(args: argparse.Namespace) -> Any:
         raise ValueError(f"--csv {args.csv}: the folder {Path(args.csv).expanduser().parent} does not exist")
     loaded = load_model(args.model, device=args.device)
     with _ProgressBar(args.no_progress) as on_progress:
-        return needle.needle_grid(loaded, specs, lengths, depths, needles_per_context=args.needles_per_context,
-                                  seed=args.seed, max_new_tokens=args.max_new_tokens, on_progress=on_progress)
+        return needle.needle_grid(
+            loaded,
+            specs,
+            lengths,
+            depths,
+            needles_per_context=args.needles_per_context,
+            seed=args.seed,
+            max_new_tokens=args.max_new_tokens,
+            on_progress=on_progress,
+        )
 
 
 class _ProgressBar:
@@ -268,19 +292,32 @@ def format_needle(grid: Any) -> str:
     from kvdemo.charts import needle_heatmap_frame
 
     table = grid.to_frame()
-    lines = [f"model: {grid.model} on {grid.device}; seed {grid.seed}; needles per context: "
-             f"{grid.needles_per_context or 'all depths'}; {grid.seconds:.1f} s"]
+    lines = [
+        f"model: {grid.model} on {grid.device}; seed {grid.seed}; needles per context: "
+        f"{grid.needles_per_context or 'all depths'}; {grid.seconds:.1f} s"
+    ]
     for spec in grid.specs:
         scores, hits = needle_heatmap_frame(table, spec, "score"), needle_heatmap_frame(table, spec, "hit")
         if scores.empty:
             continue
         shown = pd.DataFrame(
-            [[("\u2713" if hits.at[d, n] >= 0.5 else "\u2717") + f" {scores.at[d, n]:.2f}" if pd.notna(scores.at[d, n])
-              else "" for n in scores.columns] for d in scores.index],
-            index=[f"{d:g} %" for d in scores.index], columns=[f"{n:,} tokens" for n in scores.columns],
+            [
+                [
+                    ("\u2713" if hits.at[d, n] >= 0.5 else "\u2717") + f" {scores.at[d, n]:.2f}"
+                    if pd.notna(scores.at[d, n])
+                    else ""
+                    for n in scores.columns
+                ]
+                for d in scores.index
+            ],
+            index=[f"{d:g} %" for d in scores.index],
+            columns=[f"{n:,} tokens" for n in scores.columns],
         )
-        lines += ["", f"{spec}: hit (\u2713/\u2717) and log P(value) in nats, depth x context length",
-                  shown.to_string()]
+        lines += [
+            "",
+            f"{spec}: hit (\u2713/\u2717) and log P(value) in nats, depth x context length",
+            shown.to_string(),
+        ]
     lines += ["", grid.summary_frame().to_string(index=False, float_format=lambda v: f"{v:.3f}")]
     return "\n".join(lines)
 
@@ -357,10 +394,15 @@ def format_comparison(report: ComparisonReport) -> str:
         text = display.to_string(index=False)
     ppl = next((r.perplexity for r in report.results if r.perplexity is not None), None)
     if ppl is not None:
-        where = ("the text after the context" if report.perplexity_source == "continuation"
-                 else "the context's last tokens, held out of the prefill")
-        text += (f"\nperplexity: {ppl.tokens} tokens of {where}, fed one decode step each after a "
-                 f"{ppl.context_tokens}-token prefill")
+        where = (
+            "the text after the context"
+            if report.perplexity_source == "continuation"
+            else "the context's last tokens, held out of the prefill"
+        )
+        text += (
+            f"\nperplexity: {ppl.tokens} tokens of {where}, fed one decode step each after a "
+            f"{ppl.context_tokens}-token prefill"
+        )
     return text
 
 

@@ -2,7 +2,8 @@
 
 Each `Backend` entry carries its own rules, as transformers' cache-layer subclasses carry theirs: the options
 and values it allows, its packing rule for `q_group_size`, its byte formula, how its cache is built and the
-text that describes it (`kvdemo.spec` validates a `CacheSpec` and builds its cache from them). The page, the command line, the compare defaults, the tests and the README's backend
+text that describes it (`kvdemo.spec` validates a `CacheSpec` and builds its cache from them).
+The page, the command line, the compare defaults, the tests and the README's backend
 table read `BACKENDS` (and `all_specs`); nothing else switches on backend names. Adding a backend is one
 entry here (see CONTRIBUTING.md, "Adding a backend").
 
@@ -15,8 +16,9 @@ model's, for prefill lengths 1, 5, 37, 64 and 130 followed by decode steps with 
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kvdemo.spec import CacheSpec
@@ -82,7 +84,7 @@ class Backend:
     summary: str
     behaviour: str
     quantized: bool
-    build: Callable[["CacheSpec", PreTrainedConfig], Cache]
+    build: Callable[[CacheSpec, PreTrainedConfig], Cache]
     kv_bytes: BytesFormula
     options: dict[str, Option] = field(default_factory=dict)
     group_rule: GroupRule | None = None
@@ -184,11 +186,11 @@ def _hqq_group_problem(nbits: int, group: int, axis: int, geo: KVGeometry) -> st
     return None
 
 
-def _dynamic_cache(spec: "CacheSpec", config: PreTrainedConfig) -> Cache:
+def _dynamic_cache(spec: CacheSpec, config: PreTrainedConfig) -> Cache:
     return DynamicCache(config=config)
 
 
-def _quantized_cache(spec: "CacheSpec", config: PreTrainedConfig) -> Cache:
+def _quantized_cache(spec: CacheSpec, config: PreTrainedConfig) -> Cache:
     """`QuantizedCache(backend, config, **options)` with only the options the spec sets (transformers fills the
     rest with its defaults, the registry's `Option.default`)."""
     return QuantizedCache(spec.backend, config, **spec.given())

@@ -22,8 +22,9 @@ class KVBudgetError(ValueError):
         self.budget_bytes = budget_bytes
 
 
-def held_bytes_estimate(spec: CacheSpec, config: PreTrainedConfig, dtype: torch.dtype, context_tokens: int,
-                        reserve_tokens: int) -> int:
+def held_bytes_estimate(
+    spec: CacheSpec, config: PreTrainedConfig, dtype: torch.dtype, context_tokens: int, reserve_tokens: int
+) -> int:
     """The bytes held for a cache of `spec` with `context_tokens` prefilled and `reserve_tokens` more decoded (a
     question and its answer): the peak that `telemetry.kv_memory(cache, snapshot)` can report.
 
@@ -41,8 +42,15 @@ def held_bytes_estimate(spec: CacheSpec, config: PreTrainedConfig, dtype: torch.
     return held
 
 
-def check_budget(spec: CacheSpec, config: PreTrainedConfig, dtype: torch.dtype, budget_bytes: int | None,
-                 context_tokens: int, reserve_tokens: int, advice: str | None = None) -> None:
+def check_budget(
+    spec: CacheSpec,
+    config: PreTrainedConfig,
+    dtype: torch.dtype,
+    budget_bytes: int | None,
+    context_tokens: int,
+    reserve_tokens: int,
+    advice: str | None = None,
+) -> None:
     """Refuse a prefill (or an answer) whose `held_bytes_estimate` exceeds `budget_bytes` (None: no limit).
 
     Raises:
@@ -56,8 +64,9 @@ def check_budget(spec: CacheSpec, config: PreTrainedConfig, dtype: torch.dtype, 
     if advice is None:
         per_token = estimate / (context_tokens + reserve_tokens)
         fits = max(int(budget_bytes / per_token) - reserve_tokens, 0)
-        advice = (f"Shorten the context to about {fits:,} tokens, or choose a backend with fewer bits "
-                  "(e.g. hqq with nbits 2)")
+        advice = (
+            f"Shorten the context to about {fits:,} tokens, or choose a backend with fewer bits (e.g. hqq with nbits 2)"
+        )
     raise KVBudgetError(
         f"a {spec.label} KV cache for this context ({context_tokens:,} tokens + {reserve_tokens} for a "
         f"question and its answer) would hold about {estimate / 2**20:,.1f} MiB; the KV budget is "

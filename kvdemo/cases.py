@@ -48,7 +48,7 @@ class Case:
         before `select`). What `kvdemo.fidelity.perplexity_inputs` feeds after the context."""
         return "\n\n" + "\n\n".join(self.following) if self.following else None
 
-    def select(self, paragraphs: str | None) -> "Case":
+    def select(self, paragraphs: str | None) -> Case:
         """The case cut to some paragraphs (see `parse_ranges`); its questions are those about them, and `following`
         holds the paragraphs after the last one kept.
 
@@ -64,7 +64,7 @@ class Case:
             source=self.source,
             paragraphs=tuple(self.paragraphs[i] for i in keep),
             questions=tuple(q for q in self.questions if q.paragraph is None or q.paragraph in kept),
-            following=tuple(self.paragraphs[max(keep) + 1:]) + self.following,
+            following=tuple(self.paragraphs[max(keep) + 1 :]) + self.following,
         )
 
     def answerable(self, n: int | None = None) -> list[CaseQuestion]:
@@ -142,7 +142,7 @@ def load_case(path: str | Path) -> Case:
             for q in questions
         ):
             raise ValueError(
-                f"{path}: 'questions' must be a list of {{\"question\": str, \"answers\": [str], ...}} objects"
+                f'{path}: \'questions\' must be a list of {{"question": str, "answers": [str], ...}} objects'
             )
         return Case(
             title=check_text(str(data.get("title", path.stem)), f"{path}, title"),
@@ -151,8 +151,10 @@ def load_case(path: str | Path) -> Case:
             questions=tuple(
                 CaseQuestion(
                     question=check_text(q["question"], f"{path}, question {i}"),
-                    answers=tuple(check_text(str(a), f"{path}, question {i}, answer {j}")
-                                  for j, a in enumerate(q.get("answers", ()))),
+                    answers=tuple(
+                        check_text(str(a), f"{path}, question {i}, answer {j}")
+                        for j, a in enumerate(q.get("answers", ()))
+                    ),
                     is_impossible=bool(q.get("is_impossible", False)),
                     paragraph=q.get("paragraph"),
                 )
@@ -195,7 +197,6 @@ def gold_answers_for(context: str, questions: list[str]) -> list[tuple[str, ...]
             golds = [chosen.gold_for(q) for q in questions]
             return None if any(g is None for g in golds) else golds
     return None
-
 
 
 def continuation_for(context: str) -> str | None:

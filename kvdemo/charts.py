@@ -8,7 +8,8 @@ so nothing is registered globally and a figure is freed with its last reference.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import pandas as pd
 from matplotlib.figure import Figure
@@ -33,9 +34,7 @@ never under-reports); and what a `DynamicCache` in the model's dtype would hold.
 def memory_series(has_quantized_store: bool, has_residual: bool) -> tuple[str, ...]:
     """The memory series that exist for a backend: a quantized store only for the quantized backends, and as
     a line apart from the cache only where a residual sits beside it."""
-    return tuple(
-        name for name in MEMORY_SERIES if name != MEMORY_SERIES[0] or (has_quantized_store and has_residual)
-    )
+    return tuple(name for name in MEMORY_SERIES if name != MEMORY_SERIES[0] or (has_quantized_store and has_residual))
 
 
 def memory_frame(events: Sequence[StepEvent], series: Sequence[str] = MEMORY_SERIES) -> pd.DataFrame:
@@ -104,8 +103,18 @@ def flush_timing(events: Sequence[StepEvent]) -> tuple[int, float | None, float 
     return len(flush), median(flush), median(other)
 
 
-ANSWER_COLUMNS = ["answer", "spec", "question", "tokens", "question s", "decode tokens/s", "flushes", "seconds",
-                  "cache length after", "finish"]
+ANSWER_COLUMNS = [
+    "answer",
+    "spec",
+    "question",
+    "tokens",
+    "question s",
+    "decode tokens/s",
+    "flushes",
+    "seconds",
+    "cache length after",
+    "finish",
+]
 
 
 def answers_frame(records: Iterable[Mapping[str, Any]]) -> pd.DataFrame:
@@ -143,8 +152,9 @@ def memory_figure(events: Sequence[StepEvent], title: str = "KV cache memory") -
         quantized = frame[MEMORY_SERIES[0]]
         residual = frame[MEMORY_SERIES[1]] - quantized
         snapshot = frame[MEMORY_SERIES[2]] - frame[MEMORY_SERIES[1]]
-        ax.stackplot(frame.index, quantized, residual, snapshot, labels=["quantized", "residual", "snapshot"],
-                     alpha=0.8)
+        ax.stackplot(
+            frame.index, quantized, residual, snapshot, labels=["quantized", "residual", "snapshot"], alpha=0.8
+        )
         ax.plot(frame.index, frame[MEMORY_SERIES[3]], color="black", linestyle="--", label="full precision")
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")  # outside: it hides no line
     ax.set(xlabel="decode step", ylabel="MiB", title=title)
@@ -211,8 +221,13 @@ def tradeoff_figure(
     ax = fig.add_subplot()
     ax.scatter(frame["bytes/token"], frame[fidelity])
     for _, row in frame.iterrows():
-        ax.annotate(row["spec text"], (row["bytes/token"], row[fidelity]), fontsize="x-small",
-                    xytext=(3, 3), textcoords="offset points")
+        ax.annotate(
+            row["spec text"],
+            (row["bytes/token"], row[fidelity]),
+            fontsize="x-small",
+            xytext=(3, 3),
+            textcoords="offset points",
+        )
     ax.set(xlabel="KV bytes per context token", ylabel=fidelity, title=title)
     return fig
 
@@ -293,9 +308,9 @@ DISPLAY_HELP: dict[str, str] = {
     "× dynamic": "KV bytes / dynamic's (the full-precision cache)",
     "restored": "after every answer the cache was back at the context's length",
     "same top %": "positions of dynamic's answers where this cache's most likely token is dynamic's "
-                  "(llama.cpp: Same top p)",
+    "(llama.cpp: Same top p)",
     "mean KLD": "mean KL(P_dynamic || P_spec) per answer token, nats, teacher-forced on dynamic's answers "
-                "(llama.cpp: Mean KLD)",
+    "(llama.cpp: Mean KLD)",
     "99% KLD": "99th percentile of the KL over those positions (llama.cpp: 99.0% KLD)",
     "max KLD": "largest KL at one position (llama.cpp: Maximum KLD)",
     "99% |Δlog p|": "99th percentile of |log p_dynamic - log p_spec| of dynamic's token (nats)",
@@ -404,8 +419,15 @@ def kv_error_figure(error: Any, title: str = "Relative KV error after the prefil
         if layers * heads <= 200:
             for layer, row in enumerate(matrix):
                 for head, value in enumerate(row):
-                    ax.text(head, layer, f"{value:.2f}", ha="center", va="center", fontsize=6,
-                            color="white" if value < 0.6 * top else "black")
+                    ax.text(
+                        head,
+                        layer,
+                        f"{value:.2f}",
+                        ha="center",
+                        va="center",
+                        fontsize=6,
+                        color="white" if value < 0.6 * top else "black",
+                    )
     axes[0].set_ylabel("layer")
     if image is not None:
         fig.colorbar(image, ax=list(axes), label="relative error", shrink=0.8)
@@ -483,8 +505,9 @@ def needle_heatmap_frame(table: pd.DataFrame, spec: str, value: str = "score") -
     return rows.pivot_table(index="depth", columns="length", values=value, aggfunc="mean").sort_index()
 
 
-def needle_heatmap_figure(table: pd.DataFrame, specs: Sequence[str] | None = None, value: str = "score",
-                          title: str | None = None) -> Figure:
+def needle_heatmap_figure(
+    table: pd.DataFrame, specs: Sequence[str] | None = None, value: str = "score", title: str | None = None
+) -> Figure:
     """Needle-in-a-haystack heatmaps, one panel per spec side by side, on one colour scale.
 
     `score` colours the graded score (log P of the value in nats, from the table's lowest score to 0); `hit`
@@ -508,8 +531,11 @@ def needle_heatmap_figure(table: pd.DataFrame, specs: Sequence[str] | None = Non
     fig = Figure(figsize=(min(1.2 + width * max(len(specs), 1), 18), 1.5 + 0.36 * len(depths)), layout="constrained")
     axes = fig.subplots(1, max(len(specs), 1), squeeze=False)[0]
     low = float(table["score"].min()) if len(table) else -1.0
-    scale = {"cmap": "viridis", "vmin": min(low, -1e-3), "vmax": 0.0} if value == "score" else \
-        {"cmap": "RdYlGn", "vmin": 0.0, "vmax": 1.0}
+    scale = (
+        {"cmap": "viridis", "vmin": min(low, -1e-3), "vmax": 0.0}
+        if value == "score"
+        else {"cmap": "RdYlGn", "vmin": 0.0, "vmax": 1.0}
+    )
     image = None
     for ax, spec in zip(axes, specs):
         shown = needle_heatmap_frame(table, spec, value).reindex(index=depths, columns=lengths)
@@ -521,8 +547,15 @@ def needle_heatmap_figure(table: pd.DataFrame, specs: Sequence[str] | None = Non
                 if pd.isna(scores.iat[i, j]):
                     continue
                 mark = "\u2713" if hits.iat[i, j] >= 0.5 else "\u2717"
-                ax.text(j, i, f"{mark}{scores.iat[i, j]:.1f}", ha="center", va="center", fontsize="x-small",
-                        color="black" if value == "hit" or scores.iat[i, j] > scale["vmin"] / 2 else "white")
+                ax.text(
+                    j,
+                    i,
+                    f"{mark}{scores.iat[i, j]:.1f}",
+                    ha="center",
+                    va="center",
+                    fontsize="x-small",
+                    color="black" if value == "hit" or scores.iat[i, j] > scale["vmin"] / 2 else "white",
+                )
         ax.set_xticks(range(len(lengths)), [f"{n:,}" for n in lengths], fontsize="small", rotation=45)
         ax.set_yticks(range(len(depths)), [f"{d:g} %" for d in depths], fontsize="small")
         ax.set_title(spec, fontsize="medium")
@@ -531,6 +564,13 @@ def needle_heatmap_figure(table: pd.DataFrame, specs: Sequence[str] | None = Non
     if image is not None:
         label = "log P(value), nats" if value == "score" else "hit"
         fig.colorbar(image, ax=list(axes), label=label, shrink=0.9)
-    fig.suptitle(title or ("Needle in a haystack: graded score (\u2713 hit, \u2717 miss)" if value == "score"
-                           else "Needle in a haystack: hits (labels: log P(value), nats)"), fontsize="medium")
+    fig.suptitle(
+        title
+        or (
+            "Needle in a haystack: graded score (\u2713 hit, \u2717 miss)"
+            if value == "score"
+            else "Needle in a haystack: hits (labels: log P(value), nats)"
+        ),
+        fontsize="medium",
+    )
     return fig

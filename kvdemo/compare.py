@@ -35,8 +35,8 @@ import json
 import math
 import statistics
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Callable, Sequence
 
 import pandas as pd
 import torch
@@ -166,14 +166,43 @@ class ComparisonReport:
     perplexity_source: str | None = None
 
     COLUMNS = (
-        "spec", "spec text", "backend", "nbits", "q_group_size", "residual_length", "axis_key", "axis_value",
-        "KV bytes", "bytes/token", "ratio to dynamic",
-        "identical to dynamic", "common prefix (tokens)", "KL (nats)", "median KLD", "99.0% KLD", "max KLD",
-        "same top p (%)", "mean |Δ log p|", "99.0% |Δ log p|", "positions",
-        "PPL", "PPL ratio to dynamic", "perplexity tokens",
-        "K error", "V error", "KV error", "drift (×)", "drift flushes",
-        "exact match", "contains gold", "F1",
-        "prefill s", "tokens/s", "flushes", "flush s", "restored",
+        "spec",
+        "spec text",
+        "backend",
+        "nbits",
+        "q_group_size",
+        "residual_length",
+        "axis_key",
+        "axis_value",
+        "KV bytes",
+        "bytes/token",
+        "ratio to dynamic",
+        "identical to dynamic",
+        "common prefix (tokens)",
+        "KL (nats)",
+        "median KLD",
+        "99.0% KLD",
+        "max KLD",
+        "same top p (%)",
+        "mean |Δ log p|",
+        "99.0% |Δ log p|",
+        "positions",
+        "PPL",
+        "PPL ratio to dynamic",
+        "perplexity tokens",
+        "K error",
+        "V error",
+        "KV error",
+        "drift (×)",
+        "drift flushes",
+        "exact match",
+        "contains gold",
+        "F1",
+        "prefill s",
+        "tokens/s",
+        "flushes",
+        "flush s",
+        "restored",
     )
     """The full frame's columns, grouped: the spec and its options; memory; fidelity against `dynamic` (answers,
     distribution statistics, perplexity, cache error and drift); fidelity against the gold answers; speed."""
@@ -202,8 +231,10 @@ class ComparisonReport:
                     "spec text": r.spec_text,
                     "backend": r.backend,
                     "nbits": r.nbits,
-                    **{name: r.options.get(name) for name in ("q_group_size", "residual_length", "axis_key",
-                                                              "axis_value")},
+                    **{
+                        name: r.options.get(name)
+                        for name in ("q_group_size", "residual_length", "axis_key", "axis_value")
+                    },
                     "KV bytes": r.kv_bytes,
                     "bytes/token": round(r.bytes_per_token, 1),
                     "ratio to dynamic": round(r.ratio_to_dynamic, 4),
@@ -374,8 +405,9 @@ def measure_spec(
         logprobs = session.score(question, ref_ids[i], on_step=after_step)
         if reference is None:
             own.append(logprobs)  # kept only when this run is the reference ([n, vocab] float32 per question)
-        parts.append(fidelity.position_fidelity(logprobs if reference is None else reference.logprobs[i], logprobs,
-                                                ref_ids[i]))
+        parts.append(
+            fidelity.position_fidelity(logprobs if reference is None else reference.logprobs[i], logprobs, ref_ids[i])
+        )
         drift_runs.append(tuple(errors))
         del logprobs
         if on_step is not None:
@@ -397,8 +429,14 @@ def measure_spec(
             if on_step is not None and ((step + 1) % PERPLEXITY_STEPS_PER_UNIT == 0 or step + 1 == fed):
                 on_step(f"{spec.text}: perplexity {step + 1}/{fed} tokens")
 
-        ppl = fidelity.perplexity(loaded_model, spec, perplexity_inputs, reference=ppl_reference, on_step=after_feed,
-                                  kv_budget_bytes=kv_budget_bytes)
+        ppl = fidelity.perplexity(
+            loaded_model,
+            spec,
+            perplexity_inputs,
+            reference=ppl_reference,
+            on_step=after_feed,
+            kv_budget_bytes=kv_budget_bytes,
+        )
         base = ppl.perplexity if reference is None else reference.perplexity
         ppl = replace(ppl, ratio_to_dynamic=ppl.perplexity / base if base else None)
         drift_runs.append(ppl.context_errors)
@@ -453,8 +491,9 @@ def measure_spec(
     )
     own_reference = None
     if reference is None:
-        own_reference = Reference(tuple(a.token_ids for a in answers), tuple(own), reference_kv,
-                                  None if ppl is None else ppl.perplexity)
+        own_reference = Reference(
+            tuple(a.token_ids for a in answers), tuple(own), reference_kv, None if ppl is None else ppl.perplexity
+        )
     return result, own_reference
 
 

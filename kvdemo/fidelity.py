@@ -33,17 +33,17 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import BaseQuantizedLayer, Cache
 
-from kvdemo.spec import CacheSpec, build_cache, estimate_kv_bytes
 from kvdemo.metrics import kl_divergence
 from kvdemo.models import LoadedModel
 from kvdemo.session import KVBudgetError, QASession
+from kvdemo.spec import CacheSpec, build_cache, estimate_kv_bytes
 from kvdemo.telemetry import flushed_layers
 
 KV = tuple[tuple[torch.Tensor, torch.Tensor], ...]
@@ -131,7 +131,7 @@ class KLStats:
     p99_abs_dlogp: float
 
     @classmethod
-    def pool(cls, parts: Sequence[PositionFidelity]) -> "KLStats":
+    def pool(cls, parts: Sequence[PositionFidelity]) -> KLStats:
         """Pool the positions of several answers (each a `position_fidelity`) into one set of statistics.
 
         Raises:
@@ -172,8 +172,9 @@ def kl_statistics(
         >>> stats.same_top_p, stats.p99_kld
     """
     if not len(reference) == len(other) == len(tokens):
-        raise ValueError(f"{len(reference)} reference, {len(other)} other and {len(tokens)} token lists; give one each "
-                         "per answer")
+        raise ValueError(
+            f"{len(reference)} reference, {len(other)} other and {len(tokens)} token lists; give one each per answer"
+        )
     return KLStats.pool([position_fidelity(r, o, t) for r, o, t in zip(reference, other, tokens)])
 
 
@@ -418,7 +419,7 @@ def perplexity_inputs(
                 f"none to prefill. Lower the perplexity tokens to at most {max(text_tokens - 2, 0)} or give a "
                 "continuation"
             )
-        context_ids, continuation_ids, source = prefix[: -(tokens + 1)], prefix[-(tokens + 1):], "tail"
+        context_ids, continuation_ids, source = prefix[: -(tokens + 1)], prefix[-(tokens + 1) :], "tail"
     limit = loaded_model.max_context_tokens
     if len(context_ids) + tokens > limit:
         raise ValueError(
@@ -497,24 +498,31 @@ def perplexity(
         raise ValueError(f"the reference holds {reference[0][0].shape[-2]} tokens, the context {len(context)}")
     fed = len(continuation) - 1
     if kv_budget_bytes is not None:
-        estimate = estimate_kv_bytes(spec, loaded_model.config, len(context) + fed, loaded_model.dtype,
-                                     residual_tokens=fed)
+        estimate = estimate_kv_bytes(
+            spec, loaded_model.config, len(context) + fed, loaded_model.dtype, residual_tokens=fed
+        )
         if estimate > kv_budget_bytes:
             raise KVBudgetError(
                 f"a {spec.label} KV cache for {len(context):,} context tokens + {fed} fed tokens would hold about "
                 f"{estimate / 2**20:,.1f} MiB; the KV budget is {kv_budget_bytes / 2**20:,.1f} MiB. Lower the "
-                "perplexity tokens or shorten the context", estimate, kv_budget_bytes)
+                "perplexity tokens or shorten the context",
+                estimate,
+                kv_budget_bytes,
+            )
     model, device = loaded_model.model, loaded_model.device
     cache = build_cache(spec, loaded_model.config)
     nll, flush_steps, errors = [], [], []
     start = time.perf_counter()
     with torch.no_grad():
-        model(input_ids=torch.tensor([context], device=device), past_key_values=cache, use_cache=True,
-              logits_to_keep=1)
+        model(input_ids=torch.tensor([context], device=device), past_key_values=cache, use_cache=True, logits_to_keep=1)
         prefill_error = None if reference is None else context_error(reference, cache)
         for step in range(fed):
-            logits = model(input_ids=torch.tensor([[continuation[step]]], device=device), past_key_values=cache,
-                           use_cache=True, logits_to_keep=1).logits
+            logits = model(
+                input_ids=torch.tensor([[continuation[step]]], device=device),
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            ).logits
             logprobs = torch.log_softmax(logits[0, -1].float(), dim=-1)
             nll.append(-float(logprobs[continuation[step + 1]]))
             if flushed_layers(cache):

@@ -9,8 +9,8 @@ from __future__ import annotations
 import collections
 import re
 import string
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 import torch
 
@@ -46,6 +46,7 @@ ABSTENTION_PHRASES = (
 )
 """Normalised phrases (after `normalize_answer`: lower case, no punctuation, no articles) by which an answer
 says that the text does not give the answer."""
+
 
 def normalize_answer(text: str) -> str:
     """SQuAD's normalisation: lower case, punctuation removed, articles removed, whitespace collapsed."""

@@ -27,8 +27,8 @@ import re
 import shutil
 import tempfile
 import threading
-import weakref
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,7 +46,7 @@ _WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "*.gguf")
 CACHE_COMPLETE = "kvdemo-cache.json"
 """The marker written last into a converted copy: the GGUF's path, size, SHA-256 and the transformers version."""
 
-_loaded: "weakref.WeakValueDictionary[tuple[str, str, str], LoadedModel]" = weakref.WeakValueDictionary()
+_loaded: weakref.WeakValueDictionary[tuple[str, str, str], LoadedModel] = weakref.WeakValueDictionary()
 """Loaded models by (source, device, dtype), held weakly: a model stays while a session, the app or a caller
 uses it, and loading it again then returns the same object; once nothing uses it, it is freed (the app's
 Load button can switch models many times without growing memory)."""
@@ -256,8 +256,12 @@ def _write_converted(model, tokenizer, gguf_path: Path, folder: Path) -> bool:
             raise
         return True
     except Exception as error:  # an unwritable or full cache folder must not stop the load
-        _log.warning("kvdemo: could not write the converted copy of %s to %s (%s); later starts will "
-                     "de-quantize the GGUF again", gguf_path.name, folder, error)
+        _log.warning(
+            "kvdemo: could not write the converted copy of %s to %s (%s); later starts will de-quantize the GGUF again",
+            gguf_path.name,
+            folder,
+            error,
+        )
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
         return False
@@ -287,8 +291,9 @@ def _load_gguf(where: str, kwargs: dict[str, Any], dtype: torch.dtype):
         try:
             return (*_from_pretrained(str(folder), {}, dtype), "converted")
         except Exception as error:
-            _log.warning("kvdemo: the converted copy %s does not load (%s); removing it and reading the GGUF",
-                         folder, error)
+            _log.warning(
+                "kvdemo: the converted copy %s does not load (%s); removing it and reading the GGUF", folder, error
+            )
             shutil.rmtree(folder, ignore_errors=True)
     # de-quantize in float32 (the GGUF's own precision after de-quantization) so the copy serves every dtype
     tokenizer, model = _from_pretrained(where, kwargs, torch.float32)

@@ -88,8 +88,30 @@ and what runs next."""
 
 _SYLLABLES = tuple(
     onset + vowel
-    for onset in ("b", "br", "d", "dr", "f", "g", "gr", "k", "kl", "l", "m", "n", "p", "pr", "qu", "r", "s",
-                  "st", "t", "tr", "v", "z")
+    for onset in (
+        "b",
+        "br",
+        "d",
+        "dr",
+        "f",
+        "g",
+        "gr",
+        "k",
+        "kl",
+        "l",
+        "m",
+        "n",
+        "p",
+        "pr",
+        "qu",
+        "r",
+        "s",
+        "st",
+        "t",
+        "tr",
+        "v",
+        "z",
+    )
     for vowel in ("a", "e", "i", "o", "u", "ai", "ea", "io")
 )
 _CODAS = ("", "", "n", "r", "s", "l", "sh", "th", "x")
@@ -235,8 +257,10 @@ class _Tokenized:
 def _encode_with_offsets(session: QASession, text: str) -> dict:
     tokenizer = session.loaded.tokenizer
     if not getattr(tokenizer, "is_fast", False):
-        raise ValueError("the needle grid needs a fast tokenizer (it cuts the haystack at token offsets); "
-                         f"{type(tokenizer).__name__} gives none")
+        raise ValueError(
+            "the needle grid needs a fast tokenizer (it cuts the haystack at token offsets); "
+            f"{type(tokenizer).__name__} gives none"
+        )
     return tokenizer(text, add_special_tokens=False, split_special_tokens=True, return_offsets_mapping=True)
 
 
@@ -276,8 +300,13 @@ def _assemble(hay: _Tokenized, kept: int, needles: Sequence[Needle]) -> tuple[st
     return "".join(parts), chars
 
 
-def build_context(session: QASession, length: int, needles: Sequence[Needle], haystack: str | None = None,
-                  _hay: _Tokenized | None = None) -> NeedleContext:
+def build_context(
+    session: QASession,
+    length: int,
+    needles: Sequence[Needle],
+    haystack: str | None = None,
+    _hay: _Tokenized | None = None,
+) -> NeedleContext:
     """A context whose prefill is exactly `length` tokens, with `needles` hidden at their depths.
 
     Args:
@@ -314,15 +343,23 @@ def build_context(session: QASession, length: int, needles: Sequence[Needle], ha
     tried: dict[tuple[int, int], int] = {}
     for skipped in range(8):  # rarely no cut fits (see _exact_cut): start the haystack one sentence later
         if skipped:
-            hay = _Tokenized(session, hay.text[hay.sentence_ends[0]:].lstrip())
+            hay = _Tokenized(session, hay.text[hay.sentence_ends[0] :].lstrip())
         found = _exact_cut(session, hay, length, overhead, needles, length - overhead - needle_tokens, skipped, tried)
         if found is not None:
             return found
     raise RuntimeError(f"could not cut the haystack to exactly {length} tokens (tried {sorted(tried.items())})")
 
 
-def _exact_cut(session: QASession, hay: _Tokenized, length: int, overhead: int, needles: Sequence[Needle],
-               kept: int, skipped: int, tried: dict[tuple[int, int], int]) -> NeedleContext | None:
+def _exact_cut(
+    session: QASession,
+    hay: _Tokenized,
+    length: int,
+    overhead: int,
+    needles: Sequence[Needle],
+    kept: int,
+    skipped: int,
+    tried: dict[tuple[int, int], int],
+) -> NeedleContext | None:
     """The context of `length` tokens made of the first `kept` haystack tokens (corrected) and the needles, or
     None when no cut gives exactly `length`: where the cut falls in a blank line, one more haystack token
     adds two context tokens (`"\\n\\n"` is one token at the end of a text, two before a word)."""
@@ -347,8 +384,9 @@ def _exact_cut(session: QASession, hay: _Tokenized, length: int, overhead: int, 
     return None
 
 
-def _placements(session: QASession, text: str, ids: list[int], overhead: int,
-                chars: list[tuple[Needle, int, int]]) -> NeedleContext:
+def _placements(
+    session: QASession, text: str, ids: list[int], overhead: int, chars: list[tuple[Needle, int, int]]
+) -> NeedleContext:
     offsets = _encode_with_offsets(session, text)["offset_mapping"]
     starts = [start for start, _ in offsets]
     ends = [end for _, end in offsets]
@@ -404,7 +442,8 @@ def parse_depths(text: str) -> list[float]:
             out.append(float(part.rstrip("%")))
         except ValueError:
             raise ValueError(
-                f"depths: {part!r} is not a number; write percentages like {_EXAMPLES['depths']}") from None
+                f"depths: {part!r} is not a number; write percentages like {_EXAMPLES['depths']}"
+            ) from None
     return check_depths(out)
 
 
@@ -415,12 +454,17 @@ def check_lengths(lengths: Sequence[Any], most: int | None = None) -> list[int]:
         ValueError: no length, a non-integer (a bool, a fraction, text), a length < 1 or > `most`, a repeat.
     """
     if isinstance(lengths, (str, bytes)) or not isinstance(lengths, Sequence) or not lengths:
-        raise ValueError(f"lengths={_shown(lengths)}: give a list of context lengths in tokens, "
-                         f"e.g. [{_EXAMPLES['lengths'].replace(',', ', ')}]")
+        raise ValueError(
+            f"lengths={_shown(lengths)}: give a list of context lengths in tokens, "
+            f"e.g. [{_EXAMPLES['lengths'].replace(',', ', ')}]"
+        )
     out = []
     for value in lengths:
-        if isinstance(value, numbers.Real) and not isinstance(value, (bool, numbers.Integral)) \
-                and float(value).is_integer():
+        if (
+            isinstance(value, numbers.Real)
+            and not isinstance(value, (bool, numbers.Integral))
+            and float(value).is_integer()
+        ):
             value = int(value)
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
             raise ValueError(f"length {_shown(value)} must be a whole number of tokens >= 1")
@@ -439,14 +483,16 @@ def check_depths(depths: Sequence[Any]) -> list[float]:
         ValueError: no depth, a non-number, NaN, a depth outside 0-100, a repeat.
     """
     if isinstance(depths, (str, bytes)) or not isinstance(depths, Sequence) or not depths:
-        raise ValueError(f"depths={_shown(depths)}: give a list of depths in % from 0 to 100, "
-                         f"e.g. [{_EXAMPLES['depths'].replace(',', ', ')}]")
+        raise ValueError(
+            f"depths={_shown(depths)}: give a list of depths in % from 0 to 100, "
+            f"e.g. [{_EXAMPLES['depths'].replace(',', ', ')}]"
+        )
     out = []
     for value in depths:
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value) \
-                or not 0 <= value <= 100:
-            raise ValueError(f"depth {_shown(value)} must be a number from 0 to 100 (% of the haystack "
-                             "before the needle)")
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value) or not 0 <= value <= 100:
+            raise ValueError(
+                f"depth {_shown(value)} must be a number from 0 to 100 (% of the haystack before the needle)"
+            )
         if float(value) in out:
             raise ValueError(f"depth {value} is given twice; give each depth once")
         out.append(float(value))
@@ -460,8 +506,10 @@ def _shown(value: Any) -> str:
 
 
 def _window_text(most: int) -> str:
-    return (f"the longest context is {most:,} tokens (the model's window less {QUESTION_RESERVE_TOKENS} tokens "
-            "for the question and max_new_tokens for the answer)")
+    return (
+        f"the longest context is {most:,} tokens (the model's window less {QUESTION_RESERVE_TOKENS} tokens "
+        "for the question and max_new_tokens for the answer)"
+    )
 
 
 def longest_length(loaded_model: LoadedModel, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> int:
@@ -556,8 +604,24 @@ class NeedleGrid:
     seconds: float
     complete: bool = True
 
-    COLUMNS = ("spec text", "length", "depth", "placed depth", "hit", "score", "value", "answer", "needles in context",
-               "prefill s", "answer s", "score s", "cell s", "name", "position", "spec")
+    COLUMNS = (
+        "spec text",
+        "length",
+        "depth",
+        "placed depth",
+        "hit",
+        "score",
+        "value",
+        "answer",
+        "needles in context",
+        "prefill s",
+        "answer s",
+        "score s",
+        "cell s",
+        "name",
+        "position",
+        "spec",
+    )
 
     def to_frame(self) -> pd.DataFrame:
         """One row per cell (`COLUMNS`, also when there is none): spec text, length (tokens), depth (%),
@@ -565,11 +629,22 @@ class NeedleGrid:
         prefill's), answer s, score s, cell s (`NeedleCell.seconds`), name, position (token), spec (label)."""
         rows = [
             {
-                "spec text": c.spec_text, "length": c.length, "depth": c.depth, "placed depth": c.placed_depth,
-                "hit": c.hit, "score": round(c.score, 4), "value": c.value, "answer": c.answer,
-                "needles in context": c.needles_in_context, "prefill s": round(c.prefill_seconds, 3),
-                "answer s": round(c.answer_seconds, 3), "score s": round(c.score_seconds, 3),
-                "cell s": round(c.seconds, 3), "name": c.name, "position": c.position, "spec": c.spec,
+                "spec text": c.spec_text,
+                "length": c.length,
+                "depth": c.depth,
+                "placed depth": c.placed_depth,
+                "hit": c.hit,
+                "score": round(c.score, 4),
+                "value": c.value,
+                "answer": c.answer,
+                "needles in context": c.needles_in_context,
+                "prefill s": round(c.prefill_seconds, 3),
+                "answer s": round(c.answer_seconds, 3),
+                "score s": round(c.score_seconds, 3),
+                "cell s": round(c.seconds, 3),
+                "name": c.name,
+                "position": c.position,
+                "spec": c.spec,
             }
             for c in self.cells
         ]
@@ -587,14 +662,21 @@ class NeedleGrid:
                 continue
             prefill = sum({c.context: c.prefill_seconds for c in cells}.values())
             decode = sum(c.answer_seconds + c.score_seconds for c in cells)
-            rows.append({
-                "spec text": spec, "cells": len(cells), "hits": sum(c.hit for c in cells),
-                "hit rate": sum(c.hit for c in cells) / len(cells),
-                "mean score": sum(c.score for c in cells) / len(cells),
-                "prefill s": round(prefill, 2), "decode s": round(decode, 2), "seconds": round(prefill + decode, 2),
-            })
-        return pd.DataFrame(rows, columns=["spec text", "cells", "hits", "hit rate", "mean score", "prefill s",
-                                           "decode s", "seconds"])
+            rows.append(
+                {
+                    "spec text": spec,
+                    "cells": len(cells),
+                    "hits": sum(c.hit for c in cells),
+                    "hit rate": sum(c.hit for c in cells) / len(cells),
+                    "mean score": sum(c.score for c in cells) / len(cells),
+                    "prefill s": round(prefill, 2),
+                    "decode s": round(decode, 2),
+                    "seconds": round(prefill + decode, 2),
+                }
+            )
+        return pd.DataFrame(
+            rows, columns=["spec text", "cells", "hits", "hit rate", "mean score", "prefill s", "decode s", "seconds"]
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: every field and every cell (`asdict`)."""
@@ -639,9 +721,15 @@ class _Plan:
     context: NeedleContext
 
 
-def plan_contexts(loaded_model: LoadedModel, lengths: Sequence[int], depths: Sequence[float],
-                  needles_per_context: int | None = None, seed: int | str = 0, haystack: str | None = None,
-                  max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> list[NeedleContext]:
+def plan_contexts(
+    loaded_model: LoadedModel,
+    lengths: Sequence[int],
+    depths: Sequence[float],
+    needles_per_context: int | None = None,
+    seed: int | str = 0,
+    haystack: str | None = None,
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+) -> list[NeedleContext]:
     """The contexts `needle_grid` prefills (for every spec alike), length by length: tokenization only.
 
     Needles: per length, `make_needles(depths, seed=f"{seed}:{length}")`, so a cell's needle does not depend on
@@ -748,7 +836,8 @@ def needle_grid(
                     f"a {spec.text} KV cache for the longest context ({max(lengths):,} tokens + {reserve} for a "
                     f"question and its answer) would hold about {estimate / 2**20:,.1f} MiB; the KV budget is "
                     f"{kv_budget_bytes / 2**20:,.1f} MiB. Drop the longest lengths or this spec",
-                    estimate, kv_budget_bytes,
+                    estimate,
+                    kv_budget_bytes,
                 )
     total = len(ordered) * sum(1 + 2 * len(c.placements) for c in contexts)
     done = 0
@@ -766,9 +855,16 @@ def needle_grid(
 
     def grid(complete: bool) -> NeedleGrid:
         return NeedleGrid(
-            model=loaded_model.name, device=str(loaded_model.device), specs=tuple(s.text for s in ordered),
-            lengths=tuple(lengths), depths=tuple(depths), needles_per_context=needles_per_context, seed=seed,
-            max_new_tokens=max_new_tokens, seconds=time.perf_counter() - start, complete=complete,
+            model=loaded_model.name,
+            device=str(loaded_model.device),
+            specs=tuple(s.text for s in ordered),
+            lengths=tuple(lengths),
+            depths=tuple(depths),
+            needles_per_context=needles_per_context,
+            seed=seed,
+            max_new_tokens=max_new_tokens,
+            seconds=time.perf_counter() - start,
+            complete=complete,
             cells=tuple(sorted(cells, key=lambda c: (rank[c.spec_text], c.length, c.depth))),
         )
 
@@ -803,16 +899,32 @@ def needle_grid(
                     score_seconds = time.perf_counter() - scored_at
                     score = float(sum(logprobs[i, ids[i]] for i in range(first, len(ids))))
                     del logprobs
-                    cells.append(NeedleCell(
-                        spec=spec.label, spec_text=spec.text, length=context.length, depth=needle.depth,
-                        placed_depth=placement.placed_depth, position=placement.position,
-                        needle_tokens=placement.tokens, name=needle.name, value=needle.value,
-                        question=needle.question, answer=answer.text, hit=hit(answer.text, needle.value),
-                        score=score, value_tokens=len(ids) - first, finish_reason=answer.finish_reason,
-                        context=index, needles_in_context=len(context.placements), prefill_seconds=report.seconds,
-                        answer_seconds=answer.seconds, score_seconds=score_seconds,
-                        cache_length_after=answer.cache_length_after, kv_bytes=report.kv_bytes,
-                    ))
+                    cells.append(
+                        NeedleCell(
+                            spec=spec.label,
+                            spec_text=spec.text,
+                            length=context.length,
+                            depth=needle.depth,
+                            placed_depth=placement.placed_depth,
+                            position=placement.position,
+                            needle_tokens=placement.tokens,
+                            name=needle.name,
+                            value=needle.value,
+                            question=needle.question,
+                            answer=answer.text,
+                            hit=hit(answer.text, needle.value),
+                            score=score,
+                            value_tokens=len(ids) - first,
+                            finish_reason=answer.finish_reason,
+                            context=index,
+                            needles_in_context=len(context.placements),
+                            prefill_seconds=report.seconds,
+                            answer_seconds=answer.seconds,
+                            score_seconds=score_seconds,
+                            cache_length_after=answer.cache_length_after,
+                            kv_bytes=report.kv_bytes,
+                        )
+                    )
                     progress(f"{spec.text} {context.length:,} tokens: scored the needle at {needle.depth:g} %")
             del session
             gc.collect()

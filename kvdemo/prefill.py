@@ -14,7 +14,7 @@ Pattern: the chunked prefill of vLLM and SGLang (`--chunked-prefill-size`), here
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from transformers import DynamicCache

@@ -42,8 +42,18 @@ PLAIN_SEPARATOR = "\n"
 """Between the context and the question without a chat template; the question is followed by a newline too."""
 MAX_BACKTRACK = 16
 """Characters the cut may move back from the end of the context's last non-whitespace character."""
-PROBE_QUESTIONS = ("Who led them?", "what", "42 or 7?", "?", "'s", '"Why" (a)', "—and", "你好吗", "😀 here",
-                   "מי הוביל?")
+PROBE_QUESTIONS = (
+    "Who led them?",
+    "what",
+    "42 or 7?",
+    "?",
+    "'s",
+    '"Why" (a)',
+    "—and",
+    "你好吗",
+    "😀 here",
+    "מי הוביל?",
+)
 """Questions whose ids check the split: one per kind of first character a stripped question can have (a question
 starting with one of the tokenizer's control tokens, as text, is added per tokenizer)."""
 
@@ -92,8 +102,9 @@ class PromptLayout:
             self.before, self.after, self.separator = "", PLAIN_SEPARATOR, PLAIN_SEPARATOR
             bos = getattr(tokenizer, "bos_token_id", None)
             self.bos = (bos,) if bos is not None else ()
-        self._sanitize = self.chat and "sanitize_control_tokens" in inspect.signature(
-            tokenizer.apply_chat_template).parameters
+        self._sanitize = (
+            self.chat and "sanitize_control_tokens" in inspect.signature(tokenizer.apply_chat_template).parameters
+        )
         controls = sorted(self._control_tokens(), key=len, reverse=True)
         self._controls = re.compile("|".join(map(re.escape, controls))) if controls else None
         eos = getattr(tokenizer, "eos_token", None)
@@ -115,8 +126,11 @@ class PromptLayout:
         template writes (transformers' `_get_control_tokens` rule)."""
         template = getattr(self.tokenizer, "chat_template", None) or ""
         decoder = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
-        return [t.content for t in decoder.values()
-                if t.content and (t.special or (t.content in template and not t.content.isspace()))]
+        return [
+            t.content
+            for t in decoder.values()
+            if t.content and (t.special or (t.content in template and not t.content.isspace()))
+        ]
 
     # ---- ids ---------------------------------------------------------------------------------------
     def reference_ids(self, context: str, question: str) -> list[int]:
@@ -126,10 +140,15 @@ class PromptLayout:
         if not self.chat:
             return list(self.bos) + self._encode([(self.content(context, question) + self.after, True)])
         kwargs = {"sanitize_control_tokens": True} if self._sanitize else {}
-        return list(self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": self.content(context, question)}], tokenize=True,
-            add_generation_prompt=True, return_dict=False, **kwargs,
-        ))
+        return list(
+            self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": self.content(context, question)}],
+                tokenize=True,
+                add_generation_prompt=True,
+                return_dict=False,
+                **kwargs,
+            )
+        )
 
     def prefix_ids(self, head: str) -> list[int]:
         """The ids of the template's opening (or BOS) followed by `head`, the context's part before the cut."""
@@ -138,8 +157,9 @@ class PromptLayout:
     def question_ids(self, split: PromptSplit, question: str) -> list[int]:
         """The ids fed for `question` on top of a prefill of `split`: `split.tail + separator + question.strip()`
         and the rest of the template (the end of the user turn, the assistant turn's opening)."""
-        return self._encode([(split.tail + self.separator + question.strip(), True), (self.after, False)],
-                            starts_prompt=False)
+        return self._encode(
+            [(split.tail + self.separator + question.strip(), True), (self.after, False)], starts_prompt=False
+        )
 
     def _encode(self, parts: list[tuple[str, bool]], starts_prompt: bool = True) -> list[int]:
         """Encode text parts (text, is the user's) in pieces: the user's control-token look-alikes are cut out
@@ -149,7 +169,7 @@ class PromptLayout:
         for text, user in parts:
             start = 0
             for match in self._controls.finditer(text) if (user and self._controls) else ():
-                pieces[-1] = (pieces[-1][0] + text[start:match.start()], False)
+                pieces[-1] = (pieces[-1][0] + text[start : match.start()], False)
                 pieces += [(match.group(), True), ("", False)]
                 start = match.end()
             pieces[-1] = (pieces[-1][0] + text[start:], False)
@@ -161,13 +181,14 @@ class PromptLayout:
 
     def _encode_piece(self, piece: str, as_text: bool, first: bool) -> list[int]:
         """One piece, as transformers' `_encode_chat_piece`: after a removed newline unless it starts the prompt."""
+
         def encode(text: str) -> list[int]:
             return self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=as_text)
 
         if not first:
             ids = encode("\n" + piece)
-            if ids[:len(self._newline_ids)] == self._newline_ids:
-                return ids[len(self._newline_ids):]
+            if ids[: len(self._newline_ids)] == self._newline_ids:
+                return ids[len(self._newline_ids) :]
         return encode(piece)
 
     # ---- the split ---------------------------------------------------------------------------------
@@ -193,8 +214,10 @@ class PromptLayout:
         for cut in range(end, max(end - MAX_BACKTRACK, 0) - 1, -1):
             prefix = first if cut == end else self.prefix_ids(context[:cut])
             candidate = PromptSplit(tuple(prefix), context[cut:], True)
-            if all(ref[:len(prefix)] == prefix and prefix + self.question_ids(candidate, q) == ref
-                   for q, ref in references):
+            if all(
+                ref[: len(prefix)] == prefix and prefix + self.question_ids(candidate, q) == ref
+                for q, ref in references
+            ):
                 return candidate
         note = (
             "the tokenizer joins the end of this context with the question (no token boundary in its last "

@@ -16,8 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from kvdemo import checks
-from kvdemo import budget
+from kvdemo import budget, checks
 from kvdemo.models import LoadedModel, is_hub_id, load_model
 from kvdemo.session import DEFAULT_MAX_NEW_TOKENS, QUESTION_RESERVE_TOKENS, PrefillReport, QASession
 from kvdemo.spec import CacheSpec
@@ -88,8 +87,13 @@ class SessionStore:
         ValueError: max_sessions < 1 or idle_seconds <= 0.
     """
 
-    def __init__(self, max_sessions: int = 32, idle_seconds: float | None = 1800.0,
-                 clock: Callable[[], float] = time.monotonic, on_free: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        max_sessions: int = 32,
+        idle_seconds: float | None = 1800.0,
+        clock: Callable[[], float] = time.monotonic,
+        on_free: Callable[[str], None] | None = None,
+    ):
         if max_sessions < 1 or (idle_seconds is not None and idle_seconds <= 0):
             raise ValueError(f"max_sessions={max_sessions} must be >= 1 and idle_seconds={idle_seconds} > 0 (or None)")
         self.max_sessions = max_sessions
@@ -126,10 +130,13 @@ class SessionStore:
                 victim = next((k for k, u in self._sessions.items() if not u.busy), None)
                 if victim is None:
                     raise ServerFull(
-                        f"The server is full: all {self.max_sessions} sessions are busy answering. Try again in a minute"
+                        f"The server is full: all {self.max_sessions} sessions are busy answering. "
+                        "Try again in a minute"
                     )
-                self._drop(victim, f"this server keeps at most {self.max_sessions} sessions and yours was the "
-                                   "least recently used")
+                self._drop(
+                    victim,
+                    f"this server keeps at most {self.max_sessions} sessions and yours was the least recently used",
+                )
             user = user or UserSession()
             user.last_used = self.clock()
             self._sessions[key] = user
@@ -263,7 +270,9 @@ class KVAccount:
                     f"{_mib(limit)} are held by {users} other cache{'' if users == 1 else 's'} and comparisons "
                     f"({_mib(max(limit - others, 0))} free). Try again when other users finish, or ask for less: a "
                     "shorter context, fewer max_new_tokens, or a backend with fewer bits (e.g. hqq with nbits 2)",
-                    nbytes, others, limit,
+                    nbytes,
+                    others,
+                    limit,
                 )
             self._held[holder] = nbytes
 
@@ -301,8 +310,9 @@ def session_kv_bytes(spec: CacheSpec, loaded: LoadedModel, context_tokens: int, 
     Raises:
         ValueError, ImportError: the spec does not validate on the model (`CacheSpec.validate`).
     """
-    return budget.held_bytes_estimate(spec.validate(loaded.config), loaded.config, loaded.dtype, context_tokens,
-                                      reserve_tokens)  # the one estimate, the session's own guard uses it too
+    return budget.held_bytes_estimate(
+        spec.validate(loaded.config), loaded.config, loaded.dtype, context_tokens, reserve_tokens
+    )  # the one estimate, the session's own guard uses it too
 
 
 class App:
@@ -415,8 +425,14 @@ class App:
         return loaded
 
     # ---- the server-wide KV budget ------------------------------------------------------------------
-    def prefill(self, key: str, qa: QASession, context: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-                on_progress: Callable[[int, int], None] | None = None) -> PrefillReport:
+    def prefill(
+        self,
+        key: str,
+        qa: QASession,
+        context: str,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> PrefillReport:
         """`qa.prefill(context, max_new_tokens, on_progress=...)` for the session of `key`, within the server-wide
         KV budget.
 
@@ -438,8 +454,11 @@ class App:
         tokens = prefill_tokens(qa, context)
         nbytes = session_kv_bytes(qa.spec, qa.loaded, tokens, reserve)
         holder = f"prefill:{key}"
-        self.kv.reserve(holder, nbytes, f"a {qa.spec.label} KV cache for {tokens:,} context tokens + {reserve} for "
-                                        "a question and its answer")
+        self.kv.reserve(
+            holder,
+            nbytes,
+            f"a {qa.spec.label} KV cache for {tokens:,} context tokens + {reserve} for a question and its answer",
+        )
         try:
             report = qa.prefill(context, max_new_tokens, on_progress=on_progress)
         except BaseException:
@@ -463,9 +482,13 @@ class App:
             raise ValueError("prefill a context before asking a question")
         decoded = len(qa.question_ids(question)) + max_new_tokens
         nbytes = session_kv_bytes(qa.spec, qa.loaded, qa.prefill_report.context_tokens, decoded)
-        self.kv.reserve(f"cache:{key}", nbytes, f"an answer of up to {max_new_tokens} tokens on your "
-                                                f"{qa.prefill_report.context_tokens:,}-token {qa.spec.label} cache",
-                        grow_only=True)
+        self.kv.reserve(
+            f"cache:{key}",
+            nbytes,
+            f"an answer of up to {max_new_tokens} tokens on your "
+            f"{qa.prefill_report.context_tokens:,}-token {qa.spec.label} cache",
+            grow_only=True,
+        )
         if key not in self.sessions:  # freed meanwhile: its cache goes once this answer ends
             self.kv.release(f"cache:{key}")
 
@@ -483,8 +506,7 @@ class App:
         finally:
             self.kv.release(holder)
 
-    def comparison(self, key: str, loaded: LoadedModel, context: str, specs: Sequence[CacheSpec],
-                   max_new_tokens: int):
+    def comparison(self, key: str, loaded: LoadedModel, context: str, specs: Sequence[CacheSpec], max_new_tokens: int):
         """`holding` for `kvdemo.compare.compare(loaded, context, questions, specs, max_new_tokens)` run by the
         session of `key` (holder `compare:<key>`): it runs one spec at a time, `dynamic` first, so it holds at
         most the largest `session_kv_bytes` of those specs (its reference log-probabilities are not KV and are
@@ -500,7 +522,9 @@ class App:
         """
         reserve = QUESTION_RESERVE_TOKENS + checks.max_new_tokens(max_new_tokens)
         tokens = prefill_tokens(QASession(loaded, CacheSpec("dynamic")), context)
-        nbytes = max(session_kv_bytes(spec.validate(loaded.config), loaded, tokens, reserve)
-                     for spec in [CacheSpec("dynamic"), *specs])
+        nbytes = max(
+            session_kv_bytes(spec.validate(loaded.config), loaded, tokens, reserve)
+            for spec in [CacheSpec("dynamic"), *specs]
+        )
         what = f"a comparison of {len(specs)} spec(s) on {tokens:,} context tokens"
         return self.holding(f"compare:{key}", nbytes, what)

@@ -13,18 +13,18 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from transformers.cache_utils import Cache
 
 from kvdemo import budget, checks, snapshot
 from kvdemo.budget import KVBudgetError  # noqa: F401  (raised here, part of the session's API)
-from kvdemo.spec import CacheSpec, build_cache
 from kvdemo.models import LoadedModel
 from kvdemo.prefill import PREFILL_CHUNK_TOKENS, PrefillStopped, ProgressCallback, run_prefill  # noqa: F401
 from kvdemo.prompt import PromptLayout, PromptSplit
 from kvdemo.records import Answer, PrefillReport
+from kvdemo.spec import CacheSpec, build_cache
 from kvdemo.telemetry import StepEvent, flushed_layers, full_precision_bytes, kv_memory
 from kvdemo.text import TextStream, check_text
 
@@ -204,13 +204,21 @@ class QASession:
     def estimate_kv_bytes(self, context_tokens: int, reserve_tokens: int) -> int:
         """The bytes held for this session's cache with `context_tokens` prefilled and `reserve_tokens` more
         decoded, the snapshot's share included: `kvdemo.budget.held_bytes_estimate`."""
-        return budget.held_bytes_estimate(self.spec, self.loaded.config, self.loaded.dtype, context_tokens,
-                                          reserve_tokens)
+        return budget.held_bytes_estimate(
+            self.spec, self.loaded.config, self.loaded.dtype, context_tokens, reserve_tokens
+        )
 
     def _check_budget(self, context_tokens: int, reserve_tokens: int, advice: str | None = None) -> None:
         """Raise `KVBudgetError` when the estimate exceeds `kv_budget_bytes` (`kvdemo.budget.check_budget`)."""
-        budget.check_budget(self.spec, self.loaded.config, self.loaded.dtype, self.kv_budget_bytes, context_tokens,
-                            reserve_tokens, advice)
+        budget.check_budget(
+            self.spec,
+            self.loaded.config,
+            self.loaded.dtype,
+            self.kv_budget_bytes,
+            context_tokens,
+            reserve_tokens,
+            advice,
+        )
 
     # ---- answers ------------------------------------------------------------------------------
     def _close_active(self) -> None:
@@ -247,8 +255,9 @@ class QASession:
                 f"the model's {limit}-token window; lower max_new_tokens to at most "
                 f"{limit - context_tokens - len(q_ids)} or shorten the question"
             )
-        self._check_budget(context_tokens, len(q_ids) + max_new_tokens,
-                           advice="Lower max_new_tokens, or prefill a shorter context")
+        self._check_budget(
+            context_tokens, len(q_ids) + max_new_tokens, advice="Lower max_new_tokens, or prefill a shorter context"
+        )
         self._close_active()
         self._stop.clear()
         self._active = self._decode(question, q_ids, max_new_tokens)

@@ -89,7 +89,7 @@ class CacheSpec:
         return ",".join([head] + [f"{k}={v}" for k, v in resolved.items()])
 
     @classmethod
-    def parse(cls, text: str) -> "CacheSpec":
+    def parse(cls, text: str) -> CacheSpec:
         """A spec from `backend[:nbits][,option=value...]`, e.g. `dynamic`, `fp8`, `hqq:4`,
         `quanto:2,q_group_size=32,residual_length=16,axis_key=-1`. Options are `GROUP_OPTIONS`; unset ones
         take the backend's defaults. The result is checked against the registry (`validate`, no model).
@@ -123,11 +123,11 @@ class CacheSpec:
             options[name] = int(value)
         return cls(backend.strip().lower(), **options).validate()
 
-    def replace(self, **changes: Any) -> "CacheSpec":
+    def replace(self, **changes: Any) -> CacheSpec:
         """A copy with some fields changed."""
         return dataclasses.replace(self, **changes)
 
-    def validate(self, model_config: PreTrainedConfig | None = None) -> "CacheSpec":
+    def validate(self, model_config: PreTrainedConfig | None = None) -> CacheSpec:
         """Check this spec against the registry and, when given, the model's shapes.
 
         Args:
@@ -186,7 +186,7 @@ class CacheSpec:
         return self
 
 
-def all_specs() -> list["CacheSpec"]:
+def all_specs() -> list[CacheSpec]:
     """Every backend at every nbits it allows, the other options unset (the backend's defaults): what the tests'
     matrix runs and the Compare tab offers.
 
@@ -201,7 +201,7 @@ def all_specs() -> list["CacheSpec"]:
     ]
 
 
-def default_compare_specs() -> list["CacheSpec"]:
+def default_compare_specs() -> list[CacheSpec]:
     """The specs compared when none are chosen: each backend at its `compare_nbits`."""
     return [CacheSpec(name, nbits=n) for name, info in BACKENDS.items() for n in info.compare_nbits]
 
@@ -285,8 +285,13 @@ def warm_up(backends: tuple[str, ...] | None = None) -> dict[str, float]:
     from transformers import LlamaConfig
 
     config = LlamaConfig(
-        vocab_size=8, hidden_size=64, intermediate_size=8, num_hidden_layers=1, num_attention_heads=1,
-        num_key_value_heads=1, head_dim=64,
+        vocab_size=8,
+        hidden_size=64,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        head_dim=64,
     )
     seconds = {}
     for name in backends or tuple(BACKENDS):

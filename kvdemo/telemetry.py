@@ -21,8 +21,9 @@ The reference a `DynamicCache` would need is `kvdemo.geometry.full_precision_byt
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.cache_utils import Cache, QuantizedLayer

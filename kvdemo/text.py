@@ -66,7 +66,7 @@ def check_text(text: str, what: str) -> str:
 def _broken_message(text: str, position: int, what: str) -> str:
     line = text.count("\n", 0, position) + 1
     column = position - (text.rfind("\n", 0, position) + 1) + 1
-    before = _SURROGATE.sub(REPLACEMENT, text[max(0, position - 20):position].split("\n")[-1])
+    before = _SURROGATE.sub(REPLACEMENT, text[max(0, position - 20) : position].split("\n")[-1])
     where = f"line {line}, column {column}" + (f", after {before!r}" if before else "")
     return (
         f"{what} holds a broken character at position {position:,} ({where}): U+{ord(text[position]):04X} is not a "
@@ -133,12 +133,14 @@ class TextStream:
     def _python_step(self, token_id: int) -> str:
         self._ids.append(token_id)
         decode = self.tokenizer.decode
-        prefix = decode(self._ids[self._prefix_offset:self._read_offset], skip_special_tokens=self.skip_special_tokens)
-        full = decode(self._ids[self._prefix_offset:], skip_special_tokens=self.skip_special_tokens)
+        prefix = decode(
+            self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=self.skip_special_tokens
+        )
+        full = decode(self._ids[self._prefix_offset :], skip_special_tokens=self.skip_special_tokens)
         if len(full) <= len(prefix) or full.endswith(REPLACEMENT):
             return ""
-        chunk = full[len(prefix):]
+        chunk = full[len(prefix) :]
         # keep only the window the next step needs: the tokens since the old read offset
-        self._ids = self._ids[self._read_offset:]
+        self._ids = self._ids[self._read_offset :]
         self._prefix_offset, self._read_offset = 0, len(self._ids)
         return chunk

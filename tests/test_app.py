@@ -29,12 +29,15 @@ def test_defaults_the_environment_and_the_command_line(env):
     assert (args.server_kv_budget_mib, args.queue_size, args.mcp) == (0.0, 0, False)
 
 
-@pytest.mark.parametrize("variables, argv, message", [
-    ({}, ["--queue-size", "-1"], "--server-kv-budget-mib and --queue-size must be >= 0 (0 turns them off)"),
-    ({"KVDEMO_SERVER_KV_BUDGET_MIB": "-5"}, [], "--server-kv-budget-mib and --queue-size must be >= 0"),
-    ({"KVDEMO_QUEUE_SIZE": "lots"}, [], "argument --queue-size: invalid int value: 'lots'"),
-    ({"KVDEMO_SERVER_KV_BUDGET_MIB": "4 GiB"}, [], "argument --server-kv-budget-mib: invalid float value: '4 GiB'"),
-])
+@pytest.mark.parametrize(
+    "variables, argv, message",
+    [
+        ({}, ["--queue-size", "-1"], "--server-kv-budget-mib and --queue-size must be >= 0 (0 turns them off)"),
+        ({"KVDEMO_SERVER_KV_BUDGET_MIB": "-5"}, [], "--server-kv-budget-mib and --queue-size must be >= 0"),
+        ({"KVDEMO_QUEUE_SIZE": "lots"}, [], "argument --queue-size: invalid int value: 'lots'"),
+        ({"KVDEMO_SERVER_KV_BUDGET_MIB": "4 GiB"}, [], "argument --server-kv-budget-mib: invalid float value: '4 GiB'"),
+    ],
+)
 def test_bad_settings_stop_with_a_message(env, capsys, variables, argv, message):
     for name, value in variables.items():
         env.setenv(name, value)

@@ -59,8 +59,10 @@ def test_spec_defaults_and_label():
         ("fp8", CacheSpec("fp8")),
         ("hqq:4", CacheSpec("hqq", nbits=4)),
         (" HQQ : 2 , residual-length = 16 ", CacheSpec("hqq", nbits=2, residual_length=16)),
-        ("quanto:2,q_group_size=32,residual_length=8,axis_key=-1,axis_value=-1",
-         CacheSpec("quanto", nbits=2, q_group_size=32, residual_length=8, axis_key=-1, axis_value=-1)),
+        (
+            "quanto:2,q_group_size=32,residual_length=8,axis_key=-1,axis_value=-1",
+            CacheSpec("quanto", nbits=2, q_group_size=32, residual_length=8, axis_key=-1, axis_value=-1),
+        ),
         ("hqq,q_group_size=32", CacheSpec("hqq", q_group_size=32)),
     ],
 )
@@ -97,7 +99,10 @@ def test_spec_syntax_errors_say_what_to_write(text, message):
         (CacheSpec("quanto", nbits=3), "nbits=3 is not allowed for quanto; allowed: 2, 4"),
         (CacheSpec("hqq", nbits=5), "nbits=5 is not allowed for hqq; allowed: 1, 2, 3, 4, 8"),
         (CacheSpec("hqq", nbits=0), "nbits=0 is not allowed for hqq; allowed: 1, 2, 3, 4, 8"),
-        (CacheSpec("fp8", nbits=4), "nbits=4 is not an option of the fp8 backend (it takes no options); leave it unset"),
+        (
+            CacheSpec("fp8", nbits=4),
+            "nbits=4 is not an option of the fp8 backend (it takes no options); leave it unset",
+        ),
         (CacheSpec("fp8", residual_length=8), "residual_length=8 is not an option of the fp8 backend"),
         (CacheSpec("dynamic", q_group_size=32), "q_group_size=32 is not an option of the dynamic backend"),
         (CacheSpec("hqq", residual_length=0), "residual_length=0 is not allowed for hqq; it must be >= 1"),
@@ -108,7 +113,10 @@ def test_spec_syntax_errors_say_what_to_write(text, message):
         (CacheSpec("hqq", nbits=4.0), "nbits=4.0 must be an integer"),
         (CacheSpec("hqq", residual_length=True), "residual_length=True must be an integer"),
         (CacheSpec(["hqq"]), "backend=['hqq'] is not a backend"),
-        (CacheSpec("hqq", residual_length=10**40), "residual_length=1000000000000000000000000000000000000... is not allowed; it must be <= 1,048,576"),
+        (
+            CacheSpec("hqq", residual_length=10**40),
+            "residual_length=1000000000000000000000000000000000000... is not allowed; it must be <= 1,048,576",
+        ),
     ],
     ids=lambda v: v if isinstance(v, str) and len(v) < 30 else None,
 )
@@ -123,7 +131,8 @@ def test_invalid_options_are_refused_with_what_is_allowed(spec, message):
     [
         (
             CacheSpec("quanto", q_group_size=48),
-            "q_group_size=48 (axis_key=0): q_group_size=48 must divide head_dim=64; allowed here: 1, 2, 4, 8, 16, 32, 64",
+            "q_group_size=48 (axis_key=0): q_group_size=48 must divide head_dim=64; "
+            "allowed here: 1, 2, 4, 8, 16, 32, 64",
         ),
         (CacheSpec("hqq", q_group_size=128), "q_group_size=128 must divide head_dim=64"),
         (
@@ -151,7 +160,9 @@ def test_quantized_backends_need_full_attention_layers_only():
 
 def test_missing_backend_package_raises_import_error_with_pip_command(monkeypatch):
     monkeypatch.setitem(BACKENDS, "hqq", dataclasses.replace(BACKENDS["hqq"], module="hqq_not_installed_here"))
-    with pytest.raises(ImportError, match=r"the hqq backend needs the hqq_not_installed_here package: pip install hqq==0.2.8.post1"):
+    with pytest.raises(
+        ImportError, match=r"the hqq backend needs the hqq_not_installed_here package: pip install hqq==0.2.8.post1"
+    ):
         CacheSpec("hqq").validate()
     monkeypatch.setitem(BACKENDS, "quanto", dataclasses.replace(BACKENDS["quanto"], module="optimum_missing.quanto"))
     with pytest.raises(ImportError, match="pip install optimum-quanto==0.2.7"):
@@ -164,7 +175,13 @@ def test_build_cache_returns_the_transformers_classes_with_the_options():
     cache = build_cache(CacheSpec("hqq", nbits=2, q_group_size=16, residual_length=5, axis_value=1), config)
     assert type(cache) is QuantizedCache and all(type(layer) is HQQQuantizedLayer for layer in cache.layers)
     layer = cache.layers[0]
-    assert (layer.nbits, layer.q_group_size, layer.residual_length, layer.axis_key, layer.axis_value) == (2, 16, 5, 0, 1)
+    assert (layer.nbits, layer.q_group_size, layer.residual_length, layer.axis_key, layer.axis_value) == (
+        2,
+        16,
+        5,
+        0,
+        1,
+    )
     assert type(build_cache(CacheSpec("quanto"), config).layers[1]) is QuantoQuantizedLayer
     assert type(build_cache(CacheSpec("fp8"), config).layers[0]) is Fp8QuantizedLayer
     with pytest.raises(ValueError):
@@ -175,7 +192,18 @@ def test_allowed_group_sizes_on_the_embedded_shape():
     config = _config()
     assert allowed_group_sizes(CacheSpec("hqq", nbits=1), config)["axis_key"] == [8, 16, 32, 64]
     assert allowed_group_sizes(CacheSpec("hqq", nbits=4, axis_value=1), config)["axis_value"] == [
-        1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 96,
+        1,
+        2,
+        3,
+        4,
+        6,
+        8,
+        12,
+        16,
+        24,
+        32,
+        48,
+        96,
     ]
     assert allowed_group_sizes(CacheSpec("fp8"), config) == {"axis_key": [], "axis_value": []}
 
@@ -211,7 +239,9 @@ def test_validation_predicts_what_runs(backend, kv_heads, head_dim):
     for nbits, group, axis_key, axis_value in itertools.product(
         info.options["nbits"].choices, (1, 2, 3, 4, 8, 16, 32, 48, 64, 128), axes, axes
     ):
-        spec = CacheSpec(backend, nbits=nbits, q_group_size=group, residual_length=2, axis_key=axis_key, axis_value=axis_value)
+        spec = CacheSpec(
+            backend, nbits=nbits, q_group_size=group, residual_length=2, axis_key=axis_key, axis_value=axis_value
+        )
         try:
             spec.validate(config)
             accepted = True

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from kvdemo import CacheSpec, QASession
-from kvdemo.spec import estimate_kv_bytes
 from kvdemo.session import KVBudgetError
+from kvdemo.spec import estimate_kv_bytes
 
 from .conftest import ALL_SPECS, spec_id
 
@@ -62,10 +62,20 @@ def test_estimates_on_the_embedded_shape_match_the_measured_table():
     """Bytes per token measured on the embedded model (README table): 30 layers, 3 KV heads, head_dim 64."""
     from transformers import LlamaConfig
 
-    config = LlamaConfig(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-                         hidden_size=576)
-    measured = {"dynamic": 46_080, "fp8": 11_520, "quanto:2": 4_320, "quanto:4": 7_200, "hqq:1": 2_880,
-                "hqq:2": 4_320, "hqq:3": 6_480, "hqq:4": 7_200, "hqq:8": 12_960}
+    config = LlamaConfig(
+        num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64, hidden_size=576
+    )
+    measured = {
+        "dynamic": 46_080,
+        "fp8": 11_520,
+        "quanto:2": 4_320,
+        "quanto:4": 7_200,
+        "hqq:1": 2_880,
+        "hqq:2": 4_320,
+        "hqq:3": 6_480,
+        "hqq:4": 7_200,
+        "hqq:8": 12_960,
+    }
     for text, per_token in measured.items():
         estimate = estimate_kv_bytes(CacheSpec.parse(text), config, 1000, torch.float32)
         assert estimate == pytest.approx(per_token * 1000, rel=0.001), text

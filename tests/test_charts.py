@@ -32,8 +32,16 @@ CONTINUATION = " Their descendants spread to England, Italy and the Near East ov
 @pytest.fixture(scope="module")
 def report(tiny):
     specs = [CacheSpec("hqq", nbits=2, residual_length=2), CacheSpec("fp8")]
-    return compare(tiny, CONTEXT, ["Who led them?"], specs, max_new_tokens=3, gold_answers=[["Rollo"]],
-                   perplexity_tokens=8, continuation=CONTINUATION)
+    return compare(
+        tiny,
+        CONTEXT,
+        ["Who led them?"],
+        specs,
+        max_new_tokens=3,
+        gold_answers=[["Rollo"]],
+        perplexity_tokens=8,
+        continuation=CONTINUATION,
+    )
 
 
 def test_display_frame_shows_mib_and_groups_memory_fidelity_speed(report):
@@ -59,8 +67,15 @@ def test_display_frame_drops_columns_without_values(report):
     full = report.to_frame()
     display = comparison_display_frame(full)
     assert {"contains gold", "F1", "PPL", "drift ×"} <= set(display.columns)  # gold, a perplexity run, hqq's flushes
-    bare = full.assign(**{"contains gold": math.nan, "F1": math.nan, "PPL": math.nan, "PPL ratio to dynamic": math.nan,
-                          "drift (×)": math.nan})
+    bare = full.assign(
+        **{
+            "contains gold": math.nan,
+            "F1": math.nan,
+            "PPL": math.nan,
+            "PPL ratio to dynamic": math.nan,
+            "drift (×)": math.nan,
+        }
+    )
     display = comparison_display_frame(bare)
     assert not {"contains gold", "F1", "PPL", "PPL ×", "drift ×"} & set(display.columns)
     assert "mean KLD" in display.columns and len(display) == 3

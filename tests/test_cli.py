@@ -20,9 +20,24 @@ NORMANS = str(example_path("normans"))
 def test_ask_json_on_the_normans_case(embedded, capsys):
     code = main(
         [
-            "ask", "--context-file", NORMANS, "--paragraphs", "0-7",
-            "--question", "Who was the Norse leader?", "--question", "When was the Duchy of Normandy founded?",
-            "--backend", "hqq", "--nbits", "4", "--residual-length", "4", "--max-new-tokens", "32", "--json",
+            "ask",
+            "--context-file",
+            NORMANS,
+            "--paragraphs",
+            "0-7",
+            "--question",
+            "Who was the Norse leader?",
+            "--question",
+            "When was the Duchy of Normandy founded?",
+            "--backend",
+            "hqq",
+            "--nbits",
+            "4",
+            "--residual-length",
+            "4",
+            "--max-new-tokens",
+            "32",
+            "--json",
         ]
     )
     assert code == 0
@@ -44,8 +59,21 @@ def test_ask_json_on_the_normans_case(embedded, capsys):
 
 
 def test_summary_with_questions_from_the_case(embedded, capsys):
-    code = main(["ask", "--context-file", NORMANS, "--paragraphs", "0", "--questions-from-case", "2",
-                 "--backend", "fp8", "--max-new-tokens", "8"])
+    code = main(
+        [
+            "ask",
+            "--context-file",
+            NORMANS,
+            "--paragraphs",
+            "0",
+            "--questions-from-case",
+            "2",
+            "--backend",
+            "fp8",
+            "--max-new-tokens",
+            "8",
+        ]
+    )
     assert code == 0
     out = capsys.readouterr().out
     assert "backend: fp8" in out and "Q2: " in out and "gold: " in out
@@ -57,7 +85,10 @@ def test_summary_with_questions_from_the_case(embedded, capsys):
     "args, message",
     [
         (["--backend", "quanto", "--nbits", "3"], "error: nbits=3 is not allowed for quanto; allowed: 2, 4"),
-        (["--backend", "fp8", "--residual-length", "4"], "error: residual_length=4 is not an option of the fp8 backend"),
+        (
+            ["--backend", "fp8", "--residual-length", "4"],
+            "error: residual_length=4 is not an option of the fp8 backend",
+        ),
         (["--paragraphs", "9-3"], "error: paragraphs='9-3': this file has paragraphs 0 to 38"),
         (["--paragraphs", "x"], "error: paragraphs='x': write ranges like 0-7"),
         (["--questions-from-case", "0"], "error: --questions-from-case must be >= 1"),
@@ -94,7 +125,7 @@ def test_bad_context_files(tmp_path, capsys):
         ('{"paragraphs": ["Rollo led the Norse."], "questions": "abc"}', "'questions' must be a list of"),
         ('{"paragraphs": [null, 5]}', "needs a non-empty 'paragraphs' list of strings"),
         ('{"paragraphs": []}', "needs a non-empty 'paragraphs' list of strings"),
-        ('[1, 2]', "is JSON but not a case file"),
+        ("[1, 2]", "is JSON but not a case file"),
     ],
 )
 def test_malformed_case_files(tmp_path, capsys, content, message):
@@ -109,23 +140,67 @@ def test_bad_device_and_token_counts(embedded, capsys):
     assert "device='tpu' is not a device; use cpu or cuda" in capsys.readouterr().err
     assert main(["ask", "--context-file", NORMANS, "--question", "Who?", "--max-new-tokens", "0"]) == 2
     assert "max_new_tokens=0 must be a whole number >= 1" in capsys.readouterr().err
-    args = ["ask", "--context-file", NORMANS, "--paragraphs", "0", "--question", "Who?", "--max-new-tokens", "100000000"]
+    args = [
+        "ask",
+        "--context-file",
+        NORMANS,
+        "--paragraphs",
+        "0",
+        "--question",
+        "Who?",
+        "--max-new-tokens",
+        "100000000",
+    ]
     assert main(args) == 2
-    assert "leaves no room for a context in the model's 8192-token window; lower max_new_tokens" in capsys.readouterr().err
+    assert (
+        "leaves no room for a context in the model's 8192-token window; lower max_new_tokens" in capsys.readouterr().err
+    )
 
 
 def test_help_explains_every_option():
-    out = subprocess.run([sys.executable, "-m", "kvdemo", "ask", "--help"], capture_output=True, text=True, check=True).stdout
-    for option in ("--context-file", "--paragraphs", "--question", "--questions-from-case", "--backend", "--nbits",
-                   "--q-group-size", "--residual-length", "--axis-key", "--axis-value", "--max-new-tokens", "--json"):
+    out = subprocess.run(
+        [sys.executable, "-m", "kvdemo", "ask", "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    for option in (
+        "--context-file",
+        "--paragraphs",
+        "--question",
+        "--questions-from-case",
+        "--backend",
+        "--nbits",
+        "--q-group-size",
+        "--residual-length",
+        "--axis-key",
+        "--axis-value",
+        "--max-new-tokens",
+        "--json",
+    ):
         assert option in out
     assert "hqq: QuantizedCache(backend='hqq')" in out and "nbits 1|2|3|4|8 (default 4)" in out
 
 
 def test_compare_json_on_the_normans_case(embedded, capsys):
-    code = main(["compare", "--context-file", NORMANS, "--paragraphs", "0", "--questions-from-case", "1",
-                 "--unanswerable-from-case", "1", "--spec", "hqq:4,residual_length=2", "--spec", "fp8",
-                 "--max-new-tokens", "4", "--json", "--no-progress"])
+    code = main(
+        [
+            "compare",
+            "--context-file",
+            NORMANS,
+            "--paragraphs",
+            "0",
+            "--questions-from-case",
+            "1",
+            "--unanswerable-from-case",
+            "1",
+            "--spec",
+            "hqq:4,residual_length=2",
+            "--spec",
+            "fp8",
+            "--max-new-tokens",
+            "4",
+            "--json",
+            "--no-progress",
+        ]
+    )
     assert code == 0
     report = json.loads(capsys.readouterr().out)
     assert [r["spec_text"] for r in report["results"]] == ["dynamic", "hqq:4,residual_length=2", "fp8"]
@@ -139,8 +214,24 @@ def test_compare_json_on_the_normans_case(embedded, capsys):
 
 
 def test_compare_table_and_progress_bar(embedded, capsys):
-    assert main(["compare", "--context-file", NORMANS, "--paragraphs", "0", "--question", "Who?",
-                 "--spec", "fp8", "--max-new-tokens", "2"]) == 0
+    assert (
+        main(
+            [
+                "compare",
+                "--context-file",
+                NORMANS,
+                "--paragraphs",
+                "0",
+                "--question",
+                "Who?",
+                "--spec",
+                "fp8",
+                "--max-new-tokens",
+                "2",
+            ]
+        )
+        == 0
+    )
     captured = capsys.readouterr()
     lines = captured.out.splitlines()
     # the short table: a line of groups, a line of headers, one row per spec; no gold, perplexity or drift columns
@@ -149,7 +240,9 @@ def test_compare_table_and_progress_bar(embedded, capsys):
     assert headers.split()[:3] == ["spec", "KV", "MiB"] and "same top %" in headers and "99% KLD" in headers
     assert "F1" not in headers and "PPL" not in headers and "drift" not in headers
     assert lines[2].split()[0] == "dynamic" and lines[3].split()[0] == "fp8"
-    assert "| 0/6 [" in captured.err and "6/6" in captured.err  # tqdm knows the total: 2 specs x (prefill + answer + score)
+    assert (
+        "| 0/6 [" in captured.err and "6/6" in captured.err
+    )  # tqdm knows the total: 2 specs x (prefill + answer + score)
 
 
 def test_compare_perplexity_on_the_next_paragraphs(embedded, capsys, monkeypatch):
@@ -162,8 +255,25 @@ def test_compare_perplexity_on_the_next_paragraphs(embedded, capsys, monkeypatch
         return reports[-1]
 
     monkeypatch.setattr(cli, "compare", keep)
-    code = main(["compare", "--context-file", NORMANS, "--paragraphs", "0", "--question", "Who?", "--spec", "hqq:2",
-                 "--max-new-tokens", "2", "--perplexity-tokens", "16", "--json", "--no-progress"])
+    code = main(
+        [
+            "compare",
+            "--context-file",
+            NORMANS,
+            "--paragraphs",
+            "0",
+            "--question",
+            "Who?",
+            "--spec",
+            "hqq:2",
+            "--max-new-tokens",
+            "2",
+            "--perplexity-tokens",
+            "16",
+            "--json",
+            "--no-progress",
+        ]
+    )
     assert code == 0
     out = capsys.readouterr().out
     assert out == reports[0].to_json() + "\n"  # --json prints the report's own JSON
@@ -174,7 +284,8 @@ def test_compare_perplexity_on_the_next_paragraphs(embedded, capsys, monkeypatch
     case = load_case(NORMANS).select("0")
     inputs = perplexity_inputs(embedded, case.context, 16, case.continuation)
     assert dynamic["perplexity"]["perplexity"] == pytest.approx(
-        perplexity(embedded, CacheSpec("dynamic"), inputs).perplexity, rel=1e-6)
+        perplexity(embedded, CacheSpec("dynamic"), inputs).perplexity, rel=1e-6
+    )
     assert hqq["nbits"] == 2 and hqq["options"]["residual_length"] == 128 and hqq["perplexity"]["ratio_to_dynamic"] > 1
     assert len(hqq["kv_error"]["keys"]) == 30 and len(hqq["kv_error"]["keys"][0]) == 3  # layers x KV heads
     assert 0 < hqq["kl"]["same_top_p"] <= 100 and hqq["kl"]["positions"] == len(dynamic["questions"][0]["token_ids"])
@@ -183,8 +294,25 @@ def test_compare_perplexity_on_the_next_paragraphs(embedded, capsys, monkeypatch
 def test_compare_perplexity_on_the_tail_of_a_text_file(embedded, capsys, tmp_path):
     text = tmp_path / "normans.txt"
     text.write_text(load_case(NORMANS).select("0").context)
-    assert main(["compare", "--context-file", str(text), "--question", "Who?", "--spec", "fp8", "--max-new-tokens",
-                 "2", "--perplexity-tokens", "8", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "compare",
+                "--context-file",
+                str(text),
+                "--question",
+                "Who?",
+                "--spec",
+                "fp8",
+                "--max-new-tokens",
+                "2",
+                "--perplexity-tokens",
+                "8",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     lines = capsys.readouterr().out.splitlines()
     assert "PPL" in lines[1] and "PPL ×" in lines[1]
     assert lines[-1].startswith("perplexity: 8 tokens of the context's last tokens, held out of the prefill")
@@ -204,29 +332,53 @@ def test_compare_perplexity_on_the_tail_of_a_text_file(embedded, capsys, tmp_pat
     ],
 )
 def test_compare_bad_input_exits_2_with_a_message(embedded, args, message, capsys):
-    assert main(["compare", "--context-file", NORMANS, "--paragraphs", "0", "--question", "Who?", "--no-progress",
-                 *args]) == 2
+    assert (
+        main(["compare", "--context-file", NORMANS, "--paragraphs", "0", "--question", "Who?", "--no-progress", *args])
+        == 2
+    )
     assert message in capsys.readouterr().err
 
 
 def test_compare_help_documents_the_spec_syntax():
-    out = subprocess.run([sys.executable, "-m", "kvdemo", "compare", "--help"], capture_output=True, text=True,
-                         check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "kvdemo", "compare", "--help"], capture_output=True, text=True, check=True
+    ).stdout
     assert "backend[:nbits][,option=value...]" in out and "--spec dynamic --spec hqq:4" in out
     assert "Default specs: dynamic quanto:2 quanto:4 hqq:2 hqq:4 hqq:8 fp8" in out
 
 
 def test_needle_json_and_csv_on_the_embedded_model(embedded, capsys, tmp_path):
     csv = tmp_path / "grid.csv"
-    code = main(["needle", "--spec", "dynamic", "--spec", "fp8", "--lengths", "300", "--depths", "100,0",
-                 "--max-new-tokens", "24", "--json", "--no-progress", "--csv", str(csv)])
+    code = main(
+        [
+            "needle",
+            "--spec",
+            "dynamic",
+            "--spec",
+            "fp8",
+            "--lengths",
+            "300",
+            "--depths",
+            "100,0",
+            "--max-new-tokens",
+            "24",
+            "--json",
+            "--no-progress",
+            "--csv",
+            str(csv),
+        ]
+    )
     assert code == 0
     grid = json.loads(capsys.readouterr().out)
     assert grid["specs"] == ["dynamic", "fp8"] and grid["lengths"] == [300] and grid["depths"] == [0.0, 100.0]
     assert grid["complete"] and grid["needles_per_context"] is None and grid["max_new_tokens"] == 24
     cells = grid["cells"]
-    assert [(c["spec_text"], c["depth"]) for c in cells] == [("dynamic", 0.0), ("dynamic", 100.0), ("fp8", 0.0),
-                                                             ("fp8", 100.0)]
+    assert [(c["spec_text"], c["depth"]) for c in cells] == [
+        ("dynamic", 0.0),
+        ("dynamic", 100.0),
+        ("fp8", 0.0),
+        ("fp8", 100.0),
+    ]
     for cell in cells:
         assert cell["length"] == cell["cache_length_after"] == 300 and cell["needles_in_context"] == 2
         assert cell["hit"] == (cell["value"] in cell["answer"].replace(",", "")) and cell["score"] < 0
@@ -269,9 +421,19 @@ def test_needle_bad_input_exits_2_with_a_message(embedded, args, message, capsys
 
 
 def test_needle_help_documents_the_grid():
-    out = subprocess.run([sys.executable, "-m", "kvdemo", "needle", "--help"], capture_output=True, text=True,
-                         check=True).stdout
-    for option in ("--spec", "--lengths", "--depths", "--needles-per-context", "--seed", "--max-new-tokens",
-                   "--json", "--csv", "--no-progress"):
+    out = subprocess.run(
+        [sys.executable, "-m", "kvdemo", "needle", "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    for option in (
+        "--spec",
+        "--lengths",
+        "--depths",
+        "--needles-per-context",
+        "--seed",
+        "--max-new-tokens",
+        "--json",
+        "--csv",
+        "--no-progress",
+    ):
         assert option in out
     assert "--spec dynamic --spec hqq:2 --spec hqq:4 --spec quanto:4 --spec fp8 --lengths 1024,2048,4096,7936" in out

@@ -106,8 +106,15 @@ def test_dynamic_against_itself_has_zero_kl_and_identical_answers(tiny):
 def test_compare_against_sessions_and_kv_memory(tiny):
     specs = [CacheSpec("hqq", nbits=2, residual_length=2), CacheSpec("fp8"), CacheSpec("dynamic"), CacheSpec("fp8")]
     progress = []
-    report = compare(tiny, CONTEXT, QUESTIONS, specs, max_new_tokens=5, gold_answers=[["Rollo"], []],
-                     on_progress=lambda done, total, what: progress.append((done, total)))
+    report = compare(
+        tiny,
+        CONTEXT,
+        QUESTIONS,
+        specs,
+        max_new_tokens=5,
+        gold_answers=[["Rollo"], []],
+        on_progress=lambda done, total, what: progress.append((done, total)),
+    )
     assert [r.spec_text for r in report.results] == ["dynamic", "hqq:2,residual_length=2", "fp8"]  # dynamic once, first
     assert progress[-1] == (15, 15) and [d for d, _ in progress] == sorted(d for d, _ in progress)
     dynamic = report.results[0]
@@ -117,7 +124,10 @@ def test_compare_against_sessions_and_kv_memory(tiny):
         prefill = session.prefill(CONTEXT)
         memory = kv_memory(session.cache)
         assert (result.kv_bytes, result.quantized_bytes, result.residual_bytes) == (
-            memory.total_bytes, memory.quantized_bytes, memory.residual_bytes)
+            memory.total_bytes,
+            memory.quantized_bytes,
+            memory.residual_bytes,
+        )
         assert result.bytes_per_token == memory.total_bytes / prefill.context_tokens
         assert result.ratio_to_dynamic == pytest.approx(memory.total_bytes / dynamic.kv_bytes)
         assert [q.token_ids for q in result.questions] == [session.ask(q, 5).token_ids for q in QUESTIONS]
@@ -126,7 +136,9 @@ def test_compare_against_sessions_and_kv_memory(tiny):
         ref_session = QASession(tiny, CacheSpec("dynamic"))
         ref_session.prefill(CONTEXT)
         for q, ref in zip(result.questions, dynamic.questions):
-            expected = kl_divergence(ref_session.score(q.question, ref.token_ids), session.score(q.question, ref.token_ids))
+            expected = kl_divergence(
+                ref_session.score(q.question, ref.token_ids), session.score(q.question, ref.token_ids)
+            )
             assert q.kl_nats == pytest.approx(float(expected.mean()), abs=1e-6) and q.kl_nats > 0
     hqq = report.results[1]
     assert hqq.flushes > 0 and sum(q.flush_steps for q in hqq.questions) > 0 and hqq.flush_seconds > 0
@@ -153,8 +165,15 @@ def test_cancel_stops_at_the_next_step_and_keeps_finished_specs(tiny):
             cancel.set()
 
     with pytest.raises(ComparisonCancelled) as caught:
-        compare(tiny, CONTEXT, QUESTIONS, [CacheSpec("hqq", nbits=4)], max_new_tokens=4, cancel=cancel,
-                on_progress=on_progress)
+        compare(
+            tiny,
+            CONTEXT,
+            QUESTIONS,
+            [CacheSpec("hqq", nbits=4)],
+            max_new_tokens=4,
+            cancel=cancel,
+            on_progress=on_progress,
+        )
     assert [r.backend for r in caught.value.report.results] == ["dynamic"]
 
 
@@ -182,8 +201,16 @@ CONTINUATION = " In the following century the Normans spread to England, Italy a
 def test_fidelity_figures_against_sessions_by_hand(tiny):
     specs = [CacheSpec("hqq", nbits=2, residual_length=2), CacheSpec("fp8")]
     progress = []
-    report = compare(tiny, LONG_CONTEXT, QUESTIONS, specs, max_new_tokens=5, perplexity_tokens=12,
-                     continuation=CONTINUATION, on_progress=lambda done, total, what: progress.append((done, total)))
+    report = compare(
+        tiny,
+        LONG_CONTEXT,
+        QUESTIONS,
+        specs,
+        max_new_tokens=5,
+        perplexity_tokens=12,
+        continuation=CONTINUATION,
+        on_progress=lambda done, total, what: progress.append((done, total)),
+    )
     assert progress[-1] == (18, 18)  # 3 specs x (prefill + 2 answers + 2 scores + 1 perplexity unit)
     assert report.perplexity_source == "continuation"
     dynamic, hqq, fp8 = report.results
@@ -245,8 +272,14 @@ def test_fidelity_figures_against_sessions_by_hand(tiny):
 
 
 def test_perplexity_on_the_tail_of_the_text(tiny):
-    report = compare(tiny, LONG_CONTEXT, QUESTIONS[:1], [CacheSpec("quanto", nbits=4, residual_length=4)],
-                     max_new_tokens=2, perplexity_tokens=10)
+    report = compare(
+        tiny,
+        LONG_CONTEXT,
+        QUESTIONS[:1],
+        [CacheSpec("quanto", nbits=4, residual_length=4)],
+        max_new_tokens=2,
+        perplexity_tokens=10,
+    )
     assert report.perplexity_source == "tail"
     inputs = fidelity.perplexity_inputs(tiny, LONG_CONTEXT, 10)
     expected = fidelity.perplexity(tiny, CacheSpec("dynamic"), inputs)
@@ -265,8 +298,17 @@ def test_cancel_during_the_perplexity_feed(tiny):
             cancel.set()
 
     with pytest.raises(ComparisonCancelled) as caught:
-        compare(tiny, LONG_CONTEXT, QUESTIONS[:1], [CacheSpec("fp8")], max_new_tokens=2, perplexity_tokens=34,
-                continuation=CONTINUATION, cancel=cancel, on_progress=on_progress)
+        compare(
+            tiny,
+            LONG_CONTEXT,
+            QUESTIONS[:1],
+            [CacheSpec("fp8")],
+            max_new_tokens=2,
+            perplexity_tokens=34,
+            continuation=CONTINUATION,
+            cancel=cancel,
+            on_progress=on_progress,
+        )
     assert [r.backend for r in caught.value.report.results] == ["dynamic"]
     assert caught.value.report.perplexity_source == "continuation"
 

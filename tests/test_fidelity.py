@@ -11,7 +11,6 @@ import torch
 from transformers import LlamaConfig
 
 from kvdemo import CacheSpec, QASession
-from kvdemo.spec import build_cache
 from kvdemo.fidelity import (
     KLStats,
     PerplexityInputs,
@@ -27,6 +26,7 @@ from kvdemo.fidelity import (
     reference_kv,
 )
 from kvdemo.session import KVBudgetError
+from kvdemo.spec import build_cache
 from kvdemo.telemetry import expected_flush_steps
 
 CONTEXT = "The Normans were the people who gave their name to Normandy, a region in France. Rollo led them. " * 2
@@ -99,8 +99,15 @@ def test_kl_statistics_refuse_bad_input():
 
 # ---- where the error sits ---------------------------------------------------------------------------------------
 def _one_layer_config(kv_heads: int = 2, head_dim: int = 64) -> LlamaConfig:
-    return LlamaConfig(vocab_size=8, hidden_size=64, intermediate_size=8, num_hidden_layers=1,
-                       num_attention_heads=kv_heads, num_key_value_heads=kv_heads, head_dim=head_dim)
+    return LlamaConfig(
+        vocab_size=8,
+        hidden_size=64,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=kv_heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+    )
 
 
 def test_kv_error_of_fp8_by_hand():
@@ -128,9 +135,11 @@ def test_kv_error_of_fp8_by_hand():
     assert keys_matrix.shape == values_matrix.shape == (1, 2)
 
 
-@pytest.mark.parametrize("spec", [CacheSpec("hqq", nbits=2, residual_length=4), CacheSpec("quanto", nbits=2,
-                                                                                         residual_length=4)],
-                         ids=["hqq2", "quanto2"])
+@pytest.mark.parametrize(
+    "spec",
+    [CacheSpec("hqq", nbits=2, residual_length=4), CacheSpec("quanto", nbits=2, residual_length=4)],
+    ids=["hqq2", "quanto2"],
+)
 def test_dequantized_kv_uses_the_backend_and_appends_the_residual(spec):
     torch.manual_seed(1)
     cache = build_cache(spec, _one_layer_config())
@@ -139,7 +148,7 @@ def test_dequantized_kv_uses_the_backend_and_appends_the_residual(spec):
     layer.update(keys, values)
     new_k, new_v = torch.randn(1, 2, 1, 64), torch.randn(1, 2, 1, 64)
     returned_k, returned_v = layer.update(new_k, new_v)  # no flush: the new token waits in the residual
-    (deq_k, deq_v), = dequantized_kv(cache)
+    ((deq_k, deq_v),) = dequantized_kv(cache)
     # what the model read at that step is exactly what dequantized_kv gives, and nothing in the layer moved
     assert torch.equal(deq_k, returned_k) and torch.equal(deq_v, returned_v)
     assert torch.equal(deq_k[..., -1:, :], new_k)
@@ -201,7 +210,7 @@ def _plain_forward_perplexity(loaded, inputs: PerplexityInputs) -> float:
     with torch.no_grad():
         logits = loaded.model(input_ids=torch.tensor([ids], device=loaded.device)).logits[0].float()
     start = len(inputs.context_ids)  # logits at position j predict token j + 1; c_0 is at position start
-    logprobs = torch.log_softmax(logits[start: start + inputs.tokens], dim=-1)
+    logprobs = torch.log_softmax(logits[start : start + inputs.tokens], dim=-1)
     targets = torch.tensor(inputs.continuation_ids[1:], device=logprobs.device)
     return math.exp(-float(logprobs.gather(-1, targets.unsqueeze(-1)).mean()))
 

@@ -121,7 +121,9 @@ def test_answer_shorter_than_the_residual(tiny, context, spec, max_new_tokens):
     assert session.ask(QUESTIONS[2], 5).token_ids == _fresh_tokens(tiny, spec, context, QUESTIONS[2], 5)
 
 
-@pytest.mark.parametrize("spec", [s.replace(residual_length=4) if s.info.has_residual else s for s in ALL_SPECS], ids=spec_id)
+@pytest.mark.parametrize(
+    "spec", [s.replace(residual_length=4) if s.info.has_residual else s for s in ALL_SPECS], ids=spec_id
+)
 def test_early_closed_stream_and_failed_step_restore(tiny, context, spec, monkeypatch):
     session = QASession(tiny, spec)
     context_tokens = session.prefill(context).context_tokens
@@ -163,7 +165,11 @@ def _kvpress_trim(cache, lengths):
         layer.values = layer.values[:, :, :length]
 
 
-@pytest.mark.parametrize("spec", [CacheSpec("hqq", nbits=4, residual_length=4), CacheSpec("quanto", nbits=4, residual_length=4), CacheSpec("fp8")], ids=spec_id)
+@pytest.mark.parametrize(
+    "spec",
+    [CacheSpec("hqq", nbits=4, residual_length=4), CacheSpec("quanto", nbits=4, residual_length=4), CacheSpec("fp8")],
+    ids=spec_id,
+)
 def test_kvpress_slicing_cannot_restore_a_quantized_cache(tiny, context, spec):
     """Why the snapshot exists: on a QuantizedCache, `keys`/`values` are only the residual (or nothing, for
     fp8), the answer's tokens are flushed into (or appended to) the quantized store and counted in

@@ -19,7 +19,10 @@ def test_a_gold_answer_holding_an_abstention_word_scores_as_an_answer():
     # ...inside the gold answer it names: contained, not exact; F1 = 2PR/(P+R) with P = 4/8, R = 1 (SQuAD drops
     # "the": "it was tomb of unknown soldier in arlington" against "tomb of unknown soldier")
     assert _scores("It was the Tomb of the Unknown Soldier in Arlington.", ["Tomb of the Unknown Soldier"]) == (
-        0.0, 1.0, pytest.approx(2 * 0.5 / 1.5))
+        0.0,
+        1.0,
+        pytest.approx(2 * 0.5 / 1.5),
+    )
 
 
 @pytest.mark.parametrize("phrase", ABSTENTION_PHRASES)

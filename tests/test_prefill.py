@@ -25,8 +25,9 @@ def _layer_tensors(cache) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("spec", [s.replace(residual_length=8) if s.info.has_residual else s for s in ALL_SPECS],
-                         ids=spec_id)
+@pytest.mark.parametrize(
+    "spec", [s.replace(residual_length=8) if s.info.has_residual else s for s in ALL_SPECS], ids=spec_id
+)
 def test_a_chunked_prefill_builds_the_cache_of_one_forward_pass(tiny, spec):
     one = QASession(tiny, spec)
     one_report = one.prefill(CONTEXT, chunk_tokens=10_000)

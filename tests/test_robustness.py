@@ -14,8 +14,8 @@ import pytest
 
 from kvdemo import CacheSpec, QASession
 from kvdemo.server import App, SessionStore
-from tests.conftest import refused
 from kvdemo.ui import build_demo
+from tests.conftest import refused
 
 from .conftest import fail_forward_at, make_tiny
 
@@ -65,7 +65,8 @@ def test_tab_closed_mid_answer_restores_the_cache_and_frees_the_session(tiny):
     assert qa.ask(QUESTION, 6).token_ids == _fresh_answer(tiny).token_ids  # restored exactly
     assert len(app.sessions) == 0
     assert "Your session was freed because its browser tab was closed; press Prefill again" in refused(
-        fns["ask"](QUESTION, 6, _req()))
+        fns["ask"](QUESTION, 6, _req())
+    )
     fns["prefill"](CONTEXT, *HQQ, _req())
     assert app.sessions.freed_reason("tab-1") is None
     assert list(fns["ask"](QUESTION, 6, _req()))[-1][0][-1]["content"] == _fresh_answer(tiny).text
@@ -82,8 +83,10 @@ def test_fault_inside_a_decode_step_shows_a_message_and_restores(tiny, monkeypat
         for update in fns["ask"](QUESTION, 10, _req()):
             updates.append(update)
     assert len(updates) == 3  # "reading the question", then two decode steps before the fault
-    assert error.value.message.startswith("The answer failed after 2 decode step(s) (RuntimeError: injected fault). "
-                                          "The cache was restored to the prefilled context")
+    assert error.value.message.startswith(
+        "The answer failed after 2 decode step(s) (RuntimeError: injected fault). "
+        "The cache was restored to the prefilled context"
+    )
     assert qa.history[-1].finish_reason == "error" and qa.cache_length == context_tokens
     monkeypatch.undo()
     assert list(fns["ask"](QUESTION, 6, _req()))[-1][0][-1]["content"] == _fresh_answer(tiny).text
@@ -101,7 +104,8 @@ def test_idle_sessions_are_freed_and_their_users_told(tiny):
     clock.now += 61
     assert app.sessions.sweep() == 1  # "idle" is freed, "busy" is not
     assert "Your session was freed because it was idle for more than 1 minutes" in refused(
-        fns["ask"](QUESTION, 6, _req("idle")))
+        fns["ask"](QUESTION, 6, _req("idle"))
+    )
     assert list(busy_stream)[-1][0][-1]["content"]  # the running answer finishes normally
     assert app.sessions.get("busy").qa is not None
 
@@ -116,7 +120,8 @@ def test_the_number_of_sessions_is_capped_least_recently_used_idle_first(tiny):
     assert len(app.sessions) == 2 and app.sessions.freed_reason("b").startswith("this server keeps at most 2 sessions")
     list(stream)
     assert "Your session was freed because this server keeps at most 2 sessions" in refused(
-        fns["ask"](QUESTION, 6, _req("b")))
+        fns["ask"](QUESTION, 6, _req("b"))
+    )
 
 
 def test_session_store_arguments_are_checked():
@@ -158,8 +163,11 @@ def test_memory_stays_bounded_over_200_questions_and_50_sessions(embedded):
         list(fns["ask"](QUESTION, 1, _req(f"s{i}")))
         fns["unload"](_req(f"s{i}"))
     after_sessions = _rss()
-    figures = {"rss_start_mib": start / 2**20, "after_200_questions_mib": after_questions / 2**20,
-               "after_50_sessions_mib": after_sessions / 2**20}
+    figures = {
+        "rss_start_mib": start / 2**20,
+        "after_200_questions_mib": after_questions / 2**20,
+        "after_50_sessions_mib": after_sessions / 2**20,
+    }
     ARTIFACTS.mkdir(exist_ok=True)
     (ARTIFACTS / "memory.json").write_text(json.dumps(figures, indent=2))
     assert len(app.sessions) == 0
@@ -196,8 +204,10 @@ def test_no_user_text_reaches_a_shell_or_executed_code():
     reaches the tokenizer's chat template only as a message's content (data), never as template source."""
     package = Path(__file__).resolve().parents[1] / "kvdemo"
     source = {p.name: p.read_text() for p in package.glob("*.py")}
-    forbidden = re.compile(r"\b(subprocess|os\.system|os\.popen|(?<!\.)eval\(|(?<!\.)exec\(|shell=True|"
-                           r"pickle\.load|jinja2|Template\(|trust_remote_code=True)")
+    forbidden = re.compile(
+        r"\b(subprocess|os\.system|os\.popen|(?<!\.)eval\(|(?<!\.)exec\(|shell=True|"
+        r"pickle\.load|jinja2|Template\(|trust_remote_code=True)"
+    )
     hits = {name: forbidden.findall(text) for name, text in source.items() if forbidden.search(text)}
     assert hits == {}
 
@@ -243,7 +253,8 @@ def test_a_full_server_refuses_new_sessions_instead_of_cutting_a_running_answer(
     stream = fns["ask"](QUESTION, 30, _req("a"))
     next(stream)
     assert "The server is full: all 1 sessions are busy answering. Try again in a minute" in refused(
-        fns["prefill"](CONTEXT, *HQQ, _req("b")))
+        fns["prefill"](CONTEXT, *HQQ, _req("b"))
+    )
     assert list(stream)[-1][0][-1]["content"] == _fresh_answer(tiny, n=30).text  # "a" answered to the end
 
 
@@ -262,7 +273,8 @@ def test_handlers_that_only_read_or_stop_never_create_or_evict_sessions(tiny):
 def test_a_public_server_keeps_its_model(tiny):
     app, fns = _handlers(tiny, public=True)
     assert "This public server serves one model to everyone (tiny-llama-2x2x64)" in refused(
-        fns["load_model"]("HuggingFaceTB/SmolLM2-135M-Instruct"))
+        fns["load_model"]("HuggingFaceTB/SmolLM2-135M-Instruct")
+    )
     assert app.loaded is tiny
 
 
@@ -312,9 +324,11 @@ def test_app_settings_reach_the_app(monkeypatch):
 def test_bad_compare_input_is_refused_at_the_click(tiny):
     app, fns = _handlers(tiny)
     compare_queued = next(f.fn for f in build_demo(app).fns.values() if getattr(f.fn, "__name__", "") == "queued")
-    for args, message in (((["fp8"], "hqq:9", QUESTION, 3), "more specs, line 1: nbits=9"),
-                          (([], "", QUESTION, 3), "Tick at least one spec"),
-                          ((["fp8"], "", "", 3), "Give at least one question"),
-                          ((["fp8"], "", QUESTION, 10_000), "max_new_tokens=10000 is more than a comparison runs here")):
+    for args, message in (
+        ((["fp8"], "hqq:9", QUESTION, 3), "more specs, line 1: nbits=9"),
+        (([], "", QUESTION, 3), "Tick at least one spec"),
+        ((["fp8"], "", "", 3), "Give at least one question"),
+        ((["fp8"], "", QUESTION, 10_000), "max_new_tokens=10000 is more than a comparison runs here"),
+    ):
         assert message in refused(compare_queued(*args, _req()))
     assert app.sessions.peek("tab-1") is None  # refused before anything was queued or created

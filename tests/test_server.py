@@ -50,8 +50,16 @@ def _held_with_snapshot(qa: QASession) -> int:
     return total
 
 
-@pytest.mark.parametrize("text, flushes", [("dynamic", False), ("fp8", True), ("hqq:4,residual_length=8", True),
-                                           ("quanto:2,residual_length=8", True), ("hqq:2,residual_length=128", False)])
+@pytest.mark.parametrize(
+    "text, flushes",
+    [
+        ("dynamic", False),
+        ("fp8", True),
+        ("hqq:4,residual_length=8", True),
+        ("quanto:2,residual_length=8", True),
+        ("hqq:2,residual_length=128", False),
+    ],
+)
 def test_what_a_session_may_hold_bounds_its_cache_and_snapshot_during_an_answer(tiny, normans, text, flushes):
     spec = CacheSpec.parse(text)
     qa = QASession(tiny, spec)
@@ -94,7 +102,10 @@ def test_the_account_refuses_what_would_pass_its_limit_with_the_figures():
         "hqq with nbits 2)"
     )
     assert (refused.value.request_bytes, refused.value.held_bytes, refused.value.limit_bytes) == (
-        40 * MIB, 70 * MIB, 100 * MIB)
+        40 * MIB,
+        70 * MIB,
+        100 * MIB,
+    )
     assert account.holders() == {"cache:a": 70 * MIB}  # nothing reserved by the refusal
     account.reserve("cache:a", 10 * MIB, "an answer", grow_only=True)  # never shrinks
     account.reserve("prefill:b", 30 * MIB, "a prefill")
@@ -180,8 +191,9 @@ def test_an_answer_longer_than_the_prefill_reserved_grows_the_reservation_or_is_
 def test_a_comparison_holds_its_largest_spec_while_it_runs(tiny, normans):
     context = normans.select("0").context
     specs = [CacheSpec.parse("hqq:4"), CacheSpec.parse("fp8")]
-    dynamic = session_kv_bytes(CacheSpec("dynamic"), tiny, prefill_tokens(QASession(tiny), context),
-                               QUESTION_RESERVE_TOKENS + 4)
+    dynamic = session_kv_bytes(
+        CacheSpec("dynamic"), tiny, prefill_tokens(QASession(tiny), context), QUESTION_RESERVE_TOKENS + 4
+    )
     app = _app(tiny, dynamic + 1000)
     with app.comparison("a", tiny, context, specs, 4) as held:
         assert held == dynamic and app.kv.holders() == {"compare:a": dynamic}
@@ -231,8 +243,10 @@ def test_mcp_tools_obey_the_server_budget_and_refuse_bad_input(tiny, normans):
         (lambda: tools.ask_question("", 4, "a"), "the question is empty"),
         (lambda: tools.compare_backends(["Who?"], ["hqq:9"], 4, "", "a"), "nbits=9 is not allowed for hqq"),
         (lambda: tools.compare_backends(["Who?", " "], None, 4, "", "a"), "a question is empty"),
-        (lambda: tools.compare_backends(["Who?"], None, 1000, "", "a"), "max_new_tokens=1000 is more than a "
-                                                                      "comparison runs here; use at most 256"),
+        (
+            lambda: tools.compare_backends(["Who?"], None, 1000, "", "a"),
+            "max_new_tokens=1000 is more than a comparison runs here; use at most 256",
+        ),
         (lambda: tools.compare_backends(["Who?"], None, 4, "", "nobody"), "Nothing is prefilled in this session"),
         (lambda: tools.compare_backends("Who?", None, 4, "", "a"), "questions must be a list of 1-20"),
     ]
@@ -253,7 +267,8 @@ def test_mcp_compare_uses_the_sessions_context_and_one_comparison_at_a_time(tiny
     report = json.loads(tools.compare_backends(["Who ruled the duchy?"], ["hqq:2"], 3, "", "a"))
     assert report["context_tokens"] == app.sessions.peek("mcp:a").qa.prefill_report.context_tokens
     assert [row["backend"] for row in report["results"]] == ["dynamic", "hqq"] and app.kv.holders() == {
-        "cache:mcp:a": app.kv.holders()["cache:mcp:a"]}
+        "cache:mcp:a": app.kv.holders()["cache:mcp:a"]
+    }
     user = app.sessions.peek("mcp:a")
     started = threading.Event()
     with user.compare_lock:  # a comparison already running in this session

@@ -11,8 +11,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, StaticCache
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
-from kvdemo import CacheSpec, QASession, build_cache, kv_memory, load_model
-from kvdemo import snapshot
+from kvdemo import CacheSpec, QASession, build_cache, kv_memory, load_model, snapshot
 
 
 def held_bytes(cache, saved: snapshot.CacheSnapshot | None = None) -> int:
@@ -50,8 +49,14 @@ def held_bytes(cache, saved: snapshot.CacheSnapshot | None = None) -> int:
 @pytest.fixture(scope="module")
 def model():
     config = LlamaConfig(
-        vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=32, max_position_embeddings=128,
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=128,
     )
     torch.manual_seed(0)
     return LlamaForCausalLM(config).eval()
@@ -133,9 +138,18 @@ def sliding(embedded, tmp_path_factory):
     loaded back through `kvdemo.load_model(folder)`."""
     tokenizer = embedded.tokenizer
     config = MistralConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
-        num_attention_heads=2, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, sliding_window=WINDOW,
-        max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True,
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=2,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        sliding_window=WINDOW,
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=True,
     )
     torch.manual_seed(0)
     folder = tmp_path_factory.mktemp("sliding-mistral")
@@ -160,7 +174,7 @@ def test_sliding_window_session_holds_only_the_window(sliding):
     assert 1000 < report.context_tokens < 1200
     assert all(type(layer) is DynamicSlidingWindowLayer for layer in session.cache.layers)
     # what the layer itself keeps: transformers alone, after the same prefill and one decode step
-    prefix = session.prompt_ids("Who?")[:report.context_tokens]
+    prefix = session.prompt_ids("Who?")[: report.context_tokens]
     _, alone = _greedy(sliding.model, prefix, 2)
     assert held_bytes(alone) == LAYERS * 2 * KV_HEADS * WINDOW * HEAD_DIM * 4 == 8192
     window = LAYERS * 2 * KV_HEADS * (WINDOW - 1) * HEAD_DIM * 4  # the last window - 1 tokens, compact

@@ -52,8 +52,12 @@ def test_requirements_install_on_a_space():
 def test_readme_still_opens_with_the_two_set_up_commands():
     _, rest = front_matter()
     lines = [line for line in rest.splitlines() if line.strip()]
-    assert lines[:4] == ["# kvdemo", "```", "make run     # start the app on the embedded model",
-                         "make test    # run the tests"]
+    assert lines[:4] == [
+        "# kvdemo",
+        "```",
+        "make run     # start the app on the embedded model",
+        "make test    # run the tests",
+    ]
 
 
 @pytest.fixture

@@ -21,8 +21,14 @@ N = HEADS * TOKENS * DIM  # values in one key (or value) tensor of one layer
 @pytest.fixture(scope="module")
 def model():
     config = LlamaConfig(
-        vocab_size=64, hidden_size=128, intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
-        num_key_value_heads=HEADS, head_dim=DIM, max_position_embeddings=256,
+        vocab_size=64,
+        hidden_size=128,
+        intermediate_size=64,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=HEADS,
+        head_dim=DIM,
+        max_position_embeddings=256,
     )
     torch.manual_seed(0)
     return LlamaForCausalLM(config).eval()
@@ -135,7 +141,8 @@ def test_expected_flush_steps_follow_transformers_rule():
 
 SESSION_SPECS = [CacheSpec("dynamic"), CacheSpec("fp8")] + [
     CacheSpec(backend, nbits=nbits, residual_length=3)
-    for backend, bits in (("quanto", (2, 4)), ("hqq", (1, 2, 3, 4, 8))) for nbits in bits
+    for backend, bits in (("quanto", (2, 4)), ("hqq", (1, 2, 3, 4, 8)))
+    for nbits in bits
 ]
 
 

@@ -9,12 +9,12 @@ import pytest
 
 from kvdemo import CacheSpec, QASession
 from kvdemo.compare import compare
-from tests.conftest import refused
 from kvdemo.server import App, SessionStore
 from kvdemo.ui import build_demo
 from kvdemo.ui.examples import EXAMPLES, example
 from kvdemo.ui.inputs import MAX_UPLOAD_BYTES, read_upload, spec_from_inputs
 from kvdemo.ui.views import backend_option_updates
+from tests.conftest import refused
 
 CONTEXT = "The Normans were the people who gave their name to Normandy, a region in France. Rollo led them."
 HQQ = ("hqq", 4, 64, 4, 0, 0)
@@ -40,7 +40,7 @@ def _ask(fns, question, max_new_tokens=6, request=None):
 def test_prefill_then_ask_streams_and_restores(handlers, tiny):
     app, fns = handlers
     assert fns["model_status"]().startswith("**tiny-llama-2x2x64** · 7 M parameters · 2 layers · 2 KV heads")
-    summary, chat, *_ , ask_button = fns["prefill"](CONTEXT, *HQQ, _request())
+    summary, chat, *_, ask_button = fns["prefill"](CONTEXT, *HQQ, _request())
     assert "Prefilled **" in summary and "hqq nbits=4 q_group_size=64 residual_length=4" in summary
     assert chat == [] and ask_button["interactive"] is True
     updates = _ask(fns, "Who led the Normans?", 6)
@@ -117,8 +117,12 @@ def test_bad_prefill_input_says_what_to_change_and_keeps_the_session(handlers, i
 
 @pytest.mark.parametrize(
     "question, max_new_tokens, message",
-    [("", 5, "the question is empty"), ("Who?", 0, "max_new_tokens=0 must be a whole number >= 1"),
-     ("Who?", None, "max_new_tokens=None must be a whole number"), ("Who?", 4000, "lower max_new_tokens")],
+    [
+        ("", 5, "the question is empty"),
+        ("Who?", 0, "max_new_tokens=0 must be a whole number >= 1"),
+        ("Who?", None, "max_new_tokens=None must be a whole number"),
+        ("Who?", 4000, "lower max_new_tokens"),
+    ],
 )
 def test_bad_questions_say_what_to_change(handlers, question, max_new_tokens, message):
     app, fns = handlers
@@ -273,8 +277,13 @@ def test_compare_tab_runs_and_leaves_the_session_cache_untouched(handlers, tiny)
     assert drawn["bytes per token"].round(0).tolist() == table["bytes/token"].tolist()
     assert sorted(tradeoff["backend"]) == ["dynamic", "fp8", "hqq", "quanto"]  # quanto: an invisible legend row
     # the same figures as kvdemo.compare called directly
-    direct = compare(tiny, CONTEXT, ["Who led the Normans?", "Where?"],
-                     [CacheSpec("fp8"), CacheSpec("hqq", nbits=2, residual_length=2)], 3).to_frame()
+    direct = compare(
+        tiny,
+        CONTEXT,
+        ["Who led the Normans?", "Where?"],
+        [CacheSpec("fp8"), CacheSpec("hqq", nbits=2, residual_length=2)],
+        3,
+    ).to_frame()
     assert table["KV MiB"].tolist() == (direct["KV bytes"] / 2**20).round(2).tolist()
     assert table["mean KLD"].tolist() == pytest.approx(direct["KL (nats)"].tolist(), abs=5e-4)  # rounded to show
     # the full report to download, and where the error sits for the smallest quantized cache
@@ -305,6 +314,7 @@ def test_compare_tab_cancel_returns_the_finished_specs(handlers, monkeypatch):
             on_progress(done, total, what)
             if what.startswith("fp8: answered"):
                 fns["cancel_compare"](_request())  # the Cancel button, as pressed mid-run
+
         return real(*args, on_progress=progress, **kwargs)
 
     monkeypatch.setattr(compare_tab, "compare", compare_then_press_cancel)
@@ -329,8 +339,7 @@ def test_compare_tab_cancel_returns_the_finished_specs(handlers, monkeypatch):
         (CONTEXT, ["hqq:4"], "hqq:4,q_group_size=48", "Who?", 3, "q_group_size=48"),
     ],
 )
-def test_compare_tab_bad_input_says_what_to_change(handlers, context, chosen, more, questions, max_new_tokens,
-                                                   message):
+def test_compare_tab_bad_input_says_what_to_change(handlers, context, chosen, more, questions, max_new_tokens, message):
     app, fns = handlers
     fns["prefill"](CONTEXT, *HQQ, _request())
     assert message in refused(fns["compare"](context, chosen, more, questions, max_new_tokens, _request()))
@@ -351,7 +360,9 @@ def test_load_with_an_empty_field_reloads_the_start_up_model(tiny):
     assert fns["load_model"]("  ").startswith("**tiny-llama")  # the operator's own path, even on a public server
     assert asked == ["/srv/models/start-up", "/srv/models/start-up"]
     assert "is not a Hugging Face Hub id" in refused(fns["load_model"]("/srv/models/other"))
-    assert fns["load_model"]("HuggingFaceTB/SmolLM2-135M-Instruct") and asked[-1] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert (
+        fns["load_model"]("HuggingFaceTB/SmolLM2-135M-Instruct") and asked[-1] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    )
 
 
 def test_every_series_is_in_the_chart_data_from_the_first_update(handlers):
@@ -369,9 +380,11 @@ def test_every_series_is_in_the_chart_data_from_the_first_update(handlers):
 
 @pytest.mark.parametrize(
     "backend, series, residual_title",
-    [("dynamic", ["KV cache", "held (cache + snapshot)", "full precision"], "dynamic keeps no residual"),
-     ("fp8", ["KV cache", "held (cache + snapshot)", "full precision"], "fp8 keeps no residual"),
-     ("hqq", ["quantized store", "KV cache", "held (cache + snapshot)", "full precision"], "flushes at")],
+    [
+        ("dynamic", ["KV cache", "held (cache + snapshot)", "full precision"], "dynamic keeps no residual"),
+        ("fp8", ["KV cache", "held (cache + snapshot)", "full precision"], "fp8 keeps no residual"),
+        ("hqq", ["quantized store", "KV cache", "held (cache + snapshot)", "full precision"], "flushes at"),
+    ],
 )
 def test_each_chart_shows_what_exists_for_the_backend(handlers, backend, series, residual_title):
     app, fns = handlers
@@ -388,8 +401,9 @@ def test_prefill_shows_real_progress_and_stop_ends_it(handlers):
     app, fns = handlers
     long_context = " ".join(f"Council {i} met at Rouen." for i in range(40))  # ~300 tokens: 2 chunks
     calls = []
-    view = fns["prefill"](long_context, *HQQ, _request(), progress=lambda value, desc=None, unit=None: calls.append(
-        (value, desc, unit)))
+    view = fns["prefill"](
+        long_context, *HQQ, _request(), progress=lambda value, desc=None, unit=None: calls.append((value, desc, unit))
+    )
     tokens = app.sessions.get("tab-1").qa.prefill_report.context_tokens
     assert [c[0] for c in calls] == [(256, tokens), (tokens, tokens)] and tokens > 256
     assert calls[-1][1] == f"Prefilling: {tokens:,} of {tokens:,} tokens" and calls[-1][2] == "tokens"
@@ -417,10 +431,13 @@ def test_needle_tab_runs_a_grid_cancels_and_refuses_bad_input(handlers, tiny):
     assert view.needle_status.startswith("8 cells in ")  # 2 specs x 2 lengths x 2 depths
     direct = needle_grid(tiny, ["dynamic", "fp8"], [128, 192], [0.0, 100.0], seed=3, max_new_tokens=4)
     assert view.needle_table.drop(columns=[c for c in view.needle_table if "s" == c[-1:]]).equals(
-        direct.summary_frame().drop(columns=[c for c in direct.summary_frame() if "s" == c[-1:]]))
+        direct.summary_frame().drop(columns=[c for c in direct.summary_frame() if "s" == c[-1:]])
+    )
     assert view.score_plot is not None and view.hit_plot is not None and len(view.needle_files) == 2
     assert "lengths" in refused(fns["needle"](["dynamic"], "12x", "0", 0, 4, _request()))
-    assert "depth 150.0 must be a number from 0 to 100" in refused(fns["needle"](["dynamic"], "128", "150", 0, 4, _request()))
+    assert "depth 150.0 must be a number from 0 to 100" in refused(
+        fns["needle"](["dynamic"], "128", "150", 0, 4, _request())
+    )
     # Cancel while it runs: the cells finished so far are shown
     app.sessions.get("tab-1").compare_pending = True
     app.sessions.get("tab-1").compare_cancel.set()

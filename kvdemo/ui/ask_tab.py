@@ -6,8 +6,9 @@ names are the widgets' names."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 from contextlib import closing
-from typing import Any, Iterator, NamedTuple
+from typing import Any, NamedTuple
 
 import gradio as gr
 
@@ -112,8 +113,18 @@ class AskTab:
         same_spec = spec.backend == user.qa.spec.backend and spec.resolved() == user.qa.spec.resolved()
         return same_spec and (context is None or context == user.qa.context)
 
-    def prefill(self, context, backend, nbits, q_group_size, residual_length, axis_key, axis_value,
-                request: gr.Request, progress=gr.Progress()) -> PrefillView:
+    def prefill(
+        self,
+        context,
+        backend,
+        nbits,
+        q_group_size,
+        residual_length,
+        axis_key,
+        axis_value,
+        request: gr.Request,
+        progress=gr.Progress(),
+    ) -> PrefillView:
         """Prefill `context` into a new KV cache of the chosen backend (replacing this session's context).
         A refusal (bad options, a context over the window or the KV budget, a full server) is a message beside
         the button; the previous cache, chat and charts stay, and Ask stays enabled only if they still match."""
@@ -127,8 +138,14 @@ class AskTab:
                 qa = QASession(loaded, spec, kv_budget_bytes=self.app.kv_budget_bytes)
                 user.prefilling = qa
                 try:
-                    self.app.prefill(self.key_of(request), qa, context, on_progress=lambda done, total: progress(
-                        (done, total), desc=f"Prefilling: {done:,} of {total:,} tokens", unit="tokens"))
+                    self.app.prefill(
+                        self.key_of(request),
+                        qa,
+                        context,
+                        on_progress=lambda done, total: progress(
+                            (done, total), desc=f"Prefilling: {done:,} of {total:,} tokens", unit="tokens"
+                        ),
+                    )
                 finally:
                     user.prefilling = None
                 user.qa, user.chat, user.events = qa, [], []
@@ -136,20 +153,42 @@ class AskTab:
         except PrefillStopped as stopped:
             user.qa, user.chat, user.events = None, [], []  # its cache was freed when the new prefill began
             print(f"kvdemo: {stopped}", flush=True)
-            return PrefillView(f"⚠ Stopped: {stopped}. Nothing is prefilled now; press Prefill to start again.",
-                               [], "", None, None, None, gr.skip(), "", gr.update(interactive=False))
+            return PrefillView(
+                f"⚠ Stopped: {stopped}. Nothing is prefilled now; press Prefill to start again.",
+                [],
+                "",
+                None,
+                None,
+                None,
+                gr.skip(),
+                "",
+                gr.update(interactive=False),
+            )
         except (ValueError, ImportError) as error:
             user = self.existing_user(request)
-            kept = f" The cache still holds the previous context ({user.qa.prefill_report.context_tokens:,} tokens)." \
-                if user is not None and user.qa is not None else ""
+            kept = (
+                f" The cache still holds the previous context ({user.qa.prefill_report.context_tokens:,} tokens)."
+                if user is not None and user.qa is not None
+                else ""
+            )
             matches = self._prefilled_matches(user, context, spec)
             message = refusal(error, "a prefill")
             message = message.rstrip(".") + "." + kept if kept else message  # "... tokens. The cache still ..."
             return PrefillView.refused(message, matches)
-        cleared = " · the chat starts afresh on this context; the answers table keeps earlier answers" \
-            if user.answers else ""
-        return PrefillView(views.prefill_summary(qa) + cleared, [], "", None, views.residual_chart([], qa.spec), None,
-                           views.answers_table(user.answers), "", gr.update(interactive=True))
+        cleared = (
+            " · the chat starts afresh on this context; the answers table keeps earlier answers" if user.answers else ""
+        )
+        return PrefillView(
+            views.prefill_summary(qa) + cleared,
+            [],
+            "",
+            None,
+            views.residual_chart([], qa.spec),
+            None,
+            views.answers_table(user.answers),
+            "",
+            gr.update(interactive=True),
+        )
 
     def _answerable_session(self, request: gr.Request | None, context: str | None) -> UserSession:
         """This tab's session with a prefilled cache of the page's context.
@@ -164,12 +203,15 @@ class AskTab:
                 raise ValueError(f"Your session was freed because {reason}; press Prefill again to rebuild the cache")
             raise ValueError("Prefill a context first: paste or load a text and press Prefill")
         if context is not None and context != user.qa.context:
-            raise ValueError("The Context box has changed since the prefill; press Prefill to prefill the text it "
-                             "shows (answers come only from the prefilled text)")
+            raise ValueError(
+                "The Context box has changed since the prefill; press Prefill to prefill the text it "
+                "shows (answers come only from the prefilled text)"
+            )
         return user
 
-    def ask(self, question: str, max_new_tokens: float, request: gr.Request,
-            context: str | None = None) -> Iterator[AnswerView]:
+    def ask(
+        self, question: str, max_new_tokens: float, request: gr.Request, context: str | None = None
+    ) -> Iterator[AnswerView]:
         """Answer `question` on the prefilled context, streaming the answer and the charts. `context` is the
         page's Context box: an answer is refused when it is no longer the prefilled text (None: not checked,
         for direct Python calls). A refusal is a message beside Ask; the chat and charts stay."""
@@ -200,13 +242,19 @@ class AskTab:
         except ValueError as error:
             yield AnswerView.refused(refusal(error, "a question"))
             return
-        user.chat = user.chat + [{"role": "user", "content": question.strip()},
-                                 {"role": "assistant", "content": "…"}]
+        user.chat = user.chat + [{"role": "user", "content": question.strip()}, {"role": "assistant", "content": "…"}]
         user.events = []
         first_token = None
         # at once, before the question's own forward pass (seconds on a long context): what is happening
-        yield AnswerView(list(user.chat), f"reading the question ({len(qa.question_ids(question)):,} tokens) on top of "
-                         f"the {qa.cache_length:,}-token context…", gr.skip(), gr.skip(), gr.skip(), gr.skip())
+        yield AnswerView(
+            list(user.chat),
+            f"reading the question ({len(qa.question_ids(question)):,} tokens) on top of "
+            f"the {qa.cache_length:,}-token context…",
+            gr.skip(),
+            gr.skip(),
+            gr.skip(),
+            gr.skip(),
+        )
         try:
             with closing(stream):
                 for event in _guarded(stream, qa):
@@ -215,16 +263,23 @@ class AskTab:
                     user.events.append(event)
                     user.chat = user.chat[:-1] + [{"role": "assistant", "content": event.text}]
                     yield AnswerView(
-                        user.chat, views.step_line(event, qa.spec), views.memory_chart(user.events, qa.spec), views.residual_chart(user.events, qa.spec),
-                        views.step_times(user.events), gr.skip(),
+                        user.chat,
+                        views.step_line(event, qa.spec),
+                        views.memory_chart(user.events, qa.spec),
+                        views.residual_chart(user.events, qa.spec),
+                        views.step_times(user.events),
+                        gr.skip(),
                     )
         finally:  # also a stopped, disconnected or failed answer: the session recorded it when its stream closed
             user.answers.append(dict(qa.history[-1].to_dict(), spec=qa.spec.full_text))
         if not user.events:
             user.chat[-1] = {"role": "assistant", "content": qa.history[-1].text}
         yield AnswerView(
-            user.chat, views.answer_stats(qa, first_token, user.events), views.memory_chart(user.events, qa.spec),
-            views.residual_chart(user.events, qa.spec), views.step_times(user.events),
+            user.chat,
+            views.answer_stats(qa, first_token, user.events),
+            views.memory_chart(user.events, qa.spec),
+            views.residual_chart(user.events, qa.spec),
+            views.step_times(user.events),
             views.answers_table(user.answers),
         )
 
@@ -243,8 +298,9 @@ class AskTab:
             user.interrupt()
         return gr.update(interactive=False)
 
-    def gate(self, context, backend, nbits, q_group_size, residual_length, axis_key, axis_value,
-             request: gr.Request) -> tuple[Any, Any, Any]:
+    def gate(
+        self, context, backend, nbits, q_group_size, residual_length, axis_key, axis_value, request: gr.Request
+    ) -> tuple[Any, Any, Any]:
         """(prefill line, notice, Ask button) for what the page shows now: Ask is enabled only while the Context
         box and the options are exactly what the cache was prefilled with; otherwise the line says what differs."""
         user = self.existing_user(request)
@@ -262,7 +318,8 @@ class AskTab:
             f"⚠ The {what} changed since the prefill (the cache holds {user.qa.prefill_report.context_tokens:,} "
             f"tokens with `{user.qa.spec.full_text}`). Press **Prefill** to rebuild it; until then Ask is "
             f"disabled, so answers never come from a state the page does not show. Now: {shown}",
-            "", gr.update(interactive=False),
+            "",
+            gr.update(interactive=False),
         )
 
     def upload(self, path: str | None) -> tuple[Any, Any]:
@@ -290,13 +347,19 @@ class AskTab:
                 gr.Markdown("### Context")
                 w["context"] = gr.Textbox(label="context", lines=10, max_lines=18, placeholder="Paste a long text…")
                 with gr.Row():
-                    w["upload"] = gr.File(label="or upload .txt / .md (≤ 2 MiB, UTF-8)", file_types=[".txt", ".md"],
-                                          type="filepath", height=130)
+                    w["upload"] = gr.File(
+                        label="or upload .txt / .md (≤ 2 MiB, UTF-8)",
+                        file_types=[".txt", ".md"],
+                        type="filepath",
+                        height=130,
+                    )
                     with gr.Column():
                         w["examples"] = {name: gr.Button(f"Example: {name}", size="sm") for name in EXAMPLES}
                 w["prefill_button"] = gr.Button("Prefill", variant="primary")
                 w["notice"] = gr.Markdown("")  # refusals, beside the button they refuse
-                w["prefill_info"] = gr.Markdown(f"**spec** `{START_SPEC.full_text}` · nothing prefilled in this tab yet")
+                w["prefill_info"] = gr.Markdown(
+                    f"**spec** `{START_SPEC.full_text}` · nothing prefilled in this tab yet"
+                )
         # what a reload should keep: the Context box and the options, in the browser's localStorage
         w["saved"] = gr.BrowserState(None, storage_key="kvdemo-ask-tab")
         gr.Markdown("### Questions")
@@ -305,8 +368,9 @@ class AskTab:
                 w["chat"] = gr.Chatbot(label="answers", height=320)
                 w["question"] = gr.Textbox(label="question", placeholder="Ask about the context…")
                 with gr.Row():
-                    w["max_new_tokens"] = gr.Number(DEFAULT_MAX_NEW_TOKENS, label="max_new_tokens", precision=0,
-                                                    minimum=1)
+                    w["max_new_tokens"] = gr.Number(
+                        DEFAULT_MAX_NEW_TOKENS, label="max_new_tokens", precision=0, minimum=1
+                    )
                     w["ask_button"] = gr.Button("Ask", variant="primary", interactive=False)
                     w["stop_button"] = gr.Button("Stop", variant="stop")
                 w["example_questions"] = gr.Dataset(components=[w["question"]], samples=[], label="example questions")
@@ -331,23 +395,42 @@ class AskTab:
             if option.choices is not None:
                 w[name] = gr.Dropdown(list(option.choices), value=value, label=name, info=option.help, visible=visible)
             else:
-                w[name] = gr.Number(value, label=name, precision=0, minimum=option.minimum, info=option.help,
-                                    visible=visible)
+                w[name] = gr.Number(
+                    value, label=name, precision=0, minimum=option.minimum, info=option.help, visible=visible
+                )
         w["backend_note"] = gr.Markdown(views.backend_option_updates(START_SPEC.backend)[-1])
 
     def _build_charts(self) -> None:
         w = self.w
         w["memory_plot"] = gr.LinePlot(
-            None, x="step", y="MiB", color="series", title="KV cache memory",
-            x_title="decode step", y_title="MiB", height=230, y_lim=[0, None],
+            None,
+            x="step",
+            y="MiB",
+            color="series",
+            title="KV cache memory",
+            x_title="decode step",
+            y_title="MiB",
+            height=230,
+            y_lim=[0, None],
             color_map=dict(zip(MEMORY_SERIES, ("#1f77b4", "#ff7f0e", "#d62728", "#7f7f7f"))),
         )
         w["residual_plot"] = gr.LinePlot(
-            None, x="step", y="residual tokens", title="Residual fill (layer 0)", x_title="decode step", height=180,
+            None,
+            x="step",
+            y="residual tokens",
+            title="Residual fill (layer 0)",
+            x_title="decode step",
+            height=180,
         )
         w["step_plot"] = gr.ScatterPlot(
-            None, x="step", y="ms", color="kind", title="Time per decode step (flush steps marked)",
-            x_title="decode step", y_title="ms", height=220,
+            None,
+            x="step",
+            y="ms",
+            color="kind",
+            title="Time per decode step (flush steps marked)",
+            x_title="decode step",
+            y_title="ms",
+            height=220,
             color_map=dict(zip(STEP_KINDS, ("#7f7f7f", "#1f77b4", "#d62728"))),
             tooltip=["step", "ms", "kind", "layers flushed"],
         )
@@ -363,7 +446,12 @@ class AskTab:
         if not isinstance(saved, dict) or saved.get("backend") not in BACKENDS:
             return [gr.skip()] * (2 + len(GROUP_OPTIONS))
         options = list(saved.get("options") or [])[: len(GROUP_OPTIONS)]
-        return [saved.get("context") or "", saved["backend"], *options, *[gr.skip()] * (len(GROUP_OPTIONS) - len(options))]
+        return [
+            saved.get("context") or "",
+            saved["backend"],
+            *options,
+            *[gr.skip()] * (len(GROUP_OPTIONS) - len(options)),
+        ]
 
     def wire(self, demo: gr.Blocks) -> None:
         """The tab's events. Prefills, answers and model loads share one queue group (`concurrency_id="model"`):
@@ -373,11 +461,19 @@ class AskTab:
         w, model_work, private = self.w, {"concurrency_id": "model"}, {"api_visibility": "private", "queue": False}
         option_fields = [w[name] for name in GROUP_OPTIONS]
         state_inputs = [w["context"], w["backend"], *option_fields]
-        gate = {"fn": self.gate, "inputs": state_inputs, "outputs": [w["prefill_info"], w["notice"], w["ask_button"]],
-                **private}
+        gate = {
+            "fn": self.gate,
+            "inputs": state_inputs,
+            "outputs": [w["prefill_info"], w["notice"], w["ask_button"]],
+            **private,
+        }
         remember = {"fn": self.remember, "inputs": state_inputs, "outputs": w["saved"], **private}
-        w["backend"].change(views.backend_option_updates, inputs=[w["backend"], *option_fields],
-                            outputs=[*option_fields, w["backend_note"]], **private).then(**gate)
+        w["backend"].change(
+            views.backend_option_updates,
+            inputs=[w["backend"], *option_fields],
+            outputs=[*option_fields, w["backend_note"]],
+            **private,
+        ).then(**gate)
         for field_ in [w["context"], *option_fields]:
             field_.change(**gate)
         for field_ in state_inputs:
@@ -387,21 +483,32 @@ class AskTab:
         w["context"].input(lambda: None, outputs=w["upload"], **private)
         w["upload"].upload(self.upload, inputs=w["upload"], outputs=[w["context"], w["notice"]], api_name="read_upload")
         for name, button in w["examples"].items():
-            button.click(functools.partial(self.load_example, name), outputs=[w["context"], w["example_questions"]],
-                         **private)
-        w["example_questions"].click(lambda sample: sample[0], inputs=w["example_questions"], outputs=w["question"],
-                                     **private)
+            button.click(
+                functools.partial(self.load_example, name), outputs=[w["context"], w["example_questions"]], **private
+            )
+        w["example_questions"].click(
+            lambda sample: sample[0], inputs=w["example_questions"], outputs=w["question"], **private
+        )
         # at the click, before the queue: Ask disabled while a prefill runs (a queued question would be answered on
         # the new cache), and this session's running prefill or answer stopped (the new prefill replaces it)
         w["prefill_button"].click(self.before_prefill, outputs=w["ask_button"], **private).then(
-            self.prefill, inputs=state_inputs, outputs=[w[name] for name in PrefillView._fields],
-            api_name="prefill", **model_work)
+            self.prefill,
+            inputs=state_inputs,
+            outputs=[w[name] for name in PrefillView._fields],
+            api_name="prefill",
+            **model_work,
+        )
         answer_outputs = [w[name] for name in AnswerView._fields]
         # Ask is disabled while an answer streams; afterwards the gate decides
-        for trigger, api in ((w["ask_button"].click, {"api_name": "ask"}),
-                             (w["question"].submit, {"api_visibility": "private"})):
+        for trigger, api in (
+            (w["ask_button"].click, {"api_name": "ask"}),
+            (w["question"].submit, {"api_visibility": "private"}),
+        ):
             trigger(lambda: gr.update(interactive=False), outputs=w["ask_button"], **private).then(
-                self.ask, inputs=[w["question"], w["max_new_tokens"], w["context"]], outputs=answer_outputs,
-                **api, **model_work,
+                self.ask,
+                inputs=[w["question"], w["max_new_tokens"], w["context"]],
+                outputs=answer_outputs,
+                **api,
+                **model_work,
             ).then(**gate)
         w["stop_button"].click(self.stop, api_name="stop", queue=False)

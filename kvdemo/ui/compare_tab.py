@@ -52,8 +52,13 @@ def _view(report: ComparisonReport, note: str) -> CompareView:
     quantized = [r for r in report.results if BACKENDS[r.backend].quantized]
     chosen = min(quantized, key=lambda r: r.kv_bytes).spec_text if quantized else (specs[0] if specs else None)
     files = views.comparison_files(report, tempfile.mkdtemp(prefix="kvdemo-compare-")) if report.results else None
-    return CompareView(*views.comparison_outputs(report, note), files, gr.update(choices=specs, value=chosen),
-                       views.kv_error_plot(report, chosen), report)
+    return CompareView(
+        *views.comparison_outputs(report, note),
+        files,
+        gr.update(choices=specs, value=chosen),
+        views.kv_error_plot(report, chosen),
+        report,
+    )
 
 
 class CompareTab:
@@ -86,8 +91,17 @@ class CompareTab:
         user.compare_pending = True
         return "Queued: one comparison runs at a time on this server; it starts when the one before it ends…"
 
-    def run(self, context, chosen, more, questions_text, max_new_tokens, request: gr.Request,
-            perplexity=0, progress=gr.Progress()) -> CompareView:
+    def run(
+        self,
+        context,
+        chosen,
+        more,
+        questions_text,
+        max_new_tokens,
+        request: gr.Request,
+        perplexity=0,
+        progress=gr.Progress(),
+    ) -> CompareView:
         """Run `kvdemo.compare` on the Context box's text and the questions, one spec at a time, in fresh
         sessions: this session's own cache is untouched. Cancel stops it at the next decode step. A refusal is
         a message in the status line; the last results stay."""
@@ -108,12 +122,21 @@ class CompareTab:
             progress(0, desc="Starting the comparison…")
             with self.app.comparison(self.ask.key_of(request), loaded, context, specs, max_new_tokens):
                 report = compare(
-                    loaded, context, questions, specs, max_new_tokens, golds, cancel=user.compare_cancel,
+                    loaded,
+                    context,
+                    questions,
+                    specs,
+                    max_new_tokens,
+                    golds,
+                    cancel=user.compare_cancel,
                     on_progress=lambda done, total, what: progress((done, total), desc=what, unit="steps"),
-                    kv_budget_bytes=self.app.kv_budget_bytes, perplexity_tokens=ppl_tokens,
+                    kv_budget_bytes=self.app.kv_budget_bytes,
+                    perplexity_tokens=ppl_tokens,
                     continuation=continuation_for(context) if ppl_tokens else None,
                 )
-            note = f"Compared {len(report.results)} specs on {len(questions)} question{'s' if len(questions) > 1 else ''}"
+            note = (
+                f"Compared {len(report.results)} specs on {len(questions)} question{'s' if len(questions) > 1 else ''}"
+            )
             note += " (scored against the example's gold answers)." if golds else " (no gold answers for this text)."
             return _view(report, note)
         except ComparisonCancelled as cancelled:
@@ -122,8 +145,9 @@ class CompareTab:
             return CompareView.refused(refusal(error, "a comparison"))
         except Exception as error:  # a fault inside a decode step: every session it used has restored
             print(f"kvdemo: a comparison failed: {type(error).__name__}: {error}", flush=True)
-            return CompareView.refused(f"⚠ The comparison failed ({type(error).__name__}: {str(error)[:200]}); your "
-                                       "own session is untouched")
+            return CompareView.refused(
+                f"⚠ The comparison failed ({type(error).__name__}: {str(error)[:200]}); your own session is untouched"
+            )
         finally:
             user.compare_pending = False
             self.app.sessions.touch(user)
@@ -149,52 +173,86 @@ class CompareTab:
         with gr.Row():
             with gr.Column(scale=1, min_width=280):
                 w["choice"] = gr.CheckboxGroup(
-                    [s.text for s in all_specs()], value=[s.text for s in default_compare_specs()], label="specs",
+                    [s.text for s in all_specs()],
+                    value=[s.text for s in default_compare_specs()],
+                    label="specs",
                     info="backend:nbits; other options at their defaults ("
-                    + ", ".join(f"{k} {v}" for k, v in defaults.items() if k != "nbits") + ")",
+                    + ", ".join(f"{k} {v}" for k, v in defaults.items() if k != "nbits")
+                    + ")",
                 )
                 w["more"] = gr.Textbox(
-                    label="more specs, one per line", lines=2,
+                    label="more specs, one per line",
+                    lines=2,
                     placeholder="hqq:4,residual_length=16\nquanto:2,q_group_size=32,axis_key=-1",
                     info="backend[:nbits][,option=value...]; options q_group_size, residual_length, axis_key, "
                     "axis_value",
                 )
-                w["max_new_tokens"] = gr.Number(32, label="max_new_tokens", precision=0, minimum=1,
-                                                maximum=COMPARE_MAX_NEW_TOKENS)
+                w["max_new_tokens"] = gr.Number(
+                    32, label="max_new_tokens", precision=0, minimum=1, maximum=COMPARE_MAX_NEW_TOKENS
+                )
                 w["perplexity"] = gr.Number(
-                    0, label="perplexity tokens", precision=0, minimum=0, maximum=COMPARE_MAX_PERPLEXITY_TOKENS,
+                    0,
+                    label="perplexity tokens",
+                    precision=0,
+                    minimum=0,
+                    maximum=COMPARE_MAX_PERPLEXITY_TOKENS,
                     info="0: none. N > 0: read N tokens of the text that follows (an example's next paragraphs, or "
                     "the tail of your text) one decode step at a time through each cache: perplexity and its ratio "
-                    "to dynamic")
+                    "to dynamic",
+                )
             with gr.Column(scale=2):
-                w["questions"] = gr.Textbox(label="questions, one per line", lines=6,
-                                            placeholder="Who was the Norse leader?")
+                w["questions"] = gr.Textbox(
+                    label="questions, one per line", lines=6, placeholder="Who was the Norse leader?"
+                )
                 with gr.Row():
                     w["fill_button"] = gr.Button("Fill in questions (asked so far, or the example's)", size="sm")
                     w["compare_button"] = gr.Button("Run comparison", variant="primary")
                     w["cancel_button"] = gr.Button("Cancel", variant="stop")
         w["compare_status"] = gr.Markdown("")
-        w["compare_table"] = gr.Dataframe(label="comparison (memory · fidelity against dynamic · speed)",
-                                          interactive=False, wrap=True)
+        w["compare_table"] = gr.Dataframe(
+            label="comparison (memory · fidelity against dynamic · speed)", interactive=False, wrap=True
+        )
         with gr.Accordion("What each column means", open=False):
             gr.Markdown("\n".join(f"- **{name}**: {text}" for name, text in DISPLAY_HELP.items()))
-        w["files"] = gr.File(label="the full table (CSV) and the whole report (JSON, as the CLI's --json)",
-                             file_count="multiple", interactive=False, height=100)
+        w["files"] = gr.File(
+            label="the full table (CSV) and the whole report (JSON, as the CLI's --json)",
+            file_count="multiple",
+            interactive=False,
+            height=100,
+        )
         w["report"] = gr.State(None)
         with gr.Row():
             w["tradeoff_plot"] = gr.ScatterPlot(
-                None, x="bytes per token", y="KL (nats)", color="backend", title="Memory against fidelity",
-                x_title="KV bytes per context token", y_title="mean KL to dynamic (nats)", height=300,
+                None,
+                x="bytes per token",
+                y="KL (nats)",
+                color="backend",
+                title="Memory against fidelity",
+                x_title="KV bytes per context token",
+                y_title="mean KL to dynamic (nats)",
+                height=300,
                 tooltip=["spec", "bytes per token", "KL (nats)", "identical", "contains gold"],
             )
             w["speed_plot"] = gr.BarPlot(
-                None, x="spec", y="tokens/s", title="Decode speed", x_title="spec", y_title="tokens/s (median)",
-                height=300, tooltip=["spec", "tokens/s", "flush s"], sort="-y", y_lim=[0, None],
+                None,
+                x="spec",
+                y="tokens/s",
+                title="Decode speed",
+                x_title="spec",
+                y_title="tokens/s (median)",
+                height=300,
+                tooltip=["spec", "tokens/s", "flush s"],
+                sort="-y",
+                y_lim=[0, None],
             )
         with gr.Row():
-            w["heatmap_spec"] = gr.Dropdown([], label="where the error sits: spec", scale=1,
-                                            info="relative error ||K - K^|| / ||K|| per layer and KV head after the "
-                                            "prefill, against dynamic's keys and values")
+            w["heatmap_spec"] = gr.Dropdown(
+                [],
+                label="where the error sits: spec",
+                scale=1,
+                info="relative error ||K - K^|| / ||K|| per layer and KV head after the "
+                "prefill, against dynamic's keys and values",
+            )
             w["heatmap_plot"] = gr.Plot(label="relative KV error per layer and KV head", scale=3)
 
     def wire(self) -> None:
@@ -202,16 +260,31 @@ class CompareTab:
         queue slots."""
         w = self.w
         settings = [w["choice"], w["more"], w["questions"], w["max_new_tokens"]]
-        w["fill_button"].click(self.fill_questions, inputs=self.ask.w["context"], outputs=w["questions"],
-                               api_name="compare_questions", queue=False)
+        w["fill_button"].click(
+            self.fill_questions,
+            inputs=self.ask.w["context"],
+            outputs=w["questions"],
+            api_name="compare_questions",
+            queue=False,
+        )
         w["compare_button"].click(
-            self.queued, inputs=settings, outputs=w["compare_status"],
-            concurrency_limit=None, api_visibility="private",  # never waits in the queue: it answers at once
+            self.queued,
+            inputs=settings,
+            outputs=w["compare_status"],
+            concurrency_limit=None,
+            api_visibility="private",  # never waits in the queue: it answers at once
         ).then(
-            self.run, inputs=[self.ask.w["context"], *settings, w["perplexity"]],
+            self.run,
+            inputs=[self.ask.w["context"], *settings, w["perplexity"]],
             outputs=[w[name] for name in CompareView._fields],
-            api_name="compare", concurrency_limit=1, concurrency_id="compare",
+            api_name="compare",
+            concurrency_limit=1,
+            concurrency_id="compare",
         )
         w["cancel_button"].click(self.cancel, api_name="cancel_compare", queue=False)
-        w["heatmap_spec"].change(views.kv_error_plot, inputs=[w["report"], w["heatmap_spec"]],
-                                 outputs=w["heatmap_plot"], api_visibility="private")
+        w["heatmap_spec"].change(
+            views.kv_error_plot,
+            inputs=[w["report"], w["heatmap_spec"]],
+            outputs=w["heatmap_plot"],
+            api_visibility="private",
+        )

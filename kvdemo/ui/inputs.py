@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import gradio as gr
 
@@ -102,18 +103,23 @@ def compare_questions(text: str | None) -> list[str]:
     Raises:
         ValueError: there is none, or more than `COMPARE_MAX_QUESTIONS`.
     """
-    questions = [check_text(line.strip(), f"question line {n}") for n, line in enumerate((text or "").splitlines(), 1)
-                 if line.strip()]
+    questions = [
+        check_text(line.strip(), f"question line {n}")
+        for n, line in enumerate((text or "").splitlines(), 1)
+        if line.strip()
+    ]
     if not questions:
         raise ValueError("Give at least one question, one per line (or press 'Fill in questions')")
     if len(questions) > COMPARE_MAX_QUESTIONS:
-        raise ValueError(f"{len(questions)} questions is more than a comparison runs here; give at most "
-                         f"{COMPARE_MAX_QUESTIONS}")
+        raise ValueError(
+            f"{len(questions)} questions is more than a comparison runs here; give at most {COMPARE_MAX_QUESTIONS}"
+        )
     return questions
 
 
-def compare_inputs(chosen: list[str] | None, more: str | None, questions_text: str | None,
-                   max_new_tokens: Any) -> tuple[list[CacheSpec], list[str], int]:
+def compare_inputs(
+    chosen: list[str] | None, more: str | None, questions_text: str | None, max_new_tokens: Any
+) -> tuple[list[CacheSpec], list[str], int]:
     """The Compare tab's inputs checked, for the click and for the run: `compare_specs`, `compare_questions`,
     and `checks.max_new_tokens` with at most `COMPARE_MAX_NEW_TOKENS`.
 
@@ -142,10 +148,16 @@ def perplexity_tokens(value: Any) -> int:
     """
     if value is None or value == "":
         return 0
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or not (
-            0 <= value <= COMPARE_MAX_PERPLEXITY_TOKENS):
-        raise ValueError(f"perplexity tokens={str(value)[:40]!r} must be a whole number from 0 (none) to "
-                         f"{COMPARE_MAX_PERPLEXITY_TOKENS}")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or value != int(value)
+        or not (0 <= value <= COMPARE_MAX_PERPLEXITY_TOKENS)
+    ):
+        raise ValueError(
+            f"perplexity tokens={str(value)[:40]!r} must be a whole number from 0 (none) to "
+            f"{COMPARE_MAX_PERPLEXITY_TOKENS}"
+        )
     return int(value)
 
 

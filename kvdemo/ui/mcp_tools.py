@@ -83,13 +83,13 @@ class McpTools:
             reason = self.app.sessions.freed_reason(key)
             if reason:
                 raise ValueError(f"This session was freed because {reason}; call prefill_context again")
-            raise ValueError("Nothing is prefilled in this session: call prefill_context first (with the same "
-                             "session)")
+            raise ValueError("Nothing is prefilled in this session: call prefill_context first (with the same session)")
         return user
 
     @user_errors
-    def prefill_context(self, context: str, spec: str = START_SPEC.text, session: str = "",
-                        request: gr.Request = None) -> str:
+    def prefill_context(
+        self, context: str, spec: str = START_SPEC.text, session: str = "", request: gr.Request = None
+    ) -> str:
         """Prefill a text once into a new KV cache of the chosen backend, so that ask_question can answer
         questions about it; replaces this session's context.
 
@@ -114,19 +114,22 @@ class McpTools:
             report = self.app.prefill(key, qa, context)
             user.qa, user.chat, user.events = qa, [], []
             self.app.sessions.forget_freed(key)
-        return _json({
-            "spec": qa.spec.text,
-            "context_tokens": report.context_tokens,
-            "prefill_seconds": round(report.seconds, 3),
-            "kv_bytes": report.kv_bytes,
-            "bytes_per_token": round(report.bytes_per_token, 1),
-            "ratio_to_full_precision": round(report.ratio_to_full_precision, 4),
-            "model": loaded.name,
-        })
+        return _json(
+            {
+                "spec": qa.spec.text,
+                "context_tokens": report.context_tokens,
+                "prefill_seconds": round(report.seconds, 3),
+                "kv_bytes": report.kv_bytes,
+                "bytes_per_token": round(report.bytes_per_token, 1),
+                "ratio_to_full_precision": round(report.ratio_to_full_precision, 4),
+                "model": loaded.name,
+            }
+        )
 
     @user_errors
-    def ask_question(self, question: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, session: str = "",
-                     request: gr.Request = None) -> str:
+    def ask_question(
+        self, question: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, session: str = "", request: gr.Request = None
+    ) -> str:
         """Answer a question about the text prefilled by prefill_context (greedy decoding); afterwards the KV
         cache is restored exactly to the prefilled context.
 
@@ -165,27 +168,36 @@ class McpTools:
                     "The cache was restored to the prefilled context; ask again"
                 ) from None
             answer = qa.history[-1]
-            return _json({
-                "question": answer.question,
-                "answer": answer.text,
-                "tokens": len(answer.token_ids),
-                "steps": answer.steps,
-                "flushes": answer.flush_count,
-                "seconds": round(answer.seconds, 3),
-                "tokens_per_second": round(answer.tokens_per_second, 2),
-                "first_token_seconds": None if first_token is None else round(first_token, 3),
-                "finish_reason": answer.finish_reason,
-                "cache_length_after": answer.cache_length_after,
-                "context_tokens": qa.prefill_report.context_tokens,
-                "spec": qa.spec.text,
-            })
+            return _json(
+                {
+                    "question": answer.question,
+                    "answer": answer.text,
+                    "tokens": len(answer.token_ids),
+                    "steps": answer.steps,
+                    "flushes": answer.flush_count,
+                    "seconds": round(answer.seconds, 3),
+                    "tokens_per_second": round(answer.tokens_per_second, 2),
+                    "first_token_seconds": None if first_token is None else round(first_token, 3),
+                    "finish_reason": answer.finish_reason,
+                    "cache_length_after": answer.cache_length_after,
+                    "context_tokens": qa.prefill_report.context_tokens,
+                    "spec": qa.spec.text,
+                }
+            )
         finally:
             self.app.sessions.touch(user)
             user.lock.release()
 
     @user_errors
-    def compare_backends(self, questions: list[str], specs: list[str] | None = None, max_new_tokens: int = 32,
-                         context: str = "", session: str = "", request: gr.Request = None) -> str:
+    def compare_backends(
+        self,
+        questions: list[str],
+        specs: list[str] | None = None,
+        max_new_tokens: int = 32,
+        context: str = "",
+        session: str = "",
+        request: gr.Request = None,
+    ) -> str:
         """Compare KV cache backends on one text: each spec prefills it in a fresh cache and answers the
         questions; gives memory, agreement with dynamic (identical answers, KL divergence) and speed. Minutes on
         a CPU; one comparison runs at a time on the server.
@@ -223,8 +235,16 @@ class McpTools:
             note = ""
             with self.app.comparison(key, loaded, context, parsed, max_new_tokens):
                 try:
-                    report = compare(loaded, context, questions, parsed, max_new_tokens, golds,
-                                     cancel=user.compare_cancel, kv_budget_bytes=self.app.kv_budget_bytes)
+                    report = compare(
+                        loaded,
+                        context,
+                        questions,
+                        parsed,
+                        max_new_tokens,
+                        golds,
+                        cancel=user.compare_cancel,
+                        kv_budget_bytes=self.app.kv_budget_bytes,
+                    )
                 except ComparisonCancelled as cancelled:  # the session was freed meanwhile
                     report, note = cancelled.report, "cancelled: the session was freed; the finished specs follow"
                 except (ValueError, ImportError):
@@ -234,13 +254,15 @@ class McpTools:
             rows = json.loads(report.to_frame().to_json(orient="records"))
             for row, result in zip(rows, report.results):
                 row["answers"] = [q.answer for q in result.questions]
-            return _json({
-                "context_tokens": report.results[0].context_tokens if report.results else None,
-                "max_new_tokens": max_new_tokens,
-                "scored_against_gold": golds is not None,
-                "note": note,
-                "results": rows,
-            })
+            return _json(
+                {
+                    "context_tokens": report.results[0].context_tokens if report.results else None,
+                    "max_new_tokens": max_new_tokens,
+                    "scored_against_gold": golds is not None,
+                    "note": note,
+                    "results": rows,
+                }
+            )
         finally:
             self.app.sessions.touch(user)
             user.compare_lock.release()
@@ -265,8 +287,10 @@ def serve_only_tools(demo: gr.Blocks) -> list[str]:
     """
     server = getattr(demo, "mcp_server_obj", None)
     if server is None:
-        raise RuntimeError(getattr(demo, "mcp_error", None) or "the MCP server is not running; launch with "
-                           "mcp_server=True (pip install 'gradio[mcp]')")
+        raise RuntimeError(
+            getattr(demo, "mcp_error", None)
+            or "the MCP server is not running; launch with mcp_server=True (pip install 'gradio[mcp]')"
+        )
     endpoints = {f"/{name}" for name in TOOLS}
     server.tool_to_endpoint = {tool: ep for tool, ep in server.tool_to_endpoint.items() if ep in endpoints}
     return sorted(server.tool_to_endpoint)

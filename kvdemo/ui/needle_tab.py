@@ -41,8 +41,13 @@ def _view(grid: needle.NeedleGrid, note: str) -> NeedleView:
     if table.empty:
         return NeedleView(note, table, None, None, None)
     files = list(map(str, grid.write(tempfile.mkdtemp(prefix="kvdemo-needle-"))))
-    return NeedleView(note, grid.summary_frame(), needle_heatmap_figure(table, value="score"),
-                      needle_heatmap_figure(table, value="hit"), files)
+    return NeedleView(
+        note,
+        grid.summary_frame(),
+        needle_heatmap_figure(table, value="score"),
+        needle_heatmap_figure(table, value="hit"),
+        files,
+    )
 
 
 class NeedleTab:
@@ -68,8 +73,9 @@ class NeedleTab:
         user.compare_pending = True
         return "Queued: one long job (a comparison or a grid) runs at a time on this server…"
 
-    def run(self, specs, lengths, depths, seed, max_new_tokens, request: gr.Request,
-            progress=gr.Progress()) -> NeedleView:
+    def run(
+        self, specs, lengths, depths, seed, max_new_tokens, request: gr.Request, progress=gr.Progress()
+    ) -> NeedleView:
         """Run `kvdemo.needle.needle_grid` with the tab's settings; Cancel stops it at the next decode step and
         shows the cells finished. A refusal is a message in the status line; the last grid stays."""
         try:
@@ -83,9 +89,14 @@ class NeedleTab:
                 user.compare_cancel.clear()
             loaded = self.app.wait_for_model()
             grid = needle.needle_grid(
-                loaded, list(specs or []), needle.parse_lengths(lengths or ""), needle.parse_depths(depths or ""),
-                seed=int(seed or 0), max_new_tokens=int(max_new_tokens or needle.DEFAULT_MAX_NEW_TOKENS),
-                cancel=user.compare_cancel, kv_budget_bytes=self.app.kv_budget_bytes,
+                loaded,
+                list(specs or []),
+                needle.parse_lengths(lengths or ""),
+                needle.parse_depths(depths or ""),
+                seed=int(seed or 0),
+                max_new_tokens=int(max_new_tokens or needle.DEFAULT_MAX_NEW_TOKENS),
+                cancel=user.compare_cancel,
+                kv_budget_bytes=self.app.kv_budget_bytes,
                 on_progress=lambda done, total, what: progress((done, total), desc=what, unit="steps"),
             )
             return _view(grid, f"{len(grid.cells):,} cells in {grid.seconds:,.0f} s on {grid.device}.")
@@ -111,13 +122,18 @@ class NeedleTab:
         )
         with gr.Row():
             with gr.Column(scale=1, min_width=280):
-                w["specs"] = gr.CheckboxGroup([s.text for s in all_specs()], value=list(needle.DEFAULT_SPECS[:2]), label="specs")
+                w["specs"] = gr.CheckboxGroup(
+                    [s.text for s in all_specs()], value=list(needle.DEFAULT_SPECS[:2]), label="specs"
+                )
                 w["seed"] = gr.Number(0, label="seed (draws the needles)", precision=0)
                 w["max_new_tokens"] = gr.Number(16, label="max_new_tokens", precision=0, minimum=1, maximum=64)
             with gr.Column(scale=2):
-                w["lengths"] = gr.Textbox(QUICK_LENGTHS, label="context lengths (tokens)",
-                                          info="comma-separated, e.g. 1024,2048,4096,7936 (the model's window "
-                                          "less room for the question and the answer)")
+                w["lengths"] = gr.Textbox(
+                    QUICK_LENGTHS,
+                    label="context lengths (tokens)",
+                    info="comma-separated, e.g. 1024,2048,4096,7936 (the model's window "
+                    "less room for the question and the answer)",
+                )
                 w["depths"] = gr.Textbox(QUICK_DEPTHS, label="depths (%)", info="comma-separated, 0 to 100")
                 with gr.Row():
                     w["run_button"] = gr.Button("Run grid", variant="primary")
@@ -127,16 +143,21 @@ class NeedleTab:
             w["score_plot"] = gr.Plot(label="graded score: log P(number) per depth and length")
             w["hit_plot"] = gr.Plot(label="hit: the answer holds the number")
         w["needle_table"] = gr.Dataframe(label="per spec and length", interactive=False, wrap=True)
-        w["needle_files"] = gr.File(label="every cell (CSV) and the whole grid (JSON)", file_count="multiple",
-                                    interactive=False, height=100)
+        w["needle_files"] = gr.File(
+            label="every cell (CSV) and the whole grid (JSON)", file_count="multiple", interactive=False, height=100
+        )
 
     def wire(self) -> None:
         """The tab's events: the grid shares the comparisons' queue group (one long job at a time)."""
         w = self.w
-        w["run_button"].click(self.queued, outputs=w["needle_status"], concurrency_limit=None,
-                              api_visibility="private").then(
-            self.run, inputs=[w["specs"], w["lengths"], w["depths"], w["seed"], w["max_new_tokens"]],
-            outputs=[w[name] for name in NeedleView._fields], api_name="needle", concurrency_limit=1,
+        w["run_button"].click(
+            self.queued, outputs=w["needle_status"], concurrency_limit=None, api_visibility="private"
+        ).then(
+            self.run,
+            inputs=[w["specs"], w["lengths"], w["depths"], w["seed"], w["max_new_tokens"]],
+            outputs=[w[name] for name in NeedleView._fields],
+            api_name="needle",
+            concurrency_limit=1,
             concurrency_id="compare",
         )
         w["cancel_button"].click(self.cancel, api_name="cancel_needle", queue=False)

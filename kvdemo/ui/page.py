@@ -27,8 +27,11 @@ class ModelBar:
     def on_page_load(self, progress=gr.Progress()) -> str:
         """The model's status once the start-up load is done (the page shows real progress meanwhile), or why
         there is none."""
-        progress(0, desc="Loading the model (a first start converts the embedded GGUF, ~20-60 s; later starts "
-                         "load the converted copy in seconds)…")
+        progress(
+            0,
+            desc="Loading the model (a first start converts the embedded GGUF, ~20-60 s; later starts "
+            "load the converted copy in seconds)…",
+        )
         try:
             return views.model_status(self.app.wait_for_model())
         except ValueError as error:
@@ -51,7 +54,8 @@ class ModelBar:
             with gr.Column(scale=2):
                 with gr.Row():
                     self.source = gr.Textbox(
-                        label="Model", placeholder="Hub id, folder or .gguf (empty: embedded)",
+                        label="Model",
+                        placeholder="Hub id, folder or .gguf (empty: embedded)",
                         scale=3,
                     )
                     self.button = gr.Button("Load", scale=1)

@@ -3,8 +3,9 @@ the comparison's outputs. They read records and the registry, never a live cache
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import gradio as gr
 import pandas as pd
@@ -13,8 +14,8 @@ from kvdemo.backends import BACKENDS, GROUP_OPTIONS
 from kvdemo.charts import (
     answers_frame,
     comparison_display_frame,
-    kv_error_figure,
     flush_timing,
+    kv_error_figure,
     memory_frame,
     memory_series,
     residual_frame,
@@ -22,10 +23,10 @@ from kvdemo.charts import (
     step_time_frame,
     tradeoff_frame,
 )
-from kvdemo.spec import CacheSpec
 from kvdemo.compare import ComparisonReport
 from kvdemo.models import LoadedModel
 from kvdemo.session import QASession
+from kvdemo.spec import CacheSpec
 from kvdemo.telemetry import STEP_KINDS
 
 EXPLAINER = """
@@ -124,11 +125,14 @@ def answer_stats(qa: QASession, first_token_seconds: float | None, events: list 
 def step_line(event: Any, spec: CacheSpec) -> str:
     """The line shown while an answer streams: the step, the bytes held, the cache length, and, when the next
     decode step will flush, what it will re-quantize (a flush step takes far longer than the others)."""
-    line = f"step {event.step + 1:,} · {event.memory.total_bytes / 2**20:,.2f} MiB held · cache length {event.cache_length:,}"
+    held = event.memory.total_bytes / 2**20
+    line = f"step {event.step + 1:,} · {held:,.2f} MiB held · cache length {event.cache_length:,}"
     if spec.info.has_residual and event.memory.layers:
         if event.memory.layers[0].residual_tokens + 1 >= spec.resolved()["residual_length"]:
-            line += (f" · the next step flushes: every layer re-quantizes its {event.cache_length + 1:,} tokens, "
-                     "which takes longer than a plain step")
+            line += (
+                f" · the next step flushes: every layer re-quantizes its {event.cache_length + 1:,} tokens, "
+                "which takes longer than a plain step"
+            )
     return line
 
 
@@ -212,7 +216,8 @@ def residual_chart(events: list, spec: CacheSpec) -> Any:
     """The residual chart for `spec`: its fill (layer 0), or, for a backend that keeps no residual, an empty
     chart whose title says so. Never `value=None`: Gradio then draws an empty box without the title."""
     if not spec.info.has_residual:
-        return gr.LinePlot(value=residual_frame([]),
-                           title=f"Residual fill: {spec.backend} keeps no residual (nothing to show)")
+        return gr.LinePlot(
+            value=residual_frame([]), title=f"Residual fill: {spec.backend} keeps no residual (nothing to show)"
+        )
     title = f"Residual fill (layer 0; flushes at residual_length={spec.resolved()['residual_length']:,})"
     return gr.LinePlot(value=residual_frame(events), title=title)

@@ -24,8 +24,16 @@ from kvdemo.cases import example_path, load_case
 CLIENTS = 16
 LONG_ANSWER = 150  # tokens: a context (at most 300 here) with it fits the small model's 512-token window
 DEADLINE_SECONDS = 420
-SPECS = ["dynamic", "hqq:4,residual_length=8", "quanto:4,residual_length=8", "fp8", "hqq:2,residual_length=16",
-         "quanto:2,residual_length=4", "dynamic", "hqq:8,residual_length=4"]
+SPECS = [
+    "dynamic",
+    "hqq:4,residual_length=8",
+    "quanto:4,residual_length=8",
+    "fp8",
+    "hqq:2,residual_length=16",
+    "quanto:2,residual_length=4",
+    "dynamic",
+    "hqq:8,residual_length=4",
+]
 REFUSALS = {"queue": "Queue is full", "kv": "The server's KV budget is full"}
 
 
@@ -53,9 +61,10 @@ class Run:
         self.deadline = time.perf_counter() + DEADLINE_SECONDS
 
     def to_dict(self) -> dict:
-        return {name: getattr(self, name) for name in ("requests", "refusals", "answers", "first_token", "stops",
-                                                       "disconnects", "failures")} | {
-            "refusal_texts": sorted(self.refusal_texts)}
+        return {
+            name: getattr(self, name)
+            for name in ("requests", "refusals", "answers", "first_token", "stops", "disconnects", "failures")
+        } | {"refusal_texts": sorted(self.refusal_texts)}
 
     def count(self, **changes) -> None:
         with self.lock:
@@ -92,8 +101,15 @@ class Run:
             with self.lock:
                 self.first_token.append(queue_and_first)
         with self.lock:
-            self.answers.append({"context": context, "spec": spec, "question": question,
-                                 "max_new_tokens": max_new_tokens, "answer": answer})
+            self.answers.append(
+                {
+                    "context": context,
+                    "spec": spec,
+                    "question": question,
+                    "max_new_tokens": max_new_tokens,
+                    "answer": answer,
+                }
+            )
         return answer
 
     def long_answer(self, client: Client, question: str):

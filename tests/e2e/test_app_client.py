@@ -36,7 +36,13 @@ def test_load_prefill_and_ask_equal_the_core_session(client, embedded):
     context, questions = example("Normans")
     questions = ["Who was the Norse leader?", questions[0]]
     summary = client.predict(
-        context=context, backend="hqq", nbits=4, q_group_size=64, residual_length=16, axis_key=0, axis_value=0,
+        context=context,
+        backend="hqq",
+        nbits=4,
+        q_group_size=64,
+        residual_length=16,
+        axis_key=0,
+        axis_value=0,
         api_name="/prefill",
     )[0]
     reference = QASession(embedded, HQQ)
@@ -46,7 +52,7 @@ def test_load_prefill_and_ask_equal_the_core_session(client, embedded):
     for question in questions:
         job = client.submit(question=question, max_new_tokens=12, context=context, api_name="/ask")
         arrivals = []
-        for update in job:
+        for _update in job:
             arrivals.append(time.perf_counter())
         done = time.perf_counter()
         outputs = job.outputs()
@@ -83,17 +89,30 @@ def test_compare_tab_through_the_client(client, embedded):
 
     case = load_case(example_path("normans")).select("0")
     question = case.answerable(1)[0]
-    client.predict(context=case.context, backend="fp8", nbits=None, q_group_size=None, residual_length=None,
-                   axis_key=None, axis_value=None, api_name="/prefill")
+    client.predict(
+        context=case.context,
+        backend="fp8",
+        nbits=None,
+        q_group_size=None,
+        residual_length=None,
+        axis_key=None,
+        axis_value=None,
+        api_name="/prefill",
+    )
     before = _assistant_text(client.predict(question.question, 6, case.context, api_name="/ask")[0][-1])
     status, table, tradeoff, speed, files, *_ = client.predict(
         case.context, ["dynamic", "hqq:4"], "quanto:2,residual_length=4", question.question, 4, 0, api_name="/compare"
     )
     assert status.startswith("Compared 3 specs on 1 question (scored against the example's gold answers).")
     rows = [dict(zip(table["headers"], row)) for row in table["data"]]
-    direct = compare(embedded, case.context, [question.question],
-                     [CacheSpec("hqq", nbits=4), CacheSpec("quanto", nbits=2, residual_length=4)], 4,
-                     gold_answers=[question.answers]).to_frame()
+    direct = compare(
+        embedded,
+        case.context,
+        [question.question],
+        [CacheSpec("hqq", nbits=4), CacheSpec("quanto", nbits=2, residual_length=4)],
+        4,
+        gold_answers=[question.answers],
+    ).to_frame()
     shown = comparison_display_frame(direct)
     assert [r["spec"] for r in rows] == shown["spec"].tolist() == ["dynamic", "hqq:4", "quanto:2,residual_length=4"]
     assert [r["KV MiB"] for r in rows] == shown["KV MiB"].tolist()

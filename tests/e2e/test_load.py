@@ -38,8 +38,11 @@ ARTIFACTS = ROOT / "artifacts"
 def _tensor_bytes() -> int:
     """Bytes of every CPU tensor storage alive in this process (the model's weights and any cache)."""
     gc.collect()
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in gc.get_objects()
-                if torch.is_tensor(t) and t.device.type == "cpu"}
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in gc.get_objects()
+        if torch.is_tensor(t) and t.device.type == "cpu"
+    }
     return sum(storages.values())
 
 
@@ -69,8 +72,13 @@ def _round(app: App, url: str) -> tuple[dict, dict]:
             peak["kv"] = max(peak["kv"], app.kv.held_bytes)
 
     threading.Thread(target=sample, daemon=True).start()
-    clients = subprocess.run([sys.executable, "-m", "tests.e2e.load_clients", url], capture_output=True, text=True,
-                             timeout=DEADLINE_SECONDS + 180, cwd=ROOT)
+    clients = subprocess.run(
+        [sys.executable, "-m", "tests.e2e.load_clients", url],
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE_SECONDS + 180,
+        cwd=ROOT,
+    )
     assert clients.returncode == 0, clients.stderr[-3000:]
     run = json.loads(clients.stdout.strip().splitlines()[-1])
     peak["left"] = _wait_for_sweep(app, 20)
@@ -86,15 +94,22 @@ def test_sixteen_clients_prefilling_asking_stopping_and_leaving(embedded):
     loaded = make_tiny(embedded.tokenizer, kv_heads=8, head_dim=128, layers=6, seed=3)
     contexts, _ = contexts_and_questions()
     one_dynamic = 48 * 1024 * (max(len(embedded.tokenizer(c)["input_ids"]) for c in contexts) + 128 + 40)
-    app = App(loader=lambda source: loaded, max_sessions=32, idle_seconds=600.0,
-              server_kv_budget_bytes=int(3.5 * one_dynamic))  # a fraction of the clients' caches at once
+    app = App(
+        loader=lambda source: loaded, max_sessions=32, idle_seconds=600.0, server_kv_budget_bytes=int(3.5 * one_dynamic)
+    )  # a fraction of the clients' caches at once
     app.start_loading()
     app.start_sweeper(every_seconds=0.5)
     demo = build_demo(app)
     demo.queue(default_concurrency_limit=1, max_size=QUEUE_SIZE)
     port = free_port()
-    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, ssr_mode=False, quiet=True,
-                state_session_capacity=4 * app.sessions.max_sessions)  # as app.py
+    demo.launch(
+        server_name="127.0.0.1",
+        server_port=port,
+        prevent_thread_lock=True,
+        ssr_mode=False,
+        quiet=True,
+        state_session_capacity=4 * app.sessions.max_sessions,
+    )  # as app.py
     url = f"http://127.0.0.1:{port}/"
     try:
         app.wait_for_model()
@@ -124,15 +139,23 @@ def test_sixteen_clients_prefilling_asking_stopping_and_leaving(embedded):
     assert all(text.startswith(("Queue is full", "The server's KV budget is full")) for text in run["refusal_texts"])
     assert peak["kv"] <= app.kv.limit_bytes  # the account never passed the budget
     figures = {
-        "clients": CLIENTS, "queue_size": QUEUE_SIZE, "server_kv_budget_mib": round(app.kv.limit_bytes / 2**20, 1),
-        "wall_seconds": round(run["wall_seconds"], 1), "requests": run["requests"], "answers": len(run["answers"]),
-        "refusals": run["refusals"], "refusal_messages": run["refusal_texts"],
-        "stops": run["stops"], "disconnects": run["disconnects"], "sessions_left_after_the_clients_left": peak["left"],
+        "clients": CLIENTS,
+        "queue_size": QUEUE_SIZE,
+        "server_kv_budget_mib": round(app.kv.limit_bytes / 2**20, 1),
+        "wall_seconds": round(run["wall_seconds"], 1),
+        "requests": run["requests"],
+        "answers": len(run["answers"]),
+        "refusals": run["refusals"],
+        "refusal_messages": run["refusal_texts"],
+        "stops": run["stops"],
+        "disconnects": run["disconnects"],
+        "sessions_left_after_the_clients_left": peak["left"],
         "first_token_seconds_p50": round(_percentile(run["first_token"], 50), 3),
         "first_token_seconds_p95": round(_percentile(run["first_token"], 95), 3),
         "kv_held_peak_mib": round(peak["kv"] / 2**20, 1),
         "rss_before_the_warm_up_round_trimmed_mib": round(before / 2**20, 1),
-        "rss_baseline_mib": round(baseline / 2**20, 1), "rss_peak_mib": round(peak["rss"] / 2**20, 1),
+        "rss_baseline_mib": round(baseline / 2**20, 1),
+        "rss_peak_mib": round(peak["rss"] / 2**20, 1),
         "rss_after_mib": round(after / 2**20, 1),
         "rss_baseline_trimmed_mib": round(baseline_trimmed / 2**20, 1),
         "rss_after_trimmed_mib": round(after_trimmed / 2**20, 1),

@@ -64,7 +64,10 @@ def _run_users(app_url: str, n: int, embedded) -> list:
         users.append((paragraph.context, SPECS[i % len(SPECS)], question))
     results: dict = {}
     statuses: list = []
-    threads = [threading.Thread(target=_user, args=(app_url, c, s, q, results, i, statuses)) for i, (c, s, q) in enumerate(users)]
+    threads = [
+        threading.Thread(target=_user, args=(app_url, c, s, q, results, i, statuses))
+        for i, (c, s, q) in enumerate(users)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:

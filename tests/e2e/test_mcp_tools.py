@@ -30,8 +30,9 @@ def mcp_app(tiny):
     demo = build_demo(app)
     demo.queue(default_concurrency_limit=1)
     port = free_port()
-    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, ssr_mode=False, quiet=True,
-                mcp_server=True)
+    demo.launch(
+        server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, ssr_mode=False, quiet=True, mcp_server=True
+    )
     served = serve_only_tools(demo)
     assert app.wait_for_model() is tiny
     yield f"http://127.0.0.1:{port}/", app, served
@@ -42,8 +43,11 @@ def _mcp(url: str, calls: list[tuple[str, dict]], transport: str = "http") -> tu
     """(tool names, one CallToolResult per call) from one MCP client session."""
 
     async def run():
-        connect = streamable_http_client(url + "gradio_api/mcp/") if transport == "http" else \
-            sse_client(url + "gradio_api/mcp/sse")
+        connect = (
+            streamable_http_client(url + "gradio_api/mcp/")
+            if transport == "http"
+            else sse_client(url + "gradio_api/mcp/sse")
+        )
         async with connect as streams:
             async with ClientSession(streams[0], streams[1]) as session:
                 await session.initialize()
@@ -74,7 +78,8 @@ def test_the_schema_lists_the_typed_tools_with_their_descriptions(mcp_app):
     assert properties["spec"]["description"].startswith("the KV cache, backend[:nbits][,option=value...]")
     assert prefill["inputSchema"]["required"] == ["context"]
     assert ask["inputSchema"]["properties"]["max_new_tokens"] == {
-        "type": "integer", "default": 64,
+        "type": "integer",
+        "default": 64,
         "description": "the most tokens the answer may have (>= 1; it also ends at the end-of-turn token)",
     }
     assert compare["inputSchema"]["properties"]["questions"]["type"] == "array"
@@ -89,10 +94,13 @@ def test_an_mcp_client_prefills_and_asks_in_its_own_session(mcp_app, tiny, norma
     contexts = {"alice": normans.select("0").context, "bob": normans.select("1").context}
     specs = {"alice": "hqq:4,residual_length=4", "bob": "dynamic"}
     question = normans.select("0").answerable(1)[0].question
-    calls = [("prefill_context", {"context": contexts[name], "spec": specs[name], "session": name})
-             for name in ("alice", "bob")]
-    calls += [("ask_question", {"question": question, "max_new_tokens": 6, "session": name})
-              for name in ("alice", "bob")]
+    calls = [
+        ("prefill_context", {"context": contexts[name], "spec": specs[name], "session": name})
+        for name in ("alice", "bob")
+    ]
+    calls += [
+        ("ask_question", {"question": question, "max_new_tokens": 6, "session": name}) for name in ("alice", "bob")
+    ]
     tools, results = _mcp(url, calls)
     assert sorted(tool.name for tool in tools) == sorted(TOOLS)
     assert not any(result.isError for result in results), [_text(r) for r in results]
@@ -109,13 +117,16 @@ def test_an_mcp_client_prefills_and_asks_in_its_own_session(mcp_app, tiny, norma
 
 def test_bad_input_comes_back_as_an_mcp_error_with_the_apps_message(mcp_app):
     url, _, _ = mcp_app
-    _, results = _mcp(url, [
-        ("ask_question", {"question": "Who?", "session": "nobody-prefilled"}),
-        ("prefill_context", {"context": "Some text.", "spec": "hqq:9", "session": "x"}),
-        ("prefill_context", {"context": "   ", "session": "x"}),
-        ("prefill_context", {"context": "Some text.", "session": "a b"}),
-        ("compare_backends", {"questions": [], "session": "x"}),
-    ])
+    _, results = _mcp(
+        url,
+        [
+            ("ask_question", {"question": "Who?", "session": "nobody-prefilled"}),
+            ("prefill_context", {"context": "Some text.", "spec": "hqq:9", "session": "x"}),
+            ("prefill_context", {"context": "   ", "session": "x"}),
+            ("prefill_context", {"context": "Some text.", "session": "a b"}),
+            ("compare_backends", {"questions": [], "session": "x"}),
+        ],
+    )
     assert all(result.isError for result in results)
     messages = [_text(result) for result in results]
     assert "Nothing is prefilled in this session: call prefill_context first" in messages[0]
@@ -129,9 +140,16 @@ def test_compare_over_the_sse_transport(mcp_app, tiny, normans):
     url, _, _ = mcp_app
     paragraph = normans.select("0")
     question = paragraph.answerable(1)[0].question
-    tools, results = _mcp(url, [("compare_backends", {"questions": [question], "specs": ["hqq:4"],
-                                                       "max_new_tokens": 4, "context": paragraph.context})],
-                          transport="sse")
+    tools, results = _mcp(
+        url,
+        [
+            (
+                "compare_backends",
+                {"questions": [question], "specs": ["hqq:4"], "max_new_tokens": 4, "context": paragraph.context},
+            )
+        ],
+        transport="sse",
+    )
     assert sorted(tool.name for tool in tools) == sorted(TOOLS)
     assert not results[0].isError, _text(results[0])
     report = json.loads(_text(results[0]))
