@@ -37,9 +37,11 @@ def page(browser, app_url):
     """A new browser context (its own localStorage, so no test sees another's kept Context box) and tab."""
     context = browser.new_context(viewport={"width": 1400, "height": 1800})
     page = context.new_page()
+    expect.set_options(timeout=15_000)  # a busy 2-core CI runner: the page's own updates may take seconds
     page.goto(app_url)
     expect(page.get_by_text("135 M parameters")).to_be_visible(timeout=120_000)
     yield page
+    expect.set_options(timeout=5_000)  # Playwright's default, for the other modules
     context.close()
 
 
