@@ -414,8 +414,10 @@ def test_prefill_shows_real_progress_and_stop_ends_it(handlers):
 
     view = fns["prefill"](long_context, *HQQ, _request(), progress=stop_after_the_first_chunk)
     assert view.prefill_info.startswith("⚠ Stopped: the prefill was stopped after 256 of")
-    assert view.ask_button["interactive"] is False and app.sessions.get("tab-1").qa is None
-    assert "Prefill a context first" in refused(_ask(fns, "Who?"))
+    qa = app.sessions.get("tab-1").qa  # the previous cache stays: a prefill replaces it only when it ends
+    assert f"The cache still holds the previous context ({tokens:,} tokens)" in view.prefill_info
+    assert qa is not None and qa.cache_length == tokens and view.ask_button["interactive"] is True
+    assert len(_ask(fns, "Where did they meet?", 2)) == 4
     fns["prefill"](long_context, *HQQ, _request())  # and it prefills again
     assert len(_ask(fns, "Where did they meet?", 2)) == 4
 

@@ -150,19 +150,18 @@ class AskTab:
                     user.prefilling = None
                 user.qa, user.chat, user.events = qa, [], []
                 self.app.sessions.forget_freed(self.key_of(request))
-        except PrefillStopped as stopped:
-            user.qa, user.chat, user.events = None, [], []  # its cache was freed when the new prefill began
+        except PrefillStopped as stopped:  # the session keeps its previous cache (replaced only after a prefill)
             print(f"kvdemo: {stopped}", flush=True)
+            kept = (
+                f"The cache still holds the previous context ({user.qa.prefill_report.context_tokens:,} tokens)."
+                if user.qa is not None
+                else "Nothing is prefilled now; press Prefill to start again."
+            )
             return PrefillView(
-                f"⚠ Stopped: {stopped}. Nothing is prefilled now; press Prefill to start again.",
-                [],
+                f"⚠ Stopped: {stopped}. {kept}",
+                *[gr.skip()] * 6,
                 "",
-                None,
-                None,
-                None,
-                gr.skip(),
-                "",
-                gr.update(interactive=False),
+                gr.update(interactive=self._prefilled_matches(user, context, spec)),
             )
         except (ValueError, ImportError) as error:
             user = self.existing_user(request)
