@@ -211,7 +211,8 @@ def _mib(nbytes: float) -> str:
 
 class KVAccount:
     """The server-wide KV budget: bytes reserved under holder names (`cache:<session>`, `prefill:<session>`,
-    `compare:<session>`), whose sum never passes `limit_bytes`. A reservation is made before the memory is
+    `compare:<session>`; a needle grid would hold `grid:<session>` through `App.holding`), whose sum never passes
+    `limit_bytes`. A reservation is made before the memory is
     allocated and released when it is freed, so a request that would pass the budget is refused with the figures
     instead of running the server out of memory. Thread-safe.
 

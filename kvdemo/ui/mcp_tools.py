@@ -274,6 +274,8 @@ class McpTools:
         gr.api(self.prefill_context, api_name="prefill_context", concurrency_id="model")
         gr.api(self.ask_question, api_name="ask_question", concurrency_id="model")
         gr.api(self.compare_backends, api_name="compare_backends", concurrency_limit=1, concurrency_id="compare")
+        # the needle grid's tool: a typed method here (its KV bytes held through `App.holding("grid:<key>", ...)`),
+        # registered on the next line, and its name added to TOOLS
 
 
 def serve_only_tools(demo: gr.Blocks) -> list[str]:

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import psutil
@@ -35,13 +36,20 @@ ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "artifacts"
 
 
+def _alive(kind: type) -> list:
+    """Every object of `kind` alive in this process."""
+    gc.collect()
+    with warnings.catch_warnings():  # isinstance on every object touches torch's deprecated lazy attributes
+        warnings.simplefilter("ignore", FutureWarning)
+        return [o for o in gc.get_objects() if isinstance(o, kind)]
+
+
 def _tensor_bytes() -> int:
     """Bytes of every CPU tensor storage alive in this process (the model's weights and any cache)."""
-    gc.collect()
     storages = {
         t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-        for t in gc.get_objects()
-        if torch.is_tensor(t) and t.device.type == "cpu"
+        for t in _alive(torch.Tensor)
+        if t.device.type == "cpu"
     }
     return sum(storages.values())
 
@@ -126,8 +134,7 @@ def test_sixteen_clients_prefilling_asking_stopping_and_leaving(embedded):
 
     assert run["failures"] == [], "\n".join(run["failures"])  # nothing fails but the refusals, which were tried again
     assert len(app.sessions) == 0 and app.kv.holders() == {}  # every session freed, every reservation released
-    gc.collect()
-    assert not [o for o in gc.get_objects() if isinstance(o, QASession)]  # no cache kept alive by anything
+    assert not _alive(QASession)  # no cache kept alive by anything
     assert after_tensors == baseline_tensors  # not one tensor byte more than before the round
     for item in warm_up["answers"] + run["answers"]:
         alone = QASession(loaded, CacheSpec.parse(item["spec"]))
