@@ -12,7 +12,9 @@ import gradio as gr
 
 from kvdemo import needle
 from kvdemo.charts import needle_heatmap_figure
-from kvdemo.spec import all_specs
+from kvdemo.server import session_kv_bytes
+from kvdemo.session import QUESTION_RESERVE_TOKENS
+from kvdemo.spec import CacheSpec, all_specs
 from kvdemo.ui.ask_tab import AskTab
 from kvdemo.ui.inputs import refusal
 
@@ -88,17 +90,27 @@ class NeedleTab:
             if not user.compare_pending:  # called through the API, not queued by the button
                 user.compare_cancel.clear()
             loaded = self.app.wait_for_model()
-            grid = needle.needle_grid(
-                loaded,
-                list(specs or []),
-                needle.parse_lengths(lengths or ""),
-                needle.parse_depths(depths or ""),
-                seed=int(seed or 0),
-                max_new_tokens=int(max_new_tokens or needle.DEFAULT_MAX_NEW_TOKENS),
-                cancel=user.compare_cancel,
-                kv_budget_bytes=self.app.kv_budget_bytes,
-                on_progress=lambda done, total, what: progress((done, total), desc=what, unit="steps"),
+            chosen, token_lengths = [CacheSpec.parse(s) for s in specs or []], needle.parse_lengths(lengths or "")
+            answer_tokens = int(max_new_tokens or needle.DEFAULT_MAX_NEW_TOKENS)
+            # within the server-wide KV budget: one spec at a time, so at most its largest cache at the longest length
+            longest = max(token_lengths, default=0)
+            nbytes = max(
+                (session_kv_bytes(s, loaded, longest, QUESTION_RESERVE_TOKENS + answer_tokens) for s in chosen),
+                default=0,
             )
+            what = f"a needle grid of {len(chosen)} spec(s) up to {longest:,} tokens"
+            with self.app.holding(f"grid:{self.ask.key_of(request)}", nbytes, what):
+                grid = needle.needle_grid(
+                    loaded,
+                    chosen,
+                    token_lengths,
+                    needle.parse_depths(depths or ""),
+                    seed=int(seed or 0),
+                    max_new_tokens=answer_tokens,
+                    cancel=user.compare_cancel,
+                    kv_budget_bytes=self.app.kv_budget_bytes,
+                    on_progress=lambda done, total, what: progress((done, total), desc=what, unit="steps"),
+                )
             return _view(grid, f"{len(grid.cells):,} cells in {grid.seconds:,.0f} s on {grid.device}.")
         except needle.NeedleCancelled as cancelled:
             return _view(cancelled.grid, f"Cancelled after {len(cancelled.grid.cells):,} cells.")
