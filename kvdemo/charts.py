@@ -483,6 +483,10 @@ NEEDLE_VALUES = ("score", "hit")
 """What a needle heatmap colours: `score` (log P of the value, nats) or `hit` (the answer holds the value)."""
 
 
+SCORE_FLOOR = -15.0
+"""The lowest graded score (nats) a needle heatmap tells apart by colour; lower scores take its colour."""
+
+
 def needle_heatmap_frame(table: pd.DataFrame, spec: str, value: str = "score") -> pd.DataFrame:
     """One spec's needle grid as a matrix: depth (%) rows from 0 down, context length (tokens) columns.
 
@@ -510,9 +514,9 @@ def needle_heatmap_figure(
 ) -> Figure:
     """Needle-in-a-haystack heatmaps, one panel per spec side by side, on one colour scale.
 
-    `score` colours the graded score (log P of the value in nats, from the table's lowest score to 0); `hit`
-    colours hits green and misses red. Every cell is labelled with a tick (hit) or a cross (miss) and its
-    score.
+    `score` colours the graded score (log P of the value in nats, from the table's lowest score, or -15 when
+    lower: worse than a guess among 10^6 numbers, -13.8, to 0); `hit` colours hits green and misses red. Every
+    cell is labelled with a tick (hit) or a cross (miss) and its score.
 
     Args:
         table: `NeedleGrid.to_frame()`.
@@ -531,8 +535,9 @@ def needle_heatmap_figure(
     fig = Figure(figsize=(min(1.2 + width * max(len(specs), 1), 18), 1.5 + 0.36 * len(depths)), layout="constrained")
     axes = fig.subplots(1, max(len(specs), 1), squeeze=False)[0]
     low = float(table["score"].min()) if len(table) else -1.0
+    floor = min(max(low, SCORE_FLOOR), -1e-3)
     scale = (
-        {"cmap": "viridis", "vmin": min(low, -1e-3), "vmax": 0.0}
+        {"cmap": "viridis", "vmin": floor, "vmax": 0.0}
         if value == "score"
         else {"cmap": "RdYlGn", "vmin": 0.0, "vmax": 1.0}
     )
@@ -563,7 +568,13 @@ def needle_heatmap_figure(
     axes[0].set_ylabel("needle depth")
     if image is not None:
         label = "log P(value), nats" if value == "score" else "hit"
-        fig.colorbar(image, ax=list(axes), label=label, shrink=0.9)
+        fig.colorbar(
+            image,
+            ax=list(axes),
+            label=label,
+            shrink=0.9,
+            extend="min" if value == "score" and low < floor else "neither",
+        )
     fig.suptitle(
         title
         or (

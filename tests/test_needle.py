@@ -290,3 +290,30 @@ def test_embedded_model_finds_a_needle_with_the_full_precision_cache(embedded):
     (cell,) = grid.cells
     assert cell.hit and cell.value in cell.answer
     assert -3.0 < cell.score < 0 and cell.cache_length_after == 512 and 0 < cell.placed_depth <= 50
+
+
+def test_heatmap_frame_and_figure_read_the_table(tiny):
+    from kvdemo.charts import SCORE_FLOOR, needle_heatmap_figure, needle_heatmap_frame
+
+    grid = needle_grid(tiny, ["dynamic", "fp8"], [200, 260], [100, 0], max_new_tokens=2)
+    table = grid.to_frame()
+    scores, hits = needle_heatmap_frame(table, "fp8"), needle_heatmap_frame(table, "fp8", "hit")
+    assert list(scores.index) == [0.0, 100.0] and list(scores.columns) == [200, 260]
+    for cell in grid.cells[4:]:
+        assert scores.at[cell.depth, cell.length] == round(cell.score, 4)
+        assert hits.at[cell.depth, cell.length] == float(cell.hit)
+    assert needle_heatmap_frame(table, "hqq:4").empty
+    with pytest.raises(ValueError, match="value='rank': choose one of score, hit"):
+        needle_heatmap_frame(table, "fp8", "rank")
+    figure = needle_heatmap_figure(table)
+    panels = [ax for ax in figure.axes if ax.images]
+    assert [ax.get_title() for ax in panels] == ["dynamic", "fp8"]
+    assert panels[1].images[0].get_array().tolist() == scores.to_numpy().tolist()
+    low = min(c.score for c in grid.cells)
+    assert panels[0].images[0].get_clim() == (max(low, SCORE_FLOOR), 0.0)
+    assert [t.get_text() for t in panels[1].texts] == [
+        ("\u2713" if cell.hit else "\u2717") + f"{cell.score:.1f}"
+        for cell in sorted(grid.cells[4:], key=lambda c: (c.depth, c.length))
+    ]
+    hit_panels = [ax for ax in needle_heatmap_figure(table, ["fp8"], value="hit").axes if ax.images]
+    assert len(hit_panels) == 1 and hit_panels[0].images[0].get_clim() == (0.0, 1.0)
