@@ -477,6 +477,7 @@ def drift_figure(runs: Mapping[str, Sequence[float]], title: str = "The context'
     ax.set_ylim(bottom=0)
     if runs:
         ax.legend(fontsize="small")
+    return fig
 
 
 NEEDLE_VALUES = ("score", "hit")
