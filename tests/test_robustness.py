@@ -284,7 +284,8 @@ def test_cancel_pressed_while_the_comparison_waits_in_the_queue_is_kept(tiny):
     fns["cancel_compare"](_req())  # nothing is queued: ignored
     compare_queued(["fp8"], "", QUESTION, 3, _req())  # the button's click, before the run leaves the queue
     fns["cancel_compare"](_req())  # pressed while waiting
-    status, table, tradeoff, speed = fns["compare"](CONTEXT, ["fp8"], "", QUESTION, 3, _req())
+    view = fns["compare"](CONTEXT, ["fp8"], "", QUESTION, 3, _req())
+    status, table = view.compare_status, view.compare_table
     assert status.startswith("Cancelled after 0 spec(s).") and len(table) == 0 and list(table.columns)[0] == "spec"
     status, *_ = fns["compare"](CONTEXT, ["fp8"], "", QUESTION, 3, _req())  # the next run is not affected
     assert status.startswith("Compared 2 specs")
