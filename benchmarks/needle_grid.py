@@ -68,10 +68,14 @@ def main() -> None:
     grid = needle_grid(loaded, specs, lengths, depths, on_progress=progress)
     grid.write(out, "grid")
     print(format_needle(grid), flush=True)
+    shared = "one needle per context" if len(depths) == 1 else f"{len(depths)} needles per context"
     figure = needle_heatmap_figure(
-        grid.to_frame(), title="Needle in a haystack, SmolLM2-135M: log P(value), \u2713 hit / \u2717 miss"
+        grid.to_frame(),
+        title=f"Needle in a haystack, {loaded.name.split(' ')[0]} on "
+        f"{loaded.device.type.upper()} ({shared}): log P(number) in nats, "
+        "\u2713 hit / \u2717 miss",
     )
-    figure.savefig(args.svg, format=Path(args.svg).suffix.lstrip(".") or "svg")
+    figure.savefig(args.svg, format=Path(args.svg).suffix.lstrip(".") or "svg", metadata={"Date": None})
     print(f"\nheatmap: {args.svg}", flush=True)
 
     if apart:
