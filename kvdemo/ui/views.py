@@ -243,3 +243,8 @@ def speed_limit_line(limit: SpeedLimit, step_seconds: float | None) -> str:
             f"{limit.kv_bytes_per_token:,.0f} bytes/token (now {limit.kv_share:.0%} of the bytes read)"
         )
     return " · ".join(parts)
+
+
+def speed_limit_after(limit: SpeedLimit, events: list) -> str:
+    """`speed_limit_line` beside the median decode step without a flush of the answer's `StepEvent`s."""
+    return speed_limit_line(limit, flush_timing(events)[2])
