@@ -47,9 +47,8 @@ def weight_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-@functools.lru_cache(maxsize=4)
 def probe_bandwidth(mib: int = PROBE_MIB, repeats: int = 5) -> float:
-    """The machine's memory bandwidth in bytes per second, measured once per process (cached).
+    """The machine's memory bandwidth in bytes per second, measured once per process and thread count (cached).
 
     Method: STREAM's copy kernel (McCalpin 1995, https://www.cs.virginia.edu/stream/): `b[:] = a` over a float32
     tensor of `mib` MiB, best of `repeats` timed copies after one untimed warm-up, counting the bytes read and the
@@ -61,6 +60,12 @@ def probe_bandwidth(mib: int = PROBE_MIB, repeats: int = 5) -> float:
     """
     if mib < 1 or repeats < 1:
         raise ValueError(f"mib and repeats must be at least 1, got {mib} and {repeats}")
+    return _probe(mib, repeats, torch.get_num_threads())
+
+
+@functools.lru_cache(maxsize=8)
+def _probe(mib: int, repeats: int, threads: int) -> float:
+    """`probe_bandwidth` for one thread count (`threads` only keys the cache: torch's own setting is used)."""
     source = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
     target = torch.empty_like(source)
     target.copy_(source)  # warm-up: pages touched, threads started
