@@ -26,14 +26,14 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import torch  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
+import kvdemo  # noqa: E402, F401  (first: it sets libgomp's GOMP_SPINCOUNT before torch loads)
 from kvdemo import load_model  # noqa: E402
 from kvdemo.capacity import growing_dynamic_cache  # noqa: E402
 from kvdemo.cases import example_path, load_case  # noqa: E402
@@ -118,12 +118,14 @@ def sweep(loaded, ids: list[int], lengths: list[int], rounds: int, steps: int, t
     down), in interleaved rounds; the floor at the best copy bandwidth over the thread counts."""
     model, config = loaded.model, loaded.model.config
     plain = DynamicCache(config=config)
+    default = torch.get_num_threads()
+    torch.set_num_threads(min(threads))  # on a busy 2-core machine 2 threads can be 10x slower (README)
     start = time.perf_counter()
     run_prefill(loaded, plain, ids[: max(lengths)], quantized=False)
     prefill_seconds = time.perf_counter() - start
+    torch.set_num_threads(default)
     caches = {"DynamicLayer": plain, "GrowingLayer": _copy_of(plain, growing_dynamic_cache, config)}
     variants = [(name, n) for n in threads for name in caches]
-    default = torch.get_num_threads()
     bandwidth = 0.0
     for n in threads:
         torch.set_num_threads(n)
@@ -166,7 +168,8 @@ def main() -> None:
     rounds, steps = (2, 4) if args.quick else (3, 6)
     lengths = [512, 1024, 2048] if args.quick else [1024, 2048, 4096, 8000]
     threads = torch.get_num_threads()
-    print(f"speed limit (torch threads {threads}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')})", flush=True)
+    env = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    print(f"speed limit (torch threads {threads}, {env})", flush=True)
 
     products = products_section(model, rounds=5)
     for n, p in products.items():
