@@ -47,8 +47,10 @@ check-style: $(DEV_STAMP)
 	$(VENV)/bin/ruff format --check .
 
 # every benchmark figure side by side in one run (3.5 min on 2 cores): artifacts/bench/{results.json,bench.png}
+# then the decode step against its speed limit (about 3 min more): artifacts/bench/speed.json
 bench: $(APP_STAMP)
 	GRADIO_ANALYTICS_ENABLED=False HF_HUB_OFFLINE=1 $(PY) benchmarks/run_all.py
+	GRADIO_ANALYTICS_ENABLED=False HF_HUB_OFFLINE=1 $(PY) benchmarks/speed.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache artifacts

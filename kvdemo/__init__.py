@@ -5,11 +5,22 @@ Public surface: `load_model`, `LoadedModel`, `CacheSpec`, `BACKENDS`, `build_cac
 (and its `PrefillReport`, `StepEvent`, `Answer`), `kv_memory`, `MemoryReport`.
 """
 
-from kvdemo.backends import BACKENDS
-from kvdemo.models import LoadedModel, load_model
-from kvdemo.session import Answer, PrefillReport, QASession, StepEvent
-from kvdemo.spec import CacheSpec, build_cache
-from kvdemo.telemetry import MemoryReport, kv_memory
+import os
+
+# OpenMP threads that wait for work spin for at most 20,000 iterations before they sleep (libgomp's GOMP_SPINCOUNT;
+# read when torch loads, so it acts only if torch is not imported yet; a value set by the user, or
+# OMP_WAIT_POLICY, is kept). libgomp's default spins up to 300,000 iterations: on a small shared CPU (2 cores, other
+# processes or a second session) the spinning threads take the cores from the ones doing the matrix-vector
+# products. Measured on 2 cores (benchmarks/speed.py, README "Benchmarks"): idle, the same step time as the default
+# (52-55 ms at 2 threads); with one busy process beside it, 0.56 s per step instead of 3.7 s.
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", "20000")
+
+from kvdemo.backends import BACKENDS  # noqa: E402
+from kvdemo.models import LoadedModel, load_model  # noqa: E402
+from kvdemo.session import Answer, PrefillReport, QASession, StepEvent  # noqa: E402
+from kvdemo.spec import CacheSpec, build_cache  # noqa: E402
+from kvdemo.telemetry import MemoryReport, kv_memory  # noqa: E402
 
 __all__ = [
     "BACKENDS",

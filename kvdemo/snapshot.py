@@ -23,6 +23,9 @@ the old ones, so the objects the snapshot holds are never changed while an answe
   restore slices the keys and values back to it: `keys[..., :length, :]`, a view, exact and copy-free.
   Until the next decode step replaces it, that view keeps the longer storage alive;
   `telemetry.kv_memory` counts it as held.
+- `kvdemo.capacity.GrowingLayer`s (a `DynamicLayer` that writes new tokens in place into storage with spare
+  capacity): the same length is kept, and the same slicing assignment sets the layer's length back without a
+  copy; its decode steps write only after the post-prefill length, so the prefix's bytes are never changed.
 
 Layers that write in place (`StaticLayer` and its kin, linear-attention states) cannot be restored
 this way and are refused with `TypeError` instead of being silently mis-restored.
@@ -41,6 +44,13 @@ from transformers.cache_utils import (
     DynamicSlidingWindowLayer,
     StaticLayer,
 )
+
+from kvdemo.capacity import GrowingLayer
+
+_LENGTH_LAYERS = (DynamicLayer, GrowingLayer)
+"""The layer types restored by moving their length back: transformers' `DynamicLayer` (a view of the longer
+tensor) and `kvdemo.capacity.GrowingLayer` (it writes in place but never at positions below the post-prefill
+length, so setting the length back is exact: DESIGN invariant 3's in-place clause)."""
 
 
 @dataclass(frozen=True)
@@ -70,7 +80,7 @@ def _check_layer(index: int, layer: object) -> None:
             f"layer {index} is a {type(layer).__name__}, which writes new tokens into its tensors in place, so a "
             "shallow snapshot cannot restore it; use a DynamicCache or a QuantizedCache"
         )
-    if type(layer) is DynamicLayer or isinstance(layer, (BaseQuantizedLayer, DynamicSlidingWindowLayer)):
+    if type(layer) in _LENGTH_LAYERS or isinstance(layer, (BaseQuantizedLayer, DynamicSlidingWindowLayer)):
         return
     raise TypeError(
         f"layer {index} is a {type(layer).__name__}; kvdemo can only snapshot layers that assign new tensors on "
@@ -106,7 +116,7 @@ def take(cache: Cache) -> CacheSnapshot:
     saved = []
     for index, layer in enumerate(cache.layers):
         _check_layer(index, layer)
-        if type(layer) is DynamicLayer:
+        if type(layer) in _LENGTH_LAYERS:
             saved.append(LayerSnapshot(attributes=None, length=layer.get_seq_length()))
         else:
             if isinstance(layer, DynamicSlidingWindowLayer) and not getattr(layer, "record_past", False):

@@ -47,7 +47,8 @@ def test_prefill_then_ask_streams_and_restores(handlers, tiny):
     assert len(updates) == 8  # at once "reading the question", one per decode step, then the final one
     assert updates[0].stats.startswith("reading the question (") and updates[0].chat[-1]["content"] == "…"
     assert updates[1].chat[-1]["content"] != "…"  # each update carries its own chat
-    chat, stats, memory, residual, flushes, table = updates[-1]
+    chat, stats, memory, residual, flushes, table, speed = updates[-1]
+    assert speed.startswith("**Speed limit**: a decode step reads ") and "×** the floor" in speed
     qa = app.sessions.get("tab-1").qa
     context_tokens = qa.prefill_report.context_tokens
     assert f"cache length after restore = {context_tokens:,} (context)" in stats
@@ -71,7 +72,7 @@ def test_prefill_then_ask_streams_and_restores(handlers, tiny):
     fresh.prefill(CONTEXT)
     assert qa.history[-1].token_ids == fresh.ask("Who led the Normans?", 6).token_ids
     # a second question: the table grows, the chat keeps both turns
-    chat, *_, table = _ask(fns, "Where is Normandy?", 4)[-1]
+    chat, *_, table, _ = _ask(fns, "Where is Normandy?", 4)[-1]
     assert len(chat) == 4 and table["answer"].tolist() == [1, 2]
 
 

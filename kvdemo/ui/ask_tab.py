@@ -18,6 +18,7 @@ from kvdemo.charts import MEMORY_SERIES, answers_frame
 from kvdemo.server import App, UserSession
 from kvdemo.session import DEFAULT_MAX_NEW_TOKENS, PrefillStopped, QASession
 from kvdemo.spec import CacheSpec
+from kvdemo.speedlimit import speed_limit
 from kvdemo.telemetry import STEP_KINDS
 from kvdemo.ui import views
 from kvdemo.ui.examples import EXAMPLES, example
@@ -56,6 +57,7 @@ class AnswerView(NamedTuple):
     residual_plot: Any
     step_plot: Any
     answers_table: Any
+    speed_limit: Any = gr.skip()  # the line under the step-time chart, at the answer's end
 
     @classmethod
     def refused(cls, message: str) -> AnswerView:
@@ -280,6 +282,7 @@ class AskTab:
             views.residual_chart(user.events, qa.spec),
             views.step_times(user.events),
             views.answers_table(user.answers),
+            views.speed_limit_after(speed_limit(qa.loaded.model, qa.cache), user.events),
         )
 
     def stop(self, request: gr.Request) -> None:
@@ -433,6 +436,7 @@ class AskTab:
             color_map=dict(zip(STEP_KINDS, ("#7f7f7f", "#1f77b4", "#d62728"))),
             tooltip=["step", "ms", "kind", "layers flushed"],
         )
+        w["speed_limit"] = gr.Markdown("")
 
     @staticmethod
     def remember(context, backend, *options) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from kvdemo.compare import ComparisonReport
 from kvdemo.models import LoadedModel
 from kvdemo.session import QASession
 from kvdemo.spec import CacheSpec
+from kvdemo.speedlimit import SpeedLimit
 from kvdemo.telemetry import STEP_KINDS
 
 EXPLAINER = """
@@ -221,3 +222,29 @@ def residual_chart(events: list, spec: CacheSpec) -> Any:
         )
     title = f"Residual fill (layer 0; flushes at residual_length={spec.resolved()['residual_length']:,})"
     return gr.LinePlot(value=residual_frame(events), title=title)
+
+
+def speed_limit_line(limit: SpeedLimit, step_seconds: float | None) -> str:
+    """The line under the step-time chart: the floor of a decode step on this machine (bytes read ÷ bandwidth,
+    `kvdemo.speedlimit`), the median measured step beside it, and the context above which the KV cache is read
+    more than the weights (below it, no smaller KV cache can even halve the step)."""
+    parts = [
+        f"**Speed limit**: a decode step reads {limit.weight_bytes / 2**20:,.0f} MiB of weights + "
+        f"{limit.kv_bytes / 2**20:,.1f} MiB of KV cache at {limit.bandwidth / 1e9:,.1f} GB/s (copy bandwidth): "
+        f"floor **{limit.floor_seconds * 1000:,.1f} ms**"
+    ]
+    if step_seconds is not None:
+        parts.append(
+            f"measured {step_seconds * 1000:,.1f} ms per step (median) = **{limit.ratio(step_seconds):.1f}×** the floor"
+        )
+    if limit.crossover_tokens is not None:
+        parts.append(
+            f"the KV read exceeds the weights' above {limit.crossover_tokens:,} tokens at this cache's "
+            f"{limit.kv_bytes_per_token:,.0f} bytes/token (now {limit.kv_share:.0%} of the bytes read)"
+        )
+    return " · ".join(parts)
+
+
+def speed_limit_after(limit: SpeedLimit, events: list) -> str:
+    """`speed_limit_line` beside the median decode step without a flush of the answer's `StepEvent`s."""
+    return speed_limit_line(limit, flush_timing(events)[2])

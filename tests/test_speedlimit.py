@@ -1,0 +1,63 @@
+"""The speed limit's arithmetic against a hand computation from the tiny model's parameters and its cache's
+tensors; the bandwidth probe gives a positive finite figure."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvdemo import CacheSpec, QASession
+from kvdemo.speedlimit import SpeedLimit, probe_bandwidth, speed_limit, weight_bytes
+from kvdemo.ui import views
+from tests.conftest import make_tiny
+
+
+@pytest.fixture(scope="module")
+def small(embedded):
+    return make_tiny(embedded.tokenizer, kv_heads=2, head_dim=64, layers=2)
+
+
+def test_weight_bytes_count_each_parameter_once(small):
+    config = small.model.config
+    hidden, inter, vocab, layers = config.hidden_size, config.intermediate_size, config.vocab_size, 2
+    q, kv = 4 * 64, 2 * 64  # 4 attention heads and 2 KV heads of 64
+    per_layer = hidden * q + 2 * hidden * kv + q * hidden + 3 * hidden * inter + 2 * hidden
+    by_hand = 4 * (vocab * hidden + layers * per_layer + hidden)  # the LM head is tied to the embedding: once
+    assert weight_bytes(small.model) == by_hand
+
+
+@pytest.mark.parametrize("spec", [CacheSpec("dynamic"), CacheSpec("quanto", nbits=4, residual_length=8)])
+def test_floor_is_bytes_by_hand_over_bandwidth(small, spec):
+    qa = QASession(small, spec)
+    qa.prefill("The Normans were the people who in the 10th and 11th centuries gave their name to Normandy. " * 3)
+    bandwidth = 10e9
+    limit = speed_limit(small.model, qa.cache, bandwidth=bandwidth)
+    n = qa.cache_length
+    if spec.backend == "dynamic":  # keys and values of 2 layers x 2 KV heads x 64 values per token, float32
+        kv_by_hand = 2 * 2 * 2 * 64 * 4 * n
+    else:  # the prefill is quantized whole (empty residual): per tensor 2 x n x 64 values at 4 bits, and one
+        # float32 scale and shift per group of 64 values along head_dim (axis 0): 64 n + 16 n bytes
+        assert qa.cache.layers[0].keys.numel() == 0
+        kv_by_hand = 2 * 2 * (64 * n + 2 * n * 2 * 4)
+    assert limit.kv_bytes == kv_by_hand and limit.kv_tokens == qa.cache_length
+    assert limit.floor_seconds == pytest.approx((weight_bytes(small.model) + kv_by_hand) / bandwidth)
+    assert limit.crossover_tokens == math.ceil(weight_bytes(small.model) / (kv_by_hand / qa.cache_length))
+    assert limit.ratio(2 * limit.floor_seconds) == pytest.approx(2.0)
+    line = views.speed_limit_line(limit, 3 * limit.floor_seconds)
+    assert "3.0×" in line and f"{limit.crossover_tokens:,}" in line
+
+
+def test_an_empty_cache_has_no_crossover():
+    limit = SpeedLimit(weight_bytes=1000, kv_bytes=0, kv_tokens=0, bandwidth=1e9)
+    assert limit.crossover_tokens is None and limit.floor_seconds == pytest.approx(1e-6) and limit.kv_share == 0
+
+
+def test_probe_gives_a_positive_finite_bandwidth():
+    bandwidth = probe_bandwidth(mib=16, repeats=2)
+    assert math.isfinite(bandwidth) and bandwidth > 1e8
+    assert probe_bandwidth(mib=16, repeats=2) == bandwidth  # cached per process
+    with pytest.raises(ValueError):
+        probe_bandwidth(mib=0)
+    assert torch.get_num_threads() >= 1
