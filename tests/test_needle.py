@@ -12,19 +12,9 @@ import pytest
 import torch
 
 from kvdemo import CacheSpec, QASession
-from kvdemo.needle import (
-    _SENTENCE_END,
-    NeedleCancelled,
-    build_context,
-    haystack_text,
-    hit,
-    longest_length,
-    make_needles,
-    needle_grid,
-    parse_depths,
-    parse_lengths,
-    plan_contexts,
-)
+from kvdemo.haystack import _SENTENCE_END, build_context, haystack_text, make_needles
+from kvdemo.needle import hit, longest_length, needle_grid, parse_depths, parse_lengths, plan_contexts
+from kvdemo.needle_records import NeedleCancelled
 from kvdemo.session import KVBudgetError
 
 DEPTHS = [0, 25, 50, 75, 100]

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 
 import gradio as gr
 
-from kvdemo import needle
+from kvdemo import needle, needle_records
 from kvdemo.charts import needle_heatmap_figure
 from kvdemo.server import session_kv_bytes
 from kvdemo.session import QUESTION_RESERVE_TOKENS
@@ -37,7 +37,7 @@ class NeedleView(NamedTuple):
         return cls(message, *[gr.skip()] * (len(cls._fields) - 1))
 
 
-def _view(grid: needle.NeedleGrid, note: str) -> NeedleView:
+def _view(grid: needle_records.NeedleGrid, note: str) -> NeedleView:
     """The outputs of a (possibly partial) grid."""
     table = grid.to_frame()
     if table.empty:
@@ -112,7 +112,7 @@ class NeedleTab:
                     on_progress=lambda done, total, what: progress((done, total), desc=what, unit="steps"),
                 )
             return _view(grid, f"{len(grid.cells):,} cells in {grid.seconds:,.0f} s on {grid.device}.")
-        except needle.NeedleCancelled as cancelled:
+        except needle_records.NeedleCancelled as cancelled:
             return _view(cancelled.grid, f"Cancelled after {len(cancelled.grid.cells):,} cells.")
         except (ValueError, ImportError, TypeError) as error:
             return NeedleView.refused(refusal(error, "a needle grid"))
