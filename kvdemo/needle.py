@@ -63,6 +63,7 @@ from kvdemo import CacheSpec, QASession
 from kvdemo.haystack import (
     Needle,
     NeedleContext,
+    Placement,
     _encode_with_offsets,
     _Tokenized,
     build_context,
@@ -71,6 +72,7 @@ from kvdemo.haystack import (
 )
 from kvdemo.models import LoadedModel
 from kvdemo.needle_records import NeedleCancelled, NeedleCell, NeedleGrid
+from kvdemo.records import PrefillReport
 from kvdemo.session import QUESTION_RESERVE_TOKENS, KVBudgetError
 
 DEFAULT_SPECS = ("dynamic", "hqq:2", "hqq:4", "quanto:4", "fp8")
@@ -271,6 +273,125 @@ def _score_ids(session: QASession, needle: Needle) -> tuple[list[int], int]:
     return list(encoded["input_ids"]), first
 
 
+def _ordered_specs(loaded_model: LoadedModel, specs: Sequence[CacheSpec | str]) -> list[CacheSpec]:
+    """The specs parsed and validated against the model, each once, in the order given."""
+    if isinstance(specs, (str, CacheSpec)) or not isinstance(specs, Sequence) or not specs:
+        raise ValueError("give a list of specs, e.g. ['dynamic', 'hqq:4']")
+    ordered: list[CacheSpec] = []
+    for spec in specs:
+        spec = (CacheSpec.parse(spec) if isinstance(spec, str) else spec).validate(loaded_model.config)
+        if spec.label not in [s.label for s in ordered]:
+            ordered.append(spec)
+    return ordered
+
+
+def _check_kv_budget(
+    loaded_model: LoadedModel, ordered: Sequence[CacheSpec], longest: int, reserve: int, kv_budget_bytes: int | None
+) -> None:
+    """Raise `KVBudgetError` when a spec's cache at the longest length would exceed `kv_budget_bytes` (None: no
+    limit)."""
+    for spec in ordered if kv_budget_bytes is not None else ():
+        probe = QASession(loaded_model, spec, kv_budget_bytes=kv_budget_bytes)
+        estimate = probe.estimate_kv_bytes(longest, reserve)
+        if estimate > kv_budget_bytes:
+            raise KVBudgetError(
+                f"a {spec.text} KV cache for the longest context ({longest:,} tokens + {reserve} for a "
+                f"question and its answer) would hold about {estimate / 2**20:,.1f} MiB; the KV budget is "
+                f"{kv_budget_bytes / 2**20:,.1f} MiB. Drop the longest lengths or this spec",
+                estimate,
+                kv_budget_bytes,
+            )
+
+
+class _GridRun:
+    """One grid's bookkeeping: the progress count, the cancel check, the cells so far, the scoring ids."""
+
+    def __init__(self, total: int, cancel: threading.Event | None, on_progress: ProgressCallback | None):
+        self.total, self.done, self.cancel, self.on_progress = total, 0, cancel, on_progress
+        self.cells: list[NeedleCell] = []
+        self.score_ids: dict[str, tuple[list[int], int]] = {}
+
+    def progress(self, what: str, finished: bool = True) -> None:
+        self.done += finished
+        if self.on_progress is not None:
+            self.on_progress(self.done, self.total, what)
+
+    def sorted_cells(self, ordered: Sequence[CacheSpec]) -> tuple[NeedleCell, ...]:
+        """The cells so far, spec by spec (in `ordered`'s order), then by length and depth."""
+        rank = {s.text: i for i, s in enumerate(ordered)}
+        return tuple(sorted(self.cells, key=lambda c: (rank[c.spec_text], c.length, c.depth)))
+
+    def check_cancel(self) -> None:
+        if self.cancel is not None and self.cancel.is_set():
+            raise _Cancelled
+
+    def prefill(self, session: QASession, spec: CacheSpec, context: NeedleContext, reserve: int) -> PrefillReport:
+        self.check_cancel()
+        self.progress(f"{spec.text}: prefilling {context.length:,} tokens", finished=False)
+        report = session.prefill(context.text, reserve_tokens=reserve)
+        if report.context_tokens != context.length:  # the session tokenizes as context_ids does
+            raise RuntimeError(f"prefilled {report.context_tokens} tokens for a {context.length}-token context")
+        self.progress(f"{spec.text}: prefilled {context.length:,} tokens")
+        return report
+
+    def needle(
+        self,
+        session: QASession,
+        spec: CacheSpec,
+        context: NeedleContext,
+        index: int,
+        placement: Placement,
+        report: PrefillReport,
+        max_new_tokens: int,
+    ) -> None:
+        """Ask for one needle, score its value, and add its cell."""
+        needle = placement.needle
+        stream = session.stream(needle.question, max_new_tokens)
+        try:
+            for _ in stream:
+                self.check_cancel()
+        finally:
+            stream.close()
+        answer = session.history[-1]
+        self.progress(f"{spec.text} {context.length:,} tokens: answered the needle at {needle.depth:g} %")
+        self.check_cancel()
+        if needle.name not in self.score_ids:
+            self.score_ids[needle.name] = _score_ids(session, needle)
+        ids, first = self.score_ids[needle.name]
+        scored_at = time.perf_counter()
+        logprobs = session.score(needle.question, ids)
+        score_seconds = time.perf_counter() - scored_at
+        score = float(sum(logprobs[i, ids[i]] for i in range(first, len(ids))))
+        del logprobs
+        self.cells.append(
+            NeedleCell(
+                spec=spec.label,
+                spec_text=spec.text,
+                length=context.length,
+                depth=needle.depth,
+                placed_depth=placement.placed_depth,
+                position=placement.position,
+                needle_tokens=placement.tokens,
+                name=needle.name,
+                value=needle.value,
+                question=needle.question,
+                answer=answer.text,
+                hit=hit(answer.text, needle.value),
+                score=score,
+                value_tokens=len(ids) - first,
+                finish_reason=answer.finish_reason,
+                context=index,
+                needles_in_context=len(context.placements),
+                prefill_seconds=report.seconds,
+                answer_seconds=answer.seconds,
+                score_seconds=score_seconds,
+                cache_length_after=answer.cache_length_after,
+                kv_bytes=report.kv_bytes,
+            )
+        )
+        self.progress(f"{spec.text} {context.length:,} tokens: scored the needle at {needle.depth:g} %")
+
+
 def needle_grid(
     loaded_model: LoadedModel,
     specs: Sequence[CacheSpec | str] = DEFAULT_SPECS,
@@ -317,41 +438,12 @@ def needle_grid(
         NeedleCancelled: `cancel` was set; its `grid` holds the cells finished before.
     """
     start = time.perf_counter()
-    if isinstance(specs, (str, CacheSpec)) or not isinstance(specs, Sequence) or not specs:
-        raise ValueError("give a list of specs, e.g. ['dynamic', 'hqq:4']")
-    ordered: list[CacheSpec] = []
-    for spec in specs:
-        spec = (CacheSpec.parse(spec) if isinstance(spec, str) else spec).validate(loaded_model.config)
-        if spec.label not in [s.label for s in ordered]:
-            ordered.append(spec)
+    ordered = _ordered_specs(loaded_model, specs)
     contexts = plan_contexts(loaded_model, lengths, depths, needles_per_context, seed, haystack, max_new_tokens)
     lengths, depths = check_lengths(lengths), check_depths(depths)
     reserve = QUESTION_RESERVE_TOKENS + max_new_tokens
-    if kv_budget_bytes is not None:
-        for spec in ordered:
-            probe = QASession(loaded_model, spec, kv_budget_bytes=kv_budget_bytes)
-            estimate = probe.estimate_kv_bytes(max(lengths), reserve)
-            if estimate > kv_budget_bytes:
-                raise KVBudgetError(
-                    f"a {spec.text} KV cache for the longest context ({max(lengths):,} tokens + {reserve} for a "
-                    f"question and its answer) would hold about {estimate / 2**20:,.1f} MiB; the KV budget is "
-                    f"{kv_budget_bytes / 2**20:,.1f} MiB. Drop the longest lengths or this spec",
-                    estimate,
-                    kv_budget_bytes,
-                )
-    total = len(ordered) * sum(1 + 2 * len(c.placements) for c in contexts)
-    done = 0
-    cells: list[NeedleCell] = []
-
-    def progress(what: str, finished: bool = True) -> None:
-        nonlocal done
-        done += finished
-        if on_progress is not None:
-            on_progress(done, total, what)
-
-    def check_cancel() -> None:
-        if cancel is not None and cancel.is_set():
-            raise _Cancelled
+    _check_kv_budget(loaded_model, ordered, max(lengths), reserve, kv_budget_bytes)
+    run = _GridRun(len(ordered) * sum(1 + 2 * len(c.placements) for c in contexts), cancel, on_progress)
 
     def grid(complete: bool) -> NeedleGrid:
         return NeedleGrid(
@@ -365,67 +457,16 @@ def needle_grid(
             max_new_tokens=max_new_tokens,
             seconds=time.perf_counter() - start,
             complete=complete,
-            cells=tuple(sorted(cells, key=lambda c: (rank[c.spec_text], c.length, c.depth))),
+            cells=run.sorted_cells(ordered),
         )
 
-    rank = {s.text: i for i, s in enumerate(ordered)}
-    score_ids: dict[str, tuple[list[int], int]] = {}
     try:
         for spec in ordered:
             session = QASession(loaded_model, spec, kv_budget_bytes=kv_budget_bytes)
             for index, context in enumerate(contexts):
-                check_cancel()
-                progress(f"{spec.text}: prefilling {context.length:,} tokens", finished=False)
-                report = session.prefill(context.text, reserve_tokens=reserve)
-                if report.context_tokens != context.length:  # the session tokenizes as context_ids does
-                    raise RuntimeError(f"prefilled {report.context_tokens} tokens for a {context.length}-token context")
-                progress(f"{spec.text}: prefilled {context.length:,} tokens")
+                report = run.prefill(session, spec, context, reserve)
                 for placement in context.placements:
-                    needle = placement.needle
-                    stream = session.stream(needle.question, max_new_tokens)
-                    try:
-                        for _ in stream:
-                            check_cancel()
-                    finally:
-                        stream.close()
-                    answer = session.history[-1]
-                    progress(f"{spec.text} {context.length:,} tokens: answered the needle at {needle.depth:g} %")
-                    check_cancel()
-                    if needle.name not in score_ids:
-                        score_ids[needle.name] = _score_ids(session, needle)
-                    ids, first = score_ids[needle.name]
-                    scored_at = time.perf_counter()
-                    logprobs = session.score(needle.question, ids)
-                    score_seconds = time.perf_counter() - scored_at
-                    score = float(sum(logprobs[i, ids[i]] for i in range(first, len(ids))))
-                    del logprobs
-                    cells.append(
-                        NeedleCell(
-                            spec=spec.label,
-                            spec_text=spec.text,
-                            length=context.length,
-                            depth=needle.depth,
-                            placed_depth=placement.placed_depth,
-                            position=placement.position,
-                            needle_tokens=placement.tokens,
-                            name=needle.name,
-                            value=needle.value,
-                            question=needle.question,
-                            answer=answer.text,
-                            hit=hit(answer.text, needle.value),
-                            score=score,
-                            value_tokens=len(ids) - first,
-                            finish_reason=answer.finish_reason,
-                            context=index,
-                            needles_in_context=len(context.placements),
-                            prefill_seconds=report.seconds,
-                            answer_seconds=answer.seconds,
-                            score_seconds=score_seconds,
-                            cache_length_after=answer.cache_length_after,
-                            kv_bytes=report.kv_bytes,
-                        )
-                    )
-                    progress(f"{spec.text} {context.length:,} tokens: scored the needle at {needle.depth:g} %")
+                    run.needle(session, spec, context, index, placement, report, max_new_tokens)
             del session
             gc.collect()
     except _Cancelled:
