@@ -11,8 +11,8 @@ from typing import Any, NamedTuple
 import gradio as gr
 
 from kvdemo import needle, needle_records
+from kvdemo.accounting import session_kv_bytes
 from kvdemo.charts import needle_heatmap_figure
-from kvdemo.server import session_kv_bytes
 from kvdemo.session import QUESTION_RESERVE_TOKENS
 from kvdemo.spec import CacheSpec, all_specs
 from kvdemo.ui.ask_tab import AskTab
