@@ -241,12 +241,12 @@ def run_needle(args: argparse.Namespace) -> Any:
     Raises:
         ValueError, ImportError, OSError: bad input; the message says what to change.
     """
-    from kvdemo import needle
+    from kvdemo import needle, needle_inputs
     from kvdemo.models import load_model
 
     specs = [CacheSpec.parse(text) for text in (args.spec or needle.DEFAULT_SPECS)]
-    lengths = needle.parse_lengths(args.lengths) if args.lengths is not None else list(needle.DEFAULT_LENGTHS)
-    depths = needle.parse_depths(args.depths) if args.depths is not None else list(needle.DEFAULT_DEPTHS)
+    lengths = needle_inputs.parse_lengths(args.lengths) if args.lengths is not None else list(needle.DEFAULT_LENGTHS)
+    depths = needle_inputs.parse_depths(args.depths) if args.depths is not None else list(needle.DEFAULT_DEPTHS)
     if args.csv is not None and not Path(args.csv).expanduser().parent.is_dir():
         raise ValueError(f"--csv {args.csv}: the folder {Path(args.csv).expanduser().parent} does not exist")
     loaded = load_model(args.model, device=args.device)

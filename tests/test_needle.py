@@ -13,7 +13,8 @@ import torch
 
 from kvdemo import CacheSpec, QASession
 from kvdemo.haystack import _SENTENCE_END, build_context, haystack_text, make_needles
-from kvdemo.needle import hit, longest_length, needle_grid, parse_depths, parse_lengths, plan_contexts
+from kvdemo.needle import hit, longest_length, needle_grid, plan_contexts
+from kvdemo.needle_inputs import parse_depths, parse_lengths
 from kvdemo.needle_records import NeedleCancelled
 from kvdemo.session import KVBudgetError
 
