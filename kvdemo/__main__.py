@@ -22,7 +22,8 @@ from kvdemo import checks
 from kvdemo.backends import BACKENDS, GROUP_OPTIONS, option_choices_text
 from kvdemo.cases import load_case
 from kvdemo.charts import comparison_display_frame
-from kvdemo.compare import ComparisonReport, compare
+from kvdemo.compare import compare
+from kvdemo.compare_records import ComparisonReport
 from kvdemo.session import DEFAULT_MAX_NEW_TOKENS
 from kvdemo.spec import CacheSpec, default_compare_specs
 from kvdemo.text import check_text

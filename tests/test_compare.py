@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from kvdemo import CacheSpec, QASession, fidelity
-from kvdemo.compare import ComparisonCancelled, compare, measure_spec
+from kvdemo.compare import compare, measure_spec
+from kvdemo.compare_records import ComparisonCancelled
 from kvdemo.metrics import (
     common_prefix,
     contains_gold,

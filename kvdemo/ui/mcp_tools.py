@@ -28,7 +28,8 @@ import gradio as gr
 
 from kvdemo import checks
 from kvdemo.cases import gold_answers_for
-from kvdemo.compare import ComparisonCancelled, compare
+from kvdemo.compare import compare
+from kvdemo.compare_records import ComparisonCancelled
 from kvdemo.server import App, UserSession
 from kvdemo.session import DEFAULT_MAX_NEW_TOKENS, QASession
 from kvdemo.spec import CacheSpec, default_compare_specs

@@ -23,7 +23,7 @@ from kvdemo.charts import (
     step_time_frame,
     tradeoff_frame,
 )
-from kvdemo.compare import ComparisonReport
+from kvdemo.compare_records import ComparisonReport
 from kvdemo.models import LoadedModel
 from kvdemo.session import QASession
 from kvdemo.spec import CacheSpec
