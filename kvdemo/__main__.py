@@ -21,9 +21,9 @@ from tqdm.auto import tqdm
 from kvdemo import checks
 from kvdemo.backends import BACKENDS, GROUP_OPTIONS, option_choices_text
 from kvdemo.cases import load_case
-from kvdemo.charts import comparison_display_frame
 from kvdemo.compare import compare
 from kvdemo.compare_records import ComparisonReport
+from kvdemo.report_charts import comparison_display_frame
 from kvdemo.session import DEFAULT_MAX_NEW_TOKENS
 from kvdemo.spec import CacheSpec, default_compare_specs
 from kvdemo.text import check_text
@@ -290,7 +290,7 @@ class _ProgressBar:
 def format_needle(grid: Any) -> str:
     """The readable tables printed by `needle` without `--json`: per spec, depth rows x length columns with a
     tick (hit) or a cross (miss) and the score (nats), then one summary row per spec."""
-    from kvdemo.charts import needle_heatmap_frame
+    from kvdemo.report_charts import needle_heatmap_frame
 
     table = grid.to_frame()
     lines = [

@@ -11,9 +11,9 @@ import gradio as gr
 
 from kvdemo.backends import BACKENDS
 from kvdemo.cases import continuation_for, gold_answers_for
-from kvdemo.charts import DISPLAY_HELP
 from kvdemo.compare import compare
 from kvdemo.compare_records import ComparisonCancelled, ComparisonReport
+from kvdemo.report_charts import DISPLAY_HELP
 from kvdemo.spec import all_specs, default_compare_specs
 from kvdemo.ui import views
 from kvdemo.ui.ask_tab import AskTab
