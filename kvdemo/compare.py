@@ -44,6 +44,7 @@ from kvdemo.compare_records import ComparisonCancelled, ComparisonReport, Questi
 from kvdemo.fidelity import PerplexityInputs
 from kvdemo.metrics import common_prefix, score_against_gold
 from kvdemo.models import LoadedModel
+from kvdemo.records import PrefillReport
 from kvdemo.session import QASession
 from kvdemo.spec import CacheSpec
 from kvdemo.telemetry import flushed_layers
@@ -120,106 +121,59 @@ def measure_spec(
     session = QASession(loaded_model, spec, kv_budget_bytes=kv_budget_bytes)
     prefill = session.prefill(context, max_new_tokens=max_new_tokens)
     context_ids = session.context_ids(context)
-    if reference is not None:
-        reference_kv = reference.kv
-    elif session.spec.info.quantized:
-        reference_kv = fidelity.reference_kv(loaded_model, context_ids)
-    else:
-        reference_kv = fidelity.full_precision_kv(session.cache)  # the post-prefill tensors, before any answer
+    reference_kv = _reference_kv(loaded_model, session, context_ids, reference)
     kv_error = fidelity.kv_error(reference_kv, session.cache)
     if on_step is not None:
         on_step(f"{spec.text}: prefilled {prefill.context_tokens} tokens")
-    answers, flush_steps, flush_seconds = [], [], []
-    for question in questions:
-        stream = session.stream(question, max_new_tokens)
-        steps, seconds = 0, 0.0
-        try:
-            for event in stream:
-                if event.is_flush_step:
-                    steps, seconds = steps + 1, seconds + event.seconds
-                _check_cancel(cancel)
-        finally:
-            stream.close()
-        answers.append(session.history[-1])
-        flush_steps.append(steps)
-        flush_seconds.append(seconds)
-        if on_step is not None:
-            on_step(f"{spec.text}: answered {len(answers)}/{len(questions)}")
+    answers, flush_steps, flush_seconds = _answer_all(session, spec, questions, max_new_tokens, cancel, on_step)
     ref_ids = reference.token_ids if reference is not None else tuple(a.token_ids for a in answers)
-    own, parts, drift_runs = [], [], []
-    for i, question in enumerate(questions):
-        _check_cancel(cancel)
-        errors: list[float] = []
-
-        def after_step(_: int, cache, errors=errors) -> None:
-            if flushed_layers(cache):
-                errors.append(fidelity.context_error(reference_kv, cache))
-            _check_cancel(cancel)
-
-        logprobs = session.score(question, ref_ids[i], on_step=after_step)
-        if reference is None:
-            own.append(logprobs)  # kept only when this run is the reference ([n, vocab] float32 per question)
-        parts.append(
-            fidelity.position_fidelity(logprobs if reference is None else reference.logprobs[i], logprobs, ref_ids[i])
-        )
-        drift_runs.append(tuple(errors))
-        del logprobs
-        if on_step is not None:
-            on_step(f"{spec.text}: scored {i + 1}/{len(questions)}")
+    own, parts, drift_runs = _score_all(session, spec, questions, ref_ids, reference, reference_kv, cancel, on_step)
     session = None  # free this cache before the perplexity's
     gc.collect()
     ppl = None
     if perplexity_inputs is not None:
-        fed_context = list(perplexity_inputs.context_ids)
-        tokens = len(fed_context)
-        same_tokens = context_ids[:tokens] == fed_context
-        ppl_reference = None
-        if same_tokens:  # the context's first tokens: the reference's first positions (attention is causal)
-            ppl_reference = tuple((k[..., :tokens, :], v[..., :tokens, :]) for k, v in reference_kv)
-        fed = perplexity_inputs.tokens
-
-        def after_feed(step: int) -> None:
-            _check_cancel(cancel)
-            if on_step is not None and ((step + 1) % PERPLEXITY_STEPS_PER_UNIT == 0 or step + 1 == fed):
-                on_step(f"{spec.text}: perplexity {step + 1}/{fed} tokens")
-
-        ppl = fidelity.perplexity(
+        ppl = _perplexity(
             loaded_model,
             spec,
             perplexity_inputs,
-            reference=ppl_reference,
-            on_step=after_feed,
-            kv_budget_bytes=kv_budget_bytes,
+            context_ids,
+            reference_kv,
+            reference,
+            cancel,
+            on_step,
+            kv_budget_bytes,
         )
-        base = ppl.perplexity if reference is None else reference.perplexity
-        ppl = replace(ppl, ratio_to_dynamic=ppl.perplexity / base if base else None)
         drift_runs.append(ppl.context_errors)
-    questions_out = []
-    for i, (question, answer) in enumerate(zip(questions, answers)):
-        gold = None if gold_answers is None else score_against_gold(answer.text, gold_answers[i])
-        questions_out.append(
-            QuestionResult(
-                question=question,
-                answer=answer.text,
-                token_ids=answer.token_ids,
-                finish_reason=answer.finish_reason,
-                identical_to_dynamic=answer.token_ids == ref_ids[i],
-                common_prefix_tokens=common_prefix(answer.token_ids, ref_ids[i]),
-                kl_nats=float(parts[i].kl.mean()),
-                exact_match=None if gold is None else gold.exact_match,
-                contains_gold=None if gold is None else gold.contains_gold,
-                f1=None if gold is None else gold.f1,
-                answerable=None if gold_answers is None else bool(gold_answers[i]),
-                tokens_per_second=answer.tokens_per_second,
-                flush_steps=flush_steps[i],
-                flush_seconds=flush_seconds[i],
-                cache_length_after=answer.cache_length_after,
-                context_errors=drift_runs[i],
-            )
+    questions_out = _question_results(
+        questions, answers, gold_answers, ref_ids, parts, flush_steps, flush_seconds, drift_runs
+    )
+    result = _spec_result(
+        spec, prefill, answers, flush_seconds, questions_out, parts, kv_error, drift_runs, ppl, dynamic_kv_bytes
+    )
+    own_reference = None
+    if reference is None:
+        own_reference = Reference(
+            tuple(a.token_ids for a in answers), tuple(own), reference_kv, None if ppl is None else ppl.perplexity
         )
+    return result, own_reference
+
+
+def _spec_result(
+    spec: CacheSpec,
+    prefill: PrefillReport,
+    answers: Sequence,
+    flush_seconds: Sequence[float],
+    questions_out: Sequence[QuestionResult],
+    parts: Sequence,
+    kv_error: fidelity.KVError,
+    drift_runs: Sequence[tuple[float, ...]],
+    ppl: fidelity.PerplexityResult | None,
+    dynamic_kv_bytes: int | None,
+) -> SpecResult:
+    """The `SpecResult` of one spec's run, from its prefill, answers, scores and perplexity."""
     memory = prefill.memory
     drift, drift_flushes = fidelity.drift_ratio(kv_error.total, drift_runs)
-    result = SpecResult(
+    return SpecResult(
         spec=spec.label,
         spec_text=spec.text,
         backend=spec.backend,
@@ -243,12 +197,154 @@ def measure_spec(
         drift_flushes=drift_flushes,
         perplexity=ppl,
     )
-    own_reference = None
-    if reference is None:
-        own_reference = Reference(
-            tuple(a.token_ids for a in answers), tuple(own), reference_kv, None if ppl is None else ppl.perplexity
+
+
+def _reference_kv(
+    loaded_model: LoadedModel, session: QASession, context_ids: list[int], reference: Reference | None
+) -> fidelity.KV:
+    """The full-precision keys and values the cache's error is measured against (see `measure_spec`)."""
+    if reference is not None:
+        return reference.kv
+    if session.spec.info.quantized:
+        return fidelity.reference_kv(loaded_model, context_ids)
+    return fidelity.full_precision_kv(session.cache)  # the post-prefill tensors, before any answer
+
+
+def _answer_all(
+    session: QASession,
+    spec: CacheSpec,
+    questions: Sequence[str],
+    max_new_tokens: int,
+    cancel: threading.Event | None,
+    on_step: Callable[[str], None] | None,
+) -> tuple[list, list[int], list[float]]:
+    """Every question answered in turn: the answers, and per answer its flush steps and their seconds."""
+    answers, flush_steps, flush_seconds = [], [], []
+    for question in questions:
+        stream = session.stream(question, max_new_tokens)
+        steps, seconds = 0, 0.0
+        try:
+            for event in stream:
+                if event.is_flush_step:
+                    steps, seconds = steps + 1, seconds + event.seconds
+                _check_cancel(cancel)
+        finally:
+            stream.close()
+        answers.append(session.history[-1])
+        flush_steps.append(steps)
+        flush_seconds.append(seconds)
+        if on_step is not None:
+            on_step(f"{spec.text}: answered {len(answers)}/{len(questions)}")
+    return answers, flush_steps, flush_seconds
+
+
+def _score_all(
+    session: QASession,
+    spec: CacheSpec,
+    questions: Sequence[str],
+    ref_ids: Sequence[Sequence[int]],
+    reference: Reference | None,
+    reference_kv: fidelity.KV,
+    cancel: threading.Event | None,
+    on_step: Callable[[str], None] | None,
+) -> tuple[list[torch.Tensor], list, list[tuple[float, ...]]]:
+    """The reference's answers teacher-forced through this cache: the own log-probabilities (kept only for the
+    reference run), each question's `PositionFidelity`, and the context's error after each flush (the drift)."""
+    own, parts, drift_runs = [], [], []
+    for i, question in enumerate(questions):
+        _check_cancel(cancel)
+        errors: list[float] = []
+
+        def after_step(_: int, cache, errors=errors) -> None:
+            if flushed_layers(cache):
+                errors.append(fidelity.context_error(reference_kv, cache))
+            _check_cancel(cancel)
+
+        logprobs = session.score(question, ref_ids[i], on_step=after_step)
+        if reference is None:
+            own.append(logprobs)  # kept only when this run is the reference ([n, vocab] float32 per question)
+        parts.append(
+            fidelity.position_fidelity(logprobs if reference is None else reference.logprobs[i], logprobs, ref_ids[i])
         )
-    return result, own_reference
+        drift_runs.append(tuple(errors))
+        del logprobs
+        if on_step is not None:
+            on_step(f"{spec.text}: scored {i + 1}/{len(questions)}")
+    return own, parts, drift_runs
+
+
+def _perplexity(
+    loaded_model: LoadedModel,
+    spec: CacheSpec,
+    perplexity_inputs: PerplexityInputs,
+    context_ids: list[int],
+    reference_kv: fidelity.KV,
+    reference: Reference | None,
+    cancel: threading.Event | None,
+    on_step: Callable[[str], None] | None,
+    kv_budget_bytes: int | None,
+) -> fidelity.PerplexityResult:
+    """The perplexity feed on a fresh cache, with its ratio to the reference's perplexity."""
+    fed_context = list(perplexity_inputs.context_ids)
+    tokens = len(fed_context)
+    same_tokens = context_ids[:tokens] == fed_context
+    ppl_reference = None
+    if same_tokens:  # the context's first tokens: the reference's first positions (attention is causal)
+        ppl_reference = tuple((k[..., :tokens, :], v[..., :tokens, :]) for k, v in reference_kv)
+    fed = perplexity_inputs.tokens
+
+    def after_feed(step: int) -> None:
+        _check_cancel(cancel)
+        if on_step is not None and ((step + 1) % PERPLEXITY_STEPS_PER_UNIT == 0 or step + 1 == fed):
+            on_step(f"{spec.text}: perplexity {step + 1}/{fed} tokens")
+
+    ppl = fidelity.perplexity(
+        loaded_model,
+        spec,
+        perplexity_inputs,
+        reference=ppl_reference,
+        on_step=after_feed,
+        kv_budget_bytes=kv_budget_bytes,
+    )
+    base = ppl.perplexity if reference is None else reference.perplexity
+    return replace(ppl, ratio_to_dynamic=ppl.perplexity / base if base else None)
+
+
+def _question_results(
+    questions: Sequence[str],
+    answers: Sequence,
+    gold_answers: Sequence[Sequence[str]] | None,
+    ref_ids: Sequence[Sequence[int]],
+    parts: Sequence,
+    flush_steps: Sequence[int],
+    flush_seconds: Sequence[float],
+    drift_runs: Sequence[tuple[float, ...]],
+) -> list[QuestionResult]:
+    """One `QuestionResult` per question, from its answer, its fidelity and its flushes."""
+    questions_out = []
+    for i, (question, answer) in enumerate(zip(questions, answers)):
+        gold = None if gold_answers is None else score_against_gold(answer.text, gold_answers[i])
+        questions_out.append(
+            QuestionResult(
+                question=question,
+                answer=answer.text,
+                token_ids=answer.token_ids,
+                finish_reason=answer.finish_reason,
+                identical_to_dynamic=answer.token_ids == ref_ids[i],
+                common_prefix_tokens=common_prefix(answer.token_ids, ref_ids[i]),
+                kl_nats=float(parts[i].kl.mean()),
+                exact_match=None if gold is None else gold.exact_match,
+                contains_gold=None if gold is None else gold.contains_gold,
+                f1=None if gold is None else gold.f1,
+                answerable=None if gold_answers is None else bool(gold_answers[i]),
+                tokens_per_second=answer.tokens_per_second,
+                flush_steps=flush_steps[i],
+                flush_seconds=flush_seconds[i],
+                cache_length_after=answer.cache_length_after,
+                context_errors=drift_runs[i],
+            )
+        )
+    return questions_out
 
 
 def compare(
@@ -305,26 +401,42 @@ def compare(
         ...                  [CacheSpec("hqq", nbits=4)], perplexity_tokens=256, continuation=case.continuation)
         >>> report.to_frame()
     """
-    questions = list(questions)
-    if not questions:
-        raise ValueError("compare needs at least one question")
-    if gold_answers is not None and len(gold_answers) != len(questions):
-        raise ValueError(f"gold_answers has {len(gold_answers)} entries for {len(questions)} questions")
-    ordered: list[CacheSpec] = []
-    for spec in [CacheSpec("dynamic"), *specs]:
-        spec = spec.validate(loaded_model.config)
-        if spec.label not in [s.label for s in ordered]:
-            ordered.append(spec)
-    for i, question in enumerate(questions):  # refuse bad input before minutes of work
-        if not isinstance(question, str) or not question.strip():
-            raise ValueError(f"question {i + 1} is empty; give the text of every question")
-    max_new_tokens = checks.max_new_tokens(max_new_tokens)
+    questions, ordered, max_new_tokens = _checked(loaded_model, questions, specs, max_new_tokens, gold_answers)
     if isinstance(perplexity_tokens, bool) or not isinstance(perplexity_tokens, int) or perplexity_tokens < 0:
         raise ValueError(f"perplexity_tokens={perplexity_tokens!r} must be a whole number >= 0 (0: no perplexity)")
     inputs = None
     if perplexity_tokens:
         inputs = fidelity.perplexity_inputs(loaded_model, context, perplexity_tokens, continuation)
     total = len(ordered) * (1 + 2 * len(questions) + perplexity_units(perplexity_tokens))
+    return _measure_all(
+        loaded_model,
+        context,
+        questions,
+        ordered,
+        inputs,
+        total,
+        on_progress,
+        max_new_tokens,
+        gold_answers,
+        cancel,
+        kv_budget_bytes,
+    )
+
+
+def _measure_all(
+    loaded_model: LoadedModel,
+    context: str,
+    questions: list[str],
+    ordered: list[CacheSpec],
+    inputs: PerplexityInputs | None,
+    total: int,
+    on_progress: ProgressCallback | None,
+    max_new_tokens: int,
+    gold_answers: Sequence[Sequence[str]] | None,
+    cancel: threading.Event | None,
+    kv_budget_bytes: int | None,
+) -> ComparisonReport:
+    """`measure_spec` for every spec in turn, `dynamic`'s run the reference of the others; the progress counted."""
     done = 0
     source = None if inputs is None else inputs.source
 
@@ -364,3 +476,28 @@ def compare(
             reference = own
         results.append(result)
     return ComparisonReport(loaded_model.name, max_new_tokens, tuple(results), source)
+
+
+def _checked(
+    loaded_model: LoadedModel,
+    questions: Sequence[str],
+    specs: Sequence[CacheSpec],
+    max_new_tokens: int,
+    gold_answers: Sequence[Sequence[str]] | None,
+) -> tuple[list[str], list[CacheSpec], int]:
+    """`compare`'s questions, specs (`dynamic` first, each once, validated) and max_new_tokens, checked before
+    minutes of work (see `compare` for the errors)."""
+    questions = list(questions)
+    if not questions:
+        raise ValueError("compare needs at least one question")
+    if gold_answers is not None and len(gold_answers) != len(questions):
+        raise ValueError(f"gold_answers has {len(gold_answers)} entries for {len(questions)} questions")
+    ordered: list[CacheSpec] = []
+    for spec in [CacheSpec("dynamic"), *specs]:
+        spec = spec.validate(loaded_model.config)
+        if spec.label not in [s.label for s in ordered]:
+            ordered.append(spec)
+    for i, question in enumerate(questions):  # refuse bad input before minutes of work
+        if not isinstance(question, str) or not question.strip():
+            raise ValueError(f"question {i + 1} is empty; give the text of every question")
+    return questions, ordered, checks.max_new_tokens(max_new_tokens)
