@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from kvdemo import CacheSpec, QASession, fidelity
-from kvdemo.compare import compare, measure_spec
+from kvdemo.compare import compare
 from kvdemo.compare_records import ComparisonCancelled
+from kvdemo.measure import measure_spec
 from kvdemo.metrics import (
     common_prefix,
     contains_gold,
