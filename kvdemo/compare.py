@@ -14,9 +14,9 @@
 - **perplexity through the cache** (with `perplexity_tokens`): the context prefilled into a fresh cache and the
   text after it fed one decode step per token (`fidelity.perplexity`), and its ratio to `dynamic`'s;
 - **where the error sits**: after the prefill, per layer and KV head, the relative error of the de-quantized
-  keys and values against `dynamic`'s full-precision ones (`fidelity.kv_error`); and the **drift**: the
+  keys and values against `dynamic`'s full-precision ones (`cache_error.kv_error`); and the **drift**: the
   context's error after each flush (while `dynamic`'s answers are scored, and during the perplexity feed)
-  against its error after the prefill (`fidelity.drift_ratio`);
+  against its error after the prefill (`cache_error.drift_ratio`);
 - **fidelity against gold answers** (the SQuAD case files): exact match, containment and token F1 after
   SQuAD's normalisation, and the unanswerable rule of `score_against_gold` (all in `kvdemo.metrics`);
 - **speed**: prefill seconds, decode tokens/s (median over the answers), and the time spent in decode

@@ -10,7 +10,8 @@ from dataclasses import asdict, dataclass
 
 import pandas as pd
 
-from kvdemo.fidelity import KLStats, KVError, PerplexityResult
+from kvdemo.cache_error import KVError
+from kvdemo.fidelity import KLStats, PerplexityResult
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,7 @@ class QuestionResult:
         flush_steps: decode steps (after the question's own pass) during which at least one layer flushed.
         flush_seconds: wall time of those steps (seconds).
         cache_length_after: the cache's length after the restore (tokens).
-        context_errors: `fidelity.context_error` of the context's tokens after each flush while `dynamic`'s
+        context_errors: `cache_error.context_error` of the context's tokens after each flush while `dynamic`'s
             answer was scored (teacher-forced, so every spec flushes at the same steps); empty without flushes.
     """
 
@@ -70,9 +71,9 @@ class SpecResult:
             flush_seconds: summed `QuestionResult.flush_seconds` (decode steps after the question's pass).
         restored: every answer's cache_length_after equals context_tokens.
         kl: `fidelity.KLStats` over every position of `dynamic`'s answers (zeros and 100 % for `dynamic`).
-        kv_error: `fidelity.KVError` of the cache after the prefill against `dynamic`'s full-precision keys and
+        kv_error: `cache_error.KVError` of the cache after the prefill against `dynamic`'s full-precision keys and
             values ([layers][kv_heads]; zeros for `dynamic`).
-        drift, drift_flushes: `fidelity.drift_ratio` over the scored answers' and the perplexity feed's flushes:
+        drift, drift_flushes: `cache_error.drift_ratio` over the scored answers' and the perplexity feed's flushes:
             the context's error after the last flush of the longest run / after the prefill, and that run's flushes
             (None and 0 without flushes).
         perplexity: `fidelity.PerplexityResult` with its ratio to `dynamic`'s (None without `perplexity_tokens`).

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvdemo import fidelity
+from kvdemo import cache_error, fidelity
 from kvdemo.compare_records import QuestionResult, SpecResult
 from kvdemo.fidelity import PerplexityInputs
 from kvdemo.metrics import common_prefix, score_against_gold
@@ -27,12 +27,12 @@ from kvdemo.telemetry import flushed_layers
 @dataclass(frozen=True)
 class Reference:
     """What `dynamic`'s run gives the other specs: its answers and their teacher-forced log-probabilities (one
-    [n_i, vocab] tensor per question), its full-precision keys and values after the prefill (`fidelity.KV`), and
+    [n_i, vocab] tensor per question), its full-precision keys and values after the prefill (`cache_error.KV`), and
     its perplexity (None without a perplexity run)."""
 
     token_ids: tuple[tuple[int, ...], ...]
     logprobs: tuple[torch.Tensor, ...]
-    kv: fidelity.KV
+    kv: cache_error.KV
     perplexity: float | None = None
 
 
@@ -74,7 +74,7 @@ def measure_spec(
     Args:
         reference: `dynamic`'s run to compare with; None makes this run the reference (its KL is 0, its answers
             identical and its cache error 0 by definition; for a quantized spec the full-precision keys and values
-            then come from a `fidelity.reference_kv` prefill).
+            then come from a `cache_error.reference_kv` prefill).
         dynamic_kv_bytes: `dynamic`'s kv_bytes for `ratio_to_dynamic` (default: this run's own).
         cancel: checked at every decode step; when set the session is closed (its cache restored) and the
             internal cancellation propagates to `compare`.
@@ -93,7 +93,7 @@ def measure_spec(
     prefill = session.prefill(context, max_new_tokens=max_new_tokens)
     context_ids = session.context_ids(context)
     reference_kv = _reference_kv(loaded_model, session, context_ids, reference)
-    kv_error = fidelity.kv_error(reference_kv, session.cache)
+    kv_error = cache_error.kv_error(reference_kv, session.cache)
     if on_step is not None:
         on_step(f"{spec.text}: prefilled {prefill.context_tokens} tokens")
     answers, flush_steps, flush_seconds = _answer_all(session, spec, questions, max_new_tokens, cancel, on_step)
@@ -136,14 +136,14 @@ def _spec_result(
     flush_seconds: Sequence[float],
     questions_out: Sequence[QuestionResult],
     parts: Sequence,
-    kv_error: fidelity.KVError,
+    kv_error: cache_error.KVError,
     drift_runs: Sequence[tuple[float, ...]],
     ppl: fidelity.PerplexityResult | None,
     dynamic_kv_bytes: int | None,
 ) -> SpecResult:
     """The `SpecResult` of one spec's run, from its prefill, answers, scores and perplexity."""
     memory = prefill.memory
-    drift, drift_flushes = fidelity.drift_ratio(kv_error.total, drift_runs)
+    drift, drift_flushes = cache_error.drift_ratio(kv_error.total, drift_runs)
     return SpecResult(
         spec=spec.label,
         spec_text=spec.text,
@@ -172,13 +172,13 @@ def _spec_result(
 
 def _reference_kv(
     loaded_model: LoadedModel, session: QASession, context_ids: list[int], reference: Reference | None
-) -> fidelity.KV:
+) -> cache_error.KV:
     """The full-precision keys and values the cache's error is measured against (see `measure_spec`)."""
     if reference is not None:
         return reference.kv
     if session.spec.info.quantized:
-        return fidelity.reference_kv(loaded_model, context_ids)
-    return fidelity.full_precision_kv(session.cache)  # the post-prefill tensors, before any answer
+        return cache_error.reference_kv(loaded_model, context_ids)
+    return cache_error.full_precision_kv(session.cache)  # the post-prefill tensors, before any answer
 
 
 def _answer_all(
@@ -215,7 +215,7 @@ def _score_all(
     questions: Sequence[str],
     ref_ids: Sequence[Sequence[int]],
     reference: Reference | None,
-    reference_kv: fidelity.KV,
+    reference_kv: cache_error.KV,
     cancel: threading.Event | None,
     on_step: Callable[[str], None] | None,
 ) -> tuple[list[torch.Tensor], list, list[tuple[float, ...]]]:
@@ -228,7 +228,7 @@ def _score_all(
 
         def after_step(_: int, cache, errors=errors) -> None:
             if flushed_layers(cache):
-                errors.append(fidelity.context_error(reference_kv, cache))
+                errors.append(cache_error.context_error(reference_kv, cache))
             _check_cancel(cancel)
 
         logprobs = session.score(question, ref_ids[i], on_step=after_step)
@@ -249,7 +249,7 @@ def _perplexity(
     spec: CacheSpec,
     perplexity_inputs: PerplexityInputs,
     context_ids: list[int],
-    reference_kv: fidelity.KV,
+    reference_kv: cache_error.KV,
     reference: Reference | None,
     cancel: threading.Event | None,
     on_step: Callable[[str], None] | None,

@@ -191,7 +191,7 @@ def kv_error_frame(error: Any) -> pd.DataFrame:
     """The per-layer, per-KV-head relative error of a cache, long format (for a table or a Gradio heatmap).
 
     Args:
-        error: a `fidelity.KVError` (e.g. `SpecResult.kv_error`) or its dict (`ComparisonReport.to_dict()`).
+        error: a `cache_error.KVError` (e.g. `SpecResult.kv_error`) or its dict (`ComparisonReport.to_dict()`).
 
     Returns:
         Columns `layer` (int), `KV head` (int), `tensor` (`keys` or `values`), `relative error` (float: ||X - X^|| /
@@ -209,7 +209,7 @@ def kv_error_figure(error: Any, title: str = "Relative KV error after the prefil
     colour scale, each cell labelled when there are few enough.
 
     Args:
-        error: a `fidelity.KVError` or its dict.
+        error: a `cache_error.KVError` or its dict.
     """
     keys, values = _matrix(error, "keys"), _matrix(error, "values")
     layers = len(keys)
