@@ -16,7 +16,6 @@ LEFT_OVER: dict[str, int] = {
     "kvdemo/fidelity.py:perplexity": 85,
     "kvdemo/server.py": 407,
     "kvdemo/ui/ask_tab.py": 513,
-    "kvdemo/__main__.py": 441,
     "kvdemo/session.py": 404,
     "kvdemo/ui/compare_tab.py:build": 94,
     "app.py:parse_args": 105,
