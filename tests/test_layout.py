@@ -17,7 +17,6 @@ LEFT_OVER: dict[str, int] = {
     "kvdemo/ui/ask_tab.py": 513,
     "kvdemo/session.py": 404,
     "kvdemo/ui/compare_tab.py:build": 94,
-    "app.py:parse_args": 105,
     "benchmarks/run_all.py": 729,
     "benchmarks/run_all.py:print_report": 128,
     "benchmarks/page_latency.py:main": 129,
