@@ -287,6 +287,20 @@ class PerplexityResult:
     ratio_to_dynamic: float | None = None
 
 
+def _check_budget(loaded_model: LoadedModel, spec: CacheSpec, context: int, fed: int, kv_budget_bytes: int) -> None:
+    """Raise `KVBudgetError` when a cache of `spec` for `context` prefilled and `fed` fed tokens would pass the
+    budget (estimated before anything runs)."""
+    estimate = estimate_kv_bytes(spec, loaded_model.config, context + fed, loaded_model.dtype, residual_tokens=fed)
+    if estimate > kv_budget_bytes:
+        raise KVBudgetError(
+            f"a {spec.label} KV cache for {context:,} context tokens + {fed} fed tokens would hold about "
+            f"{estimate / 2**20:,.1f} MiB; the KV budget is {kv_budget_bytes / 2**20:,.1f} MiB. Lower the "
+            "perplexity tokens or shorten the context",
+            estimate,
+            kv_budget_bytes,
+        )
+
+
 def perplexity(
     loaded_model: LoadedModel,
     spec: CacheSpec,
@@ -325,17 +339,7 @@ def perplexity(
         raise ValueError(f"the reference holds {reference[0][0].shape[-2]} tokens, the context {len(context)}")
     fed = len(continuation) - 1
     if kv_budget_bytes is not None:
-        estimate = estimate_kv_bytes(
-            spec, loaded_model.config, len(context) + fed, loaded_model.dtype, residual_tokens=fed
-        )
-        if estimate > kv_budget_bytes:
-            raise KVBudgetError(
-                f"a {spec.label} KV cache for {len(context):,} context tokens + {fed} fed tokens would hold about "
-                f"{estimate / 2**20:,.1f} MiB; the KV budget is {kv_budget_bytes / 2**20:,.1f} MiB. Lower the "
-                "perplexity tokens or shorten the context",
-                estimate,
-                kv_budget_bytes,
-            )
+        _check_budget(loaded_model, spec, len(context), fed, kv_budget_bytes)
     model, device = loaded_model.model, loaded_model.device
     cache = build_cache(spec, loaded_model.config)
     nll, flush_steps, errors = [], [], []
