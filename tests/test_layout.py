@@ -13,7 +13,6 @@ FUNCTION_LINES = 80
 
 LEFT_OVER: dict[str, int] = {
     # what is still over the limit, with its size today: it may shrink, never grow
-    "kvdemo/ui/ask_tab.py": 411,
     "kvdemo/session.py": 404,
     "benchmarks/run_all.py": 722,
     "benchmarks/run_all.py:print_report": 128,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterator
 from contextlib import closing
-from typing import Any, NamedTuple
+from typing import Any
 
 import gradio as gr
 
@@ -18,45 +18,9 @@ from kvdemo.server import App, UserSession
 from kvdemo.session import PrefillStopped, QASession
 from kvdemo.spec import CacheSpec
 from kvdemo.ui import views
-from kvdemo.ui.ask_widgets import AskWidgets
+from kvdemo.ui.ask_widgets import AnswerView, AskWidgets, PrefillView
 from kvdemo.ui.examples import example
 from kvdemo.ui.inputs import read_upload, refusal, spec_from_inputs
-
-
-class PrefillView(NamedTuple):
-    """What a prefill shows (`AskTab.prefill`), in the order of its outputs."""
-
-    prefill_info: Any
-    chat: Any
-    stats: Any
-    memory_plot: Any
-    residual_plot: Any
-    step_plot: Any
-    answers_table: Any
-    notice: Any
-    ask_button: Any
-
-    @classmethod
-    def refused(cls, message: str, ask_enabled: bool | None) -> PrefillView:
-        """A refusal: the message beside Prefill, every other output as it was (the previous cache stays)."""
-        ask = gr.skip() if ask_enabled is None else gr.update(interactive=ask_enabled)
-        return cls(*[gr.skip()] * 7, message, ask)
-
-
-class AnswerView(NamedTuple):
-    """What each update of an answer shows (`AskTab.ask`), in the order of its outputs."""
-
-    chat: Any
-    stats: Any
-    memory_plot: Any
-    residual_plot: Any
-    step_plot: Any
-    answers_table: Any
-
-    @classmethod
-    def refused(cls, message: str) -> AnswerView:
-        """A refusal: the message beside Ask; the chat, charts and table stay as they were."""
-        return cls(gr.skip(), message, gr.skip(), gr.skip(), gr.skip(), gr.skip())
 
 
 def _guarded(stream: Iterator, qa: QASession) -> Iterator:

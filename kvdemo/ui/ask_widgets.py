@@ -1,9 +1,10 @@
 """The Ask tab's widgets: `AskWidgets.build` lays out the options, the context, the questions and the charts into
-`self.w` by name; `kvdemo.ui.ask_tab.AskTab` adds the handlers and wires the events."""
+`self.w` by name, and the handlers' named outputs (`PrefillView`, `AnswerView`) whose field names are the widgets'
+names; `kvdemo.ui.ask_tab.AskTab` adds the handlers and wires the events."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import gradio as gr
 
@@ -17,6 +18,42 @@ from kvdemo.ui.examples import EXAMPLES
 
 START_SPEC = CacheSpec("hqq", nbits=4, residual_length=16)
 """The Ask tab's starting spec: a short residual, so that flushes show within the first answers."""
+
+
+class PrefillView(NamedTuple):
+    """What a prefill shows (`AskTab.prefill`), in the order of its outputs."""
+
+    prefill_info: Any
+    chat: Any
+    stats: Any
+    memory_plot: Any
+    residual_plot: Any
+    step_plot: Any
+    answers_table: Any
+    notice: Any
+    ask_button: Any
+
+    @classmethod
+    def refused(cls, message: str, ask_enabled: bool | None) -> PrefillView:
+        """A refusal: the message beside Prefill, every other output as it was (the previous cache stays)."""
+        ask = gr.skip() if ask_enabled is None else gr.update(interactive=ask_enabled)
+        return cls(*[gr.skip()] * 7, message, ask)
+
+
+class AnswerView(NamedTuple):
+    """What each update of an answer shows (`AskTab.ask`), in the order of its outputs."""
+
+    chat: Any
+    stats: Any
+    memory_plot: Any
+    residual_plot: Any
+    step_plot: Any
+    answers_table: Any
+
+    @classmethod
+    def refused(cls, message: str) -> AnswerView:
+        """A refusal: the message beside Ask; the chat, charts and table stay as they were."""
+        return cls(gr.skip(), message, gr.skip(), gr.skip(), gr.skip(), gr.skip())
 
 
 class AskWidgets:
