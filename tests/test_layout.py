@@ -16,7 +16,6 @@ LEFT_OVER: dict[str, int] = {
     "kvdemo/session.py": 404,
     "benchmarks/run_all.py": 722,
     "benchmarks/run_all.py:print_report": 128,
-    "benchmarks/page_latency.py:main": 129,
 }
 
 
