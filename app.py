@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
+from typing import Any
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
@@ -34,11 +36,8 @@ def _is_hub_id(source: str) -> bool:
     return is_hub_id(source)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The app's settings from `argv` and the environment."""
-    env = os.environ.get
-    space = bool(env("SPACE_ID"))
-    parser = argparse.ArgumentParser(description="kvdemo: prefill a context once, ask in turn, watch the KV cache.")
+def _serving_arguments(parser: argparse.ArgumentParser, env: Callable[..., Any], space: bool) -> None:
+    """Where the app listens, which model it loads, and how many users it serves at once."""
     default_host = "0.0.0.0" if space else "127.0.0.1"
     parser.add_argument(
         "--host",
@@ -78,6 +77,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="free a session unused this long; its user is asked to prefill again "
         "(env KVDEMO_IDLE_MINUTES; default 30; 0 = never)",
     )
+
+
+def _limit_arguments(parser: argparse.ArgumentParser, env: Callable[..., Any], space: bool) -> None:
+    """The KV budgets, the queue, the MCP tools and what a public server refuses."""
     parser.add_argument(
         "--kv-budget-mib",
         type=float,
@@ -122,6 +125,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=_flag(env("KVDEMO_ALLOW_LOCAL_PATHS"), default=False),
         help="let a --public server start from a local folder or .gguf file (env KVDEMO_ALLOW_LOCAL_PATHS=1)",
     )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The app's settings from `argv` and the environment."""
+    env = os.environ.get
+    space = bool(env("SPACE_ID"))
+    parser = argparse.ArgumentParser(description="kvdemo: prefill a context once, ask in turn, watch the KV cache.")
+    _serving_arguments(parser, env, space)
+    _limit_arguments(parser, env, space)
     args = parser.parse_args(argv)
     if args.idle_minutes < 0 or args.kv_budget_mib < 0:
         parser.error("--idle-minutes and --kv-budget-mib must be >= 0 (0 turns them off)")

@@ -25,8 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvdemo import load_model  # noqa: E402
-from kvdemo.__main__ import format_needle  # noqa: E402
 from kvdemo.charts import needle_heatmap_figure  # noqa: E402
+from kvdemo.cli_format import format_needle  # noqa: E402
 from kvdemo.needle import DEFAULT_DEPTHS, DEFAULT_LENGTHS, DEFAULT_SPECS, needle_grid  # noqa: E402
 
 

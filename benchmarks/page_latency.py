@@ -169,6 +169,78 @@ def measure_ask(
     return result
 
 
+def print_table(results: dict) -> None:
+    """The figures of `main`'s run side by side with the issue's (`BEFORE`), one row per measurement."""
+    what, prefill, answer = results["context"], results["prefill"], results["answer"]
+    question_pass_s, stops, landed = (
+        results["question_pass_s"],
+        results["stop_latency_ms"],
+        results["stop_landed_in_ms"],
+    )
+    decode_steps = answer["step_s"]
+    ms = lambda values: ", ".join(f"{v:,.0f}" for v in values)
+    rows = [
+        ("prefill", f"{prefill['tokens']:,} tokens in {prefill['seconds']:.1f} s", BEFORE["prefill"]),
+        ("  progress updates", f"{prefill['updates']} ({prefill['updates_per_second']:.2f} per second)", "none real"),
+        (
+            "  first update / longest wait",
+            f"{prefill['first_update_s']:.2f} s / {prefill['longest_wait_s']:.2f} s "
+            f"(median chunk {prefill['median_chunk_s']:.2f} s)",
+            "55 s",
+        ),
+        (
+            "first feedback after Ask",
+            f"{answer['first_update_ms']:,.0f} ms ('{answer['first_update'][:32]}…')",
+            BEFORE["feedback"],
+        ),
+        (
+            "  first answer token",
+            f"{answer['first_token_ms']:,.0f} ms (the question's pass: {question_pass_s:.2f} s)",
+            "15-16 s",
+        ),
+        (
+            "Stop during the prefill",
+            f"{ms(stops['prefill'])} ms (in chunks of {ms(landed['prefill'])} ms)",
+            "not possible",
+        ),
+        (
+            "Stop during the question's pass",
+            f"{ms(stops['question'])} ms (in passes of {ms(landed['question'])} ms)",
+            BEFORE["stop_question"],
+        ),
+        ("Stop during decoding", f"{ms(stops['decoding'])} ms (in steps of {ms(landed['decoding'])} ms)", "-"),
+        (
+            "  decode steps (8-token answer)",
+            f"median {statistics.median(decode_steps) * 1000:,.0f} ms, longest {max(decode_steps) * 1000:,.0f} ms"
+            if decode_steps
+            else "-",
+            "-",
+        ),
+    ]
+    loads = " → ".join(f"{load[0]:.1f}" for load in results["load_average"])
+    print(
+        f"\n{what}, hqq nbits=4 residual_length=16, {results['model']}, {torch.get_num_threads()} torch threads, "
+        f"{os.cpu_count()} CPUs, load average {loads}\n"
+    )
+    width = max(len(r[0]) for r in rows)
+    print(f"{'':{width}}  {'now':60}  before (the issue)")
+    for name, now, before in rows:
+        print(f"{name:{width}}  {now:60}  {before}")
+
+
+def _context(args: argparse.Namespace) -> tuple[str, str]:
+    """The context measured and its description, from --quick (which also sets one Stop of each kind) or --once."""
+    case = load_case(example_path("normans"))
+    if args.quick:
+        context, what, args.repeats = case.select("0-7").context, "Normans paragraphs 0-7 once (--quick)", 1
+    elif args.once:
+        context, what = case.context, "the whole Normans article once"
+    else:
+        part = case.select(f"0-{PARAGRAPHS_TWICE - 1}").context
+        context, what = f"{part}\n\n{part}", f"Normans paragraphs 0-{PARAGRAPHS_TWICE - 1} twice"
+    return context, what
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--once", action="store_true", help="the whole article once (5,655 tokens) instead")
@@ -178,14 +250,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the figures there")
     args = parser.parse_args()
     rng = random.Random(args.seed)
-    case = load_case(example_path("normans"))
-    if args.quick:
-        context, what, args.repeats = case.select("0-7").context, "Normans paragraphs 0-7 once (--quick)", 1
-    elif args.once:
-        context, what = case.context, "the whole Normans article once"
-    else:
-        part = case.select(f"0-{PARAGRAPHS_TWICE - 1}").context
-        context, what = f"{part}\n\n{part}", f"Normans paragraphs 0-{PARAGRAPHS_TWICE - 1} twice"
+    context, what = _context(args)
 
     def note(message: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
@@ -235,7 +300,6 @@ def main() -> None:
         landed["prefill"].append(stopped["chunk_ms"])
         note(f"stops, round {n + 1}: " + ", ".join(f"{k} {v[-1]:.0f} ms" for k, v in stops.items()))
 
-    decode_steps = answer["step_s"]
     results = {
         "context": what,
         "model": loaded.name,
@@ -247,54 +311,7 @@ def main() -> None:
         "stop_landed_in_ms": landed,
         "load_average": (load_before, os.getloadavg()),
     }
-    ms = lambda values: ", ".join(f"{v:,.0f}" for v in values)
-    rows = [
-        ("prefill", f"{prefill['tokens']:,} tokens in {prefill['seconds']:.1f} s", BEFORE["prefill"]),
-        ("  progress updates", f"{prefill['updates']} ({prefill['updates_per_second']:.2f} per second)", "none real"),
-        (
-            "  first update / longest wait",
-            f"{prefill['first_update_s']:.2f} s / {prefill['longest_wait_s']:.2f} s "
-            f"(median chunk {prefill['median_chunk_s']:.2f} s)",
-            "55 s",
-        ),
-        (
-            "first feedback after Ask",
-            f"{answer['first_update_ms']:,.0f} ms ('{answer['first_update'][:32]}…')",
-            BEFORE["feedback"],
-        ),
-        (
-            "  first answer token",
-            f"{answer['first_token_ms']:,.0f} ms (the question's pass: {question_pass_s:.2f} s)",
-            "15-16 s",
-        ),
-        (
-            "Stop during the prefill",
-            f"{ms(stops['prefill'])} ms (in chunks of {ms(landed['prefill'])} ms)",
-            "not possible",
-        ),
-        (
-            "Stop during the question's pass",
-            f"{ms(stops['question'])} ms (in passes of {ms(landed['question'])} ms)",
-            BEFORE["stop_question"],
-        ),
-        ("Stop during decoding", f"{ms(stops['decoding'])} ms (in steps of {ms(landed['decoding'])} ms)", "-"),
-        (
-            "  decode steps (8-token answer)",
-            f"median {statistics.median(decode_steps) * 1000:,.0f} ms, longest {max(decode_steps) * 1000:,.0f} ms"
-            if decode_steps
-            else "-",
-            "-",
-        ),
-    ]
-    loads = " → ".join(f"{load[0]:.1f}" for load in results["load_average"])
-    print(
-        f"\n{what}, hqq nbits=4 residual_length=16, {loaded.name}, {torch.get_num_threads()} torch threads, "
-        f"{os.cpu_count()} CPUs, load average {loads}\n"
-    )
-    width = max(len(r[0]) for r in rows)
-    print(f"{'':{width}}  {'now':60}  before (the issue)")
-    for name, now, before in rows:
-        print(f"{name:{width}}  {now:60}  {before}")
+    print_table(results)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2, default=str))

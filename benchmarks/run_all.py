@@ -56,7 +56,7 @@ from kvdemo import CacheSpec, QASession, load_model, snapshot  # noqa: E402
 from kvdemo.cases import example_path, load_case  # noqa: E402
 from kvdemo.charts import answers_frame, memory_frame, residual_frame, step_time_frame  # noqa: E402
 from kvdemo.spec import build_cache, estimate_kv_bytes  # noqa: E402
-from kvdemo.telemetry import _plain_tensors, full_precision_bytes, kv_memory  # noqa: E402
+from kvdemo.telemetry import full_precision_bytes, kv_memory, storage_bytes  # noqa: E402
 
 MiB = 2**20
 RESIDUAL = 16
@@ -85,20 +85,13 @@ def held_bytes(*objects: Any) -> int:
     """Bytes of every distinct tensor storage held by `objects`: caches (every attribute of every layer) and
     `snapshot.CacheSnapshot`s (every saved attribute); each storage counted once across all of them, quantized
     tensors opened to their packed data, scales and zero points as `kvdemo.telemetry.kv_memory` does."""
-    seen: set[tuple[str, int]] = set()
-    total = 0
+    values = []
     for obj in objects:
         if isinstance(obj, snapshot.CacheSnapshot):
-            values = [v for layer in obj.layers if layer.attributes for v in layer.attributes.values()]
+            values += [v for layer in obj.layers if layer.attributes for v in layer.attributes.values()]
         else:
-            values = [v for layer in obj.layers for v in vars(layer).values()]
-        for tensor in _plain_tensors(values):
-            storage = tensor.untyped_storage()
-            key = (str(tensor.device), storage.data_ptr())
-            if storage.nbytes() and key not in seen:
-                seen.add(key)
-                total += storage.nbytes()
-    return total
+            values += [v for layer in obj.layers for v in vars(layer).values()]
+    return storage_bytes(values)  # the one byte count (kvdemo.telemetry), each storage once
 
 
 def theoretical_kv_bytes(

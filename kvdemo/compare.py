@@ -14,9 +14,9 @@
 - **perplexity through the cache** (with `perplexity_tokens`): the context prefilled into a fresh cache and the
   text after it fed one decode step per token (`fidelity.perplexity`), and its ratio to `dynamic`'s;
 - **where the error sits**: after the prefill, per layer and KV head, the relative error of the de-quantized
-  keys and values against `dynamic`'s full-precision ones (`fidelity.kv_error`); and the **drift**: the
+  keys and values against `dynamic`'s full-precision ones (`cache_error.kv_error`); and the **drift**: the
   context's error after each flush (while `dynamic`'s answers are scored, and during the perplexity feed)
-  against its error after the prefill (`fidelity.drift_ratio`);
+  against its error after the prefill (`cache_error.drift_ratio`);
 - **fidelity against gold answers** (the SQuAD case files): exact match, containment and token F1 after
   SQuAD's normalisation, and the unanswerable rule of `score_against_gold` (all in `kvdemo.metrics`);
 - **speed**: prefill seconds, decode tokens/s (median over the answers), and the time spent in decode
@@ -31,470 +31,18 @@ only when it says that the text does not give the answer (`metrics.says_unanswer
 from __future__ import annotations
 
 import gc
-import json
-import math
-import statistics
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
-
-import pandas as pd
-import torch
 
 from kvdemo import checks, fidelity
-from kvdemo.fidelity import KLStats, KVError, PerplexityInputs, PerplexityResult
-from kvdemo.metrics import common_prefix, score_against_gold
+from kvdemo.compare_records import ComparisonCancelled, ComparisonReport, SpecResult
+from kvdemo.fidelity import PerplexityInputs
+from kvdemo.measure import Reference, _Cancelled, measure_spec, perplexity_units
 from kvdemo.models import LoadedModel
-from kvdemo.session import QASession
 from kvdemo.spec import CacheSpec
-from kvdemo.telemetry import flushed_layers
 
 ProgressCallback = Callable[[int, int, str], None]
 """`on_progress(done, total, what)`: units of work done so far, the total, and what runs next."""
-
-
-@dataclass(frozen=True)
-class QuestionResult:
-    """One question's answer under one spec.
-
-    Attributes:
-        identical_to_dynamic: the answer's token ids equal `dynamic`'s.
-        common_prefix_tokens: leading tokens shared with `dynamic`'s answer.
-        kl_nats: mean KL(P_dynamic || P_spec) per token of `dynamic`'s answer, teacher-forced (nats).
-        exact_match, contains_gold, f1: `score_against_gold` (None without gold answers).
-        answerable: False for a question the text does not answer (empty gold list); None without gold.
-        tokens_per_second: generated tokens per second of the answer.
-        flush_steps: decode steps (after the question's own pass) during which at least one layer flushed.
-        flush_seconds: wall time of those steps (seconds).
-        cache_length_after: the cache's length after the restore (tokens).
-        context_errors: `fidelity.context_error` of the context's tokens after each flush while `dynamic`'s
-            answer was scored (teacher-forced, so every spec flushes at the same steps); empty without flushes.
-    """
-
-    question: str
-    answer: str
-    token_ids: tuple[int, ...]
-    finish_reason: str
-    identical_to_dynamic: bool
-    common_prefix_tokens: int
-    kl_nats: float
-    exact_match: float | None
-    contains_gold: float | None
-    f1: float | None
-    answerable: bool | None
-    tokens_per_second: float
-    flush_steps: int
-    flush_seconds: float
-    cache_length_after: int
-    context_errors: tuple[float, ...] = ()
-
-
-@dataclass(frozen=True)
-class SpecResult:
-    """One spec's figures and answers.
-
-    Read a result by its fields (`backend`, `nbits`, `options`), never by cutting the label apart.
-
-    Attributes:
-        spec: `CacheSpec.label` (every option resolved); `spec_text` is `CacheSpec.text` (the options set only:
-            short, and unique within a report).
-        backend: the backend; nbits: its bits per value (None for `dynamic` and `fp8`); options: every option the
-            backend takes, defaults filled in (`CacheSpec.resolved`).
-        kv_bytes, quantized_bytes, residual_bytes: the cache after the prefill (bytes, `kv_memory`).
-        bytes_per_token: kv_bytes / context_tokens.
-        ratio_to_dynamic: kv_bytes / `dynamic`'s kv_bytes (the cache in the model's dtype).
-        prefill_seconds: the prefill's wall time.
-        tokens_per_second: median over the answers of `Answer.tokens_per_second` (generated tokens over the
-            answer's wall time, the question's own forward pass included).
-        flushes: flushes summed over layers and answers, those of the question's own pass included;
-            flush_seconds: summed `QuestionResult.flush_seconds` (decode steps after the question's pass).
-        restored: every answer's cache_length_after equals context_tokens.
-        kl: `fidelity.KLStats` over every position of `dynamic`'s answers (zeros and 100 % for `dynamic`).
-        kv_error: `fidelity.KVError` of the cache after the prefill against `dynamic`'s full-precision keys and
-            values ([layers][kv_heads]; zeros for `dynamic`).
-        drift, drift_flushes: `fidelity.drift_ratio` over the scored answers' and the perplexity feed's flushes:
-            the context's error after the last flush of the longest run / after the prefill, and that run's flushes
-            (None and 0 without flushes).
-        perplexity: `fidelity.PerplexityResult` with its ratio to `dynamic`'s (None without `perplexity_tokens`).
-    """
-
-    spec: str
-    spec_text: str
-    backend: str
-    nbits: int | None
-    options: dict[str, int]
-    context_tokens: int
-    kv_bytes: int
-    quantized_bytes: int
-    residual_bytes: int
-    bytes_per_token: float
-    ratio_to_dynamic: float
-    prefill_seconds: float
-    tokens_per_second: float
-    flushes: int
-    flush_seconds: float
-    restored: bool
-    questions: tuple[QuestionResult, ...]
-    kl: KLStats
-    kv_error: KVError
-    drift: float | None
-    drift_flushes: int
-    perplexity: PerplexityResult | None = None
-
-
-def _mean(values: list[float]) -> float:
-    return statistics.mean(values) if values else float("nan")
-
-
-def _none_to_nan(value: float | None) -> float:
-    return float("nan") if value is None else value
-
-
-@dataclass(frozen=True)
-class ComparisonReport:
-    """Every spec's `SpecResult`, `dynamic` first.
-
-    Attributes:
-        model: the model's name; max_new_tokens: the answers' limit (tokens).
-        perplexity_source: where the perplexity's text came from (`PerplexityInputs.source`: `continuation` or
-            `tail`), None without a perplexity run.
-    """
-
-    model: str
-    max_new_tokens: int
-    results: tuple[SpecResult, ...]
-    perplexity_source: str | None = None
-
-    COLUMNS = (
-        "spec",
-        "spec text",
-        "backend",
-        "nbits",
-        "q_group_size",
-        "residual_length",
-        "axis_key",
-        "axis_value",
-        "KV bytes",
-        "bytes/token",
-        "ratio to dynamic",
-        "identical to dynamic",
-        "common prefix (tokens)",
-        "KL (nats)",
-        "median KLD",
-        "99.0% KLD",
-        "max KLD",
-        "same top p (%)",
-        "mean |Δ log p|",
-        "99.0% |Δ log p|",
-        "positions",
-        "PPL",
-        "PPL ratio to dynamic",
-        "perplexity tokens",
-        "K error",
-        "V error",
-        "KV error",
-        "drift (×)",
-        "drift flushes",
-        "exact match",
-        "contains gold",
-        "F1",
-        "prefill s",
-        "tokens/s",
-        "flushes",
-        "flush s",
-        "restored",
-    )
-    """The full frame's columns, grouped: the spec and its options; memory; fidelity against `dynamic` (answers,
-    distribution statistics, perplexity, cache error and drift); fidelity against the gold answers; speed."""
-
-    def to_frame(self) -> pd.DataFrame:
-        """The full table: one row per spec, `COLUMNS` (also when there is none).
-
-        Columns: `spec` (label), `spec text`, `backend`, `nbits` and the options (empty where the backend has none);
-        `KV bytes`, `bytes/token`, `ratio to dynamic`; `identical to dynamic` (share of answers), `common prefix
-        (tokens)` (mean); `KL (nats)` (the mean KL per position, llama.cpp's "Mean KLD"), `median KLD`, `99.0% KLD`,
-        `max KLD` (nats/token), `same top p (%)`, `mean |Δ log p|`, `99.0% |Δ log p|` (nats), `positions` (pooled
-        answer tokens); `PPL`, `PPL ratio to dynamic`, `perplexity tokens` (NaN without a perplexity run); `K error`,
-        `V error`, `KV error` (relative, after the prefill, all layers and heads); `drift (×)`, `drift flushes` (NaN
-        and 0 without flushes); `exact match`, `contains gold`, `F1` (means; NaN without gold answers); `prefill s`,
-        `tokens/s`, `flushes`, `flush s`, `restored`. `kvdemo.charts.comparison_display_frame` makes the short
-        table a reader sees from it.
-        """
-        rows = []
-        for r in self.results:
-            qs = r.questions
-            gold = [q for q in qs if q.f1 is not None]
-            ppl = r.perplexity
-            rows.append(
-                {
-                    "spec": r.spec,
-                    "spec text": r.spec_text,
-                    "backend": r.backend,
-                    "nbits": r.nbits,
-                    **{
-                        name: r.options.get(name)
-                        for name in ("q_group_size", "residual_length", "axis_key", "axis_value")
-                    },
-                    "KV bytes": r.kv_bytes,
-                    "bytes/token": round(r.bytes_per_token, 1),
-                    "ratio to dynamic": round(r.ratio_to_dynamic, 4),
-                    "identical to dynamic": _mean([float(q.identical_to_dynamic) for q in qs]),
-                    "common prefix (tokens)": _mean([q.common_prefix_tokens for q in qs]),
-                    "KL (nats)": r.kl.mean_kld,
-                    "median KLD": r.kl.median_kld,
-                    "99.0% KLD": r.kl.p99_kld,
-                    "max KLD": r.kl.max_kld,
-                    "same top p (%)": r.kl.same_top_p,
-                    "mean |Δ log p|": r.kl.mean_abs_dlogp,
-                    "99.0% |Δ log p|": r.kl.p99_abs_dlogp,
-                    "positions": r.kl.positions,
-                    "PPL": float("nan") if ppl is None else ppl.perplexity,
-                    "PPL ratio to dynamic": float("nan") if ppl is None else _none_to_nan(ppl.ratio_to_dynamic),
-                    "perplexity tokens": 0 if ppl is None else ppl.tokens,
-                    "K error": r.kv_error.keys_total,
-                    "V error": r.kv_error.values_total,
-                    "KV error": r.kv_error.total,
-                    "drift (×)": _none_to_nan(r.drift),
-                    "drift flushes": r.drift_flushes,
-                    "exact match": _mean([q.exact_match for q in gold]),
-                    "contains gold": _mean([q.contains_gold for q in gold]),
-                    "F1": _mean([q.f1 for q in gold]),
-                    "prefill s": round(r.prefill_seconds, 2),
-                    "tokens/s": round(r.tokens_per_second, 2),
-                    "flushes": r.flushes,
-                    "flush s": round(r.flush_seconds, 2),
-                    "restored": r.restored,
-                }
-            )
-        frame = pd.DataFrame(rows, columns=list(self.COLUMNS))
-        integers = ("nbits", "q_group_size", "residual_length", "axis_key", "axis_value")
-        return frame.astype({name: "Int64" for name in integers})
-
-    def to_dict(self) -> dict:
-        """JSON-ready: model, max_new_tokens, perplexity_source and every result with its answers and fidelity
-        records (`SpecResult`'s fields; no NaN: a missing figure is None). `python -m kvdemo compare --json` prints
-        exactly this (`to_json`)."""
-        return {
-            "model": self.model,
-            "max_new_tokens": self.max_new_tokens,
-            "perplexity_source": self.perplexity_source,
-            "results": [asdict(r) for r in self.results],
-        }
-
-    def to_json(self) -> str:
-        """`to_dict()` as the text `python -m kvdemo compare --json` prints (indented, UTF-8 kept)."""
-        return json.dumps(self.to_dict(), indent=2, ensure_ascii=False)
-
-    def to_csv(self) -> str:
-        """The full table (`to_frame()`) as CSV text, one header line, no index; the answers are in `to_json`."""
-        return self.to_frame().to_csv(index=False)
-
-
-class ComparisonCancelled(Exception):
-    """Raised by `compare` when its `cancel` event is set; `report` holds the specs finished before."""
-
-    def __init__(self, report: ComparisonReport):
-        super().__init__(f"comparison cancelled after {len(report.results)} spec(s)")
-        self.report = report
-
-
-@dataclass(frozen=True)
-class Reference:
-    """What `dynamic`'s run gives the other specs: its answers and their teacher-forced log-probabilities (one
-    [n_i, vocab] tensor per question), its full-precision keys and values after the prefill (`fidelity.KV`), and
-    its perplexity (None without a perplexity run)."""
-
-    token_ids: tuple[tuple[int, ...], ...]
-    logprobs: tuple[torch.Tensor, ...]
-    kv: fidelity.KV
-    perplexity: float | None = None
-
-
-def _check_cancel(cancel: threading.Event | None) -> None:
-    if cancel is not None and cancel.is_set():
-        raise _Cancelled
-
-
-class _Cancelled(Exception):
-    pass
-
-
-PERPLEXITY_STEPS_PER_UNIT = 32
-"""Decode steps of a perplexity feed counted as one unit of `compare`'s progress."""
-
-
-def perplexity_units(tokens: int) -> int:
-    """Progress units of one perplexity feed of `tokens` decode steps (0 without one)."""
-    return math.ceil(tokens / PERPLEXITY_STEPS_PER_UNIT) if tokens > 0 else 0
-
-
-def measure_spec(
-    loaded_model: LoadedModel,
-    context: str,
-    questions: Sequence[str],
-    spec: CacheSpec,
-    max_new_tokens: int = 32,
-    reference: Reference | None = None,
-    gold_answers: Sequence[Sequence[str]] | None = None,
-    dynamic_kv_bytes: int | None = None,
-    cancel: threading.Event | None = None,
-    on_step: Callable[[str], None] | None = None,
-    kv_budget_bytes: int | None = None,
-    perplexity_inputs: PerplexityInputs | None = None,
-) -> tuple[SpecResult, Reference | None]:
-    """One spec of `compare`: a fresh `QASession`, one prefill, every question answered then scored; then, with
-    `perplexity_inputs`, a perplexity feed on a fresh cache (the session's cache is freed first).
-
-    Args:
-        reference: `dynamic`'s run to compare with; None makes this run the reference (its KL is 0, its answers
-            identical and its cache error 0 by definition; for a quantized spec the full-precision keys and values
-            then come from a `fidelity.reference_kv` prefill).
-        dynamic_kv_bytes: `dynamic`'s kv_bytes for `ratio_to_dynamic` (default: this run's own).
-        cancel: checked at every decode step; when set the session is closed (its cache restored) and the
-            internal cancellation propagates to `compare`.
-        on_step: called with a description after the prefill, after each answer and each score, and every
-            `PERPLEXITY_STEPS_PER_UNIT` decode steps of the perplexity feed.
-        kv_budget_bytes: the session's out-of-memory guard (`QASession`), also applied to the perplexity's cache.
-        perplexity_inputs: from `fidelity.perplexity_inputs`; None: no perplexity.
-
-    Returns:
-        The `SpecResult`, and this run's own `Reference` when it is the reference run (else None).
-
-    Raises:
-        ValueError, ImportError: the session refuses the spec, context or a question (its message).
-    """
-    session = QASession(loaded_model, spec, kv_budget_bytes=kv_budget_bytes)
-    prefill = session.prefill(context, max_new_tokens=max_new_tokens)
-    context_ids = session.context_ids(context)
-    if reference is not None:
-        reference_kv = reference.kv
-    elif session.spec.info.quantized:
-        reference_kv = fidelity.reference_kv(loaded_model, context_ids)
-    else:
-        reference_kv = fidelity.full_precision_kv(session.cache)  # the post-prefill tensors, before any answer
-    kv_error = fidelity.kv_error(reference_kv, session.cache)
-    if on_step is not None:
-        on_step(f"{spec.text}: prefilled {prefill.context_tokens} tokens")
-    answers, flush_steps, flush_seconds = [], [], []
-    for question in questions:
-        stream = session.stream(question, max_new_tokens)
-        steps, seconds = 0, 0.0
-        try:
-            for event in stream:
-                if event.is_flush_step:
-                    steps, seconds = steps + 1, seconds + event.seconds
-                _check_cancel(cancel)
-        finally:
-            stream.close()
-        answers.append(session.history[-1])
-        flush_steps.append(steps)
-        flush_seconds.append(seconds)
-        if on_step is not None:
-            on_step(f"{spec.text}: answered {len(answers)}/{len(questions)}")
-    ref_ids = reference.token_ids if reference is not None else tuple(a.token_ids for a in answers)
-    own, parts, drift_runs = [], [], []
-    for i, question in enumerate(questions):
-        _check_cancel(cancel)
-        errors: list[float] = []
-
-        def after_step(_: int, cache, errors=errors) -> None:
-            if flushed_layers(cache):
-                errors.append(fidelity.context_error(reference_kv, cache))
-            _check_cancel(cancel)
-
-        logprobs = session.score(question, ref_ids[i], on_step=after_step)
-        if reference is None:
-            own.append(logprobs)  # kept only when this run is the reference ([n, vocab] float32 per question)
-        parts.append(
-            fidelity.position_fidelity(logprobs if reference is None else reference.logprobs[i], logprobs, ref_ids[i])
-        )
-        drift_runs.append(tuple(errors))
-        del logprobs
-        if on_step is not None:
-            on_step(f"{spec.text}: scored {i + 1}/{len(questions)}")
-    session = None  # free this cache before the perplexity's
-    gc.collect()
-    ppl = None
-    if perplexity_inputs is not None:
-        fed_context = list(perplexity_inputs.context_ids)
-        tokens = len(fed_context)
-        same_tokens = context_ids[:tokens] == fed_context
-        ppl_reference = None
-        if same_tokens:  # the context's first tokens: the reference's first positions (attention is causal)
-            ppl_reference = tuple((k[..., :tokens, :], v[..., :tokens, :]) for k, v in reference_kv)
-        fed = perplexity_inputs.tokens
-
-        def after_feed(step: int) -> None:
-            _check_cancel(cancel)
-            if on_step is not None and ((step + 1) % PERPLEXITY_STEPS_PER_UNIT == 0 or step + 1 == fed):
-                on_step(f"{spec.text}: perplexity {step + 1}/{fed} tokens")
-
-        ppl = fidelity.perplexity(
-            loaded_model,
-            spec,
-            perplexity_inputs,
-            reference=ppl_reference,
-            on_step=after_feed,
-            kv_budget_bytes=kv_budget_bytes,
-        )
-        base = ppl.perplexity if reference is None else reference.perplexity
-        ppl = replace(ppl, ratio_to_dynamic=ppl.perplexity / base if base else None)
-        drift_runs.append(ppl.context_errors)
-    questions_out = []
-    for i, (question, answer) in enumerate(zip(questions, answers)):
-        gold = None if gold_answers is None else score_against_gold(answer.text, gold_answers[i])
-        questions_out.append(
-            QuestionResult(
-                question=question,
-                answer=answer.text,
-                token_ids=answer.token_ids,
-                finish_reason=answer.finish_reason,
-                identical_to_dynamic=answer.token_ids == ref_ids[i],
-                common_prefix_tokens=common_prefix(answer.token_ids, ref_ids[i]),
-                kl_nats=float(parts[i].kl.mean()),
-                exact_match=None if gold is None else gold.exact_match,
-                contains_gold=None if gold is None else gold.contains_gold,
-                f1=None if gold is None else gold.f1,
-                answerable=None if gold_answers is None else bool(gold_answers[i]),
-                tokens_per_second=answer.tokens_per_second,
-                flush_steps=flush_steps[i],
-                flush_seconds=flush_seconds[i],
-                cache_length_after=answer.cache_length_after,
-                context_errors=drift_runs[i],
-            )
-        )
-    memory = prefill.memory
-    drift, drift_flushes = fidelity.drift_ratio(kv_error.total, drift_runs)
-    result = SpecResult(
-        spec=spec.label,
-        spec_text=spec.text,
-        backend=spec.backend,
-        nbits=spec.resolved().get("nbits"),
-        options=spec.resolved(),
-        context_tokens=prefill.context_tokens,
-        kv_bytes=prefill.kv_bytes,
-        quantized_bytes=memory.quantized_bytes,
-        residual_bytes=memory.residual_bytes,
-        bytes_per_token=prefill.bytes_per_token,
-        ratio_to_dynamic=prefill.kv_bytes / (dynamic_kv_bytes or prefill.kv_bytes),
-        prefill_seconds=prefill.seconds,
-        tokens_per_second=statistics.median(a.tokens_per_second for a in answers),
-        flushes=sum(a.flush_count for a in answers),
-        flush_seconds=sum(flush_seconds),
-        restored=all(a.cache_length_after == prefill.context_tokens for a in answers),
-        questions=tuple(questions_out),
-        kl=fidelity.KLStats.pool(parts),
-        kv_error=kv_error,
-        drift=drift,
-        drift_flushes=drift_flushes,
-        perplexity=ppl,
-    )
-    own_reference = None
-    if reference is None:
-        own_reference = Reference(
-            tuple(a.token_ids for a in answers), tuple(own), reference_kv, None if ppl is None else ppl.perplexity
-        )
-    return result, own_reference
 
 
 def compare(
@@ -551,26 +99,42 @@ def compare(
         ...                  [CacheSpec("hqq", nbits=4)], perplexity_tokens=256, continuation=case.continuation)
         >>> report.to_frame()
     """
-    questions = list(questions)
-    if not questions:
-        raise ValueError("compare needs at least one question")
-    if gold_answers is not None and len(gold_answers) != len(questions):
-        raise ValueError(f"gold_answers has {len(gold_answers)} entries for {len(questions)} questions")
-    ordered: list[CacheSpec] = []
-    for spec in [CacheSpec("dynamic"), *specs]:
-        spec = spec.validate(loaded_model.config)
-        if spec.label not in [s.label for s in ordered]:
-            ordered.append(spec)
-    for i, question in enumerate(questions):  # refuse bad input before minutes of work
-        if not isinstance(question, str) or not question.strip():
-            raise ValueError(f"question {i + 1} is empty; give the text of every question")
-    max_new_tokens = checks.max_new_tokens(max_new_tokens)
+    questions, ordered, max_new_tokens = _checked(loaded_model, questions, specs, max_new_tokens, gold_answers)
     if isinstance(perplexity_tokens, bool) or not isinstance(perplexity_tokens, int) or perplexity_tokens < 0:
         raise ValueError(f"perplexity_tokens={perplexity_tokens!r} must be a whole number >= 0 (0: no perplexity)")
     inputs = None
     if perplexity_tokens:
         inputs = fidelity.perplexity_inputs(loaded_model, context, perplexity_tokens, continuation)
     total = len(ordered) * (1 + 2 * len(questions) + perplexity_units(perplexity_tokens))
+    return _measure_all(
+        loaded_model,
+        context,
+        questions,
+        ordered,
+        inputs,
+        total,
+        on_progress,
+        max_new_tokens,
+        gold_answers,
+        cancel,
+        kv_budget_bytes,
+    )
+
+
+def _measure_all(
+    loaded_model: LoadedModel,
+    context: str,
+    questions: list[str],
+    ordered: list[CacheSpec],
+    inputs: PerplexityInputs | None,
+    total: int,
+    on_progress: ProgressCallback | None,
+    max_new_tokens: int,
+    gold_answers: Sequence[Sequence[str]] | None,
+    cancel: threading.Event | None,
+    kv_budget_bytes: int | None,
+) -> ComparisonReport:
+    """`measure_spec` for every spec in turn, `dynamic`'s run the reference of the others; the progress counted."""
     done = 0
     source = None if inputs is None else inputs.source
 
@@ -610,3 +174,28 @@ def compare(
             reference = own
         results.append(result)
     return ComparisonReport(loaded_model.name, max_new_tokens, tuple(results), source)
+
+
+def _checked(
+    loaded_model: LoadedModel,
+    questions: Sequence[str],
+    specs: Sequence[CacheSpec],
+    max_new_tokens: int,
+    gold_answers: Sequence[Sequence[str]] | None,
+) -> tuple[list[str], list[CacheSpec], int]:
+    """`compare`'s questions, specs (`dynamic` first, each once, validated) and max_new_tokens, checked before
+    minutes of work (see `compare` for the errors)."""
+    questions = list(questions)
+    if not questions:
+        raise ValueError("compare needs at least one question")
+    if gold_answers is not None and len(gold_answers) != len(questions):
+        raise ValueError(f"gold_answers has {len(gold_answers)} entries for {len(questions)} questions")
+    ordered: list[CacheSpec] = []
+    for spec in [CacheSpec("dynamic"), *specs]:
+        spec = spec.validate(loaded_model.config)
+        if spec.label not in [s.label for s in ordered]:
+            ordered.append(spec)
+    for i, question in enumerate(questions):  # refuse bad input before minutes of work
+        if not isinstance(question, str) or not question.strip():
+            raise ValueError(f"question {i + 1} is empty; give the text of every question")
+    return questions, ordered, checks.max_new_tokens(max_new_tokens)

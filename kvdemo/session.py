@@ -357,7 +357,7 @@ class QASession:
             question: the question, as for `stream`.
             answer_ids: the answer's token ids (length n >= 1), e.g. another backend's `Answer.token_ids`.
             on_step: called as `on_step(i, cache)` after the forward pass that gives row i, before the restore; it
-                may read the cache (e.g. `telemetry.flushed_layers`, `fidelity.dequantized_kv`), never change it.
+                may read the cache (e.g. `telemetry.flushed_layers`, `cache_error.dequantized_kv`), never change it.
 
         Returns:
             float32 log-probabilities on the CPU, shape [n, vocab_size].

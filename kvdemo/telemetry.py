@@ -208,6 +208,17 @@ def _bytes(objs: tuple[Any, ...], seen: set[tuple[str, int]], devices: set[torch
     return total
 
 
+def storage_bytes(*objects: Any) -> int:
+    """Bytes of every distinct tensor storage inside `objects` (tensors, tensor subclasses opened to their packed
+    data, scales and zero points, and tuples, lists and dicts of them), each storage counted once across all of
+    them, as `kv_memory` counts. For code that holds cache attributes outside a cache (e.g. a benchmark's copies).
+
+    Example:
+        >>> storage_bytes([vars(layer) for layer in cache.layers])  # the whole cache's bytes
+    """
+    return _bytes(objects, set())
+
+
 def _tokens(tensor: torch.Tensor | None) -> int:
     return tensor.shape[-2] if tensor is not None and tensor.dim() == 4 else 0
 

@@ -10,7 +10,8 @@ import pytest
 from matplotlib.figure import Figure
 
 from kvdemo import CacheSpec
-from kvdemo.charts import (
+from kvdemo.compare import compare
+from kvdemo.report_charts import (
     DISPLAY_HELP,
     comparison_display_frame,
     display_groups,
@@ -23,7 +24,6 @@ from kvdemo.charts import (
     tradeoff_figure,
     tradeoff_frame,
 )
-from kvdemo.compare import compare
 
 CONTEXT = "The Normans were the people who gave their name to Normandy. Rollo led them. " * 3
 CONTINUATION = " Their descendants spread to England, Italy and the Near East over the next century. " * 2

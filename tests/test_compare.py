@@ -12,8 +12,10 @@ import pandas as pd
 import pytest
 import torch
 
-from kvdemo import CacheSpec, QASession, fidelity
-from kvdemo.compare import ComparisonCancelled, compare, measure_spec
+from kvdemo import CacheSpec, QASession, cache_error, fidelity
+from kvdemo.compare import compare
+from kvdemo.compare_records import ComparisonCancelled
+from kvdemo.measure import measure_spec
 from kvdemo.metrics import (
     common_prefix,
     contains_gold,
@@ -224,11 +226,11 @@ def test_fidelity_figures_against_sessions_by_hand(tiny):
     ref_ids = [q.token_ids for q in dynamic.questions]
     ref_logprobs = [ref_session.score(q, ids) for q, ids in zip(QUESTIONS, ref_ids)]
     inputs = fidelity.perplexity_inputs(tiny, LONG_CONTEXT, 12, CONTINUATION)
-    reference = fidelity.reference_kv(tiny, inputs.context_ids)
+    reference = cache_error.reference_kv(tiny, inputs.context_ids)
     for result, spec in zip((hqq, fp8), specs):
         session = QASession(tiny, spec)
         session.prefill(LONG_CONTEXT)
-        expected_error = fidelity.kv_error(reference, session.cache)
+        expected_error = cache_error.kv_error(reference, session.cache)
         assert result.kv_error == expected_error and result.kv_error.total > 0
         runs, logprobs = [], []
         for question, ids in zip(QUESTIONS, ref_ids):
@@ -236,7 +238,7 @@ def test_fidelity_figures_against_sessions_by_hand(tiny):
 
             def after_step(_, cache, errors=errors):
                 if flushed_layers(cache):
-                    errors.append(fidelity.context_error(reference, cache))
+                    errors.append(cache_error.context_error(reference, cache))
 
             logprobs.append(session.score(question, ids, on_step=after_step))
             runs.append(tuple(errors))
@@ -250,7 +252,7 @@ def test_fidelity_figures_against_sessions_by_hand(tiny):
         assert result.perplexity.perplexity == pytest.approx(ppl.perplexity, rel=1e-6)
         assert result.perplexity.ratio_to_dynamic == pytest.approx(ppl.perplexity / dynamic.perplexity.perplexity)
         assert result.perplexity.context_errors == pytest.approx(ppl.context_errors)
-        expected_drift = fidelity.drift_ratio(expected_error.total, runs + [ppl.context_errors])
+        expected_drift = cache_error.drift_ratio(expected_error.total, runs + [ppl.context_errors])
         assert (result.drift, result.drift_flushes) == (pytest.approx(expected_drift[0]), expected_drift[1])
     assert hqq.drift_flushes == 6 and len(hqq.perplexity.flush_steps) == 6  # 12 fed tokens, residual_length 2
     assert fp8.drift is None and fp8.drift_flushes == 0  # fp8 appends, never flushes

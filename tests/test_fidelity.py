@@ -11,19 +11,15 @@ import torch
 from transformers import LlamaConfig
 
 from kvdemo import CacheSpec, QASession
+from kvdemo.cache_error import context_error, dequantized_kv, drift_ratio, kv_error, reference_kv
 from kvdemo.fidelity import (
     KLStats,
     PerplexityInputs,
-    context_error,
-    dequantized_kv,
-    drift_ratio,
     kl_statistics,
-    kv_error,
     percentile,
     perplexity,
     perplexity_inputs,
     position_fidelity,
-    reference_kv,
 )
 from kvdemo.session import KVBudgetError
 from kvdemo.spec import build_cache

@@ -12,19 +12,10 @@ import pytest
 import torch
 
 from kvdemo import CacheSpec, QASession
-from kvdemo.needle import (
-    _SENTENCE_END,
-    NeedleCancelled,
-    build_context,
-    haystack_text,
-    hit,
-    longest_length,
-    make_needles,
-    needle_grid,
-    parse_depths,
-    parse_lengths,
-    plan_contexts,
-)
+from kvdemo.haystack import _SENTENCE_END, build_context, haystack_text, make_needles
+from kvdemo.needle import hit, longest_length, needle_grid, plan_contexts
+from kvdemo.needle_inputs import parse_depths, parse_lengths
+from kvdemo.needle_records import NeedleCancelled
 from kvdemo.session import KVBudgetError
 
 DEPTHS = [0, 25, 50, 75, 100]
@@ -293,7 +284,7 @@ def test_embedded_model_finds_a_needle_with_the_full_precision_cache(embedded):
 
 
 def test_heatmap_frame_and_figure_read_the_table(tiny):
-    from kvdemo.charts import SCORE_FLOOR, needle_heatmap_figure, needle_heatmap_frame
+    from kvdemo.report_charts import SCORE_FLOOR, needle_heatmap_figure, needle_heatmap_frame
 
     grid = needle_grid(tiny, ["dynamic", "fp8"], [200, 260], [100, 0], max_new_tokens=2)
     table = grid.to_frame()

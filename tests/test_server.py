@@ -1,4 +1,4 @@
-"""The server-wide KV budget (`kvdemo.server.KVAccount`, `App.prefill`, `App.reserve_answer`, `App.comparison`)
+"""The server-wide KV budget (`kvdemo.accounting.KVAccount`, `App.prefill`, `App.reserve_answer`, `App.comparison`)
 and the MCP tools' handlers (`kvdemo.ui.mcp_tools.McpTools`) called directly on a tiny model: what a session may
 hold against what it really holds, refusals with the figures before anything runs, reservations released when a
 session is freed or replaced, and the MCP sessions kept apart."""
@@ -13,8 +13,9 @@ import gradio as gr
 import pytest
 
 from kvdemo import CacheSpec, QASession
+from kvdemo.accounting import KVAccount, ServerKVBudgetError, prefill_tokens, session_kv_bytes
 from kvdemo.compare import compare
-from kvdemo.server import App, KVAccount, ServerKVBudgetError, prefill_tokens, session_kv_bytes
+from kvdemo.server import App
 from kvdemo.session import QUESTION_RESERVE_TOKENS
 from kvdemo.spec import estimate_kv_bytes
 from kvdemo.telemetry import _bytes

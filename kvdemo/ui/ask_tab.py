@@ -8,61 +8,20 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterator
 from contextlib import closing
-from typing import Any, NamedTuple
+from typing import Any
 
 import gradio as gr
 
 from kvdemo import checks
 from kvdemo.backends import BACKENDS, GROUP_OPTIONS
-from kvdemo.charts import MEMORY_SERIES, answers_frame
 from kvdemo.server import App, UserSession
-from kvdemo.session import DEFAULT_MAX_NEW_TOKENS, PrefillStopped, QASession
+from kvdemo.session import PrefillStopped, QASession
 from kvdemo.spec import CacheSpec
 from kvdemo.speedlimit import speed_limit
-from kvdemo.telemetry import STEP_KINDS
 from kvdemo.ui import views
-from kvdemo.ui.examples import EXAMPLES, example
+from kvdemo.ui.ask_widgets import AnswerView, AskWidgets, PrefillView
+from kvdemo.ui.examples import example
 from kvdemo.ui.inputs import read_upload, refusal, spec_from_inputs
-
-START_SPEC = CacheSpec("hqq", nbits=4, residual_length=16)
-"""The Ask tab's starting spec: a short residual, so that flushes show within the first answers."""
-
-
-class PrefillView(NamedTuple):
-    """What a prefill shows (`AskTab.prefill`), in the order of its outputs."""
-
-    prefill_info: Any
-    chat: Any
-    stats: Any
-    memory_plot: Any
-    residual_plot: Any
-    step_plot: Any
-    answers_table: Any
-    notice: Any
-    ask_button: Any
-
-    @classmethod
-    def refused(cls, message: str, ask_enabled: bool | None) -> PrefillView:
-        """A refusal: the message beside Prefill, every other output as it was (the previous cache stays)."""
-        ask = gr.skip() if ask_enabled is None else gr.update(interactive=ask_enabled)
-        return cls(*[gr.skip()] * 7, message, ask)
-
-
-class AnswerView(NamedTuple):
-    """What each update of an answer shows (`AskTab.ask`), in the order of its outputs."""
-
-    chat: Any
-    stats: Any
-    memory_plot: Any
-    residual_plot: Any
-    step_plot: Any
-    answers_table: Any
-    speed_limit: Any = gr.skip()  # the line under the step-time chart, at the answer's end
-
-    @classmethod
-    def refused(cls, message: str) -> AnswerView:
-        """A refusal: the message beside Ask; the chat, charts and table stay as they were."""
-        return cls(gr.skip(), message, gr.skip(), gr.skip(), gr.skip(), gr.skip())
 
 
 def _guarded(stream: Iterator, qa: QASession) -> Iterator:
@@ -78,7 +37,7 @@ def _guarded(stream: Iterator, qa: QASession) -> Iterator:
         ) from None
 
 
-class AskTab:
+class AskTab(AskWidgets):
     """The Ask tab over the shared `App`.
 
     Args:
@@ -339,105 +298,6 @@ class AskTab:
         return context, gr.Dataset(samples=[[q] for q in questions])
 
     # ---- the widgets and their events ---------------------------------------------------------------
-    def build(self) -> None:
-        """The tab's widgets (inside a `gr.Blocks` and `gr.Tab` context), kept in `self.w` by name."""
-        w = self.w
-        with gr.Row():
-            with gr.Column(scale=1, min_width=280):
-                self._build_options()
-            with gr.Column(scale=3):
-                gr.Markdown("### Context")
-                w["context"] = gr.Textbox(label="context", lines=10, max_lines=18, placeholder="Paste a long text…")
-                with gr.Row():
-                    w["upload"] = gr.File(
-                        label="or upload .txt / .md (≤ 2 MiB, UTF-8)",
-                        file_types=[".txt", ".md"],
-                        type="filepath",
-                        height=130,
-                    )
-                    with gr.Column():
-                        w["examples"] = {name: gr.Button(f"Example: {name}", size="sm") for name in EXAMPLES}
-                w["prefill_button"] = gr.Button("Prefill", variant="primary")
-                w["notice"] = gr.Markdown("")  # refusals, beside the button they refuse
-                w["prefill_info"] = gr.Markdown(
-                    f"**spec** `{START_SPEC.full_text}` · nothing prefilled in this tab yet"
-                )
-        # what a reload should keep: the Context box and the options, in the browser's localStorage
-        w["saved"] = gr.BrowserState(None, storage_key="kvdemo-ask-tab")
-        gr.Markdown("### Questions")
-        with gr.Row():
-            with gr.Column(scale=3):
-                w["chat"] = gr.Chatbot(label="answers", height=320)
-                w["question"] = gr.Textbox(label="question", placeholder="Ask about the context…")
-                with gr.Row():
-                    w["max_new_tokens"] = gr.Number(
-                        DEFAULT_MAX_NEW_TOKENS, label="max_new_tokens", precision=0, minimum=1
-                    )
-                    w["ask_button"] = gr.Button("Ask", variant="primary", interactive=False)
-                    w["stop_button"] = gr.Button("Stop", variant="stop")
-                w["example_questions"] = gr.Dataset(components=[w["question"]], samples=[], label="example questions")
-                w["stats"] = gr.Markdown("")
-            with gr.Column(scale=2):
-                self._build_charts()
-        w["answers_table"] = gr.Dataframe(answers_frame([]), label="this session's answers", interactive=False)
-        with gr.Accordion("What am I looking at?", open=False):
-            gr.Markdown(views.EXPLAINER)
-
-    def _build_options(self) -> None:
-        """The backend radio and one field per option in `GROUP_OPTIONS`, set to `START_SPEC` from the registry."""
-        w = self.w
-        gr.Markdown("### Cache backend")
-        w["backend"] = gr.Radio(list(BACKENDS), value=START_SPEC.backend, label="backend")
-        start = START_SPEC.resolved()
-        options = {name: opt for b in reversed(list(BACKENDS.values())) for name, opt in b.options.items()}
-        options.update(START_SPEC.info.options)
-        for name in GROUP_OPTIONS:
-            option, value = options[name], start.get(name, options[name].default)
-            visible = name in START_SPEC.info.options
-            if option.choices is not None:
-                w[name] = gr.Dropdown(list(option.choices), value=value, label=name, info=option.help, visible=visible)
-            else:
-                w[name] = gr.Number(
-                    value, label=name, precision=0, minimum=option.minimum, info=option.help, visible=visible
-                )
-        w["backend_note"] = gr.Markdown(views.backend_option_updates(START_SPEC.backend)[-1])
-
-    def _build_charts(self) -> None:
-        w = self.w
-        w["memory_plot"] = gr.LinePlot(
-            None,
-            x="step",
-            y="MiB",
-            color="series",
-            title="KV cache memory",
-            x_title="decode step",
-            y_title="MiB",
-            height=230,
-            y_lim=[0, None],
-            color_map=dict(zip(MEMORY_SERIES, ("#1f77b4", "#ff7f0e", "#d62728", "#7f7f7f"))),
-        )
-        w["residual_plot"] = gr.LinePlot(
-            None,
-            x="step",
-            y="residual tokens",
-            title="Residual fill (layer 0)",
-            x_title="decode step",
-            height=180,
-        )
-        w["step_plot"] = gr.ScatterPlot(
-            None,
-            x="step",
-            y="ms",
-            color="kind",
-            title="Time per decode step (flush steps marked)",
-            x_title="decode step",
-            y_title="ms",
-            height=220,
-            color_map=dict(zip(STEP_KINDS, ("#7f7f7f", "#1f77b4", "#d62728"))),
-            tooltip=["step", "ms", "kind", "layers flushed"],
-        )
-        w["speed_limit"] = gr.Markdown("")
-
     @staticmethod
     def remember(context, backend, *options) -> dict[str, Any]:
         """What the browser keeps across a reload: the Context box, the backend and its options."""

@@ -11,8 +11,9 @@ import gradio as gr
 
 from kvdemo.backends import BACKENDS
 from kvdemo.cases import continuation_for, gold_answers_for
-from kvdemo.charts import DISPLAY_HELP
-from kvdemo.compare import ComparisonCancelled, ComparisonReport, compare
+from kvdemo.compare import compare
+from kvdemo.compare_records import ComparisonCancelled, ComparisonReport
+from kvdemo.report_charts import DISPLAY_HELP
 from kvdemo.spec import all_specs, default_compare_specs
 from kvdemo.ui import views
 from kvdemo.ui.ask_tab import AskTab
@@ -162,13 +163,18 @@ class CompareTab:
 
     def build(self) -> None:
         """The tab's widgets (inside a `gr.Blocks` and `gr.Tab` context), kept in `self.w` by name."""
-        w = self.w
         gr.Markdown(
             "Run the text in the **Context** box and the questions below over several KV cache backends, one at "
             "a time, each in a fresh cache (your own prefilled cache is untouched): memory, fidelity against "
             "`dynamic` (identical answers, KL divergence teacher-forced on `dynamic`'s answer) and against the "
             "gold answers of the examples, and speed. About 2 × (questions × max_new_tokens) decode steps per spec."
         )
+        self._build_inputs()
+        self._build_results()
+
+    def _build_inputs(self) -> None:
+        """The specs, max_new_tokens, perplexity tokens, the questions and the buttons."""
+        w = self.w
         defaults = {name: opt.default for b in BACKENDS.values() for name, opt in b.options.items()}
         with gr.Row():
             with gr.Column(scale=1, min_width=280):
@@ -208,6 +214,10 @@ class CompareTab:
                     w["fill_button"] = gr.Button("Fill in questions (asked so far, or the example's)", size="sm")
                     w["compare_button"] = gr.Button("Run comparison", variant="primary")
                     w["cancel_button"] = gr.Button("Cancel", variant="stop")
+
+    def _build_results(self) -> None:
+        """The status, the table and its files, the tradeoff and speed plots, the KV error heatmap."""
+        w = self.w
         w["compare_status"] = gr.Markdown("")
         w["compare_table"] = gr.Dataframe(
             label="comparison (memory · fidelity against dynamic · speed)", interactive=False, wrap=True

@@ -28,11 +28,12 @@ import gradio as gr
 
 from kvdemo import checks
 from kvdemo.cases import gold_answers_for
-from kvdemo.compare import ComparisonCancelled, compare
+from kvdemo.compare import compare
+from kvdemo.compare_records import ComparisonCancelled
 from kvdemo.server import App, UserSession
 from kvdemo.session import DEFAULT_MAX_NEW_TOKENS, QASession
 from kvdemo.spec import CacheSpec, default_compare_specs
-from kvdemo.ui.ask_tab import START_SPEC
+from kvdemo.ui.ask_widgets import START_SPEC
 from kvdemo.ui.inputs import compare_inputs, user_errors
 
 TOOLS = ("prefill_context", "ask_question", "compare_backends")

@@ -10,9 +10,10 @@ from typing import Any, NamedTuple
 
 import gradio as gr
 
-from kvdemo import needle
+from kvdemo import needle, needle_records
+from kvdemo.accounting import session_kv_bytes
 from kvdemo.charts import needle_heatmap_figure
-from kvdemo.server import session_kv_bytes
+from kvdemo.needle_inputs import parse_depths, parse_lengths
 from kvdemo.session import QUESTION_RESERVE_TOKENS
 from kvdemo.spec import CacheSpec, all_specs
 from kvdemo.ui.ask_tab import AskTab
@@ -37,7 +38,7 @@ class NeedleView(NamedTuple):
         return cls(message, *[gr.skip()] * (len(cls._fields) - 1))
 
 
-def _view(grid: needle.NeedleGrid, note: str) -> NeedleView:
+def _view(grid: needle_records.NeedleGrid, note: str) -> NeedleView:
     """The outputs of a (possibly partial) grid."""
     table = grid.to_frame()
     if table.empty:
@@ -90,7 +91,10 @@ class NeedleTab:
             if not user.compare_pending:  # called through the API, not queued by the button
                 user.compare_cancel.clear()
             loaded = self.app.wait_for_model()
-            chosen, token_lengths = [CacheSpec.parse(s) for s in specs or []], needle.parse_lengths(lengths or "")
+            chosen, token_lengths = (
+                [CacheSpec.parse(s) for s in specs or []],
+                parse_lengths(lengths or ""),
+            )
             answer_tokens = int(max_new_tokens or needle.DEFAULT_MAX_NEW_TOKENS)
             # within the server-wide KV budget: one spec at a time, so at most its largest cache at the longest length
             longest = max(token_lengths, default=0)
@@ -104,7 +108,7 @@ class NeedleTab:
                     loaded,
                     chosen,
                     token_lengths,
-                    needle.parse_depths(depths or ""),
+                    parse_depths(depths or ""),
                     seed=int(seed or 0),
                     max_new_tokens=answer_tokens,
                     cancel=user.compare_cancel,
@@ -112,7 +116,7 @@ class NeedleTab:
                     on_progress=lambda done, total, what: progress((done, total), desc=what, unit="steps"),
                 )
             return _view(grid, f"{len(grid.cells):,} cells in {grid.seconds:,.0f} s on {grid.device}.")
-        except needle.NeedleCancelled as cancelled:
+        except needle_records.NeedleCancelled as cancelled:
             return _view(cancelled.grid, f"Cancelled after {len(cancelled.grid.cells):,} cells.")
         except (ValueError, ImportError, TypeError) as error:
             return NeedleView.refused(refusal(error, "a needle grid"))

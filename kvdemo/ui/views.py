@@ -13,18 +13,15 @@ import pandas as pd
 from kvdemo.backends import BACKENDS, GROUP_OPTIONS
 from kvdemo.charts import (
     answers_frame,
-    comparison_display_frame,
     flush_timing,
-    kv_error_figure,
     memory_frame,
     memory_series,
     residual_frame,
-    speed_frame,
     step_time_frame,
-    tradeoff_frame,
 )
-from kvdemo.compare import ComparisonReport
+from kvdemo.compare_records import ComparisonReport
 from kvdemo.models import LoadedModel
+from kvdemo.report_charts import comparison_display_frame, kv_error_figure, speed_frame, tradeoff_frame
 from kvdemo.session import QASession
 from kvdemo.spec import CacheSpec
 from kvdemo.speedlimit import SpeedLimit

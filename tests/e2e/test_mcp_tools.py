@@ -17,7 +17,7 @@ from mcp.client.streamable_http import streamable_http_client
 
 from kvdemo import CacheSpec, QASession
 from kvdemo.ui import App, build_demo
-from kvdemo.ui.ask_tab import START_SPEC
+from kvdemo.ui.ask_widgets import START_SPEC
 from kvdemo.ui.mcp_tools import TOOLS, serve_only_tools
 
 from .conftest import free_port
