@@ -153,7 +153,13 @@ def _group_bytes(stored_bits: dict[int, float]) -> BytesFormula:
     """Group-wise affine quantization with a full-precision residual: `residual` tokens in the model's dtype,
     the others at nbits per value (`stored_bits[nbits]` where the packing pads) plus a scale and a zero point
     in the model's dtype per group of q_group_size values. Source: x ~ scale * (q - zero) per group (HQQ,
-    Badri and Shaji 2023; optimum-quanto) with KIVI's full-precision residual (Liu et al. 2024)."""
+    Badri and Shaji 2023; optimum-quanto) with KIVI's full-precision residual (Liu et al. 2024).
+
+    The same for both flush policies: with `flush=append` the store is a list of blocks (the prefill's, then one
+    per flush), each with its own scales and zero points, so no group spans a block's boundary; every grouping
+    these backends allow lies within one token (along head_dim, or heads x head_dim: see the group rules), so the
+    split adds no group and no byte (measured: the same bytes as `requantize`, `tests/test_flush.py`). A
+    grouping across tokens would add up to one partial group per block and tensor."""
 
     def formula(opts, geo: KVGeometry, tokens, residual, element, nominal) -> float:
         bits = opts["nbits"] if nominal else stored_bits.get(opts["nbits"], opts["nbits"])

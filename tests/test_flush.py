@@ -115,3 +115,52 @@ def test_update_assigns_a_new_list_at_each_flush(tiny):
     assert cache.layers[0]._quantized_keys is not held and len(held) == 1 and len(cache.layers[0]._quantized_keys) == 2
     snapshot.restore(cache, saved)
     assert cache.layers[0]._quantized_keys is held and cache.get_seq_length() == 10
+
+
+def test_the_option_reaches_the_command_line_and_the_page(capsys):
+    from kvdemo.__main__ import build_parser, run_ask  # noqa: F401
+    from kvdemo.ui.inputs import spec_from_inputs
+    from kvdemo.ui.views import backend_option_updates
+
+    parser = build_parser()
+    args = parser.parse_args(["ask", "--context-file", "x", "--backend", "hqq", "--flush", "Append"])
+    assert args.flush == "append"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["ask", "--help"])
+    assert "--flush" in capsys.readouterr().out
+    *fields, _ = backend_option_updates("hqq", 4, 64, 128, 0, 0, "append")
+    assert fields[-1]["choices"] == ["requantize", "append"] and fields[-1]["value"] == "append"
+    assert not backend_option_updates("fp8")[-2]["visible"]
+    assert spec_from_inputs("hqq", 4, 64, 128, 0, 0, "append") == CacheSpec(
+        "hqq", nbits=4, q_group_size=64, residual_length=128, axis_key=0, axis_value=0, flush="append"
+    )
+    assert spec_from_inputs("fp8", None, None, None, None, None, "append") == CacheSpec("fp8")
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["quanto:4", "quanto:2,q_group_size=32", "hqq:4", "hqq:3", "hqq:4,q_group_size=32,axis_key=1,axis_value=1"],
+)
+def test_append_holds_the_bytes_of_the_formula_after_many_flushes(text):
+    """Blocks add no bytes: every grouping allowed lies within one token, so the store split at the flushes holds
+    exactly what one store holds (and what the registry's formula says), on the embedded model's KV shape."""
+    from transformers import LlamaConfig
+
+    from kvdemo.spec import estimate_kv_bytes
+
+    config = LlamaConfig(
+        num_hidden_layers=1, num_attention_heads=9, num_key_value_heads=3, head_dim=64, hidden_size=576
+    )
+    held = {}
+    for policy in ("requantize", "append"):
+        spec = CacheSpec.parse(f"{text},residual_length=16,flush={policy}")
+        cache = build_cache(spec, config)
+        torch.manual_seed(0)
+        cache.update(torch.randn(1, 3, 100, 64), torch.randn(1, 3, 100, 64), 0)
+        for _ in range(16 * 3 + 5):  # three flushes, five tokens left in the residual
+            cache.update(torch.randn(1, 3, 1, 64), torch.randn(1, 3, 1, 64), 0)
+        memory = kv_memory(cache)
+        held[policy] = memory.cache_bytes
+        assert memory.layers[0].residual_tokens == 5 and memory.seq_length == 153
+        assert held[policy] == estimate_kv_bytes(spec, config, 153, torch.float32, 5)
+    assert len(cache.layers[0]._quantized_keys) == 4 and held["append"] == held["requantize"]
