@@ -156,10 +156,11 @@ def _group_bytes(stored_bits: dict[int, float]) -> BytesFormula:
     Badri and Shaji 2023; optimum-quanto) with KIVI's full-precision residual (Liu et al. 2024).
 
     The same for both flush policies: with `flush=append` the store is a list of blocks (the prefill's, then one
-    per flush), each with its own scales and zero points, so no group spans a block's boundary; every grouping
-    these backends allow lies within one token (along head_dim, or heads x head_dim: see the group rules), so the
-    split adds no group and no byte (measured: the same bytes as `requantize`, `tests/test_flush.py`). A
-    grouping across tokens would add up to one partial group per block and tensor."""
+    per flush), each with its own scales and zero points, so no group spans a block's boundary. Every grouping
+    these backends allow splits one token's values (kv_heads x head_dim) into whole groups (the group rules), so
+    a block of any number of tokens holds whole groups and the split adds no group and no byte (measured: the
+    same bytes as `requantize`, `tests/test_flush.py`). A group size that did not divide one token's values
+    would add up to one partial group per block and tensor."""
 
     def formula(opts, geo: KVGeometry, tokens, residual, element, nominal) -> float:
         bits = opts["nbits"] if nominal else stored_bits.get(opts["nbits"], opts["nbits"])

@@ -142,8 +142,8 @@ def test_the_option_reaches_the_command_line_and_the_page(capsys):
     ["quanto:4", "quanto:2,q_group_size=32", "hqq:4", "hqq:3", "hqq:4,q_group_size=32,axis_key=1,axis_value=1"],
 )
 def test_append_holds_the_bytes_of_the_formula_after_many_flushes(text):
-    """Blocks add no bytes: every grouping allowed lies within one token, so the store split at the flushes holds
-    exactly what one store holds (and what the registry's formula says), on the embedded model's KV shape."""
+    """Blocks add no bytes: every grouping allowed splits one token's values into whole groups, so the store split
+    at the flushes holds exactly what one store holds (and what the registry's formula says), on the embedded model's KV shape."""
     from transformers import LlamaConfig
 
     from kvdemo.spec import estimate_kv_bytes
