@@ -143,7 +143,8 @@ def test_the_option_reaches_the_command_line_and_the_page(capsys):
 )
 def test_append_holds_the_bytes_of_the_formula_after_many_flushes(text):
     """Blocks add no bytes: every grouping allowed splits one token's values into whole groups, so the store split
-    at the flushes holds exactly what one store holds (and what the registry's formula says), on the embedded model's KV shape."""
+    at the flushes holds exactly what one store holds (and what the registry's formula says), on the embedded
+    model's KV shape."""
     from transformers import LlamaConfig
 
     from kvdemo.spec import estimate_kv_bytes
@@ -164,3 +165,16 @@ def test_append_holds_the_bytes_of_the_formula_after_many_flushes(text):
         assert memory.layers[0].residual_tokens == 5 and memory.seq_length == 153
         assert held[policy] == estimate_kv_bytes(spec, config, 153, torch.float32, 5)
     assert len(cache.layers[0]._quantized_keys) == 4 and held["append"] == held["requantize"]
+
+
+def test_the_step_time_chart_marks_append_flush_steps(tiny, normans):
+    from kvdemo.charts import step_time_frame
+    from kvdemo.telemetry import expected_flush_steps
+
+    session = QASession(tiny, APPEND[1].replace(residual_length=4))
+    session.prefill(normans.paragraphs[0])
+    events = list(session.stream("Who was the Norse leader?", 12))
+    rule = expected_flush_steps(len(session.question_ids("Who was the Norse leader?")), 4, len(events))
+    assert [e.step for e in events if e.flushed_layers] == rule
+    frame = step_time_frame(events)
+    assert list(frame[frame["kind"] == "flush step"]["step"]) == [s for s in rule if s > 0]
