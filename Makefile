@@ -49,7 +49,7 @@ check-style: $(DEV_STAMP)
 # every benchmark figure side by side in one run (3.5 min on 2 cores): artifacts/bench/{results.json,bench.png}
 bench: $(APP_STAMP)
 	GRADIO_ANALYTICS_ENABLED=False HF_HUB_OFFLINE=1 $(PY) benchmarks/run_all.py
-	# the flush policies and where a quantized decode step's time goes (about 5 min): artifacts/bench/flush.json
+	# the flush policies and where a quantized decode step's time goes (8-25 min on 2 shared cores): artifacts/bench/flush.json
 	GRADIO_ANALYTICS_ENABLED=False HF_HUB_OFFLINE=1 $(PY) benchmarks/flush.py
 
 clean:

@@ -16,7 +16,8 @@
    16 so that the answer flushes every 16 tokens: KL(P_dynamic || P_spec) (`kvdemo.fidelity.kl_statistics`) and
    the perplexity (exp of the mean negative log-likelihood, as `kvdemo.fidelity.perplexity` defines it).
 
-    .venv/bin/python benchmarks/flush.py            # about 4 minutes on 2 cores
+    .venv/bin/python benchmarks/flush.py            # 8-25 minutes on 2 shared cores (hqq's requantize flushes
+                                                    # at 7,680 tokens take most of it)
     .venv/bin/python benchmarks/flush.py --quick    # two lengths, one round, 32 fidelity tokens
 """
 
@@ -233,7 +234,7 @@ def fidelity(loaded, tokens: int) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="two lengths, one round, 32 fidelity tokens")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds per length (default 3)")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds per length (default 2)")
     parser.add_argument("--normal", type=int, default=4, help="normal steps timed after each flush (default 4)")
     parser.add_argument("--out", default=str(ROOT / "artifacts" / "bench" / "flush.json"))
     args = parser.parse_args()
