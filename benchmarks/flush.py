@@ -236,6 +236,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="two lengths, one round, 32 fidelity tokens")
     parser.add_argument("--rounds", type=int, default=2, help="rounds per length (default 2)")
     parser.add_argument("--normal", type=int, default=4, help="normal steps timed after each flush (default 4)")
+    parser.add_argument("--tokens", type=int, default=128, help="tokens scored for fidelity (default 128)")
+    parser.add_argument(
+        "--sections", default="steps,profile,fidelity", help="which to run, comma-separated (default all three)"
+    )
     parser.add_argument("--out", default=str(ROOT / "artifacts" / "bench" / "flush.json"))
     args = parser.parse_args()
     lengths = [1024, 2048] if args.quick else [1024, 2048, 4096, 7680]
@@ -245,26 +249,46 @@ def main() -> None:
     log("prefill of 2,048 tokens")
     kv = base_kv(loaded, 2048)
     results: dict[str, Any] = {"torch_threads": torch.get_num_threads(), "residual_length": RESIDUAL}
-    results["steps"] = step_timings(loaded, kv, lengths, rounds, args.normal)
+    sections = set(args.sections.split(","))
+    if "steps" in sections:
+        print_steps(results, step_timings(loaded, kv, lengths, rounds, args.normal), rounds)
+    if "profile" in sections:
+        print_profile(results, profile_step(loaded, kv, 2048))
+    if "fidelity" in sections:
+        print_fidelity(results, fidelity(loaded, 32 if args.quick else args.tokens))
+    results["seconds"] = time.perf_counter() - start
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2))
+    print(f"\n{results['seconds']:.0f} s; written to {args.out}")
+
+
+def print_steps(results, steps, rounds) -> None:
+    results["steps"] = steps
+    lengths = list(steps)
     print(f"\n1. flush step / normal step (residual_length {RESIDUAL}; medians of {rounds} rounds, interleaved)")
     print(f"{'context tokens':>15}" + "".join(f"{n:>30}" for n in FLUSH_SPECS))
     for length, row in results["steps"].items():
         cells = "".join(f"{row[n]['flush_over_step']:>20.2f}× ({row[n]['flush_ms']:>5.0f} ms)" for n in FLUSH_SPECS)
         print(f"{int(length):>15,}" + cells)
     print("\n2. quantized normal step / dynamic step")
-    others = [n for n in results["steps"][str(lengths[0])] if n != "dynamic_ms"]
+    others = [n for n in results["steps"][lengths[0]] if n != "dynamic_ms"]
     print(f"{'context tokens':>15}{'dynamic ms':>12}" + "".join(f"{n:>26}" for n in others))
     for length, row in results["steps"].items():
         cells = "".join(f"{row[n]['step_over_dynamic']:>26.2f}" for n in others)
         print(f"{int(length):>15,}{row['dynamic_ms']:>12.0f}" + cells)
-    results["profile"] = profile_step(loaded, kv, 2048)
+
+
+def print_profile(results, profile) -> None:
+    results["profile"] = profile
     print("\n3. one decode step at 2,048 tokens, ms (torch.profiler, inclusive CPU time; update includes dequantize)")
     columns = ("step_ms", "kv_update_ms", "dequantize_ms", "cat_ms", "attention_ms", "matmul_ms")
     print(f"{'backend':>10}" + "".join(f"{c[:-3]:>13}" for c in columns))
     for name, row in results["profile"].items():
         print(f"{name:>10}" + "".join(f"{row[c]:>13.1f}" for c in columns))
-    results["fidelity"] = fidelity(loaded, 32 if args.quick else 128)
-    f = results["fidelity"]
+
+
+def print_fidelity(results, f) -> None:
+    results["fidelity"] = f
     print(f"\n4. fidelity: {f['tokens']} tokens after {f['context_tokens']:,}, residual_length 16, KL vs dynamic")
     for name, row in f.items():
         if isinstance(row, dict):
@@ -274,10 +298,6 @@ def main() -> None:
                 else ""
             )
             print(f"{name:>28}  perplexity {row['perplexity']:.3f}  {kl}")
-    results["seconds"] = time.perf_counter() - start
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2))
-    print(f"\n{results['seconds']:.0f} s; written to {args.out}")
 
 
 if __name__ == "__main__":
