@@ -51,6 +51,8 @@ check-style: $(DEV_STAMP)
 bench: $(APP_STAMP)
 	GRADIO_ANALYTICS_ENABLED=False HF_HUB_OFFLINE=1 $(PY) benchmarks/run_all.py
 	GRADIO_ANALYTICS_ENABLED=False HF_HUB_OFFLINE=1 $(PY) benchmarks/speed.py
+	# the flush policies and where a quantized decode step's time goes (8-25 min on 2 shared cores): artifacts/bench/flush.json
+	GRADIO_ANALYTICS_ENABLED=False HF_HUB_OFFLINE=1 $(PY) benchmarks/flush.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache artifacts

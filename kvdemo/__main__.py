@@ -55,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--backend", default="dynamic", choices=list(BACKENDS), help="KV cache backend (default dynamic)")
     for name in GROUP_OPTIONS:  # each option's help and allowed values from the registry
         option = next(b.options[name] for b in BACKENDS.values() if name in b.options)
-        ask.add_argument(f"--{name.replace('_', '-')}", type=int, help=f"{option.help} ({option_choices_text(name)})")
+        kind = str.lower if option.is_text else int  # a word (flush) or a whole number
+        ask.add_argument(f"--{name.replace('_', '-')}", type=kind, help=f"{option.help} ({option_choices_text(name)})")
     ask.add_argument(
         "--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help="most tokens per answer (default 64)"
     )

@@ -26,9 +26,10 @@ if TYPE_CHECKING:
 from transformers import DynamicCache, PreTrainedConfig, QuantizedCache
 from transformers.cache_utils import Cache
 
+from kvdemo.flush import FLUSH_POLICIES, quantized_cache
 from kvdemo.geometry import KVGeometry
 
-GROUP_OPTIONS = ("nbits", "q_group_size", "residual_length", "axis_key", "axis_value")
+GROUP_OPTIONS = ("nbits", "q_group_size", "residual_length", "axis_key", "axis_value", "flush")
 """Every option a backend may take, in the order the page and the command line show them."""
 
 
@@ -37,19 +38,25 @@ class Option:
     """One option of a backend.
 
     Attributes:
-        name: the transformers keyword (`nbits`, `q_group_size`, `residual_length`, `axis_key`, `axis_value`).
+        name: the transformers keyword (`nbits`, `q_group_size`, `residual_length`, `axis_key`, `axis_value`), or
+            kvdemo's `flush` (the flush policy, `kvdemo.flush`).
         default: the value transformers uses when the option is left unset.
-        choices: the allowed values, or None where any integer >= `minimum` is allowed (then
-            model-dependent rules may narrow it, see `CacheSpec.validate`).
+        choices: the allowed values (integers, or words for a text option such as `flush`), or None where any
+            integer >= `minimum` is allowed (then model-dependent rules may narrow it, see `CacheSpec.validate`).
         minimum: the smallest allowed value when `choices` is None.
         help: one line for `--help` and the page, with the unit.
     """
 
     name: str
-    default: int
-    choices: tuple[int, ...] | None = None
+    default: int | str
+    choices: tuple[int | str, ...] | None = None
     minimum: int | None = None
     help: str = ""
+
+    @property
+    def is_text(self) -> bool:
+        """True for an option whose values are words (`flush`), False for an integer option."""
+        return isinstance(self.default, str)
 
     def allowed_text(self) -> str:
         """The allowed values as text: `2|4` or `>=1`."""
@@ -123,6 +130,12 @@ def _group_options(nbits: tuple[int, ...], axes: tuple[int, ...]) -> dict[str, O
         ),
         "axis_key": Option("axis_key", 0, choices=axes, help="axis along which keys are grouped"),
         "axis_value": Option("axis_value", 0, choices=axes, help="axis along which values are grouped"),
+        "flush": Option(
+            "flush",
+            FLUSH_POLICIES[0],
+            choices=FLUSH_POLICIES,
+            help="at a flush, re-quantize the whole layer (transformers) or append the residual block (KIVI)",
+        ),
     }
 
 
@@ -140,7 +153,14 @@ def _group_bytes(stored_bits: dict[int, float]) -> BytesFormula:
     """Group-wise affine quantization with a full-precision residual: `residual` tokens in the model's dtype,
     the others at nbits per value (`stored_bits[nbits]` where the packing pads) plus a scale and a zero point
     in the model's dtype per group of q_group_size values. Source: x ~ scale * (q - zero) per group (HQQ,
-    Badri and Shaji 2023; optimum-quanto) with KIVI's full-precision residual (Liu et al. 2024)."""
+    Badri and Shaji 2023; optimum-quanto) with KIVI's full-precision residual (Liu et al. 2024).
+
+    The same for both flush policies: with `flush=append` the store is a list of blocks (the prefill's, then one
+    per flush), each with its own scales and zero points, so no group spans a block's boundary. Every grouping
+    these backends allow splits one token's values (kv_heads x head_dim) into whole groups (the group rules), so
+    a block of any number of tokens holds whole groups and the split adds no group and no byte (measured: the
+    same bytes as `requantize`, `tests/test_flush.py`). A group size that did not divide one token's values
+    would add up to one partial group per block and tensor."""
 
     def formula(opts, geo: KVGeometry, tokens, residual, element, nominal) -> float:
         bits = opts["nbits"] if nominal else stored_bits.get(opts["nbits"], opts["nbits"])
@@ -196,6 +216,13 @@ def _quantized_cache(spec: CacheSpec, config: PreTrainedConfig) -> Cache:
     return QuantizedCache(spec.backend, config, **spec.given())
 
 
+def _residual_cache(spec: CacheSpec, config: PreTrainedConfig) -> Cache:
+    """`QuantizedCache(backend, config, **options)` whose layers flush by the spec's policy
+    (`kvdemo.flush.quantized_cache`: transformers' own layers for `requantize`)."""
+    options = spec.given()
+    return quantized_cache(spec.backend, config, options.pop("flush", FLUSH_POLICIES[0]), **options)
+
+
 BACKENDS: dict[str, Backend] = {
     "dynamic": Backend(
         "dynamic",
@@ -208,9 +235,10 @@ BACKENDS: dict[str, Backend] = {
     "quanto": Backend(
         "quanto",
         "QuantizedCache(backend='quanto'): optimum-quanto int2/int4, group-wise, with a full-precision residual",
-        "New tokens wait in the full-precision residual; at residual_length the whole layer is re-quantized.",
+        "New tokens wait in the full-precision residual; at residual_length the whole layer is re-quantized "
+        "(flush=requantize, transformers') or only the residual block is quantized and appended (flush=append).",
         quantized=True,
-        build=_quantized_cache,
+        build=_residual_cache,
         kv_bytes=_group_bytes({}),
         options=_group_options(nbits=(2, 4), axes=(0, -1)),
         group_rule=_quanto_group_problem,
@@ -221,9 +249,10 @@ BACKENDS: dict[str, Backend] = {
     "hqq": Backend(
         "hqq",
         "QuantizedCache(backend='hqq'): HQQ 1-8 bit, group-wise, with a full-precision residual",
-        "New tokens wait in the full-precision residual; at residual_length the whole layer is re-quantized.",
+        "New tokens wait in the full-precision residual; at residual_length the whole layer is re-quantized "
+        "(flush=requantize, transformers') or only the residual block is quantized and appended (flush=append).",
         quantized=True,
-        build=_quantized_cache,
+        build=_residual_cache,
         # hqq 0.2.8 packs 3-bit values ten to an int32 with padding: 5,040 bytes per 11,520 values (measured)
         kv_bytes=_group_bytes({3: 3.5}),
         options=_group_options(nbits=(1, 2, 3, 4, 8), axes=(0, 1)),

@@ -36,7 +36,8 @@ class CacheSpec:
     Attributes:
         backend: a name in `BACKENDS`.
         nbits: bits per quantized value; q_group_size: values per scale/zero-point group; residual_length:
-            full-precision tokens held before a flush (>= 1); axis_key, axis_value: grouping axes. Which backend
+            full-precision tokens held before a flush (>= 1); axis_key, axis_value: grouping axes; flush: the
+            flush policy (`requantize`, `append`: `kvdemo.flush`). Which backend
             takes which, and the values allowed, are in its registry entry (`Backend.options`).
 
     Example:
@@ -51,6 +52,7 @@ class CacheSpec:
     residual_length: int | None = None
     axis_key: int | None = None
     axis_value: int | None = None
+    flush: str | None = None
 
     @property
     def info(self) -> Backend:
@@ -59,18 +61,24 @@ class CacheSpec:
             raise ValueError(f"backend={_show(self.backend)} is not a backend; choose one of {', '.join(BACKENDS)}")
         return BACKENDS[self.backend]
 
-    def given(self) -> dict[str, int]:
+    def given(self) -> dict[str, int | str]:
         """The options set on this spec (not None), by name."""
         return {name: getattr(self, name) for name in GROUP_OPTIONS if getattr(self, name) is not None}
 
-    def resolved(self) -> dict[str, int]:
+    def resolved(self) -> dict[str, int | str]:
         """Every option the backend takes, with its default filled in where unset."""
         return {name: self.given().get(name, opt.default) for name, opt in self.info.options.items()}
 
     @property
     def label(self) -> str:
         """A short human name, e.g. `hqq nbits=4 q_group_size=64 residual_length=4`."""
-        opts = " ".join(f"{k}={v}" for k, v in self.resolved().items() if not k.startswith("axis") or v != 0)
+        defaults = {name: opt.default for name, opt in self.info.options.items()}
+        # axes at 0 and a text option at its default (flush=requantize) are left out of the short name
+        opts = " ".join(
+            f"{k}={v}"
+            for k, v in self.resolved().items()
+            if not (k.startswith("axis") and v == 0) and not (isinstance(v, str) and v == defaults[k])
+        )
         return f"{self.backend} {opts}".strip()
 
     @property
@@ -118,6 +126,9 @@ class CacheSpec:
                 raise ValueError(f"spec {text!r}: {name} is given twice")
             options[name] = value
         for name, value in options.items():
+            if _is_text_option(name):
+                options[name] = value.lower()
+                continue
             if not re.fullmatch(r"-?[0-9]+", value):
                 raise ValueError(f"spec {text!r}: {name}={value!r} must be an integer")
             options[name] = int(value)
@@ -150,10 +161,15 @@ class CacheSpec:
                 raise ValueError(
                     f"{name}={value} is not an option of the {self.backend} backend (it takes {takes}); leave it unset"
                 )
+            opt = info.options[name]
+            if opt.is_text:
+                if value not in opt.choices:
+                    allowed = ", ".join(map(str, opt.choices))
+                    raise ValueError(f"{name}={_show(value)} is not allowed for {self.backend}; allowed: {allowed}")
+                continue
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):
                 raise ValueError(f"{name}={_show(value)} must be an integer")
             value = int(value)
-            opt = info.options[name]
             if opt.choices is not None and value not in opt.choices:
                 allowed = ", ".join(map(str, opt.choices))
                 raise ValueError(f"{name}={value} is not allowed for {self.backend}; allowed: {allowed}")
@@ -186,19 +202,32 @@ class CacheSpec:
         return self
 
 
+def _is_text_option(name: str) -> bool:
+    """Whether the option `name` takes words (`flush`) rather than integers, in any backend of the registry."""
+    return any(b.options[name].is_text for b in BACKENDS.values() if name in b.options)
+
+
 def all_specs() -> list[CacheSpec]:
-    """Every backend at every nbits it allows, the other options unset (the backend's defaults): what the tests'
-    matrix runs and the Compare tab offers.
+    """Every backend at every nbits it allows, the other options unset (the backend's defaults), then each other
+    choice of a text option (`flush=append`) at the default nbits: what the tests' matrix runs and the Compare tab
+    offers.
 
     Example:
-        >>> [s.text for s in all_specs()][:3]
-        ['dynamic', 'quanto:2', 'quanto:4']
+        >>> [s.text for s in all_specs()][:4]
+        ['dynamic', 'quanto:2', 'quanto:4', 'quanto:4,flush=append']
     """
-    return [
-        CacheSpec(name, nbits=n)
-        for name, info in BACKENDS.items()
-        for n in (info.options["nbits"].choices if "nbits" in info.options else (None,))
-    ]
+    specs = []
+    for name, info in BACKENDS.items():
+        nbits = info.options.get("nbits")
+        specs += [CacheSpec(name, nbits=n) for n in (nbits.choices if nbits is not None else (None,))]
+        for option in info.options.values():
+            if option.is_text:
+                specs += [
+                    CacheSpec(name, nbits=nbits.default if nbits else None, **{option.name: choice})
+                    for choice in option.choices
+                    if choice != option.default
+                ]
+    return specs
 
 
 def default_compare_specs() -> list[CacheSpec]:

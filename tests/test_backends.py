@@ -47,7 +47,14 @@ def test_numpy_integers_are_integers():
 
 def test_spec_defaults_and_label():
     spec = CacheSpec("hqq", nbits=2, residual_length=4)
-    assert spec.resolved() == {"nbits": 2, "q_group_size": 64, "residual_length": 4, "axis_key": 0, "axis_value": 0}
+    assert spec.resolved() == {
+        "nbits": 2,
+        "q_group_size": 64,
+        "residual_length": 4,
+        "axis_key": 0,
+        "axis_value": 0,
+        "flush": "requantize",
+    }
     assert spec.label == "hqq nbits=2 q_group_size=64 residual_length=4"
     assert CacheSpec("fp8").resolved() == {} and CacheSpec("fp8").label == "fp8"
 

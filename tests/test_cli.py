@@ -44,7 +44,14 @@ def test_ask_json_on_the_normans_case(embedded, capsys):
     result = json.loads(capsys.readouterr().out)
     assert result["model"] == "HuggingFaceTB/SmolLM2-135M-Instruct (embedded GGUF Q4_1)"
     assert result["backend"] == "hqq"
-    assert result["options"] == {"nbits": 4, "q_group_size": 64, "residual_length": 4, "axis_key": 0, "axis_value": 0}
+    assert result["options"] == {
+        "nbits": 4,
+        "q_group_size": 64,
+        "residual_length": 4,
+        "axis_key": 0,
+        "axis_value": 0,
+        "flush": "requantize",
+    }
     tokens = result["context_tokens"]
     assert 1300 < tokens < 1400
     assert result["full_precision_bytes"] == 2 * 30 * 3 * 64 * 4 * tokens

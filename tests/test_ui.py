@@ -178,21 +178,28 @@ def test_session_store_is_bounded_and_frees_the_least_recently_used():
 
 def test_backend_options_shown_from_the_registry():
     *hqq, note = backend_option_updates("hqq")
-    assert [u["visible"] for u in hqq] == [True] * 5
+    assert [u["visible"] for u in hqq] == [True] * 6
     assert hqq[0]["choices"] == [1, 2, 3, 4, 8] and hqq[3]["choices"] == [0, 1]
     *quanto, _ = backend_option_updates("quanto")
     assert quanto[0]["choices"] == [2, 4] and quanto[4]["choices"] == [0, -1]
     *fp8, note = backend_option_updates("fp8")
-    assert [u["visible"] for u in fp8] == [False] * 5 and "never flushes" in note
+    assert [u["visible"] for u in fp8] == [False] * 6 and "never flushes" in note
 
 
 def test_switching_backend_keeps_the_values_the_new_backend_allows():
     *hqq, _ = backend_option_updates("hqq", 3, 32, 16, 1, 0)
-    assert [u["value"] for u in hqq] == [3, 32, 16, 1, 0]  # back to hqq: what was there
+    assert [u["value"] for u in hqq] == [3, 32, 16, 1, 0, "requantize"]  # back to hqq: what was there
     *quanto, _ = backend_option_updates("quanto", 3, 32, 16, 1, 0)
-    assert [u["value"] for u in quanto] == [4, 32, 16, 0, 0]  # nbits 3 and axis 1 are not quanto's: defaults
+    assert [u["value"] for u in quanto] == [
+        4,
+        32,
+        16,
+        0,
+        0,
+        "requantize",
+    ]  # nbits 3 and axis 1 are not quanto's: defaults
     *hqq, _ = backend_option_updates("hqq", None, None, 0, None, None)
-    assert [u["value"] for u in hqq] == [4, 64, 128, 0, 0]
+    assert [u["value"] for u in hqq] == [4, 64, 128, 0, 0, "requantize"]
 
 
 def test_spec_from_inputs_ignores_hidden_options():
@@ -209,7 +216,7 @@ def test_changing_options_or_the_context_after_a_prefill_asks_for_a_new_one(hand
     fns["prefill"](CONTEXT, *HQQ, _request())
     message, _, button = gate(CONTEXT, "hqq", 2, 64, 4, 0, 0, _request())
     assert "⚠ The options changed since the prefill" in message and button["interactive"] is False
-    assert "Now: **spec** `hqq:2,q_group_size=64,residual_length=4,axis_key=0,axis_value=0`" in message
+    assert "Now: **spec** `hqq:2,q_group_size=64,residual_length=4,axis_key=0,axis_value=0,flush=requantize`" in message
     message, _, button = gate(CONTEXT + " Edited.", *HQQ, _request())
     assert "⚠ The Context box changed since the prefill" in message and button["interactive"] is False
     message, notice, button = gate(CONTEXT, *HQQ, _request())

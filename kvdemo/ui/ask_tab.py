@@ -85,13 +85,14 @@ class AskTab(AskWidgets):
         axis_value,
         request: gr.Request,
         progress=gr.Progress(),
+        flush=None,  # after the specials: Gradio inserts them by position, then the sixth option field lands here
     ) -> PrefillView:
         """Prefill `context` into a new KV cache of the chosen backend (replacing this session's context).
         A refusal (bad options, a context over the window or the KV budget, a full server) is a message beside
         the button; the previous cache, chat and charts stay, and Ask stays enabled only if they still match."""
         spec = None
         try:
-            spec = spec_from_inputs(backend, nbits, q_group_size, residual_length, axis_key, axis_value)
+            spec = spec_from_inputs(backend, nbits, q_group_size, residual_length, axis_key, axis_value, flush)
             loaded = self.app.wait_for_model()
             user = self.user_of(request)
             user.interrupt()
@@ -260,13 +261,22 @@ class AskTab(AskWidgets):
         return gr.update(interactive=False)
 
     def gate(
-        self, context, backend, nbits, q_group_size, residual_length, axis_key, axis_value, request: gr.Request
+        self,
+        context,
+        backend,
+        nbits,
+        q_group_size,
+        residual_length,
+        axis_key,
+        axis_value,
+        request: gr.Request,
+        flush=None,  # after the request: Gradio inserts it by position, then the sixth option field lands here
     ) -> tuple[Any, Any, Any]:
         """(prefill line, notice, Ask button) for what the page shows now: Ask is enabled only while the Context
         box and the options are exactly what the cache was prefilled with; otherwise the line says what differs."""
         user = self.existing_user(request)
         try:
-            spec = spec_from_inputs(backend, nbits, q_group_size, residual_length, axis_key, axis_value)
+            spec = spec_from_inputs(backend, nbits, q_group_size, residual_length, axis_key, axis_value, flush)
         except ValueError:
             spec = None
         shown = f"**spec** `{spec.full_text}`" if spec is not None else "**spec**: options not valid yet"

@@ -191,7 +191,7 @@ class CompareTab:
                     lines=2,
                     placeholder="hqq:4,residual_length=16\nquanto:2,q_group_size=32,axis_key=-1",
                     info="backend[:nbits][,option=value...]; options q_group_size, residual_length, axis_key, "
-                    "axis_value",
+                    "axis_value, flush",
                 )
                 w["max_new_tokens"] = gr.Number(
                     32, label="max_new_tokens", precision=0, minimum=1, maximum=COMPARE_MAX_NEW_TOKENS

@@ -24,20 +24,24 @@ COMPARE_MAX_PERPLEXITY_TOKENS = 512
 """Limits of one comparison in the app (its reference keeps [tokens, vocab] float32 per question)."""
 
 
-def spec_from_inputs(backend: str, nbits, q_group_size, residual_length, axis_key, axis_value) -> CacheSpec:
+def spec_from_inputs(backend: str, nbits, q_group_size, residual_length, axis_key, axis_value, flush=None) -> CacheSpec:
     """A `CacheSpec` from the Ask tab's option fields (in `GROUP_OPTIONS` order); options the backend does not
-    take are ignored (they are hidden on the page), empty fields mean the backend's default.
+    take are ignored (they are hidden on the page), empty fields mean the backend's default. A text option
+    (`flush`) is kept as its word; the others must be whole numbers.
 
     Raises:
         ValueError: an unknown backend or a value that is not a whole number.
     """
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend={str(backend)[:40]!r} is not a backend; choose one of {', '.join(BACKENDS)}")
-    given = dict(zip(GROUP_OPTIONS, (nbits, q_group_size, residual_length, axis_key, axis_value)))
+    given = dict(zip(GROUP_OPTIONS, (nbits, q_group_size, residual_length, axis_key, axis_value, flush)))
     options = {}
-    for name in BACKENDS[backend].options:
+    for name, option in BACKENDS[backend].options.items():
         value = given[name]
         if value is None or value == "":
+            continue
+        if option.is_text:
+            options[name] = str(value)
             continue
         try:
             if isinstance(value, bool):

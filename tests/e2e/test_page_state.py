@@ -309,8 +309,8 @@ def test_a_reload_keeps_the_context_and_options_and_says_nothing_is_prefilled(pa
     expect(
         page.get_by_text(
             re.compile(
-                r"^spec quanto:4,q_group_size=64,residual_length=48,axis_key=0,axis_value=0 · nothing prefilled "
-                r"in this tab yet$"
+                r"^spec quanto:4,q_group_size=64,residual_length=48,axis_key=0,axis_value=0,flush=requantize · "
+                r"nothing prefilled in this tab yet$"
             )
         )
     ).to_be_visible()

@@ -1,0 +1,341 @@
+"""Flush policies and quantized decode, measured side by side in one process (`make bench` runs it after
+`run_all.py`), printed as ratios and written to `artifacts/bench/flush.json`.
+
+1. flush step / normal step, for quanto:4 and hqq:4 (residual_length 128) with `flush=requantize` (transformers)
+   and `flush=append` (`kvdemo.flush`), at 1,024, 2,048, 4,096 and 7,680 context tokens. Each round fills every
+   cache's residual to residual_length - 1 with one untimed forward pass, then times the flush step and
+   `--normal` steps after it; the caches take turns within a round (interleaved), and the medians are compared.
+   The context's keys and values are the embedded model's on the Normans article (2,048 real tokens, tiled
+   beyond that: a step's time depends on the shapes, not on the values; fidelity is measured on real text).
+2. each quantized backend's normal step / `dynamic`'s step at the same lengths (the same rounds).
+3. where a decode step's extra time goes: `torch.profiler` over one step per backend at 2,048 tokens, split into
+   the cache update (of which de-quantizing the store, and `torch.cat`), attention (`scaled_dot_product_attention`)
+   and the matrix products (`aten::linear`/`aten::mm`/`aten::addmm`).
+4. fidelity of both policies: teacher-forced on the article's next paragraphs after paragraphs 0-11, fed one
+   decode step per token through each cache (the layout of `kvdemo.fidelity.perplexity_inputs`), residual_length
+   16 so that the answer flushes every 16 tokens: KL(P_dynamic || P_spec) (`kvdemo.fidelity.kl_statistics`) and
+   the perplexity (exp of the mean negative log-likelihood, as `kvdemo.fidelity.perplexity` defines it).
+
+    .venv/bin/python benchmarks/flush.py            # 8-25 minutes on 2 shared cores (hqq's requantize flushes
+                                                    # at 7,680 tokens take most of it)
+    .venv/bin/python benchmarks/flush.py --quick    # two lengths, one round, 32 fidelity tokens
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from transformers import DynamicCache  # noqa: E402
+
+from kvdemo import CacheSpec, QASession, load_model  # noqa: E402
+from kvdemo.cases import example_path, load_case  # noqa: E402
+from kvdemo.fidelity import kl_statistics, perplexity_inputs  # noqa: E402
+from kvdemo.prefill import run_prefill  # noqa: E402
+from kvdemo.spec import build_cache  # noqa: E402
+from kvdemo.telemetry import flushed_layers  # noqa: E402
+
+RESIDUAL = 128
+POLICIES = ("requantize", "append")
+FLUSH_SPECS = {
+    f"{b}:4,flush={p}": CacheSpec(b, nbits=4, residual_length=RESIDUAL, flush=p)
+    for b in ("quanto", "hqq")
+    for p in POLICIES
+}
+OTHER_SPECS = {"dynamic": CacheSpec("dynamic"), "fp8": CacheSpec("fp8")}
+FILLER = 1000  # a token id fed to fill the residuals (timing does not depend on it)
+
+
+def log(text: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+
+
+def forward(loaded, cache, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return loaded.model(
+            input_ids=torch.tensor([ids], device=loaded.device), past_key_values=cache, use_cache=True, logits_to_keep=1
+        ).logits[0, -1]
+
+
+def timed_step(loaded, cache) -> float:
+    start = time.perf_counter()
+    forward(loaded, cache, [FILLER])
+    return time.perf_counter() - start
+
+
+def base_kv(loaded, tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The embedded model's keys and values over the Normans article's first `tokens` tokens (chat template
+    included), per layer, [1, kv_heads, tokens, head_dim]."""
+    case = load_case(example_path("normans"))
+    ids = QASession(loaded).context_ids(case.context)[:tokens]
+    cache = DynamicCache(config=loaded.config)
+    run_prefill(loaded, cache, ids, quantized=False)
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def filled(spec: CacheSpec, loaded, kv, length: int):
+    """A cache of `spec` holding `length` tokens: `kv` tiled along the tokens, given in one update per layer (the
+    prefill's first update, as `kvdemo.prefill.run_prefill` gives the whole context)."""
+    cache = build_cache(spec, loaded.config)
+    for index, (keys, values) in enumerate(kv):
+        reps = math.ceil(length / keys.shape[-2])
+        k = keys.repeat(1, 1, reps, 1)[..., :length, :].contiguous()
+        v = values.repeat(1, 1, reps, 1)[..., :length, :].contiguous()
+        cache.update(k, v, index)
+    return cache
+
+
+def residual_tokens(cache) -> int:
+    keys = cache.layers[0].keys
+    return keys.shape[-2] if keys is not None and keys.dim() == 4 else 0
+
+
+def step_timings(loaded, kv, lengths: list[int], rounds: int, normal: int) -> dict[str, Any]:
+    """Per length: every spec's flush-step and normal-step seconds, interleaved in rounds."""
+    out: dict[str, Any] = {}
+    specs = {**OTHER_SPECS, **FLUSH_SPECS}
+    for length in lengths:
+        log(f"steps at {length:,} tokens")
+        caches = {name: filled(spec, loaded, kv, length) for name, spec in specs.items()}
+        flush = {name: [] for name in FLUSH_SPECS}
+        steps = {name: [] for name in specs}
+        names = list(specs)
+        for r in range(rounds):
+            for name in names[r % len(names) :] + names[: r % len(names)]:  # a different first cache each round
+                cache = caches[name]
+                if name in FLUSH_SPECS:
+                    fill = RESIDUAL - 1 - residual_tokens(cache)
+                    if fill > 0:
+                        forward(loaded, cache, [FILLER] * fill)  # untimed: the residual now waits one token short
+                    flush[name].append(timed_step(loaded, cache))
+                    assert flushed_layers(cache), f"{name} did not flush"
+                for _ in range(normal):
+                    steps[name].append(timed_step(loaded, cache))
+                    assert not flushed_layers(cache) or name not in FLUSH_SPECS
+        dynamic = statistics.median(steps["dynamic"])
+        row = {"dynamic_ms": 1000 * dynamic}
+        for name in specs:
+            if name == "dynamic":
+                continue
+            step = statistics.median(steps[name])
+            row[name] = {"step_ms": 1000 * step, "step_over_dynamic": step / dynamic}
+            if name in FLUSH_SPECS:
+                f = statistics.median(flush[name])
+                row[name].update(flush_ms=1000 * f, flush_over_step=f / step)
+        out[str(length)] = row
+        del caches
+    return out
+
+
+@contextlib.contextmanager
+def labelled(layer_types):
+    """Wrap each layer type's `update` and `_dequantize` in `record_function` ranges named `kv update` and
+    `kv dequantize` (undone on exit)."""
+    saved = []
+    for cls in layer_types:
+        for method, label in (("update", "kv update"), ("_dequantize", "kv dequantize")):
+            if method not in vars(cls) and not hasattr(cls, method):
+                continue
+            original = getattr(cls, method)
+
+            def wrapper(self, *args, _original=original, _label=label, **kwargs):
+                with torch.profiler.record_function(_label):
+                    return _original(self, *args, **kwargs)
+
+            saved.append((cls, method, vars(cls).get(method)))
+            setattr(cls, method, wrapper)
+    try:
+        yield
+    finally:
+        for cls, method, original in reversed(saved):
+            if original is None:
+                delattr(cls, method)
+            else:
+                setattr(cls, method, original)
+
+
+def profile_step(loaded, kv, length: int, steps: int = 3) -> dict[str, dict[str, float]]:
+    """Milliseconds per category of one normal decode step per backend (the mean over `steps` profiled steps)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    specs = {**OTHER_SPECS, "quanto:4": CacheSpec("quanto", nbits=4), "hqq:4": CacheSpec("hqq", nbits=4)}
+    out = {}
+    for name, spec in specs.items():
+        log(f"profile {name}")
+        cache = filled(spec, loaded, kv, length)
+        timed_step(loaded, cache)  # warm
+        with labelled({type(layer) for layer in cache.layers}):
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                start = time.perf_counter()
+                for _ in range(steps):
+                    forward(loaded, cache, [FILLER])
+                wall = (time.perf_counter() - start) / steps
+        totals = {e.key: e.cpu_time_total / 1000 / steps for e in prof.key_averages()}  # ms, inclusive
+
+        def total(*keys, _totals=totals):
+            return sum(_totals.get(k, 0.0) for k in keys)
+
+        out[name] = {
+            "step_ms": 1000 * wall,
+            "kv_update_ms": total("kv update"),
+            "dequantize_ms": total("kv dequantize"),
+            "cat_ms": total("aten::cat"),
+            "attention_ms": total("aten::scaled_dot_product_attention"),
+            "matmul_ms": total("aten::linear"),
+        }
+        del cache
+    return out
+
+
+def fp8_table(kv, rounds: int = 20) -> dict[str, Any]:
+    """A cheaper exact de-quantization for fp8, measured against transformers' own on one layer's keys of 2,048
+    tokens: float8 has 256 codes, so `table = codes.float() * scale` (256 float32 values, each computed as the
+    library computes an element) and `index_select(table, codes)` give the same bits as `q.float() * scale`,
+    keeping no full-precision copy of the store between steps."""
+    from transformers.cache_utils import Fp8QuantizedLayer
+
+    layer = Fp8QuantizedLayer()
+    keys = kv[0][0].contiguous()
+    layer.update(keys, keys)
+    q, scale = layer._quantized_keys
+    table = torch.arange(256, dtype=torch.uint8).view(q.dtype).float() * scale  # the NaN codes stay NaN, as in q
+
+    def library():
+        return layer._dequantize((q, scale))
+
+    def by_table():
+        return torch.index_select(table, 0, q.view(torch.uint8).reshape(-1).int()).view(q.shape).to(keys.dtype)
+
+    assert torch.equal(library(), by_table())
+    seconds = {"library": [], "table": []}
+    for _ in range(rounds):
+        for name, f in (("library", library), ("table", by_table)):
+            start = time.perf_counter()
+            for _ in range(20):
+                f()
+            seconds[name].append((time.perf_counter() - start) / 20)
+    lib, tab = statistics.median(seconds["library"]), statistics.median(seconds["table"])
+    return {"tokens": keys.shape[-2], "library_ms": 1000 * lib, "table_ms": 1000 * tab, "speedup": lib / tab}
+
+
+def fidelity(loaded, tokens: int) -> dict[str, Any]:
+    """KL and perplexity of both policies against `dynamic`, teacher-forced on the article's continuation."""
+    case = load_case(example_path("normans")).select("0-11")
+    inputs = perplexity_inputs(loaded, case.context, tokens, case.continuation)
+    specs = {"dynamic": CacheSpec("dynamic")}
+    for backend in ("quanto", "hqq"):
+        for policy in POLICIES:
+            specs[f"{backend}:4,flush={policy}"] = CacheSpec(backend, nbits=4, residual_length=16, flush=policy)
+    prefill = DynamicCache(config=loaded.config)
+    run_prefill(loaded, prefill, list(inputs.context_ids), quantized=False)
+    kv = [(layer.keys, layer.values) for layer in prefill.layers]
+    fed, scored = list(inputs.continuation_ids[:-1]), list(inputs.continuation_ids[1:])
+    logprobs = {}
+    for name, spec in specs.items():
+        log(f"fidelity {name}")
+        cache = filled(spec, loaded, kv, len(inputs.context_ids))
+        rows = [torch.log_softmax(forward(loaded, cache, [t]).float(), dim=-1) for t in fed]
+        logprobs[name] = torch.stack(rows)
+    out = {"tokens": tokens, "context_tokens": len(inputs.context_ids), "residual_length": 16}
+    for name, lp in logprobs.items():
+        nll = -lp.gather(-1, torch.tensor(scored).unsqueeze(-1)).squeeze(-1)
+        row = {"perplexity": math.exp(float(nll.mean()))}
+        if name != "dynamic":
+            stats = kl_statistics([logprobs["dynamic"]], [lp], [scored])
+            row.update(mean_kld=stats.mean_kld, p99_kld=stats.p99_kld, same_top_p=stats.same_top_p)
+        out[name] = row
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="two lengths, one round, 32 fidelity tokens")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds per length (default 2)")
+    parser.add_argument("--normal", type=int, default=4, help="normal steps timed after each flush (default 4)")
+    parser.add_argument("--tokens", type=int, default=128, help="tokens scored for fidelity (default 128)")
+    parser.add_argument(
+        "--sections", default="steps,profile,fp8,fidelity", help="which to run, comma-separated (default all)"
+    )
+    parser.add_argument("--out", default=str(ROOT / "artifacts" / "bench" / "flush.json"))
+    args = parser.parse_args()
+    lengths = [1024, 2048] if args.quick else [1024, 2048, 4096, 7680]
+    rounds = 1 if args.quick else args.rounds
+    start = time.perf_counter()
+    loaded = load_model()
+    log("prefill of 2,048 tokens")
+    kv = base_kv(loaded, 2048)
+    results: dict[str, Any] = {"torch_threads": torch.get_num_threads(), "residual_length": RESIDUAL}
+    sections = set(args.sections.split(","))
+    if "steps" in sections:
+        print_steps(results, step_timings(loaded, kv, lengths, rounds, args.normal), rounds)
+    if "profile" in sections:
+        print_profile(results, profile_step(loaded, kv, 2048))
+    if "fp8" in sections:
+        results["fp8_table"] = f = fp8_table(kv)
+        print(
+            f"\n5. fp8 de-quantization, one tensor of {f['tokens']:,} tokens: transformers' {f['library_ms']:.2f} ms, "
+            f"a 256-entry table (bit-identical) {f['table_ms']:.2f} ms: {f['speedup']:.2f}× faster"
+        )
+    if "fidelity" in sections:
+        print_fidelity(results, fidelity(loaded, 32 if args.quick else args.tokens))
+    results["seconds"] = time.perf_counter() - start
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2))
+    print(f"\n{results['seconds']:.0f} s; written to {args.out}")
+
+
+def print_steps(results, steps, rounds) -> None:
+    results["steps"] = steps
+    lengths = list(steps)
+    print(f"\n1. flush step / normal step (residual_length {RESIDUAL}; medians of {rounds} rounds, interleaved)")
+    print(f"{'context tokens':>15}" + "".join(f"{n:>30}" for n in FLUSH_SPECS))
+    for length, row in results["steps"].items():
+        cells = "".join(f"{row[n]['flush_over_step']:>20.2f}× ({row[n]['flush_ms']:>5.0f} ms)" for n in FLUSH_SPECS)
+        print(f"{int(length):>15,}" + cells)
+    print("\n2. quantized normal step / dynamic step")
+    others = [n for n in results["steps"][lengths[0]] if n != "dynamic_ms"]
+    print(f"{'context tokens':>15}{'dynamic ms':>12}" + "".join(f"{n:>26}" for n in others))
+    for length, row in results["steps"].items():
+        cells = "".join(f"{row[n]['step_over_dynamic']:>26.2f}" for n in others)
+        print(f"{int(length):>15,}{row['dynamic_ms']:>12.0f}" + cells)
+
+
+def print_profile(results, profile) -> None:
+    results["profile"] = profile
+    print("\n3. one decode step at 2,048 tokens, ms (torch.profiler, inclusive CPU time; update includes dequantize)")
+    columns = ("step_ms", "kv_update_ms", "dequantize_ms", "cat_ms", "attention_ms", "matmul_ms")
+    print(f"{'backend':>10}" + "".join(f"{c[:-3]:>13}" for c in columns))
+    for name, row in results["profile"].items():
+        print(f"{name:>10}" + "".join(f"{row[c]:>13.1f}" for c in columns))
+
+
+def print_fidelity(results, f) -> None:
+    results["fidelity"] = f
+    print(f"\n4. fidelity: {f['tokens']} tokens after {f['context_tokens']:,}, residual_length 16, KL vs dynamic")
+    for name, row in f.items():
+        if isinstance(row, dict):
+            kl = (
+                f"mean KL {row['mean_kld']:.5f}  p99 {row['p99_kld']:.4f}  same top {row['same_top_p']:.3f}"
+                if ("mean_kld" in row)
+                else ""
+            )
+            print(f"{name:>28}  perplexity {row['perplexity']:.3f}  {kl}")
+
+
+if __name__ == "__main__":
+    main()

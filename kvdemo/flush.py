@@ -1,0 +1,118 @@
+"""Flush policies of the residual backends (quanto, hqq): what a flush does with the quantized store.
+
+- `requantize` (transformers' `QuantizedLayer.update`, the default): at a flush the whole layer is de-quantized,
+  the residual appended, and everything quantized again into one new store. A flush step's cost grows with the
+  context (it touches every token); tokens quantized at one flush are quantized again at the next.
+- `append` (`AppendQuantoLayer`, `AppendHQQLayer`, here): at a flush only the residual block (the residual
+  and the step's new tokens) is quantized, with the layer's own `_quantize` (optimum-quanto's / hqq's own
+  quantizer: kvdemo has no quantization code), and appended to the store, which becomes a list of blocks: the
+  prefill's block, then one block per flush. Attention reads the blocks de-quantized (each with the library's
+  own `_dequantize`) and concatenated, then the residual. A flush step costs one block's quantization, whatever
+  the context. Each token is quantized once; groups never span a block's boundary and each block has its own
+  scales and zero points (see `kvdemo.backends._group_bytes`). Pattern: KIVI (Liu et al. 2024,
+  github.com/jy-yuan/KIVI), which quantizes each full residual group and appends it.
+
+The snapshot (`kvdemo.snapshot`) keeps `vars(layer).copy()`: `update` here assigns a new list at each flush and
+never appends in place to the list the snapshot holds, so restore stays exact and copy-free.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedConfig, QuantizedCache
+from transformers.cache_utils import HQQQuantizedLayer, QuantizedLayer, QuantoQuantizedLayer
+
+FLUSH_POLICIES = ("requantize", "append")
+"""The flush policies: transformers' (the default) first."""
+
+
+class AppendFlushMixin:
+    """The `append` flush policy for a transformers `QuantizedLayer` subclass: the store
+    (`_quantized_keys`, `_quantized_values`) is a list of blocks, each what the layer's own `_quantize` returns
+    (a quanto `QTensor`, an hqq `(W_q, meta)` pair)."""
+
+    def _dequantize(self, store):
+        """The store de-quantized, [batch, kv_heads, tokens, head_dim]: each block by the library's own
+        `_dequantize`, concatenated along the tokens. A single block (not a list) is de-quantized as it is."""
+        if not isinstance(store, list):
+            return super()._dequantize(store)
+        parts = [super(AppendFlushMixin, self)._dequantize(block) for block in store]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """transformers' `QuantizedLayer.update` with the flush replaced: the residual block is quantized alone and
+        appended (a new list), instead of re-quantizing the whole layer.
+
+        Returns:
+            (keys, values) to attend to: the blocks de-quantized, the residual, the new states; exactly what
+            transformers returns at the same step when the store holds one block.
+        """
+        if not self.is_initialized or self._pending_beam_idx is not None:
+            # the first update quantizes the prefill as one block; a pending beam reorder (never in kvdemo)
+            # is baked in only by a re-quantization, so that rare case takes transformers' path
+            keys, values = QuantizedLayer.update(self, key_states, value_states, *args, **kwargs)
+            if not isinstance(self._quantized_keys, list):
+                self._quantized_keys, self._quantized_values = [self._quantized_keys], [self._quantized_values]
+            return keys, values
+        self.cumulative_length += key_states.shape[-2]
+        keys_blocks = [super(AppendFlushMixin, self)._dequantize(b) for b in self._quantized_keys]
+        values_blocks = [super(AppendFlushMixin, self)._dequantize(b) for b in self._quantized_values]
+        residual = self.keys.shape[-2] if self.keys.dim() == 4 else 0
+        # one cat per tensor: the blocks, the residual and the new states (the same copies as transformers' path)
+        keys_to_return = torch.cat([*keys_blocks, self.keys, key_states], dim=-2)
+        values_to_return = torch.cat([*values_blocks, self.values, value_states], dim=-2)
+        if residual + key_states.shape[-2] >= self.residual_length:
+            block = keys_to_return.shape[-2] - residual - key_states.shape[-2]
+            new_keys = self._quantize(keys_to_return[..., block:, :].contiguous(), axis=self.axis_key)
+            new_values = self._quantize(values_to_return[..., block:, :].contiguous(), axis=self.axis_value)
+            # new lists: the snapshot holds the old ones (never append in place)
+            self._quantized_keys = [*self._quantized_keys, new_keys]
+            self._quantized_values = [*self._quantized_values, new_values]
+            self.keys = torch.tensor([], dtype=key_states.dtype, device=key_states.device)
+            self.values = torch.tensor([], dtype=key_states.dtype, device=key_states.device)
+        else:
+            self.keys = torch.cat([self.keys, key_states], dim=-2)
+            self.values = torch.cat([self.values, value_states], dim=-2)
+        return keys_to_return, values_to_return
+
+
+class AppendQuantoLayer(AppendFlushMixin, QuantoQuantizedLayer):
+    """transformers' `QuantoQuantizedLayer` with the `append` flush policy."""
+
+
+class AppendHQQLayer(AppendFlushMixin, HQQQuantizedLayer):
+    """transformers' `HQQQuantizedLayer` with the `append` flush policy."""
+
+
+APPEND_LAYERS = {QuantoQuantizedLayer: AppendQuantoLayer, HQQQuantizedLayer: AppendHQQLayer}
+"""transformers' layer class -> the same layer with the `append` flush policy."""
+
+
+def quantized_cache(backend: str, config: PreTrainedConfig, flush: str = "requantize", **options) -> QuantizedCache:
+    """transformers' `QuantizedCache(backend, config, **options)`, with its layers given the flush policy `flush`.
+
+    Args:
+        backend: `quanto` or `hqq` for `append`; any `QuantizedCache` backend for `requantize`.
+        flush: one of `FLUSH_POLICIES`.
+        options: the group-wise options (nbits, q_group_size, residual_length, axis_key, axis_value).
+
+    Raises:
+        ValueError: an unknown policy, or `append` on a layer without a residual (fp8).
+
+    Example:
+        >>> cache = quantized_cache("hqq", model.config, flush="append", nbits=4)
+    """
+    if flush not in FLUSH_POLICIES:
+        raise ValueError(f"flush={flush!r} is not a flush policy; choose one of {', '.join(FLUSH_POLICIES)}")
+    cache = QuantizedCache(backend, config, **options)
+    if flush == "append":
+        layer_class = APPEND_LAYERS.get(type(cache.layers[0]))
+        if layer_class is None:
+            raise ValueError(f"flush=append needs a layer with a residual; {type(cache.layers[0]).__name__} has none")
+        # the same options as transformers' own layers (built from the same keywords, so validated the same way)
+        kwargs = {name: getattr(cache.layers[0], name) for name in ("nbits", "axis_key", "axis_value")}
+        kwargs.update(q_group_size=cache.layers[0].q_group_size, residual_length=cache.layers[0].residual_length)
+        cache.layers = [layer_class(**kwargs) for _ in cache.layers]
+    return cache
