@@ -85,3 +85,21 @@ def test_imports_point_one_way():
 
     cycles = [c for name in sorted(graph) if (c := cycle(name, name, (name,)))]
     assert not cycles, f"import cycles: {cycles[:3]}"
+
+
+def test_no_merge_conflict_markers_are_left():
+    """A merge's unresolved hunk (`<<<<<<<`, `=======`, `>>>>>>>` at a line's start) in any text file of the project:
+    Python fails to import one, but a README, a Makefile or a notebook would carry it silently."""
+    kinds = {".py", ".md", ".ipynb", ".txt", ".toml", ".cfg", ".yml", ".yaml", ".sh", ""}
+    skip = {".git", ".venv", "artifacts", "node_modules", "__pycache__"}
+    markers = ("<<<<<<< ", ">>>>>>> ", "=======\n")
+    found = []
+    for path in ROOT.rglob("*"):
+        if skip & set(path.relative_to(ROOT).parts) or not path.is_file() or path.suffix not in kinds:
+            continue
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+        except (UnicodeDecodeError, OSError):
+            continue
+        found += [f"{path.relative_to(ROOT)}:{i}" for i, line in enumerate(lines, 1) if line.startswith(markers)]
+    assert not found, f"merge conflict markers left in: {found[:10]}"
