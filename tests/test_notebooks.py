@@ -1,5 +1,6 @@
 """The walkthroughs run top to bottom (shorter: KVDEMO_NOTEBOOK_QUICK=1, same cells) with the project's
-kernel, show only what the reader needs (no progress bar, warning or stderr), and are committed without outputs."""
+kernel, show only what the reader needs (no progress bar, warning or stderr), open with what they show and how
+long they take, and are committed without outputs."""
 
 from __future__ import annotations
 
@@ -52,6 +53,22 @@ def test_noise_finds_bars_warnings_and_stderr():
     nb.cells[3].outputs = [stream("stdout", "FutureWarning: `past_key_values` is deprecated")]
     nb.cells[4].outputs = [{"output_type": "execute_result", "data": {"text/plain": "tqdm bar"}, "metadata": {}}]
     assert [line.split(":")[0] for line in noise(nb)] == ["cell 1", "cell 2", "cell 3", "cell 4"]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_opens_with_what_it_shows_and_its_time(path):
+    first = nbformat.read(path, as_version=4).cells[0]
+    assert first.cell_type == "markdown" and first.source.startswith("# ")
+    assert "**Time on a 2-core CPU**" in first.source, f"{path.name}: say how long it takes"
+
+
+def test_the_walkthroughs_are_there():
+    assert [p.name for p in NOTEBOOKS] == [
+        "01_quickstart.ipynb",
+        "02_residual_and_flushes.ipynb",
+        "03_backends_side_by_side.ipynb",
+        "04_needle_in_a_haystack.ipynb",
+    ]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
