@@ -68,7 +68,7 @@ def log(text: str) -> None:
 def forward(loaded, cache, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return loaded.model(
-            input_ids=torch.tensor([ids], device=loaded.device), past_key_values=cache, use_cache=True, logits_to_keep=1
+            input_ids=torch.tensor([ids], device=loaded.device), cache=cache, use_cache=True, logits_to_keep=1
         ).logits[0, -1]
 
 

@@ -76,7 +76,7 @@ def bare_decode(loaded, cache, input_ids: list[int], max_new_tokens: int, on_ste
     inputs = torch.tensor([input_ids], device=loaded.device)
     with torch.no_grad():
         for _ in range(max_new_tokens):
-            logits = loaded.model(input_ids=inputs, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+            logits = loaded.model(input_ids=inputs, cache=cache, use_cache=True, logits_to_keep=1).logits
             token = int(logits[0, -1].argmax())
             tokens.append(token)
             if on_step is not None:

@@ -106,7 +106,7 @@ def timed_steps(model, cache, token: int, steps: int) -> tuple[list[float], list
     with torch.no_grad():
         for _ in range(steps):
             start = time.perf_counter()
-            logits = model(ids, past_key_values=cache, use_cache=True).logits
+            logits = model(ids, cache=cache, use_cache=True).logits
             ids = logits[:, -1:].argmax(-1)
             seconds.append(time.perf_counter() - start)
             tokens.append(int(ids))

@@ -2,10 +2,11 @@
 after every answer, and see the cache's real memory and residual flushes.
 
 Public surface: `load_model`, `LoadedModel`, `CacheSpec`, `BACKENDS`, `build_cache`, `QASession`
-(and its `PrefillReport`, `StepEvent`, `Answer`), `kv_memory`, `MemoryReport`.
+(and its `PrefillReport`, `StepEvent`, `Answer`), `kv_memory`, `MemoryReport`, `quiet` (no loading bars).
 """
 
 import os
+import warnings
 
 # OpenMP threads that wait for work spin for at most 20,000 iterations before they sleep (libgomp's GOMP_SPINCOUNT;
 # read when torch loads, so it acts only if torch is not imported yet; a value set by the user, or
@@ -16,11 +17,16 @@ import os
 if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "20000")
 
-from kvdemo.backends import BACKENDS  # noqa: E402
-from kvdemo.models import LoadedModel, load_model  # noqa: E402
-from kvdemo.session import Answer, PrefillReport, QASession, StepEvent  # noqa: E402
-from kvdemo.spec import CacheSpec, build_cache  # noqa: E402
-from kvdemo.telemetry import MemoryReport, kv_memory  # noqa: E402
+# In a Jupyter kernel without ipywidgets, transformers' first `import tqdm.auto` (just below) warns "IProgress not
+# found" and falls back to a text bar: nothing to act on, so that one message from that one module is ignored.
+warnings.filterwarnings("ignore", message="IProgress not found", module=r"tqdm\.auto")
+
+from kvdemo.backends import BACKENDS
+from kvdemo.models import LoadedModel, load_model
+from kvdemo.quiet import quiet
+from kvdemo.session import Answer, PrefillReport, QASession, StepEvent
+from kvdemo.spec import CacheSpec, build_cache
+from kvdemo.telemetry import MemoryReport, kv_memory
 
 __all__ = [
     "BACKENDS",
@@ -34,4 +40,5 @@ __all__ = [
     "build_cache",
     "kv_memory",
     "load_model",
+    "quiet",
 ]

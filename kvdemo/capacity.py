@@ -151,7 +151,7 @@ def growing_dynamic_cache(config) -> Cache:
 
     Example:
         >>> cache = growing_dynamic_cache(loaded.model.config)
-        >>> loaded.model(input_ids, past_key_values=cache)  # the same logits as with DynamicCache
+        >>> loaded.model(input_ids, cache=cache)  # the same logits as with DynamicCache
     """
     cache = DynamicCache(config=config)
     cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]

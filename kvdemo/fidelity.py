@@ -345,12 +345,12 @@ def perplexity(
     nll, flush_steps, errors = [], [], []
     start = time.perf_counter()
     with torch.no_grad():
-        model(input_ids=torch.tensor([context], device=device), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(input_ids=torch.tensor([context], device=device), cache=cache, use_cache=True, logits_to_keep=1)
         prefill_error = None if reference is None else context_error(reference, cache)
         for step in range(fed):
             logits = model(
                 input_ids=torch.tensor([[continuation[step]]], device=device),
-                past_key_values=cache,
+                cache=cache,
                 use_cache=True,
                 logits_to_keep=1,
             ).logits

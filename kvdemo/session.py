@@ -283,9 +283,7 @@ class QASession:
             for step in range(max_new_tokens):
                 step_start = time.perf_counter()
                 with torch.no_grad():
-                    logits = loaded.model(
-                        input_ids=inputs, past_key_values=cache, use_cache=True, logits_to_keep=1
-                    ).logits
+                    logits = loaded.model(input_ids=inputs, cache=cache, use_cache=True, logits_to_keep=1).logits
                 token = int(logits[0, -1].argmax())
                 now = time.perf_counter()
                 steps += 1
@@ -382,9 +380,7 @@ class QASession:
         try:
             for token in answer_ids:
                 with torch.no_grad():
-                    logits = loaded.model(
-                        input_ids=inputs, past_key_values=cache, use_cache=True, logits_to_keep=1
-                    ).logits
+                    logits = loaded.model(input_ids=inputs, cache=cache, use_cache=True, logits_to_keep=1).logits
                 rows.append(torch.log_softmax(logits[0, -1].float(), dim=-1).cpu())
                 if on_step is not None:
                     on_step(len(rows) - 1, cache)

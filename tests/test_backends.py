@@ -221,9 +221,9 @@ def _runs(model, config, spec) -> bool:
         cache = QuantizedCache(spec.backend, config, **spec.given())
         try:
             with torch.no_grad():
-                out = model(torch.arange(tokens).view(1, -1) % 64, past_key_values=cache)
+                out = model(torch.arange(tokens).view(1, -1) % 64, cache=cache)
                 for _ in range(3):
-                    out = model(torch.tensor([[1]]), past_key_values=cache)
+                    out = model(torch.tensor([[1]]), cache=cache)
         except (ValueError, RuntimeError):
             return False
         if not torch.isfinite(out.logits).all():

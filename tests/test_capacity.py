@@ -28,16 +28,14 @@ def test_same_logits_as_dynamic_layer_through_prefill_chunks_decode_steps_and_cr
     assert all(isinstance(layer, GrowingLayer) for layer in growing.layers)
     with torch.no_grad():
         for start, end in [(0, 100), (100, 380)] + [(i, i + 1) for i in range(380, 420)]:  # grows twice
-            expected = model(ids[:, start:end], past_key_values=plain).logits
-            assert torch.equal(model(ids[:, start:end], past_key_values=growing).logits, expected)
+            expected = model(ids[:, start:end], cache=plain).logits
+            assert torch.equal(model(ids[:, start:end], cache=growing).logits, expected)
         assert growing.layers[0].capacity == grown_capacity(380) and growing.get_seq_length() == 420
         plain.crop(-7)
         growing.crop(-7)
         for a, b in zip(plain.layers, growing.layers):
             assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
-        assert torch.equal(
-            model(ids[:, 5:6], past_key_values=growing).logits, model(ids[:, 5:6], past_key_values=plain).logits
-        )
+        assert torch.equal(model(ids[:, 5:6], cache=growing).logits, model(ids[:, 5:6], cache=plain).logits)
 
 
 def _use_growing_layers(monkeypatch) -> None:

@@ -18,7 +18,7 @@ APPEND = [CacheSpec("quanto", nbits=4, flush="append"), CacheSpec("hqq", nbits=4
 
 def _feed(loaded, cache, ids):
     with torch.no_grad():
-        return loaded.model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True).logits[0, -1]
+        return loaded.model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True).logits[0, -1]
 
 
 def test_the_registry_builds_each_policy(tiny):

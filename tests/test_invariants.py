@@ -181,7 +181,7 @@ def test_kvpress_slicing_cannot_restore_a_quantized_cache(tiny, context, spec):
     ids = torch.tensor([session.question_ids(QUESTIONS[0])])
     with torch.no_grad():
         for _ in range(6):
-            token = tiny.model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1].argmax()
+            token = tiny.model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1].argmax()
             ids = token.view(1, 1)
     if not spec.info.has_residual:  # fp8 holds no 4-D residual: the slicing fails outright
         with pytest.raises(IndexError):
@@ -208,6 +208,6 @@ def test_kvpress_slicing_is_enough_for_a_dynamic_cache_only(tiny, context):
     lengths = [layer.get_seq_length() for layer in cache.layers]
     ids = torch.tensor([session.question_ids(QUESTIONS[0])])
     with torch.no_grad():
-        tiny.model(input_ids=ids, past_key_values=cache, use_cache=True)
+        tiny.model(input_ids=ids, cache=cache, use_cache=True)
     _kvpress_trim(cache, lengths)
     assert cache.get_seq_length() == context_tokens

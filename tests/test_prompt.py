@@ -182,7 +182,7 @@ def test_embedded_answer_equals_a_plain_greedy_run_on_the_template_ids(embedded,
     cache, ids, greedy = DynamicCache(config=embedded.model.config), torch.tensor([expected_ids]), []
     with torch.no_grad():
         for _ in range(8):
-            token = int(embedded.model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1].argmax())
+            token = int(embedded.model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1].argmax())
             greedy.append(token)
             if token in embedded.eos_token_ids:
                 break

@@ -4,13 +4,16 @@ embedded model."""
 from __future__ import annotations
 
 import copy
+import logging
+import warnings
 
 import pytest
 import torch
+import transformers.utils.logging as hf_logging
 
 from kvdemo import CacheSpec, QASession
 from kvdemo.session import DEFAULT_MAX_NEW_TOKENS, QUESTION_RESERVE_TOKENS
-from tests.conftest import make_tiny
+from tests.conftest import ALL_SPECS, make_tiny, spec_id
 
 
 def test_chat_layout_puts_the_context_in_the_prefix_and_the_question_in_the_user_turn(tiny):
@@ -223,3 +226,38 @@ def test_streamed_and_final_text_never_show_half_a_character(embedded):
     # cut after the first token: the answer ends before the incomplete character
     first = session.ask(question, 1)
     assert first.token_ids == (ids[0],) and first.text == expected[0] and "\ufffd" not in first.text
+
+
+DEPRECATIONS = (DeprecationWarning, PendingDeprecationWarning, FutureWarning)
+
+
+@pytest.mark.parametrize("spec", ALL_SPECS, ids=spec_id)
+def test_kvdemo_calls_transformers_without_deprecation(tiny, spec, caplog):
+    """transformers 5.24 renamed the forward's `past_key_values=` to `cache=`: the old name warns from torch's and
+    transformers' frames (a FutureWarning from `Module.__call__`, or `logger.warning_once`), never from kvdemo's, so
+    `filterwarnings("error", module="kvdemo")` would miss it. Every warning is recorded instead, and transformers'
+    own log (which does not propagate to the root logger) is read through caplog's handler."""
+    hf_logging.warning_once.cache_clear()  # a warning_once already given in this process would stay silent
+    hf_logger = logging.getLogger("transformers")
+    hf_logger.addHandler(caplog.handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            session = QASession(tiny, spec)
+            # 40 tokens in chunks of 16: the chunked prefill's passes (and a quantized cache's one update)
+            report = session.prefill("Rollo led the Vikings to Normandy in 911. " * 4, chunk_tokens=16)
+            answer = session.ask("Who led the Vikings?", max_new_tokens=4)
+            session.score("Who led the Vikings?", answer.token_ids)
+    finally:
+        hf_logger.removeHandler(caplog.handler)
+    assert report.context_tokens > 16 and len(answer.token_ids) >= 1
+    deprecations = [
+        f"{w.category.__name__}: {w.message} ({w.filename}:{w.lineno})"
+        for w in caught
+        if issubclass(w.category, DEPRECATIONS) or "deprecat" in str(w.message).lower()
+    ]
+    assert deprecations == []
+    logged = [
+        r.getMessage() for r in caplog.records if r.name.startswith("transformers") and r.levelno >= logging.WARNING
+    ]
+    assert logged == []

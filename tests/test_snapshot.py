@@ -64,7 +64,7 @@ def model():
 
 def _run(model, cache, tokens):
     with torch.no_grad():
-        model(torch.arange(tokens).view(1, -1) % 64, past_key_values=cache)
+        model(torch.arange(tokens).view(1, -1) % 64, cache=cache)
 
 
 def test_dynamic_snapshot_keeps_only_lengths_and_restore_is_a_view(model):
@@ -163,7 +163,7 @@ def _greedy(model, ids, steps):
     cache, inputs, out = DynamicCache(config=model.config), torch.tensor([ids]), []
     with torch.no_grad():
         for _ in range(steps):
-            out.append(int(model(input_ids=inputs, past_key_values=cache, use_cache=True).logits[0, -1].argmax()))
+            out.append(int(model(input_ids=inputs, cache=cache, use_cache=True).logits[0, -1].argmax()))
             inputs = torch.tensor([[out[-1]]])
     return out, cache
 

@@ -37,7 +37,7 @@ def model():
 def _prefill(model, spec, tokens=TOKENS):
     cache = build_cache(spec, model.config)
     with torch.no_grad():
-        model(torch.arange(tokens).view(1, -1) % 64, past_key_values=cache)
+        model(torch.arange(tokens).view(1, -1) % 64, cache=cache)
     return cache
 
 
@@ -93,7 +93,7 @@ def test_residual_bytes_and_flushes_during_decode(model):
     residuals, flushes = [], []
     with torch.no_grad():
         for _ in range(7):
-            model(torch.tensor([[5]]), past_key_values=cache)
+            model(torch.tensor([[5]]), cache=cache)
             report = kv_memory(cache)
             residuals.append(report.layers[0].residual_tokens)
             flushes.append(flushed_layers(cache))
@@ -106,7 +106,7 @@ def test_fp8_and_dynamic_never_flush(model):
     for spec in (CacheSpec("fp8"), CacheSpec("dynamic")):
         cache = _prefill(model, spec)
         with torch.no_grad():
-            model(torch.tensor([[5]]), past_key_values=cache)
+            model(torch.tensor([[5]]), cache=cache)
         assert flushed_layers(cache) == ()
     assert kv_memory(cache).total_bytes == 2 * LAYERS * HEADS * (TOKENS + 1) * DIM * 4
 
@@ -114,7 +114,7 @@ def test_fp8_and_dynamic_never_flush(model):
 def test_reading_memory_changes_nothing(model):
     cache = _prefill(model, CacheSpec("quanto", nbits=4, residual_length=8))
     with torch.no_grad():
-        model(torch.tensor([[5]]), past_key_values=cache)
+        model(torch.tensor([[5]]), cache=cache)
     before = [dict(vars(layer)) for layer in cache.layers]
     kv_memory(cache), flushed_layers(cache)
     for layer, saved in zip(cache.layers, before):
