@@ -5,7 +5,8 @@
 2. products: the effective GB/s of the model's matrix-vector products (every `nn.Linear` once, on one token:
    the weight bytes over the time), interleaved with a copy of the same thread count, at torch's threads and at 1.
 3. step ÷ floor: a `dynamic` decode step (bare loop: forward + argmax) on the Normans context (paragraphs 0-11)
-   with transformers' `DynamicLayer` and with `kvdemo.capacity.GrowingLayer`, against the floor
+   with transformers' `DynamicLayer` (`dynamic`, `storage=concat`) and with `kvdemo.capacity.GrowingLayer`
+   (`storage=growing`), against the floor
    (`kvdemo.speedlimit.speed_limit`: weights + KV bytes over the copy bandwidth).
 4. context sweep: the same step at 1k, 2k, 4k and 8k tokens of context (SQuAD articles joined), both layers in
    interleaved rounds, and the step's growth from 1k to 8k over what reading the extra KV bytes costs at the copy
@@ -31,16 +32,19 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from transformers import DynamicCache  # noqa: E402
 
 import kvdemo  # noqa: E402, F401  (first: it sets libgomp's GOMP_SPINCOUNT before torch loads)
 from kvdemo import load_model  # noqa: E402
-from kvdemo.capacity import growing_dynamic_cache  # noqa: E402
 from kvdemo.cases import example_path, load_case  # noqa: E402
 from kvdemo.prefill import run_prefill  # noqa: E402
+from kvdemo.spec import CacheSpec, build_cache  # noqa: E402
 from kvdemo.speedlimit import probe_bandwidth, speed_limit, weight_bytes  # noqa: E402
 
-LAYERS = {"DynamicLayer": lambda config: DynamicCache(config=config), "GrowingLayer": growing_dynamic_cache}
+LAYERS = {
+    "DynamicLayer": lambda config: build_cache(CacheSpec("dynamic", storage="concat"), config),
+    "GrowingLayer": lambda config: build_cache(CacheSpec("dynamic", storage="growing"), config),
+}
+"""The two `storage` choices of the `dynamic` backend, by the layer class each builds."""
 
 
 def copy_bandwidth(mib: int = 128) -> float:
@@ -117,14 +121,14 @@ def sweep(loaded, ids: list[int], lengths: list[int], rounds: int, steps: int, t
     """Step time of both layers at each thread count and context length (prefilled once at the longest, cropped
     down), in interleaved rounds; the floor at the best copy bandwidth over the thread counts."""
     model, config = loaded.model, loaded.model.config
-    plain = DynamicCache(config=config)
+    plain = LAYERS["DynamicLayer"](config)
     default = torch.get_num_threads()
     torch.set_num_threads(min(threads))  # on a busy 2-core machine 2 threads can be 10x slower (README)
     start = time.perf_counter()
     run_prefill(loaded, plain, ids[: max(lengths)], quantized=False)
     prefill_seconds = time.perf_counter() - start
     torch.set_num_threads(default)
-    caches = {"DynamicLayer": plain, "GrowingLayer": _copy_of(plain, growing_dynamic_cache, config)}
+    caches = {"DynamicLayer": plain, "GrowingLayer": _copy_of(plain, LAYERS["GrowingLayer"], config)}
     variants = [(name, n) for n in threads for name in caches]
     bandwidth = 0.0
     for n in threads:

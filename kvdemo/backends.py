@@ -23,13 +23,14 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from kvdemo.spec import CacheSpec
 
-from transformers import DynamicCache, PreTrainedConfig, QuantizedCache
+from transformers import PreTrainedConfig, QuantizedCache
 from transformers.cache_utils import Cache
 
+from kvdemo.capacity import STORAGE_POLICIES, capacity_bound, dynamic_cache
 from kvdemo.flush import FLUSH_POLICIES, quantized_cache
 from kvdemo.geometry import KVGeometry
 
-GROUP_OPTIONS = ("nbits", "q_group_size", "residual_length", "axis_key", "axis_value", "flush")
+GROUP_OPTIONS = ("nbits", "q_group_size", "residual_length", "axis_key", "axis_value", "flush", "storage")
 """Every option a backend may take, in the order the page and the command line show them."""
 
 
@@ -39,7 +40,8 @@ class Option:
 
     Attributes:
         name: the transformers keyword (`nbits`, `q_group_size`, `residual_length`, `axis_key`, `axis_value`), or
-            kvdemo's `flush` (the flush policy, `kvdemo.flush`).
+            kvdemo's `flush` (the flush policy, `kvdemo.flush`) or `storage` (how `dynamic` grows its tensors,
+            `kvdemo.capacity`).
         default: the value transformers uses when the option is left unset.
         choices: the allowed values (integers, or words for a text option such as `flush`), or None where any
             integer >= `minimum` is allowed (then model-dependent rules may narrow it, see `CacheSpec.validate`).
@@ -55,7 +57,7 @@ class Option:
 
     @property
     def is_text(self) -> bool:
-        """True for an option whose values are words (`flush`), False for an integer option."""
+        """True for an option whose values are words (`flush`, `storage`), False for an integer option."""
         return isinstance(self.default, str)
 
     def allowed_text(self) -> str:
@@ -81,7 +83,7 @@ class Backend:
         quantized: True for the `QuantizedCache` backends; those need a model whose layers are all full attention.
         build: `build(spec, model_config) -> Cache`, the empty cache of a validated spec.
         kv_bytes: its `BytesFormula`.
-        options: the options it takes, by name (empty for `dynamic` and `fp8`).
+        options: the options it takes, by name (only `storage` for `dynamic`, none for `fp8`).
         group_rule: its `GroupRule` for q_group_size, or None when it takes no q_group_size.
         compare_nbits: the nbits it is compared at by default (`(None,)`: the backend as it is; `()`: not at all).
         module: the Python module it needs, or None; pip: the command that installs it.
@@ -140,8 +142,11 @@ def _group_options(nbits: tuple[int, ...], axes: tuple[int, ...]) -> dict[str, O
 
 
 def _full_precision_bytes(opts, geo: KVGeometry, tokens, residual, element, nominal) -> float:
-    """Every value in the model's dtype."""
-    return geo.values_per_token * element * tokens
+    """Every value in the model's dtype; with `storage=growing` (`kvdemo.capacity.GrowingLayer`) the buffers'
+    whole capacity, at most `capacity_bound(tokens)` tokens (an upper bound, reached right after a one-pass
+    prefill; up to max(256 tokens, 12.5 %) above the tokens held). `nominal` counts the tokens held only."""
+    held = capacity_bound(tokens) if opts.get("storage") == "growing" and not nominal else tokens
+    return geo.values_per_token * element * held
 
 
 def _fp8_bytes(opts, geo: KVGeometry, tokens, residual, element, nominal) -> float:
@@ -207,7 +212,8 @@ def _hqq_group_problem(nbits: int, group: int, axis: int, geo: KVGeometry) -> st
 
 
 def _dynamic_cache(spec: CacheSpec, config: PreTrainedConfig) -> Cache:
-    return DynamicCache(config=config)
+    """transformers' `DynamicCache(config=config)`, or its `GrowingLayer` form with `storage=growing`."""
+    return dynamic_cache(config, spec.resolved().get("storage", STORAGE_POLICIES[0]))
 
 
 def _quantized_cache(spec: CacheSpec, config: PreTrainedConfig) -> Cache:
@@ -227,10 +233,19 @@ BACKENDS: dict[str, Backend] = {
     "dynamic": Backend(
         "dynamic",
         "DynamicCache: keys and values in the model's dtype, the full-precision baseline",
-        "No quantization and no residual: it never flushes.",
+        "No quantization and no residual: it never flushes. storage=concat (transformers') copies the whole cache "
+        "into a new tensor at every decode step; storage=growing writes only the new token into spare capacity.",
         quantized=False,
         build=_dynamic_cache,
         kv_bytes=_full_precision_bytes,
+        options={
+            "storage": Option(
+                "storage",
+                STORAGE_POLICIES[0],
+                choices=STORAGE_POLICIES,
+                help="concat: the whole cache copied each step (transformers); growing: in place, spare room counted",
+            )
+        },
     ),
     "quanto": Backend(
         "quanto",

@@ -23,6 +23,10 @@ length, so the prefix's bytes are never written after the prefill; `kvdemo.snaps
 buffer from position 0), copy-free. Assigning any other tensor (transformers' `reset`, `batch_select_indices`,
 `batch_repeat_interleave`) makes it the new buffer, filled to its length.
 
+The page, the command line and the tests' matrix reach it as the `dynamic` backend's option `storage=growing`
+(`dynamic,storage=growing`; `kvdemo.backends`); `storage=concat`, transformers' own layer, stays the default. Its
+byte formula plans for the most capacity a cache can have reached (`capacity_bound`).
+
 Source of the pattern: a dynamic array with geometric growth (amortised O(1) append, Cormen et al.,
 "Introduction to Algorithms", 17.4), as llama.cpp's and vLLM's caches avoid per-token copies with
 pre-allocated storage.
@@ -40,6 +44,10 @@ GROWTH = 1.125
 
 MIN_HEADROOM = 256
 """The least room (tokens) a new buffer leaves after the tokens it holds: a typical answer's length."""
+
+STORAGE_POLICIES = ("concat", "growing")
+"""The `storage` option of the `dynamic` backend: `concat` is transformers' `DynamicLayer` (a `torch.cat` of the
+whole cache at every update, the default), `growing` is `GrowingLayer` (see the module docstring)."""
 
 
 def grown_capacity(needed: int) -> int:
@@ -145,6 +153,15 @@ class GrowingLayer(DynamicLayer):
         return self.keys, self.values
 
 
+def capacity_bound(tokens: int) -> int:
+    """The most tokens a `GrowingLayer`'s buffers can hold after at most `tokens` tokens were ever written into it
+    (in any chunks, with any restores between): `grown_capacity(tokens)`, reached when the last write that grew
+    the buffer ended at `tokens` (one prefill pass); a buffer last grown at fewer tokens is smaller, since
+    `grown_capacity` increases with its argument. The byte formula of `dynamic,storage=growing` and so the KV budget
+    guard plan for it (`kvdemo.backends`)."""
+    return grown_capacity(tokens) if tokens > 0 else 0
+
+
 def growing_dynamic_cache(config) -> Cache:
     """A `DynamicCache(config=config)` whose full-attention layers (`DynamicLayer`) are `GrowingLayer`s; other
     layer types (sliding window) are kept as transformers builds them.
@@ -156,3 +173,15 @@ def growing_dynamic_cache(config) -> Cache:
     cache = DynamicCache(config=config)
     cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
     return cache
+
+
+def dynamic_cache(config, storage: str = STORAGE_POLICIES[0]) -> Cache:
+    """The `dynamic` backend's empty cache: transformers' `DynamicCache(config=config)` for `storage="concat"`,
+    `growing_dynamic_cache(config)` for `storage="growing"`.
+
+    Raises:
+        ValueError: `storage` is not one of `STORAGE_POLICIES`.
+    """
+    if storage not in STORAGE_POLICIES:
+        raise ValueError(f"storage={storage!r} is not a storage policy; choose one of {', '.join(STORAGE_POLICIES)}")
+    return growing_dynamic_cache(config) if storage == "growing" else DynamicCache(config=config)

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 
 import pandas as pd
 
+from kvdemo.backends import GROUP_OPTIONS
 from kvdemo.cache_error import KVError
 from kvdemo.fidelity import KLStats, PerplexityResult
 
@@ -135,6 +136,8 @@ class ComparisonReport:
         "residual_length",
         "axis_key",
         "axis_value",
+        "flush",
+        "storage",
         "KV bytes",
         "bytes/token",
         "ratio to dynamic",
@@ -171,7 +174,8 @@ class ComparisonReport:
     def to_frame(self) -> pd.DataFrame:
         """The full table: one row per spec, `COLUMNS` (also when there is none).
 
-        Columns: `spec` (label), `spec text`, `backend`, `nbits` and the options (empty where the backend has none);
+        Columns: `spec` (label), `spec text`, `backend`, `nbits` and the other options of `GROUP_OPTIONS` (the flush
+        policy and `dynamic`'s storage included; empty where the backend does not take it);
         `KV bytes`, `bytes/token`, `ratio to dynamic`; `identical to dynamic` (share of answers), `common prefix
         (tokens)` (mean); `KL (nats)` (the mean KL per position, llama.cpp's "Mean KLD"), `median KLD`, `99.0% KLD`,
         `max KLD` (nats/token), `same top p (%)`, `mean |Δ log p|`, `99.0% |Δ log p|` (nats), `positions` (pooled
@@ -192,10 +196,7 @@ class ComparisonReport:
                     "spec text": r.spec_text,
                     "backend": r.backend,
                     "nbits": r.nbits,
-                    **{
-                        name: r.options.get(name)
-                        for name in ("q_group_size", "residual_length", "axis_key", "axis_value")
-                    },
+                    **{name: r.options.get(name) for name in GROUP_OPTIONS if name != "nbits"},
                     "KV bytes": r.kv_bytes,
                     "bytes/token": round(r.bytes_per_token, 1),
                     "ratio to dynamic": round(r.ratio_to_dynamic, 4),

@@ -37,7 +37,8 @@ class CacheSpec:
         backend: a name in `BACKENDS`.
         nbits: bits per quantized value; q_group_size: values per scale/zero-point group; residual_length:
             full-precision tokens held before a flush (>= 1); axis_key, axis_value: grouping axes; flush: the
-            flush policy (`requantize`, `append`: `kvdemo.flush`). Which backend
+            flush policy (`requantize`, `append`: `kvdemo.flush`); storage: how `dynamic` stores its tensors
+            (`concat`, `growing`: `kvdemo.capacity`). Which backend
             takes which, and the values allowed, are in its registry entry (`Backend.options`).
 
     Example:
@@ -53,6 +54,7 @@ class CacheSpec:
     axis_key: int | None = None
     axis_value: int | None = None
     flush: str | None = None
+    storage: str | None = None
 
     @property
     def info(self) -> Backend:
@@ -203,18 +205,18 @@ class CacheSpec:
 
 
 def _is_text_option(name: str) -> bool:
-    """Whether the option `name` takes words (`flush`) rather than integers, in any backend of the registry."""
+    """Whether the option `name` takes words (`flush`, `storage`) rather than integers, in any registry backend."""
     return any(b.options[name].is_text for b in BACKENDS.values() if name in b.options)
 
 
 def all_specs() -> list[CacheSpec]:
     """Every backend at every nbits it allows, the other options unset (the backend's defaults), then each other
-    choice of a text option (`flush=append`) at the default nbits: what the tests' matrix runs and the Compare tab
-    offers.
+    choice of a text option (`storage=growing`, `flush=append`) at the default nbits: what the tests' matrix runs
+    and the Compare tab offers.
 
     Example:
-        >>> [s.text for s in all_specs()][:4]
-        ['dynamic', 'quanto:2', 'quanto:4', 'quanto:4,flush=append']
+        >>> [s.text for s in all_specs()][:5]
+        ['dynamic', 'dynamic,storage=growing', 'quanto:2', 'quanto:4', 'quanto:4,flush=append']
     """
     specs = []
     for name, info in BACKENDS.items():

@@ -99,3 +99,28 @@ def refused(result) -> str:
     found = [item for item in items if isinstance(item, str) and "⚠ " in item]
     assert found, f"no refusal shown in {result!r}"
     return found[-1]
+
+
+def named_handlers(demo) -> dict:
+    """The page's named event functions (`api_name` -> fn). `prefill` and `gate` are called as the page's state
+    inputs in order (Context box, backend, options in `GROUP_OPTIONS` order; missing trailing options left empty),
+    then the request, and `progress=` optionally: Gradio's own `special_args` puts the request (and progress)
+    where the handler's signature takes them, as it does for a browser's call."""
+    from gradio.helpers import special_args
+
+    from kvdemo.backends import GROUP_OPTIONS
+
+    def as_the_page_calls(fn):
+        def called(*args, progress=None):
+            *inputs, request = args
+            inputs += [None] * (2 + len(GROUP_OPTIONS) - len(inputs))
+            ordered, progress_index, *_ = special_args(fn, inputs, request)
+            if progress is not None:
+                ordered[progress_index] = progress
+            return fn(*ordered)
+
+        return called
+
+    fns = {f.api_name: f.fn for f in demo.fns.values() if f.api_name}
+    gate = next(f.fn for f in demo.fns.values() if getattr(f.fn, "__name__", "") == "gate")
+    return {**fns, "prefill": as_the_page_calls(fns["prefill"]), "gate": as_the_page_calls(gate)}

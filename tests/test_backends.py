@@ -33,7 +33,8 @@ def test_registry_lists_the_four_backends_and_their_options():
     assert list(BACKENDS) == ["dynamic", "quanto", "hqq", "fp8"]
     assert BACKENDS["quanto"].options["nbits"].choices == (2, 4)
     assert BACKENDS["hqq"].options["nbits"].choices == (1, 2, 3, 4, 8)
-    assert BACKENDS["fp8"].options == {} and BACKENDS["dynamic"].options == {}
+    assert BACKENDS["fp8"].options == {} and list(BACKENDS["dynamic"].options) == ["storage"]
+    assert BACKENDS["dynamic"].options["storage"].choices == ("concat", "growing")
     assert BACKENDS["hqq"].options["residual_length"].default == 128
     assert BACKENDS["quanto"].pip == "pip install optimum-quanto==0.2.7"
     assert [b.has_residual for b in BACKENDS.values()] == [False, True, True, False]

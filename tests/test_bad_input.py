@@ -24,7 +24,7 @@ from kvdemo.cases import example_path, load_case
 from kvdemo.compare import compare
 from kvdemo.server import App
 from kvdemo.ui import build_demo
-from tests.conftest import refused
+from tests.conftest import named_handlers, refused
 
 CONTEXT = "The Normans were the people who gave their name to Normandy, a region in France. Rollo led them."
 QUESTION = "Who led the Normans?"
@@ -425,7 +425,7 @@ def env(tiny, tmp_path_factory):
     app.start_loading()
     app.wait_for_model()
     demo = build_demo(app)
-    fns = {f.api_name: f.fn for f in demo.fns.values() if f.api_name}
+    fns = named_handlers(demo)
     fns["prefill"](CONTEXT, *HQQ, _req())
     return Env(qa=qa, app=app, fns=fns, tmp=tmp_path, tiny=tiny)
 

@@ -27,7 +27,13 @@ def test_estimate_matches_the_bytes_held_after_prefill_and_during_an_answer(tiny
         held = event.memory
     residual = held.layers[0].residual_tokens
     expected = estimate_kv_bytes(session.spec, tiny.config, held.seq_length, torch.float32, residual)
-    assert expected == pytest.approx(held.cache_bytes, rel=0.03)  # the cache itself
+    if spec.resolved().get("storage") == "growing":  # the room grown at the prefill: the estimate is its bound
+        assert (
+            estimate_kv_bytes(spec, tiny.config, held.seq_length, torch.float32, nominal_bits=True) < held.cache_bytes
+        )
+        assert held.cache_bytes <= expected
+    else:
+        assert expected == pytest.approx(held.cache_bytes, rel=0.03)  # the cache itself
     # the guard plans for all that is held, the post-prefill store the snapshot keeps after a flush included
     reserve = held.seq_length - report.context_tokens
     assert held.total_bytes <= session.estimate_kv_bytes(report.context_tokens, reserve) * 1.03

@@ -216,7 +216,7 @@ def test_fidelity_figures_against_sessions_by_hand(tiny):
     assert progress[-1] == (18, 18)  # 3 specs x (prefill + 2 answers + 2 scores + 1 perplexity unit)
     assert report.perplexity_source == "continuation"
     dynamic, hqq, fp8 = report.results
-    assert (dynamic.nbits, dynamic.options, hqq.nbits, fp8.nbits) == (None, {}, 2, None)
+    assert (dynamic.nbits, dynamic.options, hqq.nbits, fp8.nbits) == (None, {"storage": "concat"}, 2, None)
     assert hqq.options == specs[0].resolved() and hqq.backend == "hqq"
     # dynamic against itself: zeros, 100 % the same top token, no cache error, PPL ratio 1
     assert (dynamic.kl.mean_kld, dynamic.kl.max_kld, dynamic.kl.same_top_p) == (0.0, 0.0, 100.0)
@@ -262,6 +262,8 @@ def test_fidelity_figures_against_sessions_by_hand(tiny):
     assert frame["same top p (%)"].tolist() == [r.kl.same_top_p for r in report.results]
     assert frame["99.0% KLD"].tolist() == [r.kl.p99_kld for r in report.results]
     assert frame["PPL ratio to dynamic"].iloc[0] == 1.0 and frame["nbits"].iloc[1] == 2
+    assert frame["flush"].fillna("").tolist() == ["", "requantize", ""]  # each spec's policies, empty where not taken
+    assert frame["storage"].fillna("").tolist() == ["concat", "", ""]
     assert frame["KL (nats)"].tolist() == [r.kl.mean_kld for r in report.results]
     from_csv = pd.read_csv(io.StringIO(report.to_csv()))
     assert list(from_csv.columns) == list(report.COLUMNS)

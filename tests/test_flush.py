@@ -129,8 +129,8 @@ def test_the_option_reaches_the_command_line_and_the_page(capsys):
         parser.parse_args(["ask", "--help"])
     assert "--flush" in capsys.readouterr().out
     *fields, _ = backend_option_updates("hqq", 4, 64, 128, 0, 0, "append")
-    assert fields[-1]["choices"] == ["requantize", "append"] and fields[-1]["value"] == "append"
-    assert not backend_option_updates("fp8")[-2]["visible"]
+    assert fields[-2]["choices"] == ["requantize", "append"] and fields[-2]["value"] == "append"
+    assert not backend_option_updates("fp8")[-3]["visible"]
     assert spec_from_inputs("hqq", 4, 64, 128, 0, 0, "append") == CacheSpec(
         "hqq", nbits=4, q_group_size=64, residual_length=128, axis_key=0, axis_value=0, flush="append"
     )

@@ -15,7 +15,7 @@ import pytest
 from kvdemo import CacheSpec, QASession
 from kvdemo.server import App, SessionStore
 from kvdemo.ui import build_demo
-from tests.conftest import refused
+from tests.conftest import named_handlers, refused
 
 from .conftest import fail_forward_at, make_tiny
 
@@ -42,7 +42,7 @@ def _handlers(loaded, **app_kwargs):
     app.start_loading()
     app.wait_for_model()
     demo = build_demo(app)
-    return app, {f.api_name: f.fn for f in demo.fns.values() if f.api_name}
+    return app, named_handlers(demo)
 
 
 def _fresh_answer(loaded, question=QUESTION, n=6, context=CONTEXT, spec=CacheSpec("hqq", nbits=4, residual_length=4)):

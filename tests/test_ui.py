@@ -8,13 +8,15 @@ import gradio as gr
 import pytest
 
 from kvdemo import CacheSpec, QASession
+from kvdemo.backends import GROUP_OPTIONS
+from kvdemo.capacity import GrowingLayer
 from kvdemo.compare import compare
 from kvdemo.server import App, SessionStore
 from kvdemo.ui import build_demo
 from kvdemo.ui.examples import EXAMPLES, example
 from kvdemo.ui.inputs import MAX_UPLOAD_BYTES, read_upload, spec_from_inputs
 from kvdemo.ui.views import backend_option_updates
-from tests.conftest import refused
+from tests.conftest import named_handlers, refused
 
 CONTEXT = "The Normans were the people who gave their name to Normandy, a region in France. Rollo led them."
 HQQ = ("hqq", 4, 64, 4, 0, 0)
@@ -25,7 +27,7 @@ def handlers(tiny):
     app = App(loader=lambda source=None: tiny)
     app.start_loading()
     demo = build_demo(app)
-    fns = {f.api_name: f.fn for f in demo.fns.values() if f.api_name}
+    fns = named_handlers(demo)
     return app, fns
 
 
@@ -178,28 +180,34 @@ def test_session_store_is_bounded_and_frees_the_least_recently_used():
 
 def test_backend_options_shown_from_the_registry():
     *hqq, note = backend_option_updates("hqq")
-    assert [u["visible"] for u in hqq] == [True] * 6
+    assert [u["visible"] for u in hqq] == [True] * 6 + [False]  # every option but dynamic's storage
     assert hqq[0]["choices"] == [1, 2, 3, 4, 8] and hqq[3]["choices"] == [0, 1]
     *quanto, _ = backend_option_updates("quanto")
     assert quanto[0]["choices"] == [2, 4] and quanto[4]["choices"] == [0, -1]
     *fp8, note = backend_option_updates("fp8")
-    assert [u["visible"] for u in fp8] == [False] * 6 and "never flushes" in note
+    assert [u["visible"] for u in fp8] == [False] * 7 and "never flushes" in note
+    *dynamic, note = backend_option_updates("dynamic")
+    assert [u["visible"] for u in dynamic] == [False] * 6 + [True] and "storage=growing" in note
+    assert dynamic[-1]["choices"] == ["concat", "growing"] and dynamic[-1]["value"] == "concat"
 
 
 def test_switching_backend_keeps_the_values_the_new_backend_allows():
     *hqq, _ = backend_option_updates("hqq", 3, 32, 16, 1, 0)
-    assert [u["value"] for u in hqq] == [3, 32, 16, 1, 0, "requantize"]  # back to hqq: what was there
+    assert [u.get("value") for u in hqq] == [3, 32, 16, 1, 0, "requantize", None]  # back to hqq: what was there
     *quanto, _ = backend_option_updates("quanto", 3, 32, 16, 1, 0)
-    assert [u["value"] for u in quanto] == [
+    assert [u.get("value") for u in quanto] == [
         4,
         32,
         16,
         0,
         0,
         "requantize",
-    ]  # nbits 3 and axis 1 are not quanto's: defaults
+        None,
+    ]  # nbits 3 and axis 1 are not quanto's: defaults; storage is hidden (not quanto's)
     *hqq, _ = backend_option_updates("hqq", None, None, 0, None, None)
-    assert [u["value"] for u in hqq] == [4, 64, 128, 0, 0, "requantize"]
+    assert [u.get("value") for u in hqq] == [4, 64, 128, 0, 0, "requantize", None]
+    *dynamic, _ = backend_option_updates("dynamic", 4, 64, 128, 0, 0, "append", "growing")
+    assert dynamic[-1]["value"] == "growing" and not any(u["visible"] for u in dynamic[:-1])
 
 
 def test_spec_from_inputs_ignores_hidden_options():
@@ -209,8 +217,7 @@ def test_spec_from_inputs_ignores_hidden_options():
 
 def test_changing_options_or_the_context_after_a_prefill_asks_for_a_new_one(handlers):
     app, fns = handlers
-    demo_fns = build_demo(app).fns.values()
-    gate = next(f.fn for f in demo_fns if getattr(f.fn, "__name__", "") == "gate")
+    gate = named_handlers(build_demo(app))["gate"]
     line, notice, button = gate(CONTEXT, *HQQ, _request())
     assert "nothing prefilled in this tab yet" in line and button["interactive"] is False
     fns["prefill"](CONTEXT, *HQQ, _request())
@@ -364,7 +371,7 @@ def test_load_with_an_empty_field_reloads_the_start_up_model(tiny):
     app = App(model_source="/srv/models/start-up", loader=loader, allow_local_paths=False)
     app.start_loading()
     app.wait_for_model()
-    fns = {f.api_name: f.fn for f in build_demo(app).fns.values() if f.api_name}
+    fns = named_handlers(build_demo(app))
     assert fns["load_model"]("  ").startswith("**tiny-llama")  # the operator's own path, even on a public server
     assert asked == ["/srv/models/start-up", "/srv/models/start-up"]
     assert "is not a Hugging Face Hub id" in refused(fns["load_model"]("/srv/models/other"))
@@ -453,3 +460,16 @@ def test_needle_tab_runs_a_grid_cancels_and_refuses_bad_input(handlers, tiny):
     app.sessions.get("tab-1").compare_cancel.set()
     cancelled = fns["needle"](["dynamic"], "128", "0", 0, 4, _request())
     assert cancelled.needle_status.startswith("Cancelled after 0 cells")
+
+
+def test_the_prefill_event_names_every_option_for_the_api(handlers, tiny):
+    from gradio.utils import get_function_params
+
+    app, _ = handlers
+    events = {f.api_name: f.fn for f in build_demo(app).fns.values() if f.api_name}
+    names = [name for name, *_ in get_function_params(events["prefill"])]
+    assert names[: 2 + len(GROUP_OPTIONS)] == ["context", "backend", *GROUP_OPTIONS] and "request" not in names
+    # by keyword, as `client.predict(context=..., storage="growing")` sends it: the options reach the spec
+    view = events["prefill"](context=CONTEXT, backend="dynamic", storage="growing", request=_request())
+    assert "dynamic storage=growing" in view.prefill_info
+    assert isinstance(app.sessions.get("tab-1").qa.cache.layers[0], GrowingLayer)

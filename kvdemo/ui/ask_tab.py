@@ -21,7 +21,7 @@ from kvdemo.speedlimit import speed_limit
 from kvdemo.ui import views
 from kvdemo.ui.ask_widgets import AnswerView, AskWidgets, PrefillView
 from kvdemo.ui.examples import example
-from kvdemo.ui.inputs import read_upload, refusal, spec_from_inputs
+from kvdemo.ui.inputs import page_event, read_upload, refusal, spec_from_inputs
 
 
 def _guarded(stream: Iterator, qa: QASession) -> Iterator:
@@ -74,25 +74,14 @@ class AskTab(AskWidgets):
         same_spec = spec.backend == user.qa.spec.backend and spec.resolved() == user.qa.spec.resolved()
         return same_spec and (context is None or context == user.qa.context)
 
-    def prefill(
-        self,
-        context,
-        backend,
-        nbits,
-        q_group_size,
-        residual_length,
-        axis_key,
-        axis_value,
-        request: gr.Request,
-        progress=gr.Progress(),
-        flush=None,  # after the specials: Gradio inserts them by position, then the sixth option field lands here
-    ) -> PrefillView:
+    def prefill(self, context, backend, options: dict[str, Any], request: gr.Request, progress) -> PrefillView:
         """Prefill `context` into a new KV cache of the chosen backend (replacing this session's context).
-        A refusal (bad options, a context over the window or the KV budget, a full server) is a message beside
-        the button; the previous cache, chat and charts stay, and Ask stays enabled only if they still match."""
+        `options`: the option fields by name (`GROUP_OPTIONS`); the page calls it through `page_event`. A refusal
+        (bad options, a context over the window or the KV budget, a full server) is a message beside the button;
+        the previous cache, chat and charts stay, and Ask stays enabled only if they still match."""
         spec = None
         try:
-            spec = spec_from_inputs(backend, nbits, q_group_size, residual_length, axis_key, axis_value, flush)
+            spec = spec_from_inputs(backend, *(options.get(name) for name in GROUP_OPTIONS))
             loaded = self.app.wait_for_model()
             user = self.user_of(request)
             user.interrupt()
@@ -261,22 +250,14 @@ class AskTab(AskWidgets):
         return gr.update(interactive=False)
 
     def gate(
-        self,
-        context,
-        backend,
-        nbits,
-        q_group_size,
-        residual_length,
-        axis_key,
-        axis_value,
-        request: gr.Request,
-        flush=None,  # after the request: Gradio inserts it by position, then the sixth option field lands here
+        self, context, backend, options: dict[str, Any], request: gr.Request, progress=None
     ) -> tuple[Any, Any, Any]:
         """(prefill line, notice, Ask button) for what the page shows now: Ask is enabled only while the Context
-        box and the options are exactly what the cache was prefilled with; otherwise the line says what differs."""
+        box and the options are exactly what the cache was prefilled with; otherwise the line says what differs.
+        Called as `prefill` is (`progress` unused)."""
         user = self.existing_user(request)
         try:
-            spec = spec_from_inputs(backend, nbits, q_group_size, residual_length, axis_key, axis_value, flush)
+            spec = spec_from_inputs(backend, *(options.get(name) for name in GROUP_OPTIONS))
         except ValueError:
             spec = None
         shown = f"**spec** `{spec.full_text}`" if spec is not None else "**spec**: options not valid yet"
@@ -335,7 +316,7 @@ class AskTab(AskWidgets):
         option_fields = [w[name] for name in GROUP_OPTIONS]
         state_inputs = [w["context"], w["backend"], *option_fields]
         gate = {
-            "fn": self.gate,
+            "fn": page_event(self.gate, progress=False),
             "inputs": state_inputs,
             "outputs": [w["prefill_info"], w["notice"], w["ask_button"]],
             **private,
@@ -365,7 +346,7 @@ class AskTab(AskWidgets):
         # at the click, before the queue: Ask disabled while a prefill runs (a queued question would be answered on
         # the new cache), and this session's running prefill or answer stopped (the new prefill replaces it)
         w["prefill_button"].click(self.before_prefill, outputs=w["ask_button"], **private).then(
-            self.prefill,
+            page_event(self.prefill),
             inputs=state_inputs,
             outputs=[w[name] for name in PrefillView._fields],
             api_name="prefill",

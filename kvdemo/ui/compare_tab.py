@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 
 import gradio as gr
 
-from kvdemo.backends import BACKENDS
+from kvdemo.backends import BACKENDS, GROUP_OPTIONS
 from kvdemo.cases import continuation_for, gold_answers_for
 from kvdemo.compare import compare
 from kvdemo.compare_records import ComparisonCancelled, ComparisonReport
@@ -190,8 +190,8 @@ class CompareTab:
                     label="more specs, one per line",
                     lines=2,
                     placeholder="hqq:4,residual_length=16\nquanto:2,q_group_size=32,axis_key=-1",
-                    info="backend[:nbits][,option=value...]; options q_group_size, residual_length, axis_key, "
-                    "axis_value, flush",
+                    info="backend[:nbits][,option=value...]; options "
+                    + ", ".join(name for name in GROUP_OPTIONS if name != "nbits"),
                 )
                 w["max_new_tokens"] = gr.Number(
                     32, label="max_new_tokens", precision=0, minimum=1, maximum=COMPARE_MAX_NEW_TOKENS

@@ -1,6 +1,7 @@
 """The page's input rules: pure parsing of what a user typed, ticked or uploaded, raising `ValueError` with a
-message that says what to change; and `user_errors`, the one place where such an error becomes a `gr.Error`
-shown on the page (tests call the parsers directly)."""
+message that says what to change; `user_errors`, the one place where such an error becomes a `gr.Error`
+shown on the page (tests call the parsers directly); and `page_event`, the Ask tab's state inputs (Context box,
+backend, options) as one named signature for Gradio."""
 
 from __future__ import annotations
 
@@ -24,17 +25,54 @@ COMPARE_MAX_PERPLEXITY_TOKENS = 512
 """Limits of one comparison in the app (its reference keeps [tokens, vocab] float32 per question)."""
 
 
-def spec_from_inputs(backend: str, nbits, q_group_size, residual_length, axis_key, axis_value, flush=None) -> CacheSpec:
-    """A `CacheSpec` from the Ask tab's option fields (in `GROUP_OPTIONS` order); options the backend does not
-    take are ignored (they are hidden on the page), empty fields mean the backend's default. A text option
-    (`flush`) is kept as its word; the others must be whole numbers.
+def page_event(handler: Callable[..., Any], progress: bool = True) -> Callable[..., Any]:
+    """`handler(context, backend, options, request[, progress])` as the Gradio event function of the Ask tab's
+    state inputs: its parameters are `context`, `backend`, one per option of `GROUP_OPTIONS` (default None: the
+    backend's default), then `request: gr.Request` and, when `progress`, `progress=gr.Progress()`. Gradio reads
+    that signature to insert the request and the progress by position and to name the API's parameters
+    (`client.predict(context=..., backend="hqq", nbits=4, api_name="/prefill")`); the options reach the handler
+    as one dict, so an option added to the registry needs no change here.
+
+    Source of the mechanism: `inspect.Signature` (PEP 362), which `gradio.helpers.special_args` and
+    `gradio.utils.get_function_params` read through `inspect.signature`.
+    """
+    P = inspect.Parameter
+    names = ("context", "backend")
+    parameters = [P(name, P.POSITIONAL_OR_KEYWORD) for name in names]
+    parameters += [P(name, P.POSITIONAL_OR_KEYWORD, default=None) for name in GROUP_OPTIONS]
+    parameters.append(P("request", P.POSITIONAL_OR_KEYWORD, default=None, annotation=gr.Request))
+    if progress:
+        parameters.append(P("progress", P.POSITIONAL_OR_KEYWORD, default=gr.Progress()))
+    signature = inspect.Signature(parameters)
+
+    def event(*args: Any, **kwargs: Any) -> Any:
+        given = signature.bind(*args, **kwargs)
+        given.apply_defaults()
+        values = given.arguments
+        options = {name: values[name] for name in GROUP_OPTIONS}
+        extra = (values["progress"],) if progress else ()
+        return handler(values["context"], values["backend"], options, values["request"], *extra)
+
+    event.__name__ = event.__qualname__ = handler.__name__
+    event.__doc__ = handler.__doc__
+    event.__signature__ = signature
+    event.__annotations__ = {"request": gr.Request}
+    return event
+
+
+def spec_from_inputs(backend: str, *values: Any) -> CacheSpec:
+    """A `CacheSpec` from the Ask tab's option fields, `values` in `GROUP_OPTIONS` order (missing ones empty);
+    options the backend does not take are ignored (they are hidden on the page), empty fields mean the backend's
+    default. A text option (`flush`, `storage`) is kept as its word; the others must be whole numbers.
 
     Raises:
-        ValueError: an unknown backend or a value that is not a whole number.
+        ValueError: an unknown backend, more values than options, or a value that is not a whole number.
     """
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend={str(backend)[:40]!r} is not a backend; choose one of {', '.join(BACKENDS)}")
-    given = dict(zip(GROUP_OPTIONS, (nbits, q_group_size, residual_length, axis_key, axis_value, flush)))
+    if len(values) > len(GROUP_OPTIONS):
+        raise ValueError(f"{len(values)} option values given; the options are {', '.join(GROUP_OPTIONS)}")
+    given = dict(zip(GROUP_OPTIONS, values + (None,) * (len(GROUP_OPTIONS) - len(values))))
     options = {}
     for name, option in BACKENDS[backend].options.items():
         value = given[name]

@@ -37,9 +37,15 @@ values that share one scale and zero point; `fp8` stores 8-bit floats with one s
 memory chart shows the bytes really held against what full precision (`dynamic`) would hold.
 
 **Residual and flush.** `quanto` and `hqq` keep the newest tokens in full precision, the **residual**.
-When it reaches `residual_length` tokens, the layer **flushes**: the whole layer is de-quantized,
-joined with the residual and quantized again, and the residual empties. The flush chart marks each one;
-the residual chart shows the sawtooth. `fp8` has no residual: it appends with the scale frozen at the prefill.
+When it reaches `residual_length` tokens, the layer **flushes** and the residual empties: with
+`flush=requantize` (transformers') the whole layer is de-quantized, joined with the residual and quantized
+again; with `flush=append` (KIVI's way) only the residual block is quantized and appended. The flush chart
+marks each one; the residual chart shows the sawtooth. `fp8` has no residual: it appends with the scale frozen
+at the prefill.
+
+**Storage of `dynamic`.** transformers' `DynamicCache` (`storage=concat`) copies the whole cache into a new
+tensor at every decode step; `storage=growing` writes only the new token into spare room it keeps (counted in
+the memory chart), so a step's time grows only with the bytes it reads.
 
 **Restore.** After every answer the cache is put back exactly as it was after the prefill (the same
 tensors, no copy), so each question sees the context and nothing else, and gets the answer a fresh
@@ -58,7 +64,7 @@ def model_status(loaded: LoadedModel) -> str:
 
 
 def backend_option_updates(backend: str, *current: Any) -> tuple[Any, ...]:
-    """Visibility, choices and values of the five option fields for a backend, from `BACKENDS`, and the
+    """Visibility, choices and values of the option fields (`GROUP_OPTIONS`) for a backend, from `BACKENDS`, and the
     backend's description. A field keeps its current value when the new backend allows it (so switching
     away and back restores what was there), else it takes the backend's default.
 
