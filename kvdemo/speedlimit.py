@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
+from kvdemo.geometry import element_size, kv_geometry
 from kvdemo.telemetry import kv_memory
 
 PROBE_MIB = 256
@@ -91,12 +92,18 @@ class SpeedLimit:
         kv_bytes: bytes of the KV cache read per step (`kv_memory(cache).cache_bytes`, spare capacity included).
         kv_tokens: tokens in the cache (`get_seq_length()`).
         bandwidth: bytes per second (`probe_bandwidth`).
+        dequantized_bytes: bytes of full-precision keys and values a step of a quantized cache writes by
+            de-quantizing its whole store in every layer (transformers' `QuantizedLayer.update` and the fp8 layer
+            de-quantize all stored tokens at each step and keep no copy between steps; `benchmarks/flush.py`
+            measures the time); 0 for `dynamic`. Not in the floor: a cache that attends to its quantized store
+            directly would not write them.
     """
 
     weight_bytes: int
     kv_bytes: int
     kv_tokens: int
     bandwidth: float
+    dequantized_bytes: int = 0
 
     @property
     def bytes_read(self) -> int:
@@ -138,6 +145,7 @@ class SpeedLimit:
             "bandwidth_bytes_per_second": self.bandwidth,
             "floor_seconds": self.floor_seconds,
             "crossover_tokens": self.crossover_tokens,
+            "dequantized_bytes": self.dequantized_bytes,
         }
 
 
@@ -153,9 +161,14 @@ def speed_limit(model: nn.Module, cache: Cache, bandwidth: float | None = None) 
         >>> limit = speed_limit(loaded.model, session.cache)
         >>> f"{limit.floor_seconds * 1000:.1f} ms, step / floor {limit.ratio(0.082):.1f}x"
     """
+    memory = kv_memory(cache)
+    geometry = kv_geometry(model.config)
+    layer_token_bytes = 2 * geometry.kv_heads * geometry.head_dim * element_size(next(model.parameters()).dtype)
+    quantized_tokens = sum(layer.seq_length - layer.residual_tokens for layer in memory.layers if layer.quantized_bytes)
     return SpeedLimit(
         weight_bytes=weight_bytes(model),
-        kv_bytes=kv_memory(cache).cache_bytes,
+        kv_bytes=memory.cache_bytes,
         kv_tokens=cache.get_seq_length(),
         bandwidth=probe_bandwidth() if bandwidth is None else bandwidth,
+        dequantized_bytes=layer_token_bytes * quantized_tokens,
     )

@@ -47,6 +47,13 @@ def test_floor_is_bytes_by_hand_over_bandwidth(small, spec):
     assert limit.ratio(2 * limit.floor_seconds) == pytest.approx(2.0)
     line = views.speed_limit_line(limit, 3 * limit.floor_seconds)
     assert "3.0×" in line and f"{limit.crossover_tokens:,}" in line
+    # a quantized step de-quantizes its whole store (every stored token, keys and values, float32) in each layer
+    # (after the prefill the residual is empty: all n tokens are in the store)
+    expected = 0 if spec.backend == "dynamic" else 2 * 2 * 2 * 64 * 4 * n  # 2 layers x keys and values x 2 x 64
+    assert limit.dequantized_bytes == expected
+    assert ("de-quantizes the whole quantized store" in line) == bool(expected)
+    if expected:
+        assert f"{limit.dequantized_bytes / 2**20:,.1f} MiB of full-precision keys and values" in line
 
 
 def test_an_empty_cache_has_no_crossover():

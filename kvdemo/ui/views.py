@@ -245,6 +245,13 @@ def speed_limit_line(limit: SpeedLimit, step_seconds: float | None) -> str:
             f"the KV read exceeds the weights' above {limit.crossover_tokens:,} tokens at this cache's "
             f"{limit.kv_bytes_per_token:,.0f} bytes/token (now {limit.kv_share:.0%} of the bytes read)"
         )
+    if limit.dequantized_bytes:
+        parts.append(
+            f"not in the floor: each step also de-quantizes the whole quantized store, "
+            f"{limit.dequantized_bytes / 2**20:,.1f} MiB of full-precision keys and values written in every layer "
+            "and read by attention (transformers' quantized layers keep no full-precision copy between steps): "
+            "why a quantized step is slower than `dynamic`'s, not faster"
+        )
     return " · ".join(parts)
 
 
