@@ -46,12 +46,12 @@ check-style: $(DEV_STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# every benchmark figure side by side in one run (3.5 min on 2 cores): artifacts/bench/{results.json,bench.png}
-# then the decode step against its speed limit (about 3 min more): artifacts/bench/speed.json
+# three scripts, each measuring side by side in one process and printing ratios (9 min on 2 idle cores, 15-30 min
+# on a busy machine): restore, bytes, speed, overhead, start-up (artifacts/bench/{results.json,bench.png}); the
+# decode step against its speed limit (speed.json); the flush policies and quantized decode (flush.json)
 bench: $(APP_STAMP)
 	GRADIO_ANALYTICS_ENABLED=False HF_HUB_OFFLINE=1 $(PY) benchmarks/run_all.py
 	GRADIO_ANALYTICS_ENABLED=False HF_HUB_OFFLINE=1 $(PY) benchmarks/speed.py
-	# the flush policies and where a quantized decode step's time goes (8-25 min on 2 shared cores): artifacts/bench/flush.json
 	GRADIO_ANALYTICS_ENABLED=False HF_HUB_OFFLINE=1 $(PY) benchmarks/flush.py
 
 clean:
