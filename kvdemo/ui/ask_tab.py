@@ -249,12 +249,10 @@ class AskTab(AskWidgets):
             user.interrupt()
         return gr.update(interactive=False)
 
-    def gate(
-        self, context, backend, options: dict[str, Any], request: gr.Request, progress=None
-    ) -> tuple[Any, Any, Any]:
+    def gate(self, context, backend, options: dict[str, Any], request: gr.Request) -> tuple[Any, Any, Any]:
         """(prefill line, notice, Ask button) for what the page shows now: Ask is enabled only while the Context
         box and the options are exactly what the cache was prefilled with; otherwise the line says what differs.
-        Called as `prefill` is (`progress` unused)."""
+        The page calls it through `page_event` (without progress: it runs outside the queue)."""
         user = self.existing_user(request)
         try:
             spec = spec_from_inputs(backend, *(options.get(name) for name in GROUP_OPTIONS))
