@@ -14,7 +14,7 @@ from typing import Any
 import pandas as pd
 from matplotlib.figure import Figure
 
-from kvdemo.frames import MIB, _typed
+from kvdemo.frames import MIB, typed_frame
 from kvdemo.report_charts import (  # noqa: F401  (the report's figures, drawn by the notebooks from here)
     comparison_display_frame,
     drift_figure,
@@ -54,7 +54,7 @@ def memory_frame(events: Sequence[StepEvent], series: Sequence[str] = MEMORY_SER
         MEMORY_SERIES[3]: lambda e: e.full_precision_bytes,
     }
     rows = [(e.step, name, values[name](e) / MIB) for e in events for name in series]
-    return _typed(rows, {"step": "int64", "series": "string", "MiB": "float64"})
+    return typed_frame(rows, {"step": "int64", "series": "string", "MiB": "float64"})
 
 
 def residual_frame(events: Sequence[StepEvent], layer: int = 0) -> pd.DataFrame:
@@ -63,7 +63,7 @@ def residual_frame(events: Sequence[StepEvent], layer: int = 0) -> pd.DataFrame:
     Returns:
         Columns `step` (int) and `residual tokens` (int) of one layer (every layer fills alike).
     """
-    return _typed(
+    return typed_frame(
         [(e.step, e.memory.layers[layer].residual_tokens) for e in events if e.memory.layers],
         {"step": "int64", "residual tokens": "int64"},
     )
@@ -76,7 +76,7 @@ def flush_frame(events: Sequence[StepEvent]) -> pd.DataFrame:
         Columns `step` (int), `layer` (int), `step seconds` (float: the whole decode step's wall time, which a
         flush of every layer dominates).
     """
-    return _typed(
+    return typed_frame(
         [(e.step, layer, e.seconds) for e in events for layer in e.flushed_layers],
         {"step": "int64", "layer": "int64", "step seconds": "float64"},
     )
@@ -92,7 +92,7 @@ def step_time_frame(events: Sequence[StepEvent]) -> pd.DataFrame:
     rows = []
     for e in events:
         rows.append((e.step, e.seconds * 1000, e.kind, len(e.flushed_layers)))
-    return _typed(rows, {"step": "int64", "ms": "float64", "kind": "string", "layers flushed": "int64"})
+    return typed_frame(rows, {"step": "int64", "ms": "float64", "kind": "string", "layers flushed": "int64"})
 
 
 def flush_timing(events: Sequence[StepEvent]) -> tuple[int, float | None, float | None]:

@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 from kvdemo import checks, fidelity
 from kvdemo.compare_records import ComparisonCancelled, ComparisonReport, SpecResult
 from kvdemo.fidelity import PerplexityInputs
-from kvdemo.measure import Reference, _Cancelled, measure_spec, perplexity_units
+from kvdemo.measure import Cancelled, Reference, measure_spec, perplexity_units
 from kvdemo.models import LoadedModel
 from kvdemo.spec import CacheSpec
 
@@ -164,7 +164,7 @@ def _measure_all(
                 kv_budget_bytes=kv_budget_bytes,
                 perplexity_inputs=inputs,
             )
-        except _Cancelled:
+        except Cancelled:
             raise ComparisonCancelled(
                 ComparisonReport(loaded_model.name, max_new_tokens, tuple(results), source)
             ) from None

@@ -173,11 +173,11 @@ class NeedleContext:
     placements: tuple[Placement, ...]
 
 
-class _Tokenized:
+class TokenizedText:
     """A text's token offsets (characters) and sentence ends, for cutting it at token boundaries."""
 
     def __init__(self, session: QASession, text: str):
-        encoded = _encode_with_offsets(session, text)
+        encoded = encode_with_offsets(session, text)
         self.text = text
         self.starts = [start for start, _ in encoded["offset_mapping"]]
         self.ends = [end for _, end in encoded["offset_mapping"]]
@@ -187,7 +187,13 @@ class _Tokenized:
         return len(self.starts)
 
 
-def _encode_with_offsets(session: QASession, text: str) -> dict:
+def encode_with_offsets(session: QASession, text: str) -> dict:
+    """The session's tokenizer on `text` without special tokens, with `offset_mapping` (a (start, end) character
+    span per token).
+
+    Raises:
+        ValueError: the tokenizer is not a fast one (only fast tokenizers give offsets).
+    """
     tokenizer = session.loaded.tokenizer
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(
@@ -198,10 +204,10 @@ def _encode_with_offsets(session: QASession, text: str) -> dict:
 
 
 def _needle_tokens(session: QASession, needle: Needle) -> int:
-    return len(_encode_with_offsets(session, " " + needle.text)["input_ids"])
+    return len(encode_with_offsets(session, " " + needle.text)["input_ids"])
 
 
-def _assemble(hay: _Tokenized, kept: int, needles: Sequence[Needle]) -> tuple[str, list[tuple[Needle, int]]]:
+def _assemble(hay: TokenizedText, kept: int, needles: Sequence[Needle]) -> tuple[str, list[tuple[Needle, int]]]:
     """The first `kept` haystack tokens with the needles inserted at sentence ends: the text, and per needle
     (needle, first character, end character), the first being the space before it (byte-level tokens hold it)."""
     filler = hay.text[: hay.ends[kept - 1]] if kept > 0 else ""
@@ -238,7 +244,7 @@ def build_context(
     length: int,
     needles: Sequence[Needle],
     haystack: str | None = None,
-    _hay: _Tokenized | None = None,
+    _hay: TokenizedText | None = None,
 ) -> NeedleContext:
     """A context whose prefill is exactly `length` tokens, with `needles` hidden at their depths.
 
@@ -270,13 +276,13 @@ def build_context(
     hay = _hay
     if hay is None:
         text = haystack if haystack is not None else haystack_text()
-        hay = _Tokenized(session, text)
+        hay = TokenizedText(session, text)
     while len(hay) < length:  # a window longer than the text: read it again
-        hay = _Tokenized(session, hay.text + "\n\n" + hay.text)
+        hay = TokenizedText(session, hay.text + "\n\n" + hay.text)
     tried: dict[tuple[int, int], int] = {}
     for skipped in range(8):  # rarely no cut fits (see _exact_cut): start the haystack one sentence later
         if skipped:
-            hay = _Tokenized(session, hay.text[hay.sentence_ends[0] :].lstrip())
+            hay = TokenizedText(session, hay.text[hay.sentence_ends[0] :].lstrip())
         found = _exact_cut(session, hay, length, overhead, needles, length - overhead - needle_tokens, skipped, tried)
         if found is not None:
             return found
@@ -285,7 +291,7 @@ def build_context(
 
 def _exact_cut(
     session: QASession,
-    hay: _Tokenized,
+    hay: TokenizedText,
     length: int,
     overhead: int,
     needles: Sequence[Needle],
@@ -320,7 +326,7 @@ def _exact_cut(
 def _placements(
     session: QASession, text: str, ids: list[int], overhead: int, chars: list[tuple[Needle, int, int]]
 ) -> NeedleContext:
-    offsets = _encode_with_offsets(session, text)["offset_mapping"]
+    offsets = encode_with_offsets(session, text)["offset_mapping"]
     starts = [start for start, _ in offsets]
     ends = [end for _, end in offsets]
     found = []

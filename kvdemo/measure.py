@@ -38,11 +38,12 @@ class Reference:
 
 def _check_cancel(cancel: threading.Event | None) -> None:
     if cancel is not None and cancel.is_set():
-        raise _Cancelled
+        raise Cancelled
 
 
-class _Cancelled(Exception):
-    pass
+class Cancelled(Exception):
+    """Raised inside a measurement when its `cancel` callback returns True; `kvdemo.compare.compare` catches it and
+    raises `ComparisonCancelled` with the partial report."""
 
 
 PERPLEXITY_STEPS_PER_UNIT = 32

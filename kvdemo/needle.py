@@ -56,21 +56,21 @@ import re
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from kvdemo import CacheSpec, QASession
+from kvdemo.checks import shown
 from kvdemo.haystack import (
     Needle,
     NeedleContext,
     Placement,
-    _encode_with_offsets,
-    _Tokenized,
+    TokenizedText,
     build_context,
+    encode_with_offsets,
     haystack_text,
     make_needles,
 )
 from kvdemo.models import LoadedModel
-from kvdemo.needle_inputs import _check_count, _shown, check_depths, check_lengths
+from kvdemo.needle_inputs import check_count, check_depths, check_lengths
 from kvdemo.needle_records import NeedleCancelled, NeedleCell, NeedleGrid
 from kvdemo.records import PrefillReport
 from kvdemo.session import QUESTION_RESERVE_TOKENS, KVBudgetError
@@ -103,12 +103,6 @@ class _Cancelled(Exception):
     pass
 
 
-@dataclass(frozen=True)
-class _Plan:
-    length: int
-    context: NeedleContext
-
-
 def plan_contexts(
     loaded_model: LoadedModel,
     lengths: Sequence[int],
@@ -128,19 +122,19 @@ def plan_contexts(
         ValueError: bad lengths, depths or counts (see `check_lengths`, `check_depths`), a length too long for
             the window with `max_new_tokens` or too short for its needles (the messages give the bounds).
     """
-    max_new_tokens = _check_count(max_new_tokens, "max_new_tokens")
+    max_new_tokens = check_count(max_new_tokens, "max_new_tokens")
     if isinstance(seed, bool) or not isinstance(seed, (numbers.Integral, str)):
-        raise ValueError(f"seed={_shown(seed)} must be a whole number or a text")
+        raise ValueError(f"seed={shown(seed)} must be a whole number or a text")
     most = longest_length(loaded_model, max_new_tokens)
     lengths = check_lengths(lengths, most)
     depths = check_depths(depths)
-    per = _check_count(needles_per_context, "needles_per_context", allow_none=True) or len(depths)
+    per = check_count(needles_per_context, "needles_per_context", allow_none=True) or len(depths)
     groups = math.ceil(len(depths) / per)
     session = QASession(loaded_model)  # tokenization only: no cache is built before a prefill
     text = haystack if haystack is not None else haystack_text()
     if not isinstance(text, str) or not text.strip():
         raise ValueError("the haystack is empty; give a text to hide the needles in (or None for the SQuAD articles)")
-    hay = _Tokenized(session, text)
+    hay = TokenizedText(session, text)
     contexts = []
     for length in lengths:
         needles = make_needles(depths, seed=f"{seed}:{length}", avoid=text)
@@ -153,7 +147,7 @@ def _score_ids(session: QASession, needle: Needle) -> tuple[list[int], int]:
     """The answer ids teacher-forced for the score (answer prefix, a space, the value) and the index of the
     value's first token in them."""
     text = f"{needle.answer_prefix} {needle.value}"
-    encoded = _encode_with_offsets(session, text)
+    encoded = encode_with_offsets(session, text)
     start = len(text) - len(needle.value)
     first = next(i for i, (s, e) in enumerate(encoded["offset_mapping"]) if e > start and s >= start)
     return list(encoded["input_ids"]), first

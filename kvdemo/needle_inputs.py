@@ -9,6 +9,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from kvdemo.checks import shown
 from kvdemo.session import QUESTION_RESERVE_TOKENS
 
 
@@ -61,7 +62,7 @@ def check_lengths(lengths: Sequence[Any], most: int | None = None) -> list[int]:
     """
     if isinstance(lengths, (str, bytes)) or not isinstance(lengths, Sequence) or not lengths:
         raise ValueError(
-            f"lengths={_shown(lengths)}: give a list of context lengths in tokens, "
+            f"lengths={shown(lengths)}: give a list of context lengths in tokens, "
             f"e.g. [{_EXAMPLES['lengths'].replace(',', ', ')}]"
         )
     out = []
@@ -73,7 +74,7 @@ def check_lengths(lengths: Sequence[Any], most: int | None = None) -> list[int]:
         ):
             value = int(value)
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-            raise ValueError(f"length {_shown(value)} must be a whole number of tokens >= 1")
+            raise ValueError(f"length {shown(value)} must be a whole number of tokens >= 1")
         if value in out:
             raise ValueError(f"length {value} is given twice; give each length once")
         if most is not None and value > most:
@@ -90,25 +91,19 @@ def check_depths(depths: Sequence[Any]) -> list[float]:
     """
     if isinstance(depths, (str, bytes)) or not isinstance(depths, Sequence) or not depths:
         raise ValueError(
-            f"depths={_shown(depths)}: give a list of depths in % from 0 to 100, "
+            f"depths={shown(depths)}: give a list of depths in % from 0 to 100, "
             f"e.g. [{_EXAMPLES['depths'].replace(',', ', ')}]"
         )
     out = []
     for value in depths:
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value) or not 0 <= value <= 100:
             raise ValueError(
-                f"depth {_shown(value)} must be a number from 0 to 100 (% of the haystack before the needle)"
+                f"depth {shown(value)} must be a number from 0 to 100 (% of the haystack before the needle)"
             )
         if float(value) in out:
             raise ValueError(f"depth {value} is given twice; give each depth once")
         out.append(float(value))
     return sorted(out)
-
-
-def _shown(value: Any) -> str:
-    """`repr(value)`, cut to 40 characters, for messages."""
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _window_text(most: int) -> str:
@@ -118,9 +113,14 @@ def _window_text(most: int) -> str:
     )
 
 
-def _check_count(value: Any, name: str, allow_none: bool = False) -> int | None:
+def check_count(value: Any, name: str, allow_none: bool = False) -> int | None:
+    """`value` as a count (`name` in the message): a whole number >= 1, or None when `allow_none`.
+
+    Raises:
+        ValueError: a bool, a non-integer or a number < 1 (or None without `allow_none`).
+    """
     if allow_none and value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{name}={_shown(value)} must be a whole number >= 1" + (" (or None)" if allow_none else ""))
+        raise ValueError(f"{name}={shown(value)} must be a whole number >= 1" + (" (or None)" if allow_none else ""))
     return int(value)

@@ -11,7 +11,7 @@ from typing import Any
 import pandas as pd
 from matplotlib.figure import Figure
 
-from kvdemo.frames import MIB, _typed
+from kvdemo.frames import MIB, typed_frame
 
 
 def tradeoff_figure(
@@ -201,7 +201,7 @@ def kv_error_frame(error: Any) -> pd.DataFrame:
     for which in ("keys", "values"):
         for layer, row in enumerate(_matrix(error, which)):
             rows.extend((layer, head, which, value) for head, value in enumerate(row))
-    return _typed(rows, {"layer": "int64", "KV head": "int64", "tensor": "string", "relative error": "float64"})
+    return typed_frame(rows, {"layer": "int64", "KV head": "int64", "tensor": "string", "relative error": "float64"})
 
 
 def kv_error_figure(error: Any, title: str = "Relative KV error after the prefill") -> Figure:
@@ -266,7 +266,7 @@ def drift_frame(runs: Mapping[str, Sequence[float]]) -> pd.DataFrame:
         Columns `spec` (string), `flush` (int: 0 = after the prefill), `context error` (float, relative).
     """
     rows = [(label, i, value) for label, errors in runs.items() for i, value in enumerate(errors)]
-    return _typed(rows, {"spec": "string", "flush": "int64", "context error": "float64"})
+    return typed_frame(rows, {"spec": "string", "flush": "int64", "context error": "float64"})
 
 
 def drift_figure(runs: Mapping[str, Sequence[float]], title: str = "The context's KV error across flushes") -> Figure:

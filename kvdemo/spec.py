@@ -17,16 +17,11 @@ from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache, get_layer_types_and_kwargs
 
 from kvdemo.backends import BACKENDS, GROUP_OPTIONS, Backend
+from kvdemo.checks import shown
 from kvdemo.geometry import element_size, kv_geometry
 
 MAX_OPTION_VALUE = 1 << 20
 """No option means anything above this (1,048,576 tokens or values); larger numbers are refused."""
-
-
-def _show(value: Any) -> str:
-    """`repr(value)`, cut to 40 characters for messages."""
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 @dataclass(frozen=True)
@@ -60,7 +55,7 @@ class CacheSpec:
     def info(self) -> Backend:
         """The registry entry of this spec's backend. Raises ValueError for an unknown backend."""
         if not isinstance(self.backend, str) or self.backend not in BACKENDS:
-            raise ValueError(f"backend={_show(self.backend)} is not a backend; choose one of {', '.join(BACKENDS)}")
+            raise ValueError(f"backend={shown(self.backend)} is not a backend; choose one of {', '.join(BACKENDS)}")
         return BACKENDS[self.backend]
 
     def given(self) -> dict[str, int | str]:
@@ -167,10 +162,10 @@ class CacheSpec:
             if opt.is_text:
                 if value not in opt.choices:
                     allowed = ", ".join(map(str, opt.choices))
-                    raise ValueError(f"{name}={_show(value)} is not allowed for {self.backend}; allowed: {allowed}")
+                    raise ValueError(f"{name}={shown(value)} is not allowed for {self.backend}; allowed: {allowed}")
                 continue
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-                raise ValueError(f"{name}={_show(value)} must be an integer")
+                raise ValueError(f"{name}={shown(value)} must be an integer")
             value = int(value)
             if opt.choices is not None and value not in opt.choices:
                 allowed = ", ".join(map(str, opt.choices))
@@ -178,7 +173,7 @@ class CacheSpec:
             if opt.minimum is not None and value < opt.minimum:
                 raise ValueError(f"{name}={value} is not allowed for {self.backend}; it must be >= {opt.minimum}")
             if value > MAX_OPTION_VALUE:
-                raise ValueError(f"{name}={_show(value)} is not allowed; it must be <= {MAX_OPTION_VALUE:,}")
+                raise ValueError(f"{name}={shown(value)} is not allowed; it must be <= {MAX_OPTION_VALUE:,}")
         if not info.installed():
             raise ImportError(f"the {self.backend} backend needs the {info.module} package: {info.pip}")
         if model_config is None:
