@@ -49,7 +49,7 @@ class QASession:
 
     def __init__(self, loaded_model: LoadedModel, spec: CacheSpec | None = None, kv_budget_bytes: int | None = None):
         if kv_budget_bytes is not None and kv_budget_bytes < 1:
-            raise ValueError(f"kv_budget_bytes={kv_budget_bytes} must be >= 1 (or None for no limit)")
+            raise ValueError(f"kv_budget_bytes={kv_budget_bytes!r} must be >= 1 (or None for no limit)")
         self.loaded = loaded_model
         self.spec = (spec or CacheSpec()).validate(loaded_model.config)
         self.kv_budget_bytes = kv_budget_bytes
@@ -169,15 +169,15 @@ class QASession:
         limit = self.loaded.max_context_tokens
         if reserve >= limit:
             raise ValueError(
-                f"keeping {reserve} tokens for a question and its answer leaves no room for a context in the model's "
-                f"{limit}-token window; lower max_new_tokens"
+                f"keeping {reserve:,} tokens for a question and its answer leaves no room for a context in the model's "
+                f"{limit:,}-token window; lower max_new_tokens"
             )
         split = self.layout.split(context, max_prefix_tokens=limit - reserve)
         if len(split.prefix) + reserve > limit:
             raise ValueError(
-                f"the context is {len(split.prefix)} tokens; with {reserve} tokens kept for a question and its "
-                f"answer it exceeds the model's {limit}-token window. Shorten the context to at most "
-                f"{limit - reserve} tokens"
+                f"the context is {len(split.prefix):,} tokens; with {reserve:,} tokens kept for a question and its "
+                f"answer it exceeds the model's {limit:,}-token window. Shorten the context to at most "
+                f"{limit - reserve:,} tokens"
             )
         self._check_budget(len(split.prefix), reserve)
         self._close_active()
@@ -251,9 +251,9 @@ class QASession:
         limit = self.loaded.max_context_tokens
         if context_tokens + len(q_ids) + max_new_tokens > limit:
             raise ValueError(
-                f"context {context_tokens} + question {len(q_ids)} + max_new_tokens {max_new_tokens} tokens exceeds "
-                f"the model's {limit}-token window; lower max_new_tokens to at most "
-                f"{limit - context_tokens - len(q_ids)} or shorten the question"
+                f"context {context_tokens:,} + question {len(q_ids):,} + max_new_tokens {max_new_tokens:,} tokens "
+                f"exceeds the model's {limit:,}-token window; lower max_new_tokens to at most "
+                f"{limit - context_tokens - len(q_ids):,} or shorten the question"
             )
         self._check_budget(
             context_tokens, len(q_ids) + max_new_tokens, advice="Lower max_new_tokens, or prefill a shorter context"
@@ -370,8 +370,8 @@ class QASession:
         context_tokens = self._snapshot.seq_length
         if context_tokens + len(q_ids) + len(answer_ids) > self.loaded.max_context_tokens:
             raise ValueError(
-                f"context {context_tokens} + question {len(q_ids)} + answer {len(answer_ids)} tokens exceeds the "
-                f"model's {self.loaded.max_context_tokens}-token window"
+                f"context {context_tokens:,} + question {len(q_ids):,} + answer {len(answer_ids):,} tokens exceeds the "
+                f"model's {self.loaded.max_context_tokens:,}-token window"
             )
         self._close_active()
         loaded, cache = self.loaded, self.cache

@@ -160,7 +160,8 @@ def test_bad_device_and_token_counts(embedded, capsys):
     ]
     assert main(args) == 2
     assert (
-        "leaves no room for a context in the model's 8192-token window; lower max_new_tokens" in capsys.readouterr().err
+        "leaves no room for a context in the model's 8,192-token window; lower max_new_tokens"
+        in capsys.readouterr().err
     )
 
 

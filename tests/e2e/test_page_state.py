@@ -164,8 +164,8 @@ def test_a_refusal_stays_beside_its_button_and_keeps_the_page(page, normans, cap
     page.get_by_role("button", name="Prefill").click()
     notice = page.get_by_text(
         re.compile(
-            r"^⚠ the context is \d+ tokens; .* exceeds the model's 8192-token window\. Shorten the context to at most "
-            rf"\d+ tokens\. The cache still holds the previous context \({tokens:,} tokens\)\.$"
+            r"^⚠ the context is [\d,]+ tokens; .* exceeds the model's 8,192-token window\. Shorten the context to at "
+            rf"most [\d,]+ tokens\. The cache still holds the previous context \({tokens:,} tokens\)\.$"
         )
     )
     expect(notice).to_be_visible(timeout=60_000)
