@@ -45,7 +45,7 @@ at the prefill.
 
 **Storage of `dynamic`.** transformers' `DynamicCache` (`storage=concat`) copies the whole cache into a new
 tensor at every decode step; `storage=growing` writes only the new token into spare room it keeps (counted in
-the memory chart), so a step's time grows only with the bytes it reads.
+the memory chart), so no step copies the cache (attention still reads all of it at every step).
 
 **Restore.** After every answer the cache is put back exactly as it was after the prefill (the same
 tensors, no copy), so each question sees the context and nothing else, and gets the answer a fresh
