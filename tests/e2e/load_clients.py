@@ -130,6 +130,28 @@ class Run:
             time.sleep(random.uniform(0.5, 1.5))
         return None
 
+    def stop_long_answer(self, client: Client, question: str) -> None:
+        """A long answer stopped mid-way with the Stop button's event, tried again until the deadline when the
+        answer itself was refused: the job reports PROCESSING before its handler checks the KV budget, so the
+        refusal may come only from `job.result()`."""
+        while True:
+            job = self.long_answer(client, question)
+            if job is None:
+                return
+            time.sleep(0.1)
+            self.call(client, "/stop")  # a full queue turns gradio_client's Stop away too (the browser's is not queued)
+            try:
+                stopped = json.loads(job.result())
+            except Exception as error:
+                if not self.refused(error) or time.perf_counter() > self.deadline:
+                    raise
+                time.sleep(random.uniform(0.5, 1.5))
+                continue
+            with self.lock:
+                self.stops.append(stopped["finish_reason"])
+            assert stopped["cache_length_after"] == stopped["context_tokens"]
+            return
+
 
 def _client(run: Run, i: int, contexts: list[str], questions: list[str]) -> None:
     try:
@@ -141,13 +163,7 @@ def _client(run: Run, i: int, contexts: list[str], questions: list[str]) -> None
         if kind == 0:  # another question
             run.ask(client, context, spec, questions[(i + 1) % len(questions)], 12)
         elif kind == 1:  # Stop mid-answer, then ask again
-            job = run.long_answer(client, "Tell me everything about it, in detail.")
-            time.sleep(0.1)
-            run.call(client, "/stop")  # a full queue turns gradio_client's Stop away too (the browser's is not queued)
-            stopped = json.loads(job.result())
-            with run.lock:
-                run.stops.append(stopped["finish_reason"])
-            assert stopped["cache_length_after"] == stopped["context_tokens"]
+            run.stop_long_answer(client, "Tell me everything about it, in detail.")
             run.ask(client, context, spec, questions[(i + 2) % len(questions)], 8)
         elif kind == 2:  # disconnect mid-answer: the client goes away, the session is swept once idle
             job = run.long_answer(client, "Tell me everything about it, in detail.")
