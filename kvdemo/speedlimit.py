@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
-from kvdemo.geometry import element_size, kv_geometry
+from kvdemo.geometry import full_precision_bytes, kv_geometry
 from kvdemo.telemetry import kv_memory
 
 PROBE_MIB = 256
@@ -162,8 +162,9 @@ def speed_limit(model: nn.Module, cache: Cache, bandwidth: float | None = None) 
         >>> f"{limit.floor_seconds * 1000:.1f} ms, step / floor {limit.ratio(0.082):.1f}x"
     """
     memory = kv_memory(cache)
-    geometry = kv_geometry(model.config)
-    layer_token_bytes = 2 * geometry.kv_heads * geometry.head_dim * element_size(next(model.parameters()).dtype)
+    # keys and values of one token in one layer, in the model's dtype (what a layer de-quantizes each step)
+    layers = kv_geometry(model.config).layers
+    layer_token_bytes = full_precision_bytes(model.config, 1, next(model.parameters()).dtype) // layers
     quantized_tokens = sum(layer.seq_length - layer.residual_tokens for layer in memory.layers if layer.quantized_bytes)
     return SpeedLimit(
         weight_bytes=weight_bytes(model),

@@ -88,7 +88,9 @@ def test_the_registry_option_builds_it_and_transformers_layer_stays_the_default(
         CacheSpec.parse("dynamic,storage=grown")
     with pytest.raises(ValueError, match="storage=growing is not an option of the hqq backend"):
         CacheSpec.parse("hqq:4,storage=growing")
-    assert spec_from_inputs("dynamic", 4, 64, 128, 0, 0, "append", "growing") == GROWING  # hidden fields ignored
+    assert (
+        spec_from_inputs("dynamic", dict(nbits=4, q_group_size=64, flush="append", storage="growing")) == GROWING
+    )  # hidden fields ignored
     args = build_parser().parse_args(["ask", "--context-file", "x", "--backend", "dynamic", "--storage", "growing"])
     assert args.storage == "growing"
 

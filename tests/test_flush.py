@@ -131,10 +131,10 @@ def test_the_option_reaches_the_command_line_and_the_page(capsys):
     *fields, _ = backend_option_updates("hqq", 4, 64, 128, 0, 0, "append")
     assert fields[-2]["choices"] == ["requantize", "append"] and fields[-2]["value"] == "append"
     assert not backend_option_updates("fp8")[-3]["visible"]
-    assert spec_from_inputs("hqq", 4, 64, 128, 0, 0, "append") == CacheSpec(
-        "hqq", nbits=4, q_group_size=64, residual_length=128, axis_key=0, axis_value=0, flush="append"
-    )
-    assert spec_from_inputs("fp8", None, None, None, None, None, "append") == CacheSpec("fp8")
+    assert spec_from_inputs(
+        "hqq", dict(nbits=4, q_group_size=64, residual_length=128, axis_key=0, axis_value=0, flush="append")
+    ) == CacheSpec("hqq", nbits=4, q_group_size=64, residual_length=128, axis_key=0, axis_value=0, flush="append")
+    assert spec_from_inputs("fp8", dict(nbits=None, flush="append")) == CacheSpec("fp8")
 
 
 @pytest.mark.parametrize(

@@ -81,7 +81,7 @@ def test_a_fifth_backend_reaches_the_page(with_dummy, tiny):
     *fields, note = backend_option_updates("dummy")
     assert fields[0]["visible"] and fields[0]["choices"] == [16] and not any(f["visible"] for f in fields[1:])
     assert note == "DynamicCache under another name, for the registry test. It never flushes."
-    assert spec_from_inputs("dummy", 16, 64, 4, 0, 0) == CacheSpec("dummy", nbits=16)
+    assert spec_from_inputs("dummy", dict(nbits=16, q_group_size=64, residual_length=4)) == CacheSpec("dummy", nbits=16)
 
 
 def test_the_readme_backend_table_is_the_registry():

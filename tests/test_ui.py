@@ -211,8 +211,14 @@ def test_switching_backend_keeps_the_values_the_new_backend_allows():
 
 
 def test_spec_from_inputs_ignores_hidden_options():
-    assert spec_from_inputs("fp8", 4, 64, 16, 0, 0) == CacheSpec("fp8")
-    assert spec_from_inputs("quanto", 2.0, None, "", 0, -1) == CacheSpec("quanto", nbits=2, axis_key=0, axis_value=-1)
+    assert spec_from_inputs("fp8", dict(nbits=4, q_group_size=64, residual_length=16)) == CacheSpec("fp8")
+    assert spec_from_inputs(
+        "quanto", dict(nbits=2.0, q_group_size=None, residual_length="", axis_key=0, axis_value=-1)
+    ) == CacheSpec("quanto", nbits=2, axis_key=0, axis_value=-1)
+    with pytest.raises(ValueError, match="bits is not an option; the options are nbits, q_group_size, "):
+        spec_from_inputs("quanto", {"bits": 2})
+    with pytest.raises(ValueError, match="nbits='two' must be a whole number"):
+        spec_from_inputs("quanto", {"nbits": "two"})
 
 
 def test_changing_options_or_the_context_after_a_prefill_asks_for_a_new_one(handlers):

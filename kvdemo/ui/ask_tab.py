@@ -81,7 +81,7 @@ class AskTab(AskWidgets):
         the previous cache, chat and charts stay, and Ask stays enabled only if they still match."""
         spec = None
         try:
-            spec = spec_from_inputs(backend, *(options.get(name) for name in GROUP_OPTIONS))
+            spec = spec_from_inputs(backend, options)
             loaded = self.app.wait_for_model()
             user = self.user_of(request)
             user.interrupt()
@@ -255,7 +255,7 @@ class AskTab(AskWidgets):
         The page calls it through `page_event` (without progress: it runs outside the queue)."""
         user = self.existing_user(request)
         try:
-            spec = spec_from_inputs(backend, *(options.get(name) for name in GROUP_OPTIONS))
+            spec = spec_from_inputs(backend, options)
         except ValueError:
             spec = None
         shown = f"**spec** `{spec.full_text}`" if spec is not None else "**spec**: options not valid yet"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -60,22 +60,28 @@ def page_event(handler: Callable[..., Any], progress: bool = True) -> Callable[.
     return event
 
 
-def spec_from_inputs(backend: str, *values: Any) -> CacheSpec:
-    """A `CacheSpec` from the Ask tab's option fields, `values` in `GROUP_OPTIONS` order (missing ones empty);
-    options the backend does not take are ignored (they are hidden on the page), empty fields mean the backend's
-    default. A text option (`flush`, `storage`) is kept as its word; the others must be whole numbers.
+def spec_from_inputs(backend: str, given: Mapping[str, Any]) -> CacheSpec:
+    """A `CacheSpec` from the Ask tab's option fields, `given` keyed by the names of `GROUP_OPTIONS` (missing
+    ones empty); options the backend does not take are ignored (they are hidden on the page), empty fields mean
+    the backend's default. A text option (`flush`, `storage`) is kept as its word; the others must be whole
+    numbers.
+
+    Example:
+        >>> spec = spec_from_inputs("quanto", {"nbits": 2.0, "q_group_size": None, "storage": "growing"})
+        >>> spec == CacheSpec("quanto", nbits=2)  # storage is dynamic's option: hidden on the page, ignored
+        True
 
     Raises:
-        ValueError: an unknown backend, more values than options, or a value that is not a whole number.
+        ValueError: an unknown backend, a name that is not an option, or a value that is not a whole number.
     """
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend={str(backend)[:40]!r} is not a backend; choose one of {', '.join(BACKENDS)}")
-    if len(values) > len(GROUP_OPTIONS):
-        raise ValueError(f"{len(values)} option values given; the options are {', '.join(GROUP_OPTIONS)}")
-    given = dict(zip(GROUP_OPTIONS, values + (None,) * (len(GROUP_OPTIONS) - len(values))))
+    unknown = [str(name) for name in given if name not in GROUP_OPTIONS]
+    if unknown:
+        raise ValueError(f"{', '.join(unknown)} is not an option; the options are {', '.join(GROUP_OPTIONS)}")
     options = {}
     for name, option in BACKENDS[backend].options.items():
-        value = given[name]
+        value = given.get(name)
         if value is None or value == "":
             continue
         if option.is_text:
