@@ -9,10 +9,11 @@ of the same model and cache can beat (the roofline model, Williams, Waterman and
 
 - weight bytes: every parameter once (`model.parameters()` yields a tied embedding / LM head once; the
   embedding lookup reads one row of it, the LM head reads all of it);
-- KV bytes: what `kvdemo.telemetry.kv_memory` counts for the live cache: the quantized store with its scales
-  and zero points, and the full-precision keys and values (a quantized layer's residual, all of a dynamic
-  layer). It counts each storage held, so a cache with spare capacity (`kvdemo.capacity`) or a view not yet
-  replaced after a restore reads as its storage: the floor is then slightly high, never low by a byte of KV;
+- KV bytes: what attention reads of the live cache: the quantized store with its scales and zero points (as
+  `kvdemo.telemetry.kv_memory` counts it) and the full-precision keys and values of the tokens held (a quantized
+  layer's residual, all of a dynamic layer: tokens x the model's per-token bytes). Storage held beyond those
+  tokens (`storage=growing`'s spare room, `kvdemo.capacity`; a view not yet replaced after a restore) is memory,
+  not read: `SpeedLimit.unread_bytes`, outside the floor;
 - bandwidth: `probe_bandwidth`, a large tensor copy timed once per process (STREAM's "copy" kernel,
   McCalpin 1995: bytes read + bytes written over the best time).
 
@@ -89,7 +90,10 @@ class SpeedLimit:
 
     Attributes:
         weight_bytes: bytes of the model's parameters read per step.
-        kv_bytes: bytes of the KV cache read per step (`kv_memory(cache).cache_bytes`, spare capacity included).
+        kv_bytes: bytes of the KV cache read per step: each layer's quantized store plus its full-precision tokens
+            (residual_tokens x the model's keys-and-values bytes per token and layer).
+        unread_bytes: bytes the cache holds and a step does not read (`kv_memory(cache).cache_bytes` - kv_bytes):
+            the spare room of `storage=growing`, the rest of a storage a restored view still keeps; 0 otherwise.
         kv_tokens: tokens in the cache (`get_seq_length()`).
         bandwidth: bytes per second (`probe_bandwidth`).
         dequantized_bytes: bytes of full-precision keys and values a step of a quantized cache writes by
@@ -104,6 +108,7 @@ class SpeedLimit:
     kv_tokens: int
     bandwidth: float
     dequantized_bytes: int = 0
+    unread_bytes: int = 0
 
     @property
     def bytes_read(self) -> int:
@@ -146,6 +151,7 @@ class SpeedLimit:
             "floor_seconds": self.floor_seconds,
             "crossover_tokens": self.crossover_tokens,
             "dequantized_bytes": self.dequantized_bytes,
+            "unread_bytes": self.unread_bytes,
         }
 
 
@@ -166,9 +172,11 @@ def speed_limit(model: nn.Module, cache: Cache, bandwidth: float | None = None) 
     layers = kv_geometry(model.config).layers
     layer_token_bytes = full_precision_bytes(model.config, 1, next(model.parameters()).dtype) // layers
     quantized_tokens = sum(layer.seq_length - layer.residual_tokens for layer in memory.layers if layer.quantized_bytes)
+    kv_read = sum(layer.quantized_bytes + layer_token_bytes * layer.residual_tokens for layer in memory.layers)
     return SpeedLimit(
         weight_bytes=weight_bytes(model),
-        kv_bytes=memory.cache_bytes,
+        kv_bytes=kv_read,
+        unread_bytes=max(memory.cache_bytes - kv_read, 0),
         kv_tokens=cache.get_seq_length(),
         bandwidth=probe_bandwidth() if bandwidth is None else bandwidth,
         dequantized_bytes=layer_token_bytes * quantized_tokens,

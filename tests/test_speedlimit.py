@@ -56,6 +56,35 @@ def test_floor_is_bytes_by_hand_over_bandwidth(small, spec):
         assert f"{limit.dequantized_bytes / 2**20:,.1f} MiB of full-precision keys and values" in line
 
 
+def test_spare_room_is_held_not_read(small):
+    """storage=growing's buffers hold grown_capacity(n) tokens; a step reads the n held, the rest is `unread_bytes`
+    (shown on the page, outside the floor). transformers' concat layer right after the prefill reads all it holds;
+    after an answer its restored keys and values are views of the last step's larger tensors (the next step's
+    torch.cat replaces them): that rest is held, not read."""
+    from kvdemo.capacity import grown_capacity
+
+    context = "The Normans were the people who in the 10th and 11th centuries gave their name to Normandy. " * 3
+    per_token = 2 * 2 * 2 * 64 * 4  # keys and values x 2 layers x 2 KV heads x 64 values x float32
+    growing = QASession(small, CacheSpec("dynamic", storage="growing"))
+    n = growing.prefill(context).context_tokens
+    limit = speed_limit(small.model, growing.cache, bandwidth=10e9)
+    assert limit.kv_bytes == per_token * n and limit.kv_tokens == n
+    assert limit.unread_bytes == per_token * (grown_capacity(n) - n) > 0
+    assert limit.floor_seconds == pytest.approx((weight_bytes(small.model) + per_token * n) / 10e9)
+    assert limit.kv_bytes_per_token == per_token
+    line = views.speed_limit_line(limit, None)
+    assert f"holds {limit.unread_bytes / 2**20:,.1f} MiB beyond its {n:,} tokens: held, not read" in line
+    concat = QASession(small, CacheSpec("dynamic"))
+    concat.prefill(context)
+    prefilled = speed_limit(small.model, concat.cache, bandwidth=10e9)
+    assert prefilled.kv_bytes == per_token * n and prefilled.unread_bytes == 0
+    assert "beyond its" not in views.speed_limit_line(prefilled, None)
+    answer = concat.ask("Who gave their name to Normandy?", max_new_tokens=4)
+    after = speed_limit(small.model, concat.cache, bandwidth=10e9)
+    last_step = n + answer.question_tokens + len(answer.token_ids) - 1  # the last token generated is never cached
+    assert after.kv_bytes == per_token * n and after.unread_bytes == per_token * (last_step - n)
+
+
 def test_an_empty_cache_has_no_crossover():
     limit = SpeedLimit(weight_bytes=1000, kv_bytes=0, kv_tokens=0, bandwidth=1e9)
     assert limit.crossover_tokens is None and limit.floor_seconds == pytest.approx(1e-6) and limit.kv_share == 0

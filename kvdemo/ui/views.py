@@ -236,6 +236,11 @@ def speed_limit_line(limit: SpeedLimit, step_seconds: float | None) -> str:
         f"{limit.kv_bytes / 2**20:,.1f} MiB of KV cache at {limit.bandwidth / 1e9:,.1f} GB/s (copy bandwidth): "
         f"floor **{limit.floor_seconds * 1000:,.1f} ms**"
     ]
+    if limit.unread_bytes:
+        parts[0] += (
+            f" (its storage also holds {limit.unread_bytes / 2**20:,.1f} MiB beyond its {limit.kv_tokens:,} tokens: "
+            "held, not read)"
+        )
     if step_seconds is not None:
         parts.append(
             f"measured {step_seconds * 1000:,.1f} ms per step (median) = **{limit.ratio(step_seconds):.1f}×** the floor"
