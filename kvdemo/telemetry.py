@@ -21,6 +21,7 @@ The reference a `DynamicCache` would need is `kvdemo.geometry.full_precision_byt
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
@@ -83,17 +84,17 @@ class MemoryReport:
     layers: tuple[LayerMemory, ...]
     device_allocated_bytes: int | None = None
 
-    @property
+    @functools.cached_property
     def quantized_bytes(self) -> int:
         """Sum of the layers' quantized bytes."""
         return sum(layer.quantized_bytes for layer in self.layers)
 
-    @property
+    @functools.cached_property
     def residual_bytes(self) -> int:
         """Sum of the layers' full-precision bytes."""
         return sum(layer.residual_bytes for layer in self.layers)
 
-    @property
+    @functools.cached_property
     def snapshot_bytes(self) -> int:
         """Sum of the layers' snapshot bytes: what the snapshot keeps alive beside the cache."""
         return sum(layer.snapshot_bytes for layer in self.layers)

@@ -185,7 +185,8 @@ def with_every_series(frame: Any, column: str, names: Iterable[str]) -> Any:
     missing from `column`. Gradio's plots fix their colour legend at the first data they get, so a series
     that appears later (a flush step, another backend) would never be drawn; these rows put every series in
     the legend from the start, and Vega does not draw points whose value is NaN."""
-    missing = [name for name in names if name not in set(frame[column])]
+    present = set(frame[column].unique())
+    missing = [name for name in names if name not in present]
     if not missing:
         return frame
     rows = []
