@@ -282,7 +282,8 @@ def test_cancel_pressed_while_the_comparison_waits_in_the_queue_is_kept(tiny):
     app, fns = _handlers(tiny)
     compare_queued = next(f.fn for f in build_demo(app).fns.values() if getattr(f.fn, "__name__", "") == "queued")
     fns["cancel_compare"](_req())  # nothing is queued: ignored
-    compare_queued(["fp8"], "", QUESTION, 3, _req())  # the button's click, before the run leaves the queue
+    status = compare_queued(["fp8"], "", QUESTION, 3, _req())  # the button's click, before the run leaves the queue
+    assert status.startswith("Submitted. One comparison runs at a time") and "Queued" not in status
     fns["cancel_compare"](_req())  # pressed while waiting
     view = fns["compare"](CONTEXT, ["fp8"], "", QUESTION, 3, _req())
     status, table = view.compare_status, view.compare_table

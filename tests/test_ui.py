@@ -12,7 +12,7 @@ from kvdemo.backends import GROUP_OPTIONS
 from kvdemo.capacity import GrowingLayer
 from kvdemo.compare import compare
 from kvdemo.server import App, SessionStore
-from kvdemo.ui import build_demo
+from kvdemo.ui import build_demo, views
 from kvdemo.ui.examples import EXAMPLES, example
 from kvdemo.ui.inputs import MAX_UPLOAD_BYTES, read_upload, spec_from_inputs
 from kvdemo.ui.views import backend_option_updates
@@ -42,9 +42,10 @@ def _ask(fns, question, max_new_tokens=6, request=None):
 def test_prefill_then_ask_streams_and_restores(handlers, tiny):
     app, fns = handlers
     assert fns["model_status"]().startswith("**tiny-llama-2x2x64** · 7 M parameters · 2 layers · 2 KV heads")
-    summary, chat, *_, ask_button = fns["prefill"](CONTEXT, *HQQ, _request())
+    summary, chat, *_, ask_button, floor = fns["prefill"](CONTEXT, *HQQ, _request())
     assert "Prefilled **" in summary and "hqq nbits=4 q_group_size=64 residual_length=4" in summary
     assert chat == [] and ask_button["interactive"] is True
+    assert floor.startswith("**Speed limit**: a decode step reads ") and "measured" not in floor  # no step yet
     updates = _ask(fns, "Who led the Normans?", 6)
     assert len(updates) == 8  # at once "reading the question", one per decode step, then the final one
     assert updates[0].stats.startswith("reading the question (") and updates[0].chat[-1]["content"] == "…"
@@ -479,3 +480,28 @@ def test_the_prefill_event_names_every_option_for_the_api(handlers, tiny):
     view = events["prefill"](context=CONTEXT, backend="dynamic", storage="growing", request=_request())
     assert "dynamic storage=growing" in view.prefill_info
     assert isinstance(app.sessions.get("tab-1").qa.cache.layers[0], GrowingLayer)
+
+
+def test_a_new_prefill_replaces_the_speed_limit_line(handlers):
+    """Seen in a browser: after an answer on `dynamic,storage=growing`, a quanto prefill cleared the charts but
+    kept the old answer's speed-limit line (its floor, measured step and spare room). The prefill now shows the
+    new cache's floor; a refused prefill keeps the line of the cache that stays."""
+    from kvdemo.speedlimit import speed_limit
+
+    app, fns = handlers
+    fns["prefill"](CONTEXT, "dynamic", None, None, None, None, None, None, "growing", _request())
+    old = _ask(fns, "Who led the Normans?", 4)[-1].speed_limit
+    assert "held, not read" in old and "measured" in old
+    view = fns["prefill"](CONTEXT, *HQQ, _request())
+    qa = app.sessions.get("tab-1").qa
+    assert view.speed_limit == views.speed_limit_line(speed_limit(qa.loaded.model, qa.cache), None)
+    assert "held, not read" not in view.speed_limit and "measured" not in view.speed_limit
+    updates = _ask(fns, "Who led them?", 4)
+    assert updates[0].speed_limit == view.speed_limit  # while it streams: the floor, not the last answer's step
+    assert "measured" in updates[-1].speed_limit
+    a = qa.history[-1]
+    assert f"{a.flush_count - a.question_flushes:,} flushes in decode steps, {a.flush_count:,} in all" in (
+        updates[-1].stats
+    )
+    refused_view = fns["prefill"](" ", *HQQ, _request())
+    assert refused(refused_view) and refused_view.speed_limit == gr.skip()  # the line stays

@@ -138,6 +138,7 @@ class AskTab(AskWidgets):
             views.answers_table(user.answers),
             "",
             gr.update(interactive=True),
+            views.speed_limit_line(speed_limit(qa.loaded.model, qa.cache), None),  # not the last cache's line
         )
 
     def _answerable_session(self, request: gr.Request | None, context: str | None) -> UserSession:
@@ -204,6 +205,7 @@ class AskTab(AskWidgets):
             gr.skip(),
             gr.skip(),
             gr.skip(),
+            views.speed_limit_line(speed_limit(qa.loaded.model, qa.cache), None),  # not the last answer's step
         )
         try:
             with closing(stream):

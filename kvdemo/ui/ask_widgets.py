@@ -32,6 +32,7 @@ class PrefillView(NamedTuple):
     answers_table: Any
     notice: Any
     ask_button: Any
+    speed_limit: Any = gr.skip()  # the new cache's floor (no step measured yet); a refusal keeps the line
 
     @classmethod
     def refused(cls, message: str, ask_enabled: bool | None) -> PrefillView:

@@ -90,7 +90,7 @@ class CompareTab:
             return refusal(error, "a comparison")
         user.compare_cancel.clear()
         user.compare_pending = True
-        return "Queued: one comparison runs at a time on this server; it starts when the one before it ends…"
+        return views.SUBMITTED.format(job="comparison")
 
     def run(
         self,

@@ -16,6 +16,7 @@ from kvdemo.charts import needle_heatmap_figure
 from kvdemo.needle_inputs import parse_depths, parse_lengths
 from kvdemo.session import QUESTION_RESERVE_TOKENS
 from kvdemo.spec import CacheSpec, all_specs
+from kvdemo.ui import views
 from kvdemo.ui.ask_tab import AskTab
 from kvdemo.ui.inputs import refusal
 
@@ -74,7 +75,7 @@ class NeedleTab:
             return refusal(error, "a needle grid")
         user.compare_cancel.clear()
         user.compare_pending = True
-        return "Queued: one long job (a comparison or a grid) runs at a time on this server…"
+        return views.SUBMITTED.format(job="long job (a comparison or a grid)")
 
     def run(
         self, specs, lengths, depths, seed, max_new_tokens, request: gr.Request, progress=gr.Progress()

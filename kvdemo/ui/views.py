@@ -53,6 +53,14 @@ single-question run would give. `cache length after restore = N (context)` shows
 """
 
 
+SUBMITTED = (
+    "Submitted. One {job} runs at a time on this server: the bar shows this one's place in the queue while it "
+    "waits, then its progress."
+)
+"""What a long job's status says at the click (Compare, Needle): true whether it waits or starts at once (the bar
+that Gradio draws over the status tells which; a "Queued" line stayed under a running job's progress)."""
+
+
 def model_status(loaded: LoadedModel) -> str:
     """The model's status line."""
     d = loaded.describe()
@@ -105,14 +113,17 @@ def prefill_summary(qa: QASession) -> str:
 
 def answer_stats(qa: QASession, first_token_seconds: float | None, events: list | None = None) -> str:
     """The line shown after an answer: tokens, the question's own pass apart from the decode speed, flushes
-    (with the time per flush step, from the answer's `StepEvent`s), and the cache length after the restore."""
+    (those of the decode steps apart from the question pass's, which the step-time chart marks as its first
+    point; with the time per flush step, from the answer's `StepEvent`s), and the cache length after the
+    restore."""
     a = qa.history[-1]
     context = qa.prefill_report.context_tokens
     parts = [
         f"{len(a.token_ids):,} tokens",
         f"question pass {a.question_seconds:,.2f} s ({a.question_tokens:,} tokens, {a.question_flushes:,} flushes)",
         f"decode {a.decode_tokens_per_second:,.1f} tokens/s",
-        f"{a.flush_count:,} flushes ({a.flush_count // max(len(a.flushes), 1):,} per layer)",
+        f"{a.flush_count - a.question_flushes:,} flushes in decode steps, "
+        f"{a.flush_count:,} in all ({a.flush_count // max(len(a.flushes), 1):,} per layer)",
     ]
     if events:
         steps, flush_s, other_s = flush_timing(events)
