@@ -505,3 +505,14 @@ def test_a_new_prefill_replaces_the_speed_limit_line(handlers):
     )
     refused_view = fns["prefill"](" ", *HQQ, _request())
     assert refused(refused_view) and refused_view.speed_limit == gr.skip()  # the line stays
+
+
+def test_an_answer_of_one_token_has_no_decode_speed(handlers):
+    """One token comes from the question's own pass: no decode step ran, so no decode speed is shown (it read
+    'decode 0.0 tokens/s')."""
+    _, fns = handlers
+    fns["prefill"](CONTEXT, *HQQ, _request())
+    stats = _ask(fns, "Who led the Normans?", 1)[-1].stats
+    assert stats.startswith("1 token · question pass ") and "· no decode step ·" in stats
+    assert "tokens/s" not in stats
+    assert "tokens/s" in _ask(fns, "Who led the Normans?", 3)[-1].stats

@@ -119,9 +119,9 @@ def answer_stats(qa: QASession, first_token_seconds: float | None, events: list 
     a = qa.history[-1]
     context = qa.prefill_report.context_tokens
     parts = [
-        f"{len(a.token_ids):,} tokens",
+        f"{len(a.token_ids):,} token{'' if len(a.token_ids) == 1 else 's'}",
         f"question pass {a.question_seconds:,.2f} s ({a.question_tokens:,} tokens, {a.question_flushes:,} flushes)",
-        f"decode {a.decode_tokens_per_second:,.1f} tokens/s",
+        f"decode {a.decode_tokens_per_second:,.1f} tokens/s" if len(a.token_ids) > 1 else "no decode step",
         f"{a.flush_count - a.question_flushes:,} flushes in decode steps, "
         f"{a.flush_count:,} in all ({a.flush_count // max(len(a.flushes), 1):,} per layer)",
     ]
