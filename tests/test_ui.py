@@ -220,6 +220,20 @@ def test_spec_from_inputs_ignores_hidden_options():
         spec_from_inputs("quanto", {"bits": 2})
     with pytest.raises(ValueError, match="nbits='two' must be a whole number"):
         spec_from_inputs("quanto", {"nbits": "two"})
+    # checked against the registry, as `CacheSpec.parse` checks a spec's text (found by a tester: these passed)
+    assert spec_from_inputs("dynamic", {"storage": " Growing "}) == CacheSpec("dynamic", storage="growing")
+    assert spec_from_inputs("hqq", None) == CacheSpec("hqq")
+    for options, message in (
+        ({"storage": "3"}, "storage='3' is not allowed for dynamic; allowed: concat, growing"),
+        ({"nbits": -1}, "nbits=-1 is not allowed for quanto; allowed: 2, 4"),
+        ({"residual_length": 0}, "residual_length=0 is not allowed for quanto; it must be >= 1"),
+        ({"residual_length": 10**30}, "residual_length=1000000000000000000000000000000 is not allowed; it must be <="),
+        ({"flush": "sideways"}, "flush='sideways' is not allowed for quanto; allowed: requantize, append"),
+    ):
+        backend = "dynamic" if "storage" in options else "quanto"
+        with pytest.raises(ValueError) as error:
+            spec_from_inputs(backend, options)
+        assert str(error.value).startswith(message), error.value
 
 
 def test_changing_options_or_the_context_after_a_prefill_asks_for_a_new_one(handlers):
@@ -236,9 +250,9 @@ def test_changing_options_or_the_context_after_a_prefill_asks_for_a_new_one(hand
     message, notice, button = gate(CONTEXT, *HQQ, _request())
     assert message.startswith("Prefilled") and notice == "" and button["interactive"] is True
     # the API path cannot answer over a context the page no longer shows
-    updates = list(fns["ask"]("Who led the Normans?", 3, _request(), "Another text entirely."))
+    updates = list(fns["ask"]("Who led the Normans?", 3, "Another text entirely.", _request()))
     assert "The Context box has changed since the prefill" in refused(updates) and len(updates) == 1
-    assert len(list(fns["ask"]("Who led the Normans?", 3, _request(), CONTEXT))) == 5
+    assert len(list(fns["ask"]("Who led the Normans?", 3, CONTEXT, _request()))) == 5
 
 
 def test_uploads(tmp_path):
@@ -516,3 +530,25 @@ def test_an_answer_of_one_token_has_no_decode_speed(handlers):
     assert stats.startswith("1 token · question pass ") and "· no decode step ·" in stats
     assert "tokens/s" not in stats
     assert "tokens/s" in _ask(fns, "Who led the Normans?", 3)[-1].stats
+
+
+def test_enter_in_the_question_box_cannot_pass_the_gate(handlers, tiny):
+    """Found by a tester: after an option change the gate disables Ask, but Enter in the question box reached the
+    server and was answered from the old cache. The page's ask event now carries the Context box and the options
+    and is refused unless they are the cache's; the cache keeps answering once they match again."""
+    app, fns = handlers
+    fns["prefill"](CONTEXT, *HQQ, _request())
+    qa = app.sessions.get("tab-1").qa
+    message = refused(fns["ask"]("Who led them?", 4, CONTEXT, "fp8", _request()))
+    assert "The options changed since the prefill: the cache holds hqq:4,q_group_size=64,residual_length=4" in message
+    assert "the page shows fp8" in message and "press Prefill" in message
+    message = refused(fns["ask"]("Who led them?", 4, CONTEXT, "hqq", 2, 64, 4, 0, 0, _request()))
+    assert "the page shows hqq:2," in message
+    message = refused(fns["ask"]("Who led them?", 4, CONTEXT, "quanto", 3, _request()))
+    assert message.startswith("⚠ The options are not valid (") and "nbits=3" in message
+    assert qa.history == []  # nothing was answered
+    updates = list(fns["ask"]("Who led them?", 4, CONTEXT, *HQQ, _request()))
+    fresh = QASession(tiny, CacheSpec.parse("hqq:4,residual_length=4,axis_key=0,axis_value=0"))
+    fresh.prefill(CONTEXT)
+    assert updates[-1].chat[-1]["content"] == fresh.ask("Who led them?", 4).text
+    assert len(list(fns["ask"]("Who led them?", 2, _request()))) > 1  # an API caller sending the question alone

@@ -141,7 +141,9 @@ class AskTab(AskWidgets):
             views.speed_limit_line(speed_limit(qa.loaded.model, qa.cache), None),  # not the last cache's line
         )
 
-    def _answerable_session(self, request: gr.Request | None, context: str | None) -> UserSession:
+    def _answerable_session(
+        self, request: gr.Request | None, context: str | None, shown: tuple[str | None, dict[str, Any]] | None = None
+    ) -> UserSession:
         """This tab's session with a prefilled cache of the page's context.
 
         Raises:
@@ -158,16 +160,44 @@ class AskTab(AskWidgets):
                 "The Context box has changed since the prefill; press Prefill to prefill the text it "
                 "shows (answers come only from the prefilled text)"
             )
+        backend, options = shown if shown is not None else (None, {})
+        if backend is not None:
+            try:
+                spec = spec_from_inputs(backend, options)
+            except (ValueError, ImportError) as error:
+                raise ValueError(
+                    f"The options are not valid ({error}); the cache was prefilled with "
+                    f"{user.qa.spec.full_text}: set them back, or correct them and press Prefill"
+                ) from None
+            if not self._prefilled_matches(user, None, spec):
+                raise ValueError(
+                    f"The options changed since the prefill: the cache holds {user.qa.spec.full_text}, the page "
+                    f"shows {spec.full_text}; press Prefill to rebuild it, or set the options back"
+                )
         return user
 
+    def ask_on_page(
+        self, question: str, max_new_tokens: float, context, backend, options: dict[str, Any], request: gr.Request
+    ) -> Iterator[AnswerView]:
+        """The page's Ask (its button, Enter in the question box, the `/ask` API): `ask` checked against the
+        Context box and the options the page shows, so that no answer comes from a cache the page does not show
+        (Enter reaches the server even while the gate has disabled the button)."""
+        yield from self.ask(question, max_new_tokens, request, context=context, shown=(backend, options))
+
     def ask(
-        self, question: str, max_new_tokens: float, request: gr.Request, context: str | None = None
+        self,
+        question: str,
+        max_new_tokens: float,
+        request: gr.Request,
+        context: str | None = None,
+        shown: tuple[str | None, dict[str, Any]] | None = None,
     ) -> Iterator[AnswerView]:
         """Answer `question` on the prefilled context, streaming the answer and the charts. `context` is the
-        page's Context box: an answer is refused when it is no longer the prefilled text (None: not checked,
-        for direct Python calls). A refusal is a message beside Ask; the chat and charts stay."""
+        page's Context box and `shown` its (backend, options): an answer is refused when they are no longer what
+        the cache was prefilled with (None, or a backend of None: not checked, for direct Python calls and API
+        callers that send the question alone). A refusal is a message beside Ask; the chat and charts stay."""
         try:
-            user = self._answerable_session(request, context)
+            user = self._answerable_session(request, context, shown)
             max_new_tokens = checks.max_new_tokens(max_new_tokens)
             if not user.lock.acquire(blocking=False):
                 raise ValueError("An answer or a prefill is already running in this session; wait or press Stop")
@@ -258,7 +288,7 @@ class AskTab(AskWidgets):
         user = self.existing_user(request)
         try:
             spec = spec_from_inputs(backend, options)
-        except ValueError:
+        except (ValueError, ImportError):
             spec = None
         shown = f"**spec** `{spec.full_text}`" if spec is not None else "**spec**: options not valid yet"
         if user is None or user.qa is None:
@@ -359,8 +389,10 @@ class AskTab(AskWidgets):
             (w["question"].submit, {"api_visibility": "private"}),
         ):
             trigger(lambda: gr.update(interactive=False), outputs=w["ask_button"], **private).then(
-                self.ask,
-                inputs=[w["question"], w["max_new_tokens"], w["context"]],
+                page_event(
+                    self.ask_on_page, progress=False, leading=("question", "max_new_tokens"), state_optional=True
+                ),
+                inputs=[w["question"], w["max_new_tokens"], *state_inputs],
                 outputs=answer_outputs,
                 **api,
                 **model_work,

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Mapping
+import numbers
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,33 +26,50 @@ COMPARE_MAX_PERPLEXITY_TOKENS = 512
 """Limits of one comparison in the app (its reference keeps [tokens, vocab] float32 per question)."""
 
 
-def page_event(handler: Callable[..., Any], progress: bool = True) -> Callable[..., Any]:
-    """`handler(context, backend, options, request[, progress])` as the Gradio event function of the Ask tab's
-    state inputs: its parameters are `context`, `backend`, one per option of `GROUP_OPTIONS` (default None: the
-    backend's default), then `request: gr.Request` and, when `progress`, `progress=gr.Progress()`. Gradio reads
-    that signature to insert the request and the progress by position and to name the API's parameters
-    (`client.predict(context=..., backend="hqq", nbits=4, api_name="/prefill")`); the options reach the handler
-    as one dict, so an option added to the registry needs no change here.
+def page_event(
+    handler: Callable[..., Any], progress: bool = True, leading: Sequence[str] = (), state_optional: bool = False
+) -> Callable[..., Any]:
+    """`handler(*leading, context, backend, options, request[, progress])` as the Gradio event function of the Ask
+    tab's state inputs: its parameters are the `leading` names (the event's own inputs, e.g. the question),
+    `context`, `backend`, one per option of `GROUP_OPTIONS` (default None: the backend's default), then
+    `request: gr.Request` and, when `progress`, `progress=gr.Progress()`. Gradio reads that signature to insert
+    the request and the progress by position and to name the API's parameters (`client.predict(context=...,
+    backend="hqq", nbits=4, api_name="/prefill")`); the options reach the handler as one dict, so an option
+    added to the registry needs no change here. With `state_optional`, `context` and `backend` default to None
+    too (an API caller may send the event's own inputs alone; the handler then checks nothing it was not given).
+    A generator handler gives a generator event (Gradio streams only from generator functions).
 
     Source of the mechanism: `inspect.Signature` (PEP 362), which `gradio.helpers.special_args` and
     `gradio.utils.get_function_params` read through `inspect.signature`.
     """
     P = inspect.Parameter
-    names = ("context", "backend")
-    parameters = [P(name, P.POSITIONAL_OR_KEYWORD) for name in names]
+    names = (*leading, "context", "backend")
+    parameters = [P(name, P.POSITIONAL_OR_KEYWORD) for name in leading]
+    state_default = None if state_optional else P.empty
+    parameters += [P(name, P.POSITIONAL_OR_KEYWORD, default=state_default) for name in ("context", "backend")]
     parameters += [P(name, P.POSITIONAL_OR_KEYWORD, default=None) for name in GROUP_OPTIONS]
     parameters.append(P("request", P.POSITIONAL_OR_KEYWORD, default=None, annotation=gr.Request))
     if progress:
         parameters.append(P("progress", P.POSITIONAL_OR_KEYWORD, default=gr.Progress()))
     signature = inspect.Signature(parameters)
 
-    def event(*args: Any, **kwargs: Any) -> Any:
+    def arguments(args: tuple, kwargs: dict) -> tuple:
         given = signature.bind(*args, **kwargs)
         given.apply_defaults()
         values = given.arguments
         options = {name: values[name] for name in GROUP_OPTIONS}
         extra = (values["progress"],) if progress else ()
-        return handler(values["context"], values["backend"], options, values["request"], *extra)
+        return (*(values[name] for name in names), options, values["request"], *extra)
+
+    if inspect.isgeneratorfunction(handler):
+
+        def event(*args: Any, **kwargs: Any) -> Any:
+            yield from handler(*arguments(args, kwargs))
+
+    else:
+
+        def event(*args: Any, **kwargs: Any) -> Any:
+            return handler(*arguments(args, kwargs))
 
     event.__name__ = event.__qualname__ = handler.__name__
     event.__doc__ = handler.__doc__
@@ -72,10 +90,13 @@ def spec_from_inputs(backend: str, given: Mapping[str, Any]) -> CacheSpec:
         True
 
     Raises:
-        ValueError: an unknown backend, a name that is not an option, or a value that is not a whole number.
+        ValueError: an unknown backend, a name that is not an option, a value that is not a whole number, or one
+            the registry refuses (`CacheSpec.validate` without a model: choices, minimum, maximum).
+        ImportError: the backend's package is not installed (`CacheSpec.validate`).
     """
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend={str(backend)[:40]!r} is not a backend; choose one of {', '.join(BACKENDS)}")
+    given = given or {}
     unknown = [str(name) for name in given if name not in GROUP_OPTIONS]
     if unknown:
         raise ValueError(f"{', '.join(unknown)} is not an option; the options are {', '.join(GROUP_OPTIONS)}")
@@ -85,7 +106,10 @@ def spec_from_inputs(backend: str, given: Mapping[str, Any]) -> CacheSpec:
         if value is None or value == "":
             continue
         if option.is_text:
-            options[name] = str(value)
+            options[name] = str(value).strip().lower()  # as `CacheSpec.parse` reads it
+            continue
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+            options[name] = int(value)  # exact, also past a float's 53 bits
             continue
         try:
             if isinstance(value, bool):
@@ -96,7 +120,7 @@ def spec_from_inputs(backend: str, given: Mapping[str, Any]) -> CacheSpec:
         except (TypeError, ValueError, OverflowError):
             raise ValueError(f"{name}={str(value)[:40]!r} must be a whole number") from None
         options[name] = int(number)
-    return CacheSpec(backend, **options)
+    return CacheSpec(backend, **options).validate()
 
 
 def read_upload(path: str | None) -> str:
