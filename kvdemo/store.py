@@ -20,6 +20,8 @@ class UserSession:
 
     Attributes:
         last_used: `SessionStore`'s clock reading at the last request (seconds).
+        page_differs: why the page's Context box or options are not what `qa` was prefilled with (the Ask tab's
+            gate writes it at every change; a prefill clears it), or None; an answer is refused while it is set.
     """
 
     qa: QASession | None = None
@@ -32,6 +34,7 @@ class UserSession:
     compare_pending: bool = False
     prefilling: QASession | None = None
     last_used: float = 0.0
+    page_differs: str | None = None
 
     def interrupt(self) -> None:
         """Stop this session's answer after its current decode step and its prefill before its next chunk

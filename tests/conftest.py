@@ -102,21 +102,18 @@ def refused(result) -> str:
 
 
 def named_handlers(demo) -> dict:
-    """The page's named event functions (`api_name` -> fn). `prefill`, `gate` and `ask` are called as the page
-    calls them: their inputs in order (`ask`: the question and max_new_tokens first; then the Context box, the
-    backend and the options in `GROUP_OPTIONS` order; missing trailing inputs left empty: for `ask`, not
-    checked), then the request, and `progress=` optionally: Gradio's own `special_args` puts the request (and
-    progress) where the handler's signature takes them, as it does for a browser's call."""
-    import inspect
-
+    """The page's named event functions (`api_name` -> fn). `prefill` and `gate` are called as the page's state
+    inputs in order (Context box, backend, options in `GROUP_OPTIONS` order; missing trailing options left empty),
+    then the request, and `progress=` optionally: Gradio's own `special_args` puts the request (and progress)
+    where the handler's signature takes them, as it does for a browser's call."""
     from gradio.helpers import special_args
 
-    def as_the_page_calls(fn):
-        inputs_taken = [name for name in inspect.signature(fn).parameters if name not in ("request", "progress")]
+    from kvdemo.backends import GROUP_OPTIONS
 
+    def as_the_page_calls(fn):
         def called(*args, progress=None):
             *inputs, request = args
-            inputs += [None] * (len(inputs_taken) - len(inputs))
+            inputs += [None] * (2 + len(GROUP_OPTIONS) - len(inputs))
             ordered, progress_index, *_ = special_args(fn, inputs, request)
             if progress is not None:
                 ordered[progress_index] = progress
@@ -126,8 +123,4 @@ def named_handlers(demo) -> dict:
 
     fns = {f.api_name: f.fn for f in demo.fns.values() if f.api_name}
     gate = next(f.fn for f in demo.fns.values() if getattr(f.fn, "__name__", "") == "gate")
-    return {
-        **fns,
-        **{name: as_the_page_calls(fns[name]) for name in ("prefill", "ask")},
-        "gate": as_the_page_calls(gate),
-    }
+    return {**fns, "prefill": as_the_page_calls(fns["prefill"]), "gate": as_the_page_calls(gate)}

@@ -275,7 +275,7 @@ TABLE: list[tuple[str, str, Callable[[Env], Any], str]] = [
         "app",
         "q_group_size 2.5",
         lambda e: e.fns["prefill"](CONTEXT, "hqq", 4, 2.5, 4, 0, 0, _req()),
-        "q_group_size='2.5' must be a whole number",
+        "q_group_size=2.5 must be a whole number",
     ),
     (
         "app",

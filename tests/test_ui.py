@@ -100,8 +100,8 @@ def test_stop_ends_the_answer_and_restores(handlers):
         ((CONTEXT, "quanto", 3, 64, 4, 0, 0), "nbits=3 is not allowed for quanto; allowed: 2, 4"),
         ((CONTEXT, "hqq", 1, 4, 4, 0, 0), "hqq packs 8 1-bit values together"),
         ((CONTEXT, "hqq", 4, 64, 0, 0, 0), "residual_length=0 is not allowed for hqq; it must be >= 1"),
-        ((CONTEXT, "hqq", 4, 64.5, 4, 0, 0), "q_group_size='64.5' must be a whole number"),
-        ((CONTEXT, "hqq", 4, 64, True, 0, 0), "residual_length='True' must be a whole number"),
+        ((CONTEXT, "hqq", 4, 64.5, 4, 0, 0), "q_group_size=64.5 must be a whole number"),
+        ((CONTEXT, "hqq", 4, 64, True, 0, 0), "residual_length=True must be a whole number"),
         ((CONTEXT, "hqq", 4, 64, 10**40, 0, 0), "it must be <= 1,048,576"),
         ((CONTEXT, ["hqq"], 4, 64, 4, 0, 0), "is not a backend"),
         ((CONTEXT, "int3", 4, 64, 4, 0, 0), "backend='int3' is not a backend"),
@@ -250,9 +250,9 @@ def test_changing_options_or_the_context_after_a_prefill_asks_for_a_new_one(hand
     message, notice, button = gate(CONTEXT, *HQQ, _request())
     assert message.startswith("Prefilled") and notice == "" and button["interactive"] is True
     # the API path cannot answer over a context the page no longer shows
-    updates = list(fns["ask"]("Who led the Normans?", 3, "Another text entirely.", _request()))
+    updates = list(fns["ask"]("Who led the Normans?", 3, _request(), "Another text entirely."))
     assert "The Context box has changed since the prefill" in refused(updates) and len(updates) == 1
-    assert len(list(fns["ask"]("Who led the Normans?", 3, CONTEXT, _request()))) == 5
+    assert len(list(fns["ask"]("Who led the Normans?", 3, _request(), CONTEXT))) == 5
 
 
 def test_uploads(tmp_path):
@@ -534,21 +534,53 @@ def test_an_answer_of_one_token_has_no_decode_speed(handlers):
 
 def test_enter_in_the_question_box_cannot_pass_the_gate(handlers, tiny):
     """Found by a tester: after an option change the gate disables Ask, but Enter in the question box reached the
-    server and was answered from the old cache. The page's ask event now carries the Context box and the options
-    and is refused unless they are the cache's; the cache keeps answering once they match again."""
+    server and was answered from the old cache. The gate now records what differs in the session, and `ask`
+    refuses while it does; setting the options back (or a new prefill) lets the cache answer again."""
     app, fns = handlers
+    gate = named_handlers(build_demo(app))["gate"]
     fns["prefill"](CONTEXT, *HQQ, _request())
     qa = app.sessions.get("tab-1").qa
-    message = refused(fns["ask"]("Who led them?", 4, CONTEXT, "fp8", _request()))
-    assert "The options changed since the prefill: the cache holds hqq:4,q_group_size=64,residual_length=4" in message
-    assert "the page shows fp8" in message and "press Prefill" in message
-    message = refused(fns["ask"]("Who led them?", 4, CONTEXT, "hqq", 2, 64, 4, 0, 0, _request()))
-    assert "the page shows hqq:2," in message
-    message = refused(fns["ask"]("Who led them?", 4, CONTEXT, "quanto", 3, _request()))
-    assert message.startswith("⚠ The options are not valid (") and "nbits=3" in message
+    gate(CONTEXT, "fp8", _request())  # the user picks fp8: the button is disabled, Enter still sends the question
+    message = refused(fns["ask"]("Who led them?", 4, _request(), CONTEXT))
+    assert message == (
+        "⚠ The options changed since the prefill: the cache holds hqq:4,q_group_size=64,residual_length=4,"
+        "axis_key=0,axis_value=0,flush=requantize, the page shows fp8; press Prefill to rebuild it, or set the "
+        "options back"
+    )
+    gate(CONTEXT, "quanto", 3, _request())
+    assert "the page's options are not valid" in refused(fns["ask"]("Who led them?", 4, _request(), CONTEXT))
     assert qa.history == []  # nothing was answered
-    updates = list(fns["ask"]("Who led them?", 4, CONTEXT, *HQQ, _request()))
+    gate(CONTEXT, *HQQ, _request())  # set back: the same cache answers, as a fresh run
+    updates = list(fns["ask"]("Who led them?", 4, _request(), CONTEXT))
     fresh = QASession(tiny, CacheSpec.parse("hqq:4,residual_length=4,axis_key=0,axis_value=0"))
     fresh.prefill(CONTEXT)
     assert updates[-1].chat[-1]["content"] == fresh.ask("Who led them?", 4).text
-    assert len(list(fns["ask"]("Who led them?", 2, _request()))) > 1  # an API caller sending the question alone
+    gate(CONTEXT, "fp8", _request())
+    fns["prefill"](CONTEXT, "fp8", _request())  # a prefill of what the page shows clears it
+    assert len(list(fns["ask"]("Who led them?", 2, _request(), CONTEXT))) > 1
+
+
+def test_the_page_fields_leave_bad_numbers_to_the_project_checks(handlers):
+    """Found by a tester: Gradio's own bounds refused max_new_tokens=0 or residual_length=0 with a bare "Error"
+    over the chat and charts (Ask stayed disabled), its precision=0 ran 2.5 as 2, and the API could not send
+    quanto's axis -1 (the dropdown kept hqq's choices). The fields now pass what was typed; the project's checks
+    refuse it beside the button, saying what to change, and the session keeps answering."""
+    app, fns = handlers
+    demo = build_demo(app)
+    numbers = [b for b in demo.blocks.values() if isinstance(b, gr.Number) and not b.label.startswith("seed")]
+    assert len(numbers) >= 6  # Ask: max_new_tokens, q_group_size, residual_length; Compare: 2; Needle: 1
+    for field_ in numbers:
+        assert field_.preprocess(-3) == -3 and field_.preprocess(2.5) == 2.5, field_.label
+    options = [b for b in demo.blocks.values() if isinstance(b, gr.Dropdown) and b.label in GROUP_OPTIONS]
+    assert {b.label for b in options} == {"nbits", "axis_key", "axis_value", "flush", "storage"}
+    for field_ in options:
+        assert field_.preprocess(-1) == -1 and field_.preprocess("Growing") == "Growing", field_.label
+    fns["prefill"](CONTEXT, *HQQ, _request())
+    for value, message in ((0, "max_new_tokens=0 must be a whole number >= 1"), (2.5, "max_new_tokens=2.5 must be")):
+        assert message in refused(fns["ask"]("Who led them?", value, _request(), CONTEXT))
+    view = fns["prefill"](CONTEXT, "hqq", 4, 64, 0, 0, 0, _request())
+    assert "residual_length=0 is not allowed for hqq; it must be >= 1" in refused(view)
+    assert "q_group_size=2.5 must be a whole number" in refused(fns["prefill"](CONTEXT, "hqq", 4, 2.5, _request()))
+    view = fns["prefill"](CONTEXT, "quanto", 4, 2, 16, -1, -1, _request())  # groups along the 2 KV heads
+    assert "quanto nbits=4 q_group_size=2 residual_length=16 axis_key=-1 axis_value=-1" in view.prefill_info
+    assert len(_ask(fns, "Who led them?", 3)) > 1

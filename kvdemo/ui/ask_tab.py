@@ -99,7 +99,7 @@ class AskTab(AskWidgets):
                     )
                 finally:
                     user.prefilling = None
-                user.qa, user.chat, user.events = qa, [], []
+                user.qa, user.chat, user.events, user.page_differs = qa, [], [], None  # the page shows what it holds
                 self.app.sessions.forget_freed(self.key_of(request))
         except PrefillStopped as stopped:  # the session keeps its previous cache (replaced only after a prefill)
             print(f"kvdemo: {stopped}", flush=True)
@@ -141,13 +141,12 @@ class AskTab(AskWidgets):
             views.speed_limit_line(speed_limit(qa.loaded.model, qa.cache), None),  # not the last cache's line
         )
 
-    def _answerable_session(
-        self, request: gr.Request | None, context: str | None, shown: tuple[str | None, dict[str, Any]] | None = None
-    ) -> UserSession:
+    def _answerable_session(self, request: gr.Request | None, context: str | None) -> UserSession:
         """This tab's session with a prefilled cache of the page's context.
 
         Raises:
-            ValueError: there is none (the message says why: freed, never prefilled, the context changed).
+            ValueError: there is none (the message says why: freed, never prefilled, the context or the
+                options changed).
         """
         user = self.existing_user(request)
         if user is None or user.qa is None:
@@ -160,44 +159,20 @@ class AskTab(AskWidgets):
                 "The Context box has changed since the prefill; press Prefill to prefill the text it "
                 "shows (answers come only from the prefilled text)"
             )
-        backend, options = shown if shown is not None else (None, {})
-        if backend is not None:
-            try:
-                spec = spec_from_inputs(backend, options)
-            except (ValueError, ImportError) as error:
-                raise ValueError(
-                    f"The options are not valid ({error}); the cache was prefilled with "
-                    f"{user.qa.spec.full_text}: set them back, or correct them and press Prefill"
-                ) from None
-            if not self._prefilled_matches(user, None, spec):
-                raise ValueError(
-                    f"The options changed since the prefill: the cache holds {user.qa.spec.full_text}, the page "
-                    f"shows {spec.full_text}; press Prefill to rebuild it, or set the options back"
-                )
+        if user.page_differs:
+            raise ValueError(user.page_differs)
         return user
 
-    def ask_on_page(
-        self, question: str, max_new_tokens: float, context, backend, options: dict[str, Any], request: gr.Request
-    ) -> Iterator[AnswerView]:
-        """The page's Ask (its button, Enter in the question box, the `/ask` API): `ask` checked against the
-        Context box and the options the page shows, so that no answer comes from a cache the page does not show
-        (Enter reaches the server even while the gate has disabled the button)."""
-        yield from self.ask(question, max_new_tokens, request, context=context, shown=(backend, options))
-
     def ask(
-        self,
-        question: str,
-        max_new_tokens: float,
-        request: gr.Request,
-        context: str | None = None,
-        shown: tuple[str | None, dict[str, Any]] | None = None,
+        self, question: str, max_new_tokens: float, request: gr.Request, context: str | None = None
     ) -> Iterator[AnswerView]:
         """Answer `question` on the prefilled context, streaming the answer and the charts. `context` is the
-        page's Context box and `shown` its (backend, options): an answer is refused when they are no longer what
-        the cache was prefilled with (None, or a backend of None: not checked, for direct Python calls and API
-        callers that send the question alone). A refusal is a message beside Ask; the chat and charts stay."""
+        page's Context box: an answer is refused when it is no longer the prefilled text (None: not checked,
+        for direct Python calls), or while the gate has seen options other than the cache's
+        (`UserSession.page_differs`: Enter in the question box reaches the server even while the gate has
+        disabled Ask). A refusal is a message beside Ask; the chat and charts stay."""
         try:
-            user = self._answerable_session(request, context, shown)
+            user = self._answerable_session(request, context)
             max_new_tokens = checks.max_new_tokens(max_new_tokens)
             if not user.lock.acquire(blocking=False):
                 raise ValueError("An answer or a prefill is already running in this session; wait or press Stop")
@@ -283,8 +258,10 @@ class AskTab(AskWidgets):
 
     def gate(self, context, backend, options: dict[str, Any], request: gr.Request) -> tuple[Any, Any, Any]:
         """(prefill line, notice, Ask button) for what the page shows now: Ask is enabled only while the Context
-        box and the options are exactly what the cache was prefilled with; otherwise the line says what differs.
-        The page calls it through `page_event` (without progress: it runs outside the queue)."""
+        box and the options are exactly what the cache was prefilled with; otherwise the line says what differs,
+        and `UserSession.page_differs` keeps it so that `ask` refuses Enter in the question box (which the disabled
+        button does not stop). The page calls it through `page_event` (without progress: it runs outside the
+        queue, before any queued answer)."""
         user = self.existing_user(request)
         try:
             spec = spec_from_inputs(backend, options)
@@ -294,8 +271,14 @@ class AskTab(AskWidgets):
         if user is None or user.qa is None:
             return f"{shown} · nothing prefilled in this tab yet", "", gr.update(interactive=False)
         if self._prefilled_matches(user, context, spec):
+            user.page_differs = None
             return views.prefill_summary(user.qa), "", gr.update(interactive=True)
         what = "options" if context == user.qa.context else "Context box"
+        user.page_differs = (
+            f"The {what} changed since the prefill: the cache holds {user.qa.spec.full_text}"
+            + (f", the page shows {spec.full_text}" if spec is not None else ", the page's options are not valid")
+            + f"; press Prefill to rebuild it, or set the {what} back"
+        )
         return (
             f"⚠ The {what} changed since the prefill (the cache holds {user.qa.prefill_report.context_tokens:,} "
             f"tokens with `{user.qa.spec.full_text}`). Press **Prefill** to rebuild it; until then Ask is "
@@ -389,10 +372,8 @@ class AskTab(AskWidgets):
             (w["question"].submit, {"api_visibility": "private"}),
         ):
             trigger(lambda: gr.update(interactive=False), outputs=w["ask_button"], **private).then(
-                page_event(
-                    self.ask_on_page, progress=False, leading=("question", "max_new_tokens"), state_optional=True
-                ),
-                inputs=[w["question"], w["max_new_tokens"], *state_inputs],
+                self.ask,
+                inputs=[w["question"], w["max_new_tokens"], w["context"]],
                 outputs=answer_outputs,
                 **api,
                 **model_work,

@@ -94,9 +94,9 @@ class AskWidgets:
                 w["chat"] = gr.Chatbot(label="answers", height=320)
                 w["question"] = gr.Textbox(label="question", placeholder="Ask about the context…")
                 with gr.Row():
-                    w["max_new_tokens"] = gr.Number(
-                        DEFAULT_MAX_NEW_TOKENS, label="max_new_tokens", precision=0, minimum=1
-                    )
+                    # no precision or minimum: Gradio would round 2.5 silently and refuse 0 with a bare "Error"
+                    # over the chat and charts; `checks.max_new_tokens` refuses them beside Ask, saying what to change
+                    w["max_new_tokens"] = gr.Number(DEFAULT_MAX_NEW_TOKENS, label="max_new_tokens")
                     w["ask_button"] = gr.Button("Ask", variant="primary", interactive=False)
                     w["stop_button"] = gr.Button("Stop", variant="stop")
                 w["example_questions"] = gr.Dataset(components=[w["question"]], samples=[], label="example questions")
@@ -119,11 +119,19 @@ class AskWidgets:
             option, value = options[name], start.get(name, options[name].default)
             visible = name in START_SPEC.info.options
             if option.choices is not None:
-                w[name] = gr.Dropdown(list(option.choices), value=value, label=name, info=option.help, visible=visible)
-            else:
-                w[name] = gr.Number(
-                    value, label=name, precision=0, minimum=option.minimum, info=option.help, visible=visible
+                # the choices follow the backend in a browser (`backend_option_updates`); an API caller keeps the
+                # page's first ones, so a value outside them (quanto's axis -1) reaches `spec_from_inputs`, which
+                # checks it against the registry and says what is allowed
+                w[name] = gr.Dropdown(
+                    list(option.choices),
+                    value=value,
+                    label=name,
+                    info=option.help,
+                    visible=visible,
+                    allow_custom_value=True,
                 )
+            else:  # no precision or minimum, as max_new_tokens: the registry's check names the option
+                w[name] = gr.Number(value, label=name, info=option.help, visible=visible)
         w["backend_note"] = gr.Markdown(views.backend_option_updates(START_SPEC.backend)[-1])
 
     def _build_charts(self) -> None:

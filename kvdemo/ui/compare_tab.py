@@ -193,18 +193,17 @@ class CompareTab:
                     info="backend[:nbits][,option=value...]; options "
                     + ", ".join(name for name in GROUP_OPTIONS if name != "nbits"),
                 )
+                # no precision or bounds on the numbers: `compare_inputs` and `perplexity_tokens` refuse what
+                # Gradio would round silently or refuse with a bare "Error", and say what to change
                 w["max_new_tokens"] = gr.Number(
-                    32, label="max_new_tokens", precision=0, minimum=1, maximum=COMPARE_MAX_NEW_TOKENS
+                    32, label="max_new_tokens", info=f"1 to {COMPARE_MAX_NEW_TOKENS} tokens per answer"
                 )
                 w["perplexity"] = gr.Number(
                     0,
                     label="perplexity tokens",
-                    precision=0,
-                    minimum=0,
-                    maximum=COMPARE_MAX_PERPLEXITY_TOKENS,
-                    info="0: none. N > 0: read N tokens of the text that follows (an example's next paragraphs, or "
-                    "the tail of your text) one decode step at a time through each cache: perplexity and its ratio "
-                    "to dynamic",
+                    info=f"0 to {COMPARE_MAX_PERPLEXITY_TOKENS}. 0: none. N > 0: read N tokens of the text that "
+                    "follows (an example's next paragraphs, or the tail of your text) one decode step at a time "
+                    "through each cache: perplexity and its ratio to dynamic",
                 )
             with gr.Column(scale=2):
                 w["questions"] = gr.Textbox(

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import inspect
 import numbers
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,52 +24,37 @@ COMPARE_MAX_QUESTIONS = 20
 COMPARE_MAX_NEW_TOKENS = 256
 COMPARE_MAX_PERPLEXITY_TOKENS = 512
 """Limits of one comparison in the app (its reference keeps [tokens, vocab] float32 per question)."""
+NEEDLE_MAX_NEW_TOKENS = 64
+"""The most tokens a needle grid's answer may generate in the app (a needle is a short phrase)."""
 
 
-def page_event(
-    handler: Callable[..., Any], progress: bool = True, leading: Sequence[str] = (), state_optional: bool = False
-) -> Callable[..., Any]:
-    """`handler(*leading, context, backend, options, request[, progress])` as the Gradio event function of the Ask
-    tab's state inputs: its parameters are the `leading` names (the event's own inputs, e.g. the question),
-    `context`, `backend`, one per option of `GROUP_OPTIONS` (default None: the backend's default), then
-    `request: gr.Request` and, when `progress`, `progress=gr.Progress()`. Gradio reads that signature to insert
-    the request and the progress by position and to name the API's parameters (`client.predict(context=...,
-    backend="hqq", nbits=4, api_name="/prefill")`); the options reach the handler as one dict, so an option
-    added to the registry needs no change here. With `state_optional`, `context` and `backend` default to None
-    too (an API caller may send the event's own inputs alone; the handler then checks nothing it was not given).
-    A generator handler gives a generator event (Gradio streams only from generator functions).
+def page_event(handler: Callable[..., Any], progress: bool = True) -> Callable[..., Any]:
+    """`handler(context, backend, options, request[, progress])` as the Gradio event function of the Ask tab's
+    state inputs: its parameters are `context`, `backend`, one per option of `GROUP_OPTIONS` (default None: the
+    backend's default), then `request: gr.Request` and, when `progress`, `progress=gr.Progress()`. Gradio reads
+    that signature to insert the request and the progress by position and to name the API's parameters
+    (`client.predict(context=..., backend="hqq", nbits=4, api_name="/prefill")`); the options reach the handler
+    as one dict, so an option added to the registry needs no change here.
 
     Source of the mechanism: `inspect.Signature` (PEP 362), which `gradio.helpers.special_args` and
     `gradio.utils.get_function_params` read through `inspect.signature`.
     """
     P = inspect.Parameter
-    names = (*leading, "context", "backend")
-    parameters = [P(name, P.POSITIONAL_OR_KEYWORD) for name in leading]
-    state_default = None if state_optional else P.empty
-    parameters += [P(name, P.POSITIONAL_OR_KEYWORD, default=state_default) for name in ("context", "backend")]
+    names = ("context", "backend")
+    parameters = [P(name, P.POSITIONAL_OR_KEYWORD) for name in names]
     parameters += [P(name, P.POSITIONAL_OR_KEYWORD, default=None) for name in GROUP_OPTIONS]
     parameters.append(P("request", P.POSITIONAL_OR_KEYWORD, default=None, annotation=gr.Request))
     if progress:
         parameters.append(P("progress", P.POSITIONAL_OR_KEYWORD, default=gr.Progress()))
     signature = inspect.Signature(parameters)
 
-    def arguments(args: tuple, kwargs: dict) -> tuple:
+    def event(*args: Any, **kwargs: Any) -> Any:
         given = signature.bind(*args, **kwargs)
         given.apply_defaults()
         values = given.arguments
         options = {name: values[name] for name in GROUP_OPTIONS}
         extra = (values["progress"],) if progress else ()
-        return (*(values[name] for name in names), options, values["request"], *extra)
-
-    if inspect.isgeneratorfunction(handler):
-
-        def event(*args: Any, **kwargs: Any) -> Any:
-            yield from handler(*arguments(args, kwargs))
-
-    else:
-
-        def event(*args: Any, **kwargs: Any) -> Any:
-            return handler(*arguments(args, kwargs))
+        return handler(values["context"], values["backend"], options, values["request"], *extra)
 
     event.__name__ = event.__qualname__ = handler.__name__
     event.__doc__ = handler.__doc__
@@ -118,7 +103,7 @@ def spec_from_inputs(backend: str, given: Mapping[str, Any]) -> CacheSpec:
             if not number.is_integer():
                 raise ValueError
         except (TypeError, ValueError, OverflowError):
-            raise ValueError(f"{name}={str(value)[:40]!r} must be a whole number") from None
+            raise ValueError(f"{name}={checks.shown(value)} must be a whole number") from None
         options[name] = int(number)
     return CacheSpec(backend, **options).validate()
 

@@ -113,7 +113,7 @@ class McpTools:
         with user.lock:
             qa = QASession(loaded, parsed, kv_budget_bytes=self.app.kv_budget_bytes)
             report = self.app.prefill(key, qa, context)
-            user.qa, user.chat, user.events = qa, [], []
+            user.qa, user.chat, user.events, user.page_differs = qa, [], [], None
             self.app.sessions.forget_freed(key)
         return _json(
             {

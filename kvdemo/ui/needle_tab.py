@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 
 import gradio as gr
 
-from kvdemo import needle, needle_records
+from kvdemo import checks, needle, needle_records
 from kvdemo.accounting import session_kv_bytes
 from kvdemo.charts import needle_heatmap_figure
 from kvdemo.needle_inputs import parse_depths, parse_lengths
@@ -18,7 +18,7 @@ from kvdemo.session import QUESTION_RESERVE_TOKENS
 from kvdemo.spec import CacheSpec, all_specs
 from kvdemo.ui import views
 from kvdemo.ui.ask_tab import AskTab
-from kvdemo.ui.inputs import refusal
+from kvdemo.ui.inputs import NEEDLE_MAX_NEW_TOKENS, refusal
 
 QUICK_LENGTHS, QUICK_DEPTHS = "512,1024", "0,50,100"
 """The tab's starting grid: a few minutes on 2 CPU cores for two specs."""
@@ -96,7 +96,11 @@ class NeedleTab:
                 [CacheSpec.parse(s) for s in specs or []],
                 parse_lengths(lengths or ""),
             )
-            answer_tokens = int(max_new_tokens or needle.DEFAULT_MAX_NEW_TOKENS)
+            answer_tokens = checks.max_new_tokens(
+                needle.DEFAULT_MAX_NEW_TOKENS if max_new_tokens in (None, "") else max_new_tokens,
+                NEEDLE_MAX_NEW_TOKENS,
+                what="a needle grid",
+            )
             # within the server-wide KV budget: one spec at a time, so at most its largest cache at the longest length
             longest = max(token_lengths, default=0)
             nbytes = max(
@@ -143,7 +147,9 @@ class NeedleTab:
                     [s.text for s in all_specs()], value=list(needle.DEFAULT_SPECS[:2]), label="specs"
                 )
                 w["seed"] = gr.Number(0, label="seed (draws the needles)", precision=0)
-                w["max_new_tokens"] = gr.Number(16, label="max_new_tokens", precision=0, minimum=1, maximum=64)
+                w["max_new_tokens"] = gr.Number(  # no bounds: `run` refuses a bad value beside the button
+                    16, label="max_new_tokens", info=f"1 to {NEEDLE_MAX_NEW_TOKENS} tokens per answer"
+                )
             with gr.Column(scale=2):
                 w["lengths"] = gr.Textbox(
                     QUICK_LENGTHS,
