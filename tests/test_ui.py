@@ -476,6 +476,8 @@ def test_needle_tab_runs_a_grid_cancels_and_refuses_bad_input(handlers, tiny):
     assert "depth 150.0 must be a number from 0 to 100" in refused(
         fns["needle"](["dynamic"], "128", "150", 0, 4, _request())
     )
+    for tokens, message in ((0, "must be a whole number >= 1"), (65, "is more than a needle grid runs here")):
+        assert message in refused(fns["needle"](["dynamic"], "128", "0", 0, tokens, _request()))
     # Cancel while it runs: the cells finished so far are shown
     app.sessions.get("tab-1").compare_pending = True
     app.sessions.get("tab-1").compare_cancel.set()
