@@ -77,8 +77,9 @@ class KVAccount:
             grow_only: keep what `holder` holds when it is already `nbytes` or more.
 
         Raises:
-            ServerKVBudgetError (a ValueError): the other holders' bytes plus `nbytes` would pass the budget;
-                nothing is reserved then (`holder` keeps what it held).
+            ServerKVBudgetError (a ValueError): `nbytes` alone pass the whole budget ("too small for this"), or
+                the other holders' bytes plus `nbytes` would ("full: try again"); nothing is reserved then
+                (`holder` keeps what it held).
         """
         nbytes = int(nbytes)
         with self._lock:
@@ -86,6 +87,15 @@ class KVAccount:
                 return
             others = sum(b for h, b in self._held.items() if h != holder)
             limit = self.limit_bytes
+            if limit is not None and nbytes > limit:  # alone: waiting for other users would not help
+                raise ServerKVBudgetError(
+                    f"The server's KV budget is too small for this: {what} needs about {_mib(nbytes)}, more than the "
+                    f"whole {_mib(limit)} this server gives all users together. Ask for less: a shorter context, "
+                    "fewer max_new_tokens, or a backend with fewer bits (e.g. hqq with nbits 2)",
+                    nbytes,
+                    others,
+                    limit,
+                )
             if limit is not None and others + nbytes > limit:
                 users = sum(1 for h in self._held if h != holder)
                 raise ServerKVBudgetError(
@@ -115,10 +125,12 @@ class KVAccount:
 
 def prefill_tokens(qa: QASession, context: object) -> int:
     """The tokens `qa.prefill(context)` would put in the cache (chat template prefix included), before it runs;
-    0 for what is not a non-blank text (the session refuses that with its own message)."""
+    0 for what is not a non-blank text (the session refuses that with its own message). A context longer than
+    the model's window is counted at once, without the prompt split's probes (`QASession.context_ids`)."""
     if not isinstance(context, str) or not context.strip():
         return 0
-    return len(qa.context_ids(context))  # the session's own layout: the one definition of the prompt
+    # the session's own layout: the one definition of the prompt
+    return len(qa.context_ids(context, max_tokens=qa.loaded.max_context_tokens))
 
 
 def session_kv_bytes(spec: CacheSpec, loaded: LoadedModel, context_tokens: int, reserve_tokens: int) -> int:

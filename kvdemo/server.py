@@ -158,11 +158,14 @@ class App:
             2172
 
         Raises:
+            ValueError, KVBudgetError: the context does not fit the model's window or the session's budget
+                (`QASession.check_prefill`, before any reservation); nothing ran.
             ServerKVBudgetError (a ValueError): the reservation would pass the budget; nothing ran.
             ValueError, ImportError: what `QASession.prefill` raises (the reservation is released).
         """
         reserve = QUESTION_RESERVE_TOKENS + checks.max_new_tokens(max_new_tokens)
         tokens = prefill_tokens(qa, context)
+        qa.check_prefill(tokens, reserve)  # the window and the session's budget first: waiting would not help them
         nbytes = session_kv_bytes(qa.spec, qa.loaded, tokens, reserve)
         holder = f"prefill:{key}"
         self.kv.reserve(
@@ -186,12 +189,15 @@ class App:
 
         Raises:
             ServerKVBudgetError (a ValueError): the larger reservation would pass the budget; nothing ran.
-            ValueError: an empty question, no prefill, a bad max_new_tokens (the session's messages).
+            ValueError: an empty question, no prefill, a bad max_new_tokens, an answer that does not fit the
+                window or the session's budget (`QASession.check_answer`; the session's messages).
         """
         max_new_tokens = checks.max_new_tokens(max_new_tokens)
         if qa.prefill_report is None:
             raise ValueError("prefill a context before asking a question")
-        decoded = len(qa.question_ids(question)) + max_new_tokens
+        question_tokens = len(qa.question_ids(question))
+        qa.check_answer(question_tokens, max_new_tokens)  # the window and the session's budget first
+        decoded = question_tokens + max_new_tokens
         nbytes = session_kv_bytes(qa.spec, qa.loaded, qa.prefill_report.context_tokens, decoded)
         self.kv.reserve(
             f"cache:{key}",

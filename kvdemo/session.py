@@ -64,14 +64,19 @@ class QASession:
         self._stop = threading.Event()
 
     # ---- the prompt ---------------------------------------------------------------------------------
-    def context_ids(self, context: str) -> list[int]:
+    def context_ids(self, context: str, max_tokens: int | None = None) -> list[int]:
         """The token ids a prefill of `context` feeds: the template's opening and the context up to its split
         (`PromptLayout.split`, the prefix of `prompt_ids`). Tokenizes only: the session's cache is not touched.
+
+        Args:
+            max_tokens: when the context is longer than this, its ids are returned at once, without the split's
+                probes (each would tokenize the whole text again: minutes for megabytes); any longer count
+                refuses it anyway (e.g. the model's window).
 
         Raises:
             ValueError: the context holds a broken character (`check_text`).
         """
-        return list(self.layout.split(check_text(context, "the context")).prefix)
+        return list(self.layout.split(check_text(context, "the context"), max_prefix_tokens=max_tokens).prefix)
 
     def text_ids(self, text: str) -> list[int]:
         """`text` as the user's text is tokenized (no special tokens added; text that imitates a special token,
@@ -166,20 +171,9 @@ class QASession:
         if reserve_tokens is None:
             reserve_tokens = QUESTION_RESERVE_TOKENS + checks.max_new_tokens(max_new_tokens)
         reserve = reserve_tokens
-        limit = self.loaded.max_context_tokens
-        if reserve >= limit:
-            raise ValueError(
-                f"keeping {reserve:,} tokens for a question and its answer leaves no room for a context in the model's "
-                f"{limit:,}-token window; lower max_new_tokens"
-            )
-        split = self.layout.split(context, max_prefix_tokens=limit - reserve)
-        if len(split.prefix) + reserve > limit:
-            raise ValueError(
-                f"the context is {len(split.prefix):,} tokens; with {reserve:,} tokens kept for a question and its "
-                f"answer it exceeds the model's {limit:,}-token window. Shorten the context to at most "
-                f"{limit - reserve:,} tokens"
-            )
-        self._check_budget(len(split.prefix), reserve)
+        self.check_prefill(0, reserve)
+        split = self.layout.split(context, max_prefix_tokens=self.loaded.max_context_tokens - reserve)
+        self.check_prefill(len(split.prefix), reserve)
         self._close_active()
         self.cache = self._snapshot = self._split = self.prefill_report = None
         self.context = None
@@ -200,6 +194,65 @@ class QASession:
             prompt_note=split.note,
         )
         return self.prefill_report
+
+    def check_prefill(self, context_tokens: int, reserve_tokens: int) -> None:
+        """Whether a prefill of `context_tokens` tokens, keeping `reserve_tokens` for a question and its answer,
+        fits this session: the model's window, then `kv_budget_bytes`. `prefill` checks it before it builds
+        anything; a server checks it before reserving its shared budget (`kvdemo.server.App.prefill`), so that a
+        context too long for the model is told so, not that the server is full.
+
+        Raises:
+            ValueError: the reserve alone fills the window, or the context and the reserve exceed it (the
+                message gives the numbers and the longest context that fits).
+            KVBudgetError (a ValueError): the estimated cache exceeds `kv_budget_bytes`.
+        """
+        limit = self.loaded.max_context_tokens
+        if reserve_tokens >= limit:
+            raise ValueError(
+                f"keeping {reserve_tokens:,} tokens for a question and its answer leaves no room for a context in "
+                f"the model's {limit:,}-token window; lower max_new_tokens"
+            )
+        if context_tokens + reserve_tokens > limit:
+            raise ValueError(
+                f"the context is {context_tokens:,} tokens; with {reserve_tokens:,} tokens kept for a question and "
+                f"its answer it exceeds the model's {limit:,}-token window. Shorten the context to at most "
+                f"{limit - reserve_tokens:,} tokens"
+            )
+        if context_tokens:
+            self._check_budget(context_tokens, reserve_tokens)
+
+    def check_answer(self, question_tokens: int, max_new_tokens: int) -> None:
+        """Whether an answer of up to `max_new_tokens` to a question of `question_tokens` tokens fits the prefilled
+        cache: the model's window, then `kv_budget_bytes`. `stream` checks it; a server checks it before growing
+        its shared reservation (`kvdemo.server.App.reserve_answer`).
+
+        Raises:
+            ValueError: no prefill yet, or the context, the question and max_new_tokens exceed the window (the
+                message says what to lower, and by how much).
+            KVBudgetError (a ValueError): the estimated cache exceeds `kv_budget_bytes`.
+        """
+        if self._snapshot is None:
+            raise ValueError("prefill a context before asking a question")
+        context_tokens = self._snapshot.seq_length
+        limit = self.loaded.max_context_tokens
+        room = limit - context_tokens - question_tokens
+        if room < 1:
+            raise ValueError(
+                f"context {context_tokens:,} + question {question_tokens:,} tokens leave no room for an answer in "
+                f"the model's {limit:,}-token window; shorten the question to at most "
+                f"{max(limit - context_tokens - 1, 0):,} tokens, or prefill a shorter context"
+            )
+        if max_new_tokens > room:
+            raise ValueError(
+                f"context {context_tokens:,} + question {question_tokens:,} + max_new_tokens {max_new_tokens:,} "
+                f"tokens exceeds the model's {limit:,}-token window; lower max_new_tokens to at most {room:,} or "
+                "shorten the question"
+            )
+        self._check_budget(
+            context_tokens,
+            question_tokens + max_new_tokens,
+            advice="Lower max_new_tokens, or prefill a shorter context",
+        )
 
     def estimate_kv_bytes(self, context_tokens: int, reserve_tokens: int) -> int:
         """The bytes held for this session's cache with `context_tokens` prefilled and `reserve_tokens` more
@@ -247,17 +300,7 @@ class QASession:
         """
         max_new_tokens = checks.max_new_tokens(max_new_tokens)
         q_ids = self.question_ids(question)
-        context_tokens = self._snapshot.seq_length
-        limit = self.loaded.max_context_tokens
-        if context_tokens + len(q_ids) + max_new_tokens > limit:
-            raise ValueError(
-                f"context {context_tokens:,} + question {len(q_ids):,} + max_new_tokens {max_new_tokens:,} tokens "
-                f"exceeds the model's {limit:,}-token window; lower max_new_tokens to at most "
-                f"{limit - context_tokens - len(q_ids):,} or shorten the question"
-            )
-        self._check_budget(
-            context_tokens, len(q_ids) + max_new_tokens, advice="Lower max_new_tokens, or prefill a shorter context"
-        )
+        self.check_answer(len(q_ids), max_new_tokens)
         self._close_active()
         self._stop.clear()
         self._active = self._decode(question, q_ids, max_new_tokens)

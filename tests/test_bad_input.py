@@ -127,7 +127,7 @@ TABLE: list[tuple[str, str, Callable[[Env], Any], str]] = [
         "api",
         "question longer than the window allows",
         lambda e: e.qa.ask("Who? " * 500, 8),
-        "exceeds the model's 512-token window; lower max_new_tokens to at most",
+        "leave no room for an answer in the model's 512-token window; shorten the question to at most 464 tokens",
     ),
     ("api", "max_new_tokens=0", lambda e: e.qa.ask(QUESTION, 0), "max_new_tokens=0 must be a whole number >= 1"),
     ("api", "max_new_tokens=-5", lambda e: e.qa.ask(QUESTION, -5), "max_new_tokens=-5 must be a whole number >= 1"),

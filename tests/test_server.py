@@ -276,3 +276,41 @@ def test_mcp_compare_uses_the_sessions_context_and_one_comparison_at_a_time(tiny
         started.set()
         with pytest.raises(gr.Error, match="A comparison is already running in this session"):
             tools.compare_backends(["Who?"], ["hqq:2"], 3, "", "a")
+
+
+def test_what_no_wait_can_fit_is_told_so_not_that_the_server_is_full(tiny, monkeypatch):
+    """Found by a tester: a context far past the model's window, or an answer of 10**9 tokens, was refused with
+    "the server's KV budget is full ... try again when other users finish", after ~50 s of tokenizing the
+    whole text again for each of the prompt split's probes; a question that fills the window was told to lower
+    max_new_tokens "to at most -340". The window and the session's budget are checked before the shared
+    reservation, a too-long context is counted once, and a reservation larger than the whole budget says so."""
+    app = _app(tiny, 4 * MIB)
+    key, window = "tab-1", tiny.max_context_tokens
+    qa = QASession(tiny, CacheSpec("dynamic"))
+    probes = []
+    monkeypatch.setattr(type(qa.layout), "reference_ids", lambda self, *a: probes.append(a) or [])
+    long_text = "word " * (3 * window)
+    assert prefill_tokens(qa, long_text) > window and probes == []  # counted once, no probe
+    with pytest.raises(ValueError, match=f"exceeds the model's {window:,}-token window. Shorten the context"):
+        app.prefill(key, qa, long_text)
+    monkeypatch.undo()
+    assert app.kv.holders() == {}  # nothing reserved
+    with pytest.raises(ServerKVBudgetError) as error:  # 2,048 bytes/token: 4 MiB hold 2,048 tokens
+        app.kv.reserve("prefill:x", 5 * MIB, "a dynamic KV cache for 2,432 context tokens")
+    assert str(error.value).startswith(
+        "The server's KV budget is too small for this: a dynamic KV cache for 2,432 context tokens needs about "
+        "5.0 MiB, more than the whole 4.0 MiB this server gives all users together. Ask for less"
+    )
+    app.prefill(key, qa, "The Normans gave their name to Normandy. " * 10)
+    context_tokens, held = qa.prefill_report.context_tokens, app.kv.holders()
+    with pytest.raises(ValueError, match="lower max_new_tokens to at most "):
+        app.reserve_answer(key, qa, "Who?", 10**9)
+    question = "Why? " * window
+    with pytest.raises(ValueError) as error:
+        app.reserve_answer(key, qa, question, 8)
+    assert f"context {context_tokens:,} + question " in str(error.value)
+    assert (
+        f"leave no room for an answer in the model's {window:,}-token window; shorten the question to at most "
+        f"{window - context_tokens - 1:,} tokens" in str(error.value)
+    )
+    assert app.kv.holders() == held  # the refusals reserved nothing

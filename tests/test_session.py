@@ -100,7 +100,7 @@ def test_context_that_fits_but_leaves_no_room_is_refused(tiny):
         ("Who?", -5, "max_new_tokens=-5 must be a whole number >= 1"),
         ("Who?", 2.5, "max_new_tokens=2.5 must be a whole number >= 1"),
         ("Who?", 10_000, "lower max_new_tokens to at most"),
-        ("Who? " * 500, 8, "exceeds the model's 512-token window"),
+        ("Who? " * 500, 8, "leave no room for an answer in the model's 512-token window; shorten the question"),
     ],
 )
 def test_bad_questions_are_refused_and_the_session_still_answers(tiny, question, max_new_tokens, message):
