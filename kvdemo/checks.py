@@ -41,3 +41,46 @@ def max_new_tokens(value: Any, most: int | None = None, what: str = "an answer")
     if most is not None and number > most:
         raise ValueError(f"max_new_tokens={int(number)} is more than {what} runs here; use at most {most:,}")
     return int(number)
+
+
+def prefill_fits(window: int, context_tokens: int, reserve_tokens: int) -> None:
+    """Whether `context_tokens` plus `reserve_tokens` kept for a question and its answer fit a model's `window`
+    (tokens).
+
+    Raises:
+        ValueError: the reserve alone fills the window, or the sum passes it (the longest context that fits).
+    """
+    if reserve_tokens >= window:
+        raise ValueError(
+            f"keeping {reserve_tokens:,} tokens for a question and its answer leaves no room for a context in "
+            f"the model's {window:,}-token window; lower max_new_tokens"
+        )
+    if context_tokens + reserve_tokens > window:
+        raise ValueError(
+            f"the context is {context_tokens:,} tokens; with {reserve_tokens:,} tokens kept for a question and "
+            f"its answer it exceeds the model's {window:,}-token window. Shorten the context to at most "
+            f"{window - reserve_tokens:,} tokens"
+        )
+
+
+def answer_fits(window: int, context_tokens: int, question_tokens: int, max_new_tokens: int) -> None:
+    """Whether a question of `question_tokens` and an answer of up to `max_new_tokens` fit a model's `window`
+    after `context_tokens` (all in tokens).
+
+    Raises:
+        ValueError: the question leaves no room for an answer (shorten it: by how much), or max_new_tokens
+            passes the room left (lower it: to what).
+    """
+    room = window - context_tokens - question_tokens
+    if room < 1:
+        raise ValueError(
+            f"context {context_tokens:,} + question {question_tokens:,} tokens leave no room for an answer in "
+            f"the model's {window:,}-token window; shorten the question to at most "
+            f"{max(window - context_tokens - 1, 0):,} tokens, or prefill a shorter context"
+        )
+    if max_new_tokens > room:
+        raise ValueError(
+            f"context {context_tokens:,} + question {question_tokens:,} + max_new_tokens {max_new_tokens:,} "
+            f"tokens exceeds the model's {window:,}-token window; lower max_new_tokens to at most {room:,} or "
+            "shorten the question"
+        )

@@ -21,6 +21,11 @@ from kvdemo.session import DEFAULT_MAX_NEW_TOKENS, QUESTION_RESERVE_TOKENS, Pref
 from kvdemo.spec import CacheSpec
 from kvdemo.store import ServerFull, SessionStore, UserSession  # noqa: F401  (the tabs read them here)
 
+MAX_CONTEXT_BYTES = 2 * 1024 * 1024
+"""The longest context a server prefills, in UTF-8 bytes (an upload's limit too): a model's window holds
+thousands of tokens, tens of KiB of text, and a megabytes-long paste would only cost seconds of tokenizing
+before the window refuses it."""
+
 
 class ModelNotLoaded(ValueError):
     """No model is loaded (the start-up load failed or is still running); the message says what to do."""
@@ -158,12 +163,18 @@ class App:
             2172
 
         Raises:
-            ValueError, KVBudgetError: the context does not fit the model's window or the session's budget
-                (`QASession.check_prefill`, before any reservation); nothing ran.
+            ValueError, KVBudgetError: the context is over `MAX_CONTEXT_BYTES`, or does not fit the model's
+                window or the session's budget (`QASession.check_prefill`, before any reservation); nothing ran.
             ServerKVBudgetError (a ValueError): the reservation would pass the budget; nothing ran.
             ValueError, ImportError: what `QASession.prefill` raises (the reservation is released).
         """
         reserve = QUESTION_RESERVE_TOKENS + checks.max_new_tokens(max_new_tokens)
+        size = len(context.encode("utf-8", "surrogatepass")) if isinstance(context, str) else 0
+        if size > MAX_CONTEXT_BYTES:
+            raise ValueError(
+                f"the context is {size / 2**20:,.1f} MiB of text; the limit is {MAX_CONTEXT_BYTES / 2**20:.0f} MiB, "
+                f"and the model's {qa.loaded.max_context_tokens:,}-token window holds far less: paste a part of it"
+            )
         tokens = prefill_tokens(qa, context)
         qa.check_prefill(tokens, reserve)  # the window and the session's budget first: waiting would not help them
         nbytes = session_kv_bytes(qa.spec, qa.loaded, tokens, reserve)

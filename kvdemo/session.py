@@ -170,10 +170,9 @@ class QASession:
         context = check_text(context, "the context")
         if reserve_tokens is None:
             reserve_tokens = QUESTION_RESERVE_TOKENS + checks.max_new_tokens(max_new_tokens)
-        reserve = reserve_tokens
-        self.check_prefill(0, reserve)
-        split = self.layout.split(context, max_prefix_tokens=self.loaded.max_context_tokens - reserve)
-        self.check_prefill(len(split.prefix), reserve)
+        self.check_prefill(0, reserve_tokens)  # the reserve alone must leave room
+        split = self.layout.split(context, max_prefix_tokens=self.loaded.max_context_tokens - reserve_tokens)
+        self.check_prefill(len(split.prefix), reserve_tokens)
         self._close_active()
         self.cache = self._snapshot = self._split = self.prefill_report = None
         self.context = None
@@ -197,81 +196,39 @@ class QASession:
 
     def check_prefill(self, context_tokens: int, reserve_tokens: int) -> None:
         """Whether a prefill of `context_tokens` tokens, keeping `reserve_tokens` for a question and its answer,
-        fits this session: the model's window, then `kv_budget_bytes`. `prefill` checks it before it builds
-        anything; a server checks it before reserving its shared budget (`kvdemo.server.App.prefill`), so that a
-        context too long for the model is told so, not that the server is full.
+        fits: the model's window (`checks.prefill_fits`), then `kv_budget_bytes` (`budget.check_budget`).
+        `prefill` checks it before it builds anything, a server before reserving its shared budget.
 
         Raises:
-            ValueError: the reserve alone fills the window, or the context and the reserve exceed it (the
-                message gives the numbers and the longest context that fits).
-            KVBudgetError (a ValueError): the estimated cache exceeds `kv_budget_bytes`.
+            ValueError: it does not fit the window; KVBudgetError (a ValueError): nor the budget.
         """
-        limit = self.loaded.max_context_tokens
-        if reserve_tokens >= limit:
-            raise ValueError(
-                f"keeping {reserve_tokens:,} tokens for a question and its answer leaves no room for a context in "
-                f"the model's {limit:,}-token window; lower max_new_tokens"
-            )
-        if context_tokens + reserve_tokens > limit:
-            raise ValueError(
-                f"the context is {context_tokens:,} tokens; with {reserve_tokens:,} tokens kept for a question and "
-                f"its answer it exceeds the model's {limit:,}-token window. Shorten the context to at most "
-                f"{limit - reserve_tokens:,} tokens"
-            )
+        checks.prefill_fits(self.loaded.max_context_tokens, context_tokens, reserve_tokens)
         if context_tokens:
-            self._check_budget(context_tokens, reserve_tokens)
+            budget.check_budget(*self._budget_of, context_tokens, reserve_tokens)
 
     def check_answer(self, question_tokens: int, max_new_tokens: int) -> None:
         """Whether an answer of up to `max_new_tokens` to a question of `question_tokens` tokens fits the prefilled
-        cache: the model's window, then `kv_budget_bytes`. `stream` checks it; a server checks it before growing
-        its shared reservation (`kvdemo.server.App.reserve_answer`).
+        cache: the model's window (`checks.answer_fits`), then `kv_budget_bytes`. `stream` checks it, a server
+        before growing its shared reservation (`kvdemo.server.App.reserve_answer`).
 
         Raises:
-            ValueError: no prefill yet, or the context, the question and max_new_tokens exceed the window (the
-                message says what to lower, and by how much).
-            KVBudgetError (a ValueError): the estimated cache exceeds `kv_budget_bytes`.
+            ValueError: no prefill yet, or it does not fit the window; KVBudgetError (a ValueError): nor the budget.
         """
         if self._snapshot is None:
             raise ValueError("prefill a context before asking a question")
-        context_tokens = self._snapshot.seq_length
-        limit = self.loaded.max_context_tokens
-        room = limit - context_tokens - question_tokens
-        if room < 1:
-            raise ValueError(
-                f"context {context_tokens:,} + question {question_tokens:,} tokens leave no room for an answer in "
-                f"the model's {limit:,}-token window; shorten the question to at most "
-                f"{max(limit - context_tokens - 1, 0):,} tokens, or prefill a shorter context"
-            )
-        if max_new_tokens > room:
-            raise ValueError(
-                f"context {context_tokens:,} + question {question_tokens:,} + max_new_tokens {max_new_tokens:,} "
-                f"tokens exceeds the model's {limit:,}-token window; lower max_new_tokens to at most {room:,} or "
-                "shorten the question"
-            )
-        self._check_budget(
-            context_tokens,
-            question_tokens + max_new_tokens,
-            advice="Lower max_new_tokens, or prefill a shorter context",
-        )
+        context, decoded = self._snapshot.seq_length, question_tokens + max_new_tokens
+        checks.answer_fits(self.loaded.max_context_tokens, context, question_tokens, max_new_tokens)
+        budget.check_budget(*self._budget_of, context, decoded, "Lower max_new_tokens, or prefill a shorter context")
+
+    @property
+    def _budget_of(self) -> tuple:
+        """`budget.check_budget`'s first arguments for this session: spec, config, dtype, kv_budget_bytes."""
+        return self.spec, self.loaded.config, self.loaded.dtype, self.kv_budget_bytes
 
     def estimate_kv_bytes(self, context_tokens: int, reserve_tokens: int) -> int:
         """The bytes held for this session's cache with `context_tokens` prefilled and `reserve_tokens` more
         decoded, the snapshot's share included: `kvdemo.budget.held_bytes_estimate`."""
-        return budget.held_bytes_estimate(
-            self.spec, self.loaded.config, self.loaded.dtype, context_tokens, reserve_tokens
-        )
-
-    def _check_budget(self, context_tokens: int, reserve_tokens: int, advice: str | None = None) -> None:
-        """Raise `KVBudgetError` when the estimate exceeds `kv_budget_bytes` (`kvdemo.budget.check_budget`)."""
-        budget.check_budget(
-            self.spec,
-            self.loaded.config,
-            self.loaded.dtype,
-            self.kv_budget_bytes,
-            context_tokens,
-            reserve_tokens,
-            advice,
-        )
+        return budget.held_bytes_estimate(*self._budget_of[:3], context_tokens, reserve_tokens)
 
     # ---- answers ------------------------------------------------------------------------------
     def _close_active(self) -> None:

@@ -295,6 +295,8 @@ def test_what_no_wait_can_fit_is_told_so_not_that_the_server_is_full(tiny, monke
         app.prefill(key, qa, long_text)
     monkeypatch.undo()
     assert app.kv.holders() == {}  # nothing reserved
+    with pytest.raises(ValueError, match=r"^the context is 2\.4 MiB of text; the limit is 2 MiB, and the model's "):
+        app.prefill(key, qa, "word " * 500_000)  # refused before tokenizing
     with pytest.raises(ServerKVBudgetError) as error:  # 2,048 bytes/token: 4 MiB hold 2,048 tokens
         app.kv.reserve("prefill:x", 5 * MIB, "a dynamic KV cache for 2,432 context tokens")
     assert str(error.value).startswith(

@@ -16,10 +16,11 @@ import gradio as gr
 
 from kvdemo import checks
 from kvdemo.backends import BACKENDS, GROUP_OPTIONS
+from kvdemo.server import MAX_CONTEXT_BYTES
 from kvdemo.spec import CacheSpec
 from kvdemo.text import check_text
 
-MAX_UPLOAD_BYTES = 2 * 1024 * 1024
+MAX_UPLOAD_BYTES = MAX_CONTEXT_BYTES  # what the Context box may hold, typed or uploaded
 COMPARE_MAX_QUESTIONS = 20
 COMPARE_MAX_NEW_TOKENS = 256
 COMPARE_MAX_PERPLEXITY_TOKENS = 512
