@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvdemo.session import QASession
+from kvdemo.spec import CacheSpec
 
 
 @dataclass
@@ -20,8 +21,9 @@ class UserSession:
 
     Attributes:
         last_used: `SessionStore`'s clock reading at the last request (seconds).
-        page_differs: why the page's Context box or options are not what `qa` was prefilled with (the Ask tab's
-            gate writes it at every change; a prefill clears it), or None; an answer is refused while it is set.
+        page_shows: the Context box and the `CacheSpec` (None: options not valid) the page showed last: the Ask
+            tab's gate writes it at every change, a prefill at its click; None where no page showed this session
+            (an API or MCP caller). An answer is refused while it is not what `qa` holds.
     """
 
     qa: QASession | None = None
@@ -34,7 +36,7 @@ class UserSession:
     compare_pending: bool = False
     prefilling: QASession | None = None
     last_used: float = 0.0
-    page_differs: str | None = None
+    page_shows: tuple[str, CacheSpec | None] | None = None
 
     def interrupt(self) -> None:
         """Stop this session's answer after its current decode step and its prefill before its next chunk

@@ -456,6 +456,9 @@ def test_bad_input_gives_a_clear_message_and_loses_nothing(env, reference, surfa
     assert env.qa.ask(QUESTION, 5).token_ids == expected.token_ids
     app_qa = env.app.sessions.get("tab-1").qa
     assert app_qa is not None and app_qa.cache_length == context_tokens
+    # the user puts the page back as the cache holds it (a refused prefill leaves its text and options shown,
+    # and the session refuses answers until they match again): Ask is enabled and answers as a fresh run
+    assert env.fns["gate"](CONTEXT, *HQQ, _req())[2]["interactive"] is True
     chat = _app_ask(env, QUESTION)[-1][0]
     assert chat[-1]["content"] == expected.text
     assert env.app.loaded is env.tiny  # a failed load keeps the model

@@ -116,6 +116,7 @@ def test_bad_prefill_input_says_what_to_change_and_keeps_the_session(handlers, i
     assert re.search(message, refused(view)) and "The cache still holds the previous context" in view.notice
     assert view.chat is view.memory_plot  # every other output skipped: the page keeps what it showed
     assert app.sessions.get("tab-1").qa is before
+    named_handlers(build_demo(app))["gate"](CONTEXT, *HQQ, _request())  # the page set back as the cache holds it
     assert "cache length after restore" in _ask(fns, "Who led the Normans?", 3)[-1][1]
 
 
@@ -536,8 +537,9 @@ def test_an_answer_of_one_token_has_no_decode_speed(handlers):
 
 def test_enter_in_the_question_box_cannot_pass_the_gate(handlers, tiny):
     """Found by a tester: after an option change the gate disables Ask, but Enter in the question box reached the
-    server and was answered from the old cache. The gate now records what differs in the session, and `ask`
-    refuses while it does; setting the options back (or a new prefill) lets the cache answer again."""
+    server and was answered from the old cache. The gate (and a prefill, at its click) now records what the page
+    shows in the session, and `ask` refuses while it is not the cache's; setting the options back (or a new
+    prefill) lets the cache answer again."""
     app, fns = handlers
     gate = named_handlers(build_demo(app))["gate"]
     fns["prefill"](CONTEXT, *HQQ, _request())
@@ -560,6 +562,21 @@ def test_enter_in_the_question_box_cannot_pass_the_gate(handlers, tiny):
     gate(CONTEXT, "fp8", _request())
     fns["prefill"](CONTEXT, "fp8", _request())  # a prefill of what the page shows clears it
     assert len(list(fns["ask"]("Who led them?", 2, _request(), CONTEXT))) > 1
+    # options changed while a prefill runs (the gate runs outside the queue): the new cache is not what the page
+    # shows, so Ask stays disabled and Enter is refused
+    user = app.sessions.get("tab-1")
+    real_prefill = app.prefill
+
+    def prefill_while_the_user_picks_fp8(*args, **kwargs):
+        report = real_prefill(*args, **kwargs)
+        gate(CONTEXT, "fp8", _request())
+        return report
+
+    app.prefill = prefill_while_the_user_picks_fp8
+    view = fns["prefill"](CONTEXT, *HQQ, _request())
+    assert view.ask_button["interactive"] is False and user.qa.spec.backend == "hqq"
+    assert "the page shows fp8" in refused(fns["ask"]("Who led them?", 2, _request(), CONTEXT))
+    assert all(isinstance(v, (str, CacheSpec)) for v in user.page_shows)
 
 
 def test_the_page_fields_leave_bad_numbers_to_the_project_checks(handlers):

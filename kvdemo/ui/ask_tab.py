@@ -84,6 +84,7 @@ class AskTab(AskWidgets):
             spec = spec_from_inputs(backend, options)
             loaded = self.app.wait_for_model()
             user = self.user_of(request)
+            user.page_shows = (context, spec)  # the page at the click; the gate records changes made meanwhile
             user.interrupt()
             with user.lock:
                 qa = QASession(loaded, spec, kv_budget_bytes=self.app.kv_budget_bytes)
@@ -99,7 +100,7 @@ class AskTab(AskWidgets):
                     )
                 finally:
                     user.prefilling = None
-                user.qa, user.chat, user.events, user.page_differs = qa, [], [], None  # the page shows what it holds
+                user.qa, user.chat, user.events = qa, [], []
                 self.app.sessions.forget_freed(self.key_of(request))
         except PrefillStopped as stopped:  # the session keeps its previous cache (replaced only after a prefill)
             print(f"kvdemo: {stopped}", flush=True)
@@ -137,7 +138,7 @@ class AskTab(AskWidgets):
             None,
             views.answers_table(user.answers),
             "",
-            gr.update(interactive=True),
+            gr.update(interactive=self._page_differs(user) is None),  # the options may have changed meanwhile
             views.speed_limit_line(speed_limit(qa.loaded.model, qa.cache), None),  # not the last cache's line
         )
 
@@ -159,9 +160,25 @@ class AskTab(AskWidgets):
                 "The Context box has changed since the prefill; press Prefill to prefill the text it "
                 "shows (answers come only from the prefilled text)"
             )
-        if user.page_differs:
-            raise ValueError(user.page_differs)
+        differs = self._page_differs(user)
+        if differs:
+            raise ValueError(differs)
         return user
+
+    def _page_differs(self, user: UserSession) -> str | None:
+        """What differs between the page's Context box and options (`UserSession.page_shows`) and the session's
+        cache, said as a refusal; None when they match, or when no page showed this session (an API caller)."""
+        if user.page_shows is None or user.qa is None:
+            return None
+        context, spec = user.page_shows
+        if self._prefilled_matches(user, context, spec):
+            return None
+        what = "options" if context == user.qa.context else "Context box"
+        now = f", the page shows {spec.full_text}" if spec is not None else ", the page's options are not valid"
+        return (
+            f"The {what} changed since the prefill: the cache holds {user.qa.spec.full_text}{now}; press Prefill to "
+            f"rebuild it, or set the {what} back"
+        )
 
     def ask(
         self, question: str, max_new_tokens: float, request: gr.Request, context: str | None = None
@@ -169,7 +186,7 @@ class AskTab(AskWidgets):
         """Answer `question` on the prefilled context, streaming the answer and the charts. `context` is the
         page's Context box: an answer is refused when it is no longer the prefilled text (None: not checked,
         for direct Python calls), or while the gate has seen options other than the cache's
-        (`UserSession.page_differs`: Enter in the question box reaches the server even while the gate has
+        (`UserSession.page_shows`: Enter in the question box reaches the server even while the gate has
         disabled Ask). A refusal is a message beside Ask; the chat and charts stay."""
         try:
             user = self._answerable_session(request, context)
@@ -259,26 +276,22 @@ class AskTab(AskWidgets):
     def gate(self, context, backend, options: dict[str, Any], request: gr.Request) -> tuple[Any, Any, Any]:
         """(prefill line, notice, Ask button) for what the page shows now: Ask is enabled only while the Context
         box and the options are exactly what the cache was prefilled with; otherwise the line says what differs,
-        and `UserSession.page_differs` keeps it so that `ask` refuses Enter in the question box (which the disabled
-        button does not stop). The page calls it through `page_event` (without progress: it runs outside the
+        and `UserSession.page_shows` records the page so that `ask` refuses Enter in the question box (which the
+        disabled button does not stop). The page calls it through `page_event` (without progress: it runs outside the
         queue, before any queued answer)."""
         user = self.existing_user(request)
         try:
             spec = spec_from_inputs(backend, options)
         except (ValueError, ImportError):
             spec = None
+        if user is not None:
+            user.page_shows = (context, spec)
         shown = f"**spec** `{spec.full_text}`" if spec is not None else "**spec**: options not valid yet"
         if user is None or user.qa is None:
             return f"{shown} · nothing prefilled in this tab yet", "", gr.update(interactive=False)
         if self._prefilled_matches(user, context, spec):
-            user.page_differs = None
             return views.prefill_summary(user.qa), "", gr.update(interactive=True)
         what = "options" if context == user.qa.context else "Context box"
-        user.page_differs = (
-            f"The {what} changed since the prefill: the cache holds {user.qa.spec.full_text}"
-            + (f", the page shows {spec.full_text}" if spec is not None else ", the page's options are not valid")
-            + f"; press Prefill to rebuild it, or set the {what} back"
-        )
         return (
             f"⚠ The {what} changed since the prefill (the cache holds {user.qa.prefill_report.context_tokens:,} "
             f"tokens with `{user.qa.spec.full_text}`). Press **Prefill** to rebuild it; until then Ask is "

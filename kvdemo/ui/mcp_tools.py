@@ -113,7 +113,7 @@ class McpTools:
         with user.lock:
             qa = QASession(loaded, parsed, kv_budget_bytes=self.app.kv_budget_bytes)
             report = self.app.prefill(key, qa, context)
-            user.qa, user.chat, user.events, user.page_differs = qa, [], [], None
+            user.qa, user.chat, user.events = qa, [], []
             self.app.sessions.forget_freed(key)
         return _json(
             {
