@@ -139,7 +139,7 @@ class AskTab(AskWidgets):
             views.answers_table(user.answers),
             "",
             gr.update(interactive=self._page_differs(user) is None),  # the options may have changed meanwhile
-            views.speed_limit_line(speed_limit(qa.loaded.model, qa.cache), None),  # not the last cache's line
+            _speed_line(qa),  # the new cache's floor, not the last answer's line
         )
 
     def _answerable_session(self, request: gr.Request | None, context: str | None) -> UserSession:
@@ -227,7 +227,7 @@ class AskTab(AskWidgets):
             gr.skip(),
             gr.skip(),
             gr.skip(),
-            views.speed_limit_line(speed_limit(qa.loaded.model, qa.cache), None),  # not the last answer's step
+            _speed_line(qa),  # the cache's floor now, not the last answer's step
         )
         try:
             with closing(stream):
@@ -255,7 +255,7 @@ class AskTab(AskWidgets):
             views.residual_chart(user.events, qa.spec),
             views.step_times(user.events),
             views.answers_table(user.answers),
-            views.speed_limit_after(speed_limit(qa.loaded.model, qa.cache), user.events),
+            _speed_line(qa, user.events),
         )
 
     def stop(self, request: gr.Request) -> None:
@@ -392,3 +392,9 @@ class AskTab(AskWidgets):
                 **model_work,
             ).then(**gate)
         w["stop_button"].click(self.stop, api_name="stop", queue=False)
+
+
+def _speed_line(qa: QASession, events: list | None = None) -> str:
+    """The speed-limit line for `qa`'s cache as it is now, beside the median decode step of `events` (the answer
+    just streamed; none after a prefill or before the first step: the floor alone)."""
+    return views.speed_limit_after(speed_limit(qa.loaded.model, qa.cache), events or [])
