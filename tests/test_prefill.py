@@ -5,10 +5,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers.cache_utils import Cache
 
 from kvdemo import QASession
 from kvdemo.prefill import PrefillStopped
-from kvdemo.spec import estimate_kv_bytes
+from kvdemo.spec import build_cache, estimate_kv_bytes
+from tests.quantized import (
+    FLOAT_ATOL,
+    assert_same_answer_up_to_a_near_tie,
+    assert_within_one_step,
+    quantization_step,
+)
 from tests.conftest import ALL_SPECS, spec_id
 
 CONTEXT = " ".join(
@@ -16,20 +23,40 @@ CONTEXT = " ".join(
 )
 
 
-def _layer_tensors(cache) -> list[torch.Tensor]:
-    """Every layer's keys and values as the model would read them (de-quantized where quantized)."""
+def _stores(cache) -> list[tuple[str, torch.Tensor, bool]]:
+    """Every layer's keys and values as the model would read them: (name, tensor, whether it is a de-quantized
+    store). A quantized layer gives its store de-quantized, then its full-precision residual (quanto, hqq)."""
     out = []
-    for layer in cache.layers:
+    for index, layer in enumerate(cache.layers):
         if getattr(layer, "_quantized_keys", None) is not None:
-            out += [layer._dequantize(layer._quantized_keys), layer._dequantize(layer._quantized_values)]
-        out += [layer.keys, layer.values]
+            out += [(f"layer {index} keys store", layer._dequantize(layer._quantized_keys), True)]
+            out += [(f"layer {index} values store", layer._dequantize(layer._quantized_values), True)]
+        out += [(f"layer {index} keys", layer.keys, False), (f"layer {index} values", layer.values, False)]
     return out
+
+
+def _record_first_updates(monkeypatch) -> dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+    """Per cache (by id), the keys and values of each layer's first `Cache.update`: for a quantized cache, the
+    full-precision tensors handed to its quantizer."""
+    seen: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+    update = Cache.update
+
+    def recording(cache, keys, values, layer_idx, *args, **kwargs):
+        seen.setdefault(id(cache), {}).setdefault(layer_idx, (keys.clone(), values.clone()))
+        return update(cache, keys, values, layer_idx, *args, **kwargs)
+
+    monkeypatch.setattr(Cache, "update", recording)
+    return seen
 
 
 @pytest.mark.parametrize(
     "spec", [s.replace(residual_length=8) if s.info.has_residual else s for s in ALL_SPECS], ids=spec_id
 )
-def test_a_chunked_prefill_builds_the_cache_of_one_forward_pass(tiny, spec):
+def test_a_chunked_prefill_builds_the_cache_of_one_forward_pass(tiny, spec, monkeypatch):
+    """What the invariant promises on every CPU (tests/quantized.py): the full-precision keys and values handed
+    to the quantizer equal one pass's within float tolerance; the de-quantized stores within one quantization
+    step, with at most 1 % of the values apart; the answer the same up to the first near tie."""
+    handed = _record_first_updates(monkeypatch)
     one = QASession(tiny, spec)
     one_report = one.prefill(CONTEXT, chunk_tokens=10_000)
     chunked, progress = QASession(tiny, spec), []
@@ -43,10 +70,23 @@ def test_a_chunked_prefill_builds_the_cache_of_one_forward_pass(tiny, spec):
         assert report.kv_bytes < one_report.kv_bytes == bound
     else:
         assert report.kv_bytes == one_report.kv_bytes
-    for a, b in zip(_layer_tensors(chunked.cache), _layer_tensors(one.cache)):
-        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-4)
+    if spec.info.quantized:  # one update per layer with the whole context, equal within float tolerance
+        got, expected = handed[id(chunked.cache)], handed[id(one.cache)]
+        assert sorted(got) == sorted(expected) == list(range(tiny.config.num_hidden_layers))
+        for index in expected:
+            for a, b in zip(got[index], expected[index]):
+                assert a.shape == b.shape and a.shape[-2] == n and torch.allclose(a, b, atol=FLOAT_ATOL)
+    for (name, a, is_store), (_, b, _) in zip(_stores(chunked.cache), _stores(one.cache)):
+        if is_store:
+            assert_within_one_step(a, b, quantization_step(spec, b), name)
+        else:
+            assert a.shape == b.shape and torch.allclose(a, b, atol=FLOAT_ATOL), name
     question = "Where did the Normans hold council?"
-    assert chunked.ask(question, 6).token_ids == one.ask(question, 6).token_ids
+    answer = one.ask(question, 6).token_ids
+    # measured: at most 2e-5 nats apart (hqq:8); the random model's first token is often a near tie (0.002-0.03)
+    scores = (chunked.score(question, answer), one.score(question, answer))
+    certain = assert_same_answer_up_to_a_near_tie(*scores, tolerance=1e-3)
+    assert chunked.ask(question, 6).token_ids[:certain] == answer[:certain]
 
 
 def test_a_stopped_prefill_leaves_no_half_cache_and_the_session_prefills_again(tiny):
@@ -78,3 +118,28 @@ def test_the_question_pass_is_reported_apart_from_the_decode_steps(tiny):
     assert answer.decode_tokens_per_second == pytest.approx((len(answer.token_ids) - 1) / decode_seconds)
     record = answer.to_dict()
     assert record["question_tokens"] == answer.question_tokens and "decode_tokens_per_second" in record
+
+
+def test_the_store_tolerance_holds_when_the_inputs_move_by_a_float_rounding(tiny):
+    """Why the chunked-prefill test holds on any CPU: keys and values moved by a few float32 roundings (what another
+    CPU's matrix kernels give) and quantized by each backend's own layer stay within one step, with few values one
+    level away; and some do move a level, so an exact comparison of the stores would depend on the CPU."""
+    torch.manual_seed(0)
+    shape = (1, tiny.config.num_key_value_heads, 2048, tiny.config.head_dim)
+    keys, values = torch.randn(shape), torch.randn(shape) * 0.3
+    rounding = torch.finfo(torch.float32).eps * 4  # relative: four roundings of float32
+
+    def moved(x: torch.Tensor) -> torch.Tensor:
+        return x * (1 + rounding * (torch.rand_like(x) * 2 - 1))
+
+    flipped = 0
+    for spec in (s for s in ALL_SPECS if s.info.quantized):
+        stores = []
+        for k, v in ((keys, values), (moved(keys), moved(values))):
+            layer = build_cache(spec, tiny.config).layers[0]
+            layer.update(k, v)
+            stores.append((layer._dequantize(layer._quantized_keys), layer._dequantize(layer._quantized_values)))
+        for what, a, b in zip(("keys", "values"), stores[1], stores[0]):
+            assert_within_one_step(a, b, quantization_step(spec, b), f"{spec.text} {what}")
+            flipped += int(((a - b).abs() > FLOAT_ATOL).sum())
+    assert flipped > 0  # the case the tolerance is for does happen
