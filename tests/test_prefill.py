@@ -10,13 +10,13 @@ from transformers.cache_utils import Cache
 from kvdemo import QASession
 from kvdemo.prefill import PrefillStopped
 from kvdemo.spec import build_cache, estimate_kv_bytes
+from tests.conftest import ALL_SPECS, spec_id
 from tests.quantized import (
     FLOAT_ATOL,
     assert_same_answer_up_to_a_near_tie,
     assert_within_one_step,
     quantization_step,
 )
-from tests.conftest import ALL_SPECS, spec_id
 
 CONTEXT = " ".join(
     f"In {900 + i} the Normans held council number {i} at Rouen, and Rollo's heirs kept the duchy." for i in range(12)
