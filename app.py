@@ -13,9 +13,13 @@ there without its llama.cpp dependencies); the variables above still win.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
+
+_log = logging.getLogger("kvdemo.app")
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
@@ -31,7 +35,7 @@ def _flag(value: str | None, default: bool) -> bool:
 
 
 def _is_hub_id(source: str) -> bool:
-    from kvdemo.models import is_hub_id
+    from kvdemo.qa.models import is_hub_id
 
     return is_hub_id(source)
 
@@ -153,9 +157,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def log_to_stdout() -> None:
+    """kvdemo's server messages (`logging`, the `kvdemo` loggers, INFO and up) on standard output as
+    `kvdemo: <message>`, one line each: the Space's log and `scripts/rehearse_space.py` read them there."""
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("kvdemo: %(message)s"))
+    logger = logging.getLogger("kvdemo")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
 def main(argv: list[str] | None = None) -> None:
     """Parse the settings, start loading the model in the background, and serve the page."""
     args = parse_args(argv)
+    log_to_stdout()
     from kvdemo.ui import App, build_demo
 
     app = App(
@@ -171,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     app.start_sweeper()
     demo = build_demo(app)
     demo.queue(default_concurrency_limit=args.concurrency, max_size=args.queue_size or None)
-    print(f"kvdemo: serving on http://{args.host}:{args.port} (model loading in the background)", flush=True)
+    _log.info("serving on http://%s:%s (model loading in the background)", args.host, args.port)
     # Gradio keeps each browser session's component updates (charts, chat) until it has seen this many newer
     # sessions (default 10,000): bound it by the sessions the app itself keeps
     demo.launch(
@@ -188,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
         from kvdemo.ui.mcp_tools import serve_only_tools
 
         try:
-            print(f"kvdemo: MCP tools {', '.join(serve_only_tools(demo))}", flush=True)
+            _log.info("MCP tools %s", ", ".join(serve_only_tools(demo)))
         except RuntimeError as error:  # asked for and not served: stop rather than serve without it
             demo.close()
             raise SystemExit(f"kvdemo: --mcp: {error}") from None

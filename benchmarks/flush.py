@@ -2,7 +2,7 @@
 `run_all.py`), printed as ratios and written to `artifacts/bench/flush.json`.
 
 1. flush step / normal step, for quanto:4 and hqq:4 (residual_length 128) with `flush=requantize` (transformers)
-   and `flush=append` (`kvdemo.flush`), at 1,024, 2,048, 4,096 and 7,680 context tokens. Each round fills every
+   and `flush=append` (`kvdemo.cache.flush`), at 1,024, 2,048, 4,096 and 7,680 context tokens. Each round fills every
    cache's residual to residual_length - 1 with one untimed forward pass, then times the flush step and
    `--normal` steps after it; the caches take turns within a round (interleaved), and the medians are compared.
    The context's keys and values are the embedded model's on the Normans article (2,048 real tokens, tiled
@@ -12,9 +12,9 @@
    the cache update (of which de-quantizing the store, and `torch.cat`), attention (`scaled_dot_product_attention`)
    and the matrix products (`aten::linear`/`aten::mm`/`aten::addmm`).
 4. fidelity of both policies: teacher-forced on the article's next paragraphs after paragraphs 0-11, fed one
-   decode step per token through each cache (the layout of `kvdemo.fidelity.perplexity_inputs`), residual_length
-   16 so that the answer flushes every 16 tokens: KL(P_dynamic || P_spec) (`kvdemo.fidelity.kl_statistics`) and
-   the perplexity (exp of the mean negative log-likelihood, as `kvdemo.fidelity.perplexity` defines it).
+   decode step per token through each cache (the layout of `kvdemo.evals.fidelity.perplexity_inputs`), residual_length
+   16 so that the answer flushes every 16 tokens: KL(P_dynamic || P_spec) (`kvdemo.evals.fidelity.kl_statistics`) and
+   the perplexity (exp of the mean negative log-likelihood, as `kvdemo.evals.fidelity.perplexity` defines it).
 
     .venv/bin/python benchmarks/flush.py            # 8-25 minutes on 2 shared cores (hqq's requantize flushes
                                                     # at 7,680 tokens take most of it)
@@ -44,11 +44,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from transformers import DynamicCache  # noqa: E402
 
 from kvdemo import CacheSpec, QASession, load_model  # noqa: E402
-from kvdemo.cases import example_path, load_case  # noqa: E402
-from kvdemo.fidelity import kl_statistics, perplexity_inputs  # noqa: E402
-from kvdemo.prefill import run_prefill  # noqa: E402
-from kvdemo.spec import build_cache  # noqa: E402
-from kvdemo.telemetry import flushed_layers  # noqa: E402
+from kvdemo.cache.spec import build_cache  # noqa: E402
+from kvdemo.cache.telemetry import flushed_layers  # noqa: E402
+from kvdemo.evals.cases import example_path, load_case  # noqa: E402
+from kvdemo.evals.fidelity import kl_statistics, perplexity_inputs  # noqa: E402
+from kvdemo.qa.prefill import run_prefill  # noqa: E402
 
 RESIDUAL = 128
 POLICIES = ("requantize", "append")
@@ -90,7 +90,7 @@ def base_kv(loaded, tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def filled(spec: CacheSpec, loaded, kv, length: int):
     """A cache of `spec` holding `length` tokens: `kv` tiled along the tokens, given in one update per layer (the
-    prefill's first update, as `kvdemo.prefill.run_prefill` gives the whole context)."""
+    prefill's first update, as `kvdemo.qa.prefill.run_prefill` gives the whole context)."""
     cache = build_cache(spec, loaded.config)
     for index, (keys, values) in enumerate(kv):
         reps = math.ceil(length / keys.shape[-2])

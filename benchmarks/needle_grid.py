@@ -1,4 +1,4 @@
-"""The needle-in-a-haystack grid of the README, measured in one run (`kvdemo.needle`).
+"""The needle-in-a-haystack grid of the README, measured in one run (`kvdemo.needle.grid`).
 
 Runs the grid (default: dynamic, hqq:2, hqq:4, quanto:4 and fp8 on the embedded model, lengths 1024, 2048, 4096
 and 7936 tokens, depths 0, 25, 50, 75 and 100 %, every depth of a length in one context), then the same grid
@@ -25,9 +25,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvdemo import load_model  # noqa: E402
-from kvdemo.charts import needle_heatmap_figure  # noqa: E402
-from kvdemo.cli_format import format_needle  # noqa: E402
-from kvdemo.needle import DEFAULT_DEPTHS, DEFAULT_LENGTHS, DEFAULT_SPECS, needle_grid  # noqa: E402
+from kvdemo.charts.reports import needle_heatmap_figure  # noqa: E402
+from kvdemo.cli.format import format_needle  # noqa: E402
+from kvdemo.needle.grid import DEFAULT_DEPTHS, DEFAULT_LENGTHS, DEFAULT_SPECS, needle_grid  # noqa: E402
 
 
 def main() -> None:

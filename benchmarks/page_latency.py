@@ -44,8 +44,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import gradio as gr  # noqa: E402
 import torch  # noqa: E402
 
-from kvdemo.cases import example_path, load_case  # noqa: E402
-from kvdemo.server import App  # noqa: E402
+from kvdemo.evals.cases import example_path, load_case  # noqa: E402
+from kvdemo.serve.server import App  # noqa: E402
 from kvdemo.ui import build_demo  # noqa: E402
 
 HQQ_OPTIONS = ("hqq", 4, 64, 16, 0, 0)

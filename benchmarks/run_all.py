@@ -10,14 +10,14 @@ answers flush. Sections:
    answer decoded on the copy): the mechanism's own seconds per question, each question's seconds, and the
    extra bytes held while an answer decodes; where deepcopy fails, the error.
 2. memory during an answer: the peak bytes held by the cache and the restore mechanism, against the cache
-   alone, for both mechanisms. Bytes are counted from the tensors really held (`kvdemo.telemetry`), each
+   alone, for both mechanisms. Bytes are counted from the tensors really held (`kvdemo.cache.telemetry`), each
    storage once across the cache and what the mechanism keeps (the snapshot, or the prefilled original).
 3. KV bytes per token per backend and nbits against the theoretical bytes (`theoretical_kv_bytes`).
 4. decode speed per backend relative to `dynamic`: the median seconds of decode steps without a flush, and
    of steps with one (from `StepEvent.flushed_layers` and `StepEvent.seconds`); step 0 (the question's
    forward pass) is left out of both.
 5. the app's overhead: tokens/s of `QASession.stream` with the chart frames the app builds at every step
-   (`kvdemo.charts`), and without them, against a bare decode loop (model forward + argmax on the same
+   (`kvdemo.charts.steps`), and without them, against a bare decode loop (model forward + argmax on the same
    cache, restored afterwards, no telemetry), interleaved in rounds so that all see the same load.
 6. start-up, each in a fresh process: loading the embedded model from its GGUF (de-quantized), the first
    load that also writes the converted safetensors copy, a later load from that copy; and `app.py` from
@@ -46,11 +46,13 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from kvdemo import CacheSpec, QASession, load_model, snapshot  # noqa: E402
-from kvdemo.cases import example_path, load_case  # noqa: E402
-from kvdemo.charts import answers_frame, memory_frame, residual_frame, step_time_frame  # noqa: E402
-from kvdemo.spec import build_cache, estimate_kv_bytes  # noqa: E402
-from kvdemo.telemetry import full_precision_bytes, kv_memory  # noqa: E402
+from kvdemo import CacheSpec, QASession, load_model  # noqa: E402
+from kvdemo.cache import snapshot  # noqa: E402
+from kvdemo.cache.geometry import full_precision_bytes  # noqa: E402
+from kvdemo.cache.spec import build_cache, estimate_kv_bytes  # noqa: E402
+from kvdemo.cache.telemetry import kv_memory  # noqa: E402
+from kvdemo.charts.steps import answers_frame, memory_frame, residual_frame, step_time_frame  # noqa: E402
+from kvdemo.evals.cases import example_path, load_case  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_report import draw, median, print_report  # noqa: E402
@@ -83,7 +85,7 @@ def theoretical_kv_bytes(
     spec: CacheSpec, config, quantized_tokens: int, residual_tokens: int, dtype: torch.dtype
 ) -> int:
     """The bytes a cache of `spec` should hold by the group-wise formula with nominal bits:
-    `kvdemo.spec.estimate_kv_bytes(..., nominal_bits=True)` (formula and sources in its docstring). Bit
+    `kvdemo.cache.spec.estimate_kv_bytes(..., nominal_bits=True)` (formula and sources in its docstring). Bit
     packing (hqq packs 3-bit values 10 to an int32), padding and anything else a library stores count only in
     the measured bytes, so measured / theoretical shows them."""
     return estimate_kv_bytes(

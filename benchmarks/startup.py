@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _subprocess_load(env: dict[str, str]) -> dict[str, Any]:
     code = (
-        "import json, time; t = time.perf_counter(); from kvdemo import models; m = models.load_model(); "
+        "import json, time; t = time.perf_counter(); from kvdemo.qa import models; m = models.load_model(); "
         "print('RESULT', json.dumps({'weights_from': m.weights_from, 'load_seconds': m.load_seconds, "
         "'process_seconds': time.perf_counter() - t}))"
     )

@@ -21,12 +21,13 @@ if "OMP_WAIT_POLICY" not in os.environ:
 # found" and falls back to a text bar: nothing to act on, so that one message from that one module is ignored.
 warnings.filterwarnings("ignore", message="IProgress not found", module=r"tqdm\.auto")
 
-from kvdemo.backends import BACKENDS
-from kvdemo.models import LoadedModel, load_model
+from kvdemo.cache.registry import BACKENDS
+from kvdemo.cache.spec import CacheSpec, build_cache
+from kvdemo.cache.telemetry import MemoryReport, StepEvent, kv_memory
+from kvdemo.qa.models import LoadedModel, load_model
+from kvdemo.qa.records import Answer, PrefillReport
+from kvdemo.qa.session import QASession
 from kvdemo.quiet import quiet
-from kvdemo.session import Answer, PrefillReport, QASession, StepEvent
-from kvdemo.spec import CacheSpec, build_cache
-from kvdemo.telemetry import MemoryReport, kv_memory
 
 __all__ = [
     "BACKENDS",

@@ -212,7 +212,7 @@ def rehearse(work: Path, port: int, timeout: float) -> dict:
         wait_for_page(url, process, log, min(300, timeout - (time.monotonic() - started)))
         t = lap("app_start_to_page", t)
         all_interfaces = listens_on_all_interfaces(process.pid, port)
-        from kvdemo.cases import example_path, load_case
+        from kvdemo.evals.cases import example_path, load_case
 
         client, context = work / "client.py", work / "context.txt"
         client.write_text(textwrap.dedent(CLIENT))

@@ -12,7 +12,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, QuantizedC
 from transformers.cache_utils import Fp8QuantizedLayer, HQQQuantizedLayer, QuantoQuantizedLayer
 
 from kvdemo import BACKENDS, CacheSpec, build_cache
-from kvdemo.spec import allowed_group_sizes
+from kvdemo.cache.spec import allowed_group_sizes
 
 
 def _config(kv_heads=3, head_dim=64, layers=1, **extra) -> LlamaConfig:

@@ -19,12 +19,12 @@ import gradio as gr
 import pytest
 
 from kvdemo import CacheSpec, QASession, load_model
-from kvdemo.__main__ import main as cli
-from kvdemo.cases import example_path, load_case
-from kvdemo.compare import compare
-from kvdemo.server import App
+from kvdemo.cli.main import main as cli
+from kvdemo.compare.run import compare
+from kvdemo.evals.cases import example_path, load_case
+from kvdemo.serve.server import App
 from kvdemo.ui import build_demo
-from tests.conftest import named_handlers, refused
+from tests.helpers import named_handlers, refused
 
 CONTEXT = "The Normans were the people who gave their name to Normandy, a region in France. Rollo led them."
 QUESTION = "Who led the Normans?"

@@ -7,10 +7,9 @@ import pytest
 import torch
 
 from kvdemo import CacheSpec, QASession
-from kvdemo.session import KVBudgetError
-from kvdemo.spec import estimate_kv_bytes
-
-from .conftest import ALL_SPECS, spec_id
+from kvdemo.cache.budget import KVBudgetError
+from kvdemo.cache.spec import estimate_kv_bytes
+from tests.helpers import ALL_SPECS, spec_id
 
 CONTEXT = " ".join(["The Normans were the people who gave their name to Normandy, a region in France."] * 12)
 

@@ -1,4 +1,4 @@
-"""`kvdemo.capacity.GrowingLayer`: the same logits as transformers' `DynamicLayer`, in-place appends into storage
+"""`kvdemo.cache.storage.GrowingLayer`: the same logits as transformers' `DynamicLayer`, in-place appends into storage
 that grows geometrically, a restore that only moves the length back (the prefix never written after the prefill),
 and memory accounting that counts the spare capacity."""
 
@@ -9,11 +9,19 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from kvdemo import CacheSpec, QASession, kv_memory, snapshot
-from kvdemo.__main__ import build_parser
-from kvdemo.capacity import GROWTH, MIN_HEADROOM, GrowingLayer, capacity_bound, growing_dynamic_cache, grown_capacity
-from kvdemo.session import KVBudgetError
-from kvdemo.spec import build_cache, estimate_kv_bytes
+from kvdemo import CacheSpec, QASession, kv_memory
+from kvdemo.cache import snapshot
+from kvdemo.cache.budget import KVBudgetError
+from kvdemo.cache.spec import build_cache, estimate_kv_bytes
+from kvdemo.cache.storage import (
+    GROWTH,
+    MIN_HEADROOM,
+    GrowingLayer,
+    capacity_bound,
+    growing_dynamic_cache,
+    grown_capacity,
+)
+from kvdemo.cli.main import build_parser
 from kvdemo.ui.inputs import spec_from_inputs
 from tests.test_snapshot import held_bytes
 

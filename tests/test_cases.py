@@ -1,8 +1,8 @@
-"""kvdemo.cases: the text that continues a selection of an article (for perplexity), on the shipped examples."""
+"""kvdemo.evals.cases: the text that continues a selection of an article (for perplexity), on the shipped examples."""
 
 from __future__ import annotations
 
-from kvdemo.cases import continuation_for, example_path, load_case
+from kvdemo.evals.cases import continuation_for, example_path, load_case
 
 
 def test_continuation_is_the_paragraphs_after_the_last_selected(normans):

@@ -1,6 +1,6 @@
-"""kvdemo.charts' comparison functions: the reader's table (MiB, rounding, groups, empty columns dropped), the KV error
-heatmap and its frame, the drift lines, and the chart frames read by field, all from a real comparison on a tiny
-model."""
+"""kvdemo.charts: the comparison's figures (the reader's table: MiB, rounding, groups, empty columns dropped; the
+KV error heatmap and its frame, the drift lines) and the chart frames read by field, all from a real comparison on a
+tiny model."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ import pytest
 from matplotlib.figure import Figure
 
 from kvdemo import CacheSpec
-from kvdemo.compare import compare
-from kvdemo.report_charts import (
+from kvdemo.charts.reports import (
     DISPLAY_HELP,
     comparison_display_frame,
     display_groups,
@@ -24,6 +23,7 @@ from kvdemo.report_charts import (
     tradeoff_figure,
     tradeoff_frame,
 )
+from kvdemo.compare.run import compare
 
 CONTEXT = "The Normans were the people who gave their name to Normandy. Rollo led them. " * 3
 CONTINUATION = " Their descendants spread to England, Italy and the Near East over the next century. " * 2

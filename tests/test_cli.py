@@ -9,10 +9,10 @@ import sys
 import pytest
 
 from kvdemo import CacheSpec
-from kvdemo.__main__ import main
-from kvdemo.cases import example_path, load_case
-from kvdemo.compare import compare
-from kvdemo.fidelity import perplexity, perplexity_inputs
+from kvdemo.cli.main import main
+from kvdemo.compare.run import compare
+from kvdemo.evals.cases import example_path, load_case
+from kvdemo.evals.fidelity import perplexity, perplexity_inputs
 
 NORMANS = str(example_path("normans"))
 
@@ -254,7 +254,7 @@ def test_compare_table_and_progress_bar(embedded, capsys):
 
 
 def test_compare_perplexity_on_the_next_paragraphs(embedded, capsys, monkeypatch):
-    import kvdemo.__main__ as cli
+    import kvdemo.cli.main as cli
 
     reports = []
 

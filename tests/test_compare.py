@@ -1,5 +1,6 @@
-"""kvdemo.metrics and kvdemo.compare: SQuAD metrics and the unanswerable rule on hand-made cases, KL divergence, and
-comparisons on a tiny model checked against `QASession`, `kv_memory` and `kvdemo.fidelity` on the same caches."""
+"""kvdemo.evals.metrics and kvdemo.compare.run: SQuAD metrics and the unanswerable rule on hand-made cases, KL
+divergence, and comparisons on a tiny model checked against `QASession`, `kv_memory` and `kvdemo.evals.fidelity` on
+the same caches."""
 
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ import pandas as pd
 import pytest
 import torch
 
-from kvdemo import CacheSpec, QASession, cache_error, fidelity
-from kvdemo.compare import compare
-from kvdemo.compare_records import ComparisonCancelled
-from kvdemo.measure import measure_spec
-from kvdemo.metrics import (
+from kvdemo import CacheSpec, QASession
+from kvdemo.cache.telemetry import flushed_layers, kv_memory
+from kvdemo.compare.measure import measure_spec
+from kvdemo.compare.records import ComparisonCancelled
+from kvdemo.compare.run import compare
+from kvdemo.evals import cache_error, fidelity
+from kvdemo.evals.metrics import (
     common_prefix,
     contains_gold,
     kl_divergence,
@@ -25,7 +28,6 @@ from kvdemo.metrics import (
     score_against_gold,
     token_f1,
 )
-from kvdemo.telemetry import flushed_layers, kv_memory
 
 CONTEXT = "The Normans were the people who gave their name to Normandy. Rollo led them."
 QUESTIONS = ["Who led them?", "Where?"]

@@ -1,5 +1,5 @@
-"""kvdemo.fidelity: the distribution statistics by hand, perplexity through the cache against a plain forward pass,
-the per-layer and per-head KV error against hand computations and the keys a quantized layer really received, and
+"""kvdemo.evals.fidelity: the distribution statistics by hand, perplexity through the cache against a plain forward
+pass, the per-layer and per-head KV error against hand computations and the keys a quantized layer really received, and
 the drift across flushes."""
 
 from __future__ import annotations
@@ -11,8 +11,11 @@ import torch
 from transformers import LlamaConfig
 
 from kvdemo import CacheSpec, QASession
-from kvdemo.cache_error import context_error, dequantized_kv, drift_ratio, kv_error, reference_kv
-from kvdemo.fidelity import (
+from kvdemo.cache.budget import KVBudgetError
+from kvdemo.cache.spec import build_cache
+from kvdemo.cache.telemetry import expected_flush_steps
+from kvdemo.evals.cache_error import context_error, dequantized_kv, drift_ratio, kv_error, reference_kv
+from kvdemo.evals.fidelity import (
     KLStats,
     PerplexityInputs,
     kl_statistics,
@@ -21,9 +24,6 @@ from kvdemo.fidelity import (
     perplexity_inputs,
     position_fidelity,
 )
-from kvdemo.session import KVBudgetError
-from kvdemo.spec import build_cache
-from kvdemo.telemetry import expected_flush_steps
 
 CONTEXT = "The Normans were the people who gave their name to Normandy, a region in France. Rollo led them. " * 2
 CONTINUATION = " Their descendants swore fealty to the king of West Francia and spread across Europe. " * 3
@@ -174,7 +174,7 @@ def test_reference_is_what_the_quantized_prefill_received(tiny, monkeypatch):
             layer._quantize = record
         return cache
 
-    monkeypatch.setattr("kvdemo.session.build_cache", recording_cache)
+    monkeypatch.setattr("kvdemo.qa.session.build_cache", recording_cache)
     session.prefill(CONTEXT)
     monkeypatch.undo()
     reference = reference_kv(tiny, session.context_ids(CONTEXT))

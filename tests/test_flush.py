@@ -1,5 +1,5 @@
-"""The flush policies (`kvdemo.flush`): `append` quantizes only the residual block at a flush, with the layer's own
-quantizer, and keeps a list of blocks; the snapshot restores it exactly; transformers' `requantize` stays the
+"""The flush policies (`kvdemo.cache.flush`): `append` quantizes only the residual block at a flush, with the layer's
+own quantizer, and keeps a list of blocks; the snapshot restores it exactly; transformers' `requantize` stays the
 default."""
 
 from __future__ import annotations
@@ -8,10 +8,11 @@ import pytest
 import torch
 from transformers.cache_utils import HQQQuantizedLayer, QuantoQuantizedLayer
 
-from kvdemo import CacheSpec, QASession, snapshot
-from kvdemo.flush import AppendFlushMixin, AppendHQQLayer, AppendQuantoLayer
-from kvdemo.spec import build_cache
-from kvdemo.telemetry import kv_memory
+from kvdemo import CacheSpec, QASession
+from kvdemo.cache import snapshot
+from kvdemo.cache.flush import AppendFlushMixin, AppendHQQLayer, AppendQuantoLayer
+from kvdemo.cache.spec import build_cache
+from kvdemo.cache.telemetry import kv_memory
 
 APPEND = [CacheSpec("quanto", nbits=4, flush="append"), CacheSpec("hqq", nbits=4, flush="append")]
 
@@ -118,7 +119,7 @@ def test_update_assigns_a_new_list_at_each_flush(tiny):
 
 
 def test_the_option_reaches_the_command_line_and_the_page(capsys):
-    from kvdemo.__main__ import build_parser, run_ask  # noqa: F401
+    from kvdemo.cli.main import build_parser, run_ask  # noqa: F401
     from kvdemo.ui.inputs import spec_from_inputs
     from kvdemo.ui.views import backend_option_updates
 
@@ -147,7 +148,7 @@ def test_append_holds_the_bytes_of_the_formula_after_many_flushes(text):
     model's KV shape."""
     from transformers import LlamaConfig
 
-    from kvdemo.spec import estimate_kv_bytes
+    from kvdemo.cache.spec import estimate_kv_bytes
 
     config = LlamaConfig(
         num_hidden_layers=1, num_attention_heads=9, num_key_value_heads=3, head_dim=64, hidden_size=576
@@ -168,8 +169,8 @@ def test_append_holds_the_bytes_of_the_formula_after_many_flushes(text):
 
 
 def test_the_step_time_chart_marks_append_flush_steps(tiny, normans):
-    from kvdemo.charts import step_time_frame
-    from kvdemo.telemetry import expected_flush_steps
+    from kvdemo.cache.telemetry import expected_flush_steps
+    from kvdemo.charts.steps import step_time_frame
 
     session = QASession(tiny, APPEND[1].replace(residual_length=4))
     session.prefill(normans.paragraphs[0])

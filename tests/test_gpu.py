@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from kvdemo import CacheSpec, QASession, load_model
-from kvdemo.telemetry import _plain_tensors
-from tests.conftest import ALL_SPECS, spec_id
+from kvdemo.cache.telemetry import _plain_tensors
+from tests.helpers import ALL_SPECS, spec_id
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -1,4 +1,4 @@
-"""DESIGN.md invariants 1-3 over every backend and nbits, residual_length in {1, 4, default}, on a tiny
+"""docs/DESIGN.md, invariants 1-3: over every backend and nbits, residual_length in {1, 4, default}, on a tiny
 random Llama: after every answer the cache is back to its post-prefill state, and every answer equals a
 fresh single-question run (token ids)."""
 
@@ -9,8 +9,8 @@ import torch
 from transformers.cache_utils import BaseQuantizedLayer
 
 from kvdemo import CacheSpec, QASession
-from kvdemo.telemetry import expected_flush_steps
-from tests.conftest import ALL_SPECS, fail_forward_at, spec_id
+from kvdemo.cache.telemetry import expected_flush_steps
+from tests.helpers import ALL_SPECS, fail_forward_at, spec_id
 
 QUESTIONS = ["Who was the Norse leader?", "In what country is Normandy located?", "When were the Normans in Normandy?"]
 

@@ -1,10 +1,13 @@
-"""The code's size rule: no module over 400 lines and no function over 80 in kvdemo/, app.py and benchmarks/
-(long modules and functions hide several concepts; cut them by concept, as the module map in CONTRIBUTING.md
-does), and every module imports on its own (the arrows point one way: no cycle)."""
+"""The house's rules: no module over 400 lines and no function over 80 in kvdemo/, app.py and benchmarks/ (long
+modules and functions hide several concepts; cut them by concept); imports point down the package order of
+docs/DESIGN.md, read from every import (inside functions and under `if TYPE_CHECKING:` too), with no cycle; and
+every name is imported from the one module that defines it."""
 
 from __future__ import annotations
 
 import ast
+import json
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,29 +53,85 @@ def test_the_left_over_list_is_current():
     assert not stale, f"these are within the limit now; drop them from LEFT_OVER: {stale}"
 
 
-def _imports(path: Path, modules: set[str]) -> set[str]:
-    """The kvdemo modules `path` imports at module level (imports inside functions are lazy on purpose);
-    `from package import module` imports the module, not the package's `__init__`."""
-    out = set()
-    for node in ast.parse(path.read_text(encoding="utf-8")).body:
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("kvdemo"):
+PACKAGE_ORDER: tuple[tuple[str, ...], ...] = (
+    ("app", "kvdemo.__main__"),
+    ("kvdemo.ui", "kvdemo.cli"),
+    ("kvdemo.serve",),
+    ("kvdemo.compare", "kvdemo.needle"),
+    ("kvdemo.evals",),
+    ("kvdemo.charts",),
+    ("kvdemo.qa",),
+    ("kvdemo.cache",),
+    ("kvdemo.checks", "kvdemo.quiet"),
+)
+"""docs/DESIGN.md, "The package order": a module may import its own package and the packages on the floors below
+its own, never one beside it or above. `kvdemo` (the public face, `kvdemo/__init__.py`) is read from outside only."""
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the package and app.py, by dotted name (a package by its name, from its `__init__.py`)."""
+    modules = {"app": ROOT / "app.py"}
+    for path in (ROOT / "kvdemo").rglob("*.py"):
+        if "__pycache__" in path.parts:
+            continue
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def _imports(path: Path, modules: dict[str, Path]) -> list[tuple[int, str, tuple[str, ...]]]:
+    """Every kvdemo import of `path`, wherever it stands (module level, inside a function, under
+    `if TYPE_CHECKING:`): (line, the module imported, the names taken). `from package import module` imports the
+    module, not the package's face."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.level == 0
+            and node.module
+            and node.module.split(".")[0] == "kvdemo"
+        ):
             for alias in node.names:
                 sub = f"{node.module}.{alias.name}"
-                out.add(sub if sub in modules else node.module)
+                out.append((node.lineno, sub, ()) if sub in modules else (node.lineno, node.module, (alias.name,)))
         elif isinstance(node, ast.Import):
-            out.update(a.name for a in node.names if a.name.startswith("kvdemo"))
+            out += [(node.lineno, a.name, ()) for a in node.names if a.name.split(".")[0] == "kvdemo"]
     return out
 
 
+def _floor(module: str) -> int:
+    """The floor of `module` in `PACKAGE_ORDER` (0 = the top)."""
+    for floor, packages in enumerate(PACKAGE_ORDER):
+        if any(module == p or module.startswith(p + ".") for p in packages):
+            return floor
+    raise AssertionError(f"{module} is on no floor of PACKAGE_ORDER: add its package there and to docs/DESIGN.md")
+
+
+def _package(module: str) -> str:
+    return next(p for packages in PACKAGE_ORDER for p in packages if module == p or module.startswith(p + "."))
+
+
+def test_imports_point_down_the_package_order():
+    modules = _modules()
+    wrong = []
+    for name, path in sorted(modules.items()):
+        if name == "kvdemo":
+            continue  # the public face hands names on to the outside
+        for line, target, _ in _imports(path, modules):
+            where = f"{path.relative_to(ROOT)}:{line} imports {target}"
+            if target == "kvdemo":
+                wrong.append(f"{where} (the public face; import the module that defines the name)")
+            elif _package(target) != _package(name) and _floor(target) <= _floor(name):
+                wrong.append(f"{where} (floor {_floor(target)} from floor {_floor(name)})")
+    assert not wrong, "imports that do not point down the package order:\n" + "\n".join(wrong)
+
+
 def test_imports_point_one_way():
-    modules = {}
-    for path in (ROOT / "kvdemo").rglob("*.py"):
-        parts = path.relative_to(ROOT).with_suffix("").parts
-        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    modules = _modules()
     graph = {
-        name: {m for m in _imports(path, set(modules)) if m in modules and m != name} for name, path in modules.items()
+        name: {t for _, t, _ in _imports(path, modules) if t in modules and t != name} for name, path in modules.items()
     }
-    graph["kvdemo"] = set()  # the package's __init__ re-exports; every module may import it
+    graph["kvdemo"] = set()  # the public face is imported by no module of the package (the test above)
 
     def cycle(start: str, node: str, seen: tuple[str, ...]) -> tuple[str, ...] | None:
         for nxt in graph[node]:
@@ -84,6 +143,58 @@ def test_imports_point_one_way():
 
     cycles = [c for name in sorted(graph) if (c := cycle(name, name, (name,)))]
     assert not cycles, f"import cycles: {cycles[:3]}"
+
+
+def _defined(path: Path) -> set[str]:
+    """The names a module defines at its top level (functions, classes, assignments), not those it imports."""
+    names = set()
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+    return names
+
+
+def _python_of_the_tree() -> list[tuple[Path, str]]:
+    """Every Python source of the project (kvdemo, app.py, tests, benchmarks, scripts) and the notebooks' code."""
+    out = []
+    for folder in ("kvdemo", "tests", "benchmarks", "scripts"):
+        out += [(p, p.read_text(encoding="utf-8")) for p in sorted((ROOT / folder).rglob("*.py"))]
+    out.append((ROOT / "app.py", (ROOT / "app.py").read_text(encoding="utf-8")))
+    for notebook in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        cells = json.loads(notebook.read_text(encoding="utf-8"))["cells"]
+        code = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+        out.append((notebook, "\n".join(line for line in code.splitlines() if not line.lstrip().startswith("%"))))
+    return out
+
+
+def test_every_name_has_one_home():
+    """No re-export shims: `from kvdemo.x.y import name` takes `name` from the module that defines it, everywhere
+    (kvdemo, tests, benchmarks, scripts, notebooks). Only a package's face (`__init__.py`) hands names on, and the
+    modules of kvdemo import from modules, not from faces."""
+    modules = _modules()
+    faces = {name for name, path in modules.items() if path.name == "__init__.py"}
+    wrong = []
+    for path, code in _python_of_the_tree():
+        inside = path.is_relative_to(ROOT / "kvdemo")
+        tree_path = path.with_suffix(".py").relative_to(ROOT)
+        for node in ast.walk(ast.parse(code)):
+            if not (isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("kvdemo")):
+                continue
+            for alias in node.names:
+                if f"{node.module}.{alias.name}" in modules:
+                    continue  # a module
+                where = f"{tree_path}:{node.lineno}: {node.module}.{alias.name}"
+                if node.module in faces:
+                    if inside and path.name != "__init__.py":
+                        wrong.append(f"{where} (inside kvdemo, import from the module that defines it)")
+                elif node.module not in modules:
+                    wrong.append(f"{where} (no such module)")
+                elif alias.name not in _defined(modules[node.module]):
+                    wrong.append(f"{where} (not defined there: import it from its own module)")
+    assert not wrong, "imports of a name from where it is not defined:\n" + "\n".join(wrong)
 
 
 def test_no_merge_conflict_markers_are_left():
@@ -102,3 +213,28 @@ def test_no_merge_conflict_markers_are_left():
             continue
         found += [f"{path.relative_to(ROOT)}:{i}" for i, line in enumerate(lines, 1) if line.startswith(markers)]
     assert not found, f"merge conflict markers left in: {found[:10]}"
+
+
+def test_every_invariant_cited_is_in_the_design():
+    """Every "invariant N" or "invariants N-M" in the code and the docs is one of docs/DESIGN.md's numbered
+    invariants, and every citation of the design names the file in the tree (docs/DESIGN.md)."""
+    design = (ROOT / "docs" / "DESIGN.md").read_text(encoding="utf-8")
+    section = design.split("## The invariants", 1)[1].split("\n## ", 1)[0]
+    numbers = {int(n) for n in re.findall(r"^(\d+)\. \*\*", section, flags=re.M)}
+    assert numbers == set(range(1, len(numbers) + 1)) and len(numbers) >= 6
+    texts = [(p, p.read_text(encoding="utf-8")) for p in _cited_files()]
+    cited, unnamed = set(), []
+    for path, text in texts:
+        for first, last in re.findall(r"\binvariants? (\d+)(?:-(\d+))?", text):
+            cited.update(range(int(first), int(last or first) + 1))
+        unnamed += [f"{path.relative_to(ROOT)}: {m}" for m in re.findall(r"(?<![/\w])DESIGN(?:\.md)?[ ,]", text)]
+    assert cited and cited <= numbers, f"cited but not in docs/DESIGN.md: {sorted(cited - numbers)}"
+    assert not unnamed, f"cite the design as docs/DESIGN.md: {unnamed}"
+
+
+def _cited_files() -> list[Path]:
+    """The files that may cite the design: the code, the tests, the benchmarks, the docs."""
+    files = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "app.py"]
+    for folder, pattern in (("kvdemo", "*.py"), ("tests", "*.py"), ("benchmarks", "*.py"), ("docs", "*.md")):
+        files += sorted((ROOT / folder).rglob(pattern))
+    return [f for f in files if f.exists() and f.name != "DESIGN.md"]

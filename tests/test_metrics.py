@@ -1,11 +1,17 @@
-"""kvdemo.metrics: an answer that names a gold answer is never an abstention, whatever words that gold holds;
+"""kvdemo.evals.metrics: an answer that names a gold answer is never an abstention, whatever words that gold holds;
 an answer that says the text does not give the answer still is. Scores computed by hand."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvdemo.metrics import ABSTENTION_PHRASES, is_abstention, normalize_answer, says_unanswerable, score_against_gold
+from kvdemo.evals.metrics import (
+    ABSTENTION_PHRASES,
+    is_abstention,
+    normalize_answer,
+    says_unanswerable,
+    score_against_gold,
+)
 
 
 def _scores(prediction, golds):

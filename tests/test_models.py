@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvdemo import CacheSpec, QASession, load_model, models
-from tests.conftest import make_tiny
+from kvdemo import CacheSpec, QASession, load_model
+from kvdemo.qa import models
+from tests.helpers import make_tiny
 
 
 def test_embedded_model_loads_once_with_its_shape(embedded):
@@ -204,7 +205,7 @@ def test_models_no_longer_used_are_freed(tiny, tmp_path):
     """The load cache holds models weakly: the same object while in use, freed once nothing uses it."""
     import gc
 
-    from kvdemo import models
+    from kvdemo.qa import models
 
     tiny.model.save_pretrained(tmp_path)
     tiny.tokenizer.save_pretrained(tmp_path)

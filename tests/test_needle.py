@@ -1,4 +1,4 @@
-"""kvdemo.needle: contexts of an exact token length with each needle at its depth, the graded score against a
+"""kvdemo.needle.grid: contexts of an exact token length with each needle at its depth, the graded score against a
 plain forward, the grid's bookkeeping (cells, prefills, progress), cancel and bad input, on a tiny model; one
 grid on the embedded model, which finds a needle with the full-precision cache."""
 
@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from kvdemo import CacheSpec, QASession
-from kvdemo.haystack import _SENTENCE_END, build_context, haystack_text, make_needles
-from kvdemo.needle import hit, longest_length, needle_grid, plan_contexts
-from kvdemo.needle_inputs import parse_depths, parse_lengths
-from kvdemo.needle_records import NeedleCancelled
-from kvdemo.session import KVBudgetError
+from kvdemo.cache.budget import KVBudgetError
+from kvdemo.needle.grid import hit, longest_length, needle_grid, plan_contexts
+from kvdemo.needle.haystack import _SENTENCE_END, build_context, haystack_text, make_needles
+from kvdemo.needle.inputs import parse_depths, parse_lengths
+from kvdemo.needle.records import NeedleCancelled
 
 DEPTHS = [0, 25, 50, 75, 100]
 
@@ -284,7 +284,7 @@ def test_embedded_model_finds_a_needle_with_the_full_precision_cache(embedded):
 
 
 def test_heatmap_frame_and_figure_read_the_table(tiny):
-    from kvdemo.report_charts import SCORE_FLOOR, needle_heatmap_figure, needle_heatmap_frame
+    from kvdemo.charts.reports import SCORE_FLOOR, needle_heatmap_figure, needle_heatmap_frame
 
     grid = needle_grid(tiny, ["dynamic", "fp8"], [200, 260], [100, 0], max_new_tokens=2)
     table = grid.to_frame()

@@ -8,9 +8,9 @@ import torch
 from transformers.cache_utils import Cache
 
 from kvdemo import QASession
-from kvdemo.prefill import PrefillStopped
-from kvdemo.spec import build_cache, estimate_kv_bytes
-from tests.conftest import ALL_SPECS, spec_id
+from kvdemo.cache.spec import build_cache, estimate_kv_bytes
+from kvdemo.qa.prefill import PrefillStopped
+from tests.helpers import ALL_SPECS, spec_id
 from tests.quantized import (
     FLOAT_ATOL,
     assert_same_answer_up_to_a_near_tie,

@@ -14,8 +14,8 @@ import torch
 from transformers import DynamicCache
 
 from kvdemo import CacheSpec, QASession
-from kvdemo.prompt import MAX_BACKTRACK, PromptLayout
-from tests.conftest import make_tiny
+from kvdemo.qa.prompt import MAX_BACKTRACK, PromptLayout
+from tests.helpers import make_tiny
 
 CONTEXTS = {
     "reported case": "Hi.\n",

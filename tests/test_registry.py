@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from kvdemo import QASession, kv_memory
-from kvdemo.backends import BACKENDS, Backend, Option, markdown_table
-from kvdemo.spec import CacheSpec, all_specs, default_compare_specs, estimate_kv_bytes
+from kvdemo.cache.registry import BACKENDS, Backend, Option, markdown_table
+from kvdemo.cache.spec import CacheSpec, all_specs, default_compare_specs, estimate_kv_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,7 +26,7 @@ def _dummy() -> Backend:
         "DynamicCache under another name, for the registry test",
         "It never flushes.",
         quantized=False,
-        build=dynamic.build,
+        make_cache=dynamic.make_cache,
         kv_bytes=dynamic.kv_bytes,
         options={"nbits": Option("nbits", 16, choices=(16,), help="bits per value (ignored)")},
         compare_nbits=(16,),
@@ -55,7 +55,7 @@ def test_a_fifth_backend_needs_only_its_registry_entry(with_dummy, tiny):
 
 
 def test_a_fifth_backend_reaches_the_command_line(with_dummy, capsys):
-    from kvdemo.__main__ import build_parser
+    from kvdemo.cli.main import build_parser
 
     parser = build_parser()
     with pytest.raises(SystemExit):
@@ -68,7 +68,7 @@ def test_a_fifth_backend_reaches_the_command_line(with_dummy, capsys):
 def test_a_fifth_backend_reaches_the_page(with_dummy, tiny):
     import gradio as gr
 
-    from kvdemo.server import App
+    from kvdemo.serve.server import App
     from kvdemo.ui import build_demo
     from kvdemo.ui.inputs import spec_from_inputs
     from kvdemo.ui.views import backend_option_updates
@@ -86,7 +86,7 @@ def test_a_fifth_backend_reaches_the_page(with_dummy, tiny):
 
 def test_the_readme_backend_table_is_the_registry():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert markdown_table() in readme, "README's backend table differs: paste kvdemo.backends.markdown_table()"
+    assert markdown_table() in readme, "README's backend table differs: paste kvdemo.cache.registry.markdown_table()"
 
 
 def _choice_lists() -> set[str]:
@@ -122,6 +122,6 @@ def test_no_backend_facts_written_by_hand_outside_the_registry():
 def test_every_backend_entry_is_complete():
     for name, backend in BACKENDS.items():
         assert backend.name == name and backend.summary and backend.behaviour.endswith(".")
-        assert callable(backend.build) and callable(backend.kv_bytes)
+        assert callable(backend.make_cache) and callable(backend.kv_bytes)
         assert (backend.group_rule is None) == ("q_group_size" not in backend.options)
         assert dataclasses.is_dataclass(backend)

@@ -13,11 +13,10 @@ import psutil
 import pytest
 
 from kvdemo import CacheSpec, QASession
-from kvdemo.server import App, SessionStore
+from kvdemo.serve.server import App
+from kvdemo.serve.store import SessionStore
 from kvdemo.ui import build_demo
-from tests.conftest import named_handlers, refused
-
-from .conftest import fail_forward_at, make_tiny
+from tests.helpers import fail_forward_at, make_tiny, named_handlers, refused
 
 CONTEXT = "The Normans were the people who gave their name to Normandy, a region in France. Rollo led them."
 QUESTION = "Who led the Normans?"
@@ -178,7 +177,7 @@ def test_memory_stays_bounded_over_200_questions_and_50_sessions(embedded):
 def test_model_loading_never_trusts_remote_code(monkeypatch, tmp_path):
     import transformers
 
-    from kvdemo import models
+    from kvdemo.qa import models
 
     seen = []
 

@@ -1,7 +1,7 @@
-"""The server-wide KV budget (`kvdemo.accounting.KVAccount`, `App.prefill`, `App.reserve_answer`, `App.comparison`)
-and the MCP tools' handlers (`kvdemo.ui.mcp_tools.McpTools`) called directly on a tiny model: what a session may
-hold against what it really holds, refusals with the figures before anything runs, reservations released when a
-session is freed or replaced, and the MCP sessions kept apart."""
+"""The server-wide KV budget (`kvdemo.serve.accounting.KVAccount`, `App.prefill`, `App.reserve_answer`,
+`App.comparison`) and the MCP tools' handlers (`kvdemo.ui.mcp_tools.McpTools`) called directly on a tiny model: what a
+session may hold against what it really holds, refusals with the figures before anything runs, reservations released
+when a session is freed or replaced, and the MCP sessions kept apart."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ import gradio as gr
 import pytest
 
 from kvdemo import CacheSpec, QASession
-from kvdemo.accounting import KVAccount, ServerKVBudgetError, prefill_tokens, session_kv_bytes
-from kvdemo.compare import compare
-from kvdemo.server import App
-from kvdemo.session import QUESTION_RESERVE_TOKENS
-from kvdemo.spec import estimate_kv_bytes
-from kvdemo.telemetry import _bytes
+from kvdemo.cache.spec import estimate_kv_bytes
+from kvdemo.cache.telemetry import _bytes
+from kvdemo.compare.run import compare
+from kvdemo.qa.session import QUESTION_RESERVE_TOKENS
+from kvdemo.serve.accounting import KVAccount, ServerKVBudgetError, prefill_tokens, session_kv_bytes
+from kvdemo.serve.server import App
 from kvdemo.ui.mcp_tools import McpTools
 
 MIB = 2**20
@@ -74,7 +74,7 @@ def test_what_a_session_may_hold_bounds_its_cache_and_snapshot_during_an_answer(
     assert peak <= limit
     # once the answer has flushed, the snapshot keeps the post-prefill store alive (fp8 appends: from the first
     # step); before, it shares the cache's store; dynamic's restore slices back and keeps nothing
-    # the estimate (kvdemo.budget.held_bytes_estimate) counts the snapshot's store only where a flush frees the
+    # the estimate (kvdemo.cache.budget.held_bytes_estimate) counts the snapshot's store only where a flush frees the
     # cache from it, so it is tight for every kind
     assert peak == pytest.approx(limit, rel=0.03)
     store = estimate_kv_bytes(qa.spec, tiny.config, qa.prefill_report.context_tokens, tiny.dtype)

@@ -12,8 +12,8 @@ import torch
 import transformers.utils.logging as hf_logging
 
 from kvdemo import CacheSpec, QASession
-from kvdemo.session import DEFAULT_MAX_NEW_TOKENS, QUESTION_RESERVE_TOKENS
-from tests.conftest import ALL_SPECS, make_tiny, spec_id
+from kvdemo.qa.session import DEFAULT_MAX_NEW_TOKENS, QUESTION_RESERVE_TOKENS
+from tests.helpers import ALL_SPECS, make_tiny, spec_id
 
 
 def test_chat_layout_puts_the_context_in_the_prefix_and_the_question_in_the_user_turn(tiny):

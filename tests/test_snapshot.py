@@ -11,7 +11,8 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, StaticCache
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
-from kvdemo import CacheSpec, QASession, build_cache, kv_memory, load_model, snapshot
+from kvdemo import CacheSpec, QASession, build_cache, kv_memory, load_model
+from kvdemo.cache import snapshot
 
 
 def held_bytes(cache, saved: snapshot.CacheSnapshot | None = None) -> int:

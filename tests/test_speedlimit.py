@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from kvdemo import CacheSpec, QASession
-from kvdemo.speedlimit import SpeedLimit, probe_bandwidth, speed_limit, weight_bytes
+from kvdemo.cache.speedlimit import SpeedLimit, probe_bandwidth, speed_limit, weight_bytes
 from kvdemo.ui import views
-from tests.conftest import make_tiny
+from tests.helpers import make_tiny
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +61,7 @@ def test_spare_room_is_held_not_read(small):
     (shown on the page, outside the floor). transformers' concat layer right after the prefill reads all it holds;
     after an answer its restored keys and values are views of the last step's larger tensors (the next step's
     torch.cat replaces them): that rest is held, not read."""
-    from kvdemo.capacity import grown_capacity
+    from kvdemo.cache.storage import grown_capacity
 
     context = "The Normans were the people who in the 10th and 11th centuries gave their name to Normandy. " * 3
     per_token = 2 * 2 * 2 * 64 * 4  # keys and values x 2 layers x 2 KV heads x 64 values x float32

@@ -1,11 +1,11 @@
-"""kvdemo.text: the one check of user text (unpaired surrogates refused with their position, pairs joined), and
+"""kvdemo.qa.text: the one check of user text (unpaired surrogates refused with their position, pairs joined), and
 the incremental decoding that never shows half a character, against `tokenizer.decode` of every prefix."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvdemo.text import REPLACEMENT, TextStream, check_text
+from kvdemo.qa.text import REPLACEMENT, TextStream, check_text
 
 SYMBOLS = "Favourite symbols: 😀 🚀 ❤️ 🍕. 你好, שלום, naïve — done."
 

@@ -8,15 +8,16 @@ import gradio as gr
 import pytest
 
 from kvdemo import CacheSpec, QASession
-from kvdemo.backends import GROUP_OPTIONS
-from kvdemo.capacity import GrowingLayer
-from kvdemo.compare import compare
-from kvdemo.server import App, SessionStore
+from kvdemo.cache.registry import GROUP_OPTIONS
+from kvdemo.cache.storage import GrowingLayer
+from kvdemo.compare.run import compare
+from kvdemo.serve.server import App
+from kvdemo.serve.store import SessionStore
 from kvdemo.ui import build_demo, views
 from kvdemo.ui.examples import EXAMPLES, example
 from kvdemo.ui.inputs import MAX_UPLOAD_BYTES, read_upload, spec_from_inputs
 from kvdemo.ui.views import backend_option_updates
-from tests.conftest import named_handlers, refused
+from tests.helpers import named_handlers, refused
 
 CONTEXT = "The Normans were the people who gave their name to Normandy, a region in France. Rollo led them."
 HQQ = ("hqq", 4, 64, 4, 0, 0)
@@ -313,7 +314,7 @@ def test_compare_tab_runs_and_leaves_the_session_cache_untouched(handlers, tiny)
     drawn = tradeoff.dropna(subset=["bytes per token"])
     assert drawn["bytes per token"].round(0).tolist() == table["bytes/token"].tolist()
     assert sorted(tradeoff["backend"]) == ["dynamic", "fp8", "hqq", "quanto"]  # quanto: an invisible legend row
-    # the same figures as kvdemo.compare called directly
+    # the same figures as kvdemo.compare.run called directly
     direct = compare(
         tiny,
         CONTEXT,
@@ -463,7 +464,7 @@ def test_prefill_shows_real_progress_and_stop_ends_it(handlers):
 
 
 def test_needle_tab_runs_a_grid_cancels_and_refuses_bad_input(handlers, tiny):
-    from kvdemo.needle import needle_grid
+    from kvdemo.needle.grid import needle_grid
 
     app, fns = handlers
     view = fns["needle"](["dynamic", "fp8"], "128,192", "0,100", 3, 4, _request())
@@ -503,7 +504,7 @@ def test_a_new_prefill_replaces_the_speed_limit_line(handlers):
     """Seen in a browser: after an answer on `dynamic,storage=growing`, a quanto prefill cleared the charts but
     kept the old answer's speed-limit line (its floor, measured step and spare room). The prefill now shows the
     new cache's floor; a refused prefill keeps the line of the cache that stays."""
-    from kvdemo.speedlimit import speed_limit
+    from kvdemo.cache.speedlimit import speed_limit
 
     app, fns = handlers
     fns["prefill"](CONTEXT, "dynamic", None, None, None, None, None, None, "growing", _request())

@@ -1,8 +1,11 @@
 """The Gradio page (`build_demo`): `page` composes one module per tab (`ask_tab`, `compare_tab`); `views` holds
 pure display functions, `inputs` pure parsing (ValueError, turned into gr.Error by `inputs.user_errors`),
-`examples` the shipped examples. The state shared across users is `kvdemo.server.App`."""
+`examples` the shipped examples. The state shared across users is `kvdemo.serve.server.App`."""
 
-from kvdemo.server import App
+from kvdemo.serve.server import App
 from kvdemo.ui.page import build_demo
 
-__all__ = ["App", "build_demo"]
+__all__ = [
+    "App",
+    "build_demo",
+]

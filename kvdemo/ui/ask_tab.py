@@ -6,6 +6,7 @@ names are the widgets' names."""
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Iterator
 from contextlib import closing
 from typing import Any
@@ -13,15 +14,19 @@ from typing import Any
 import gradio as gr
 
 from kvdemo import checks
-from kvdemo.backends import BACKENDS, GROUP_OPTIONS
-from kvdemo.server import App, UserSession
-from kvdemo.session import PrefillStopped, QASession
-from kvdemo.spec import CacheSpec
-from kvdemo.speedlimit import speed_limit
+from kvdemo.cache.registry import BACKENDS, GROUP_OPTIONS
+from kvdemo.cache.spec import CacheSpec
+from kvdemo.cache.speedlimit import speed_limit
+from kvdemo.qa.prefill import PrefillStopped
+from kvdemo.qa.session import QASession
+from kvdemo.serve.server import App
+from kvdemo.serve.store import UserSession, request_key
 from kvdemo.ui import views
 from kvdemo.ui.ask_widgets import AnswerView, AskWidgets, PrefillView
 from kvdemo.ui.examples import example
 from kvdemo.ui.inputs import page_event, read_upload, refusal, spec_from_inputs
+
+_log = logging.getLogger(__name__)
 
 
 def _guarded(stream: Iterator, qa: QASession) -> Iterator:
@@ -48,24 +53,6 @@ class AskTab(AskWidgets):
         self.app = app
         self.w: dict[str, Any] = {}
 
-    # ---- sessions -----------------------------------------------------------------------------------
-    @staticmethod
-    def key_of(request: gr.Request | None) -> str:
-        """The session key of a request (Gradio's `session_hash`; `api` without one)."""
-        return request.session_hash if request is not None else "api"
-
-    def user_of(self, request: gr.Request | None) -> UserSession:
-        """This tab's session, created when missing (Prefill and Compare only).
-
-        Raises:
-            ServerFull (a ValueError): the cap is reached and every session is busy.
-        """
-        return self.app.sessions.get(self.key_of(request))
-
-    def existing_user(self, request: gr.Request | None) -> UserSession | None:
-        """This tab's session if it has one; handlers that only read or stop never create (or evict) one."""
-        return self.app.sessions.peek(self.key_of(request))
-
     # ---- handlers -----------------------------------------------------------------------------------
     def _prefilled_matches(self, user: UserSession | None, context: str | None, spec: CacheSpec | None) -> bool:
         """Whether the page's Context box and options are what this session's cache holds."""
@@ -83,7 +70,7 @@ class AskTab(AskWidgets):
         try:
             spec = spec_from_inputs(backend, options)
             loaded = self.app.wait_for_model()
-            user = self.user_of(request)
+            user = self.app.sessions.of_request(request)
             user.page_shows = (context, spec)  # the page at the click; the gate records changes made meanwhile
             user.interrupt()
             with user.lock:
@@ -91,7 +78,7 @@ class AskTab(AskWidgets):
                 user.prefilling = qa
                 try:
                     self.app.prefill(
-                        self.key_of(request),
+                        request_key(request),
                         qa,
                         context,
                         on_progress=lambda done, total: progress(
@@ -101,9 +88,9 @@ class AskTab(AskWidgets):
                 finally:
                     user.prefilling = None
                 user.qa, user.chat, user.events = qa, [], []
-                self.app.sessions.forget_freed(self.key_of(request))
+                self.app.sessions.forget_freed(request_key(request))
         except PrefillStopped as stopped:  # the session keeps its previous cache (replaced only after a prefill)
-            print(f"kvdemo: {stopped}", flush=True)
+            _log.info("%s", stopped)
             kept = (
                 f"The cache still holds the previous context ({user.qa.prefill_report.context_tokens:,} tokens)."
                 if user.qa is not None
@@ -116,7 +103,7 @@ class AskTab(AskWidgets):
                 gr.update(interactive=self._prefilled_matches(user, context, spec)),
             )
         except (ValueError, ImportError) as error:
-            user = self.existing_user(request)
+            user = self.app.sessions.peek_request(request)
             kept = (
                 f" The cache still holds the previous context ({user.qa.prefill_report.context_tokens:,} tokens)."
                 if user is not None and user.qa is not None
@@ -149,9 +136,9 @@ class AskTab(AskWidgets):
             ValueError: there is none (the message says why: freed, never prefilled, the context or the
                 options changed).
         """
-        user = self.existing_user(request)
+        user = self.app.sessions.peek_request(request)
         if user is None or user.qa is None:
-            reason = self.app.sessions.freed_reason(self.key_of(request))
+            reason = self.app.sessions.freed_reason(request_key(request))
             if reason:
                 raise ValueError(f"Your session was freed because {reason}; press Prefill again to rebuild the cache")
             raise ValueError("Prefill a context first: paste or load a text and press Prefill")
@@ -197,7 +184,7 @@ class AskTab(AskWidgets):
             yield AnswerView.refused(refusal(error, "a question"))
             return
         try:
-            yield from self._answer(user, self.key_of(request), question, max_new_tokens)
+            yield from self._answer(user, request_key(request), question, max_new_tokens)
         finally:
             self.app.sessions.touch(user)
             user.lock.release()
@@ -262,13 +249,13 @@ class AskTab(AskWidgets):
         """Stop the answer streaming in this session after its current decode step (the cache is restored as
         after any answer, and the answer's last update says `stopped`), or the prefill running in it before its
         next chunk. (No output of its own: a reply racing the answer's last update could overwrite it.)"""
-        user = self.existing_user(request)
+        user = self.app.sessions.peek_request(request)
         if user is not None:
             user.interrupt()
 
     def before_prefill(self, request: gr.Request) -> Any:
         """At a Prefill click, before it waits in the queue: stop what runs in this session and disable Ask."""
-        user = self.existing_user(request)
+        user = self.app.sessions.peek_request(request)
         if user is not None:
             user.interrupt()
         return gr.update(interactive=False)
@@ -279,7 +266,7 @@ class AskTab(AskWidgets):
         and `UserSession.page_shows` records the page so that `ask` refuses Enter in the question box (which the
         disabled button does not stop). The page calls it through `page_event` (without progress: it runs outside the
         queue, before any queued answer)."""
-        user = self.existing_user(request)
+        user = self.app.sessions.peek_request(request)
         try:
             spec = spec_from_inputs(backend, options)
         except (ValueError, ImportError):

@@ -8,11 +8,11 @@ from typing import Any, NamedTuple
 
 import gradio as gr
 
-from kvdemo.backends import BACKENDS, GROUP_OPTIONS
-from kvdemo.charts import MEMORY_SERIES, answers_frame
-from kvdemo.session import DEFAULT_MAX_NEW_TOKENS
-from kvdemo.spec import CacheSpec
-from kvdemo.telemetry import STEP_KINDS
+from kvdemo.cache.registry import BACKENDS, GROUP_OPTIONS
+from kvdemo.cache.spec import CacheSpec
+from kvdemo.cache.telemetry import STEP_KINDS
+from kvdemo.charts.steps import MEMORY_SERIES, answers_frame
+from kvdemo.qa.session import DEFAULT_MAX_NEW_TOKENS
 from kvdemo.ui import views
 from kvdemo.ui.examples import EXAMPLES
 

@@ -1,20 +1,22 @@
 """The Compare tab: the Ask tab's context and a list of questions run over several specs, one at a time in fresh
-sessions (`kvdemo.compare`), with progress and Cancel; a table and two charts. `CompareTab` builds the widgets
+sessions (`kvdemo.compare.run`), with progress and Cancel; a table and two charts. `CompareTab` builds the widgets
 and owns the handlers; the user's own prefilled cache is never touched."""
 
 from __future__ import annotations
 
+import logging
 import tempfile
 from typing import Any, NamedTuple
 
 import gradio as gr
 
-from kvdemo.backends import BACKENDS, GROUP_OPTIONS
-from kvdemo.cases import continuation_for, gold_answers_for
-from kvdemo.compare import compare
-from kvdemo.compare_records import ComparisonCancelled, ComparisonReport
-from kvdemo.report_charts import DISPLAY_HELP
-from kvdemo.spec import all_specs, default_compare_specs
+from kvdemo.cache.registry import BACKENDS, GROUP_OPTIONS
+from kvdemo.cache.spec import all_specs, default_compare_specs
+from kvdemo.charts.reports import DISPLAY_HELP
+from kvdemo.compare.records import ComparisonCancelled, ComparisonReport
+from kvdemo.compare.run import compare
+from kvdemo.evals.cases import continuation_for, gold_answers_for
+from kvdemo.serve.store import request_key
 from kvdemo.ui import views
 from kvdemo.ui.ask_tab import AskTab
 from kvdemo.ui.examples import suggested_questions
@@ -26,6 +28,8 @@ from kvdemo.ui.inputs import (
     refusal,
     user_errors,
 )
+
+_log = logging.getLogger(__name__)
 
 
 class CompareView(NamedTuple):
@@ -77,7 +81,7 @@ class CompareTab:
     @user_errors
     def fill_questions(self, context: str, request: gr.Request) -> str:
         """The questions asked so far in this session, or the example's questions."""
-        user = self.ask.existing_user(request)
+        user = self.app.sessions.peek_request(request)
         return "\n".join(suggested_questions(user.qa if user is not None else None, context))
 
     def queued(self, chosen, more, questions_text, max_new_tokens, request: gr.Request) -> str:
@@ -85,7 +89,7 @@ class CompareTab:
         button (the last results stay on the page), and from now on Cancel applies to the run."""
         try:
             compare_inputs(chosen, more, questions_text, max_new_tokens)
-            user = self.ask.user_of(request)
+            user = self.app.sessions.of_request(request)
         except ValueError as error:
             return refusal(error, "a comparison")
         user.compare_cancel.clear()
@@ -103,11 +107,11 @@ class CompareTab:
         perplexity=0,
         progress=gr.Progress(),
     ) -> CompareView:
-        """Run `kvdemo.compare` on the Context box's text and the questions, one spec at a time, in fresh
+        """Run `kvdemo.compare.run` on the Context box's text and the questions, one spec at a time, in fresh
         sessions: this session's own cache is untouched. Cancel stops it at the next decode step. A refusal is
         a message in the status line; the last results stay."""
         try:
-            user = self.ask.user_of(request)
+            user = self.app.sessions.of_request(request)
             if not user.compare_lock.acquire(blocking=False):
                 raise ValueError("A comparison is already running in this session; wait or press Cancel")
         except ValueError as error:
@@ -121,7 +125,7 @@ class CompareTab:
             loaded = self.app.wait_for_model()
             golds = gold_answers_for(context, questions)
             progress(0, desc="Starting the comparison…")
-            with self.app.comparison(self.ask.key_of(request), loaded, context, specs, max_new_tokens):
+            with self.app.comparison(request_key(request), loaded, context, specs, max_new_tokens):
                 report = compare(
                     loaded,
                     context,
@@ -145,7 +149,7 @@ class CompareTab:
         except (ValueError, ImportError) as error:
             return CompareView.refused(refusal(error, "a comparison"))
         except Exception as error:  # a fault inside a decode step: every session it used has restored
-            print(f"kvdemo: a comparison failed: {type(error).__name__}: {error}", flush=True)
+            _log.warning("a comparison failed: %s: %s", type(error).__name__, error)
             return CompareView.refused(
                 f"⚠ The comparison failed ({type(error).__name__}: {str(error)[:200]}); your own session is untouched"
             )
@@ -157,7 +161,7 @@ class CompareTab:
     def cancel(self, request: gr.Request) -> None:
         """Cancel this session's comparison at its next decode step (it returns what finished), also while
         it still waits in the queue; does nothing when none is running or waiting."""
-        user = self.ask.existing_user(request)
+        user = self.app.sessions.peek_request(request)
         if user is not None and user.compare_pending:
             user.compare_cancel.set()
 

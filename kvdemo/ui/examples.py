@@ -3,8 +3,8 @@ Ask tab, and the questions suggested to the Compare tab."""
 
 from __future__ import annotations
 
-from kvdemo.cases import example_path, load_case
-from kvdemo.session import QASession
+from kvdemo.evals.cases import example_path, load_case
+from kvdemo.qa.session import QASession
 
 EXAMPLES = {"Normans": ("normans", "0-7"), "Southern California": ("southern_california", "0-5")}
 """Button name -> (case file stem, paragraphs)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import numbers
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -15,10 +16,12 @@ from typing import Any
 import gradio as gr
 
 from kvdemo import checks
-from kvdemo.backends import BACKENDS, GROUP_OPTIONS
-from kvdemo.server import MAX_CONTEXT_BYTES
-from kvdemo.spec import CacheSpec
-from kvdemo.text import check_text
+from kvdemo.cache.registry import BACKENDS, GROUP_OPTIONS
+from kvdemo.cache.spec import CacheSpec
+from kvdemo.qa.text import check_text
+from kvdemo.serve.server import MAX_CONTEXT_BYTES
+
+_log = logging.getLogger(__name__)
 
 MAX_UPLOAD_BYTES = MAX_CONTEXT_BYTES  # what the Context box may hold, typed or uploaded
 COMPARE_MAX_QUESTIONS = 20
@@ -193,7 +196,7 @@ def refusal(error: Exception, what: str) -> str:
     """The message shown beside the button that was refused (it stays until the next action there), after one
     line in the server log (no traceback: a refusal is not a fault)."""
     message = error.message if isinstance(error, gr.Error) else str(error)
-    print(f"kvdemo: refused {what}: {message}", flush=True)
+    _log.info("refused %s: %s", what, message)
     return f"⚠ {message}"
 
 

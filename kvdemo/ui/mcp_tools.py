@@ -27,12 +27,13 @@ from typing import Any
 import gradio as gr
 
 from kvdemo import checks
-from kvdemo.cases import gold_answers_for
-from kvdemo.compare import compare
-from kvdemo.compare_records import ComparisonCancelled
-from kvdemo.server import App, UserSession
-from kvdemo.session import DEFAULT_MAX_NEW_TOKENS, QASession
-from kvdemo.spec import CacheSpec, default_compare_specs
+from kvdemo.cache.spec import CacheSpec, default_compare_specs
+from kvdemo.compare.records import ComparisonCancelled
+from kvdemo.compare.run import compare
+from kvdemo.evals.cases import gold_answers_for
+from kvdemo.qa.session import DEFAULT_MAX_NEW_TOKENS, QASession
+from kvdemo.serve.server import App
+from kvdemo.serve.store import UserSession
 from kvdemo.ui.ask_widgets import START_SPEC
 from kvdemo.ui.inputs import compare_inputs, user_errors
 

@@ -1,4 +1,4 @@
-"""The Needle tab: a needle-in-a-haystack grid (`kvdemo.needle`) over chosen specs, context lengths and depths,
+"""The Needle tab: a needle-in-a-haystack grid (`kvdemo.needle.grid`) over chosen specs, context lengths and depths,
 with progress and Cancel; one heatmap per spec for the hit and for the graded score, the table, and the grid as
 CSV and JSON. It shares the Compare tab's queue group (one long job at a time across users), the session's Cancel
 and lock, and the server's KV budget."""
@@ -10,12 +10,15 @@ from typing import Any, NamedTuple
 
 import gradio as gr
 
-from kvdemo import checks, needle, needle_records
-from kvdemo.accounting import session_kv_bytes
-from kvdemo.charts import needle_heatmap_figure
-from kvdemo.needle_inputs import parse_depths, parse_lengths
-from kvdemo.session import QUESTION_RESERVE_TOKENS
-from kvdemo.spec import CacheSpec, all_specs
+from kvdemo import checks
+from kvdemo.cache.spec import CacheSpec, all_specs
+from kvdemo.charts.reports import needle_heatmap_figure
+from kvdemo.needle import grid as needle
+from kvdemo.needle import records as needle_records
+from kvdemo.needle.inputs import parse_depths, parse_lengths
+from kvdemo.qa.session import QUESTION_RESERVE_TOKENS
+from kvdemo.serve.accounting import session_kv_bytes
+from kvdemo.serve.store import request_key
 from kvdemo.ui import views
 from kvdemo.ui.ask_tab import AskTab
 from kvdemo.ui.inputs import NEEDLE_MAX_NEW_TOKENS, refusal
@@ -70,7 +73,7 @@ class NeedleTab:
     def queued(self, request: gr.Request) -> str:
         """At the click, before the grid waits in the queue: from now on Cancel applies to it."""
         try:
-            user = self.ask.user_of(request)
+            user = self.app.sessions.of_request(request)
         except ValueError as error:
             return refusal(error, "a needle grid")
         user.compare_cancel.clear()
@@ -80,10 +83,10 @@ class NeedleTab:
     def run(
         self, specs, lengths, depths, seed, max_new_tokens, request: gr.Request, progress=gr.Progress()
     ) -> NeedleView:
-        """Run `kvdemo.needle.needle_grid` with the tab's settings; Cancel stops it at the next decode step and
+        """Run `kvdemo.needle.grid.needle_grid` with the tab's settings; Cancel stops it at the next decode step and
         shows the cells finished. A refusal is a message in the status line; the last grid stays."""
         try:
-            user = self.ask.user_of(request)
+            user = self.app.sessions.of_request(request)
             if not user.compare_lock.acquire(blocking=False):
                 raise ValueError("A comparison or a grid is already running in this session; wait or press Cancel")
         except ValueError as error:
@@ -108,7 +111,7 @@ class NeedleTab:
                 default=0,
             )
             what = f"a needle grid of {len(chosen)} spec(s) up to {longest:,} tokens"
-            with self.app.holding(f"grid:{self.ask.key_of(request)}", nbytes, what):
+            with self.app.holding(f"grid:{request_key(request)}", nbytes, what):
                 grid = needle.needle_grid(
                     loaded,
                     chosen,
@@ -187,6 +190,6 @@ class NeedleTab:
 
     def cancel(self, request: gr.Request) -> None:
         """Cancel this session's grid at its next decode step; does nothing when none runs or waits."""
-        user = self.ask.existing_user(request)
+        user = self.app.sessions.peek_request(request)
         if user is not None and user.compare_pending:
             user.compare_cancel.set()

@@ -2,14 +2,15 @@
 
 Every event has an `api_name` for `gradio_client` (or is private); `mcp_tools` adds typed endpoints, the app's
 MCP tools. One model is shared; each browser session (Gradio's `session_hash`) has its own `QASession`, kept
-server-side in `kvdemo.server.SessionStore` and freed on `demo.unload`. Adding a tab: CONTRIBUTING.md, "Adding a tab".
+server-side in `kvdemo.serve.server.SessionStore` and freed on `demo.unload`. Adding a tab: CONTRIBUTING.md, "Adding
+a tab".
 """
 
 from __future__ import annotations
 
 import gradio as gr
 
-from kvdemo.server import App
+from kvdemo.serve.server import App
 from kvdemo.ui import views
 from kvdemo.ui.ask_tab import AskTab
 from kvdemo.ui.compare_tab import CompareTab

@@ -10,8 +10,12 @@ from typing import Any
 import gradio as gr
 import pandas as pd
 
-from kvdemo.backends import BACKENDS, GROUP_OPTIONS
-from kvdemo.charts import (
+from kvdemo.cache.registry import BACKENDS, GROUP_OPTIONS
+from kvdemo.cache.spec import CacheSpec
+from kvdemo.cache.speedlimit import SpeedLimit
+from kvdemo.cache.telemetry import STEP_KINDS
+from kvdemo.charts.reports import comparison_display_frame, kv_error_figure, speed_frame, tradeoff_frame
+from kvdemo.charts.steps import (
     answers_frame,
     flush_timing,
     memory_frame,
@@ -19,13 +23,9 @@ from kvdemo.charts import (
     residual_frame,
     step_time_frame,
 )
-from kvdemo.compare_records import ComparisonReport
-from kvdemo.models import LoadedModel
-from kvdemo.report_charts import comparison_display_frame, kv_error_figure, speed_frame, tradeoff_frame
-from kvdemo.session import QASession
-from kvdemo.spec import CacheSpec
-from kvdemo.speedlimit import SpeedLimit
-from kvdemo.telemetry import STEP_KINDS
+from kvdemo.compare.records import ComparisonReport
+from kvdemo.qa.models import LoadedModel
+from kvdemo.qa.session import QASession
 
 EXPLAINER = """
 **Prefill.** The model reads your whole context once and stores, for every layer, a *key* and a *value*
@@ -241,7 +241,7 @@ def residual_chart(events: list, spec: CacheSpec) -> Any:
 
 def speed_limit_line(limit: SpeedLimit, step_seconds: float | None) -> str:
     """The line under the step-time chart: the floor of a decode step on this machine (bytes read ÷ bandwidth,
-    `kvdemo.speedlimit`), the median measured step beside it, and the context above which the KV cache is read
+    `kvdemo.cache.speedlimit`), the median measured step beside it, and the context above which the KV cache is read
     more than the weights (below it, no smaller KV cache can even halve the step)."""
     parts = [
         f"**Speed limit**: a decode step reads {limit.weight_bytes / 2**20:,.0f} MiB of weights + "

@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from kvdemo.server import App
+from kvdemo.serve.server import App
 from kvdemo.ui import build_demo
 
 

@@ -19,7 +19,7 @@ import traceback
 from gradio_client import Client
 from gradio_client.utils import Status
 
-from kvdemo.cases import example_path, load_case
+from kvdemo.evals.cases import example_path, load_case
 
 CLIENTS = 16
 LONG_ANSWER = 150  # tokens: a context (at most 300 here) with it fits the small model's 512-token window

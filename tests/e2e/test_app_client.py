@@ -10,7 +10,7 @@ import pytest
 from gradio_client import Client
 
 from kvdemo import CacheSpec, QASession
-from kvdemo.charts import comparison_display_frame
+from kvdemo.charts.reports import comparison_display_frame
 from kvdemo.ui.examples import example
 
 HQQ = CacheSpec("hqq", nbits=4, q_group_size=64, residual_length=16, axis_key=0, axis_value=0)
@@ -84,8 +84,8 @@ def test_refusals_reach_the_client_with_their_message(client):
 
 
 def test_compare_tab_through_the_client(client, embedded):
-    from kvdemo.cases import example_path, load_case
-    from kvdemo.compare import compare
+    from kvdemo.compare.run import compare
+    from kvdemo.evals.cases import example_path, load_case
 
     case = load_case(example_path("normans")).select("0")
     question = case.answerable(1)[0]

@@ -12,7 +12,7 @@ import pytest
 from playwright.sync_api import expect, sync_playwright
 
 from kvdemo import CacheSpec, QASession
-from kvdemo.cases import example_path, load_case
+from kvdemo.evals.cases import example_path, load_case
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
 

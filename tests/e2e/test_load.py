@@ -24,8 +24,8 @@ import torch
 
 from kvdemo import CacheSpec, QASession
 from kvdemo.ui import App, build_demo
+from tests.helpers import make_tiny
 
-from ..conftest import make_tiny
 from .conftest import free_port
 from .load_clients import CLIENTS, DEADLINE_SECONDS, contexts_and_questions
 

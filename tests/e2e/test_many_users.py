@@ -15,7 +15,7 @@ from gradio_client import Client
 from gradio_client.utils import Status
 
 from kvdemo import CacheSpec, QASession
-from kvdemo.cases import example_path, load_case
+from kvdemo.evals.cases import example_path, load_case
 
 SPECS = [
     ("dynamic", None, None, None),

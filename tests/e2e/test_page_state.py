@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import Page, expect, sync_playwright
 
-from kvdemo.cases import example_path, load_case
-from kvdemo.prefill import PREFILL_CHUNK_TOKENS
+from kvdemo.evals.cases import example_path, load_case
+from kvdemo.qa.prefill import PREFILL_CHUNK_TOKENS
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts" / "state"
 LONGER_THAN_A_TOAST_MS = 12_000

@@ -1,0 +1,307 @@
+"""The one registry of KV cache backends: `BACKENDS`, one `Backend` entry each.
+
+Each `Backend` entry carries its own rules, as transformers' cache-layer subclasses carry theirs: the options
+and values it allows, its packing rule for `q_group_size`, its byte formula, how its cache is built and the
+text that describes it (`kvdemo.cache.spec` validates a `CacheSpec` and builds its cache from them).
+The page, the command line, the compare defaults, the tests and the README's backend
+table read `BACKENDS` (and `all_specs`); nothing else switches on backend names. Adding a backend is one
+entry here (see CONTRIBUTING.md, "Adding a backend").
+
+The packing rules (`_quanto_group_problem`, `_hqq_group_problem`) were found by running every backend over
+every nbits, q_group_size and axis on the embedded model's shapes (3 KV heads, head_dim 64) and on the test
+model's, for prefill lengths 1, 5, 37, 64 and 130 followed by decode steps with flushes;
+`tests/test_backends.py::test_validation_predicts_what_runs` repeats that sweep.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from transformers import PreTrainedConfig, QuantizedCache
+from transformers.cache_utils import Cache
+
+from kvdemo.cache.flush import FLUSH_POLICIES, quantized_cache
+from kvdemo.cache.geometry import KVGeometry
+from kvdemo.cache.storage import STORAGE_POLICIES, capacity_bound, dynamic_cache
+
+GROUP_OPTIONS = ("nbits", "q_group_size", "residual_length", "axis_key", "axis_value", "flush", "storage")
+"""Every option a backend may take, in the order the page and the command line show them."""
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option of a backend.
+
+    Attributes:
+        name: the transformers keyword (`nbits`, `q_group_size`, `residual_length`, `axis_key`, `axis_value`), or
+            kvdemo's `flush` (the flush policy, `kvdemo.cache.flush`) or `storage` (how `dynamic` grows its tensors,
+            `kvdemo.cache.storage`).
+        default: the value transformers uses when the option is left unset.
+        choices: the allowed values (integers, or words for a text option such as `flush`), or None where any
+            integer >= `minimum` is allowed (then model-dependent rules may narrow it, see `CacheSpec.validate`).
+        minimum: the smallest allowed value when `choices` is None.
+        help: one line for `--help` and the page, with the unit.
+    """
+
+    name: str
+    default: int | str
+    choices: tuple[int | str, ...] | None = None
+    minimum: int | None = None
+    help: str = ""
+
+    @property
+    def is_text(self) -> bool:
+        """True for an option whose values are words (`flush`, `storage`), False for an integer option."""
+        return isinstance(self.default, str)
+
+    def allowed_text(self) -> str:
+        """The allowed values as text: `2|4` or `>=1`."""
+        return "|".join(map(str, self.choices)) if self.choices is not None else f">={self.minimum}"
+
+
+BytesFormula = Callable[[dict[str, int], KVGeometry, int, int, int, bool], float]
+"""`formula(options, geometry, tokens, residual_tokens, element_bytes, nominal_bits) -> bytes` (see
+`estimate_kv_bytes`): `options` resolved, `residual_tokens` already capped at what the residual can hold."""
+CacheMaker = Callable[[str, dict[str, "int | str"], PreTrainedConfig], Cache]
+"""`make(backend_name, options, model_config) -> Cache`: options as a spec gives them (`CacheSpec.given()`)."""
+GroupRule = Callable[[int, int, int, KVGeometry], "str | None"]
+"""`rule(nbits, q_group_size, axis, geometry) -> why it cannot run, or None` for one tensor (keys or values)."""
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A KV cache backend as the registry knows it.
+
+    Attributes:
+        name: the name a spec uses (`dynamic`, `quanto`, `hqq`, `fp8`).
+        summary: one line for the page, `--help` and the README: what stores the cache.
+        behaviour: one line on its residual and flushes, for the page.
+        quantized: True for the `QuantizedCache` backends; those need a model whose layers are all full attention.
+        make_cache: `make_cache(name, options, model_config) -> Cache`, the empty cache of validated options (the
+            backend's `name`, the options a spec sets: `CacheSpec.given()`), called by `Backend.empty_cache`.
+        kv_bytes: its `BytesFormula`.
+        options: the options it takes, by name (only `storage` for `dynamic`, none for `fp8`).
+        group_rule: its `GroupRule` for q_group_size, or None when it takes no q_group_size.
+        compare_nbits: the nbits it is compared at by default (`(None,)`: the backend as it is; `()`: not at all).
+        module: the Python module it needs, or None; pip: the command that installs it.
+    """
+
+    name: str
+    summary: str
+    behaviour: str
+    quantized: bool
+    make_cache: CacheMaker
+    kv_bytes: BytesFormula
+    options: dict[str, Option] = field(default_factory=dict)
+    group_rule: GroupRule | None = None
+    compare_nbits: tuple[int | None, ...] = (None,)
+    module: str | None = None
+    pip: str | None = None
+
+    @property
+    def has_residual(self) -> bool:
+        """True where the cache keeps a full-precision residual that is flushed (quanto, hqq)."""
+        return "residual_length" in self.options
+
+    def empty_cache(self, options: dict[str, int | str], model_config: PreTrainedConfig) -> Cache:
+        """The empty transformers cache of this backend with `options` (the ones a spec sets; transformers fills
+        the rest with its defaults, the registry's `Option.default`), checked before by `CacheSpec.validate`."""
+        return self.make_cache(self.name, dict(options), model_config)
+
+    def installed(self) -> bool:
+        """Whether the module this backend needs can be imported (without importing it)."""
+        if self.module is None:
+            return True
+        try:
+            return importlib.util.find_spec(self.module) is not None
+        except ModuleNotFoundError:  # the parent package (e.g. `optimum`) is missing
+            return False
+
+    def options_text(self) -> str:
+        """Its options with allowed values and defaults, e.g. `nbits 2|4 (default 4), ...`; `none` without."""
+        return ", ".join(f"{n} {o.allowed_text()} (default {o.default})" for n, o in self.options.items()) or "none"
+
+
+def _group_options(nbits: tuple[int, ...], axes: tuple[int, ...]) -> dict[str, Option]:
+    """The options of a group-wise integer backend with a residual (transformers' `QuantizedLayer`)."""
+    return {
+        "nbits": Option("nbits", 4, choices=nbits, help="bits per quantized value"),
+        "q_group_size": Option(
+            "q_group_size", 64, minimum=1, help="values that share one scale and zero point (must fit head_dim)"
+        ),
+        "residual_length": Option(
+            "residual_length", 128, minimum=1, help="tokens kept in full precision before a flush re-quantizes"
+        ),
+        "axis_key": Option("axis_key", 0, choices=axes, help="axis along which keys are grouped"),
+        "axis_value": Option("axis_value", 0, choices=axes, help="axis along which values are grouped"),
+        "flush": Option(
+            "flush",
+            FLUSH_POLICIES[0],
+            choices=FLUSH_POLICIES,
+            help="at a flush, re-quantize the whole layer (transformers) or append the residual block (KIVI)",
+        ),
+    }
+
+
+def _full_precision_bytes(opts, geo: KVGeometry, tokens, residual, element, nominal) -> float:
+    """Every value in the model's dtype; with `storage=growing` (`kvdemo.cache.storage.GrowingLayer`) the buffers'
+    whole capacity, at most `capacity_bound(tokens)` tokens (an upper bound, reached right after a one-pass
+    prefill; up to max(256 tokens, 12.5 %) above the tokens held). `nominal` counts the tokens held only."""
+    held = capacity_bound(tokens) if opts.get("storage") == "growing" and not nominal else tokens
+    return geo.values_per_token * element * held
+
+
+def _fp8_bytes(opts, geo: KVGeometry, tokens, residual, element, nominal) -> float:
+    """One byte per value (float8_e4m3) plus one float32 scale per layer and tensor."""
+    return geo.values_per_token * tokens + 2 * geo.layers * 4
+
+
+def _group_bytes(stored_bits: dict[int, float]) -> BytesFormula:
+    """Group-wise affine quantization with a full-precision residual: `residual` tokens in the model's dtype,
+    the others at nbits per value (`stored_bits[nbits]` where the packing pads) plus a scale and a zero point
+    in the model's dtype per group of q_group_size values. Source: x ~ scale * (q - zero) per group (HQQ,
+    Badri and Shaji 2023; optimum-quanto) with KIVI's full-precision residual (Liu et al. 2024).
+
+    The same for both flush policies: with `flush=append` the store is a list of blocks (the prefill's, then one
+    per flush), each with its own scales and zero points, so no group spans a block's boundary. Every grouping
+    these backends allow splits one token's values (kv_heads x head_dim) into whole groups (the group rules), so
+    a block of any number of tokens holds whole groups and the split adds no group and no byte (measured: the
+    same bytes as `requantize`, `tests/test_flush.py`). A group size that did not divide one token's values
+    would add up to one partial group per block and tensor."""
+
+    def formula(opts, geo: KVGeometry, tokens, residual, element, nominal) -> float:
+        bits = opts["nbits"] if nominal else stored_bits.get(opts["nbits"], opts["nbits"])
+        values = geo.values_per_token
+        per_token = values * bits / 8 + 2 * element * values / opts["q_group_size"]
+        return per_token * (tokens - residual) + values * element * residual
+
+    return formula
+
+
+def _quanto_group_problem(nbits: int, group: int, axis: int, geo: KVGeometry) -> str | None:
+    """optimum-quanto: axis 0 groups along head_dim; axis -1 groups along batch x heads x tokens, so one
+    token must already fill whole groups."""
+    if axis == 0:
+        return f"q_group_size={group} must divide head_dim={geo.head_dim}" if geo.head_dim % group else None
+    if geo.kv_heads % group:
+        return f"q_group_size={group} with axis -1 must divide num_key_value_heads={geo.kv_heads}"
+    return None
+
+
+_HQQ_VALUES_PER_PACK = {1: 8, 2: 4, 3: 1, 4: 2, 8: 1}
+"""Values per byte that hqq's bit packing needs along the packed axis (hqq.core.bitpack: 8x1bit, 4x2bit,
+2x4bit in a uint8; 3-bit values go 10 to an int32 and 8-bit ones are stored as they are)."""
+
+
+def _hqq_group_problem(nbits: int, group: int, axis: int, geo: KVGeometry) -> str | None:
+    """hqq: the group must fit head_dim (axis 0) or heads x head_dim (axis 1) in whole packs."""
+    pack = _HQQ_VALUES_PER_PACK[nbits]
+    if axis == 0:
+        if geo.head_dim % group:
+            return f"q_group_size={group} must divide head_dim={geo.head_dim}"
+        if group % pack:
+            return f"hqq packs {pack} {nbits}-bit values together, so q_group_size must be a multiple of {pack}"
+        return None
+    if nbits == 3:
+        return "hqq's 3-bit packing along axis 1 breaks on some token counts; use axis 0 for nbits=3"
+    width = geo.kv_heads * geo.head_dim
+    if width % group or (width // group) % pack:
+        return (
+            f"with axis 1, num_key_value_heads x head_dim / q_group_size = {width}/{group} must be a whole "
+            f"multiple of {pack} (hqq packs {pack} {nbits}-bit values together)"
+        )
+    return None
+
+
+def _dynamic_cache(name: str, options: dict, config: PreTrainedConfig) -> Cache:
+    """transformers' `DynamicCache(config=config)`, or its `GrowingLayer` form with `storage=growing`."""
+    return dynamic_cache(config, str(options.get("storage", STORAGE_POLICIES[0])))
+
+
+def _quantized_cache(name: str, options: dict, config: PreTrainedConfig) -> Cache:
+    """`QuantizedCache(name, config, **options)` with only the options given (transformers fills the rest with
+    its defaults, the registry's `Option.default`)."""
+    return QuantizedCache(name, config, **options)
+
+
+def _residual_cache(name: str, options: dict, config: PreTrainedConfig) -> Cache:
+    """`QuantizedCache(name, config, **options)` whose layers flush by the `flush` option's policy
+    (`kvdemo.cache.flush.quantized_cache`: transformers' own layers for `requantize`)."""
+    options = dict(options)
+    return quantized_cache(name, config, str(options.pop("flush", FLUSH_POLICIES[0])), **options)
+
+
+BACKENDS: dict[str, Backend] = {
+    "dynamic": Backend(
+        "dynamic",
+        "DynamicCache: keys and values in the model's dtype, the full-precision baseline",
+        "No quantization and no residual: it never flushes. storage=concat (transformers') copies the whole cache "
+        "into a new tensor at every decode step; storage=growing writes only the new token into spare capacity.",
+        quantized=False,
+        make_cache=_dynamic_cache,
+        kv_bytes=_full_precision_bytes,
+        options={
+            "storage": Option(
+                "storage",
+                STORAGE_POLICIES[0],
+                choices=STORAGE_POLICIES,
+                help="concat: the whole cache copied each step (transformers); growing: in place, spare room counted",
+            )
+        },
+    ),
+    "quanto": Backend(
+        "quanto",
+        "QuantizedCache(backend='quanto'): optimum-quanto int2/int4, group-wise, with a full-precision residual",
+        "New tokens wait in the full-precision residual; at residual_length the whole layer is re-quantized "
+        "(flush=requantize, transformers') or only the residual block is quantized and appended (flush=append).",
+        quantized=True,
+        make_cache=_residual_cache,
+        kv_bytes=_group_bytes({}),
+        options=_group_options(nbits=(2, 4), axes=(0, -1)),
+        group_rule=_quanto_group_problem,
+        compare_nbits=(2, 4),
+        module="optimum.quanto",
+        pip="pip install optimum-quanto==0.2.7",
+    ),
+    "hqq": Backend(
+        "hqq",
+        "QuantizedCache(backend='hqq'): HQQ 1-8 bit, group-wise, with a full-precision residual",
+        "New tokens wait in the full-precision residual; at residual_length the whole layer is re-quantized "
+        "(flush=requantize, transformers') or only the residual block is quantized and appended (flush=append).",
+        quantized=True,
+        make_cache=_residual_cache,
+        # hqq 0.2.8 packs 3-bit values ten to an int32 with padding: 5,040 bytes per 11,520 values (measured)
+        kv_bytes=_group_bytes({3: 3.5}),
+        options=_group_options(nbits=(1, 2, 3, 4, 8), axes=(0, 1)),
+        group_rule=_hqq_group_problem,
+        compare_nbits=(2, 4, 8),
+        module="hqq",
+        pip="pip install hqq==0.2.8.post1",
+    ),
+    "fp8": Backend(
+        "fp8",
+        "QuantizedCache(backend='fp8'): float8_e4m3 per tensor, scale frozen at the first update, no residual",
+        "It appends every new token with the scale frozen at the prefill: no residual, never flushes.",
+        quantized=True,
+        make_cache=_quantized_cache,
+        kv_bytes=_fp8_bytes,
+    ),
+}
+
+
+def option_choices_text(option: str) -> str:
+    """Per backend, the values `option` allows, e.g. `quanto 2|4, hqq 1|2|3|4|8` (for `--help`)."""
+    return ", ".join(
+        f"{name} {info.options[option].allowed_text()}" for name, info in BACKENDS.items() if option in info.options
+    )
+
+
+def markdown_table() -> str:
+    """The README's backend table (a test checks the README holds exactly this)."""
+    rows = ["| backend | what stores the cache | options (allowed values, default) |", "|---|---|---|"]
+    for b in BACKENDS.values():
+        options = b.options_text().replace("|", "\\|")  # a bare | would end the table cell
+        rows.append(f"| `{b.name}` | {b.summary} | {options} |")
+    return "\n".join(rows)

@@ -1,0 +1,156 @@
+"""Take and restore the post-prefill state of every cache layer, without copying a KV tensor.
+
+Pattern: the kvpress fix for `QuantizedCache` (a shallow `vars(layer).copy()` before the answer,
+written back after it), generalised per layer type. It is exact because every layer type accepted
+here *assigns* new tensors in `update` (`torch.cat`, a fresh quantized store) instead of writing into
+the old ones, so the objects the snapshot holds are never changed while an answer decodes.
+
+- Quantized layers (`quanto`, `hqq`, `fp8`) and sliding-window `DynamicSlidingWindowLayer`s: the
+  snapshot is `vars(layer).copy()`, and restoring puts back the very same tensor objects. While an answer
+  decodes it keeps the post-prefill store alive once the cache has replaced it: for quanto and hqq from the
+  first flush (the flush re-quantizes every token into a new store, so the old one, as big as the cache's own
+  quantized store, is the only exact way back), for fp8 from the first step (each `torch.cat` builds a new
+  fp8 tensor). The quantized bytes held during an answer can so reach twice the cache's;
+  `telemetry.kv_memory(cache, snapshot)` counts them.
+- A `DynamicSlidingWindowLayer` keeps only its last `sliding_window - 1` tokens, but after the prefill they
+  are a view (`full[:, :, -sliding_window + 1:, :]`) into the prefill's whole `torch.cat`, whose storage stays
+  alive as long as the view does: held by the snapshot, it would pin the whole prefill for the session's life
+  (transformers alone frees it at the next decode step). `take` therefore first replaces such a view by a
+  compact copy of the window (`clone()`: at most `sliding_window - 1` tokens per layer, once per prefill, the
+  same values), so after the prefill and after every restore the layer holds no more than the window.
+- Plain `DynamicLayer`s: holding the post-prefill tensors would keep a second full-precision copy alive
+  during the answer (each decode step's `torch.cat` builds a new tensor), so only the length is kept and
+  restore slices the keys and values back to it: `keys[..., :length, :]`, a view, exact and copy-free.
+  Until the next decode step replaces it, that view keeps the longer storage alive;
+  `telemetry.kv_memory` counts it as held.
+- `kvdemo.cache.storage.GrowingLayer`s (a `DynamicLayer` that writes new tokens in place into storage with spare
+  capacity): the same length is kept, and the same slicing assignment sets the layer's length back without a
+  copy; its decode steps write only after the post-prefill length, so the prefix's bytes are never changed.
+
+Layers that write in place (`StaticLayer` and its kin, linear-attention states) cannot be restored
+this way and are refused with `TypeError` instead of being silently mis-restored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers.cache_utils import (
+    BaseQuantizedLayer,
+    Cache,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    StaticLayer,
+)
+
+from kvdemo.cache.storage import GrowingLayer
+
+_LENGTH_LAYERS = (DynamicLayer, GrowingLayer)
+"""The layer types restored by moving their length back: transformers' `DynamicLayer` (a view of the longer
+tensor) and `kvdemo.cache.storage.GrowingLayer` (it writes in place but never at positions below the post-prefill
+length, so setting the length back is exact: docs/DESIGN.md, invariant 3, the in-place clause)."""
+
+
+@dataclass(frozen=True)
+class LayerSnapshot:
+    """The saved state of one layer.
+
+    Attributes:
+        attributes: `vars(layer).copy()` for layers restored by writing their attributes back, else None.
+        length: for a plain `DynamicLayer`, its sequence length in tokens; else None.
+    """
+
+    attributes: dict[str, Any] | None
+    length: int | None
+
+
+@dataclass(frozen=True)
+class CacheSnapshot:
+    """The saved state of a whole cache: one `LayerSnapshot` per layer and the total length in tokens."""
+
+    layers: tuple[LayerSnapshot, ...]
+    seq_length: int
+
+
+def _check_layer(index: int, layer: object) -> None:
+    if isinstance(layer, StaticLayer):
+        raise TypeError(
+            f"layer {index} is a {type(layer).__name__}, which writes new tokens into its tensors in place, so a "
+            "shallow snapshot cannot restore it; use a DynamicCache or a QuantizedCache"
+        )
+    if type(layer) in _LENGTH_LAYERS or isinstance(layer, (BaseQuantizedLayer, DynamicSlidingWindowLayer)):
+        return
+    raise TypeError(
+        f"layer {index} is a {type(layer).__name__}; kvdemo can only snapshot layers that assign new tensors on "
+        "update (DynamicLayer, DynamicSlidingWindowLayer and the QuantizedCache layers)"
+    )
+
+
+def _compact_window(layer: DynamicSlidingWindowLayer) -> None:
+    """Replace a sliding-window layer's keys and values by compact copies when they are views pinning a larger
+    storage (the prefill's whole `torch.cat`); the values are unchanged."""
+    for name in ("keys", "values"):
+        tensor = getattr(layer, name, None)
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        if tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
+            setattr(layer, name, tensor.clone(memory_format=torch.contiguous_format))
+
+
+def take(cache: Cache) -> CacheSnapshot:
+    """Save the state of every layer of `cache`, copying no tensor (a sliding-window layer's view of the
+    prefill is first compacted to its window: see the module docstring).
+
+    Args:
+        cache: a `DynamicCache` or `QuantizedCache` after the prefill.
+
+    Returns:
+        The snapshot to give to `restore`.
+
+    Raises:
+        TypeError: a layer writes into its tensors in place (e.g. `StaticLayer`) or is of a type not known
+            to assign new tensors on update.
+    """
+    saved = []
+    for index, layer in enumerate(cache.layers):
+        _check_layer(index, layer)
+        if type(layer) in _LENGTH_LAYERS:
+            saved.append(LayerSnapshot(attributes=None, length=layer.get_seq_length()))
+        else:
+            if isinstance(layer, DynamicSlidingWindowLayer) and not getattr(layer, "record_past", False):
+                _compact_window(layer)
+            saved.append(LayerSnapshot(attributes=vars(layer).copy(), length=None))
+    return CacheSnapshot(layers=tuple(saved), seq_length=cache.get_seq_length())
+
+
+def restore(cache: Cache, snapshot: CacheSnapshot) -> None:
+    """Put `cache` back to the state saved in `snapshot`, copying no tensor.
+
+    Quantized and sliding-window layers get their saved attributes back (attributes added since are
+    dropped); plain `DynamicLayer`s are sliced back to their saved length (a view).
+
+    Raises:
+        ValueError: the snapshot was taken from a cache with another number of layers, or a
+            `DynamicLayer` is shorter than its saved length (the snapshot belongs to another cache).
+    """
+    if len(snapshot.layers) != len(cache.layers):
+        raise ValueError(
+            f"the snapshot has {len(snapshot.layers)} layers but the cache has {len(cache.layers)}; "
+            "it was taken from another cache"
+        )
+    for index, (layer, saved) in enumerate(zip(cache.layers, snapshot.layers)):
+        if saved.attributes is not None:
+            state = vars(layer)
+            state.clear()
+            state.update(saved.attributes)
+            continue
+        if layer.get_seq_length() < saved.length:
+            raise ValueError(
+                f"layer {index} holds {layer.get_seq_length()} tokens, fewer than the {saved.length} saved; "
+                "the snapshot was taken from another cache"
+            )
+        if layer.get_seq_length() != saved.length:
+            layer.keys = layer.keys[..., : saved.length, :]
+            layer.values = layer.values[..., : saved.length, :]

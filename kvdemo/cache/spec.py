@@ -1,0 +1,334 @@
+"""`CacheSpec`, a backend and its options, checked against the registry (`kvdemo.cache.registry.BACKENDS`) and a
+model's shapes; and what a spec gives: its empty cache (`build_cache`) and its bytes before anything runs
+(`estimate_kv_bytes`). Every rule comes from the backend's registry entry; nothing here names a backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import PreTrainedConfig
+from transformers.cache_utils import Cache, get_layer_types_and_kwargs
+
+from kvdemo.cache.geometry import element_size, kv_geometry
+from kvdemo.cache.registry import BACKENDS, GROUP_OPTIONS, Backend
+from kvdemo.checks import shown
+
+MAX_OPTION_VALUE = 1 << 20
+"""No option means anything above this (1,048,576 tokens or values); larger numbers are refused."""
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """A KV cache backend and its options; `None` means the backend's default (see `BACKENDS`).
+
+    Attributes:
+        backend: a name in `BACKENDS`.
+        nbits: bits per quantized value; q_group_size: values per scale/zero-point group; residual_length:
+            full-precision tokens held before a flush (>= 1); axis_key, axis_value: grouping axes; flush: the
+            flush policy (`requantize`, `append`: `kvdemo.cache.flush`); storage: how `dynamic` stores its tensors
+            (`concat`, `growing`: `kvdemo.cache.storage`). Which backend
+            takes which, and the values allowed, are in its registry entry (`Backend.options`).
+
+    Example:
+        >>> CacheSpec.parse("hqq:4,residual_length=16").label
+        'hqq nbits=4 q_group_size=64 residual_length=16'
+
+    """
+
+    backend: str = "dynamic"
+    nbits: int | None = None
+    q_group_size: int | None = None
+    residual_length: int | None = None
+    axis_key: int | None = None
+    axis_value: int | None = None
+    flush: str | None = None
+    storage: str | None = None
+
+    @property
+    def info(self) -> Backend:
+        """The registry entry of this spec's backend. Raises ValueError for an unknown backend."""
+        if not isinstance(self.backend, str) or self.backend not in BACKENDS:
+            raise ValueError(f"backend={shown(self.backend)} is not a backend; choose one of {', '.join(BACKENDS)}")
+        return BACKENDS[self.backend]
+
+    def given(self) -> dict[str, int | str]:
+        """The options set on this spec (not None), by name."""
+        return {name: getattr(self, name) for name in GROUP_OPTIONS if getattr(self, name) is not None}
+
+    def resolved(self) -> dict[str, int | str]:
+        """Every option the backend takes, with its default filled in where unset."""
+        return {name: self.given().get(name, opt.default) for name, opt in self.info.options.items()}
+
+    @property
+    def label(self) -> str:
+        """A short human name, e.g. `hqq nbits=4 q_group_size=64 residual_length=4`."""
+        defaults = {name: opt.default for name, opt in self.info.options.items()}
+        # axes at 0 and a text option at its default (flush=requantize) are left out of the short name
+        opts = " ".join(
+            f"{k}={v}"
+            for k, v in self.resolved().items()
+            if not (k.startswith("axis") and v == 0) and not (isinstance(v, str) and v == defaults[k])
+        )
+        return f"{self.backend} {opts}".strip()
+
+    @property
+    def text(self) -> str:
+        """The spec in `CacheSpec.parse`'s syntax, only the options set: `hqq:4,residual_length=16`, `fp8`."""
+        given = self.given()
+        head = f"{self.backend}:{given.pop('nbits')}" if "nbits" in given else str(self.backend)
+        return ",".join([head] + [f"{k}={v}" for k, v in given.items()])
+
+    @property
+    def full_text(self) -> str:
+        """The spec in `CacheSpec.parse`'s syntax with every option resolved, so that it means one thing
+        wherever it is shown: `hqq:4,q_group_size=64,residual_length=16,axis_key=0,axis_value=0`, `fp8`."""
+        resolved = self.resolved()
+        head = f"{self.backend}:{resolved.pop('nbits')}" if "nbits" in resolved else str(self.backend)
+        return ",".join([head] + [f"{k}={v}" for k, v in resolved.items()])
+
+    @classmethod
+    def parse(cls, text: str) -> CacheSpec:
+        """A spec from `backend[:nbits][,option=value...]`, e.g. `dynamic`, `fp8`, `hqq:4`,
+        `quanto:2,q_group_size=32,residual_length=16,axis_key=-1`. Options are `GROUP_OPTIONS`; unset ones
+        take the backend's defaults. The result is checked against the registry (`validate`, no model).
+
+        Raises:
+            ValueError: malformed text, an unknown backend or option, a non-integer value, or a value the
+                registry refuses (the message says which and what is allowed).
+        """
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError("an empty spec; write backend[:nbits][,option=value...], e.g. hqq:4 or dynamic")
+        head, *pairs = [part.strip() for part in text.strip().split(",")]
+        backend, _, nbits = head.partition(":")
+        options: dict[str, Any] = {}
+        if nbits.strip():
+            options["nbits"] = nbits.strip()
+        elif ":" in head:
+            raise ValueError(f"spec {text!r}: give the nbits after the colon, e.g. hqq:4")
+        for pair in pairs:
+            name, sep, value = (p.strip() for p in pair.partition("="))
+            if not sep or not name or not value:
+                raise ValueError(f"spec {text!r}: {pair!r} is not option=value (options: {', '.join(GROUP_OPTIONS)})")
+            name = name.replace("-", "_")
+            if name not in GROUP_OPTIONS:
+                raise ValueError(f"spec {text!r}: {name!r} is not an option; options: {', '.join(GROUP_OPTIONS)}")
+            if name in options:
+                raise ValueError(f"spec {text!r}: {name} is given twice")
+            options[name] = value
+        for name, value in options.items():
+            if _is_text_option(name):
+                options[name] = value.lower()
+                continue
+            if not re.fullmatch(r"-?[0-9]+", value):
+                raise ValueError(f"spec {text!r}: {name}={value!r} must be an integer")
+            options[name] = int(value)
+        return cls(backend.strip().lower(), **options).validate()
+
+    def replace(self, **changes: Any) -> CacheSpec:
+        """A copy with some fields changed."""
+        return dataclasses.replace(self, **changes)
+
+    def validate(self, model_config: PreTrainedConfig | None = None) -> CacheSpec:
+        """Check this spec against the registry and, when given, the model's shapes.
+
+        Args:
+            model_config: the model's config; gives num_key_value_heads, head_dim and the layer types.
+
+        Returns:
+            self, so that `spec.validate(cfg)` can be chained.
+
+        Raises:
+            ValueError: naming the option, the value given and the values allowed: an unknown backend, an
+                option the backend does not take (fp8 and dynamic take none), a value outside the registry's
+                choices, a q_group_size that does not fit head_dim or the backend's bit packing, a
+                residual_length < 1, or a quantized backend on a model whose layers are not all full attention.
+            ImportError: the backend's package is not installed; the message gives the pip command.
+        """
+        info = self.info
+        for name, value in self.given().items():
+            if name not in info.options:
+                takes = ", ".join(info.options) or "no options"
+                raise ValueError(
+                    f"{name}={value} is not an option of the {self.backend} backend (it takes {takes}); leave it unset"
+                )
+            opt = info.options[name]
+            if opt.is_text:
+                if value not in opt.choices:
+                    allowed = ", ".join(map(str, opt.choices))
+                    raise ValueError(f"{name}={shown(value)} is not allowed for {self.backend}; allowed: {allowed}")
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise ValueError(f"{name}={shown(value)} must be an integer")
+            value = int(value)
+            if opt.choices is not None and value not in opt.choices:
+                allowed = ", ".join(map(str, opt.choices))
+                raise ValueError(f"{name}={value} is not allowed for {self.backend}; allowed: {allowed}")
+            if opt.minimum is not None and value < opt.minimum:
+                raise ValueError(f"{name}={value} is not allowed for {self.backend}; it must be >= {opt.minimum}")
+            if value > MAX_OPTION_VALUE:
+                raise ValueError(f"{name}={shown(value)} is not allowed; it must be <= {MAX_OPTION_VALUE:,}")
+        if not info.installed():
+            raise ImportError(f"the {self.backend} backend needs the {info.module} package: {info.pip}")
+        if model_config is None:
+            return self
+        if info.quantized:
+            layer_types, _ = get_layer_types_and_kwargs(model_config.get_text_config(decoder=True))
+            others = sorted(set(layer_types) - {"full_attention"})
+            if others:
+                raise ValueError(
+                    f"backend={self.backend} needs a model whose layers are all full attention; this model also has "
+                    f"{', '.join(others)} layers. Use backend=dynamic with it"
+                )
+        if info.group_rule is not None:
+            opts, geo = self.resolved(), kv_geometry(model_config)
+            for axis_name in ("axis_key", "axis_value"):
+                problem = info.group_rule(opts["nbits"], opts["q_group_size"], opts[axis_name], geo)
+                if problem:
+                    allowed = allowed_group_sizes(self.replace(q_group_size=None), model_config)[axis_name]
+                    hint = f"; allowed here: {', '.join(map(str, allowed))}" if allowed else ""
+                    raise ValueError(
+                        f"q_group_size={opts['q_group_size']} ({axis_name}={opts[axis_name]}): {problem}{hint}"
+                    )
+        return self
+
+
+def _is_text_option(name: str) -> bool:
+    """Whether the option `name` takes words (`flush`, `storage`) rather than integers, in any registry backend."""
+    return any(b.options[name].is_text for b in BACKENDS.values() if name in b.options)
+
+
+def all_specs() -> list[CacheSpec]:
+    """Every backend at every nbits it allows, the other options unset (the backend's defaults), then each other
+    choice of a text option (`storage=growing`, `flush=append`) at the default nbits: what the tests' matrix runs
+    and the Compare tab offers.
+
+    Example:
+        >>> [s.text for s in all_specs()][:5]
+        ['dynamic', 'dynamic,storage=growing', 'quanto:2', 'quanto:4', 'quanto:4,flush=append']
+    """
+    specs = []
+    for name, info in BACKENDS.items():
+        nbits = info.options.get("nbits")
+        specs += [CacheSpec(name, nbits=n) for n in (nbits.choices if nbits is not None else (None,))]
+        for option in info.options.values():
+            if option.is_text:
+                specs += [
+                    CacheSpec(name, nbits=nbits.default if nbits else None, **{option.name: choice})
+                    for choice in option.choices
+                    if choice != option.default
+                ]
+    return specs
+
+
+def default_compare_specs() -> list[CacheSpec]:
+    """The specs compared when none are chosen: each backend at its `compare_nbits`."""
+    return [CacheSpec(name, nbits=n) for name, info in BACKENDS.items() for n in info.compare_nbits]
+
+
+def allowed_group_sizes(spec: CacheSpec, model_config: PreTrainedConfig) -> dict[str, list[int]]:
+    """The q_group_size values that run with `spec`'s backend, nbits and axes on this model, per axis option.
+
+    Returns:
+        {"axis_key": [...], "axis_value": [...]}, ascending; empty lists for backends without q_group_size.
+    """
+    rule = spec.info.group_rule
+    if rule is None:
+        return {"axis_key": [], "axis_value": []}
+    opts, geo = spec.resolved(), kv_geometry(model_config)
+    candidates = range(1, geo.kv_heads * geo.head_dim + 1)
+    return {
+        axis: [g for g in candidates if rule(opts["nbits"], g, opts[axis], geo) is None]
+        for axis in ("axis_key", "axis_value")
+    }
+
+
+def estimate_kv_bytes(
+    spec: CacheSpec,
+    model_config: PreTrainedConfig,
+    tokens: int,
+    dtype: torch.dtype,
+    residual_tokens: int = 0,
+    nominal_bits: bool = False,
+) -> int:
+    """The bytes a cache of `spec` holds with `tokens` tokens in it, from the model's shape, before anything
+    runs (the out-of-memory guard of `QASession`, and the theoretical figure of `benchmarks/run_all.py`).
+
+    The formula is the backend's own (`Backend.kv_bytes`); with V = 2 x layers x kv_heads x head_dim values
+    per token and e = the dtype's element size: `dynamic` V x e per token; `fp8` V x 1 byte per token plus a
+    float32 scale per layer and tensor; `quanto`, `hqq`: r = min(residual_tokens, residual_length, tokens)
+    tokens at V x e, the others at V x nbits / 8 plus a scale and a zero point of e bytes per q_group_size
+    values. Checked against `telemetry.kv_memory` for every backend and nbits in `tests/test_budget.py`.
+
+    Args:
+        tokens: all tokens in the cache (the cache length).
+        dtype: the model's dtype (the residual's and the scales' element type).
+        residual_tokens: how many of them sit in the full-precision residual (ignored without a residual).
+        nominal_bits: count nbits exactly, ignoring the packing's padding (the textbook formula).
+
+    Returns:
+        Bytes (int).
+
+    Raises:
+        ValueError, ImportError: see `CacheSpec.validate`.
+    """
+    spec.validate(model_config)
+    opts = spec.resolved()
+    residual = max(min(residual_tokens, opts["residual_length"], tokens), 0) if "residual_length" in opts else 0
+    geo = kv_geometry(model_config)
+    return int(spec.info.kv_bytes(opts, geo, tokens, residual, element_size(dtype), nominal_bits))
+
+
+def build_cache(spec: CacheSpec, model_config: PreTrainedConfig) -> Cache:
+    """Validate `spec` and build its empty transformers cache for a model (the backend's `Backend.empty_cache`):
+    `DynamicCache(config=...)` for `dynamic`, `QuantizedCache(backend, config, **options)` for the others.
+
+    Example:
+        >>> cache = build_cache(CacheSpec.parse("hqq:4"), model.config)
+
+    Raises:
+        ValueError, ImportError: see `CacheSpec.validate`.
+    """
+    spec.validate(model_config)
+    return spec.info.empty_cache(spec.given(), model_config)
+
+
+def warm_up(backends: tuple[str, ...] | None = None) -> dict[str, float]:
+    """Run one prefill-sized update and one decode-step update through each installed quantized backend's
+    own cache layer, on random tensors of shape [1, 1, 8, 64], so that one-time work happens now: optimum-quanto
+    compiles its C++ extension on its first de-quantize in a fresh install (23-35 s on 2 cores, written into
+    site-packages, needs g++ and ninja). `make` runs this once after installing.
+
+    Returns:
+        Seconds spent per backend.
+    """
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=8,
+        hidden_size=64,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        head_dim=64,
+    )
+    seconds = {}
+    for name in backends or tuple(BACKENDS):
+        info = BACKENDS[name]
+        if not info.quantized or not info.installed():
+            continue
+        spec = CacheSpec(name, residual_length=1) if info.has_residual else CacheSpec(name)
+        start = time.perf_counter()
+        layer = build_cache(spec, config).layers[0]
+        states = torch.randn(1, 1, 8, 64)
+        layer.update(states, states)
+        layer.update(states[:, :, :1], states[:, :, :1])
+        seconds[name] = time.perf_counter() - start
+    return seconds

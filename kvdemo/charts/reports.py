@@ -1,0 +1,393 @@
+"""Charts of the reports, from their records only: the comparison (memory against fidelity, decode speed, the
+reader's table), where the KV error sits and its drift across flushes, and the needle grid's heatmap. The session's
+own charts (memory, residual, flushes, step time while an answer streams) are in `kvdemo.charts.steps`, which re-exports
+the figures the notebooks draw from here. Figures are `matplotlib.figure.Figure`s, never pyplot."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pandas as pd
+from matplotlib.figure import Figure
+
+from kvdemo.charts.frames import MIB, typed_frame
+
+
+def tradeoff_figure(
+    frame: pd.DataFrame, fidelity: str = "contains gold", title: str = "Memory against fidelity"
+) -> Figure:
+    """Bytes per context token against a fidelity column, one point per spec labelled with its `spec text`.
+
+    Args:
+        frame: `ComparisonReport.to_frame()` (columns `spec text`, `bytes/token` and `fidelity`).
+    """
+    fig = Figure(figsize=(7, 3.6), layout="constrained")
+    ax = fig.add_subplot()
+    ax.scatter(frame["bytes/token"], frame[fidelity])
+    for _, row in frame.iterrows():
+        ax.annotate(
+            row["spec text"],
+            (row["bytes/token"], row[fidelity]),
+            fontsize="x-small",
+            xytext=(3, 3),
+            textcoords="offset points",
+        )
+    ax.set(xlabel="KV bytes per context token", ylabel=fidelity, title=title)
+    return fig
+
+
+def speed_figure(frame: pd.DataFrame, title: str = "Decode speed") -> Figure:
+    """Decode tokens/s per spec, a horizontal bar each labelled with its `spec text` (from
+    `ComparisonReport.to_frame()`)."""
+    fig = Figure(figsize=(7, 3.6), layout="constrained")
+    ax = fig.add_subplot()
+    labels = list(frame["spec text"])
+    ax.barh(labels, frame["tokens/s"])
+    ax.invert_yaxis()
+    ax.set(xlabel="tokens/s", title=title)
+    return fig
+
+
+def tradeoff_frame(frame: pd.DataFrame) -> pd.DataFrame:
+    """The app's memory-against-fidelity chart data, one row per spec, from `ComparisonReport.to_frame()`.
+
+    Columns: `spec`, `backend` (the frame's `backend` field), `bytes per token` (KV bytes per context token),
+    `KL (nats)` (mean KL per answer token against `dynamic`, llama.cpp's "Mean KLD"), `identical` (share of answers
+    identical to `dynamic`'s), `contains gold` (NaN without gold answers).
+    """
+    return pd.DataFrame(
+        {
+            "spec": frame["spec"].astype("string"),
+            "backend": frame["backend"].astype("string"),
+            "bytes per token": frame["bytes/token"].astype("float64"),
+            "KL (nats)": frame["KL (nats)"].astype("float64"),
+            "identical": frame["identical to dynamic"].astype("float64"),
+            "contains gold": frame["contains gold"].astype("float64"),
+        }
+    )
+
+
+def speed_frame(frame: pd.DataFrame) -> pd.DataFrame:
+    """The app's decode-speed chart data: `spec`, `tokens/s` (median over the answers) and `flush s` (seconds
+    spent in decode steps that flushed), from `ComparisonReport.to_frame()`."""
+    return pd.DataFrame(
+        {
+            "spec": frame["spec"].astype("string"),
+            "tokens/s": frame["tokens/s"].astype("float64"),
+            "flush s": frame["flush s"].astype("float64"),
+        }
+    )
+
+
+# ---- the comparison as a reader sees it -------------------------------------------------------------------------
+DISPLAY_COLUMNS: tuple[tuple[str, str, str, int], ...] = (
+    ("", "spec", "spec text", -1),
+    ("memory", "KV MiB", "KV bytes", 2),
+    ("memory", "bytes/token", "bytes/token", 0),
+    ("memory", "× dynamic", "ratio to dynamic", 3),
+    ("memory", "restored", "restored", -1),
+    ("fidelity", "same top %", "same top p (%)", 1),
+    ("fidelity", "mean KLD", "KL (nats)", 4),
+    ("fidelity", "99% KLD", "99.0% KLD", 4),
+    ("fidelity", "max KLD", "max KLD", 3),
+    ("fidelity", "99% |Δlog p|", "99.0% |Δ log p|", 3),
+    ("fidelity", "identical", "identical to dynamic", 2),
+    ("fidelity", "PPL", "PPL", 2),
+    ("fidelity", "PPL ×", "PPL ratio to dynamic", 3),
+    ("fidelity", "K error", "K error", 3),
+    ("fidelity", "V error", "V error", 3),
+    ("fidelity", "drift ×", "drift (×)", 3),
+    ("fidelity", "contains gold", "contains gold", 2),
+    ("fidelity", "F1", "F1", 2),
+    ("speed", "tokens/s", "tokens/s", 1),
+    ("speed", "prefill s", "prefill s", 2),
+    ("speed", "flush s", "flush s", 2),
+)
+"""The reader's table: (group, header, column of `ComparisonReport.to_frame()`, decimals; -1: as it is)."""
+
+DISPLAY_HELP: dict[str, str] = {
+    "spec": "the backend and the options set (backend[:nbits][,option=value])",
+    "KV MiB": "the KV cache after the prefill (MiB, measured from the tensors held)",
+    "bytes/token": "KV bytes per context token",
+    "× dynamic": "KV bytes / dynamic's (the full-precision cache)",
+    "restored": "after every answer the cache was back at the context's length",
+    "same top %": "positions of dynamic's answers where this cache's most likely token is dynamic's "
+    "(llama.cpp: Same top p)",
+    "mean KLD": "mean KL(P_dynamic || P_spec) per answer token, nats, teacher-forced on dynamic's answers "
+    "(llama.cpp: Mean KLD)",
+    "99% KLD": "99th percentile of the KL over those positions (llama.cpp: 99.0% KLD)",
+    "max KLD": "largest KL at one position (llama.cpp: Maximum KLD)",
+    "99% |Δlog p|": "99th percentile of |log p_dynamic - log p_spec| of dynamic's token (nats)",
+    "identical": "share of answers whose tokens equal dynamic's",
+    "PPL": "perplexity of the text after the context, fed one decode step per token through this cache",
+    "PPL ×": "PPL / dynamic's PPL on the same tokens (llama.cpp: PPL(Q)/PPL(base))",
+    "K error": "||K - K^|| / ||K|| of the de-quantized keys after the prefill, all layers and heads",
+    "V error": "the same for the values",
+    "drift ×": "the context's KV error after the last of several flushes / after the prefill (1: no drift)",
+    "contains gold": "share of answers containing a gold answer (SQuAD normalisation)",
+    "F1": "SQuAD token F1 against the gold answers",
+    "tokens/s": "decode tokens per second (median over the answers)",
+    "prefill s": "prefill wall time (seconds)",
+    "flush s": "seconds of the decode steps that flushed",
+}
+"""One line per header of `comparison_display_frame`, for a legend under the table."""
+
+
+def comparison_display_frame(frame: pd.DataFrame, grouped: bool = False) -> pd.DataFrame:
+    """The table a reader sees, from the full one: short headers, MiB instead of bytes, rounded figures, the
+    columns grouped memory · fidelity · speed (`DISPLAY_COLUMNS`), and the columns with no value in any row
+    dropped (the gold columns without gold answers, perplexity without a perplexity run, drift without
+    flushes). Values stay numbers (a table can sort them).
+
+    Args:
+        frame: `ComparisonReport.to_frame()`.
+        grouped: True: two header levels (group, header), for a notebook or a terminal; False: one level
+            (`DISPLAY_HELP` explains each header; `display_groups` gives the groups), for Gradio's table.
+
+    Returns:
+        One row per spec.
+
+    Example:
+        >>> comparison_display_frame(report.to_frame(), grouped=True)
+    """
+    columns: dict[tuple[str, str], pd.Series] = {}
+    for group, header, source, digits in DISPLAY_COLUMNS:
+        if source not in frame:
+            continue
+        values = frame[source] / MIB if source == "KV bytes" else frame[source]
+        if values.isna().all() and len(values):
+            continue
+        if digits >= 0:
+            values = values.astype("float64").round(digits)
+            if digits == 0:
+                values = values.astype("int64") if not values.isna().any() else values
+        columns[(group, header)] = values.reset_index(drop=True)
+    out = pd.DataFrame(columns)
+    if not grouped:
+        out.columns = [header for _, header in columns]
+    elif len(columns):
+        out.columns = pd.MultiIndex.from_tuples(list(columns), names=["", ""])
+    return out
+
+
+def display_groups(display: pd.DataFrame) -> dict[str, list[str]]:
+    """The groups of a flat `comparison_display_frame` present in it: {"memory": [...], "fidelity": [...],
+    "speed": [...]} (headers in order)."""
+    groups: dict[str, list[str]] = {}
+    for group, header, _, _ in DISPLAY_COLUMNS:
+        if group and header in display.columns:
+            groups.setdefault(group, []).append(header)
+    return groups
+
+
+# ---- where the error sits, and its drift ------------------------------------------------------------------------
+def _matrix(error: Any, which: str) -> list[list[float]]:
+    value = error[which] if isinstance(error, Mapping) else getattr(error, which)
+    return [list(map(float, row)) for row in value]
+
+
+def kv_error_frame(error: Any) -> pd.DataFrame:
+    """The per-layer, per-KV-head relative error of a cache, long format (for a table or a Gradio heatmap).
+
+    Args:
+        error: a `cache_error.KVError` (e.g. `SpecResult.kv_error`) or its dict (`ComparisonReport.to_dict()`).
+
+    Returns:
+        Columns `layer` (int), `KV head` (int), `tensor` (`keys` or `values`), `relative error` (float: ||X - X^|| /
+        ||X|| over the tokens and head_dim); layers x kv_heads x 2 rows.
+    """
+    rows = []
+    for which in ("keys", "values"):
+        for layer, row in enumerate(_matrix(error, which)):
+            rows.extend((layer, head, which, value) for head, value in enumerate(row))
+    return typed_frame(rows, {"layer": "int64", "KV head": "int64", "tensor": "string", "relative error": "float64"})
+
+
+def kv_error_figure(error: Any, title: str = "Relative KV error after the prefill") -> Figure:
+    """Heatmaps of the relative error per layer (rows) and KV head (columns), keys and values side by side on one
+    colour scale, each cell labelled when there are few enough.
+
+    Args:
+        error: a `cache_error.KVError` or its dict.
+    """
+    keys, values = _matrix(error, "keys"), _matrix(error, "values")
+    layers = len(keys)
+    fig = Figure(figsize=(7, max(3.0, 0.2 * layers + 1.2)), layout="constrained")
+    axes = fig.subplots(1, 2, sharey=True)
+    top = max([v for row in keys + values for v in row] + [1e-12])
+    image = None
+    for ax, matrix, name in zip(axes, (keys, values), ("keys: ||K - K^|| / ||K||", "values: ||V - V^|| / ||V||")):
+        image = ax.imshow(matrix, aspect="auto", cmap="viridis", vmin=0.0, vmax=top, interpolation="nearest")
+        heads = len(matrix[0]) if matrix else 0
+        ax.set(title=name, xlabel="KV head", xticks=range(heads))
+        if layers * heads <= 200:
+            for layer, row in enumerate(matrix):
+                for head, value in enumerate(row):
+                    ax.text(
+                        head,
+                        layer,
+                        f"{value:.2f}",
+                        ha="center",
+                        va="center",
+                        fontsize=6,
+                        color="white" if value < 0.6 * top else "black",
+                    )
+    axes[0].set_ylabel("layer")
+    if image is not None:
+        fig.colorbar(image, ax=list(axes), label="relative error", shrink=0.8)
+    fig.suptitle(title)
+    return fig
+
+
+def drift_runs(results: Sequence[Any]) -> dict[str, list[float]]:
+    """The context's error through its flushes, per spec, from `SpecResult`s: the error after the prefill, then
+    after each flush of the longest run of flushes (the perplexity feed's, or a scored answer's). Specs without a
+    flush (`dynamic`, `fp8`, or a residual never filled) are left out.
+
+    Returns:
+        {`spec text`: [error after the prefill, after flush 1, after flush 2, ...]}.
+    """
+    out = {}
+    for r in results:
+        runs = [q.context_errors for q in r.questions]
+        if r.perplexity is not None:
+            runs.append(r.perplexity.context_errors)
+        longest = max(runs, key=len, default=())
+        if longest:
+            out[r.spec_text] = [r.kv_error.total, *longest]
+    return out
+
+
+def drift_frame(runs: Mapping[str, Sequence[float]]) -> pd.DataFrame:
+    """Long format of `drift_runs` (or any {label: [error after the prefill, after flush 1, ...]}).
+
+    Returns:
+        Columns `spec` (string), `flush` (int: 0 = after the prefill), `context error` (float, relative).
+    """
+    rows = [(label, i, value) for label, errors in runs.items() for i, value in enumerate(errors)]
+    return typed_frame(rows, {"spec": "string", "flush": "int64", "context error": "float64"})
+
+
+def drift_figure(runs: Mapping[str, Sequence[float]], title: str = "The context's KV error across flushes") -> Figure:
+    """One line per spec: the context's relative KV error after the prefill (flush 0) and after each flush, which
+    de-quantizes the whole store and quantizes it again. A flat line: re-quantizing keeps the error; a rising one:
+    it accumulates."""
+    fig = Figure(figsize=(7, 3.4), layout="constrained")
+    ax = fig.add_subplot()
+    frame = drift_frame(runs)
+    for label, part in frame.groupby("spec", sort=False):
+        ax.plot(part["flush"], part["context error"], marker="o", markersize=3, label=label)
+    ax.set(xlabel="flush (0: after the prefill)", ylabel="relative error of the context's K and V", title=title)
+    ax.set_ylim(bottom=0)
+    if runs:
+        ax.legend(fontsize="small")
+    return fig
+
+
+NEEDLE_VALUES = ("score", "hit")
+"""What a needle heatmap colours: `score` (log P of the value, nats) or `hit` (the answer holds the value)."""
+
+
+SCORE_FLOOR = -15.0
+"""The lowest graded score (nats) a needle heatmap tells apart by colour; lower scores take its colour."""
+
+
+def needle_heatmap_frame(table: pd.DataFrame, spec: str, value: str = "score") -> pd.DataFrame:
+    """One spec's needle grid as a matrix: depth (%) rows from 0 down, context length (tokens) columns.
+
+    Args:
+        table: `NeedleGrid.to_frame()` (columns `spec text`, `length`, `depth`, `hit`, `score`).
+        spec: a `spec text` of the table, e.g. `hqq:4`.
+        value: one of `NEEDLE_VALUES`; `hit` gives 1.0 or 0.0 (the mean, should a cell appear twice).
+
+    Returns:
+        float64 values indexed by `depth`, columns `length`; empty when the spec has no cell.
+
+    Raises:
+        ValueError: `value` is not one of `NEEDLE_VALUES`.
+    """
+    if value not in NEEDLE_VALUES:
+        raise ValueError(f"value={value!r}: choose one of {', '.join(NEEDLE_VALUES)}")
+    rows = table[table["spec text"] == spec].astype({value: "float64"})
+    if rows.empty:
+        return pd.DataFrame(dtype="float64")
+    return rows.pivot_table(index="depth", columns="length", values=value, aggfunc="mean").sort_index()
+
+
+def needle_heatmap_figure(
+    table: pd.DataFrame, specs: Sequence[str] | None = None, value: str = "score", title: str | None = None
+) -> Figure:
+    """Needle-in-a-haystack heatmaps, one panel per spec side by side, on one colour scale.
+
+    `score` colours the graded score (log P of the value in nats, from the table's lowest score, or -15 when
+    lower: worse than a guess among 10^6 numbers, -13.8, to 0); `hit` colours hits green and misses red. Every
+    cell is labelled with a tick (hit) or a cross (miss) and its score.
+
+    Args:
+        table: `NeedleGrid.to_frame()`.
+        specs: `spec text`s to draw, in order (default: the table's, in order of appearance).
+        value: one of `NEEDLE_VALUES`.
+
+    Raises:
+        ValueError: `value` is not one of `NEEDLE_VALUES`.
+    """
+    if value not in NEEDLE_VALUES:
+        raise ValueError(f"value={value!r}: choose one of {', '.join(NEEDLE_VALUES)}")
+    specs = list(dict.fromkeys(table["spec text"])) if specs is None else list(specs)
+    lengths = sorted(set(table["length"])) or [0]
+    depths = sorted(set(table["depth"])) or [0]
+    width = 1.0 + 0.62 * len(lengths)
+    fig = Figure(figsize=(min(1.2 + width * max(len(specs), 1), 18), 1.5 + 0.36 * len(depths)), layout="constrained")
+    axes = fig.subplots(1, max(len(specs), 1), squeeze=False)[0]
+    low = float(table["score"].min()) if len(table) else -1.0
+    floor = min(max(low, SCORE_FLOOR), -1e-3)
+    scale = (
+        {"cmap": "viridis", "vmin": floor, "vmax": 0.0}
+        if value == "score"
+        else {"cmap": "RdYlGn", "vmin": 0.0, "vmax": 1.0}
+    )
+    image = None
+    for ax, spec in zip(axes, specs):
+        shown = needle_heatmap_frame(table, spec, value).reindex(index=depths, columns=lengths)
+        scores = needle_heatmap_frame(table, spec, "score").reindex(index=depths, columns=lengths)
+        hits = needle_heatmap_frame(table, spec, "hit").reindex(index=depths, columns=lengths)
+        image = ax.imshow(shown.to_numpy(), aspect="auto", **scale)
+        for i in range(len(depths)):
+            for j in range(len(lengths)):
+                if pd.isna(scores.iat[i, j]):
+                    continue
+                mark = "\u2713" if hits.iat[i, j] >= 0.5 else "\u2717"
+                ax.text(
+                    j,
+                    i,
+                    f"{mark}{scores.iat[i, j]:.1f}",
+                    ha="center",
+                    va="center",
+                    fontsize="x-small",
+                    color="black" if value == "hit" or scores.iat[i, j] > scale["vmin"] / 2 else "white",
+                )
+        ax.set_xticks(range(len(lengths)), [f"{n:,}" for n in lengths], fontsize="small", rotation=45)
+        ax.set_yticks(range(len(depths)), [f"{d:g} %" for d in depths], fontsize="small")
+        ax.set_title(spec, fontsize="medium")
+        ax.set_xlabel("context tokens", fontsize="small")
+    axes[0].set_ylabel("needle depth")
+    if image is not None:
+        label = "log P(value), nats" if value == "score" else "hit"
+        fig.colorbar(
+            image,
+            ax=list(axes),
+            label=label,
+            shrink=0.9,
+            extend="min" if value == "score" and low < floor else "neither",
+        )
+    fig.suptitle(
+        title
+        or (
+            "Needle in a haystack: graded score (\u2713 hit, \u2717 miss)"
+            if value == "score"
+            else "Needle in a haystack: hits (labels: log P(value), nats)"
+        ),
+        fontsize="medium",
+    )
+    return fig

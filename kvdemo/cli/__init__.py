@@ -1,0 +1,1 @@
+"""The command line, `python -m kvdemo` (`main`), and what it prints without `--json` (`format`)."""

@@ -1,0 +1,359 @@
+"""Command line.
+
+`python -m kvdemo ask ...` prefills a context once and answers questions in turn over a chosen KV cache
+backend, printing a summary or (with `--json`) one JSON object. `python -m kvdemo compare ...` runs the same
+context and questions over several backends (`kvdemo.compare.run`) and prints a table or (with `--json`) the report.
+`python -m kvdemo needle ...` runs a needle-in-a-haystack grid (`kvdemo.needle.grid`): context lengths x needle
+depths per backend, hits and graded scores, as tables or (with `--json`) the grid.
+Bad input exits with status 2 and the message on stderr."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from kvdemo import checks
+from kvdemo.cache.registry import BACKENDS, GROUP_OPTIONS, option_choices_text
+from kvdemo.cache.spec import CacheSpec, default_compare_specs
+from kvdemo.cli.format import format_comparison, format_needle, format_summary
+from kvdemo.compare.records import ComparisonReport
+from kvdemo.compare.run import compare
+from kvdemo.evals.cases import load_case
+from kvdemo.qa.session import DEFAULT_MAX_NEW_TOKENS
+from kvdemo.qa.text import check_text
+
+
+def _backend_help() -> str:
+    """Every backend's summary and options, from the registry."""
+    return "\n".join(
+        f"  {b.name}: {b.summary}" + (f"\n      options: {b.options_text()}" if b.options else "")
+        for b in BACKENDS.values()
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of `python -m kvdemo`."""
+    parser = argparse.ArgumentParser(
+        prog="python -m kvdemo",
+        description="Ask several questions over one prefilled context with a (quantized) KV cache.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    ask = sub.add_parser(
+        "ask",
+        help="prefill a context once, answer questions in turn, restore the cache after each",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Prefill the context once into the chosen KV cache, then answer each question on top of it;\n"
+        "after every answer the cache is restored to its post-prefill state (cache_length_after).\n\n"
+        "Backends (options left unset take the default shown):\n" + _backend_help(),
+    )
+    _context_arguments(ask)
+    ask.add_argument("--backend", default="dynamic", choices=list(BACKENDS), help="KV cache backend (default dynamic)")
+    for name in GROUP_OPTIONS:  # each option's help and allowed values from the registry
+        option = next(b.options[name] for b in BACKENDS.values() if name in b.options)
+        kind = str.lower if option.is_text else int  # a word (flush) or a whole number
+        ask.add_argument(f"--{name.replace('_', '-')}", type=kind, help=f"{option.help} ({option_choices_text(name)})")
+    ask.add_argument(
+        "--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help="most tokens per answer (default 64)"
+    )
+    ask.add_argument("--model", help="a Hub id, a local folder or a .gguf file (default: the embedded SmolLM2-135M)")
+    ask.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    ask.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
+    compare = sub.add_parser(
+        "compare",
+        help="the same context and questions over several backends: memory, fidelity against dynamic and gold, speed",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Prefill the context and answer the questions once per --spec, one backend at a time, dynamic\n"
+        "first (always included). Per spec: KV bytes after the prefill, bytes per context token, ratio to dynamic;\n"
+        "answers identical to dynamic's, common prefix (tokens); over every position of dynamic's answers, both\n"
+        "teacher-forced on them: KL divergence to dynamic (mean, median, 99%, max; nats/token), same top token (%),\n"
+        "|delta log p| of dynamic's token (named as llama.cpp's --kl-divergence report names them); the relative\n"
+        "error of the de-quantized keys and values after the prefill and its drift across flushes; with\n"
+        "--perplexity-tokens N the perplexity of the N tokens after the context fed one decode step each, and its\n"
+        "ratio to dynamic's; exact match, gold containment and F1 (SQuAD normalisation) when the case file gives\n"
+        "gold answers (an unanswerable question counts right only when the answer says the text does not say);\n"
+        "prefill seconds, decode tokens/s, seconds of the decode steps that flushed; cache length after restore.\n"
+        "The table is the short one (MiB, ratios; columns without values left out); --json gives everything.\n\n"
+        "Spec syntax: backend[:nbits][,option=value...] with options q_group_size, residual_length, axis_key,\n"
+        "axis_value (unset ones take the defaults below), e.g.\n"
+        "  --spec dynamic --spec hqq:4 --spec quanto:2,q_group_size=32,residual_length=16 --spec fp8\n"
+        f"Default specs: {' '.join(s.text for s in default_compare_specs())}\n\nBackends:\n" + _backend_help(),
+    )
+    _context_arguments(compare)
+    compare.add_argument(
+        "--unanswerable-from-case",
+        type=int,
+        metavar="N",
+        help="case files: also ask the first N questions the text does not answer (SQuAD 2.0 is_impossible)",
+    )
+    compare.add_argument("--spec", action="append", default=[], help="a spec to compare (repeat for several)")
+    compare.add_argument("--max-new-tokens", type=int, default=32, help="most tokens per answer (default 32)")
+    compare.add_argument(
+        "--perplexity-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also measure the perplexity of N tokens read through each cache: for a case file the paragraphs after "
+        "the chosen ones (or, when none follow, the context's last N+1 tokens held out of the prefill); for a text "
+        "file its last N+1 tokens (default 0: none)",
+    )
+    compare.add_argument(
+        "--model", help="a Hub id, a local folder or a .gguf file (default: the embedded SmolLM2-135M)"
+    )
+    compare.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    compare.add_argument("--json", action="store_true", help="print the report as one JSON object instead of a table")
+    compare.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    _needle_parser(sub)
+    return parser
+
+
+def _needle_parser(sub: Any) -> None:
+    """The `needle` subcommand's arguments (defaults from `kvdemo.needle.grid`)."""
+    from kvdemo.needle import grid as needle
+
+    parser = sub.add_parser(
+        "needle",
+        help="needle in a haystack: a fact hidden at depths of contexts of several lengths, per backend",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description='Hide a short fact ("The special magic number for <invented name> is <6 digits>.") at each\n'
+        "--depths % of the shipped SQuAD articles' text, in contexts of exactly --lengths tokens, prefill each\n"
+        "context into every --spec's cache and ask for the number. Per cell: hit (the answer holds the number),\n"
+        "the graded score log P(number | context, question, answer prefix) in nats (0 = certain, about -13.8 =\n"
+        "a guess), the answer, and the seconds of the prefill (shared by the needles of one context), the\n"
+        "answer and the scoring. By default the needles of every depth of a length share one prefill per spec\n"
+        "(--needles-per-context 1: one prefill per cell, the classic grid, slower).\n\n"
+        "Example (about 2 minutes on 2 CPU cores):\n"
+        "  python -m kvdemo needle --spec dynamic --spec hqq:2 --lengths 512,1024 --depths 0,50,100\n\n"
+        f"Defaults: --spec {' --spec '.join(needle.DEFAULT_SPECS)} --lengths "
+        f"{','.join(map(str, needle.DEFAULT_LENGTHS))} --depths {','.join(f'{d:g}' for d in needle.DEFAULT_DEPTHS)}"
+        "\n(about an hour on 2 CPU cores). Spec syntax as for compare: backend[:nbits][,option=value...].",
+    )
+    parser.add_argument("--spec", action="append", default=[], help="a spec to run (repeat for several)")
+    parser.add_argument("--lengths", help="context lengths in tokens, comma-separated (the chat template included)")
+    parser.add_argument("--depths", help="needle depths in %% of the haystack, comma-separated, 0 to 100")
+    parser.add_argument(
+        "--needles-per-context",
+        type=int,
+        metavar="N",
+        help="needles sharing one prefill (default: every depth of a length in one context)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="draws the needles' names and numbers (default 0)")
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=needle.DEFAULT_MAX_NEW_TOKENS,
+        help=f"most tokens per answer (default {needle.DEFAULT_MAX_NEW_TOKENS})",
+    )
+    parser.add_argument("--model", help="a Hub id, a local folder or a .gguf file (default: the embedded SmolLM2-135M)")
+    parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--json", action="store_true", help="print the grid as one JSON object instead of tables")
+    parser.add_argument("--csv", metavar="PATH", help="also write the table of cells as CSV to PATH")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def _context_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--context-file",
+        required=True,
+        help="a UTF-8 text file, or a SQuAD case file (JSON with 'paragraphs', e.g. kvdemo/data/cases/normans.json)",
+    )
+    parser.add_argument("--paragraphs", help="case files: paragraphs to use, e.g. 0-7 or 0,2,5-7 (default: all)")
+    parser.add_argument("--question", action="append", default=[], help="a question (repeat for several)")
+    parser.add_argument(
+        "--questions-from-case",
+        type=int,
+        metavar="N",
+        help="case files: also ask the first N answerable questions about the chosen paragraphs",
+    )
+
+
+def _case_questions(args: argparse.Namespace) -> tuple[Any, list[str]]:
+    """The case (cut to --paragraphs) and the questions from --question and --questions-from-case (and, for
+    compare, --unanswerable-from-case). Raises ValueError for a missing or bad choice, or a question with a broken
+    character (an argument that is not UTF-8 reaches Python as an unpaired surrogate: `check_text`)."""
+    questions = [check_text(q, f"--question number {i}") for i, q in enumerate(args.question, 1)]
+    case = load_case(args.context_file).select(args.paragraphs)
+    for flag, count, picked in (
+        ("--questions-from-case", args.questions_from_case, lambda n: case.answerable(n)),
+        ("--unanswerable-from-case", getattr(args, "unanswerable_from_case", None), lambda n: case.unanswerable(n)),
+    ):
+        if count is None:
+            continue
+        if count < 1:
+            raise ValueError(f"{flag} must be >= 1")
+        if not case.questions:
+            raise ValueError(f"{args.context_file} has no questions; {flag} needs a case file")
+        questions += [q.question for q in picked(count)]
+    if not questions:
+        raise ValueError("no question: give --question (repeatable) or --questions-from-case N")
+    return case, questions
+
+
+def run_compare(args: argparse.Namespace) -> ComparisonReport:
+    """Run the `compare` command and return its report.
+
+    Raises:
+        ValueError, ImportError, OSError: bad input; the message says what to change.
+    """
+    from kvdemo.qa.models import load_model
+
+    specs = [CacheSpec.parse(text) for text in args.spec] or default_compare_specs()
+    checks.max_new_tokens(args.max_new_tokens)
+    if args.perplexity_tokens < 0:
+        raise ValueError(f"--perplexity-tokens {args.perplexity_tokens}: it must be >= 0 (0: no perplexity)")
+    case, questions = _case_questions(args)
+    golds = [case.gold_for(q) for q in questions]
+    gold_answers = None if any(g is None for g in golds) else [list(g) for g in golds]
+    loaded = load_model(args.model, device=args.device)
+    bars: list[tqdm] = []
+
+    def on_progress(done: int, total: int, what: str) -> None:
+        if args.no_progress:
+            return
+        if not bars:
+            bars.append(tqdm(total=total, unit="step", file=sys.stderr, dynamic_ncols=True))
+        bars[0].set_description(what, refresh=False)
+        bars[0].update(done - bars[0].n)
+
+    try:
+        return compare(
+            loaded,
+            case.context,
+            questions,
+            specs,
+            args.max_new_tokens,
+            gold_answers,
+            on_progress=on_progress,
+            perplexity_tokens=args.perplexity_tokens,
+            continuation=case.continuation,
+        )
+    finally:
+        for bar in bars:
+            bar.close()
+
+
+def run_needle(args: argparse.Namespace) -> Any:
+    """Run the `needle` command and return its `NeedleGrid`.
+
+    Raises:
+        ValueError, ImportError, OSError: bad input; the message says what to change.
+    """
+    from kvdemo.needle import grid as needle
+    from kvdemo.needle import inputs as needle_inputs
+    from kvdemo.qa.models import load_model
+
+    specs = [CacheSpec.parse(text) for text in (args.spec or needle.DEFAULT_SPECS)]
+    lengths = needle_inputs.parse_lengths(args.lengths) if args.lengths is not None else list(needle.DEFAULT_LENGTHS)
+    depths = needle_inputs.parse_depths(args.depths) if args.depths is not None else list(needle.DEFAULT_DEPTHS)
+    if args.csv is not None and not Path(args.csv).expanduser().parent.is_dir():
+        raise ValueError(f"--csv {args.csv}: the folder {Path(args.csv).expanduser().parent} does not exist")
+    loaded = load_model(args.model, device=args.device)
+    with _ProgressBar(args.no_progress) as on_progress:
+        return needle.needle_grid(
+            loaded,
+            specs,
+            lengths,
+            depths,
+            needles_per_context=args.needles_per_context,
+            seed=args.seed,
+            max_new_tokens=args.max_new_tokens,
+            on_progress=on_progress,
+        )
+
+
+class _ProgressBar:
+    """A context manager giving an `on_progress(done, total, what)` that draws one tqdm bar on stderr (none
+    when `off`), closed on exit."""
+
+    def __init__(self, off: bool):
+        self.off, self.bar = off, None
+
+    def __enter__(self):
+        def on_progress(done: int, total: int, what: str) -> None:
+            if self.off:
+                return
+            if self.bar is None:
+                self.bar = tqdm(total=total, unit="step", file=sys.stderr, dynamic_ncols=True)
+            self.bar.set_description(what, refresh=False)
+            self.bar.update(done - self.bar.n)
+
+        return on_progress
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def run_ask(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the `ask` command and return its JSON-ready result.
+
+    Raises:
+        ValueError, ImportError, OSError: bad input; the message says what to change.
+    """
+    from kvdemo.qa.models import load_model
+    from kvdemo.qa.session import QASession
+
+    spec = CacheSpec(args.backend, **{name: getattr(args, name) for name in GROUP_OPTIONS})
+    spec.validate()  # options against the registry before the model loads
+    checks.max_new_tokens(args.max_new_tokens)
+    case, questions = _case_questions(args)
+    loaded = load_model(args.model, device=args.device)
+    session = QASession(loaded, spec)
+    report = session.prefill(case.context, max_new_tokens=args.max_new_tokens)
+    answers = []
+    for question in questions:
+        answer = session.ask(question, max_new_tokens=args.max_new_tokens).to_dict()
+        gold = case.gold_for(question)
+        if gold is not None:
+            answer["gold_answers"] = list(gold)
+        answers.append(answer)
+    return {
+        "model": loaded.name,
+        "backend": spec.backend,
+        "options": spec.resolved(),
+        "context_tokens": report.context_tokens,
+        "prefill_seconds": round(report.seconds, 4),
+        "kv_bytes": report.kv_bytes,
+        "full_precision_bytes": report.full_precision_bytes,
+        "bytes_per_token": round(report.bytes_per_token, 2),
+        "ratio_to_full_precision": round(report.ratio_to_full_precision, 4),
+        "answers": answers,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit status (2 on bad input, with the message on stderr)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "compare":
+            report = run_compare(args)
+        elif args.command == "needle":
+            grid = run_needle(args)
+        else:
+            result = run_ask(args)
+    except (ValueError, ImportError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if args.command == "needle":
+        if args.csv:
+            try:
+                Path(args.csv).write_text(grid.to_csv(), encoding="utf-8")
+            except OSError as error:
+                print(f"error: could not write --csv {args.csv}: {error}", file=sys.stderr)
+                return 2
+        print(grid.to_json() if args.json else format_needle(grid))
+        return 0
+    if args.command == "compare":
+        print(report.to_json() if args.json else format_comparison(report))
+        return 0
+    print(json.dumps(result, indent=2, ensure_ascii=False) if args.json else format_summary(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

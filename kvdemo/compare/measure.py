@@ -1,0 +1,319 @@
+"""One spec of a comparison measured (`measure_spec`): a fresh `QASession`, one prefill, every question answered
+then teacher-forced on the reference's answers, and a perplexity feed; `dynamic`'s run is the `Reference` of the
+others. `kvdemo.compare.run` runs it over every spec; see there for what each figure means."""
+
+from __future__ import annotations
+
+import gc
+import math
+import statistics
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from kvdemo.cache.spec import CacheSpec
+from kvdemo.cache.telemetry import flushed_layers
+from kvdemo.compare.records import QuestionResult, SpecResult
+from kvdemo.evals import cache_error, fidelity
+from kvdemo.evals.fidelity import PerplexityInputs
+from kvdemo.evals.metrics import common_prefix, score_against_gold
+from kvdemo.qa.models import LoadedModel
+from kvdemo.qa.records import PrefillReport
+from kvdemo.qa.session import QASession
+
+
+@dataclass(frozen=True)
+class Reference:
+    """What `dynamic`'s run gives the other specs: its answers and their teacher-forced log-probabilities (one
+    [n_i, vocab] tensor per question), its full-precision keys and values after the prefill (`cache_error.KV`), and
+    its perplexity (None without a perplexity run)."""
+
+    token_ids: tuple[tuple[int, ...], ...]
+    logprobs: tuple[torch.Tensor, ...]
+    kv: cache_error.KV
+    perplexity: float | None = None
+
+
+def _check_cancel(cancel: threading.Event | None) -> None:
+    if cancel is not None and cancel.is_set():
+        raise Cancelled
+
+
+class Cancelled(Exception):
+    """Raised inside a measurement when its `cancel` callback returns True; `kvdemo.compare.run.compare` catches it and
+    raises `ComparisonCancelled` with the partial report."""
+
+
+PERPLEXITY_STEPS_PER_UNIT = 32
+"""Decode steps of a perplexity feed counted as one unit of `compare`'s progress."""
+
+
+def perplexity_units(tokens: int) -> int:
+    """Progress units of one perplexity feed of `tokens` decode steps (0 without one)."""
+    return math.ceil(tokens / PERPLEXITY_STEPS_PER_UNIT) if tokens > 0 else 0
+
+
+def measure_spec(
+    loaded_model: LoadedModel,
+    context: str,
+    questions: Sequence[str],
+    spec: CacheSpec,
+    max_new_tokens: int = 32,
+    reference: Reference | None = None,
+    gold_answers: Sequence[Sequence[str]] | None = None,
+    dynamic_kv_bytes: int | None = None,
+    cancel: threading.Event | None = None,
+    on_step: Callable[[str], None] | None = None,
+    kv_budget_bytes: int | None = None,
+    perplexity_inputs: PerplexityInputs | None = None,
+) -> tuple[SpecResult, Reference | None]:
+    """One spec of `compare`: a fresh `QASession`, one prefill, every question answered then scored; then, with
+    `perplexity_inputs`, a perplexity feed on a fresh cache (the session's cache is freed first).
+
+    Args:
+        reference: `dynamic`'s run to compare with; None makes this run the reference (its KL is 0, its answers
+            identical and its cache error 0 by definition; for a quantized spec the full-precision keys and values
+            then come from a `cache_error.reference_kv` prefill).
+        dynamic_kv_bytes: `dynamic`'s kv_bytes for `ratio_to_dynamic` (default: this run's own).
+        cancel: checked at every decode step; when set the session is closed (its cache restored) and the
+            internal cancellation propagates to `compare`.
+        on_step: called with a description after the prefill, after each answer and each score, and every
+            `PERPLEXITY_STEPS_PER_UNIT` decode steps of the perplexity feed.
+        kv_budget_bytes: the session's out-of-memory guard (`QASession`), also applied to the perplexity's cache.
+        perplexity_inputs: from `fidelity.perplexity_inputs`; None: no perplexity.
+
+    Returns:
+        The `SpecResult`, and this run's own `Reference` when it is the reference run (else None).
+
+    Raises:
+        ValueError, ImportError: the session refuses the spec, context or a question (its message).
+    """
+    session = QASession(loaded_model, spec, kv_budget_bytes=kv_budget_bytes)
+    prefill = session.prefill(context, max_new_tokens=max_new_tokens)
+    context_ids = session.context_ids(context)
+    reference_kv = _reference_kv(loaded_model, session, context_ids, reference)
+    kv_error = cache_error.kv_error(reference_kv, session.cache)
+    if on_step is not None:
+        on_step(f"{spec.text}: prefilled {prefill.context_tokens} tokens")
+    answers, flush_steps, flush_seconds = _answer_all(session, spec, questions, max_new_tokens, cancel, on_step)
+    ref_ids = reference.token_ids if reference is not None else tuple(a.token_ids for a in answers)
+    own, parts, drift_runs = _score_all(session, spec, questions, ref_ids, reference, reference_kv, cancel, on_step)
+    session = None  # free this cache before the perplexity's
+    gc.collect()
+    ppl = None
+    if perplexity_inputs is not None:
+        ppl = _perplexity(
+            loaded_model,
+            spec,
+            perplexity_inputs,
+            context_ids,
+            reference_kv,
+            reference,
+            cancel,
+            on_step,
+            kv_budget_bytes,
+        )
+        drift_runs.append(ppl.context_errors)
+    questions_out = _question_results(
+        questions, answers, gold_answers, ref_ids, parts, flush_steps, flush_seconds, drift_runs
+    )
+    result = _spec_result(
+        spec, prefill, answers, flush_seconds, questions_out, parts, kv_error, drift_runs, ppl, dynamic_kv_bytes
+    )
+    own_reference = None
+    if reference is None:
+        own_reference = Reference(
+            tuple(a.token_ids for a in answers), tuple(own), reference_kv, None if ppl is None else ppl.perplexity
+        )
+    return result, own_reference
+
+
+def _spec_result(
+    spec: CacheSpec,
+    prefill: PrefillReport,
+    answers: Sequence,
+    flush_seconds: Sequence[float],
+    questions_out: Sequence[QuestionResult],
+    parts: Sequence,
+    kv_error: cache_error.KVError,
+    drift_runs: Sequence[tuple[float, ...]],
+    ppl: fidelity.PerplexityResult | None,
+    dynamic_kv_bytes: int | None,
+) -> SpecResult:
+    """The `SpecResult` of one spec's run, from its prefill, answers, scores and perplexity."""
+    memory = prefill.memory
+    drift, drift_flushes = cache_error.drift_ratio(kv_error.total, drift_runs)
+    return SpecResult(
+        spec=spec.label,
+        spec_text=spec.text,
+        backend=spec.backend,
+        nbits=spec.resolved().get("nbits"),
+        options=spec.resolved(),
+        context_tokens=prefill.context_tokens,
+        kv_bytes=prefill.kv_bytes,
+        quantized_bytes=memory.quantized_bytes,
+        residual_bytes=memory.residual_bytes,
+        bytes_per_token=prefill.bytes_per_token,
+        ratio_to_dynamic=prefill.kv_bytes / (dynamic_kv_bytes or prefill.kv_bytes),
+        prefill_seconds=prefill.seconds,
+        tokens_per_second=statistics.median(a.tokens_per_second for a in answers),
+        flushes=sum(a.flush_count for a in answers),
+        flush_seconds=sum(flush_seconds),
+        restored=all(a.cache_length_after == prefill.context_tokens for a in answers),
+        questions=tuple(questions_out),
+        kl=fidelity.KLStats.pool(parts),
+        kv_error=kv_error,
+        drift=drift,
+        drift_flushes=drift_flushes,
+        perplexity=ppl,
+    )
+
+
+def _reference_kv(
+    loaded_model: LoadedModel, session: QASession, context_ids: list[int], reference: Reference | None
+) -> cache_error.KV:
+    """The full-precision keys and values the cache's error is measured against (see `measure_spec`)."""
+    if reference is not None:
+        return reference.kv
+    if session.spec.info.quantized:
+        return cache_error.reference_kv(loaded_model, context_ids)
+    return cache_error.full_precision_kv(session.cache)  # the post-prefill tensors, before any answer
+
+
+def _answer_all(
+    session: QASession,
+    spec: CacheSpec,
+    questions: Sequence[str],
+    max_new_tokens: int,
+    cancel: threading.Event | None,
+    on_step: Callable[[str], None] | None,
+) -> tuple[list, list[int], list[float]]:
+    """Every question answered in turn: the answers, and per answer its flush steps and their seconds."""
+    answers, flush_steps, flush_seconds = [], [], []
+    for question in questions:
+        stream = session.stream(question, max_new_tokens)
+        steps, seconds = 0, 0.0
+        try:
+            for event in stream:
+                if event.is_flush_step:
+                    steps, seconds = steps + 1, seconds + event.seconds
+                _check_cancel(cancel)
+        finally:
+            stream.close()
+        answers.append(session.history[-1])
+        flush_steps.append(steps)
+        flush_seconds.append(seconds)
+        if on_step is not None:
+            on_step(f"{spec.text}: answered {len(answers)}/{len(questions)}")
+    return answers, flush_steps, flush_seconds
+
+
+def _score_all(
+    session: QASession,
+    spec: CacheSpec,
+    questions: Sequence[str],
+    ref_ids: Sequence[Sequence[int]],
+    reference: Reference | None,
+    reference_kv: cache_error.KV,
+    cancel: threading.Event | None,
+    on_step: Callable[[str], None] | None,
+) -> tuple[list[torch.Tensor], list, list[tuple[float, ...]]]:
+    """The reference's answers teacher-forced through this cache: the own log-probabilities (kept only for the
+    reference run), each question's `PositionFidelity`, and the context's error after each flush (the drift)."""
+    own, parts, drift_runs = [], [], []
+    for i, question in enumerate(questions):
+        _check_cancel(cancel)
+        errors: list[float] = []
+
+        def after_step(_: int, cache, errors=errors) -> None:
+            if flushed_layers(cache):
+                errors.append(cache_error.context_error(reference_kv, cache))
+            _check_cancel(cancel)
+
+        logprobs = session.score(question, ref_ids[i], on_step=after_step)
+        if reference is None:
+            own.append(logprobs)  # kept only when this run is the reference ([n, vocab] float32 per question)
+        parts.append(
+            fidelity.position_fidelity(logprobs if reference is None else reference.logprobs[i], logprobs, ref_ids[i])
+        )
+        drift_runs.append(tuple(errors))
+        del logprobs
+        if on_step is not None:
+            on_step(f"{spec.text}: scored {i + 1}/{len(questions)}")
+    return own, parts, drift_runs
+
+
+def _perplexity(
+    loaded_model: LoadedModel,
+    spec: CacheSpec,
+    perplexity_inputs: PerplexityInputs,
+    context_ids: list[int],
+    reference_kv: cache_error.KV,
+    reference: Reference | None,
+    cancel: threading.Event | None,
+    on_step: Callable[[str], None] | None,
+    kv_budget_bytes: int | None,
+) -> fidelity.PerplexityResult:
+    """The perplexity feed on a fresh cache, with its ratio to the reference's perplexity."""
+    fed_context = list(perplexity_inputs.context_ids)
+    tokens = len(fed_context)
+    same_tokens = context_ids[:tokens] == fed_context
+    ppl_reference = None
+    if same_tokens:  # the context's first tokens: the reference's first positions (attention is causal)
+        ppl_reference = tuple((k[..., :tokens, :], v[..., :tokens, :]) for k, v in reference_kv)
+    fed = perplexity_inputs.tokens
+
+    def after_feed(step: int) -> None:
+        _check_cancel(cancel)
+        if on_step is not None and ((step + 1) % PERPLEXITY_STEPS_PER_UNIT == 0 or step + 1 == fed):
+            on_step(f"{spec.text}: perplexity {step + 1}/{fed} tokens")
+
+    ppl = fidelity.perplexity(
+        loaded_model,
+        spec,
+        perplexity_inputs,
+        reference=ppl_reference,
+        on_step=after_feed,
+        kv_budget_bytes=kv_budget_bytes,
+    )
+    base = ppl.perplexity if reference is None else reference.perplexity
+    return replace(ppl, ratio_to_dynamic=ppl.perplexity / base if base else None)
+
+
+def _question_results(
+    questions: Sequence[str],
+    answers: Sequence,
+    gold_answers: Sequence[Sequence[str]] | None,
+    ref_ids: Sequence[Sequence[int]],
+    parts: Sequence,
+    flush_steps: Sequence[int],
+    flush_seconds: Sequence[float],
+    drift_runs: Sequence[tuple[float, ...]],
+) -> list[QuestionResult]:
+    """One `QuestionResult` per question, from its answer, its fidelity and its flushes."""
+    questions_out = []
+    for i, (question, answer) in enumerate(zip(questions, answers)):
+        gold = None if gold_answers is None else score_against_gold(answer.text, gold_answers[i])
+        questions_out.append(
+            QuestionResult(
+                question=question,
+                answer=answer.text,
+                token_ids=answer.token_ids,
+                finish_reason=answer.finish_reason,
+                identical_to_dynamic=answer.token_ids == ref_ids[i],
+                common_prefix_tokens=common_prefix(answer.token_ids, ref_ids[i]),
+                kl_nats=float(parts[i].kl.mean()),
+                exact_match=None if gold is None else gold.exact_match,
+                contains_gold=None if gold is None else gold.contains_gold,
+                f1=None if gold is None else gold.f1,
+                answerable=None if gold_answers is None else bool(gold_answers[i]),
+                tokens_per_second=answer.tokens_per_second,
+                flush_steps=flush_steps[i],
+                flush_seconds=flush_seconds[i],
+                cache_length_after=answer.cache_length_after,
+                context_errors=drift_runs[i],
+            )
+        )
+    return questions_out

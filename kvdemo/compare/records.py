@@ -1,0 +1,260 @@
+"""What a comparison returns: one `QuestionResult` per answer, one `SpecResult` per spec, and the
+`ComparisonReport` with its table (`to_frame`), JSON and CSV; `ComparisonCancelled` carries the specs finished
+before a Cancel. See `kvdemo.compare.run` for how each figure is measured."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, dataclass
+
+import pandas as pd
+
+from kvdemo.cache.registry import GROUP_OPTIONS
+from kvdemo.evals.cache_error import KVError
+from kvdemo.evals.fidelity import KLStats, PerplexityResult
+
+
+@dataclass(frozen=True)
+class QuestionResult:
+    """One question's answer under one spec.
+
+    Attributes:
+        identical_to_dynamic: the answer's token ids equal `dynamic`'s.
+        common_prefix_tokens: leading tokens shared with `dynamic`'s answer.
+        kl_nats: mean KL(P_dynamic || P_spec) per token of `dynamic`'s answer, teacher-forced (nats).
+        exact_match, contains_gold, f1: `score_against_gold` (None without gold answers).
+        answerable: False for a question the text does not answer (empty gold list); None without gold.
+        tokens_per_second: generated tokens per second of the answer.
+        flush_steps: decode steps (after the question's own pass) during which at least one layer flushed.
+        flush_seconds: wall time of those steps (seconds).
+        cache_length_after: the cache's length after the restore (tokens).
+        context_errors: `cache_error.context_error` of the context's tokens after each flush while `dynamic`'s
+            answer was scored (teacher-forced, so every spec flushes at the same steps); empty without flushes.
+    """
+
+    question: str
+    answer: str
+    token_ids: tuple[int, ...]
+    finish_reason: str
+    identical_to_dynamic: bool
+    common_prefix_tokens: int
+    kl_nats: float
+    exact_match: float | None
+    contains_gold: float | None
+    f1: float | None
+    answerable: bool | None
+    tokens_per_second: float
+    flush_steps: int
+    flush_seconds: float
+    cache_length_after: int
+    context_errors: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class SpecResult:
+    """One spec's figures and answers.
+
+    Read a result by its fields (`backend`, `nbits`, `options`), never by cutting the label apart.
+
+    Attributes:
+        spec: `CacheSpec.label` (every option resolved); `spec_text` is `CacheSpec.text` (the options set only:
+            short, and unique within a report).
+        backend: the backend; nbits: its bits per value (None for `dynamic` and `fp8`); options: every option the
+            backend takes, defaults filled in (`CacheSpec.resolved`).
+        kv_bytes, quantized_bytes, residual_bytes: the cache after the prefill (bytes, `kv_memory`).
+        bytes_per_token: kv_bytes / context_tokens.
+        ratio_to_dynamic: kv_bytes / `dynamic`'s kv_bytes (the cache in the model's dtype).
+        prefill_seconds: the prefill's wall time.
+        tokens_per_second: median over the answers of `Answer.tokens_per_second` (generated tokens over the
+            answer's wall time, the question's own forward pass included).
+        flushes: flushes summed over layers and answers, those of the question's own pass included;
+            flush_seconds: summed `QuestionResult.flush_seconds` (decode steps after the question's pass).
+        restored: every answer's cache_length_after equals context_tokens.
+        kl: `fidelity.KLStats` over every position of `dynamic`'s answers (zeros and 100 % for `dynamic`).
+        kv_error: `cache_error.KVError` of the cache after the prefill against `dynamic`'s full-precision keys and
+            values ([layers][kv_heads]; zeros for `dynamic`).
+        drift, drift_flushes: `cache_error.drift_ratio` over the scored answers' and the perplexity feed's flushes:
+            the context's error after the last flush of the longest run / after the prefill, and that run's flushes
+            (None and 0 without flushes).
+        perplexity: `fidelity.PerplexityResult` with its ratio to `dynamic`'s (None without `perplexity_tokens`).
+    """
+
+    spec: str
+    spec_text: str
+    backend: str
+    nbits: int | None
+    options: dict[str, int]
+    context_tokens: int
+    kv_bytes: int
+    quantized_bytes: int
+    residual_bytes: int
+    bytes_per_token: float
+    ratio_to_dynamic: float
+    prefill_seconds: float
+    tokens_per_second: float
+    flushes: int
+    flush_seconds: float
+    restored: bool
+    questions: tuple[QuestionResult, ...]
+    kl: KLStats
+    kv_error: KVError
+    drift: float | None
+    drift_flushes: int
+    perplexity: PerplexityResult | None = None
+
+
+def _mean(values: list[float]) -> float:
+    return statistics.mean(values) if values else float("nan")
+
+
+def _none_to_nan(value: float | None) -> float:
+    return float("nan") if value is None else value
+
+
+@dataclass(frozen=True)
+class ComparisonReport:
+    """Every spec's `SpecResult`, `dynamic` first.
+
+    Attributes:
+        model: the model's name; max_new_tokens: the answers' limit (tokens).
+        perplexity_source: where the perplexity's text came from (`PerplexityInputs.source`: `continuation` or
+            `tail`), None without a perplexity run.
+    """
+
+    model: str
+    max_new_tokens: int
+    results: tuple[SpecResult, ...]
+    perplexity_source: str | None = None
+
+    COLUMNS = (
+        "spec",
+        "spec text",
+        "backend",
+        "nbits",
+        "q_group_size",
+        "residual_length",
+        "axis_key",
+        "axis_value",
+        "flush",
+        "storage",
+        "KV bytes",
+        "bytes/token",
+        "ratio to dynamic",
+        "identical to dynamic",
+        "common prefix (tokens)",
+        "KL (nats)",
+        "median KLD",
+        "99.0% KLD",
+        "max KLD",
+        "same top p (%)",
+        "mean |Δ log p|",
+        "99.0% |Δ log p|",
+        "positions",
+        "PPL",
+        "PPL ratio to dynamic",
+        "perplexity tokens",
+        "K error",
+        "V error",
+        "KV error",
+        "drift (×)",
+        "drift flushes",
+        "exact match",
+        "contains gold",
+        "F1",
+        "prefill s",
+        "tokens/s",
+        "flushes",
+        "flush s",
+        "restored",
+    )
+    """The full frame's columns, grouped: the spec and its options; memory; fidelity against `dynamic` (answers,
+    distribution statistics, perplexity, cache error and drift); fidelity against the gold answers; speed."""
+
+    def to_frame(self) -> pd.DataFrame:
+        """The full table: one row per spec, `COLUMNS` (also when there is none).
+
+        Columns: `spec` (label), `spec text`, `backend`, `nbits` and the other options of `GROUP_OPTIONS` (the flush
+        policy and `dynamic`'s storage included; empty where the backend does not take it);
+        `KV bytes`, `bytes/token`, `ratio to dynamic`; `identical to dynamic` (share of answers), `common prefix
+        (tokens)` (mean); `KL (nats)` (the mean KL per position, llama.cpp's "Mean KLD"), `median KLD`, `99.0% KLD`,
+        `max KLD` (nats/token), `same top p (%)`, `mean |Δ log p|`, `99.0% |Δ log p|` (nats), `positions` (pooled
+        answer tokens); `PPL`, `PPL ratio to dynamic`, `perplexity tokens` (NaN without a perplexity run); `K error`,
+        `V error`, `KV error` (relative, after the prefill, all layers and heads); `drift (×)`, `drift flushes` (NaN
+        and 0 without flushes); `exact match`, `contains gold`, `F1` (means; NaN without gold answers); `prefill s`,
+        `tokens/s`, `flushes`, `flush s`, `restored`. `kvdemo.charts.reports.comparison_display_frame` makes the short
+        table a reader sees from it.
+        """
+        rows = []
+        for r in self.results:
+            qs = r.questions
+            gold = [q for q in qs if q.f1 is not None]
+            ppl = r.perplexity
+            rows.append(
+                {
+                    "spec": r.spec,
+                    "spec text": r.spec_text,
+                    "backend": r.backend,
+                    "nbits": r.nbits,
+                    **{name: r.options.get(name) for name in GROUP_OPTIONS if name != "nbits"},
+                    "KV bytes": r.kv_bytes,
+                    "bytes/token": round(r.bytes_per_token, 1),
+                    "ratio to dynamic": round(r.ratio_to_dynamic, 4),
+                    "identical to dynamic": _mean([float(q.identical_to_dynamic) for q in qs]),
+                    "common prefix (tokens)": _mean([q.common_prefix_tokens for q in qs]),
+                    "KL (nats)": r.kl.mean_kld,
+                    "median KLD": r.kl.median_kld,
+                    "99.0% KLD": r.kl.p99_kld,
+                    "max KLD": r.kl.max_kld,
+                    "same top p (%)": r.kl.same_top_p,
+                    "mean |Δ log p|": r.kl.mean_abs_dlogp,
+                    "99.0% |Δ log p|": r.kl.p99_abs_dlogp,
+                    "positions": r.kl.positions,
+                    "PPL": float("nan") if ppl is None else ppl.perplexity,
+                    "PPL ratio to dynamic": float("nan") if ppl is None else _none_to_nan(ppl.ratio_to_dynamic),
+                    "perplexity tokens": 0 if ppl is None else ppl.tokens,
+                    "K error": r.kv_error.keys_total,
+                    "V error": r.kv_error.values_total,
+                    "KV error": r.kv_error.total,
+                    "drift (×)": _none_to_nan(r.drift),
+                    "drift flushes": r.drift_flushes,
+                    "exact match": _mean([q.exact_match for q in gold]),
+                    "contains gold": _mean([q.contains_gold for q in gold]),
+                    "F1": _mean([q.f1 for q in gold]),
+                    "prefill s": round(r.prefill_seconds, 2),
+                    "tokens/s": round(r.tokens_per_second, 2),
+                    "flushes": r.flushes,
+                    "flush s": round(r.flush_seconds, 2),
+                    "restored": r.restored,
+                }
+            )
+        frame = pd.DataFrame(rows, columns=list(self.COLUMNS))
+        integers = ("nbits", "q_group_size", "residual_length", "axis_key", "axis_value")
+        return frame.astype({name: "Int64" for name in integers})
+
+    def to_dict(self) -> dict:
+        """JSON-ready: model, max_new_tokens, perplexity_source and every result with its answers and fidelity
+        records (`SpecResult`'s fields; no NaN: a missing figure is None). `python -m kvdemo compare --json` prints
+        exactly this (`to_json`)."""
+        return {
+            "model": self.model,
+            "max_new_tokens": self.max_new_tokens,
+            "perplexity_source": self.perplexity_source,
+            "results": [asdict(r) for r in self.results],
+        }
+
+    def to_json(self) -> str:
+        """`to_dict()` as the text `python -m kvdemo compare --json` prints (indented, UTF-8 kept)."""
+        return json.dumps(self.to_dict(), indent=2, ensure_ascii=False)
+
+    def to_csv(self) -> str:
+        """The full table (`to_frame()`) as CSV text, one header line, no index; the answers are in `to_json`."""
+        return self.to_frame().to_csv(index=False)
+
+
+class ComparisonCancelled(Exception):
+    """Raised by `compare` when its `cancel` event is set; `report` holds the specs finished before."""
+
+    def __init__(self, report: ComparisonReport):
+        super().__init__(f"comparison cancelled after {len(report.results)} spec(s)")
+        self.report = report

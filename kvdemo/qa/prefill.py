@@ -1,0 +1,79 @@
+"""The prefill forward pass, in chunks: real progress (tokens done of the total) and a stop between chunks,
+building the same cache a single forward pass builds.
+
+A quantized layer (transformers' `QuantizedLayer`, fp8's) quantizes the keys and values of its first update
+and attends to the full-precision ones in that same pass; fed chunk by chunk, it would quantize the first
+chunk, attend to its de-quantized values in the next chunks and flush again and again. So for a quantized
+backend the chunks run over a plain `DynamicCache` (full precision, as inside one forward pass), and the
+whole context's keys and values are then given to the quantized cache in one `update` per layer: its first
+update, the one a single forward pass makes. Memory: those full-precision keys and values are held until the
+last chunk, which a single pass over the whole context needs too (with its attention scores on top).
+Pattern: the chunked prefill of vLLM and SGLang (`--chunked-prefill-size`), here for progress and a stop.
+
+"The same cache" means what two float paths can promise on any CPU (docs/DESIGN.md, invariant 6): the chunks'
+full-precision keys and values equal one pass's within float rounding (1.2e-7 to 3.0e-7 measured: other matrix
+shapes, other sums), and the quantizer then rounds the same levels except for values that lay within that
+rounding of a midpoint, which go one quantization step the other way (seen: 1 value of 46,336 in hqq 8-bit's
+layer-1 values on one CI machine, 0.0045 = one step of a 0.92 range; `tests/quantized.py` bounds the share).
+Restoring and re-asking repeat the same path and stay exact.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import Cache
+
+from kvdemo.qa.models import LoadedModel
+
+PREFILL_CHUNK_TOKENS = 256
+"""Tokens per forward pass of a prefill: about 1-2 s each on 2 CPU cores for the embedded model, so progress
+moves and Stop acts within that time."""
+
+ProgressCallback = Callable[[int, int], None]
+"""`on_progress(done_tokens, total_tokens)`, called after each chunk."""
+
+
+class PrefillStopped(Exception):
+    """The prefill was stopped between two chunks (Stop, or a new prefill); the cache it was building is dropped."""
+
+
+def run_prefill(
+    loaded: LoadedModel,
+    cache: Cache,
+    ids: list[int],
+    quantized: bool,
+    chunk_tokens: int = PREFILL_CHUNK_TOKENS,
+    on_progress: ProgressCallback | None = None,
+    stop: threading.Event | None = None,
+) -> None:
+    """Fill the empty `cache` with the keys and values of `ids`, `chunk_tokens` at a time.
+
+    Args:
+        loaded: the model; cache: an empty cache built for it.
+        ids: the prefix's token ids (length n >= 1); fed as input_ids of shape [1, chunk].
+        quantized: whether `cache` quantizes on update (the backend's registry entry says): then the chunks run
+            over a full-precision `DynamicCache` and the cache gets the whole context in one update per layer.
+        chunk_tokens: tokens per forward pass (>= 1); a context that fits one chunk takes one pass.
+        on_progress: called with (tokens done, n) after each chunk.
+        stop: when set before a chunk starts, the prefill stops.
+
+    Raises:
+        PrefillStopped: `stop` was set; `cache` is then in an unfinished state and must be dropped.
+    """
+    total = len(ids)
+    work = DynamicCache(config=loaded.config) if quantized and total > chunk_tokens else cache
+    for start in range(0, total, chunk_tokens):
+        if stop is not None and stop.is_set():
+            raise PrefillStopped(f"the prefill was stopped after {start:,} of {total:,} tokens")
+        chunk = torch.tensor([ids[start : start + chunk_tokens]], device=loaded.device)
+        with torch.no_grad():  # positions follow from the cache's length, so each chunk continues the last
+            loaded.model(input_ids=chunk, cache=work, use_cache=True, logits_to_keep=1)
+        if on_progress is not None:
+            on_progress(min(start + chunk_tokens, total), total)
+    if work is not cache:  # the quantized cache's first update: the whole context, as one forward pass gives it
+        for index, layer in enumerate(work.layers):
+            cache.update(layer.keys, layer.values, index)

@@ -1,0 +1,116 @@
+"""The records a session returns: `PrefillReport` (what a prefill did) and `Answer` (one finished answer).
+Plain data, JSON-ready through `to_dict`; the page, the command line and compare read them by field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvdemo.cache.telemetry import MemoryReport
+
+
+@dataclass(frozen=True)
+class PrefillReport:
+    """What a prefill did.
+
+    Attributes:
+        context_tokens: tokens prefilled (chat template prefix included; the context's trailing whitespace, fed
+            with each question, not).
+        seconds: wall time of the prefill forward pass and snapshot.
+        memory: the bytes held for the cache right after the prefill (the snapshot's included).
+        full_precision_bytes: what a `DynamicCache` in the model's dtype holds for the same tokens.
+        prompt_matches_template: `QASession.prompt_ids` equals the chat template's ids (checked on probe
+            questions, `kvdemo.qa.prompt.PROBE_QUESTIONS`); False when this tokenizer merges the context's end with
+            the question or its template changes the user's text, with `prompt_note` saying so.
+        prompt_note: why the ids differ from the template's; None when they do not.
+    """
+
+    context_tokens: int
+    seconds: float
+    memory: MemoryReport
+    full_precision_bytes: int
+    prompt_matches_template: bool = True
+    prompt_note: str | None = None
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes the cache holds after the prefill."""
+        return self.memory.total_bytes
+
+    @property
+    def bytes_per_token(self) -> float:
+        """kv_bytes / context_tokens."""
+        return self.kv_bytes / self.context_tokens
+
+    @property
+    def ratio_to_full_precision(self) -> float:
+        """kv_bytes / full_precision_bytes (1.0 for `dynamic`)."""
+        return self.kv_bytes / self.full_precision_bytes
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One finished answer.
+
+    Attributes:
+        question: the question as asked.
+        text: the answer text (special tokens skipped; whole characters only: an answer cut inside a character
+            ends before it).
+        token_ids: the generated token ids, EOS included when it was generated.
+        steps: decode steps run (forward passes: the question's and one per fed-back token).
+        flushes: flushes counted per layer during the answer (tuple of length num_layers).
+        seconds: wall time of the answer (seconds).
+        cache_length_after: the cache's length after the restore; equals the context's tokens.
+        finish_reason: `eos`, `max_new_tokens`, `stopped` (the stream was closed early) or `error`.
+        question_tokens: tokens of the question's own forward pass (step 0, which also gives the first token).
+        question_seconds: wall time of that pass (seconds): it reads the whole question at once and may flush.
+        question_flushes: flushes during that pass, summed over layers.
+    """
+
+    question: str
+    text: str
+    token_ids: tuple[int, ...]
+    steps: int
+    flushes: tuple[int, ...]
+    seconds: float
+    cache_length_after: int
+    finish_reason: str
+    question_tokens: int = 0
+    question_seconds: float = 0.0
+    question_flushes: int = 0
+
+    @property
+    def flush_count(self) -> int:
+        """Flushes summed over layers."""
+        return sum(self.flushes)
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Generated tokens per second of the whole answer, the question's pass included."""
+        return len(self.token_ids) / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Tokens per second of the decode steps after the question's pass (one token each); 0 without any."""
+        decode_seconds = self.seconds - self.question_seconds
+        decoded = len(self.token_ids) - 1
+        return decoded / decode_seconds if decoded > 0 and decode_seconds > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return {
+            "question": self.question,
+            "answer": self.text,
+            "token_ids": list(self.token_ids),
+            "steps": self.steps,
+            "flushes_per_layer": list(self.flushes),
+            "flushes": self.flush_count,
+            "seconds": round(self.seconds, 4),
+            "tokens_per_second": round(self.tokens_per_second, 2),
+            "question_tokens": self.question_tokens,
+            "question_seconds": round(self.question_seconds, 4),
+            "question_flushes": self.question_flushes,
+            "decode_tokens_per_second": round(self.decode_tokens_per_second, 2),
+            "cache_length_after": self.cache_length_after,
+            "finish_reason": self.finish_reason,
+        }

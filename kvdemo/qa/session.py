@@ -1,0 +1,400 @@
+"""`QASession`: prefill a context once into a KV cache, then answer questions in turn on top of it, restoring the
+cache to its post-prefill state after every answer (docs/DESIGN.md, invariants 1-3).
+
+The prompt is laid out by `kvdemo.qa.prompt.PromptLayout`: the model reads exactly what its chat template gives
+for one user message `context + "\\n\\n" + question` with the generation prompt (`prompt_ids`, invariant 5); the
+part up to the context's end is prefilled once, and each question is fed with the rest. User text that looks like
+a control token (`<|im_end|>`) stays text. Text in (context, question) is checked by `kvdemo.qa.text.check_text`;
+text out (each step's and the answer's) is decoded incrementally by `kvdemo.qa.text.TextStream`, so it never ends in
+half a character. Memory figures count the cache and what the snapshot keeps alive (`telemetry.kv_memory`)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+from transformers.cache_utils import Cache
+
+from kvdemo import checks
+from kvdemo.cache import budget, snapshot
+from kvdemo.cache.geometry import full_precision_bytes
+from kvdemo.cache.spec import CacheSpec, build_cache
+from kvdemo.cache.telemetry import StepEvent, flushed_layers, kv_memory
+from kvdemo.qa.models import LoadedModel
+from kvdemo.qa.prefill import PREFILL_CHUNK_TOKENS, ProgressCallback, run_prefill
+from kvdemo.qa.prompt import PromptLayout, PromptSplit
+from kvdemo.qa.records import Answer, PrefillReport
+from kvdemo.qa.text import TextStream, check_text
+
+DEFAULT_MAX_NEW_TOKENS = 64
+QUESTION_RESERVE_TOKENS = 64
+"""Tokens a prefill keeps free for a question, on top of the answer's `max_new_tokens`."""
+
+
+class QASession:
+    """A context prefilled once into a KV cache of one backend, and questions answered in turn on it.
+
+    Args:
+        loaded_model: from `kvdemo.load_model`.
+        spec: the cache backend and its options; validated against the model here.
+        kv_budget_bytes: the out-of-memory guard: a prefill whose cache would hold more than this (estimated
+            from the model's shape, the tokens and the backend's bits before anything runs) is refused.
+            None: no limit.
+
+    Raises:
+        ValueError, ImportError: the spec does not validate (see `CacheSpec.validate`), or a budget < 1.
+    """
+
+    def __init__(self, loaded_model: LoadedModel, spec: CacheSpec | None = None, kv_budget_bytes: int | None = None):
+        if kv_budget_bytes is not None and kv_budget_bytes < 1:
+            raise ValueError(f"kv_budget_bytes={kv_budget_bytes!r} must be >= 1 (or None for no limit)")
+        self.loaded = loaded_model
+        self.spec = (spec or CacheSpec()).validate(loaded_model.config)
+        self.kv_budget_bytes = kv_budget_bytes
+        self.cache = None
+        self.context: str | None = None
+        self.prefill_report: PrefillReport | None = None
+        self.history: list[Answer] = []
+        self._snapshot: snapshot.CacheSnapshot | None = None
+        self.layout = PromptLayout(loaded_model.tokenizer)
+        self._split: PromptSplit | None = None
+        self._active: Iterator[StepEvent] | None = None
+        self._stop = threading.Event()
+
+    # ---- the prompt ---------------------------------------------------------------------------------
+    def context_ids(self, context: str, max_tokens: int | None = None) -> list[int]:
+        """The token ids a prefill of `context` feeds: the template's opening and the context up to its split
+        (`PromptLayout.split`, the prefix of `prompt_ids`). Tokenizes only: the session's cache is not touched.
+
+        Args:
+            max_tokens: when the context is longer than this, its ids are returned at once, without the split's
+                probes (each would tokenize the whole text again: minutes for megabytes); any longer count
+                refuses it anyway (e.g. the model's window).
+
+        Raises:
+            ValueError: the context holds a broken character (`check_text`).
+        """
+        return list(self.layout.split(check_text(context, "the context"), max_prefix_tokens=max_tokens).prefix)
+
+    def text_ids(self, text: str) -> list[int]:
+        """`text` as the user's text is tokenized (no special tokens added; text that imitates a special token,
+        such as `<|im_end|>`, stays text), e.g. a continuation of the context."""
+        return self.loaded.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+    def question_ids(self, question: str) -> list[int]:
+        """The token ids fed for `question` on top of the prefilled context: the context's tail that the
+        tokenizer joins with the separator (usually its trailing whitespace, else ""), `"\\n\\n"`, the question
+        stripped of surrounding whitespace, and the rest of the chat template (see `kvdemo.qa.prompt`).
+
+        Raises:
+            ValueError: no context was prefilled, the question is empty or blank, or it holds a broken character
+                (an unpaired surrogate: `kvdemo.qa.text.check_text`).
+        """
+        if self._split is None:
+            raise ValueError("prefill a context before asking a question")
+        if not isinstance(question, str) or not question.strip():
+            raise ValueError("the question is empty; type a question about the context")
+        return self.layout.question_ids(self._split, check_text(question, "the question"))
+
+    def prompt_ids(self, question: str) -> list[int]:
+        """The whole token ids the model reads for `question` after the prefill: the prefilled ids followed by
+        `question_ids(question)`.
+
+        They equal the chat template's ids for the one user message `context + "\\n\\n" + question.strip()` with
+        the generation prompt, `tokenizer.apply_chat_template([{"role": "user", "content": ...}], tokenize=True,
+        add_generation_prompt=True, sanitize_control_tokens=True)` (the last option only matters for user text
+        that looks like a control token, which stays text), and for a tokenizer without a chat template the plain
+        layout's: BOS + `context + "\\n" + question.strip() + "\\n"`. Where the tokenizer cannot give that (it
+        merges the context's end with the question), `prefill_report.prompt_matches_template` is False.
+
+        Raises:
+            ValueError: as `question_ids`.
+
+        Example:
+            >>> report = session.prefill("Hi.\\n")  # a saved text file ends in a newline
+            >>> session.prompt_ids("Who?") == tokenizer.apply_chat_template(
+            ...     [{"role": "user", "content": "Hi.\\n\\n\\nWho?"}], tokenize=True, add_generation_prompt=True,
+            ...     return_dict=False)
+            True
+        """
+        q_ids = self.question_ids(question)
+        return list(self._split.prefix) + q_ids
+
+    # ---- prefill ------------------------------------------------------------------------------
+    @property
+    def cache_length(self) -> int:
+        """Tokens in the cache now (0 before a prefill)."""
+        return self.cache.get_seq_length() if self.cache is not None else 0
+
+    def prefill(
+        self,
+        context: str,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+        reserve_tokens: int | None = None,
+        on_progress: ProgressCallback | None = None,
+        chunk_tokens: int = PREFILL_CHUNK_TOKENS,
+    ) -> PrefillReport:
+        """Prefill `context` into a new cache of this session's backend, replacing (and freeing) any old one.
+
+        Example:
+            >>> session = QASession(load_model(), CacheSpec.parse("hqq:4"))
+            >>> session.prefill(open("article.txt").read(), max_new_tokens=32).context_tokens
+            2172
+
+        Args:
+            context: the text the questions are about.
+            max_new_tokens: the longest answer to keep room for: the prefill keeps
+                `QUESTION_RESERVE_TOKENS + max_new_tokens` tokens of the window free.
+            reserve_tokens: overrides that reserve with an exact number of tokens.
+            on_progress: `on_progress(done_tokens, total_tokens)` after each chunk of the forward pass.
+            chunk_tokens: tokens per forward pass (`kvdemo.qa.prefill.run_prefill`: the same cache as one pass);
+                `request_stop()` from another thread stops the prefill between two chunks.
+
+        Returns:
+            A `PrefillReport` (tokens, seconds, memory).
+
+        Raises:
+            ValueError: the context is empty or blank, holds a broken character (an unpaired surrogate, e.g. half
+                an emoji: the message gives its position; `kvdemo.qa.text.check_text`), or its tokens plus
+                `reserve_tokens` exceed the model's `max_context_tokens` (the message gives the numbers). The
+                session is unchanged then.
+            KVBudgetError (a ValueError): the estimated cache exceeds `kv_budget_bytes`; the session is
+                unchanged (the old context and cache stay).
+            PrefillStopped: `request_stop()` was called during the prefill; the old cache was already freed, so
+                the session then holds no context (`cache_length` 0).
+        """
+        if not isinstance(context, str) or not context.strip():
+            raise ValueError("the context is empty; paste or upload the text to ask about")
+        context = check_text(context, "the context")
+        if reserve_tokens is None:
+            reserve_tokens = QUESTION_RESERVE_TOKENS + checks.max_new_tokens(max_new_tokens)
+        self.check_prefill(0, reserve_tokens)  # the reserve alone must leave room
+        split = self.layout.split(context, max_prefix_tokens=self.loaded.max_context_tokens - reserve_tokens)
+        self.check_prefill(len(split.prefix), reserve_tokens)
+        self._close_active()
+        self.cache = self._snapshot = self._split = self.prefill_report = None
+        self.context = None
+        self.history = []
+        self._stop.clear()
+        cache = build_cache(self.spec, self.loaded.config)
+        start = time.perf_counter()
+        run_prefill(self.loaded, cache, split.prefix, self.spec.info.quantized, chunk_tokens, on_progress, self._stop)
+        saved = snapshot.take(cache)
+        seconds = time.perf_counter() - start
+        self.cache, self._snapshot, self._split, self.context = cache, saved, split, context
+        self.prefill_report = PrefillReport(
+            context_tokens=len(split.prefix),
+            seconds=seconds,
+            memory=kv_memory(cache, saved),
+            full_precision_bytes=full_precision_bytes(self.loaded.config, len(split.prefix), self.loaded.dtype),
+            prompt_matches_template=split.matches_template,
+            prompt_note=split.note,
+        )
+        return self.prefill_report
+
+    def check_prefill(self, context_tokens: int, reserve_tokens: int) -> None:
+        """Whether a prefill of `context_tokens` tokens, keeping `reserve_tokens` for a question and its answer,
+        fits: the model's window (`checks.prefill_fits`), then `kv_budget_bytes` (`budget.check_budget`).
+        `prefill` checks it before it builds anything, a server before reserving its shared budget.
+
+        Raises:
+            ValueError: it does not fit the window; KVBudgetError (a ValueError): nor the budget.
+        """
+        checks.prefill_fits(self.loaded.max_context_tokens, context_tokens, reserve_tokens)
+        if context_tokens:
+            budget.check_budget(*self._budget_of, context_tokens, reserve_tokens)
+
+    def check_answer(self, question_tokens: int, max_new_tokens: int) -> None:
+        """Whether an answer of up to `max_new_tokens` to a question of `question_tokens` tokens fits the prefilled
+        cache: the model's window (`checks.answer_fits`), then `kv_budget_bytes`. `stream` checks it, a server
+        before growing its shared reservation (`kvdemo.serve.server.App.reserve_answer`).
+
+        Raises:
+            ValueError: no prefill yet, or it does not fit the window; KVBudgetError (a ValueError): nor the budget.
+        """
+        if self._snapshot is None:
+            raise ValueError("prefill a context before asking a question")
+        context, decoded = self._snapshot.seq_length, question_tokens + max_new_tokens
+        checks.answer_fits(self.loaded.max_context_tokens, context, question_tokens, max_new_tokens)
+        budget.check_budget(*self._budget_of, context, decoded, "Lower max_new_tokens, or prefill a shorter context")
+
+    @property
+    def _budget_of(self) -> tuple:
+        """`budget.check_budget`'s first arguments for this session: spec, config, dtype, kv_budget_bytes."""
+        return self.spec, self.loaded.config, self.loaded.dtype, self.kv_budget_bytes
+
+    def estimate_kv_bytes(self, context_tokens: int, reserve_tokens: int) -> int:
+        """The bytes held for this session's cache with `context_tokens` prefilled and `reserve_tokens` more
+        decoded, the snapshot's share included: `kvdemo.cache.budget.held_bytes_estimate`."""
+        return budget.held_bytes_estimate(*self._budget_of[:3], context_tokens, reserve_tokens)
+
+    # ---- answers ------------------------------------------------------------------------------
+    def _close_active(self) -> None:
+        if self._active is not None:
+            self._active.close()
+            self._active = None
+
+    def stream(self, question: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> Iterator[StepEvent]:
+        """Answer `question` greedily, one `StepEvent` per decode step.
+
+        Arguments are checked before the generator is returned, so bad input raises here. The cache is
+        restored in a `finally`: when the answer ends, when the generator is closed early (Stop), or when
+        a step raises. The finished `Answer` is appended to `history` in every case. An answer still open
+        when another one starts (or a new prefill) is closed first.
+
+        Args:
+            question: the question; blank is refused.
+            max_new_tokens: most tokens to generate, >= 1; generation stops earlier at an EOS token.
+
+        Raises:
+            ValueError: no prefill yet, an empty question or one with a broken character (`check_text`),
+                max_new_tokens < 1 or not an integer, or a question plus `max_new_tokens` that does not fit the
+                model's window (numbers given).
+            KVBudgetError (a ValueError): the cache with the question and `max_new_tokens` decoded would
+                exceed `kv_budget_bytes`.
+        """
+        max_new_tokens = checks.max_new_tokens(max_new_tokens)
+        q_ids = self.question_ids(question)
+        self.check_answer(len(q_ids), max_new_tokens)
+        self._close_active()
+        self._stop.clear()
+        self._active = self._decode(question, q_ids, max_new_tokens)
+        return self._active
+
+    def request_stop(self) -> None:
+        """Ask the answer now streaming to end after its current decode step, or the prefill now running to
+        stop before its next chunk (thread-safe: the Stop button of a UI whose work runs in another thread). The
+        stream then ends with `finish_reason="stopped"`, and the cache is restored as after any answer; a stopped
+        prefill raises `PrefillStopped`. Does nothing when neither runs."""
+        self._stop.set()
+
+    def _decode(self, question: str, q_ids: list[int], max_new_tokens: int) -> Iterator[StepEvent]:
+        loaded, cache, saved = self.loaded, self.cache, self._snapshot
+        text = TextStream(loaded.tokenizer)
+        flushes = [0] * len(cache.layers)
+        token_ids: list[int] = []
+        finish_reason = "error"
+        start = time.perf_counter()
+        steps, question_seconds, question_flushes = 0, 0.0, 0
+        inputs = torch.tensor([q_ids], device=loaded.device)
+        try:
+            for step in range(max_new_tokens):
+                step_start = time.perf_counter()
+                with torch.no_grad():
+                    logits = loaded.model(input_ids=inputs, cache=cache, use_cache=True, logits_to_keep=1).logits
+                token = int(logits[0, -1].argmax())
+                now = time.perf_counter()
+                steps += 1
+                flushed = flushed_layers(cache)
+                for index in flushed:
+                    flushes[index] += 1
+                if step == 0:
+                    question_seconds, question_flushes = now - step_start, len(flushed)
+                token_ids.append(token)
+                text.push(token)
+                cache_length = cache.get_seq_length()
+                finish_reason = "eos" if token in loaded.eos_token_ids else "max_new_tokens"
+                yield StepEvent(
+                    step=step,
+                    token_id=token,
+                    text=text.text,
+                    seconds=now - step_start,
+                    elapsed=now - start,
+                    memory=kv_memory(cache, saved),
+                    flushed_layers=flushed,
+                    cache_length=cache_length,
+                    full_precision_bytes=full_precision_bytes(loaded.config, cache_length, loaded.dtype),
+                )
+                if finish_reason == "eos":
+                    break
+                if self._stop.is_set():
+                    finish_reason = "stopped" if step + 1 < max_new_tokens else finish_reason
+                    break
+                inputs = torch.tensor([[token]], device=loaded.device)
+        except GeneratorExit:
+            if finish_reason != "eos" and steps < max_new_tokens:
+                finish_reason = "stopped"
+            raise
+        except BaseException:
+            finish_reason = "error"
+            raise
+        finally:
+            snapshot.restore(cache, saved)
+            if self._active is not None and cache is self.cache:
+                self._active = None
+            self.history.append(
+                Answer(
+                    question=question,
+                    text=text.text,
+                    token_ids=tuple(token_ids),
+                    steps=steps,
+                    flushes=tuple(flushes),
+                    seconds=time.perf_counter() - start,
+                    cache_length_after=cache.get_seq_length(),
+                    finish_reason=finish_reason,
+                    question_tokens=len(q_ids),
+                    question_seconds=question_seconds,
+                    question_flushes=question_flushes,
+                )
+            )
+
+    def score(
+        self, question: str, answer_ids: Sequence[int], on_step: Callable[[int, Cache], None] | None = None
+    ) -> torch.Tensor:
+        """Teacher-forced next-token log-probabilities of a given answer to `question` on this session's cache.
+
+        The question is fed as in `stream`, then the answer's tokens one decode step at a time, so a
+        quantized cache fills and flushes its residual exactly as during generation. Row i is the
+        distribution the model gives before `answer_ids[i]` is known; feeding a session's own greedy answer
+        reproduces the distributions of its generation (each row's argmax is that answer's token). The cache
+        is restored afterwards (also on error); `history` is not changed.
+
+        Args:
+            question: the question, as for `stream`.
+            answer_ids: the answer's token ids (length n >= 1), e.g. another backend's `Answer.token_ids`.
+            on_step: called as `on_step(i, cache)` after the forward pass that gives row i, before the restore; it
+                may read the cache (e.g. `telemetry.flushed_layers`, `cache_error.dequantized_kv`), never change it.
+
+        Returns:
+            float32 log-probabilities on the CPU, shape [n, vocab_size].
+
+        Raises:
+            ValueError: no prefill yet, an empty question or answer, or more tokens than the window holds.
+        """
+        answer_ids = [int(t) for t in answer_ids]
+        if not answer_ids:
+            raise ValueError("answer_ids is empty; give at least one token to score")
+        q_ids = self.question_ids(question)
+        context_tokens = self._snapshot.seq_length
+        if context_tokens + len(q_ids) + len(answer_ids) > self.loaded.max_context_tokens:
+            raise ValueError(
+                f"context {context_tokens:,} + question {len(q_ids):,} + answer {len(answer_ids):,} tokens exceeds the "
+                f"model's {self.loaded.max_context_tokens:,}-token window"
+            )
+        self._close_active()
+        loaded, cache = self.loaded, self.cache
+        rows = []
+        inputs = torch.tensor([q_ids], device=loaded.device)
+        try:
+            for token in answer_ids:
+                with torch.no_grad():
+                    logits = loaded.model(input_ids=inputs, cache=cache, use_cache=True, logits_to_keep=1).logits
+                rows.append(torch.log_softmax(logits[0, -1].float(), dim=-1).cpu())
+                if on_step is not None:
+                    on_step(len(rows) - 1, cache)
+                inputs = torch.tensor([[token]], device=loaded.device)
+        finally:
+            snapshot.restore(cache, self._snapshot)
+        return torch.stack(rows)
+
+    def ask(self, question: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> Answer:
+        """Answer `question` to the end and return the `Answer` (also appended to `history`).
+
+        Raises:
+            ValueError: see `stream`. An exception inside a decode step propagates after the cache is restored.
+        """
+        for _ in self.stream(question, max_new_tokens):
+            pass
+        return self.history[-1]
