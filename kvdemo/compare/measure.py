@@ -20,6 +20,7 @@ from kvdemo.evals import cache_error, fidelity
 from kvdemo.evals.fidelity import PerplexityInputs
 from kvdemo.evals.metrics import common_prefix, score_against_gold
 from kvdemo.qa.models import LoadedModel
+from kvdemo.qa.prompt import PreparedContext
 from kvdemo.qa.records import PrefillReport
 from kvdemo.qa.session import QASession
 
@@ -57,7 +58,7 @@ def perplexity_units(tokens: int) -> int:
 
 def measure_spec(
     loaded_model: LoadedModel,
-    context: str,
+    context: str | PreparedContext,
     questions: Sequence[str],
     spec: CacheSpec,
     max_new_tokens: int = 32,
@@ -73,6 +74,7 @@ def measure_spec(
     `perplexity_inputs`, a perplexity feed on a fresh cache (the session's cache is freed first).
 
     Args:
+        context: the text, or the comparison's context tokenized once for every spec (`QASession.prepare`).
         reference: `dynamic`'s run to compare with; None makes this run the reference (its KL is 0, its answers
             identical and its cache error 0 by definition; for a quantized spec the full-precision keys and values
             then come from a `cache_error.reference_kv` prefill).
@@ -92,7 +94,7 @@ def measure_spec(
     """
     session = QASession(loaded_model, spec, kv_budget_bytes=kv_budget_bytes)
     prefill = session.prefill(context, max_new_tokens=max_new_tokens)
-    context_ids = session.context_ids(context)
+    context_ids = session.context_ids(context)  # a PreparedContext is not tokenized again
     reference_kv = _reference_kv(loaded_model, session, context_ids, reference)
     kv_error = cache_error.kv_error(reference_kv, session.cache)
     if on_step is not None:

@@ -41,6 +41,8 @@ from kvdemo.compare.records import ComparisonCancelled, ComparisonReport, SpecRe
 from kvdemo.evals import fidelity
 from kvdemo.evals.fidelity import PerplexityInputs
 from kvdemo.qa.models import LoadedModel
+from kvdemo.qa.prompt import PreparedContext
+from kvdemo.qa.session import QASession
 
 ProgressCallback = Callable[[int, int, str], None]
 """`on_progress(done, total, what)`: units of work done so far, the total, and what runs next."""
@@ -48,7 +50,7 @@ ProgressCallback = Callable[[int, int, str], None]
 
 def compare(
     loaded_model: LoadedModel,
-    context: str,
+    context: str | PreparedContext,
     questions: Sequence[str],
     specs: Sequence[CacheSpec],
     max_new_tokens: int = 32,
@@ -69,7 +71,8 @@ def compare(
 
     Args:
         loaded_model: from `kvdemo.load_model`.
-        context: the text; questions: asked in turn on it.
+        context: the text, or a `PreparedContext` of it (`QASession.prepare`: a server that counted its tokens
+            for a reservation hands it down); tokenized once for every spec. questions: asked in turn on it.
         specs: the specs to compare (validated against the model before anything runs).
         max_new_tokens: per answer (tokens).
         gold_answers: per question, the accepted answers; an empty list marks a question the text does not
@@ -103,6 +106,8 @@ def compare(
     questions, ordered, max_new_tokens = _checked(loaded_model, questions, specs, max_new_tokens, gold_answers)
     if isinstance(perplexity_tokens, bool) or not isinstance(perplexity_tokens, int) or perplexity_tokens < 0:
         raise ValueError(f"perplexity_tokens={perplexity_tokens!r} must be a whole number >= 0 (0: no perplexity)")
+    if not isinstance(context, PreparedContext):  # the one tokenization of the context for every spec
+        context = QASession(loaded_model).prepare(context, max_tokens=loaded_model.max_context_tokens)
     inputs = None
     if perplexity_tokens:
         inputs = fidelity.perplexity_inputs(loaded_model, context, perplexity_tokens, continuation)
@@ -124,7 +129,7 @@ def compare(
 
 def _measure_all(
     loaded_model: LoadedModel,
-    context: str,
+    context: PreparedContext,
     questions: list[str],
     ordered: list[CacheSpec],
     inputs: PerplexityInputs | None,

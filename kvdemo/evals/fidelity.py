@@ -44,6 +44,7 @@ from kvdemo.cache.telemetry import flushed_layers
 from kvdemo.evals.cache_error import KV, context_error
 from kvdemo.evals.metrics import kl_divergence
 from kvdemo.qa.models import LoadedModel
+from kvdemo.qa.prompt import PreparedContext
 from kvdemo.qa.session import QASession
 
 
@@ -199,7 +200,7 @@ class PerplexityInputs:
 
 
 def perplexity_inputs(
-    loaded_model: LoadedModel, context: str, tokens: int, continuation: str | None = None
+    loaded_model: LoadedModel, context: str | PreparedContext, tokens: int, continuation: str | None = None
 ) -> PerplexityInputs:
     """What a perplexity run prefills and feeds.
 
@@ -226,10 +227,10 @@ def perplexity_inputs(
     """
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
         raise ValueError(f"perplexity tokens={tokens!r} must be a whole number >= 1")
-    if not isinstance(context, str) or not context.strip():
+    if not isinstance(context, PreparedContext) and (not isinstance(context, str) or not context.strip()):
         raise ValueError("the context is empty; paste or upload the text to ask about")
     session = QASession(loaded_model)  # tokenization only: dynamic, no cache built
-    prefix = session.context_ids(context)
+    prefix = session.context_ids(context)  # a PreparedContext is not tokenized again
     if continuation is not None:
         following = session.text_ids(continuation) if isinstance(continuation, str) else []
         if len(following) < tokens + 1:
@@ -240,7 +241,8 @@ def perplexity_inputs(
             )
         context_ids, continuation_ids, source = prefix, following[: tokens + 1], "continuation"
     else:
-        text_tokens = len(session.text_ids(context))
+        text = context.text if isinstance(context, PreparedContext) else context
+        text_tokens = len(session.text_ids(text))  # the text's own tokens, without the template's
         if text_tokens < tokens + 2:
             raise ValueError(
                 f"the context holds {text_tokens} tokens; holding out its last {tokens + 1} to score {tokens} leaves "

@@ -209,8 +209,8 @@ class _GridRun:
     def prefill(self, session: QASession, spec: CacheSpec, context: NeedleContext, reserve: int) -> PrefillReport:
         self.check_cancel()
         self.progress(f"{spec.text}: prefilling {context.length:,} tokens", finished=False)
-        report = session.prefill(context.text, reserve_tokens=reserve)
-        if report.context_tokens != context.length:  # the session tokenizes as context_ids does
+        report = session.prefill(context.prepared, reserve_tokens=reserve)  # not tokenized again
+        if report.context_tokens != context.length:  # the prepared ids are the length
             raise RuntimeError(f"prefilled {report.context_tokens} tokens for a {context.length}-token context")
         self.progress(f"{spec.text}: prefilled {context.length:,} tokens")
         return report

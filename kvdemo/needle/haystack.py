@@ -14,10 +14,11 @@ import bisect
 import random
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 from kvdemo.evals.cases import EXAMPLES_DIR, load_case
+from kvdemo.qa.prompt import PreparedContext
 from kvdemo.qa.session import QASession
 
 NEEDLE_TEMPLATE = "The special magic number for {name} is {value}."
@@ -161,7 +162,7 @@ class NeedleContext:
     """A context of an exact token length with needles hidden in it.
 
     Attributes:
-        text: the context as given to `QASession.prefill`.
+        text: the context; prepared: it tokenized once (`QASession.prepare`), as every spec's prefill takes it.
         length: its tokens as prefilled (chat template's opening included).
         haystack_tokens: the haystack's tokens in it (length less the template's opening and the needles).
         placements: one per needle, by position.
@@ -171,6 +172,7 @@ class NeedleContext:
     length: int
     haystack_tokens: int
     placements: tuple[Placement, ...]
+    prepared: PreparedContext = field(repr=False, compare=False)
 
 
 class TokenizedText:
@@ -305,9 +307,9 @@ def _exact_cut(
 
     def attempt(cut: int) -> NeedleContext | None:
         text, chars = _assemble(hay, cut, needles)
-        ids = session.context_ids(text)
-        tried[(skipped, cut)] = len(ids)
-        return _placements(session, text, ids, overhead, chars) if len(ids) == length else None
+        prepared = session.prepare(text)
+        tried[(skipped, cut)] = len(prepared.ids)
+        return _placements(session, prepared, overhead, chars) if len(prepared.ids) == length else None
 
     for _ in range(8):  # tokens merge across a cut now and then: correct the cut by the difference
         if (found := attempt(kept)) is not None:
@@ -324,8 +326,9 @@ def _exact_cut(
 
 
 def _placements(
-    session: QASession, text: str, ids: list[int], overhead: int, chars: list[tuple[Needle, int, int]]
+    session: QASession, prepared: PreparedContext, overhead: int, chars: list[tuple[Needle, int, int]]
 ) -> NeedleContext:
+    text, ids = prepared.text, prepared.ids
     offsets = encode_with_offsets(session, text)["offset_mapping"]
     starts = [start for start, _ in offsets]
     ends = [end for _, end in offsets]
@@ -342,4 +345,4 @@ def _placements(
     for needle, position, n in sorted(found, key=lambda f: f[1]):
         before = position - overhead - sum(m for _, p, m in found if p < position)
         placements.append(Placement(needle, position, n, round(100 * before / haystack_tokens, 2)))
-    return NeedleContext(text=text, length=len(ids), haystack_tokens=haystack_tokens, placements=tuple(placements))
+    return NeedleContext(text, len(ids), haystack_tokens, tuple(placements), prepared)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import inspect
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 CHAT_SEPARATOR = "\n\n"
@@ -76,6 +76,43 @@ class PromptSplit:
     tail: str
     matches_template: bool
     note: str | None = None
+
+
+@dataclass(frozen=True)
+class PreparedContext:
+    """A context tokenized once and handed down to every session that prefills it (each spec of a comparison,
+    the server's reservation before it): `QASession.prepare` makes it, `QASession.prefill` takes it.
+
+    Attributes:
+        text: the checked context (`kvdemo.qa.text.check_text`).
+        split: its `PromptSplit` (the prefilled ids, `split.prefix`, and the tail fed with each question).
+        tokenizer: the tokenizer that made it; a session of another tokenizer refuses it.
+    """
+
+    text: str
+    split: PromptSplit
+    tokenizer: Any = field(repr=False, compare=False)
+
+    @property
+    def ids(self) -> tuple[int, ...]:
+        """The token ids a prefill of this context feeds (length = its context tokens)."""
+        return self.split.prefix
+
+
+@dataclass(frozen=True)
+class PreparedQuestion:
+    """A question tokenized and checked once, from a server's reservation to the decode loop:
+    `QASession.prepare_question` makes it for the session's current prefill, `QASession.stream` takes it.
+
+    Attributes:
+        text: the question as given; ids: its token ids fed on top of the prefilled context (`question_ids`).
+        max_new_tokens: the checked answer length (tokens); split: the prefill it was made for.
+    """
+
+    text: str
+    ids: tuple[int, ...]
+    max_new_tokens: int
+    split: PromptSplit = field(repr=False, compare=False)
 
 
 class PromptLayout:

@@ -21,12 +21,13 @@ from kvdemo import checks
 from kvdemo.cache import budget, snapshot
 from kvdemo.cache.geometry import full_precision_bytes
 from kvdemo.cache.spec import CacheSpec, build_cache
-from kvdemo.cache.telemetry import StepEvent, flushed_layers, kv_memory
+from kvdemo.cache.telemetry import StepEvent, kv_memory
+from kvdemo.qa.decode import greedy_decode, teacher_forced
 from kvdemo.qa.models import LoadedModel
 from kvdemo.qa.prefill import PREFILL_CHUNK_TOKENS, ProgressCallback, run_prefill
-from kvdemo.qa.prompt import PromptLayout, PromptSplit
+from kvdemo.qa.prompt import PreparedContext, PreparedQuestion, PromptLayout, PromptSplit
 from kvdemo.qa.records import Answer, PrefillReport
-from kvdemo.qa.text import TextStream, check_text
+from kvdemo.qa.text import check_text
 
 DEFAULT_MAX_NEW_TOKENS = 64
 QUESTION_RESERVE_TOKENS = 64
@@ -64,9 +65,10 @@ class QASession:
         self._stop = threading.Event()
 
     # ---- the prompt ---------------------------------------------------------------------------------
-    def context_ids(self, context: str, max_tokens: int | None = None) -> list[int]:
+    def context_ids(self, context: str | PreparedContext, max_tokens: int | None = None) -> list[int]:
         """The token ids a prefill of `context` feeds: the template's opening and the context up to its split
-        (`PromptLayout.split`, the prefix of `prompt_ids`). Tokenizes only: the session's cache is not touched.
+        (`PromptLayout.split`, the prefix of `prompt_ids`). Tokenizes only (a `PreparedContext` not again): the
+        session's cache is not touched.
 
         Args:
             max_tokens: when the context is longer than this, its ids are returned at once, without the split's
@@ -76,7 +78,30 @@ class QASession:
         Raises:
             ValueError: the context holds a broken character (`check_text`).
         """
+        if isinstance(context, PreparedContext):
+            return list(self._own(context).ids)
         return list(self.layout.split(check_text(context, "the context"), max_prefix_tokens=max_tokens).prefix)
+
+    def prepare(self, context: str, max_tokens: int | None = None) -> PreparedContext:
+        """`context` checked and split once (`PromptLayout.split`), to hand to every session of this tokenizer
+        that prefills it (`prefill(prepared)`), so a comparison of N specs tokenizes its context once.
+
+        Args:
+            max_tokens: as for `context_ids`: a longer context is split unchecked (it is refused anyway).
+
+        Raises:
+            ValueError: the context is empty or blank, or holds a broken character (`check_text`).
+        """
+        if not isinstance(context, str) or not context.strip():
+            raise ValueError("the context is empty; paste or upload the text to ask about")
+        text = check_text(context, "the context")
+        return PreparedContext(text, self.layout.split(text, max_prefix_tokens=max_tokens), self.loaded.tokenizer)
+
+    def _own(self, prepared: PreparedContext) -> PreparedContext:
+        """`prepared` if this session's tokenizer made it. Raises ValueError for another tokenizer's."""
+        if prepared.tokenizer is not self.loaded.tokenizer:
+            raise ValueError("the context was prepared with another model's tokenizer; prepare it with this session")
+        return prepared
 
     def text_ids(self, text: str) -> list[int]:
         """`text` as the user's text is tokenized (no special tokens added; text that imitates a special token,
@@ -130,7 +155,7 @@ class QASession:
 
     def prefill(
         self,
-        context: str,
+        context: str | PreparedContext,
         max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
         reserve_tokens: int | None = None,
         on_progress: ProgressCallback | None = None,
@@ -144,7 +169,7 @@ class QASession:
             2172
 
         Args:
-            context: the text the questions are about.
+            context: the text the questions are about, or a `PreparedContext` of it (`prepare`: not tokenized again).
             max_new_tokens: the longest answer to keep room for: the prefill keeps
                 `QUESTION_RESERVE_TOKENS + max_new_tokens` tokens of the window free.
             reserve_tokens: overrides that reserve with an exact number of tokens.
@@ -165,13 +190,16 @@ class QASession:
             PrefillStopped: `request_stop()` was called during the prefill; the old cache was already freed, so
                 the session then holds no context (`cache_length` 0).
         """
-        if not isinstance(context, str) or not context.strip():
+        if not isinstance(context, PreparedContext) and (not isinstance(context, str) or not context.strip()):
             raise ValueError("the context is empty; paste or upload the text to ask about")
-        context = check_text(context, "the context")
         if reserve_tokens is None:
             reserve_tokens = QUESTION_RESERVE_TOKENS + checks.max_new_tokens(max_new_tokens)
         self.check_prefill(0, reserve_tokens)  # the reserve alone must leave room
-        split = self.layout.split(context, max_prefix_tokens=self.loaded.max_context_tokens - reserve_tokens)
+        if isinstance(context, PreparedContext):
+            prepared = self._own(context)
+        else:
+            prepared = self.prepare(context, max_tokens=self.loaded.max_context_tokens - reserve_tokens)
+        split, context = prepared.split, prepared.text
         self.check_prefill(len(split.prefix), reserve_tokens)
         self._close_active()
         self.cache = self._snapshot = self._split = self.prefill_report = None
@@ -236,7 +264,18 @@ class QASession:
             self._active.close()
             self._active = None
 
-    def stream(self, question: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> Iterator[StepEvent]:
+    def prepare_question(self, question: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> PreparedQuestion:
+        """`question` tokenized and checked once for the current prefill (`question_ids`, `check_answer`), to
+        hand from a server's reservation to `stream(prepared)`. Raises: as `stream`."""
+        max_new_tokens = checks.max_new_tokens(max_new_tokens)
+        q_ids = self.question_ids(question)
+        self.check_answer(len(q_ids), max_new_tokens)
+        assert self._split is not None  # question_ids refuses a session with no prefill
+        return PreparedQuestion(question, tuple(q_ids), max_new_tokens, self._split)
+
+    def stream(
+        self, question: str | PreparedQuestion, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    ) -> Iterator[StepEvent]:
         """Answer `question` greedily, one `StepEvent` per decode step.
 
         Arguments are checked before the generator is returned, so bad input raises here. The cache is
@@ -245,7 +284,8 @@ class QASession:
         when another one starts (or a new prefill) is closed first.
 
         Args:
-            question: the question; blank is refused.
+            question: the question (blank is refused), or a `PreparedQuestion` of this prefill (`prepare_question`,
+                which carries its own max_new_tokens: not tokenized or checked again).
             max_new_tokens: most tokens to generate, >= 1; generation stops earlier at an EOS token.
 
         Raises:
@@ -255,12 +295,13 @@ class QASession:
             KVBudgetError (a ValueError): the cache with the question and `max_new_tokens` decoded would
                 exceed `kv_budget_bytes`.
         """
-        max_new_tokens = checks.max_new_tokens(max_new_tokens)
-        q_ids = self.question_ids(question)
-        self.check_answer(len(q_ids), max_new_tokens)
+        if not isinstance(question, PreparedQuestion):
+            question = self.prepare_question(question, max_new_tokens)
+        elif question.split is not self._split:
+            raise ValueError("the question was prepared for another prefill; prepare it again for this context")
         self._close_active()
         self._stop.clear()
-        self._active = self._decode(question, q_ids, max_new_tokens)
+        self._active = self._decode(question.text, list(question.ids), question.max_new_tokens)
         return self._active
 
     def request_stop(self) -> None:
@@ -271,74 +312,14 @@ class QASession:
         self._stop.set()
 
     def _decode(self, question: str, q_ids: list[int], max_new_tokens: int) -> Iterator[StepEvent]:
-        loaded, cache, saved = self.loaded, self.cache, self._snapshot
-        text = TextStream(loaded.tokenizer)
-        flushes = [0] * len(cache.layers)
-        token_ids: list[int] = []
-        finish_reason = "error"
-        start = time.perf_counter()
-        steps, question_seconds, question_flushes = 0, 0.0, 0
-        inputs = torch.tensor([q_ids], device=loaded.device)
-        try:
-            for step in range(max_new_tokens):
-                step_start = time.perf_counter()
-                with torch.no_grad():
-                    logits = loaded.model(input_ids=inputs, cache=cache, use_cache=True, logits_to_keep=1).logits
-                token = int(logits[0, -1].argmax())
-                now = time.perf_counter()
-                steps += 1
-                flushed = flushed_layers(cache)
-                for index in flushed:
-                    flushes[index] += 1
-                if step == 0:
-                    question_seconds, question_flushes = now - step_start, len(flushed)
-                token_ids.append(token)
-                text.push(token)
-                cache_length = cache.get_seq_length()
-                finish_reason = "eos" if token in loaded.eos_token_ids else "max_new_tokens"
-                yield StepEvent(
-                    step=step,
-                    token_id=token,
-                    text=text.text,
-                    seconds=now - step_start,
-                    elapsed=now - start,
-                    memory=kv_memory(cache, saved),
-                    flushed_layers=flushed,
-                    cache_length=cache_length,
-                    full_precision_bytes=full_precision_bytes(loaded.config, cache_length, loaded.dtype),
-                )
-                if finish_reason == "eos":
-                    break
-                if self._stop.is_set():
-                    finish_reason = "stopped" if step + 1 < max_new_tokens else finish_reason
-                    break
-                inputs = torch.tensor([[token]], device=loaded.device)
-        except GeneratorExit:
-            if finish_reason != "eos" and steps < max_new_tokens:
-                finish_reason = "stopped"
-            raise
-        except BaseException:
-            finish_reason = "error"
-            raise
-        finally:
-            snapshot.restore(cache, saved)
+        cache = self.cache
+
+        def finished(answer: Answer) -> None:  # the cache is restored already
             if self._active is not None and cache is self.cache:
                 self._active = None
-            self.history.append(
-                Answer(
-                    question=question,
-                    text=text.text,
-                    token_ids=tuple(token_ids),
-                    steps=steps,
-                    flushes=tuple(flushes),
-                    seconds=time.perf_counter() - start,
-                    cache_length_after=cache.get_seq_length(),
-                    finish_reason=finish_reason,
-                    question_tokens=len(q_ids),
-                    question_seconds=question_seconds,
-                    question_flushes=question_flushes,
-                )
-            )
+            self.history.append(answer)
+
+        return greedy_decode(self.loaded, cache, self._snapshot, question, q_ids, max_new_tokens, self._stop, finished)
 
     def score(
         self, question: str, answer_ids: Sequence[int], on_step: Callable[[int, Cache], None] | None = None
@@ -374,20 +355,7 @@ class QASession:
                 f"model's {self.loaded.max_context_tokens:,}-token window"
             )
         self._close_active()
-        loaded, cache = self.loaded, self.cache
-        rows = []
-        inputs = torch.tensor([q_ids], device=loaded.device)
-        try:
-            for token in answer_ids:
-                with torch.no_grad():
-                    logits = loaded.model(input_ids=inputs, cache=cache, use_cache=True, logits_to_keep=1).logits
-                rows.append(torch.log_softmax(logits[0, -1].float(), dim=-1).cpu())
-                if on_step is not None:
-                    on_step(len(rows) - 1, cache)
-                inputs = torch.tensor([[token]], device=loaded.device)
-        finally:
-            snapshot.restore(cache, self._snapshot)
-        return torch.stack(rows)
+        return teacher_forced(self.loaded, self.cache, self._snapshot, q_ids, answer_ids, on_step)
 
     def ask(self, question: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> Answer:
         """Answer `question` to the end and return the `Answer` (also appended to `history`).

@@ -10,6 +10,7 @@ import threading
 from kvdemo.cache import budget
 from kvdemo.cache.spec import CacheSpec
 from kvdemo.qa.models import LoadedModel
+from kvdemo.qa.prompt import PreparedContext
 from kvdemo.qa.session import QASession
 
 
@@ -126,7 +127,10 @@ class KVAccount:
 def prefill_tokens(qa: QASession, context: object) -> int:
     """The tokens `qa.prefill(context)` would put in the cache (chat template prefix included), before it runs;
     0 for what is not a non-blank text (the session refuses that with its own message). A context longer than
-    the model's window is counted at once, without the prompt split's probes (`QASession.context_ids`)."""
+    the model's window is counted at once, without the prompt split's probes (`QASession.context_ids`); a
+    `PreparedContext` is not tokenized again."""
+    if isinstance(context, PreparedContext):
+        return len(qa.context_ids(context))
     if not isinstance(context, str) or not context.strip():
         return 0
     # the session's own layout: the one definition of the prompt

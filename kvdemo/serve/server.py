@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from kvdemo import checks
 from kvdemo.cache.spec import CacheSpec
 from kvdemo.qa.models import LoadedModel, is_hub_id, load_model
+from kvdemo.qa.prompt import PreparedContext, PreparedQuestion
 from kvdemo.qa.records import PrefillReport
 from kvdemo.qa.session import DEFAULT_MAX_NEW_TOKENS, QUESTION_RESERVE_TOKENS, QASession
 from kvdemo.serve.accounting import KVAccount, prefill_tokens, session_kv_bytes
@@ -149,7 +150,7 @@ class App:
         self,
         key: str,
         qa: QASession,
-        context: str,
+        context: str | PreparedContext,
         max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
         on_progress: Callable[[int, int], None] | None = None,
     ) -> PrefillReport:
@@ -179,6 +180,8 @@ class App:
                 f"the context is {size / 2**20:,.1f} MiB of text; the limit is {MAX_CONTEXT_BYTES / 2**20:.0f} MiB, "
                 f"and the model's {qa.loaded.max_context_tokens:,}-token window holds far less: paste a part of it"
             )
+        if isinstance(context, str) and context.strip():  # tokenized once: for the reservation and the prefill
+            context = qa.prepare(context, max_tokens=qa.loaded.max_context_tokens)
         tokens = prefill_tokens(qa, context)
         qa.check_prefill(tokens, reserve)  # the window and the session's budget first: waiting would not help them
         nbytes = session_kv_bytes(qa.spec, qa.loaded, tokens, reserve)
@@ -198,9 +201,12 @@ class App:
             self.kv.release(f"cache:{key}")
         return report
 
-    def reserve_answer(self, key: str, qa: QASession, question: str, max_new_tokens: int) -> None:
+    def reserve_answer(self, key: str, qa: QASession, question: str, max_new_tokens: int) -> PreparedQuestion:
         """Before `qa.stream(question, max_new_tokens)`: grow the session's reservation `cache:<key>` to cover
         that answer (the prefill reserved `QUESTION_RESERVE_TOKENS` + its own max_new_tokens); never shrinks it.
+
+        Returns:
+            The question tokenized and checked once (`QASession.prepare_question`): hand it to `qa.stream`.
 
         Raises:
             ServerKVBudgetError (a ValueError): the larger reservation would pass the budget; nothing ran.
@@ -210,9 +216,8 @@ class App:
         max_new_tokens = checks.max_new_tokens(max_new_tokens)
         if qa.prefill_report is None:
             raise ValueError("prefill a context before asking a question")
-        question_tokens = len(qa.question_ids(question))
-        qa.check_answer(question_tokens, max_new_tokens)  # the window and the session's budget first
-        decoded = question_tokens + max_new_tokens
+        prepared = qa.prepare_question(question, max_new_tokens)  # the window and the session's budget first
+        decoded = len(prepared.ids) + max_new_tokens
         nbytes = session_kv_bytes(qa.spec, qa.loaded, qa.prefill_report.context_tokens, decoded)
         self.kv.reserve(
             f"cache:{key}",
@@ -223,6 +228,7 @@ class App:
         )
         if key not in self.sessions:  # freed meanwhile: its cache goes once this answer ends
             self.kv.release(f"cache:{key}")
+        return prepared
 
     @contextmanager
     def holding(self, holder: str, nbytes: int, what: str) -> Iterator[int]:
@@ -238,9 +244,26 @@ class App:
         finally:
             self.kv.release(holder)
 
-    def comparison(self, key: str, loaded: LoadedModel, context: str, specs: Sequence[CacheSpec], max_new_tokens: int):
+    def prepare(self, loaded: LoadedModel, context: str) -> PreparedContext:
+        """`context` tokenized once for a job over several specs (a comparison): its reservation
+        (`comparison`) and every spec's prefill (`kvdemo.compare.run.compare`) take the result.
+
+        Raises:
+            ValueError: an empty context, or one with a broken character (`QASession.prepare`).
+        """
+        return QASession(loaded).prepare(context, max_tokens=loaded.max_context_tokens)
+
+    def comparison(
+        self,
+        key: str,
+        loaded: LoadedModel,
+        context: str | PreparedContext,
+        specs: Sequence[CacheSpec],
+        max_new_tokens: int,
+    ):
         """`holding` for `kvdemo.compare.run.compare(loaded, context, questions, specs, max_new_tokens)` run by the
-        session of `key` (holder `compare:<key>`): it runs one spec at a time, `dynamic` first, so it holds at
+        session of `key` (holder `compare:<key>`; a `PreparedContext`, handed on to `compare`, is not tokenized
+        again): it runs one spec at a time, `dynamic` first, so it holds at
         most the largest `session_kv_bytes` of those specs (its reference log-probabilities are not KV and are
         not counted).
 

@@ -197,8 +197,8 @@ class AskTab(AskWidgets):
                 raise ValueError("Your session was freed; press Prefill again to rebuild the cache")
             if self.app.loaded is not qa.loaded:
                 raise ValueError("The model changed since your prefill; press Prefill to rebuild the cache on it")
-            self.app.reserve_answer(key, qa, question, max_new_tokens)  # within the server-wide KV budget
-            stream = qa.stream(question, max_new_tokens)
+            prepared = self.app.reserve_answer(key, qa, question, max_new_tokens)  # within the server's KV budget
+            stream = qa.stream(prepared)
         except ValueError as error:
             yield AnswerView.refused(refusal(error, "a question"))
             return
@@ -208,8 +208,7 @@ class AskTab(AskWidgets):
         # at once, before the question's own forward pass (seconds on a long context): what is happening
         yield AnswerView(
             list(user.chat),
-            f"reading the question ({len(qa.question_ids(question)):,} tokens) on top of "
-            f"the {qa.cache_length:,}-token context…",
+            f"reading the question ({len(prepared.ids):,} tokens) on top of the {qa.cache_length:,}-token context…",
             gr.skip(),
             gr.skip(),
             gr.skip(),

@@ -125,10 +125,11 @@ class CompareTab:
             loaded = self.app.wait_for_model()
             golds = gold_answers_for(context, questions)
             progress(0, desc="Starting the comparison…")
-            with self.app.comparison(request_key(request), loaded, context, specs, max_new_tokens):
+            prepared = self.app.prepare(loaded, context)  # tokenized once for the reservation and every spec
+            with self.app.comparison(request_key(request), loaded, prepared, specs, max_new_tokens):
                 report = compare(
                     loaded,
-                    context,
+                    prepared,
                     questions,
                     specs,
                     max_new_tokens,

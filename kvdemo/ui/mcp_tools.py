@@ -155,8 +155,7 @@ class McpTools:
                 raise ValueError("This session was freed; call prefill_context again")
             if self.app.loaded is not qa.loaded:
                 raise ValueError("The model changed since your prefill; call prefill_context again")
-            self.app.reserve_answer(key, qa, question, max_new_tokens)
-            stream = qa.stream(question, max_new_tokens)
+            stream = qa.stream(self.app.reserve_answer(key, qa, question, max_new_tokens))
             first_token = None
             try:
                 with closing(stream):
@@ -235,11 +234,12 @@ class McpTools:
             user.compare_cancel.clear()
             golds = gold_answers_for(context, questions)
             note = ""
-            with self.app.comparison(key, loaded, context, parsed, max_new_tokens):
+            prepared = self.app.prepare(loaded, context)  # tokenized once for the reservation and every spec
+            with self.app.comparison(key, loaded, prepared, parsed, max_new_tokens):
                 try:
                     report = compare(
                         loaded,
-                        context,
+                        prepared,
                         questions,
                         parsed,
                         max_new_tokens,

@@ -1,0 +1,107 @@
+"""Data made once and handed down: a comparison tokenizes its context once for its reservation and all its specs
+(`App.prepare`, `PreparedContext`), a page prefill once for its reservation and the prefill, and an answer its
+question once from the reservation to the decode loop (`App.reserve_answer`, `PreparedQuestion`).
+
+Each count is of the tokenizer's own entry points (`__call__`, `encode`, `apply_chat_template`, nested calls
+included) whose arguments hold the text, against the count of one `QASession.prepare` (the prompt split: the
+template's reference ids and the split's probes, 39 calls on the Normans' first paragraph) or one
+`QASession.question_ids`. (A perplexity without a continuation tokenizes the text once more, plainly, to count its
+own tokens before holding its tail out: `fidelity.perplexity_inputs`.) Before this, a 3-spec comparison from the
+page split its context 8 times (273 calls in
+`compare` alone), a page prefill twice, and a page answer tokenized its question 3 times."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvdemo.cache.spec import CacheSpec
+from kvdemo.compare.run import compare
+from kvdemo.qa.prompt import PreparedContext
+from kvdemo.qa.session import QASession
+from kvdemo.serve.server import App
+
+QUESTION = "Who gave their name to Normandy, a region in France?"
+
+
+def _counting(monkeypatch, tokenizer, text: str) -> list[str]:
+    """From now on, the name of every tokenizer entry point called with `text` in its arguments, in order."""
+    calls: list[str] = []
+    cls = type(tokenizer)
+    for name in ("__call__", "encode", "apply_chat_template"):
+        original = getattr(cls, name)
+
+        def counted(self, *args, _original=original, _name=name, **kwargs):
+            if text in repr(args) or text in repr(kwargs):
+                calls.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, name, counted)
+    return calls
+
+
+@pytest.fixture()
+def app(tiny) -> App:
+    app = App(loader=lambda source: tiny)
+    app.start_loading()
+    app.wait_for_model()
+    return app
+
+
+def test_a_comparison_of_three_specs_tokenizes_its_context_once(tiny, normans, app, monkeypatch):
+    context = normans.paragraphs[0]
+    calls = _counting(monkeypatch, tiny.tokenizer, context[:120])
+    QASession(tiny).prepare(context, max_tokens=tiny.max_context_tokens)
+    one_preparation = len(calls)
+    calls.clear()
+    specs = [CacheSpec.parse("hqq:4"), CacheSpec.parse("quanto:4"), CacheSpec.parse("fp8")]
+    prepared = app.prepare(tiny, context)  # what the Compare tab and the MCP tool do
+    with app.comparison("a", tiny, prepared, specs, 3):
+        continuation = "\n\n" + normans.paragraphs[1]
+        report = compare(tiny, prepared, ["Who?", "Where?"], specs, 3, perplexity_tokens=4, continuation=continuation)
+    assert len(report.results) == 4 and [r.backend for r in report.results] == ["dynamic", "hqq", "quanto", "fp8"]
+    assert one_preparation > 0 and len(calls) == one_preparation
+    assert all(r.context_tokens == len(prepared.ids) for r in report.results) and all(
+        r.restored for r in report.results
+    )
+
+
+def test_a_page_prefill_tokenizes_its_context_once(tiny, normans, app, monkeypatch):
+    context = normans.paragraphs[1]
+    calls = _counting(monkeypatch, tiny.tokenizer, context[:120])
+    QASession(tiny).prepare(context, max_tokens=tiny.max_context_tokens)
+    one_preparation = len(calls)
+    calls.clear()
+    qa = QASession(tiny, CacheSpec.parse("hqq:4"))
+    report = app.prefill("k", qa, context, 8)
+    assert one_preparation > 0 and len(calls) == one_preparation
+    assert report.context_tokens == len(qa.context_ids(context)) == qa.cache_length
+
+
+def test_an_answer_tokenizes_its_question_once(tiny, normans, app, monkeypatch):
+    qa = QASession(tiny, CacheSpec.parse("quanto:4,residual_length=4"))
+    app.prefill("k", qa, normans.paragraphs[0], 8)
+    app.sessions.get("k").qa = qa
+    calls = _counting(monkeypatch, tiny.tokenizer, QUESTION)
+    q_ids = qa.question_ids(QUESTION)
+    one_tokenization = len(calls)
+    calls.clear()
+    prepared = app.reserve_answer("k", qa, QUESTION, 6)  # what the Ask tab and the MCP tool do
+    events = list(qa.stream(prepared))
+    assert list(prepared.ids) == q_ids and len(events) == len(qa.history[-1].token_ids) >= 1
+    assert qa.history[-1].question_tokens == len(q_ids) and qa.history[-1].question == QUESTION
+    assert one_tokenization > 0 and len(calls) == one_tokenization
+
+
+def test_a_prepared_question_or_context_is_refused_where_it_does_not_belong(tiny, normans):
+    qa = QASession(tiny)
+    qa.prefill(normans.paragraphs[0])
+    prepared = qa.prepare_question(QUESTION, 4)
+    qa.prefill(normans.paragraphs[1])  # another prefill: the question's ids were for the first context
+    with pytest.raises(ValueError, match="the question was prepared for another prefill; prepare it again"):
+        qa.stream(prepared)
+    assert qa.ask(QUESTION, 2).cache_length_after == qa.prefill_report.context_tokens  # the session goes on
+    made = QASession(tiny).prepare(normans.paragraphs[0])
+    foreign = PreparedContext(made.text, made.split, tokenizer=object())  # as another model's tokenizer made it
+    with pytest.raises(ValueError, match="prepared with another model's tokenizer; prepare it with this session"):
+        qa.prefill(foreign)
+    assert qa.context == normans.paragraphs[1]  # the refused prefill changed nothing
