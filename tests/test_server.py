@@ -316,3 +316,40 @@ def test_what_no_wait_can_fit_is_told_so_not_that_the_server_is_full(tiny, monke
         f"{window - context_tokens - 1:,} tokens" in str(error.value)
     )
     assert app.kv.holders() == held  # the refusals reserved nothing
+
+
+def test_one_long_job_protocol_for_comparisons_and_grids(tiny):
+    """`SessionStore.long_job`: one long job per session (the second refused with the caller's message, nothing
+    run), Cancel armed for an API call, the lock and the pending flag freed however the job ends; a click
+    (`queue_long_job`) arms Cancel before the job starts, and `cancel_long_job` reaches it while it waits."""
+    app = _app(tiny, None)
+    user = app.sessions.get("k")
+    user.compare_cancel.set()  # left over from an earlier job
+    with app.sessions.long_job(user, "busy here") as cancel:
+        assert cancel is user.compare_cancel and not cancel.is_set() and user.compare_pending
+        with pytest.raises(ValueError, match="^busy here$"):
+            with app.sessions.long_job(user, "busy here"):
+                raise AssertionError("a second job ran")
+    assert not user.compare_pending and not user.compare_lock.locked()
+    with pytest.raises(RuntimeError, match="a fault"):
+        with app.sessions.long_job(user, "busy"):
+            raise RuntimeError("a fault")
+    assert not user.compare_lock.locked() and not user.busy
+    app.sessions.queue_long_job(user)  # the click, while the job waits in the queue
+    app.sessions.cancel_long_job(user)
+    with app.sessions.long_job(user, "busy") as cancel:
+        assert cancel.is_set()  # the Cancel pressed while it waited applies
+    app.sessions.cancel_long_job(user)  # nothing runs or waits: nothing armed
+    assert not user.compare_pending and cancel.is_set()
+
+
+def test_a_needle_grid_reserves_its_largest_spec_at_its_longest_length(tiny):
+    app = _app(tiny, None)
+    specs = [CacheSpec("dynamic"), CacheSpec.parse("hqq:4")]
+    with app.needle_grid("k", tiny, specs, [100, 300], 16) as held:
+        assert held == session_kv_bytes(CacheSpec("dynamic"), tiny, 300, QUESTION_RESERVE_TOKENS + 16)
+        assert app.kv.holders() == {"grid:k": held}
+    assert app.kv.holders() == {}
+    small = _app(tiny, 1000)
+    with pytest.raises(ServerKVBudgetError, match="a needle grid of 2 spec"):
+        small.needle_grid("k", tiny, specs, [300], 16).__enter__()

@@ -244,6 +244,21 @@ class App:
         finally:
             self.kv.release(holder)
 
+    def needle_grid(
+        self, key: str, loaded: LoadedModel, specs: Sequence[CacheSpec], lengths: Sequence[int], max_new_tokens: int
+    ):
+        """`holding` for `kvdemo.needle.grid.needle_grid(loaded, specs, lengths, ..., max_new_tokens)` run by the
+        session of `key` (holder `grid:<key>`): one spec at a time, so at most the largest `session_kv_bytes` of
+        its specs at the longest length, with `QUESTION_RESERVE_TOKENS + max_new_tokens` decoded.
+
+        Raises:
+            ServerKVBudgetError (a ValueError): the grid would pass the budget; nothing ran.
+        """
+        longest = max(lengths, default=0)
+        reserve = QUESTION_RESERVE_TOKENS + max_new_tokens
+        nbytes = max((session_kv_bytes(s, loaded, longest, reserve) for s in specs), default=0)
+        return self.holding(f"grid:{key}", nbytes, f"a needle grid of {len(specs)} spec(s) up to {longest:,} tokens")
+
     def prepare(self, loaded: LoadedModel, context: str) -> PreparedContext:
         """`context` tokenized once for a job over several specs (a comparison): its reservation
         (`comparison`) and every spec's prefill (`kvdemo.compare.run.compare`) take the result.

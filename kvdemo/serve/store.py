@@ -8,7 +8,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from kvdemo.cache.spec import CacheSpec
@@ -187,6 +188,40 @@ class SessionStore:
     def touch(self, user: UserSession) -> None:
         """Mark `user` as used now (when a long answer or comparison ends)."""
         user.last_used = self.clock()
+
+    @staticmethod
+    def queue_long_job(user: UserSession) -> None:
+        """At a long job's click, before it waits in the queue: from now on Cancel applies to it."""
+        user.compare_cancel.clear()
+        user.compare_pending = True
+
+    @staticmethod
+    def cancel_long_job(user: UserSession | None) -> None:
+        """Cancel the session's long job at its next decode step, also while it waits in the queue; nothing when
+        none is running or waiting."""
+        if user is not None and user.compare_pending:
+            user.compare_cancel.set()
+
+    @contextmanager
+    def long_job(self, user: UserSession, busy: str) -> Iterator[threading.Event]:
+        """The one protocol of a session's long job (a comparison or a needle grid, from a tab or an MCP tool):
+        one at a time per session, refused rather than queued; Cancel applies from the click (`queue_long_job`)
+        or, for a call that was not queued by a button, from now; at the end the session is marked used and
+        free again, however the job ends. Yields the cancel event to hand to the job.
+
+        Raises:
+            ValueError(busy): another long job of this session is running (nothing ran).
+        """
+        if not user.compare_lock.acquire(blocking=False):
+            raise ValueError(busy)
+        try:
+            if not user.compare_pending:  # called through the API, not queued by a button
+                self.queue_long_job(user)
+            yield user.compare_cancel
+        finally:
+            user.compare_pending = False
+            self.touch(user)
+            user.compare_lock.release()
 
     def freed_reason(self, key: str) -> str | None:
         """Why the session of `key` was freed, or None when it was not (or has prefilled since)."""

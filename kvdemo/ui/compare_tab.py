@@ -66,6 +66,10 @@ def _view(report: ComparisonReport, note: str) -> CompareView:
     )
 
 
+BUSY = "A comparison is already running in this session; wait or press Cancel"
+"""The refusal of a second long job in one session (`SessionStore.long_job`)."""
+
+
 class CompareTab:
     """The Compare tab, sharing the Ask tab's sessions (its Cancel and lock live in the same `UserSession`).
 
@@ -92,8 +96,7 @@ class CompareTab:
             user = self.app.sessions.of_request(request)
         except ValueError as error:
             return refusal(error, "a comparison")
-        user.compare_cancel.clear()
-        user.compare_pending = True
+        self.app.sessions.queue_long_job(user)
         return views.SUBMITTED.format(job="comparison")
 
     def run(
@@ -112,39 +115,33 @@ class CompareTab:
         a message in the status line; the last results stay."""
         try:
             user = self.app.sessions.of_request(request)
-            if not user.compare_lock.acquire(blocking=False):
-                raise ValueError("A comparison is already running in this session; wait or press Cancel")
-        except ValueError as error:
-            return CompareView.refused(refusal(error, "a comparison"))
-        try:
-            if not user.compare_pending:  # called through the API, not queued by the button
-                user.compare_cancel.clear()
-                user.compare_pending = True
-            specs, questions, max_new_tokens = compare_inputs(chosen, more, questions_text, max_new_tokens)
-            ppl_tokens = perplexity_tokens(perplexity)
-            loaded = self.app.wait_for_model()
-            golds = gold_answers_for(context, questions)
-            progress(0, desc="Starting the comparison…")
-            prepared = self.app.prepare(loaded, context)  # tokenized once for the reservation and every spec
-            with self.app.comparison(request_key(request), loaded, prepared, specs, max_new_tokens):
-                report = compare(
-                    loaded,
-                    prepared,
-                    questions,
-                    specs,
-                    max_new_tokens,
-                    golds,
-                    cancel=user.compare_cancel,
-                    on_progress=lambda done, total, what: progress((done, total), desc=what, unit="steps"),
-                    kv_budget_bytes=self.app.kv_budget_bytes,
-                    perplexity_tokens=ppl_tokens,
-                    continuation=continuation_for(context) if ppl_tokens else None,
+            with self.app.sessions.long_job(user, BUSY) as cancel:
+                specs, questions, max_new_tokens = compare_inputs(chosen, more, questions_text, max_new_tokens)
+                ppl_tokens = perplexity_tokens(perplexity)
+                loaded = self.app.wait_for_model()
+                golds = gold_answers_for(context, questions)
+                progress(0, desc="Starting the comparison…")
+                prepared = self.app.prepare(loaded, context)  # tokenized once for the reservation and every spec
+                with self.app.comparison(request_key(request), loaded, prepared, specs, max_new_tokens):
+                    report = compare(
+                        loaded,
+                        prepared,
+                        questions,
+                        specs,
+                        max_new_tokens,
+                        golds,
+                        cancel=cancel,
+                        on_progress=lambda done, total, what: progress((done, total), desc=what, unit="steps"),
+                        kv_budget_bytes=self.app.kv_budget_bytes,
+                        perplexity_tokens=ppl_tokens,
+                        continuation=continuation_for(context) if ppl_tokens else None,
+                    )
+                plural = "s" if len(questions) > 1 else ""
+                note = f"Compared {len(report.results)} specs on {len(questions)} question{plural}"
+                note += (
+                    " (scored against the example's gold answers)." if golds else " (no gold answers for this text)."
                 )
-            note = (
-                f"Compared {len(report.results)} specs on {len(questions)} question{'s' if len(questions) > 1 else ''}"
-            )
-            note += " (scored against the example's gold answers)." if golds else " (no gold answers for this text)."
-            return _view(report, note)
+                return _view(report, note)
         except ComparisonCancelled as cancelled:
             return _view(cancelled.report, f"Cancelled after {len(cancelled.report.results)} spec(s).")
         except (ValueError, ImportError) as error:
@@ -154,17 +151,11 @@ class CompareTab:
             return CompareView.refused(
                 f"⚠ The comparison failed ({type(error).__name__}: {str(error)[:200]}); your own session is untouched"
             )
-        finally:
-            user.compare_pending = False
-            self.app.sessions.touch(user)
-            user.compare_lock.release()
 
     def cancel(self, request: gr.Request) -> None:
         """Cancel this session's comparison at its next decode step (it returns what finished), also while
         it still waits in the queue; does nothing when none is running or waiting."""
-        user = self.app.sessions.peek_request(request)
-        if user is not None and user.compare_pending:
-            user.compare_cancel.set()
+        self.app.sessions.cancel_long_job(self.app.sessions.peek_request(request))
 
     def build(self) -> None:
         """The tab's widgets (inside a `gr.Blocks` and `gr.Tab` context), kept in `self.w` by name."""

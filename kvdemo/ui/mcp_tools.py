@@ -228,10 +228,8 @@ class McpTools:
             context = self._prefilled(key).qa.context
         loaded = self.app.wait_for_model()
         user = self.app.sessions.get(key)
-        if not user.compare_lock.acquire(blocking=False):
-            raise ValueError("A comparison is already running in this session; wait for it to end")
-        try:
-            user.compare_cancel.clear()
+        busy = "A comparison is already running in this session; wait for it to end"
+        with self.app.sessions.long_job(user, busy) as cancel:
             golds = gold_answers_for(context, questions)
             note = ""
             prepared = self.app.prepare(loaded, context)  # tokenized once for the reservation and every spec
@@ -244,7 +242,7 @@ class McpTools:
                         parsed,
                         max_new_tokens,
                         golds,
-                        cancel=user.compare_cancel,
+                        cancel=cancel,
                         kv_budget_bytes=self.app.kv_budget_bytes,
                     )
                 except ComparisonCancelled as cancelled:  # the session was freed meanwhile
@@ -265,9 +263,6 @@ class McpTools:
                     "results": rows,
                 }
             )
-        finally:
-            self.app.sessions.touch(user)
-            user.compare_lock.release()
 
     def register(self) -> None:
         """Add the tools to the `gr.Blocks` being built, as API endpoints named `TOOLS`: prefill and ask in the

@@ -16,8 +16,6 @@ from kvdemo.charts.reports import needle_heatmap_figure
 from kvdemo.needle import grid as needle
 from kvdemo.needle import records as needle_records
 from kvdemo.needle.inputs import parse_depths, parse_lengths
-from kvdemo.qa.session import QUESTION_RESERVE_TOKENS
-from kvdemo.serve.accounting import session_kv_bytes
 from kvdemo.serve.store import request_key
 from kvdemo.ui import views
 from kvdemo.ui.ask_tab import AskTab
@@ -57,6 +55,10 @@ def _view(grid: needle_records.NeedleGrid, note: str) -> NeedleView:
     )
 
 
+BUSY = "A comparison or a grid is already running in this session; wait or press Cancel"
+"""The refusal of a second long job in one session (`SessionStore.long_job`)."""
+
+
 class NeedleTab:
     """The Needle tab over the Ask tab's sessions (`UserSession.compare_lock` and `compare_cancel` serve every
     long job of a session: a comparison or a grid).
@@ -76,8 +78,7 @@ class NeedleTab:
             user = self.app.sessions.of_request(request)
         except ValueError as error:
             return refusal(error, "a needle grid")
-        user.compare_cancel.clear()
-        user.compare_pending = True
+        self.app.sessions.queue_long_job(user)
         return views.SUBMITTED.format(job="long job (a comparison or a grid)")
 
     def run(
@@ -87,51 +88,34 @@ class NeedleTab:
         shows the cells finished. A refusal is a message in the status line; the last grid stays."""
         try:
             user = self.app.sessions.of_request(request)
-            if not user.compare_lock.acquire(blocking=False):
-                raise ValueError("A comparison or a grid is already running in this session; wait or press Cancel")
-        except ValueError as error:
-            return NeedleView.refused(refusal(error, "a needle grid"))
-        try:
-            if not user.compare_pending:  # called through the API, not queued by the button
-                user.compare_cancel.clear()
-            loaded = self.app.wait_for_model()
-            chosen, token_lengths = (
-                [CacheSpec.parse(s) for s in specs or []],
-                parse_lengths(lengths or ""),
-            )
-            answer_tokens = checks.max_new_tokens(
-                needle.DEFAULT_MAX_NEW_TOKENS if max_new_tokens in (None, "") else max_new_tokens,
-                NEEDLE_MAX_NEW_TOKENS,
-                what="a needle grid",
-            )
-            # within the server-wide KV budget: one spec at a time, so at most its largest cache at the longest length
-            longest = max(token_lengths, default=0)
-            nbytes = max(
-                (session_kv_bytes(s, loaded, longest, QUESTION_RESERVE_TOKENS + answer_tokens) for s in chosen),
-                default=0,
-            )
-            what = f"a needle grid of {len(chosen)} spec(s) up to {longest:,} tokens"
-            with self.app.holding(f"grid:{request_key(request)}", nbytes, what):
-                grid = needle.needle_grid(
-                    loaded,
-                    chosen,
-                    token_lengths,
-                    parse_depths(depths or ""),
-                    seed=int(seed or 0),
-                    max_new_tokens=answer_tokens,
-                    cancel=user.compare_cancel,
-                    kv_budget_bytes=self.app.kv_budget_bytes,
-                    on_progress=lambda done, total, what: progress((done, total), desc=what, unit="steps"),
+            with self.app.sessions.long_job(user, BUSY) as cancel:
+                loaded = self.app.wait_for_model()
+                chosen, token_lengths = (
+                    [CacheSpec.parse(s) for s in specs or []],
+                    parse_lengths(lengths or ""),
                 )
-            return _view(grid, f"{len(grid.cells):,} cells in {grid.seconds:,.0f} s on {grid.device}.")
+                answer_tokens = checks.max_new_tokens(
+                    needle.DEFAULT_MAX_NEW_TOKENS if max_new_tokens in (None, "") else max_new_tokens,
+                    NEEDLE_MAX_NEW_TOKENS,
+                    what="a needle grid",
+                )
+                with self.app.needle_grid(request_key(request), loaded, chosen, token_lengths, answer_tokens):
+                    grid = needle.needle_grid(
+                        loaded,
+                        chosen,
+                        token_lengths,
+                        parse_depths(depths or ""),
+                        seed=int(seed or 0),
+                        max_new_tokens=answer_tokens,
+                        cancel=cancel,
+                        kv_budget_bytes=self.app.kv_budget_bytes,
+                        on_progress=lambda done, total, what: progress((done, total), desc=what, unit="steps"),
+                    )
+                return _view(grid, f"{len(grid.cells):,} cells in {grid.seconds:,.0f} s on {grid.device}.")
         except needle_records.NeedleCancelled as cancelled:
             return _view(cancelled.grid, f"Cancelled after {len(cancelled.grid.cells):,} cells.")
         except (ValueError, ImportError, TypeError) as error:
             return NeedleView.refused(refusal(error, "a needle grid"))
-        finally:
-            user.compare_pending = False
-            self.app.sessions.touch(user)
-            user.compare_lock.release()
 
     def build(self) -> None:
         """The tab's widgets (inside a `gr.Blocks` and `gr.Tab` context), kept in `self.w` by name."""
@@ -190,6 +174,4 @@ class NeedleTab:
 
     def cancel(self, request: gr.Request) -> None:
         """Cancel this session's grid at its next decode step; does nothing when none runs or waits."""
-        user = self.app.sessions.peek_request(request)
-        if user is not None and user.compare_pending:
-            user.compare_cancel.set()
+        self.app.sessions.cancel_long_job(self.app.sessions.peek_request(request))
