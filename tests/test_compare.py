@@ -15,7 +15,7 @@ import torch
 
 from kvdemo import CacheSpec, QASession
 from kvdemo.cache.telemetry import flushed_layers, kv_memory
-from kvdemo.compare.measure import measure_spec
+from kvdemo.compare.measure import ComparisonRun, measure_spec
 from kvdemo.compare.records import ComparisonCancelled
 from kvdemo.compare.run import compare
 from kvdemo.evals import cache_error, fidelity
@@ -96,12 +96,13 @@ def test_kl_divergence_by_hand():
 
 
 def test_dynamic_against_itself_has_zero_kl_and_identical_answers(tiny):
-    first, reference = measure_spec(tiny, CONTEXT, QUESTIONS, CacheSpec("dynamic"), max_new_tokens=6)
+    run = ComparisonRun(tiny, CONTEXT, tuple(QUESTIONS), max_new_tokens=6)
+    first, reference = measure_spec(run, CacheSpec("dynamic"))
     # the teacher-forced scoring reproduces the generation: each row's argmax is the answer's token
     for ids, logprobs in zip(reference.token_ids, reference.logprobs):
         assert logprobs.shape == (len(ids), len(tiny.tokenizer)) and tuple(logprobs.argmax(-1).tolist()) == ids
     # a second, independent session (its own prefill) measured against the first one
-    second, _ = measure_spec(tiny, CONTEXT, QUESTIONS, CacheSpec("dynamic"), max_new_tokens=6, reference=reference)
+    second, _ = measure_spec(run, CacheSpec("dynamic"), reference=reference)
     assert [q.kl_nats for q in second.questions] == [0.0, 0.0]
     assert all(q.identical_to_dynamic and q.common_prefix_tokens == len(q.token_ids) == 6 for q in second.questions)
     assert second.kv_bytes == first.kv_bytes and second.restored

@@ -37,11 +37,6 @@ class Reference:
     perplexity: float | None = None
 
 
-def _check_cancel(cancel: threading.Event | None) -> None:
-    if cancel is not None and cancel.is_set():
-        raise Cancelled
-
-
 class Cancelled(Exception):
     """Raised inside a measurement when its `cancel` callback returns True; `kvdemo.compare.run.compare` catches it and
     raises `ComparisonCancelled` with the partial report."""
@@ -56,35 +51,56 @@ def perplexity_units(tokens: int) -> int:
     return math.ceil(tokens / PERPLEXITY_STEPS_PER_UNIT) if tokens > 0 else 0
 
 
-def measure_spec(
-    loaded_model: LoadedModel,
-    context: str | PreparedContext,
-    questions: Sequence[str],
-    spec: CacheSpec,
-    max_new_tokens: int = 32,
-    reference: Reference | None = None,
-    gold_answers: Sequence[Sequence[str]] | None = None,
-    dynamic_kv_bytes: int | None = None,
-    cancel: threading.Event | None = None,
-    on_step: Callable[[str], None] | None = None,
-    kv_budget_bytes: int | None = None,
-    perplexity_inputs: PerplexityInputs | None = None,
-) -> tuple[SpecResult, Reference | None]:
-    """One spec of `compare`: a fresh `QASession`, one prefill, every question answered then scored; then, with
-    `perplexity_inputs`, a perplexity feed on a fresh cache (the session's cache is freed first).
+@dataclass(frozen=True)
+class ComparisonRun:
+    """What every spec of one comparison shares, made once by `kvdemo.compare.run.compare` and handed to each
+    spec's `measure_spec`.
 
-    Args:
-        context: the text, or the comparison's context tokenized once for every spec (`QASession.prepare`).
-        reference: `dynamic`'s run to compare with; None makes this run the reference (its KL is 0, its answers
-            identical and its cache error 0 by definition; for a quantized spec the full-precision keys and values
-            then come from a `cache_error.reference_kv` prefill).
-        dynamic_kv_bytes: `dynamic`'s kv_bytes for `ratio_to_dynamic` (default: this run's own).
+    Attributes:
+        loaded_model: the model. context: the text, or its `PreparedContext` (tokenized once for every spec).
+        questions: asked in turn; max_new_tokens: per answer (tokens).
+        gold_answers: per question, the accepted answers (an empty list: unanswerable); None: no gold figures.
         cancel: checked at every decode step; when set the session is closed (its cache restored) and the
             internal cancellation propagates to `compare`.
         on_step: called with a description after the prefill, after each answer and each score, and every
             `PERPLEXITY_STEPS_PER_UNIT` decode steps of the perplexity feed.
-        kv_budget_bytes: the session's out-of-memory guard (`QASession`), also applied to the perplexity's cache.
+        kv_budget_bytes: each session's out-of-memory guard (`QASession`), also applied to the perplexity's cache.
         perplexity_inputs: from `fidelity.perplexity_inputs`; None: no perplexity.
+    """
+
+    loaded_model: LoadedModel
+    context: str | PreparedContext
+    questions: tuple[str, ...]
+    max_new_tokens: int = 32
+    gold_answers: Sequence[Sequence[str]] | None = None
+    cancel: threading.Event | None = None
+    on_step: Callable[[str], None] | None = None
+    kv_budget_bytes: int | None = None
+    perplexity_inputs: PerplexityInputs | None = None
+
+    def check_cancel(self) -> None:
+        """Raises `Cancelled` once `cancel` is set."""
+        if self.cancel is not None and self.cancel.is_set():
+            raise Cancelled
+
+    def step(self, what: str) -> None:
+        """One unit of work done (`on_step(what)`)."""
+        if self.on_step is not None:
+            self.on_step(what)
+
+
+def measure_spec(
+    run: ComparisonRun, spec: CacheSpec, reference: Reference | None = None, dynamic_kv_bytes: int | None = None
+) -> tuple[SpecResult, Reference | None]:
+    """One spec of `compare`: a fresh `QASession`, one prefill, every question answered then scored; then, with
+    `run.perplexity_inputs`, a perplexity feed on a fresh cache (the session's cache is freed first).
+
+    Args:
+        run: what the comparison's specs share (`ComparisonRun`).
+        reference: `dynamic`'s run to compare with; None makes this run the reference (its KL is 0, its answers
+            identical and its cache error 0 by definition; for a quantized spec the full-precision keys and values
+            then come from a `cache_error.reference_kv` prefill).
+        dynamic_kv_bytes: `dynamic`'s kv_bytes for `ratio_to_dynamic` (default: this run's own).
 
     Returns:
         The `SpecResult`, and this run's own `Reference` when it is the reference run (else None).
@@ -92,35 +108,22 @@ def measure_spec(
     Raises:
         ValueError, ImportError: the session refuses the spec, context or a question (its message).
     """
-    session = QASession(loaded_model, spec, kv_budget_bytes=kv_budget_bytes)
-    prefill = session.prefill(context, max_new_tokens=max_new_tokens)
-    context_ids = session.context_ids(context)  # a PreparedContext is not tokenized again
-    reference_kv = _reference_kv(loaded_model, session, context_ids, reference)
+    session = QASession(run.loaded_model, spec, kv_budget_bytes=run.kv_budget_bytes)
+    prefill = session.prefill(run.context, max_new_tokens=run.max_new_tokens)
+    context_ids = session.context_ids(run.context)  # a PreparedContext is not tokenized again
+    reference_kv = _reference_kv(run.loaded_model, session, context_ids, reference)
     kv_error = cache_error.kv_error(reference_kv, session.cache)
-    if on_step is not None:
-        on_step(f"{spec.text}: prefilled {prefill.context_tokens} tokens")
-    answers, flush_steps, flush_seconds = _answer_all(session, spec, questions, max_new_tokens, cancel, on_step)
+    run.step(f"{spec.text}: prefilled {prefill.context_tokens} tokens")
+    answers, flush_steps, flush_seconds = _answer_all(run, session, spec)
     ref_ids = reference.token_ids if reference is not None else tuple(a.token_ids for a in answers)
-    own, parts, drift_runs = _score_all(session, spec, questions, ref_ids, reference, reference_kv, cancel, on_step)
+    own, parts, drift_runs = _score_all(run, session, spec, ref_ids, reference, reference_kv)
     session = None  # free this cache before the perplexity's
     gc.collect()
     ppl = None
-    if perplexity_inputs is not None:
-        ppl = _perplexity(
-            loaded_model,
-            spec,
-            perplexity_inputs,
-            context_ids,
-            reference_kv,
-            reference,
-            cancel,
-            on_step,
-            kv_budget_bytes,
-        )
+    if run.perplexity_inputs is not None:
+        ppl = _perplexity(run, spec, run.perplexity_inputs, context_ids, reference_kv, reference)
         drift_runs.append(ppl.context_errors)
-    questions_out = _question_results(
-        questions, answers, gold_answers, ref_ids, parts, flush_steps, flush_seconds, drift_runs
-    )
+    questions_out = _question_results(run, answers, ref_ids, parts, flush_steps, flush_seconds, drift_runs)
     result = _spec_result(
         spec, prefill, answers, flush_seconds, questions_out, parts, kv_error, drift_runs, ppl, dynamic_kv_bytes
     )
@@ -184,55 +187,45 @@ def _reference_kv(
     return cache_error.full_precision_kv(session.cache)  # the post-prefill tensors, before any answer
 
 
-def _answer_all(
-    session: QASession,
-    spec: CacheSpec,
-    questions: Sequence[str],
-    max_new_tokens: int,
-    cancel: threading.Event | None,
-    on_step: Callable[[str], None] | None,
-) -> tuple[list, list[int], list[float]]:
+def _answer_all(run: ComparisonRun, session: QASession, spec: CacheSpec) -> tuple[list, list[int], list[float]]:
     """Every question answered in turn: the answers, and per answer its flush steps and their seconds."""
     answers, flush_steps, flush_seconds = [], [], []
-    for question in questions:
-        stream = session.stream(question, max_new_tokens)
+    for question in run.questions:
+        stream = session.stream(question, run.max_new_tokens)
         steps, seconds = 0, 0.0
         try:
             for event in stream:
                 if event.is_flush_step:
                     steps, seconds = steps + 1, seconds + event.seconds
-                _check_cancel(cancel)
+                run.check_cancel()
         finally:
             stream.close()
         answers.append(session.history[-1])
         flush_steps.append(steps)
         flush_seconds.append(seconds)
-        if on_step is not None:
-            on_step(f"{spec.text}: answered {len(answers)}/{len(questions)}")
+        run.step(f"{spec.text}: answered {len(answers)}/{len(run.questions)}")
     return answers, flush_steps, flush_seconds
 
 
 def _score_all(
+    run: ComparisonRun,
     session: QASession,
     spec: CacheSpec,
-    questions: Sequence[str],
     ref_ids: Sequence[Sequence[int]],
     reference: Reference | None,
     reference_kv: cache_error.KV,
-    cancel: threading.Event | None,
-    on_step: Callable[[str], None] | None,
 ) -> tuple[list[torch.Tensor], list, list[tuple[float, ...]]]:
     """The reference's answers teacher-forced through this cache: the own log-probabilities (kept only for the
     reference run), each question's `PositionFidelity`, and the context's error after each flush (the drift)."""
     own, parts, drift_runs = [], [], []
-    for i, question in enumerate(questions):
-        _check_cancel(cancel)
+    for i, question in enumerate(run.questions):
+        run.check_cancel()
         errors: list[float] = []
 
         def after_step(_: int, cache, errors=errors) -> None:
             if flushed_layers(cache):
                 errors.append(cache_error.context_error(reference_kv, cache))
-            _check_cancel(cancel)
+            run.check_cancel()
 
         logprobs = session.score(question, ref_ids[i], on_step=after_step)
         if reference is None:
@@ -242,21 +235,17 @@ def _score_all(
         )
         drift_runs.append(tuple(errors))
         del logprobs
-        if on_step is not None:
-            on_step(f"{spec.text}: scored {i + 1}/{len(questions)}")
+        run.step(f"{spec.text}: scored {i + 1}/{len(run.questions)}")
     return own, parts, drift_runs
 
 
 def _perplexity(
-    loaded_model: LoadedModel,
+    run: ComparisonRun,
     spec: CacheSpec,
     perplexity_inputs: PerplexityInputs,
     context_ids: list[int],
     reference_kv: cache_error.KV,
     reference: Reference | None,
-    cancel: threading.Event | None,
-    on_step: Callable[[str], None] | None,
-    kv_budget_bytes: int | None,
 ) -> fidelity.PerplexityResult:
     """The perplexity feed on a fresh cache, with its ratio to the reference's perplexity."""
     fed_context = list(perplexity_inputs.context_ids)
@@ -268,26 +257,25 @@ def _perplexity(
     fed = perplexity_inputs.tokens
 
     def after_feed(step: int) -> None:
-        _check_cancel(cancel)
-        if on_step is not None and ((step + 1) % PERPLEXITY_STEPS_PER_UNIT == 0 or step + 1 == fed):
-            on_step(f"{spec.text}: perplexity {step + 1}/{fed} tokens")
+        run.check_cancel()
+        if (step + 1) % PERPLEXITY_STEPS_PER_UNIT == 0 or step + 1 == fed:
+            run.step(f"{spec.text}: perplexity {step + 1}/{fed} tokens")
 
     ppl = fidelity.perplexity(
-        loaded_model,
+        run.loaded_model,
         spec,
         perplexity_inputs,
         reference=ppl_reference,
         on_step=after_feed,
-        kv_budget_bytes=kv_budget_bytes,
+        kv_budget_bytes=run.kv_budget_bytes,
     )
     base = ppl.perplexity if reference is None else reference.perplexity
     return replace(ppl, ratio_to_dynamic=ppl.perplexity / base if base else None)
 
 
 def _question_results(
-    questions: Sequence[str],
+    run: ComparisonRun,
     answers: Sequence,
-    gold_answers: Sequence[Sequence[str]] | None,
     ref_ids: Sequence[Sequence[int]],
     parts: Sequence,
     flush_steps: Sequence[int],
@@ -295,8 +283,8 @@ def _question_results(
     drift_runs: Sequence[tuple[float, ...]],
 ) -> list[QuestionResult]:
     """One `QuestionResult` per question, from its answer, its fidelity and its flushes."""
-    questions_out = []
-    for i, (question, answer) in enumerate(zip(questions, answers)):
+    questions_out, gold_answers = [], run.gold_answers
+    for i, (question, answer) in enumerate(zip(run.questions, answers)):
         gold = None if gold_answers is None else score_against_gold(answer.text, gold_answers[i])
         questions_out.append(
             QuestionResult(

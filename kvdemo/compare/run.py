@@ -36,10 +36,9 @@ from collections.abc import Callable, Sequence
 
 from kvdemo import checks
 from kvdemo.cache.spec import CacheSpec
-from kvdemo.compare.measure import Cancelled, Reference, measure_spec, perplexity_units
+from kvdemo.compare.measure import Cancelled, ComparisonRun, Reference, measure_spec, perplexity_units
 from kvdemo.compare.records import ComparisonCancelled, ComparisonReport, SpecResult
 from kvdemo.evals import fidelity
-from kvdemo.evals.fidelity import PerplexityInputs
 from kvdemo.qa.models import LoadedModel
 from kvdemo.qa.prompt import PreparedContext
 from kvdemo.qa.session import QASession
@@ -111,75 +110,47 @@ def compare(
     inputs = None
     if perplexity_tokens:
         inputs = fidelity.perplexity_inputs(loaded_model, context, perplexity_tokens, continuation)
-    total = len(ordered) * (1 + 2 * len(questions) + perplexity_units(perplexity_tokens))
-    return _measure_all(
-        loaded_model,
-        context,
-        questions,
-        ordered,
-        inputs,
-        total,
-        on_progress,
-        max_new_tokens,
-        gold_answers,
-        cancel,
-        kv_budget_bytes,
+    progress = _Progress(len(ordered) * (1 + 2 * len(questions) + perplexity_units(perplexity_tokens)), on_progress)
+    run = ComparisonRun(
+        loaded_model, context, tuple(questions), max_new_tokens, gold_answers, cancel, progress, kv_budget_bytes, inputs
     )
+    return _measure_all(run, ordered, progress)
 
 
-def _measure_all(
-    loaded_model: LoadedModel,
-    context: PreparedContext,
-    questions: list[str],
-    ordered: list[CacheSpec],
-    inputs: PerplexityInputs | None,
-    total: int,
-    on_progress: ProgressCallback | None,
-    max_new_tokens: int,
-    gold_answers: Sequence[Sequence[str]] | None,
-    cancel: threading.Event | None,
-    kv_budget_bytes: int | None,
-) -> ComparisonReport:
-    """`measure_spec` for every spec in turn, `dynamic`'s run the reference of the others; the progress counted."""
-    done = 0
-    source = None if inputs is None else inputs.source
+class _Progress:
+    """A comparison's units of work counted: called with what finished (`ComparisonRun.on_step`)."""
 
-    def step(what: str) -> None:
-        nonlocal done
-        done += 1
-        if on_progress is not None:
-            on_progress(done, total, what)
+    def __init__(self, total: int, on_progress: ProgressCallback | None):
+        self.done, self.total, self.on_progress = 0, total, on_progress
 
+    def __call__(self, what: str) -> None:
+        self.done += 1
+        self.announce(what)
+
+    def announce(self, what: str) -> None:
+        """What runs next, with the units done so far."""
+        if self.on_progress is not None:
+            self.on_progress(self.done, self.total, what)
+
+
+def _measure_all(run: ComparisonRun, ordered: list[CacheSpec], progress: _Progress) -> ComparisonReport:
+    """`measure_spec` for every spec in turn, `dynamic`'s run (the first) the reference of the others."""
     results: list[SpecResult] = []
     reference: Reference | None = None
+    source = None if run.perplexity_inputs is None else run.perplexity_inputs.source
+    name = run.loaded_model.name
     for spec in ordered:
-        if on_progress is not None:
-            on_progress(done, total, f"{spec.text}: prefilling")
+        progress.announce(f"{spec.text}: prefilling")
         try:
-            result, own = measure_spec(
-                loaded_model,
-                context,
-                questions,
-                spec,
-                max_new_tokens,
-                reference=reference,
-                gold_answers=gold_answers,
-                dynamic_kv_bytes=results[0].kv_bytes if results else None,
-                cancel=cancel,
-                on_step=step,
-                kv_budget_bytes=kv_budget_bytes,
-                perplexity_inputs=inputs,
-            )
+            result, own = measure_spec(run, spec, reference, results[0].kv_bytes if results else None)
         except Cancelled:
-            raise ComparisonCancelled(
-                ComparisonReport(loaded_model.name, max_new_tokens, tuple(results), source)
-            ) from None
+            raise ComparisonCancelled(ComparisonReport(name, run.max_new_tokens, tuple(results), source)) from None
         finally:
             gc.collect()
         if reference is None:
             reference = own
         results.append(result)
-    return ComparisonReport(loaded_model.name, max_new_tokens, tuple(results), source)
+    return ComparisonReport(name, run.max_new_tokens, tuple(results), source)
 
 
 def _checked(
