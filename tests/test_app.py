@@ -109,3 +109,19 @@ def test_an_mcp_server_that_does_not_start_stops_the_app_with_gradios_message(fa
         app_module.main(["--mcp", "--concurrency", "1"])
     calls = fake_page["demo"].calls
     assert calls["launch"]["mcp_server"] is True and calls["close"] and "block_thread" not in calls
+
+
+def test_the_server_log_is_printed_as_kvdemo_lines(capsys):
+    """The kvdemo loggers (INFO and up; the server's messages go through `logging`) come out on standard output as
+    `kvdemo: <message>`, the lines a Space's log shows and scripts/rehearse_space.py reads; DEBUG does not."""
+    import logging
+
+    logger = logging.getLogger("kvdemo")
+    saved = (list(logger.handlers), logger.level, logger.propagate)
+    try:
+        app_module.log_to_stdout()
+        logging.getLogger("kvdemo.serve.server").info("model loaded: %s", "tiny")
+        logging.getLogger("kvdemo.ui.inputs").debug("not shown")
+        assert capsys.readouterr().out == "kvdemo: model loaded: tiny\n"
+    finally:
+        logger.handlers[:], logger.level, logger.propagate = saved[0], saved[1], saved[2]

@@ -6,6 +6,7 @@ Saves screenshots under artifacts/state/ (not committed)."""
 
 from __future__ import annotations
 
+import logging
 import re
 import shutil
 from pathlib import Path
@@ -148,7 +149,7 @@ def test_a_changed_context_disables_ask_until_it_is_prefilled(page, normans, sou
     expect(_changed_warning(page, "Context box", tokens)).to_be_visible()
 
 
-def test_a_refusal_stays_beside_its_button_and_keeps_the_page(page, normans, capfd):
+def test_a_refusal_stays_beside_its_button_and_keeps_the_page(page, normans, caplog):
     first = normans.select("0-1").context
     tokens = _prefill(page, first)
     _ask(page, "Who was the Norse leader?", 4)
@@ -157,7 +158,8 @@ def test_a_refusal_stays_beside_its_button_and_keeps_the_page(page, normans, cap
     stats = page.get_by_text(re.compile(rf"cache length after restore = {tokens:,} \(context\)"))
     charts = page.locator(".vega-embed")
     expect(charts).to_have_count(3)
-    capfd.readouterr()
+    caplog.set_level(logging.INFO, logger="kvdemo")  # the server's log (app.py prints it as `kvdemo: ...`)
+    caplog.clear()
 
     # a context over the model's window (three copies of the whole article), then a model id that does not exist
     _box(page).fill("\n\n".join([normans.context] * 3))
@@ -188,9 +190,9 @@ def test_a_refusal_stays_beside_its_button_and_keeps_the_page(page, normans, cap
     expect(_ask_button(page)).to_be_disabled()
     expect(page.get_by_text("Error", exact=True)).to_have_count(0)  # no red badges over the outputs
     _shot(page, "2-refused-12s")
-    log = capfd.readouterr()
-    assert log.out.count("kvdemo: refused a prefill: the context is") == 1
-    assert log.out.count("kvdemo: refused a model load: could not load 'kvdemo-test/no-such-model'") == 1
+    log = [r.getMessage() for r in caplog.records if r.name.startswith("kvdemo")]
+    assert sum(m.startswith("refused a prefill: the context is") for m in log) == 1
+    assert sum(m.startswith("refused a model load: could not load 'kvdemo-test/no-such-model'") for m in log) == 1
     assert "Traceback" not in log.out + log.err
 
     # the previous text: its cache is still there, Ask works on it, and the prefill's refusal is gone
@@ -294,6 +296,8 @@ def test_a_reload_keeps_the_context_and_options_and_says_nothing_is_prefilled(pa
     context = southern_california.select("0-1").context
     _prefill(page, context)
     page.get_by_label("quanto", exact=True).check()
+    # the backend's options are shown again after the change: fill residual_length once they are
+    expect(page.get_by_text(re.compile(r"Now: spec quanto:4,q_group_size=64,residual_length=16"))).to_be_visible()
     page.get_by_label("residual_length", exact=True).fill("48")
     page.get_by_label("residual_length", exact=True).press("Tab")
     expect(page.get_by_text(re.compile(r"^⚠ The options changed since the prefill"))).to_be_visible()
