@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 
 import torch
-from transformers.cache_utils import Cache
+from transformers import Cache, PreTrainedConfig
 
 from kvdemo import checks
 from kvdemo.cache import budget, snapshot
@@ -53,14 +53,14 @@ class QASession:
         self.loaded = loaded_model
         self.spec = (spec or CacheSpec()).validate(loaded_model.config)
         self.kv_budget_bytes = kv_budget_bytes
-        self.cache = None
+        self.cache: Cache | None = None
         self.context: str | None = None
         self.prefill_report: PrefillReport | None = None
         self.history: list[Answer] = []
         self._snapshot: snapshot.CacheSnapshot | None = None
         self.layout = PromptLayout(loaded_model.tokenizer)
         self._split: PromptSplit | None = None
-        self._active: Iterator[StepEvent] | None = None
+        self._active: Generator[StepEvent, None, None] | None = None
         self._stop = threading.Event()
 
     # ---- the prompt ---------------------------------------------------------------------------------
@@ -92,11 +92,10 @@ class QASession:
             ValueError: no context was prefilled, the question is empty or blank, or it holds a broken character
                 (an unpaired surrogate: `kvdemo.qa.text.check_text`).
         """
-        if self._split is None:
-            raise ValueError("prefill a context before asking a question")
+        split = self._prefilled()[2]
         if not isinstance(question, str) or not question.strip():
             raise ValueError("the question is empty; type a question about the context")
-        return self.layout.question_ids(self._split, check_text(question, "the question"))
+        return self.layout.question_ids(split, check_text(question, "the question"))
 
     def prompt_ids(self, question: str) -> list[int]:
         """The whole token ids the model reads for `question` after the prefill: the prefilled ids followed by
@@ -119,8 +118,12 @@ class QASession:
             ...     return_dict=False)
             True
         """
-        q_ids = self.question_ids(question)
-        return list(self._split.prefix) + q_ids
+        return list(self._prefilled()[2].prefix) + self.question_ids(question)
+
+    def _prefilled(self) -> tuple[Cache, snapshot.CacheSnapshot, PromptSplit]:
+        if self.cache is None or self._snapshot is None or self._split is None:  # set and cleared together
+            raise ValueError("prefill a context before asking a question")
+        return self.cache, self._snapshot, self._split
 
     # ---- prefill ------------------------------------------------------------------------------
     @property
@@ -174,8 +177,7 @@ class QASession:
         split = self.layout.split(context, max_prefix_tokens=self.loaded.max_context_tokens - reserve_tokens)
         self.check_prefill(len(split.prefix), reserve_tokens)
         self._close_active()
-        self.cache = self._snapshot = self._split = self.prefill_report = None
-        self.context = None
+        self.cache = self._snapshot = self._split = self.prefill_report = self.context = None
         self.history = []
         self._stop.clear()
         cache = build_cache(self.spec, self.loaded.config)
@@ -214,14 +216,12 @@ class QASession:
         Raises:
             ValueError: no prefill yet, or it does not fit the window; KVBudgetError (a ValueError): nor the budget.
         """
-        if self._snapshot is None:
-            raise ValueError("prefill a context before asking a question")
-        context, decoded = self._snapshot.seq_length, question_tokens + max_new_tokens
+        context, decoded = self._prefilled()[1].seq_length, question_tokens + max_new_tokens
         checks.answer_fits(self.loaded.max_context_tokens, context, question_tokens, max_new_tokens)
         budget.check_budget(*self._budget_of, context, decoded, "Lower max_new_tokens, or prefill a shorter context")
 
     @property
-    def _budget_of(self) -> tuple:
+    def _budget_of(self) -> tuple[CacheSpec, PreTrainedConfig, torch.dtype, int | None]:
         """`budget.check_budget`'s first arguments for this session: spec, config, dtype, kv_budget_bytes."""
         return self.spec, self.loaded.config, self.loaded.dtype, self.kv_budget_bytes
 
@@ -236,7 +236,7 @@ class QASession:
             self._active.close()
             self._active = None
 
-    def stream(self, question: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> Iterator[StepEvent]:
+    def stream(self, question: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> Generator[StepEvent, None, None]:
         """Answer `question` greedily, one `StepEvent` per decode step.
 
         Arguments are checked before the generator is returned, so bad input raises here. The cache is
@@ -270,8 +270,8 @@ class QASession:
         prefill raises `PrefillStopped`. Does nothing when neither runs."""
         self._stop.set()
 
-    def _decode(self, question: str, q_ids: list[int], max_new_tokens: int) -> Iterator[StepEvent]:
-        loaded, cache, saved = self.loaded, self.cache, self._snapshot
+    def _decode(self, question: str, q_ids: list[int], max_new_tokens: int) -> Generator[StepEvent, None, None]:
+        loaded, (cache, saved, _) = self.loaded, self._prefilled()
         text = TextStream(loaded.tokenizer)
         flushes = [0] * len(cache.layers)
         token_ids: list[int] = []
@@ -367,14 +367,14 @@ class QASession:
         if not answer_ids:
             raise ValueError("answer_ids is empty; give at least one token to score")
         q_ids = self.question_ids(question)
-        context_tokens = self._snapshot.seq_length
+        loaded, (cache, saved, _) = self.loaded, self._prefilled()
+        context_tokens = saved.seq_length
         if context_tokens + len(q_ids) + len(answer_ids) > self.loaded.max_context_tokens:
             raise ValueError(
                 f"context {context_tokens:,} + question {len(q_ids):,} + answer {len(answer_ids):,} tokens exceeds the "
                 f"model's {self.loaded.max_context_tokens:,}-token window"
             )
         self._close_active()
-        loaded, cache = self.loaded, self.cache
         rows = []
         inputs = torch.tensor([q_ids], device=loaded.device)
         try:
@@ -386,7 +386,7 @@ class QASession:
                     on_step(len(rows) - 1, cache)
                 inputs = torch.tensor([[token]], device=loaded.device)
         finally:
-            snapshot.restore(cache, self._snapshot)
+            snapshot.restore(cache, saved)
         return torch.stack(rows)
 
     def ask(self, question: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> Answer:
