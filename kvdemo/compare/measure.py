@@ -94,13 +94,14 @@ def measure_spec(
     prefill = session.prefill(context, max_new_tokens=max_new_tokens)
     context_ids = session.context_ids(context)
     reference_kv = _reference_kv(loaded_model, session, context_ids, reference)
+    assert session.cache is not None  # prefilled
     kv_error = cache_error.kv_error(reference_kv, session.cache)
     if on_step is not None:
         on_step(f"{spec.text}: prefilled {prefill.context_tokens} tokens")
     answers, flush_steps, flush_seconds = _answer_all(session, spec, questions, max_new_tokens, cancel, on_step)
     ref_ids = reference.token_ids if reference is not None else tuple(a.token_ids for a in answers)
     own, parts, drift_runs = _score_all(session, spec, questions, ref_ids, reference, reference_kv, cancel, on_step)
-    session = None  # free this cache before the perplexity's
+    del session  # free this cache before the perplexity's
     gc.collect()
     ppl = None
     if perplexity_inputs is not None:
@@ -179,6 +180,7 @@ def _reference_kv(
         return reference.kv
     if session.spec.info.quantized:
         return cache_error.reference_kv(loaded_model, context_ids)
+    assert session.cache is not None  # prefilled
     return cache_error.full_precision_kv(session.cache)  # the post-prefill tensors, before any answer
 
 
