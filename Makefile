@@ -41,7 +41,8 @@ test: $(DEV_STAMP)
 test-fast: $(DEV_STAMP)
 	GRADIO_ANALYTICS_ENABLED=False HF_HUB_OFFLINE=1 $(PY) -m pytest -m "not model and not slow" -q
 
-# ruff (pinned in requirements-dev.txt): fix and format; CI runs check-style, which changes nothing
+# ruff (pinned in requirements-dev.txt): fix and format; CI runs check-style, which changes nothing (and type-checks
+# kvdemo/ and app.py with mypy, configured in pyproject.toml)
 style: $(DEV_STAMP)
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
@@ -49,6 +50,7 @@ style: $(DEV_STAMP)
 check-style: $(DEV_STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 # three scripts, each measuring side by side in one process and printing ratios (9 min on 2 idle cores, 15-30 min
 # on a busy machine): restore, bytes, speed, overhead, start-up (artifacts/bench/{results.json,bench.png}); the

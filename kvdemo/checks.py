@@ -7,7 +7,7 @@ change; the page turns that message into a `gr.Error` in one place (`kvdemo.ui.i
 from __future__ import annotations
 
 import numbers
-from typing import Any
+from typing import Any, SupportsInt, cast
 
 
 def shown(value: Any) -> str:
@@ -35,7 +35,8 @@ def max_new_tokens(value: Any, most: int | None = None, what: str = "an answer")
     """
     number = value
     if isinstance(value, numbers.Real) and not isinstance(value, (bool, numbers.Integral)):
-        number = int(value) if float(value).is_integer() else value
+        # typeshed's numbers.Real has no __int__, but int() takes every Real, as it takes a float
+        number = int(cast(SupportsInt, value)) if float(value).is_integer() else value
     if isinstance(number, bool) or not isinstance(number, numbers.Integral) or number < 1:
         raise ValueError(f"max_new_tokens={shown(value)} must be a whole number >= 1")
     if most is not None and number > most:

@@ -18,6 +18,8 @@ never appends in place to the list the snapshot holds, so restore stays exact an
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import torch
 from transformers import PreTrainedConfig, QuantizedCache
 from transformers.cache_utils import HQQQuantizedLayer, QuantizedLayer, QuantoQuantizedLayer
@@ -25,8 +27,21 @@ from transformers.cache_utils import HQQQuantizedLayer, QuantizedLayer, QuantoQu
 FLUSH_POLICIES = ("requantize", "append")
 """The flush policies: transformers' (the default) first."""
 
+if TYPE_CHECKING:
 
-class AppendFlushMixin:
+    class _Layer(QuantizedLayer):
+        """What the mixin is mixed into, as the type checker sees it: a `QuantizedLayer` whose `_quantize` and
+        `_dequantize` are the library's own (quanto's, hqq's), not abstract."""
+
+        def _quantize(self, tensor, axis): ...
+
+        def _dequantize(self, q_tensor): ...
+
+else:
+    _Layer = object
+
+
+class AppendFlushMixin(_Layer):
     """The `append` flush policy for a transformers `QuantizedLayer` subclass: the store
     (`_quantized_keys`, `_quantized_values`) is a list of blocks, each what the layer's own `_quantize` returns
     (a quanto `QTensor`, an hqq `(W_q, meta)` pair)."""
@@ -56,6 +71,7 @@ class AppendFlushMixin:
             if not isinstance(self._quantized_keys, list):
                 self._quantized_keys, self._quantized_values = [self._quantized_keys], [self._quantized_values]
             return keys, values
+        assert self.keys is not None and self.values is not None  # set by the first update
         self.cumulative_length += key_states.shape[-2]
         keys_blocks = [super(AppendFlushMixin, self)._dequantize(b) for b in self._quantized_keys]
         values_blocks = [super(AppendFlushMixin, self)._dequantize(b) for b in self._quantized_values]
@@ -86,7 +102,10 @@ class AppendHQQLayer(AppendFlushMixin, HQQQuantizedLayer):
     """transformers' `HQQQuantizedLayer` with the `append` flush policy."""
 
 
-APPEND_LAYERS = {QuantoQuantizedLayer: AppendQuantoLayer, HQQQuantizedLayer: AppendHQQLayer}
+APPEND_LAYERS: dict[type, type[QuantizedLayer]] = {
+    QuantoQuantizedLayer: AppendQuantoLayer,
+    HQQQuantizedLayer: AppendHQQLayer,
+}
 """transformers' layer class -> the same layer with the `append` flush policy."""
 
 
@@ -112,7 +131,8 @@ def quantized_cache(backend: str, config: PreTrainedConfig, flush: str = "requan
         if layer_class is None:
             raise ValueError(f"flush=append needs a layer with a residual; {type(cache.layers[0]).__name__} has none")
         # the same options as transformers' own layers (built from the same keywords, so validated the same way)
-        kwargs = {name: getattr(cache.layers[0], name) for name in ("nbits", "axis_key", "axis_value")}
-        kwargs.update(q_group_size=cache.layers[0].q_group_size, residual_length=cache.layers[0].residual_length)
+        first = cast(QuantizedLayer, cache.layers[0])  # a key of APPEND_LAYERS
+        kwargs = {name: getattr(first, name) for name in ("nbits", "axis_key", "axis_value")}
+        kwargs.update(q_group_size=first.q_group_size, residual_length=first.residual_length)
         cache.layers = [layer_class(**kwargs) for _ in cache.layers]
     return cache

@@ -16,8 +16,9 @@ model's, for prefill lengths 1, 5, 37, 64 and 130 followed by decode steps with 
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any, TypedDict
 
 from transformers import PreTrainedConfig, QuantizedCache
 from transformers.cache_utils import Cache
@@ -28,6 +29,19 @@ from kvdemo.cache.storage import STORAGE_POLICIES, capacity_bound, dynamic_cache
 
 GROUP_OPTIONS = ("nbits", "q_group_size", "residual_length", "axis_key", "axis_value", "flush", "storage")
 """Every option a backend may take, in the order the page and the command line show them."""
+
+
+class SpecOptions(TypedDict, total=False):
+    """Options by name, as `CacheSpec.given()` and `CacheSpec.resolved()` give them: the keys are `GROUP_OPTIONS`,
+    integers but for the text options (`flush`, `storage`)."""
+
+    nbits: int
+    q_group_size: int
+    residual_length: int
+    axis_key: int
+    axis_value: int
+    flush: str
+    storage: str
 
 
 @dataclass(frozen=True)
@@ -61,10 +75,10 @@ class Option:
         return "|".join(map(str, self.choices)) if self.choices is not None else f">={self.minimum}"
 
 
-BytesFormula = Callable[[dict[str, int], KVGeometry, int, int, int, bool], float]
+BytesFormula = Callable[[SpecOptions, KVGeometry, int, int, int, bool], float]
 """`formula(options, geometry, tokens, residual_tokens, element_bytes, nominal_bits) -> bytes` (see
 `estimate_kv_bytes`): `options` resolved, `residual_tokens` already capped at what the residual can hold."""
-CacheMaker = Callable[[str, dict[str, "int | str"], PreTrainedConfig], Cache]
+CacheMaker = Callable[[str, SpecOptions, PreTrainedConfig], Cache]
 """`make(backend_name, options, model_config) -> Cache`: options as a spec gives them (`CacheSpec.given()`)."""
 GroupRule = Callable[[int, int, int, KVGeometry], "str | None"]
 """`rule(nbits, q_group_size, axis, geometry) -> why it cannot run, or None` for one tensor (keys or values)."""
@@ -105,10 +119,10 @@ class Backend:
         """True where the cache keeps a full-precision residual that is flushed (quanto, hqq)."""
         return "residual_length" in self.options
 
-    def empty_cache(self, options: dict[str, int | str], model_config: PreTrainedConfig) -> Cache:
+    def empty_cache(self, options: SpecOptions, model_config: PreTrainedConfig) -> Cache:
         """The empty transformers cache of this backend with `options` (the ones a spec sets; transformers fills
         the rest with its defaults, the registry's `Option.default`), checked before by `CacheSpec.validate`."""
-        return self.make_cache(self.name, dict(options), model_config)
+        return self.make_cache(self.name, options.copy(), model_config)
 
     def installed(self) -> bool:
         """Whether the module this backend needs can be imported (without importing it)."""
@@ -215,18 +229,18 @@ def _hqq_group_problem(nbits: int, group: int, axis: int, geo: KVGeometry) -> st
     return None
 
 
-def _dynamic_cache(name: str, options: dict, config: PreTrainedConfig) -> Cache:
+def _dynamic_cache(name: str, options: SpecOptions, config: PreTrainedConfig) -> Cache:
     """transformers' `DynamicCache(config=config)`, or its `GrowingLayer` form with `storage=growing`."""
     return dynamic_cache(config, str(options.get("storage", STORAGE_POLICIES[0])))
 
 
-def _quantized_cache(name: str, options: dict, config: PreTrainedConfig) -> Cache:
+def _quantized_cache(name: str, options: Mapping[str, Any], config: PreTrainedConfig) -> Cache:
     """`QuantizedCache(name, config, **options)` with only the options given (transformers fills the rest with
     its defaults, the registry's `Option.default`)."""
     return QuantizedCache(name, config, **options)
 
 
-def _residual_cache(name: str, options: dict, config: PreTrainedConfig) -> Cache:
+def _residual_cache(name: str, options: Mapping[str, Any], config: PreTrainedConfig) -> Cache:
     """`QuantizedCache(name, config, **options)` whose layers flush by the `flush` option's policy
     (`kvdemo.cache.flush.quantized_cache`: transformers' own layers for `requantize`)."""
     options = dict(options)

@@ -34,7 +34,7 @@ this way and are refused with `TypeError` instead of being silently mis-restored
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers.cache_utils import (
@@ -117,7 +117,7 @@ def take(cache: Cache) -> CacheSnapshot:
     for index, layer in enumerate(cache.layers):
         _check_layer(index, layer)
         if type(layer) in _LENGTH_LAYERS:
-            saved.append(LayerSnapshot(attributes=None, length=layer.get_seq_length()))
+            saved.append(LayerSnapshot(attributes=None, length=cast(DynamicLayer, layer).get_seq_length()))
         else:
             if isinstance(layer, DynamicSlidingWindowLayer) and not getattr(layer, "record_past", False):
                 _compact_window(layer)
@@ -146,11 +146,14 @@ def restore(cache: Cache, snapshot: CacheSnapshot) -> None:
             state.clear()
             state.update(saved.attributes)
             continue
-        if layer.get_seq_length() < saved.length:
+        # `take` kept only the length: the layer's type is one of `_LENGTH_LAYERS`
+        layer, length = cast(DynamicLayer, layer), cast(int, saved.length)
+        if layer.get_seq_length() < length:
             raise ValueError(
                 f"layer {index} holds {layer.get_seq_length()} tokens, fewer than the {saved.length} saved; "
                 "the snapshot was taken from another cache"
             )
-        if layer.get_seq_length() != saved.length:
-            layer.keys = layer.keys[..., : saved.length, :]
-            layer.values = layer.values[..., : saved.length, :]
+        if layer.get_seq_length() != length:
+            assert layer.keys is not None and layer.values is not None  # it holds more tokens than saved
+            layer.keys = layer.keys[..., :length, :]
+            layer.values = layer.values[..., :length, :]

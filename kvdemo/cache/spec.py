@@ -10,14 +10,14 @@ import numbers
 import re
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, cast
 
 import torch
 from transformers import PreTrainedConfig
-from transformers.cache_utils import Cache, get_layer_types_and_kwargs
+from transformers.cache_utils import BaseQuantizedLayer, Cache, get_layer_types_and_kwargs
 
 from kvdemo.cache.geometry import element_size, kv_geometry
-from kvdemo.cache.registry import BACKENDS, GROUP_OPTIONS, Backend
+from kvdemo.cache.registry import BACKENDS, GROUP_OPTIONS, Backend, SpecOptions
 from kvdemo.checks import shown
 
 MAX_OPTION_VALUE = 1 << 20
@@ -58,13 +58,15 @@ class CacheSpec:
             raise ValueError(f"backend={shown(self.backend)} is not a backend; choose one of {', '.join(BACKENDS)}")
         return BACKENDS[self.backend]
 
-    def given(self) -> dict[str, int | str]:
+    def given(self) -> SpecOptions:
         """The options set on this spec (not None), by name."""
-        return {name: getattr(self, name) for name in GROUP_OPTIONS if getattr(self, name) is not None}
+        return cast(
+            SpecOptions, {name: getattr(self, name) for name in GROUP_OPTIONS if getattr(self, name) is not None}
+        )
 
-    def resolved(self) -> dict[str, int | str]:
+    def resolved(self) -> SpecOptions:
         """Every option the backend takes, with its default filled in where unset."""
-        return {name: self.given().get(name, opt.default) for name, opt in self.info.options.items()}
+        return cast(SpecOptions, {name: self.given().get(name, opt.default) for name, opt in self.info.options.items()})
 
     @property
     def label(self) -> str:
@@ -160,6 +162,7 @@ class CacheSpec:
                 )
             opt = info.options[name]
             if opt.is_text:
+                assert opt.choices is not None  # a text option lists its words
                 if value not in opt.choices:
                     allowed = ", ".join(map(str, opt.choices))
                     raise ValueError(f"{name}={shown(value)} is not allowed for {self.backend}; allowed: {allowed}")
@@ -191,8 +194,8 @@ class CacheSpec:
             for axis_name in ("axis_key", "axis_value"):
                 problem = info.group_rule(opts["nbits"], opts["q_group_size"], opts[axis_name], geo)
                 if problem:
-                    allowed = allowed_group_sizes(self.replace(q_group_size=None), model_config)[axis_name]
-                    hint = f"; allowed here: {', '.join(map(str, allowed))}" if allowed else ""
+                    sizes = allowed_group_sizes(self.replace(q_group_size=None), model_config)[axis_name]
+                    hint = f"; allowed here: {', '.join(map(str, sizes))}" if sizes else ""
                     raise ValueError(
                         f"q_group_size={opts['q_group_size']} ({axis_name}={opts[axis_name]}): {problem}{hint}"
                     )
@@ -216,11 +219,15 @@ def all_specs() -> list[CacheSpec]:
     specs = []
     for name, info in BACKENDS.items():
         nbits = info.options.get("nbits")
-        specs += [CacheSpec(name, nbits=n) for n in (nbits.choices if nbits is not None else (None,))]
+        # nbits is an integer option: its choices and default are ints (`Option` types them for both kinds)
+        nbits_choices = cast("tuple[int, ...]", nbits.choices) if nbits is not None else (None,)
+        default_nbits = cast("int", nbits.default) if nbits else None
+        specs += [CacheSpec(name, nbits=n) for n in nbits_choices]
         for option in info.options.values():
             if option.is_text:
+                assert option.choices is not None  # a text option lists its words
                 specs += [
-                    CacheSpec(name, nbits=nbits.default if nbits else None, **{option.name: choice})
+                    CacheSpec(name, nbits=default_nbits).replace(**{option.name: choice})
                     for choice in option.choices
                     if choice != option.default
                 ]
@@ -243,10 +250,8 @@ def allowed_group_sizes(spec: CacheSpec, model_config: PreTrainedConfig) -> dict
         return {"axis_key": [], "axis_value": []}
     opts, geo = spec.resolved(), kv_geometry(model_config)
     candidates = range(1, geo.kv_heads * geo.head_dim + 1)
-    return {
-        axis: [g for g in candidates if rule(opts["nbits"], g, opts[axis], geo) is None]
-        for axis in ("axis_key", "axis_value")
-    }
+    axes: tuple[Literal["axis_key", "axis_value"], ...] = ("axis_key", "axis_value")
+    return {axis: [g for g in candidates if rule(opts["nbits"], g, opts[axis], geo) is None] for axis in axes}
 
 
 def estimate_kv_bytes(
@@ -326,7 +331,7 @@ def warm_up(backends: tuple[str, ...] | None = None) -> dict[str, float]:
             continue
         spec = CacheSpec(name, residual_length=1) if info.has_residual else CacheSpec(name)
         start = time.perf_counter()
-        layer = build_cache(spec, config).layers[0]
+        layer = cast(BaseQuantizedLayer, build_cache(spec, config).layers[0])  # a QuantizedCache's
         states = torch.randn(1, 1, 8, 64)
         layer.update(states, states)
         layer.update(states[:, :, :1], states[:, :, :1])

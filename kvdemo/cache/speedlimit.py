@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
 from kvdemo.cache.geometry import full_precision_bytes, kv_geometry
@@ -155,7 +156,7 @@ class SpeedLimit:
         }
 
 
-def speed_limit(model: nn.Module, cache: Cache, bandwidth: float | None = None) -> SpeedLimit:
+def speed_limit(model: PreTrainedModel, cache: Cache, bandwidth: float | None = None) -> SpeedLimit:
     """The floor of a decode step of `model` on `cache` as it is now (see the module docstring).
 
     Args:

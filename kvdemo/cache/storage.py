@@ -145,12 +145,20 @@ class GrowingLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         start, new = self._length, key_states.shape[-2]
-        if self.capacity == 0 or self._key_buffer.shape[:2] != key_states.shape[:2] or start + new > self.capacity:
+        buffer = self._key_buffer  # None only while the capacity is 0
+        if (
+            self.capacity == 0
+            or buffer is None
+            or buffer.shape[:2] != key_states.shape[:2]
+            or start + new > self.capacity
+        ):
             self._grow(start + new, key_states, value_states)
-        self._key_buffer[..., start : start + new, :].copy_(key_states)
-        self._value_buffer[..., start : start + new, :].copy_(value_states)
+        keys, values = self._key_buffer, self._value_buffer
+        assert keys is not None and values is not None  # 4-D buffers: there were, or _grow just made them
+        keys[..., start : start + new, :].copy_(key_states)
+        values[..., start : start + new, :].copy_(value_states)
         self._length = start + new
-        return self.keys, self.values
+        return keys[..., : self._length, :], values[..., : self._length, :]  # the views `keys` and `values` give
 
 
 def capacity_bound(tokens: int) -> int:

@@ -24,10 +24,10 @@ import dataclasses
 import functools
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
-from transformers.cache_utils import Cache, QuantizedLayer
+from transformers.cache_utils import Cache, CacheLayerMixin, QuantizedLayer
 
 if TYPE_CHECKING:
     from kvdemo.cache.snapshot import CacheSnapshot
@@ -263,7 +263,7 @@ def kv_memory(cache: Cache, snapshot: CacheSnapshot | None = None) -> MemoryRepo
                 quantized_bytes=quantized,
                 residual_bytes=_bytes((keys, values), seen, devices),
                 residual_tokens=_tokens(keys),
-                seq_length=layer.get_seq_length(),
+                seq_length=cast(CacheLayerMixin, layer).get_seq_length(),  # an attention layer, as kvdemo builds
             )
         )
     if snapshot is not None:

@@ -197,7 +197,7 @@ def kv_error_frame(error: Any) -> pd.DataFrame:
         Columns `layer` (int), `KV head` (int), `tensor` (`keys` or `values`), `relative error` (float: ||X - X^|| /
         ||X|| over the tokens and head_dim); layers x kv_heads x 2 rows.
     """
-    rows = []
+    rows: list[tuple[int, int, str, float]] = []
     for which in ("keys", "values"):
         for layer, row in enumerate(_matrix(error, which)):
             rows.extend((layer, head, which, value) for head, value in enumerate(row))
@@ -342,7 +342,7 @@ def needle_heatmap_figure(
     axes = fig.subplots(1, max(len(specs), 1), squeeze=False)[0]
     low = float(table["score"].min()) if len(table) else -1.0
     floor = min(max(low, SCORE_FLOOR), -1e-3)
-    scale = (
+    scale: dict[str, Any] = (  # keywords of imshow
         {"cmap": "viridis", "vmin": floor, "vmax": 0.0}
         if value == "score"
         else {"cmap": "RdYlGn", "vmin": 0.0, "vmax": 1.0}

@@ -270,7 +270,8 @@ class _ProgressBar:
     when `off`), closed on exit."""
 
     def __init__(self, off: bool):
-        self.off, self.bar = off, None
+        self.off = off
+        self.bar: tqdm | None = None
 
     def __enter__(self):
         def on_progress(done: int, total: int, what: str) -> None:

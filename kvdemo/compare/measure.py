@@ -112,12 +112,13 @@ def measure_spec(
     prefill = session.prefill(run.context, max_new_tokens=run.max_new_tokens)
     context_ids = session.context_ids(run.context)  # a PreparedContext is not tokenized again
     reference_kv = _reference_kv(run.loaded_model, session, context_ids, reference)
+    assert session.cache is not None  # prefilled
     kv_error = cache_error.kv_error(reference_kv, session.cache)
     run.step(f"{spec.text}: prefilled {prefill.context_tokens} tokens")
     answers, flush_steps, flush_seconds = _answer_all(run, session, spec)
     ref_ids = reference.token_ids if reference is not None else tuple(a.token_ids for a in answers)
     own, parts, drift_runs = _score_all(run, session, spec, ref_ids, reference, reference_kv)
-    session = None  # free this cache before the perplexity's
+    del session  # free this cache before the perplexity's
     gc.collect()
     ppl = None
     if run.perplexity_inputs is not None:
@@ -184,6 +185,7 @@ def _reference_kv(
         return reference.kv
     if session.spec.info.quantized:
         return cache_error.reference_kv(loaded_model, context_ids)
+    assert session.cache is not None  # prefilled
     return cache_error.full_precision_kv(session.cache)  # the post-prefill tensors, before any answer
 
 

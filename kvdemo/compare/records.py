@@ -7,10 +7,11 @@ from __future__ import annotations
 import json
 import statistics
 from dataclasses import asdict, dataclass
+from typing import cast
 
 import pandas as pd
 
-from kvdemo.cache.registry import GROUP_OPTIONS
+from kvdemo.cache.registry import GROUP_OPTIONS, SpecOptions
 from kvdemo.evals.cache_error import KVError
 from kvdemo.evals.fidelity import KLStats, PerplexityResult
 
@@ -84,7 +85,7 @@ class SpecResult:
     spec_text: str
     backend: str
     nbits: int | None
-    options: dict[str, int]
+    options: SpecOptions
     context_tokens: int
     kv_bytes: int
     quantized_bytes: int
@@ -218,9 +219,10 @@ class ComparisonReport:
                     "KV error": r.kv_error.total,
                     "drift (×)": _none_to_nan(r.drift),
                     "drift flushes": r.drift_flushes,
-                    "exact match": _mean([q.exact_match for q in gold]),
-                    "contains gold": _mean([q.contains_gold for q in gold]),
-                    "F1": _mean([q.f1 for q in gold]),
+                    # `gold`: the answers scored against gold answers, whose three scores are set together
+                    "exact match": _mean([cast(float, q.exact_match) for q in gold]),
+                    "contains gold": _mean([cast(float, q.contains_gold) for q in gold]),
+                    "F1": _mean([cast(float, q.f1) for q in gold]),
                     "prefill s": round(r.prefill_seconds, 2),
                     "tokens/s": round(r.tokens_per_second, 2),
                     "flushes": r.flushes,

@@ -9,10 +9,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import BaseQuantizedLayer, Cache
+from transformers.cache_utils import BaseQuantizedLayer, Cache, DynamicLayer
 
 from kvdemo.qa.models import LoadedModel
 
@@ -27,10 +28,10 @@ def full_precision_kv(cache: Cache) -> KV:
         TypeError: a layer is quantized (use `dequantized_kv`).
     """
     out = []
-    for index, layer in enumerate(cache.layers):
+    for index, layer in enumerate(cast("list[DynamicLayer]", cache.layers)):  # a DynamicCache's or QuantizedCache's
         if isinstance(layer, BaseQuantizedLayer):
             raise TypeError(f"layer {index} is quantized ({type(layer).__name__}); use dequantized_kv")
-        out.append((layer.keys, layer.values))
+        out.append(cast("tuple[torch.Tensor, torch.Tensor]", (layer.keys, layer.values)))  # set by a prefill
     return tuple(out)
 
 
@@ -70,17 +71,19 @@ def dequantized_kv(cache: Cache, tokens: int | None = None) -> KV:
         ValueError: a layer holds fewer than `tokens` tokens, or nothing (no prefill yet).
     """
     out = []
-    for index, layer in enumerate(cache.layers):
+    for index, layer in enumerate(cast("list[DynamicLayer]", cache.layers)):  # a DynamicCache's or QuantizedCache's
         if not layer.is_initialized:
             raise ValueError(f"layer {index} holds nothing; prefill the cache first")
         if isinstance(layer, BaseQuantizedLayer):
             keys = layer._dequantize(layer._quantized_keys)
             values = layer._dequantize(layer._quantized_values)
             if layer.keys is not None and layer.keys.dim() == 4 and layer.keys.shape[-2]:
+                assert layer.values is not None  # set with the keys
                 keys = torch.cat([keys, layer.keys.to(keys.dtype)], dim=-2)
                 values = torch.cat([values, layer.values.to(values.dtype)], dim=-2)
         else:
             keys, values = layer.keys, layer.values
+            assert keys is not None and values is not None  # an initialized layer holds tensors
         if tokens is not None:
             if keys.shape[-2] < tokens:
                 raise ValueError(f"layer {index} holds {keys.shape[-2]} tokens, fewer than the {tokens} asked for")
@@ -156,13 +159,13 @@ def kv_error(reference: KV, cache: Cache) -> KVError:
         rows_k.append(tuple(float(x) for x in (ek / nk).sqrt()))
         rows_v.append(tuple(float(x) for x in (ev / nv).sqrt()))
         sums += torch.stack([ek.sum(), nk.sum(), ev.sum(), nv.sum()])
-    ek, nk, ev, nv = (float(x) for x in sums)
+    err_k, norm_k, err_v, norm_v = (float(x) for x in sums)
     return KVError(
         keys=tuple(rows_k),
         values=tuple(rows_v),
-        keys_total=math.sqrt(ek / nk),
-        values_total=math.sqrt(ev / nv),
-        total=math.sqrt((ek + ev) / (nk + nv)),
+        keys_total=math.sqrt(err_k / norm_k),
+        values_total=math.sqrt(err_v / norm_v),
+        total=math.sqrt((err_k + err_v) / (norm_k + norm_v)),
         tokens=tokens,
     )
 

@@ -11,6 +11,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 from kvdemo.qa.text import check_text
 
@@ -195,7 +196,7 @@ def gold_answers_for(context: str, questions: list[str]) -> list[tuple[str, ...]
             # only the questions about the paragraphs in the context (`Case.select`)
             chosen = case.select(",".join(str(index[p]) for p in paragraphs))
             golds = [chosen.gold_for(q) for q in questions]
-            return None if any(g is None for g in golds) else golds
+            return None if any(g is None for g in golds) else cast("list[tuple[str, ...]]", golds)
     return None
 
 

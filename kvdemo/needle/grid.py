@@ -171,7 +171,9 @@ def _check_kv_budget(
 ) -> None:
     """Raise `KVBudgetError` when a spec's cache at the longest length would exceed `kv_budget_bytes` (None: no
     limit)."""
-    for spec in ordered if kv_budget_bytes is not None else ():
+    if kv_budget_bytes is None:
+        return
+    for spec in ordered:
         probe = QASession(loaded_model, spec, kv_budget_bytes=kv_budget_bytes)
         estimate = probe.estimate_kv_bytes(longest, reserve)
         if estimate > kv_budget_bytes:

@@ -209,7 +209,7 @@ def _needle_tokens(session: QASession, needle: Needle) -> int:
     return len(encode_with_offsets(session, " " + needle.text)["input_ids"])
 
 
-def _assemble(hay: TokenizedText, kept: int, needles: Sequence[Needle]) -> tuple[str, list[tuple[Needle, int]]]:
+def _assemble(hay: TokenizedText, kept: int, needles: Sequence[Needle]) -> tuple[str, list[tuple[Needle, int, int]]]:
     """The first `kept` haystack tokens with the needles inserted at sentence ends: the text, and per needle
     (needle, first character, end character), the first being the space before it (byte-level tokens hold it)."""
     filler = hay.text[: hay.ends[kept - 1]] if kept > 0 else ""

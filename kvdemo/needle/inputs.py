@@ -7,7 +7,7 @@ import math
 import numbers
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal, SupportsInt, cast, overload
 
 from kvdemo.checks import shown
 from kvdemo.qa.session import QUESTION_RESERVE_TOKENS
@@ -72,7 +72,7 @@ def check_lengths(lengths: Sequence[Any], most: int | None = None) -> list[int]:
             and not isinstance(value, (bool, numbers.Integral))
             and float(value).is_integer()
         ):
-            value = int(value)
+            value = int(cast(SupportsInt, value))  # typeshed's numbers.Real has no __int__; int() takes any Real
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
             raise ValueError(f"length {shown(value)} must be a whole number of tokens >= 1")
         if value in out:
@@ -96,7 +96,13 @@ def check_depths(depths: Sequence[Any]) -> list[float]:
         )
     out = []
     for value in depths:
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value) or not 0 <= value <= 100:
+        # a Real compares with 0 and 100 as a float does (typeshed's numbers.Real has no __ge__)
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, numbers.Real)
+            or math.isnan(value)
+            or not 0 <= cast(float, value) <= 100
+        ):
             raise ValueError(
                 f"depth {shown(value)} must be a number from 0 to 100 (% of the haystack before the needle)"
             )
@@ -111,6 +117,14 @@ def _window_text(most: int) -> str:
         f"the longest context is {most:,} tokens (the model's window less {QUESTION_RESERVE_TOKENS} tokens "
         "for the question and max_new_tokens for the answer)"
     )
+
+
+@overload
+def check_count(value: Any, name: str, allow_none: Literal[False] = False) -> int: ...
+
+
+@overload
+def check_count(value: Any, name: str, allow_none: bool) -> int | None: ...
 
 
 def check_count(value: Any, name: str, allow_none: bool = False) -> int | None:

@@ -133,7 +133,9 @@ def embedded_gguf_path() -> Path:
     return path
 
 
-def _resolve_device_dtype(device: str | torch.device | None, dtype: torch.dtype | str | None):
+def _resolve_device_dtype(
+    device: str | torch.device | None, dtype: torch.dtype | str | None
+) -> tuple[torch.device, torch.dtype]:
     try:
         device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     except (RuntimeError, TypeError):

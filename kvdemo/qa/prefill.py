@@ -21,11 +21,12 @@ Restoring and re-asking repeat the same path and stay exact.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, DynamicLayer
 
 from kvdemo.qa.models import LoadedModel
 
@@ -44,7 +45,7 @@ class PrefillStopped(Exception):
 def run_prefill(
     loaded: LoadedModel,
     cache: Cache,
-    ids: list[int],
+    ids: Sequence[int],
     quantized: bool,
     chunk_tokens: int = PREFILL_CHUNK_TOKENS,
     on_progress: ProgressCallback | None = None,
@@ -75,5 +76,6 @@ def run_prefill(
         if on_progress is not None:
             on_progress(min(start + chunk_tokens, total), total)
     if work is not cache:  # the quantized cache's first update: the whole context, as one forward pass gives it
-        for index, layer in enumerate(work.layers):
+        for index, layer in enumerate(cast("list[DynamicLayer]", work.layers)):  # a DynamicCache's, prefilled
+            assert layer.keys is not None and layer.values is not None
             cache.update(layer.keys, layer.values, index)

@@ -131,6 +131,7 @@ class PromptLayout:
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
         self.chat = bool(getattr(tokenizer, "chat_template", None))
+        self.bos: tuple[int, ...]
         if self.chat:
             rendered = self._render(_MARK)
             self.before, self.after = rendered.split(_MARK)

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 
 import torch
-from transformers.cache_utils import Cache
+from transformers import Cache, PreTrainedConfig
 
 from kvdemo import checks
 from kvdemo.cache import budget, snapshot
@@ -54,14 +54,14 @@ class QASession:
         self.loaded = loaded_model
         self.spec = (spec or CacheSpec()).validate(loaded_model.config)
         self.kv_budget_bytes = kv_budget_bytes
-        self.cache = None
+        self.cache: Cache | None = None
         self.context: str | None = None
         self.prefill_report: PrefillReport | None = None
         self.history: list[Answer] = []
         self._snapshot: snapshot.CacheSnapshot | None = None
         self.layout = PromptLayout(loaded_model.tokenizer)
         self._split: PromptSplit | None = None
-        self._active: Iterator[StepEvent] | None = None
+        self._active: Generator[StepEvent, None, None] | None = None
         self._stop = threading.Event()
 
     # ---- the prompt ---------------------------------------------------------------------------------
@@ -117,11 +117,10 @@ class QASession:
             ValueError: no context was prefilled, the question is empty or blank, or it holds a broken character
                 (an unpaired surrogate: `kvdemo.qa.text.check_text`).
         """
-        if self._split is None:
-            raise ValueError("prefill a context before asking a question")
+        split = self._prefilled()[2]
         if not isinstance(question, str) or not question.strip():
             raise ValueError("the question is empty; type a question about the context")
-        return self.layout.question_ids(self._split, check_text(question, "the question"))
+        return self.layout.question_ids(split, check_text(question, "the question"))
 
     def prompt_ids(self, question: str) -> list[int]:
         """The whole token ids the model reads for `question` after the prefill: the prefilled ids followed by
@@ -144,8 +143,12 @@ class QASession:
             ...     return_dict=False)
             True
         """
-        q_ids = self.question_ids(question)
-        return list(self._split.prefix) + q_ids
+        return list(self._prefilled()[2].prefix) + self.question_ids(question)
+
+    def _prefilled(self) -> tuple[Cache, snapshot.CacheSnapshot, PromptSplit]:
+        if self.cache is None or self._snapshot is None or self._split is None:  # set and cleared together
+            raise ValueError("prefill a context before asking a question")
+        return self.cache, self._snapshot, self._split
 
     # ---- prefill ------------------------------------------------------------------------------
     @property
@@ -202,8 +205,7 @@ class QASession:
         split, context = prepared.split, prepared.text
         self.check_prefill(len(split.prefix), reserve_tokens)
         self._close_active()
-        self.cache = self._snapshot = self._split = self.prefill_report = None
-        self.context = None
+        self.cache = self._snapshot = self._split = self.prefill_report = self.context = None
         self.history = []
         self._stop.clear()
         cache = build_cache(self.spec, self.loaded.config)
@@ -242,14 +244,12 @@ class QASession:
         Raises:
             ValueError: no prefill yet, or it does not fit the window; KVBudgetError (a ValueError): nor the budget.
         """
-        if self._snapshot is None:
-            raise ValueError("prefill a context before asking a question")
-        context, decoded = self._snapshot.seq_length, question_tokens + max_new_tokens
+        context, decoded = self._prefilled()[1].seq_length, question_tokens + max_new_tokens
         checks.answer_fits(self.loaded.max_context_tokens, context, question_tokens, max_new_tokens)
         budget.check_budget(*self._budget_of, context, decoded, "Lower max_new_tokens, or prefill a shorter context")
 
     @property
-    def _budget_of(self) -> tuple:
+    def _budget_of(self) -> tuple[CacheSpec, PreTrainedConfig, torch.dtype, int | None]:
         """`budget.check_budget`'s first arguments for this session: spec, config, dtype, kv_budget_bytes."""
         return self.spec, self.loaded.config, self.loaded.dtype, self.kv_budget_bytes
 
@@ -270,12 +270,11 @@ class QASession:
         max_new_tokens = checks.max_new_tokens(max_new_tokens)
         q_ids = self.question_ids(question)
         self.check_answer(len(q_ids), max_new_tokens)
-        assert self._split is not None  # question_ids refuses a session with no prefill
-        return PreparedQuestion(question, tuple(q_ids), max_new_tokens, self._split)
+        return PreparedQuestion(question, tuple(q_ids), max_new_tokens, self._prefilled()[2])
 
     def stream(
         self, question: str | PreparedQuestion, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
-    ) -> Iterator[StepEvent]:
+    ) -> Generator[StepEvent, None, None]:
         """Answer `question` greedily, one `StepEvent` per decode step.
 
         Arguments are checked before the generator is returned, so bad input raises here. The cache is
@@ -311,15 +310,15 @@ class QASession:
         prefill raises `PrefillStopped`. Does nothing when neither runs."""
         self._stop.set()
 
-    def _decode(self, question: str, q_ids: list[int], max_new_tokens: int) -> Iterator[StepEvent]:
-        cache = self.cache
+    def _decode(self, question: str, q_ids: list[int], max_new_tokens: int) -> Generator[StepEvent, None, None]:
+        cache, saved, _ = self._prefilled()
 
         def finished(answer: Answer) -> None:  # the cache is restored already
             if self._active is not None and cache is self.cache:
                 self._active = None
             self.history.append(answer)
 
-        return greedy_decode(self.loaded, cache, self._snapshot, question, q_ids, max_new_tokens, self._stop, finished)
+        return greedy_decode(self.loaded, cache, saved, question, q_ids, max_new_tokens, self._stop, finished)
 
     def score(
         self, question: str, answer_ids: Sequence[int], on_step: Callable[[int, Cache], None] | None = None
@@ -348,14 +347,15 @@ class QASession:
         if not answer_ids:
             raise ValueError("answer_ids is empty; give at least one token to score")
         q_ids = self.question_ids(question)
-        context_tokens = self._snapshot.seq_length
+        loaded, (cache, saved, _) = self.loaded, self._prefilled()
+        context_tokens = saved.seq_length
         if context_tokens + len(q_ids) + len(answer_ids) > self.loaded.max_context_tokens:
             raise ValueError(
                 f"context {context_tokens:,} + question {len(q_ids):,} + answer {len(answer_ids):,} tokens exceeds the "
                 f"model's {self.loaded.max_context_tokens:,}-token window"
             )
         self._close_active()
-        return teacher_forced(self.loaded, self.cache, self._snapshot, q_ids, answer_ids, on_step)
+        return teacher_forced(loaded, cache, saved, q_ids, answer_ids, on_step)
 
     def ask(self, question: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> Answer:
         """Answer `question` to the end and return the `Answer` (also appended to `history`).

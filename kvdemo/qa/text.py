@@ -13,12 +13,15 @@ and decoding a prefix of them gives U+FFFD. `TextStream` holds such a tail back 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-try:  # tokenizers >= 0.21
+if TYPE_CHECKING:
     from tokenizers.decoders import DecodeStream
-except ImportError:  # pragma: no cover - older tokenizers: the Python port below is used
-    DecodeStream = None
+else:
+    try:  # tokenizers >= 0.21
+        from tokenizers.decoders import DecodeStream
+    except ImportError:  # pragma: no cover - older tokenizers: the Python port below is used
+        DecodeStream = None
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _PAIR_OR_LONE = re.compile("([\ud800-\udbff][\udc00-\udfff])|[\ud800-\udfff]")
@@ -120,6 +123,7 @@ class TextStream:
         """Add one generated token; return the text it completes ("" when it ends inside a character or
         adds no text, e.g. a skipped special token), which `text` now ends with."""
         if self._stream is not None:
+            assert self._backend is not None  # the stream is made only with a backend
             chunk = self._stream.step(self._backend, int(token_id)) or ""
         else:
             chunk = self._python_step(int(token_id))

@@ -11,6 +11,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvdemo.cache.spec import CacheSpec
 from kvdemo.qa.session import QASession
@@ -19,7 +20,13 @@ API_KEY = "api"
 """The session key of a call that comes with no request (a direct call of a handler, a script)."""
 
 
-def request_key(request: object | None) -> str:
+class _Request(Protocol):
+    """What `request_key` reads of a page request (`gr.Request`)."""
+
+    session_hash: str | None
+
+
+def request_key(request: _Request | None) -> str:
     """The session key of a page request: Gradio's `gr.Request.session_hash` (read by name, so no Gradio is
     imported here), `API_KEY` for a call without a request."""
     return str(request.session_hash) if request is not None else API_KEY
@@ -95,7 +102,7 @@ class SessionStore:
         max_sessions: int = 32,
         idle_seconds: float | None = 1800.0,
         clock: Callable[[], float] = time.monotonic,
-        on_free: Callable[[str], None] | None = None,
+        on_free: Callable[[str], object] | None = None,
     ):
         if max_sessions < 1 or (idle_seconds is not None and idle_seconds <= 0):
             raise ValueError(f"max_sessions={max_sessions} must be >= 1 and idle_seconds={idle_seconds} > 0 (or None)")
@@ -115,7 +122,7 @@ class SessionStore:
                 user.last_used = self.clock()
             return user
 
-    def of_request(self, request: object | None) -> UserSession:
+    def of_request(self, request: _Request | None) -> UserSession:
         """The session of a page request (`request_key`), created when missing (Prefill, Compare, Needle only).
 
         Raises:
@@ -123,7 +130,7 @@ class SessionStore:
         """
         return self.get(request_key(request))
 
-    def peek_request(self, request: object | None) -> UserSession | None:
+    def peek_request(self, request: _Request | None) -> UserSession | None:
         """The session of a page request if it has one; handlers that only read or stop never create (or evict)
         one."""
         return self.peek(request_key(request))

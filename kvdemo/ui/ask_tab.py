@@ -92,24 +92,24 @@ class AskTab(AskWidgets):
         except PrefillStopped as stopped:  # the session keeps its previous cache (replaced only after a prefill)
             _log.info("%s", stopped)
             kept = (
-                f"The cache still holds the previous context ({user.qa.prefill_report.context_tokens:,} tokens)."
+                f"The cache still holds the previous context ({views.prefilled_tokens(user.qa):,} tokens)."
                 if user.qa is not None
                 else "Nothing is prefilled now; press Prefill to start again."
             )
             return PrefillView(
                 f"⚠ Stopped: {stopped}. {kept}",
-                *[gr.skip()] * 6,
+                *(gr.skip(),) * 6,
                 "",
                 gr.update(interactive=self._prefilled_matches(user, context, spec)),
             )
         except (ValueError, ImportError) as error:
-            user = self.app.sessions.peek_request(request)
+            held = self.app.sessions.peek_request(request)  # the tab's session, if it has one
             kept = (
-                f" The cache still holds the previous context ({user.qa.prefill_report.context_tokens:,} tokens)."
-                if user is not None and user.qa is not None
+                f" The cache still holds the previous context ({views.prefilled_tokens(held.qa):,} tokens)."
+                if held is not None and held.qa is not None
                 else ""
             )
-            matches = self._prefilled_matches(user, context, spec)
+            matches = self._prefilled_matches(held, context, spec)
             message = refusal(error, "a prefill")
             message = message.rstrip(".") + "." + kept if kept else message  # "... tokens. The cache still ..."
             return PrefillView.refused(message, matches)
@@ -279,7 +279,7 @@ class AskTab(AskWidgets):
             return views.prefill_summary(user.qa), "", gr.update(interactive=True)
         what = "options" if context == user.qa.context else "Context box"
         return (
-            f"⚠ The {what} changed since the prefill (the cache holds {user.qa.prefill_report.context_tokens:,} "
+            f"⚠ The {what} changed since the prefill (the cache holds {views.prefilled_tokens(user.qa):,} "
             f"tokens with `{user.qa.spec.full_text}`). Press **Prefill** to rebuild it; until then Ask is "
             f"disabled, so answers never come from a state the page does not show. Now: {shown}",
             "",
@@ -324,7 +324,8 @@ class AskTab(AskWidgets):
         `--concurrency` of them run at once across users. The gate (`AskTab.gate`) runs after every change of
         the Context box or the options, after a prefill and after an answer, so Ask is enabled only when the
         page shows what the cache holds."""
-        w, model_work, private = self.w, {"concurrency_id": "model"}, {"api_visibility": "private", "queue": False}
+        w, model_work = self.w, {"concurrency_id": "model"}
+        private: dict[str, Any] = {"api_visibility": "private", "queue": False}  # keywords of gradio's events
         option_fields = [w[name] for name in GROUP_OPTIONS]
         state_inputs = [w["context"], w["backend"], *option_fields]
         gate = {
@@ -383,4 +384,5 @@ class AskTab(AskWidgets):
 def _speed_line(qa: QASession, events: list | None = None) -> str:
     """The speed-limit line for `qa`'s cache as it is now, beside the median decode step of `events` (the answer
     just streamed; none after a prefill or before the first step: the floor alone)."""
+    assert qa.cache is not None  # shown once prefilled
     return views.speed_limit_after(speed_limit(qa.loaded.model, qa.cache), events or [])

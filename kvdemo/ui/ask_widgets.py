@@ -4,7 +4,7 @@ names; `kvdemo.ui.ask_tab.AskTab` adds the handlers and wires the events."""
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import gradio as gr
 
@@ -38,7 +38,7 @@ class PrefillView(NamedTuple):
     def refused(cls, message: str, ask_enabled: bool | None) -> PrefillView:
         """A refusal: the message beside Prefill, every other output as it was (the previous cache stays)."""
         ask = gr.skip() if ask_enabled is None else gr.update(interactive=ask_enabled)
-        return cls(*[gr.skip()] * 7, message, ask)
+        return cls(*(gr.skip(),) * 7, message, ask)
 
 
 class AnswerView(NamedTuple):
@@ -116,7 +116,7 @@ class AskWidgets:
         options = {name: opt for b in reversed(list(BACKENDS.values())) for name, opt in b.options.items()}
         options.update(START_SPEC.info.options)
         for name in GROUP_OPTIONS:
-            option, value = options[name], start.get(name, options[name].default)
+            option, value = options[name], cast("int | str", start.get(name, options[name].default))
             visible = name in START_SPEC.info.options
             if option.choices is not None:
                 # the choices follow the backend in a browser (`backend_option_updates`); an API caller keeps the
@@ -131,7 +131,7 @@ class AskWidgets:
                     allow_custom_value=True,
                 )
             else:  # no precision or minimum, as max_new_tokens: the registry's check names the option
-                w[name] = gr.Number(value, label=name, info=option.help, visible=visible)
+                w[name] = gr.Number(cast(int, value), label=name, info=option.help, visible=visible)
         w["backend_note"] = gr.Markdown(views.backend_option_updates(START_SPEC.backend)[-1])
 
     def _build_charts(self) -> None:

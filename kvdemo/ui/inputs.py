@@ -11,7 +11,7 @@ import logging
 import numbers
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import gradio as gr
 
@@ -62,7 +62,7 @@ def page_event(handler: Callable[..., Any], progress: bool = True) -> Callable[.
 
     event.__name__ = event.__qualname__ = handler.__name__
     event.__doc__ = handler.__doc__
-    event.__signature__ = signature
+    cast(Any, event).__signature__ = signature  # read by inspect.signature; typeshed's functions do not declare it
     event.__annotations__ = {"request": gr.Request}
     return event
 
@@ -89,7 +89,7 @@ def spec_from_inputs(backend: str, given: Mapping[str, Any]) -> CacheSpec:
     unknown = [str(name) for name in given if name not in GROUP_OPTIONS]
     if unknown:
         raise ValueError(f"{', '.join(unknown)} is not an option; the options are {', '.join(GROUP_OPTIONS)}")
-    options = {}
+    options: dict[str, Any] = {}  # keywords of CacheSpec, integers but for the text options
     for name, option in BACKENDS[backend].options.items():
         value = given.get(name)
         if value is None or value == "":

@@ -34,6 +34,7 @@ from kvdemo.evals.cases import gold_answers_for
 from kvdemo.qa.session import DEFAULT_MAX_NEW_TOKENS, QASession
 from kvdemo.serve.server import App
 from kvdemo.serve.store import UserSession
+from kvdemo.ui import views
 from kvdemo.ui.ask_widgets import START_SPEC
 from kvdemo.ui.inputs import compare_inputs, user_errors
 
@@ -90,7 +91,7 @@ class McpTools:
 
     @user_errors
     def prefill_context(
-        self, context: str, spec: str = START_SPEC.text, session: str = "", request: gr.Request = None
+        self, context: str, spec: str = START_SPEC.text, session: str = "", request: gr.Request | None = None
     ) -> str:
         """Prefill a text once into a new KV cache of the chosen backend, so that ask_question can answer
         questions about it; replaces this session's context.
@@ -130,7 +131,11 @@ class McpTools:
 
     @user_errors
     def ask_question(
-        self, question: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, session: str = "", request: gr.Request = None
+        self,
+        question: str,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+        session: str = "",
+        request: gr.Request | None = None,
     ) -> str:
         """Answer a question about the text prefilled by prefill_context (greedy decoding); afterwards the KV
         cache is restored exactly to the prefilled context.
@@ -181,7 +186,7 @@ class McpTools:
                     "first_token_seconds": None if first_token is None else round(first_token, 3),
                     "finish_reason": answer.finish_reason,
                     "cache_length_after": answer.cache_length_after,
-                    "context_tokens": qa.prefill_report.context_tokens,
+                    "context_tokens": views.prefilled_tokens(qa),
                     "spec": qa.spec.text,
                 }
             )
@@ -197,7 +202,7 @@ class McpTools:
         max_new_tokens: int = 32,
         context: str = "",
         session: str = "",
-        request: gr.Request = None,
+        request: gr.Request | None = None,
     ) -> str:
         """Compare KV cache backends on one text: each spec prefills it in a fresh cache and answers the
         questions; gives memory, agreement with dynamic (identical answers, KL divergence) and speed. Minutes on
@@ -225,7 +230,9 @@ class McpTools:
         questions_text = "\n".join(" ".join(q.split()) for q in questions)  # one line each, for compare_inputs
         parsed, questions, max_new_tokens = compare_inputs(chosen, None, questions_text, max_new_tokens)
         if not isinstance(context, str) or not context.strip():
-            context = self._prefilled(key).qa.context
+            qa = self._prefilled(key).qa
+            assert qa is not None and qa.context is not None  # `_prefilled` checked it
+            context = qa.context
         loaded = self.app.wait_for_model()
         user = self.app.sessions.get(key)
         busy = "A comparison is already running in this session; wait for it to end"

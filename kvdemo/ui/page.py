@@ -8,6 +8,8 @@ a tab".
 
 from __future__ import annotations
 
+from typing import cast
+
 import gradio as gr
 
 from kvdemo.serve.server import App
@@ -90,7 +92,7 @@ def build_demo(app: App) -> gr.Blocks:
         McpTools(app).register()  # typed endpoints, served as MCP tools by `launch(mcp_server=True)` (app.py --mcp)
 
         def unload(request: gr.Request) -> None:
-            app.sessions.free(request.session_hash)
+            app.sessions.free(cast(str, request.session_hash))  # a page's unload comes with its session hash
 
         demo.unload(unload)
     return demo

@@ -91,6 +91,7 @@ def backend_option_updates(backend: str, *current: Any) -> tuple[Any, ...]:
         if option.choices is not None:
             allowed = value in option.choices
         else:
+            assert option.minimum is not None  # an option without choices has a minimum
             allowed = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= option.minimum
         keep = value if allowed else option.default
         if option.choices is not None:
@@ -104,11 +105,18 @@ def backend_option_updates(backend: str, *current: Any) -> tuple[Any, ...]:
 def prefill_summary(qa: QASession) -> str:
     """The summary shown after a prefill."""
     r = qa.prefill_report
+    assert r is not None  # shown after a prefill
     return (
         f"Prefilled **{r.context_tokens:,} tokens** in {r.seconds:.2f} s with **{qa.spec.label}** · "
         f"KV cache {r.kv_bytes / 2**20:.2f} MiB ({r.bytes_per_token:,.0f} bytes/token) · "
         f"**{r.ratio_to_full_precision:.3f}×** full precision ({r.full_precision_bytes / 2**20:.2f} MiB)"
     )
+
+
+def prefilled_tokens(qa: QASession) -> int:
+    """The tokens `qa` prefilled (a tab keeps its session's `qa` once it has prefilled)."""
+    assert qa.prefill_report is not None
+    return qa.prefill_report.context_tokens
 
 
 def answer_stats(qa: QASession, first_token_seconds: float | None, events: list | None = None) -> str:
@@ -117,7 +125,7 @@ def answer_stats(qa: QASession, first_token_seconds: float | None, events: list 
     point; with the time per flush step, from the answer's `StepEvent`s), and the cache length after the
     restore."""
     a = qa.history[-1]
-    context = qa.prefill_report.context_tokens
+    context = prefilled_tokens(qa)
     parts = [
         f"{len(a.token_ids):,} token{'' if len(a.token_ids) == 1 else 's'}",
         f"question pass {a.question_seconds:,.2f} s ({a.question_tokens:,} tokens, {a.question_flushes:,} flushes)",
@@ -180,7 +188,7 @@ def kv_error_plot(report: ComparisonReport | None, spec_text: str | None) -> Any
     """The heatmap of the relative KV error per layer and KV head (keys and values) of one spec of the report
     (`charts.kv_error_figure`), or None when there is no such spec."""
     results = {r.spec_text: r for r in report.results} if report is not None else {}
-    result = results.get(spec_text)
+    result = results.get(spec_text) if spec_text is not None else None
     if result is None:
         return None
     return kv_error_figure(result.kv_error, title=f"Relative KV error after the prefill: {result.spec_text}")
@@ -202,7 +210,7 @@ def with_every_series(frame: Any, column: str, names: Iterable[str]) -> Any:
         return frame
     rows = []
     for name in missing:
-        row = {}
+        row: dict[str, object] = {}
         for col, dtype in frame.dtypes.items():
             if col == column:
                 row[col] = name
