@@ -37,9 +37,9 @@ notebook: $(APP_STAMP)
 test: $(DEV_STAMP)
 	GRADIO_ANALYTICS_ENABLED=False HF_HUB_OFFLINE=1 $(PY) -m pytest
 
-# the fast lane: every test that loads no model (tests marked `model` and `slow` skipped), under a minute
+# the fast lane: the tests that load no model and start no process (`model`, `process`, `slow` skipped), < 1 min
 test-fast: $(DEV_STAMP)
-	GRADIO_ANALYTICS_ENABLED=False HF_HUB_OFFLINE=1 $(PY) -m pytest -m "not model and not slow" -q
+	GRADIO_ANALYTICS_ENABLED=False HF_HUB_OFFLINE=1 $(PY) -m pytest -m "not model and not process and not slow" -q
 
 # ruff (pinned in requirements-dev.txt): fix and format; CI runs check-style, which changes nothing (and type-checks
 # kvdemo/ and app.py with mypy, configured in pyproject.toml)

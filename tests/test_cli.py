@@ -165,6 +165,7 @@ def test_bad_device_and_token_counts(embedded, capsys):
     )
 
 
+@pytest.mark.process
 def test_help_explains_every_option():
     out = subprocess.run(
         [sys.executable, "-m", "kvdemo", "ask", "--help"], capture_output=True, text=True, check=True
@@ -347,6 +348,7 @@ def test_compare_bad_input_exits_2_with_a_message(embedded, args, message, capsy
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.process
 def test_compare_help_documents_the_spec_syntax():
     out = subprocess.run(
         [sys.executable, "-m", "kvdemo", "compare", "--help"], capture_output=True, text=True, check=True
@@ -428,6 +430,7 @@ def test_needle_bad_input_exits_2_with_a_message(embedded, args, message, capsys
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.process
 def test_needle_help_documents_the_grid():
     out = subprocess.run(
         [sys.executable, "-m", "kvdemo", "needle", "--help"], capture_output=True, text=True, check=True

@@ -116,6 +116,7 @@ def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
     assert models.cache_dir() == tmp_path / "home" / ".cache" / "kvdemo"
 
 
+@pytest.mark.model  # converts and loads the embedded GGUF twice, in a fresh cache folder
 def test_gguf_converted_on_first_load_read_on_the_second_with_the_same_answers(fresh_loads):
     import transformers
 

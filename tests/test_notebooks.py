@@ -16,6 +16,8 @@ from nbclient import NotebookClient
 
 from kvdemo.quiet import NOISE
 
+pytestmark = pytest.mark.model  # each notebook loads the embedded model in its own kernel
+
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
 
 

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import transformers.utils.logging as hf_logging
 from huggingface_hub.utils import are_progress_bars_disabled
 
@@ -27,6 +28,7 @@ def test_quiet_turns_bars_and_log_off_and_back_on():
         (hf_logging.enable_progress_bar if before[1] else hf_logging.disable_progress_bar)()
 
 
+@pytest.mark.process
 def test_import_ignores_only_tqdms_widget_fallback_warning():
     """In a Jupyter kernel without ipywidgets, `import tqdm.auto` warns "IProgress not found"; importing kvdemo
     first hides that one warning and no other (faked here: tqdm.autonotebook's check for a kernel)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 
 import torch
 from transformers.cache_utils import Cache
@@ -30,7 +30,7 @@ def greedy_decode(
     max_new_tokens: int,
     stop: threading.Event,
     finished: Callable[[Answer], None],
-) -> Iterator[StepEvent]:
+) -> Generator[StepEvent, None, None]:
     """Answer greedily on `cache` (prefilled; `saved` its post-prefill snapshot), yielding one `StepEvent` per
     decode step (the first is the question's pass over `q_ids`): token, text so far, seconds, memory, flushes.
     It ends at one of `loaded.eos_token_ids`, after `max_new_tokens` (checked >= 1), or after the step during which
