@@ -97,10 +97,9 @@ class AskTab(AskWidgets):
                 else "Nothing is prefilled now; press Prefill to start again."
             )
             return PrefillView(
-                f"⚠ Stopped: {stopped}. {kept}",
-                *(gr.skip(),) * 6,
-                "",
-                gr.update(interactive=self._prefilled_matches(user, context, spec)),
+                prefill_info=f"⚠ Stopped: {stopped}. {kept}",
+                notice="",
+                ask_button=gr.update(interactive=self._prefilled_matches(user, context, spec)),
             )
         except (ValueError, ImportError) as error:
             held = self.app.sessions.peek_request(request)  # the tab's session, if it has one
@@ -117,16 +116,16 @@ class AskTab(AskWidgets):
             " · the chat starts afresh on this context; the answers table keeps earlier answers" if user.answers else ""
         )
         return PrefillView(
-            views.prefill_summary(qa) + cleared,
-            [],
-            "",
-            None,
-            views.residual_chart([], qa.spec),
-            None,
-            views.answers_table(user.answers),
-            "",
-            gr.update(interactive=self._page_differs(user) is None),  # the options may have changed meanwhile
-            _speed_line(qa),  # the new cache's floor, not the last answer's line
+            prefill_info=views.prefill_summary(qa) + cleared,
+            chat=[],
+            stats="",
+            memory_plot=None,
+            residual_plot=views.residual_chart([], qa.spec),
+            step_plot=None,
+            answers_table=views.answers_table(user.answers),
+            notice="",
+            ask_button=gr.update(interactive=self._page_differs(user) is None),  # options may have changed meanwhile
+            speed_limit=_speed_line(qa),  # the new cache's floor, not the last answer's line
         )
 
     def _answerable_session(self, request: gr.Request | None, context: str | None) -> UserSession:
@@ -207,13 +206,10 @@ class AskTab(AskWidgets):
         first_token = None
         # at once, before the question's own forward pass (seconds on a long context): what is happening
         yield AnswerView(
-            list(user.chat),
-            f"reading the question ({len(prepared.ids):,} tokens) on top of the {qa.cache_length:,}-token context…",
-            gr.skip(),
-            gr.skip(),
-            gr.skip(),
-            gr.skip(),
-            _speed_line(qa),  # the cache's floor now, not the last answer's step
+            chat=list(user.chat),
+            stats=f"reading the question ({len(prepared.ids):,} tokens) on top of the {qa.cache_length:,}-token "
+            "context…",
+            speed_limit=_speed_line(qa),  # the cache's floor now, not the last answer's step
         )
         try:
             with closing(stream):
@@ -223,25 +219,24 @@ class AskTab(AskWidgets):
                     user.events.append(event)
                     user.chat = user.chat[:-1] + [{"role": "assistant", "content": event.text}]
                     yield AnswerView(
-                        user.chat,
-                        views.step_line(event, qa.spec),
-                        views.memory_chart(user.events, qa.spec),
-                        views.residual_chart(user.events, qa.spec),
-                        views.step_times(user.events),
-                        gr.skip(),
+                        chat=user.chat,
+                        stats=views.step_line(event, qa.spec),
+                        memory_plot=views.memory_chart(user.events, qa.spec),
+                        residual_plot=views.residual_chart(user.events, qa.spec),
+                        step_plot=views.step_times(user.events),
                     )
         finally:  # also a stopped, disconnected or failed answer: the session recorded it when its stream closed
             user.answers.append(dict(qa.history[-1].to_dict(), spec=qa.spec.full_text))
         if not user.events:
             user.chat[-1] = {"role": "assistant", "content": qa.history[-1].text}
         yield AnswerView(
-            user.chat,
-            views.answer_stats(qa, first_token, user.events),
-            views.memory_chart(user.events, qa.spec),
-            views.residual_chart(user.events, qa.spec),
-            views.step_times(user.events),
-            views.answers_table(user.answers),
-            _speed_line(qa, user.events),
+            chat=user.chat,
+            stats=views.answer_stats(qa, first_token, user.events),
+            memory_plot=views.memory_chart(user.events, qa.spec),
+            residual_plot=views.residual_chart(user.events, qa.spec),
+            step_plot=views.step_times(user.events),
+            answers_table=views.answers_table(user.answers),
+            speed_limit=_speed_line(qa, user.events),
         )
 
     def stop(self, request: gr.Request) -> None:

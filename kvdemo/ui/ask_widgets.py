@@ -21,41 +21,42 @@ START_SPEC = CacheSpec("hqq", nbits=4, residual_length=16)
 
 
 class PrefillView(NamedTuple):
-    """What a prefill shows (`AskTab.prefill`), in the order of its outputs."""
+    """What a prefill shows (`AskTab.prefill`), in the order of its outputs; built by keyword, an output not
+    named stays as it is on the page (`views.KEEP`)."""
 
-    prefill_info: Any
-    chat: Any
-    stats: Any
-    memory_plot: Any
-    residual_plot: Any
-    step_plot: Any
-    answers_table: Any
-    notice: Any
-    ask_button: Any
-    speed_limit: Any = gr.skip()  # the new cache's floor (no step measured yet); a refusal keeps the line
+    prefill_info: Any = views.KEEP
+    chat: Any = views.KEEP
+    stats: Any = views.KEEP
+    memory_plot: Any = views.KEEP
+    residual_plot: Any = views.KEEP
+    step_plot: Any = views.KEEP
+    answers_table: Any = views.KEEP
+    notice: Any = views.KEEP
+    ask_button: Any = views.KEEP
+    speed_limit: Any = views.KEEP  # the new cache's floor (no step measured yet); a refusal keeps the line
 
     @classmethod
     def refused(cls, message: str, ask_enabled: bool | None) -> PrefillView:
         """A refusal: the message beside Prefill, every other output as it was (the previous cache stays)."""
-        ask = gr.skip() if ask_enabled is None else gr.update(interactive=ask_enabled)
-        return cls(*(gr.skip(),) * 7, message, ask)
+        return cls(notice=message, ask_button=views.KEEP if ask_enabled is None else gr.update(interactive=ask_enabled))
 
 
 class AnswerView(NamedTuple):
-    """What each update of an answer shows (`AskTab.ask`), in the order of its outputs."""
+    """What each update of an answer shows (`AskTab.ask`), in the order of its outputs; built by keyword, an
+    output not named stays as it is on the page (`views.KEEP`)."""
 
-    chat: Any
-    stats: Any
-    memory_plot: Any
-    residual_plot: Any
-    step_plot: Any
-    answers_table: Any
-    speed_limit: Any = gr.skip()  # the line under the step-time chart, at the answer's end
+    chat: Any = views.KEEP
+    stats: Any = views.KEEP
+    memory_plot: Any = views.KEEP
+    residual_plot: Any = views.KEEP
+    step_plot: Any = views.KEEP
+    answers_table: Any = views.KEEP
+    speed_limit: Any = views.KEEP  # the line under the step-time chart, at the answer's end
 
     @classmethod
     def refused(cls, message: str) -> AnswerView:
         """A refusal: the message beside Ask; the chat, charts and table stay as they were."""
-        return cls(gr.skip(), message, gr.skip(), gr.skip(), gr.skip(), gr.skip())
+        return cls(stats=message)
 
 
 class AskWidgets:

@@ -33,21 +33,22 @@ _log = logging.getLogger(__name__)
 
 
 class CompareView(NamedTuple):
-    """What a comparison shows (`CompareTab.run`), in the order of its outputs."""
+    """What a comparison shows (`CompareTab.run`), in the order of its outputs; built by keyword, an output not
+    named stays as it is on the page (`views.KEEP`)."""
 
-    compare_status: Any
-    compare_table: Any
-    tradeoff_plot: Any
-    speed_plot: Any
-    files: Any
-    heatmap_spec: Any
-    heatmap_plot: Any
-    report: Any
+    compare_status: Any = views.KEEP
+    compare_table: Any = views.KEEP
+    tradeoff_plot: Any = views.KEEP
+    speed_plot: Any = views.KEEP
+    files: Any = views.KEEP
+    heatmap_spec: Any = views.KEEP
+    heatmap_plot: Any = views.KEEP
+    report: Any = views.KEEP
 
     @classmethod
     def refused(cls, message: str) -> CompareView:
         """A refusal: the message in the status line; the last table, charts and files stay."""
-        return cls(message, *[gr.skip()] * (len(cls._fields) - 1))
+        return cls(compare_status=message)
 
 
 def _view(report: ComparisonReport, note: str) -> CompareView:
@@ -57,12 +58,16 @@ def _view(report: ComparisonReport, note: str) -> CompareView:
     quantized = [r for r in report.results if BACKENDS[r.backend].quantized]
     chosen = min(quantized, key=lambda r: r.kv_bytes).spec_text if quantized else (specs[0] if specs else None)
     files = views.comparison_files(report, tempfile.mkdtemp(prefix="kvdemo-compare-")) if report.results else None
+    status, table, tradeoff, speed = views.comparison_outputs(report, note)
     return CompareView(
-        *views.comparison_outputs(report, note),
-        files,
-        gr.update(choices=specs, value=chosen),
-        views.kv_error_plot(report, chosen),
-        report,
+        compare_status=status,
+        compare_table=table,
+        tradeoff_plot=tradeoff,
+        speed_plot=speed,
+        files=files,
+        heatmap_spec=gr.update(choices=specs, value=chosen),
+        heatmap_plot=views.kv_error_plot(report, chosen),
+        report=report,
     )
 
 

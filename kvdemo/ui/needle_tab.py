@@ -26,32 +26,33 @@ QUICK_LENGTHS, QUICK_DEPTHS = "512,1024", "0,50,100"
 
 
 class NeedleView(NamedTuple):
-    """What a grid shows (`NeedleTab.run`), in the order of its outputs."""
+    """What a grid shows (`NeedleTab.run`), in the order of its outputs; built by keyword, an output not named
+    stays as it is on the page (`views.KEEP`)."""
 
-    needle_status: Any
-    needle_table: Any
-    score_plot: Any
-    hit_plot: Any
-    needle_files: Any
+    needle_status: Any = views.KEEP
+    needle_table: Any = views.KEEP
+    score_plot: Any = views.KEEP
+    hit_plot: Any = views.KEEP
+    needle_files: Any = views.KEEP
 
     @classmethod
     def refused(cls, message: str) -> NeedleView:
         """A refusal: the message in the status line; the last grid stays."""
-        return cls(message, *[gr.skip()] * (len(cls._fields) - 1))
+        return cls(needle_status=message)
 
 
 def _view(grid: needle_records.NeedleGrid, note: str) -> NeedleView:
     """The outputs of a (possibly partial) grid."""
     table = grid.to_frame()
     if table.empty:
-        return NeedleView(note, table, None, None, None)
+        return NeedleView(needle_status=note, needle_table=table, score_plot=None, hit_plot=None, needle_files=None)
     files = list(map(str, grid.write(tempfile.mkdtemp(prefix="kvdemo-needle-"))))
     return NeedleView(
-        note,
-        grid.summary_frame(),
-        needle_heatmap_figure(table, value="score"),
-        needle_heatmap_figure(table, value="hit"),
-        files,
+        needle_status=note,
+        needle_table=grid.summary_frame(),
+        score_plot=needle_heatmap_figure(table, value="score"),
+        hit_plot=needle_heatmap_figure(table, value="hit"),
+        needle_files=files,
     )
 
 

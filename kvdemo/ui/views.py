@@ -52,6 +52,10 @@ tensors, no copy), so each question sees the context and nothing else, and gets 
 single-question run would give. `cache length after restore = N (context)` shows it after each answer.
 """
 
+KEEP = gr.skip()
+"""The update that leaves an output as the page shows it (Gradio's `gr.skip()`): the default of every field of the
+tabs' views (`PrefillView`, `AnswerView`, `CompareView`, `NeedleView`), one object."""
+
 
 SUBMITTED = (
     "Submitted. One {job} runs at a time on this server: the bar shows this one's place in the queue while it "
