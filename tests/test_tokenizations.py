@@ -39,6 +39,16 @@ def _counting(monkeypatch, tokenizer, text: str) -> list[str]:
     return calls
 
 
+def _counting_after_one_preparation(monkeypatch, tiny, context: str) -> tuple[list[str], int]:
+    """The calls counted from now on with `context` (`_counting`), and how many one `QASession.prepare` of it
+    makes (the count is then cleared)."""
+    calls = _counting(monkeypatch, tiny.tokenizer, context[:120])
+    QASession(tiny).prepare(context, max_tokens=tiny.max_context_tokens)
+    one_preparation = len(calls)
+    calls.clear()
+    return calls, one_preparation
+
+
 @pytest.fixture()
 def app(tiny) -> App:
     app = App(loader=lambda source: tiny)
@@ -49,10 +59,7 @@ def app(tiny) -> App:
 
 def test_a_comparison_of_three_specs_tokenizes_its_context_once(tiny, normans, app, monkeypatch):
     context = normans.paragraphs[0]
-    calls = _counting(monkeypatch, tiny.tokenizer, context[:120])
-    QASession(tiny).prepare(context, max_tokens=tiny.max_context_tokens)
-    one_preparation = len(calls)
-    calls.clear()
+    calls, one_preparation = _counting_after_one_preparation(monkeypatch, tiny, context)
     specs = [CacheSpec.parse("hqq:4"), CacheSpec.parse("quanto:4"), CacheSpec.parse("fp8")]
     prepared = app.prepare(tiny, context)  # what the Compare tab and the MCP tool do
     with app.comparison("a", tiny, prepared, specs, 3):
@@ -60,17 +67,13 @@ def test_a_comparison_of_three_specs_tokenizes_its_context_once(tiny, normans, a
         report = compare(tiny, prepared, ["Who?", "Where?"], specs, 3, perplexity_tokens=4, continuation=continuation)
     assert len(report.results) == 4 and [r.backend for r in report.results] == ["dynamic", "hqq", "quanto", "fp8"]
     assert one_preparation > 0 and len(calls) == one_preparation
-    assert all(r.context_tokens == len(prepared.ids) for r in report.results) and all(
-        r.restored for r in report.results
-    )
+    assert all(r.context_tokens == len(prepared.ids) for r in report.results)
+    assert all(r.restored for r in report.results)
 
 
 def test_a_page_prefill_tokenizes_its_context_once(tiny, normans, app, monkeypatch):
     context = normans.paragraphs[1]
-    calls = _counting(monkeypatch, tiny.tokenizer, context[:120])
-    QASession(tiny).prepare(context, max_tokens=tiny.max_context_tokens)
-    one_preparation = len(calls)
-    calls.clear()
+    calls, one_preparation = _counting_after_one_preparation(monkeypatch, tiny, context)
     qa = QASession(tiny, CacheSpec.parse("hqq:4"))
     report = app.prefill("k", qa, context, 8)
     assert one_preparation > 0 and len(calls) == one_preparation
