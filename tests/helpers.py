@@ -76,7 +76,8 @@ def named_handlers(demo) -> dict:
     """The page's named event functions (`api_name` -> fn). `prefill` and `gate` are called as the page's state
     inputs in order (Context box, backend, options in `GROUP_OPTIONS` order; missing trailing options left empty),
     then the request, and `progress=` optionally: Gradio's own `special_args` puts the request (and progress)
-    where the handler's signature takes them, as it does for a browser's call."""
+    where the handler's signature takes them, as it does for a browser's call. `before_answer` is the Ask
+    click's first step (no API name of its own)."""
     from gradio.helpers import special_args
 
     from kvdemo.cache.registry import GROUP_OPTIONS
@@ -93,5 +94,10 @@ def named_handlers(demo) -> dict:
         return called
 
     fns = {f.api_name: f.fn for f in demo.fns.values() if f.api_name}
-    gate = next(f.fn for f in demo.fns.values() if getattr(f.fn, "__name__", "") == "gate")
-    return {**fns, "prefill": as_the_page_calls(fns["prefill"]), "gate": as_the_page_calls(gate)}
+    by_name = {getattr(f.fn, "__name__", ""): f.fn for f in demo.fns.values()}
+    return {
+        **fns,
+        "prefill": as_the_page_calls(fns["prefill"]),
+        "gate": as_the_page_calls(by_name["gate"]),
+        "before_answer": by_name["before_answer"],  # the Ask click's step before the queue
+    }

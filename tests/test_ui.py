@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import gradio as gr
@@ -91,6 +92,45 @@ def test_stop_ends_the_answer_and_restores(handlers):
     assert qa.history[-1].finish_reason == "stopped" and qa.history[-1].steps == 2
     assert "stopped" in final[1] and f"cache length after restore = {qa.prefill_report.context_tokens:,}" in final[1]
     assert fns["stop"](_request("other-tab")) is None  # nothing streams there: nothing happens
+
+
+def test_stop_pressed_while_the_answer_waits_in_the_queue_stops_it_after_one_step(handlers):
+    app, fns = handlers
+    fns["prefill"](CONTEXT, *HQQ, _request())
+    assert fns["before_answer"](_request())["interactive"] is False  # the click: Ask disabled, Stop applies
+    fns["stop"](_request())  # pressed while the answer waits in the queue
+    final = _ask(fns, "Who led the Normans?", 50)[-1]
+    answer = app.sessions.get("tab-1").qa.history[-1]
+    assert (answer.finish_reason, answer.steps) == ("stopped", 1) and "stopped" in final.stats
+    # a Stop pressed when nothing runs does not stop the next answer, from a click or from an API call
+    for click in (True, False):
+        fns["stop"](_request())
+        if click:
+            fns["before_answer"](_request())
+        _ask(fns, "Who led the Normans?", 5)
+        assert app.sessions.get("tab-1").qa.history[-1].finish_reason == "max_new_tokens"
+
+
+@pytest.mark.parametrize("door", ["ask", "ask_question"])
+def test_stop_pressed_before_the_stream_began_stops_it(handlers, monkeypatch, door):
+    """A Stop that lands while the handler reserves the answer's KV (before `qa.stream` has cleared the session's
+    stop flag) still applies: the Ask tab's answer and the `ask_question` tool's, for the same browser session."""
+    app, fns = handlers
+    fns["prefill"](CONTEXT, *HQQ, _request())
+    reserve = app.reserve_answer
+
+    def reserve_then_stop(*args):
+        prepared = reserve(*args)
+        fns["stop"](_request())  # the Stop button of the same session, pressed meanwhile
+        return prepared
+
+    monkeypatch.setattr(app, "reserve_answer", reserve_then_stop)
+    if door == "ask":
+        _ask(fns, "Who led the Normans?", 50)
+    else:
+        assert json.loads(fns["ask_question"]("Who led the Normans?", 50, "", _request()))["finish_reason"] == "stopped"
+    answer = app.sessions.get("tab-1").qa.history[-1]
+    assert (answer.finish_reason, answer.steps) == ("stopped", 1)
 
 
 @pytest.mark.parametrize(

@@ -41,6 +41,9 @@ class UserSession:
         page_shows: the Context box and the `CacheSpec` (None: options not valid) the page showed last: the Ask
             tab's gate writes it at every change, a prefill at its click; None where no page showed this session
             (an API or MCP caller). An answer is refused while it is not what `qa` holds.
+        answer_stop: set by Stop (`interrupt`) since the answer was asked (`queue_answer`, `answering`): a Stop
+            pressed while the answer waits in the queue, or before its stream has begun, still stops it.
+        answer_pending: an Ask click has queued an answer that has not ended yet.
     """
 
     qa: QASession | None = None
@@ -54,13 +57,41 @@ class UserSession:
     prefilling: QASession | None = None
     last_used: float = 0.0
     page_shows: tuple[str, CacheSpec | None] | None = None
+    answer_stop: threading.Event = field(default_factory=threading.Event)
+    answer_pending: bool = False
 
     def interrupt(self) -> None:
-        """Stop this session's answer after its current decode step and its prefill before its next chunk
-        (Stop, or a new prefill); a comparison has its own Cancel."""
+        """Stop this session's answer after its current decode step (also one asked that has not begun: see
+        `answering`) and its prefill before its next chunk (Stop, or a new prefill); a comparison has its own
+        Cancel."""
+        self.answer_stop.set()
         for qa in (self.qa, self.prefilling):
             if qa is not None:
                 qa.request_stop()
+
+    def queue_answer(self) -> None:
+        """At an Ask click, before the answer waits in the queue: from now on Stop applies to it."""
+        self.answer_stop.clear()
+        self.answer_pending = True
+
+    @contextmanager
+    def answering(self) -> Iterator[Callable[[QASession], None]]:
+        """The one protocol of a session's answer (the Ask tab's, the `ask_question` tool's), entered with `lock`
+        held: Stop applies from the Ask click (`queue_answer`) or, for a call that no button queued, from now.
+        Yields `began(qa)`, to call once `qa.stream(...)` has been created (which clears `qa`'s own stop flag): a
+        Stop that came before it then ends the answer after its first decode step, with `finish_reason`
+        `stopped` (the pattern of `SessionStore.long_job`'s Cancel)."""
+        if not self.answer_pending:
+            self.answer_stop.clear()
+
+        def began(qa: QASession) -> None:
+            if self.answer_stop.is_set():
+                qa.request_stop()
+
+        try:
+            yield began
+        finally:
+            self.answer_pending = False
 
     @property
     def busy(self) -> bool:

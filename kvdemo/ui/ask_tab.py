@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import closing
 from typing import Any
 
@@ -183,13 +183,16 @@ class AskTab(AskWidgets):
             yield AnswerView.refused(refusal(error, "a question"))
             return
         try:
-            yield from self._answer(user, request_key(request), question, max_new_tokens)
+            with user.answering() as began:
+                yield from self._answer(user, request_key(request), question, max_new_tokens, began)
         finally:
             self.app.sessions.touch(user)
             user.lock.release()
 
-    def _answer(self, user: UserSession, key: str, question: str, max_new_tokens: int) -> Iterator[AnswerView]:
-        """The answer's updates, with the session's lock held."""
+    def _answer(
+        self, user: UserSession, key: str, question: str, max_new_tokens: int, began: Callable[[QASession], None]
+    ) -> Iterator[AnswerView]:
+        """The answer's updates, with the session's lock held; `began` is `UserSession.answering`'s."""
         qa = user.qa  # read under the lock: a prefill that just finished has replaced it
         try:
             if qa is None:
@@ -198,6 +201,7 @@ class AskTab(AskWidgets):
                 raise ValueError("The model changed since your prefill; press Prefill to rebuild the cache on it")
             prepared = self.app.reserve_answer(key, qa, question, max_new_tokens)  # within the server's KV budget
             stream = qa.stream(prepared)
+            began(qa)  # a Stop pressed while the answer waited applies now
         except ValueError as error:
             yield AnswerView.refused(refusal(error, "a question"))
             return
@@ -246,6 +250,14 @@ class AskTab(AskWidgets):
         user = self.app.sessions.peek_request(request)
         if user is not None:
             user.interrupt()
+
+    def before_answer(self, request: gr.Request) -> Any:
+        """At an Ask click (or Enter), before the answer waits in the queue: disable Ask, and let Stop apply to
+        this answer from now (`UserSession.queue_answer`)."""
+        user = self.app.sessions.peek_request(request)
+        if user is not None:
+            user.queue_answer()
+        return gr.update(interactive=False)
 
     def before_prefill(self, request: gr.Request) -> Any:
         """At a Prefill click, before it waits in the queue: stop what runs in this session and disable Ask."""
@@ -366,7 +378,7 @@ class AskTab(AskWidgets):
             (w["ask_button"].click, {"api_name": "ask"}),
             (w["question"].submit, {"api_visibility": "private"}),
         ):
-            trigger(lambda: gr.update(interactive=False), outputs=w["ask_button"], **private).then(
+            trigger(self.before_answer, outputs=w["ask_button"], **private).then(
                 self.ask,
                 inputs=[w["question"], w["max_new_tokens"], w["context"]],
                 outputs=answer_outputs,

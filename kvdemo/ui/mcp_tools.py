@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from contextlib import closing
 from typing import Any
 
@@ -155,44 +156,52 @@ class McpTools:
         if not user.lock.acquire(blocking=False):
             raise ValueError("An answer or a prefill is already running in this session; wait for it to end")
         try:
-            qa = user.qa  # read under the lock: a prefill that just finished has replaced it
-            if qa is None:
-                raise ValueError("This session was freed; call prefill_context again")
-            if self.app.loaded is not qa.loaded:
-                raise ValueError("The model changed since your prefill; call prefill_context again")
-            stream = qa.stream(self.app.reserve_answer(key, qa, question, max_new_tokens))
-            first_token = None
-            try:
-                with closing(stream):
-                    for event in stream:
-                        if first_token is None:
-                            first_token = event.elapsed
-            except Exception as error:  # a fault inside a decode step: the session has restored the cache
-                steps = qa.history[-1].steps if qa.history else 0
-                raise ValueError(
-                    f"The answer failed after {steps} decode step(s) ({type(error).__name__}: {str(error)[:200]}). "
-                    "The cache was restored to the prefilled context; ask again"
-                ) from None
-            answer = qa.history[-1]
-            return _json(
-                {
-                    "question": answer.question,
-                    "answer": answer.text,
-                    "tokens": len(answer.token_ids),
-                    "steps": answer.steps,
-                    "flushes": answer.flush_count,
-                    "seconds": round(answer.seconds, 3),
-                    "tokens_per_second": round(answer.tokens_per_second, 2),
-                    "first_token_seconds": None if first_token is None else round(first_token, 3),
-                    "finish_reason": answer.finish_reason,
-                    "cache_length_after": answer.cache_length_after,
-                    "context_tokens": views.prefilled_tokens(qa),
-                    "spec": qa.spec.text,
-                }
-            )
+            with user.answering() as began:
+                return self._answer(user, key, question, max_new_tokens, began)
         finally:
             self.app.sessions.touch(user)
             user.lock.release()
+
+    def _answer(
+        self, user: UserSession, key: str, question: str, max_new_tokens: int, began: Callable[[QASession], None]
+    ) -> str:
+        """`ask_question`'s answer as JSON, with the session's lock held; `began` is `UserSession.answering`'s."""
+        qa = user.qa  # read under the lock: a prefill that just finished has replaced it
+        if qa is None:
+            raise ValueError("This session was freed; call prefill_context again")
+        if self.app.loaded is not qa.loaded:
+            raise ValueError("The model changed since your prefill; call prefill_context again")
+        stream = qa.stream(self.app.reserve_answer(key, qa, question, max_new_tokens))
+        began(qa)  # the Ask tab's Stop, pressed for this session before the stream began, applies now
+        first_token = None
+        try:
+            with closing(stream):
+                for event in stream:
+                    if first_token is None:
+                        first_token = event.elapsed
+        except Exception as error:  # a fault inside a decode step: the session has restored the cache
+            steps = qa.history[-1].steps if qa.history else 0
+            raise ValueError(
+                f"The answer failed after {steps} decode step(s) ({type(error).__name__}: {str(error)[:200]}). "
+                "The cache was restored to the prefilled context; ask again"
+            ) from None
+        answer = qa.history[-1]
+        return _json(
+            {
+                "question": answer.question,
+                "answer": answer.text,
+                "tokens": len(answer.token_ids),
+                "steps": answer.steps,
+                "flushes": answer.flush_count,
+                "seconds": round(answer.seconds, 3),
+                "tokens_per_second": round(answer.tokens_per_second, 2),
+                "first_token_seconds": None if first_token is None else round(first_token, 3),
+                "finish_reason": answer.finish_reason,
+                "cache_length_after": answer.cache_length_after,
+                "context_tokens": views.prefilled_tokens(qa),
+                "spec": qa.spec.text,
+            }
+        )
 
     @user_errors
     def compare_backends(

@@ -131,15 +131,17 @@ class Run:
         return None
 
     def stop_long_answer(self, client: Client, question: str) -> None:
-        """A long answer stopped mid-way with the Stop button's event, tried again until the deadline when the
-        answer itself was refused: the job reports PROCESSING before its handler checks the KV budget, so the
-        refusal may come only from `job.result()`."""
+        """A long answer stopped mid-way with the Stop button's event, pressed again every 0.3 s until the answer
+        ends (as a user would: the tool's call reports PROCESSING before its handler has begun, and a Stop that
+        comes before the handler is for no answer yet). Tried again until the deadline when the answer itself
+        was refused (the refusal may come only from `job.result()`) or ended before a Stop landed."""
         while True:
             job = self.long_answer(client, question)
             if job is None:
                 return
-            time.sleep(0.1)
-            self.call(client, "/stop")  # a full queue turns gradio_client's Stop away too (the browser's is not queued)
+            while not job.done():
+                time.sleep(0.3)
+                self.call(client, "/stop")  # a full queue turns gradio_client's Stop away too (the browser's is not)
             try:
                 stopped = json.loads(job.result())
             except Exception as error:
@@ -150,7 +152,8 @@ class Run:
             with self.lock:
                 self.stops.append(stopped["finish_reason"])
             assert stopped["cache_length_after"] == stopped["context_tokens"]
-            return
+            if stopped["finish_reason"] == "stopped" or time.perf_counter() > self.deadline:
+                return
 
 
 def _client(run: Run, i: int, contexts: list[str], questions: list[str]) -> None:
