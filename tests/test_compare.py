@@ -15,7 +15,7 @@ import torch
 
 from kvdemo import CacheSpec, QASession
 from kvdemo.cache.telemetry import flushed_layers, kv_memory
-from kvdemo.compare.measure import ComparisonRun, measure_spec
+from kvdemo.compare.measure import ComparisonRun, first_departure, measure_spec
 from kvdemo.compare.records import ComparisonCancelled
 from kvdemo.compare.run import compare
 from kvdemo.evals import cache_error, fidelity
@@ -334,3 +334,60 @@ def test_bad_perplexity_input_is_refused_before_anything_runs(tiny, kwargs, mess
     with pytest.raises(ValueError, match=message):
         compare(tiny, CONTEXT, QUESTIONS, [], max_new_tokens=2, on_progress=lambda *a: progress.append(a), **kwargs)
     assert progress == []
+
+
+def test_first_departure_on_hand_made_answers():
+    class Loaded:  # what first_departure reads of a LoadedModel
+        class tokenizer:
+            decode = staticmethod(lambda ids: f"<{ids[0]}>")
+
+    dynamic_lp = torch.log_softmax(torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0], [0.0, 0.0, 5.0]]), dim=-1)
+    spec_lp = torch.log_softmax(torch.tensor([[0.0, 3.0, 1.0], [1.0, 0.0, 2.0], [5.0, 0.0, 0.0]]), dim=-1)
+    assert first_departure(Loaded, [1, 0, 2], [1, 0, 2], spec_lp, dynamic_lp) is None
+    dep = first_departure(Loaded, [1, 2, 0], [1, 0, 2], spec_lp, dynamic_lp)
+    assert (dep.position, dep.dynamic_token, dep.spec_token) == (1, "<0>", "<2>")
+    assert dep.dynamic_logprobs == (float(dynamic_lp[1, 0]), float(dynamic_lp[1, 2]))
+    assert dep.spec_logprobs == (float(spec_lp[1, 0]), float(spec_lp[1, 2]))
+    assert dep.describe("hqq:2") == (
+        f"token 2: '<2>' (log p {float(spec_lp[1, 2]):.2f} here, {float(dynamic_lp[1, 2]):.2f} under dynamic) "
+        f"where dynamic has '<0>' ({float(dynamic_lp[1, 0]):.2f} under dynamic, {float(spec_lp[1, 0]):.2f} here)"
+    )
+    ended = first_departure(Loaded, [1], [1, 0, 2], spec_lp, dynamic_lp)  # the spec's answer ended first
+    assert (ended.position, ended.spec_token) == (1, None)
+    assert ended.spec_logprobs[1] is None and ended.dynamic_logprobs[1] is None
+    assert ended.describe("fp8").startswith("token 2: the end (log p - here, - under dynamic) where dynamic has '<0>'")
+    longer = first_departure(Loaded, [1, 0, 2, 2], [1, 0, 2], spec_lp, dynamic_lp)  # dynamic's ended first
+    assert (longer.position, longer.dynamic_token, longer.spec_token) == (3, None, "<2>")
+    assert longer.spec_logprobs == longer.dynamic_logprobs == (None, None)
+
+
+def test_answers_side_by_side_with_the_first_departure_from_dynamic(embedded):
+    """On the embedded model, whose answer a 2-bit cache changes at once: the departure as measured by hand."""
+    spec, question = CacheSpec("quanto", nbits=2, residual_length=2), "Where did they settle?"
+    report = compare(embedded, LONG_CONTEXT, [question], [spec], max_new_tokens=6)
+    (d,), (q,) = (r.questions for r in report.results)
+    assert d.departure is None and not q.identical_to_dynamic  # the reference against itself; a changed answer
+    at, dep = q.common_prefix_tokens, q.departure
+    theirs, ours = d.token_ids[at], q.token_ids[at]
+    assert dep.position == at and (dep.dynamic_token, dep.spec_token) == tuple(
+        embedded.tokenizer.decode([t]) for t in (theirs, ours)
+    )
+    under = {}  # dynamic's answer teacher-forced through each cache, by hand
+    for s in (CacheSpec("dynamic"), spec):
+        session = QASession(embedded, s)
+        session.prefill(LONG_CONTEXT)
+        under[s.backend] = session.score(question, d.token_ids)[at].tolist()
+    assert dep.dynamic_logprobs == pytest.approx((under["dynamic"][theirs], under["dynamic"][ours]), abs=1e-5)
+    assert dep.spec_logprobs == pytest.approx((under["quanto"][theirs], under["quanto"][ours]), abs=1e-5)
+    # each cache's greedy step chose its own token from these very distributions
+    assert dep.spec_logprobs[1] >= dep.spec_logprobs[0] and dep.dynamic_logprobs[0] >= dep.dynamic_logprobs[1]
+    frame = report.answers_frame()
+    assert list(frame.columns) == list(report.ANSWER_COLUMNS)
+    assert frame.to_dict("list") == {
+        "question": [question, question],
+        "spec": ["dynamic", spec.text],
+        "answer": [d.answer, q.answer],
+        "finish": [d.finish_reason, q.finish_reason],
+        "first departure from dynamic": ["(the reference)", dep.describe(spec.text)],
+    }
+    assert json.loads(report.to_json())["results"][1]["questions"][0]["departure"]["position"] == at

@@ -15,7 +15,7 @@ import torch
 
 from kvdemo.cache.spec import CacheSpec
 from kvdemo.cache.telemetry import flushed_layers
-from kvdemo.compare.records import QuestionResult, SpecResult
+from kvdemo.compare.records import Departure, QuestionResult, SpecResult
 from kvdemo.evals import cache_error, fidelity
 from kvdemo.evals.fidelity import PerplexityInputs
 from kvdemo.evals.metrics import common_prefix, score_against_gold
@@ -117,7 +117,7 @@ def measure_spec(
     run.step(f"{spec.text}: prefilled {prefill.context_tokens} tokens")
     answers, flush_steps, flush_seconds = _answer_all(run, session, spec)
     ref_ids = reference.token_ids if reference is not None else tuple(a.token_ids for a in answers)
-    own, parts, drift_runs = _score_all(run, session, spec, ref_ids, reference, reference_kv)
+    own, parts, drift_runs, departures = _score_all(run, session, spec, answers, reference, reference_kv)
     del session  # free this cache before the perplexity's
     gc.collect()
     ppl = None
@@ -125,6 +125,7 @@ def measure_spec(
         ppl = _perplexity(run, spec, run.perplexity_inputs, context_ids, reference_kv, reference)
         drift_runs.append(ppl.context_errors)
     questions_out = _question_results(run, answers, ref_ids, parts, flush_steps, flush_seconds, drift_runs)
+    questions_out = [replace(q, departure=d) for q, d in zip(questions_out, departures)]
     result = _spec_result(
         spec, prefill, answers, flush_seconds, questions_out, parts, kv_error, drift_runs, ppl, dynamic_kv_bytes
     )
@@ -213,13 +214,16 @@ def _score_all(
     run: ComparisonRun,
     session: QASession,
     spec: CacheSpec,
-    ref_ids: Sequence[Sequence[int]],
+    answers: Sequence,
     reference: Reference | None,
     reference_kv: cache_error.KV,
-) -> tuple[list[torch.Tensor], list, list[tuple[float, ...]]]:
+) -> tuple[list[torch.Tensor], list, list[tuple[float, ...]], list[Departure | None]]:
     """The reference's answers teacher-forced through this cache: the own log-probabilities (kept only for the
-    reference run), each question's `PositionFidelity`, and the context's error after each flush (the drift)."""
+    reference run), each question's `PositionFidelity`, the context's error after each flush (the drift), and
+    where each of this spec's `answers` first leaves the reference's (`first_departure`)."""
+    ref_ids = reference.token_ids if reference is not None else tuple(a.token_ids for a in answers)
     own, parts, drift_runs = [], [], []
+    departures: list[Departure | None] = []
     for i, question in enumerate(run.questions):
         run.check_cancel()
         errors: list[float] = []
@@ -232,13 +236,59 @@ def _score_all(
         logprobs = session.score(question, ref_ids[i], on_step=after_step)
         if reference is None:
             own.append(logprobs)  # kept only when this run is the reference ([n, vocab] float32 per question)
+            departures.append(None)
+        else:
+            departures.append(
+                first_departure(run.loaded_model, answers[i].token_ids, ref_ids[i], logprobs, reference.logprobs[i])
+            )
         parts.append(
             fidelity.position_fidelity(logprobs if reference is None else reference.logprobs[i], logprobs, ref_ids[i])
         )
         drift_runs.append(tuple(errors))
         del logprobs
         run.step(f"{spec.text}: scored {i + 1}/{len(run.questions)}")
-    return own, parts, drift_runs
+    return own, parts, drift_runs, departures
+
+
+def first_departure(
+    loaded_model: LoadedModel,
+    spec_ids: Sequence[int],
+    dynamic_ids: Sequence[int],
+    spec_logprobs: torch.Tensor,
+    dynamic_logprobs: torch.Tensor,
+) -> Departure | None:
+    """Where a spec's greedy answer `spec_ids` first leaves `dynamic_ids`, with the two tokens' log-probabilities.
+
+    Args:
+        loaded_model: the model (its tokenizer decodes each token alone).
+        spec_ids, dynamic_ids: the two answers' token ids.
+        spec_logprobs, dynamic_logprobs: `dynamic_ids` teacher-forced through the spec's cache and through
+            `dynamic`'s (`QASession.score`), float32 [len(dynamic_ids), vocab]: row i is the distribution before
+            token i, after the question and the first i tokens of `dynamic_ids`.
+
+    Returns:
+        The `Departure`, or None when the answers are identical.
+    """
+    spec_ids, dynamic_ids = list(spec_ids), list(dynamic_ids)
+    if spec_ids == dynamic_ids:
+        return None
+    at = common_prefix(spec_ids, dynamic_ids)
+    theirs = dynamic_ids[at] if at < len(dynamic_ids) else None
+    ours = spec_ids[at] if at < len(spec_ids) else None
+
+    def logprob(rows: torch.Tensor, token: int | None) -> float | None:
+        return None if token is None or at >= rows.shape[0] else float(rows[at, token])
+
+    def text(token: int | None) -> str | None:
+        return None if token is None else loaded_model.tokenizer.decode([token])
+
+    return Departure(
+        position=at,
+        dynamic_token=text(theirs),
+        spec_token=text(ours),
+        dynamic_logprobs=(logprob(dynamic_logprobs, theirs), logprob(dynamic_logprobs, ours)),
+        spec_logprobs=(logprob(spec_logprobs, theirs), logprob(spec_logprobs, ours)),
+    )
 
 
 def _perplexity(

@@ -17,6 +17,45 @@ from kvdemo.evals.fidelity import KLStats, PerplexityResult
 
 
 @dataclass(frozen=True)
+class Departure:
+    """Where a spec's greedy answer first leaves `dynamic`'s: the position, both tokens, and each token's
+    log-probability under both caches. The two answers share every token before `position`, so the distribution
+    `dynamic`'s answer is teacher-forced through at `position` is the one the spec's greedy step chose from.
+
+    Attributes:
+        position: the index of the first differing answer token (= `QuestionResult.common_prefix_tokens`).
+        dynamic_token, spec_token: each answer's token there (the text of that token alone); None where that
+            answer had already ended (an end-of-turn token, or max_new_tokens).
+        dynamic_logprobs: (log P(dynamic_token), log P(spec_token)) under `dynamic`'s cache (nats; None for a
+            token that is None).
+        spec_logprobs: the same two under the spec's cache (nats).
+    """
+
+    position: int
+    dynamic_token: str | None
+    spec_token: str | None
+    dynamic_logprobs: tuple[float | None, float | None]
+    spec_logprobs: tuple[float | None, float | None]
+
+    def describe(self, spec_text: str) -> str:
+        """One line for a reader, "here" being the spec's cache (`spec_text` is not repeated), e.g. `token 4:
+        ' Parliament' (log p -0.91 here, -2.30 under dynamic) where dynamic has ' Melbourne' (-0.42 under dynamic,
+        -1.20 here)`."""
+
+        def shown(token: str | None) -> str:
+            return "the end" if token is None else repr(token)
+
+        def nats(value: float | None) -> str:
+            return "-" if value is None else f"{value:.2f}"
+
+        return (
+            f"token {self.position + 1}: {shown(self.spec_token)} (log p {nats(self.spec_logprobs[1])} here, "
+            f"{nats(self.dynamic_logprobs[1])} under dynamic) where dynamic has {shown(self.dynamic_token)} "
+            f"({nats(self.dynamic_logprobs[0])} under dynamic, {nats(self.spec_logprobs[0])} here)"
+        )
+
+
+@dataclass(frozen=True)
 class QuestionResult:
     """One question's answer under one spec.
 
@@ -32,6 +71,7 @@ class QuestionResult:
         cache_length_after: the cache's length after the restore (tokens).
         context_errors: `cache_error.context_error` of the context's tokens after each flush while `dynamic`'s
             answer was scored (teacher-forced, so every spec flushes at the same steps); empty without flushes.
+        departure: where the answer first leaves `dynamic`'s (`Departure`); None when they are identical.
     """
 
     question: str
@@ -50,6 +90,7 @@ class QuestionResult:
     flush_seconds: float
     cache_length_after: int
     context_errors: tuple[float, ...] = ()
+    departure: Departure | None = None
 
 
 @dataclass(frozen=True)
@@ -233,6 +274,32 @@ class ComparisonReport:
         frame = pd.DataFrame(rows, columns=list(self.COLUMNS))
         integers = ("nbits", "q_group_size", "residual_length", "axis_key", "axis_value")
         return frame.astype({name: "Int64" for name in integers})
+
+    ANSWER_COLUMNS = ("question", "spec", "answer", "finish", "first departure from dynamic")
+
+    def answers_frame(self) -> pd.DataFrame:
+        """The answers side by side: one row per question and spec (`ANSWER_COLUMNS`, also when there is none),
+        question by question, each spec's right after `dynamic`'s: the answer, its `finish_reason`, and where it
+        first departs from `dynamic`'s (`Departure.describe`; `identical` when it does not)."""
+        rows = [
+            {
+                "question": q.question,
+                "spec": r.spec_text,
+                "answer": q.answer,
+                "finish": q.finish_reason,
+                "first departure from dynamic": (
+                    "(the reference)"
+                    if r is self.results[0]
+                    else "identical"
+                    if q.departure is None
+                    else q.departure.describe(r.spec_text)
+                ),
+            }
+            for i in range(len(self.results[0].questions) if self.results else 0)
+            for r in self.results
+            for q in r.questions[i : i + 1]
+        ]
+        return pd.DataFrame(rows, columns=list(self.ANSWER_COLUMNS))
 
     def to_dict(self) -> dict:
         """JSON-ready: model, max_new_tokens, perplexity_source and every result with its answers and fidelity

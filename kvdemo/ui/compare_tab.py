@@ -44,6 +44,7 @@ class CompareView(NamedTuple):
     heatmap_spec: Any = views.KEEP
     heatmap_plot: Any = views.KEEP
     report: Any = views.KEEP
+    answers_table: Any = views.KEEP
 
     @classmethod
     def refused(cls, message: str) -> CompareView:
@@ -68,6 +69,7 @@ def _view(report: ComparisonReport, note: str) -> CompareView:
         heatmap_spec=gr.update(choices=specs, value=chosen),
         heatmap_plot=views.kv_error_plot(report, chosen),
         report=report,
+        answers_table=report.answers_frame(),
     )
 
 
@@ -221,6 +223,13 @@ class CompareTab:
         w["compare_status"] = gr.Markdown("")
         w["compare_table"] = gr.Dataframe(
             label="comparison (memory · fidelity against dynamic · speed)", interactive=False, wrap=True
+        )
+        w["answers_table"] = gr.Dataframe(
+            label="the answers side by side: each spec's after dynamic's, and where it first departs from it "
+            "(the token, and the log-probability of each answer's token under each cache)",
+            interactive=False,
+            wrap=True,
+            column_widths=["18%", "12%", "30%", "8%", "32%"],
         )
         with gr.Accordion("What each column means", open=False):
             gr.Markdown("\n".join(f"- **{name}**: {text}" for name, text in DISPLAY_HELP.items()))
