@@ -184,7 +184,9 @@ def test_grid_bookkeeping(tiny, monkeypatch):
     assert summary["prefill s"].iloc[1] == pytest.approx(
         sum({c.context: c.prefill_seconds for c in fp8}.values()), abs=0.01
     )
-    assert grid.to_csv().splitlines()[0].startswith("spec text,length,depth,placed depth,hit,score")
+    assert table["cut"].tolist() == [(not c.hit and c.finish_reason == "max_new_tokens") for c in grid.cells]
+    assert summary["cut"].tolist() == [sum(c.cut for c in dynamic), sum(c.cut for c in fp8)]
+    assert grid.to_csv().splitlines()[0].startswith("spec text,length,depth,placed depth,hit,cut,score")
     assert grid.to_dict()["cells"][0]["name"] == grid.cells[0].name
 
 
@@ -302,9 +304,13 @@ def test_heatmap_frame_and_figure_read_the_table(tiny):
     assert panels[1].images[0].get_array().tolist() == scores.to_numpy().tolist()
     low = min(c.score for c in grid.cells)
     assert panels[0].images[0].get_clim() == (max(low, SCORE_FLOOR), 0.0)
+    # 2 tokens cannot hold the number: every miss was cut by max_new_tokens, and says so
+    assert any(cell.cut for cell in grid.cells[4:])
     assert [t.get_text() for t in panels[1].texts] == [
-        ("\u2713" if cell.hit else "\u2717") + f"{cell.score:.1f}"
+        ("\u2713" if cell.hit else "cut " if cell.cut else "\u2717") + f"{cell.score:.1f}"
         for cell in sorted(grid.cells[4:], key=lambda c: (c.depth, c.length))
     ]
+    uncut = needle_heatmap_figure(table.assign(cut=False), ["fp8"])  # a miss that ended otherwise: a cross
+    assert all(t.get_text()[0] in "\u2713\u2717" for t in uncut.axes[0].texts)
     hit_panels = [ax for ax in needle_heatmap_figure(table, ["fp8"], value="hit").axes if ax.images]
     assert len(hit_panels) == 1 and hit_panels[0].images[0].get_clim() == (0.0, 1.0)

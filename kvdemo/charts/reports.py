@@ -322,7 +322,8 @@ def needle_heatmap_figure(
 
     `score` colours the graded score (log P of the value in nats, from the table's lowest score, or -15 when
     lower: worse than a guess among 10^6 numbers, -13.8, to 0); `hit` colours hits green and misses red. Every
-    cell is labelled with a tick (hit) or a cross (miss) and its score.
+    cell is labelled with a tick (hit), a cross (miss) or `cut` (a miss that max_new_tokens ended, the table's
+    `cut` column) and its score.
 
     Args:
         table: `NeedleGrid.to_frame()`.
@@ -352,12 +353,18 @@ def needle_heatmap_figure(
         shown = needle_heatmap_frame(table, spec, value).reindex(index=depths, columns=lengths)
         scores = needle_heatmap_frame(table, spec, "score").reindex(index=depths, columns=lengths)
         hits = needle_heatmap_frame(table, spec, "hit").reindex(index=depths, columns=lengths)
+        cuts = None
+        if "cut" in table:  # the same pivot as `needle_heatmap_frame`'s
+            cut_rows = table[table["spec text"] == spec].astype({"cut": "float64"})
+            cuts = cut_rows.pivot_table(index="depth", columns="length", values="cut", aggfunc="mean")
+            cuts = cuts.reindex(index=depths, columns=lengths)
         image = ax.imshow(shown.to_numpy(), aspect="auto", **scale)
         for i in range(len(depths)):
             for j in range(len(lengths)):
                 if pd.isna(scores.iat[i, j]):
                     continue
-                mark = "\u2713" if hits.iat[i, j] >= 0.5 else "\u2717"
+                cut = cuts is not None and cuts.iat[i, j] >= 0.5
+                mark = "\u2713" if hits.iat[i, j] >= 0.5 else "cut " if cut else "\u2717"
                 ax.text(
                     j,
                     i,

@@ -138,10 +138,36 @@ def plan_contexts(
     hay = TokenizedText(session, text)
     contexts = []
     for length in lengths:
-        needles = make_needles(depths, seed=f"{seed}:{length}", avoid=text)
+        needles = _needles(length, depths, seed, text)
         for g in range(groups):
             contexts.append(build_context(session, length, needles[g::groups], _hay=hay))
     return contexts
+
+
+def _needles(length: int, depths: Sequence[float], seed: int | str, haystack: str) -> list[Needle]:
+    """The needles of one length's contexts (`plan_contexts`)."""
+    return make_needles(depths, seed=f"{seed}:{length}", avoid=haystack)
+
+
+def answer_tokens_needed(
+    loaded_model: LoadedModel,
+    lengths: Sequence[int],
+    depths: Sequence[float],
+    seed: int | str = 0,
+    haystack: str | None = None,
+) -> int:
+    """The fewest `max_new_tokens` that can hold every needle's answer: the tokens of the longest needle sentence
+    (`"The special magic number for {name} is {value}."`, the answer that only restates it) among the needles
+    `plan_contexts` draws for these lengths, depths and seed. A model that words its answer at more length
+    (`"... mentioned in the text is ..."`) needs more: `DEFAULT_MAX_NEW_TOKENS` leaves that room. Tokenization
+    only; lengths and depths are taken as given (`plan_contexts` checks them)."""
+    text = haystack if haystack is not None else haystack_text()
+    tokenizer = loaded_model.tokenizer
+    return max(
+        len(tokenizer(needle.text, add_special_tokens=False)["input_ids"])
+        for length in lengths
+        for needle in _needles(length, depths, seed, text)
+    )
 
 
 def _score_ids(session: QASession, needle: Needle) -> tuple[list[int], int]:

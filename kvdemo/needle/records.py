@@ -59,6 +59,12 @@ class NeedleCell:
     kv_bytes: int
 
     @property
+    def cut(self) -> bool:
+        """A miss that `max_new_tokens` ended: the answer may have been cut before the number could appear (the
+        score still says whether the model knew it)."""
+        return not self.hit and self.finish_reason == "max_new_tokens"
+
+    @property
     def seconds(self) -> float:
         """This cell's share of the work: prefill_seconds / needles_in_context + answer + scoring seconds."""
         return self.prefill_seconds / self.needles_in_context + self.answer_seconds + self.score_seconds
@@ -96,6 +102,7 @@ class NeedleGrid:
         "depth",
         "placed depth",
         "hit",
+        "cut",
         "score",
         "value",
         "answer",
@@ -111,8 +118,9 @@ class NeedleGrid:
 
     def to_frame(self) -> pd.DataFrame:
         """One row per cell (`COLUMNS`, also when there is none): spec text, length (tokens), depth (%),
-        placed depth (%), hit (bool), score (nats), value, answer, needles in context, prefill s (the shared
-        prefill's), answer s, score s, cell s (`NeedleCell.seconds`), name, position (token), spec (label)."""
+        placed depth (%), hit (bool), cut (bool, `NeedleCell.cut`), score (nats), value, answer, needles in
+        context, prefill s (the shared prefill's), answer s, score s, cell s (`NeedleCell.seconds`), name,
+        position (token), spec (label)."""
         rows = [
             {
                 "spec text": c.spec_text,
@@ -120,6 +128,7 @@ class NeedleGrid:
                 "depth": c.depth,
                 "placed depth": c.placed_depth,
                 "hit": c.hit,
+                "cut": c.cut,
                 "score": round(c.score, 4),
                 "value": c.value,
                 "answer": c.answer,
@@ -135,11 +144,19 @@ class NeedleGrid:
             for c in self.cells
         ]
         return pd.DataFrame(rows, columns=list(self.COLUMNS)).astype(
-            {"length": "int64", "depth": "float64", "placed depth": "float64", "hit": "bool", "score": "float64"}
+            {
+                "length": "int64",
+                "depth": "float64",
+                "placed depth": "float64",
+                "hit": "bool",
+                "cut": "bool",
+                "score": "float64",
+            }
         )
 
     def summary_frame(self) -> pd.DataFrame:
-        """One row per spec: `spec text`, `cells`, `hits`, `hit rate`, `mean score` (nats), `prefill s` (summed
+        """One row per spec: `spec text`, `cells`, `hits`, `cut` (misses ended by max_new_tokens, `NeedleCell.cut`),
+        `hit rate`, `mean score` (nats), `prefill s` (summed
         over its prefills), `decode s` (answers and scorings summed), `seconds` (the two together)."""
         rows = []
         for spec in self.specs:
@@ -153,6 +170,7 @@ class NeedleGrid:
                     "spec text": spec,
                     "cells": len(cells),
                     "hits": sum(c.hit for c in cells),
+                    "cut": sum(c.cut for c in cells),
                     "hit rate": sum(c.hit for c in cells) / len(cells),
                     "mean score": sum(c.score for c in cells) / len(cells),
                     "prefill s": round(prefill, 2),
@@ -160,14 +178,13 @@ class NeedleGrid:
                     "seconds": round(prefill + decode, 2),
                 }
             )
-        return pd.DataFrame(
-            rows, columns=["spec text", "cells", "hits", "hit rate", "mean score", "prefill s", "decode s", "seconds"]
-        )
+        columns = ["spec text", "cells", "hits", "cut", "hit rate", "mean score", "prefill s", "decode s", "seconds"]
+        return pd.DataFrame(rows, columns=columns)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready: every field and every cell (`asdict`)."""
+        """JSON-ready: every field and every cell (`asdict`, with its `seconds` and `cut`)."""
         out = asdict(self)
-        out["cells"] = [asdict(c) | {"seconds": c.seconds} for c in self.cells]
+        out["cells"] = [asdict(c) | {"seconds": c.seconds, "cut": c.cut} for c in self.cells]
         return out
 
     def to_json(self) -> str:

@@ -42,8 +42,15 @@ class NeedleView(NamedTuple):
 
 
 def _view(grid: needle_records.NeedleGrid, note: str) -> NeedleView:
-    """The outputs of a (possibly partial) grid."""
+    """The outputs of a (possibly partial) grid; the note says how many misses `max_new_tokens` ended."""
     table = grid.to_frame()
+    cut = sum(c.cut for c in grid.cells)
+    if cut:
+        note += (
+            f" ⚠ {cut:,} miss(es) ended at max_new_tokens={grid.max_new_tokens} (marked `cut`): the number may not "
+            "have had room to appear; the score still says whether the model knew it. Raise max_new_tokens to "
+            "tell."
+        )
     if table.empty:
         return NeedleView(needle_status=note, needle_table=table, score_plot=None, hit_plot=None, needle_files=None)
     files = list(map(str, grid.write(tempfile.mkdtemp(prefix="kvdemo-needle-"))))
@@ -83,29 +90,47 @@ class NeedleTab:
         return views.SUBMITTED.format(job="long job (a comparison or a grid)")
 
     def run(
-        self, specs, lengths, depths, seed, max_new_tokens, request: gr.Request, progress=gr.Progress()
+        self,
+        specs,
+        lengths,
+        depths,
+        seed,
+        max_new_tokens,
+        request: gr.Request,
+        one_needle: bool = True,
+        progress=gr.Progress(),
     ) -> NeedleView:
         """Run `kvdemo.needle.grid.needle_grid` with the tab's settings; Cancel stops it at the next decode step and
-        shows the cells finished. A refusal is a message in the status line; the last grid stays."""
+        shows the cells finished. `one_needle`: one needle per prefill (the standard test); False: every depth's
+        needle in one prefill per length. A refusal is a message in the status line; the last grid stays."""
         try:
             user = self.app.sessions.of_request(request)
             with self.app.sessions.long_job(user, BUSY) as cancel:
                 loaded = self.app.wait_for_model()
-                chosen, token_lengths = (
+                chosen, token_lengths, token_depths = (
                     [CacheSpec.parse(s) for s in specs or []],
                     parse_lengths(lengths or ""),
+                    parse_depths(depths or ""),
                 )
                 answer_tokens = checks.max_new_tokens(
                     needle.DEFAULT_MAX_NEW_TOKENS if max_new_tokens in (None, "") else max_new_tokens,
                     NEEDLE_MAX_NEW_TOKENS,
                     what="a needle grid",
                 )
+                needed = needle.answer_tokens_needed(loaded, token_lengths, token_depths, seed=int(seed or 0))
+                if answer_tokens < needed:
+                    raise ValueError(
+                        f"max_new_tokens={answer_tokens} cannot hold the answer: the needle's own sentence "
+                        f"takes {needed} tokens, so every cell would miss; set max_new_tokens to at least "
+                        f"{needed} ({needle.DEFAULT_MAX_NEW_TOKENS} leaves room for the model's wording)"
+                    )
                 with self.app.needle_grid(request_key(request), loaded, chosen, token_lengths, answer_tokens):
                     grid = needle.needle_grid(
                         loaded,
                         chosen,
                         token_lengths,
-                        parse_depths(depths or ""),
+                        token_depths,
+                        needles_per_context=1 if one_needle else None,
                         seed=int(seed or 0),
                         max_new_tokens=answer_tokens,
                         cancel=cancel,
@@ -126,8 +151,8 @@ class NeedleTab:
             "real text (SQuAD articles) cut to several **lengths** in tokens; the model is asked for the number. "
             "Per cell: **hit** (the answer holds the number) and a graded **score**, the log-probability of the "
             "number teacher-forced after the question (higher is better; it separates caches when the model "
-            "misses). One prefill per length holds every depth's needle; each question is answered on the "
-            "restored cache."
+            "misses). Each needle gets its own prefill (or, unticked below, one prefill per length holds every "
+            "depth's needle); each question is answered on the restored cache."
         )
         with gr.Row():
             with gr.Column(scale=1, min_width=280):
@@ -135,8 +160,17 @@ class NeedleTab:
                     [s.text for s in all_specs()], value=list(needle.DEFAULT_SPECS[:2]), label="specs"
                 )
                 w["seed"] = gr.Number(0, label="seed (draws the needles)", precision=0)
+                w["one_needle"] = gr.Checkbox(
+                    True,
+                    label="one needle per prefill",
+                    info="the standard test; off: every depth's needle in one prefill per length (fewer "
+                    "prefills, but the model may answer with another needle's number)",
+                )
                 w["max_new_tokens"] = gr.Number(  # no bounds: `run` refuses a bad value beside the button
-                    16, label="max_new_tokens", info=f"1 to {NEEDLE_MAX_NEW_TOKENS} tokens per answer"
+                    needle.DEFAULT_MAX_NEW_TOKENS,
+                    label="max_new_tokens",
+                    info=f"tokens per answer, up to {NEEDLE_MAX_NEW_TOKENS}: enough to state the number "
+                    "(about 18 tokens) in the model's own words",
                 )
             with gr.Column(scale=2):
                 w["lengths"] = gr.Textbox(
@@ -165,7 +199,7 @@ class NeedleTab:
             self.queued, outputs=w["needle_status"], concurrency_limit=None, api_visibility="private"
         ).then(
             self.run,
-            inputs=[w["specs"], w["lengths"], w["depths"], w["seed"], w["max_new_tokens"]],
+            inputs=[w["specs"], w["lengths"], w["depths"], w["seed"], w["max_new_tokens"], w["one_needle"]],
             outputs=[w[name] for name in NeedleView._fields],
             api_name="needle",
             concurrency_limit=1,
