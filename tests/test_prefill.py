@@ -60,10 +60,18 @@ def test_a_chunked_prefill_builds_the_cache_of_one_forward_pass(tiny, spec, monk
     one = QASession(tiny, spec)
     one_report = one.prefill(CONTEXT, chunk_tokens=10_000)
     chunked, progress = QASession(tiny, spec), []
-    report = chunked.prefill(CONTEXT, chunk_tokens=16, on_progress=lambda done, total: progress.append((done, total)))
+    quantizing: list[tuple[int, int]] = []
+    report = chunked.prefill(
+        CONTEXT,
+        chunk_tokens=16,
+        on_progress=lambda done, total: progress.append((done, total)),
+        on_quantize=lambda done, layers: quantizing.append((done, layers)),
+    )
     n = report.context_tokens
     assert n == one_report.context_tokens > 16 * 4
     assert progress == [(min(d, n), n) for d in range(16, n + 16, 16)]  # tokens done after each chunk, to the end
+    layers = tiny.config.num_hidden_layers  # the quantizer's stage, layer by layer; none without a quantizer
+    assert quantizing == ([(d, layers) for d in range(layers + 1)] if spec.info.quantized else [])
     assert chunked.cache_length == one.cache_length == n
     if spec.resolved().get("storage") == "growing":  # the spare room follows the chunks; both within the bound
         bound = estimate_kv_bytes(spec, tiny.config, n, torch.float32)

@@ -483,9 +483,19 @@ def test_prefill_shows_real_progress_and_stop_ends_it(handlers):
         long_context, *HQQ, _request(), progress=lambda value, desc=None, unit=None: calls.append((value, desc, unit))
     )
     tokens = app.sessions.get("tab-1").qa.prefill_report.context_tokens
-    assert [c[0] for c in calls] == [(256, tokens), (tokens, tokens)] and tokens > 256
-    assert calls[-1][1] == f"Prefilling: {tokens:,} of {tokens:,} tokens" and calls[-1][2] == "tokens"
+    # the chunks, then the quantizer's stage: the whole context into each of the 2 layers
+    assert [c[0] for c in calls] == [(256, tokens), (tokens, tokens), (0, 2), (1, 2), (2, 2)] and tokens > 256
+    assert calls[1][1:] == (f"Prefilling: {tokens:,} of {tokens:,} tokens", "tokens")
+    assert calls[-1][1:] == ("Quantizing the cache (hqq): 2 of 2 layers", "layers")
     assert view.prefill_info.startswith("Prefilled")
+
+    def stop_while_quantizing(value, desc=None, unit=None):
+        if unit == "layers" and value == (1, 2):
+            fns["stop"](_request())  # the Stop button during the quantizer's stage: it stops before the next layer
+
+    stopped = fns["prefill"](long_context, *HQQ, _request(), progress=stop_while_quantizing)
+    assert stopped.prefill_info.startswith("⚠ Stopped: the prefill was stopped while quantizing layer 2 of 2")
+    assert app.sessions.get("tab-1").qa.cache_length == tokens  # the previous cache stays
 
     def stop_after_the_first_chunk(value, desc=None, unit=None):
         fns["stop"](_request())  # the Stop button while the prefill runs
@@ -504,26 +514,39 @@ def test_prefill_shows_real_progress_and_stop_ends_it(handlers):
 
 
 def test_needle_tab_runs_a_grid_cancels_and_refuses_bad_input(handlers, tiny):
-    from kvdemo.needle.grid import needle_grid
+    from kvdemo.needle.grid import answer_tokens_needed, needle_grid
 
     app, fns = handlers
-    view = fns["needle"](["dynamic", "fp8"], "128,192", "0,100", 3, 4, _request())
+    needed = answer_tokens_needed(tiny, [128, 192], [0.0, 100.0], seed=3)
+    assert 18 <= needed <= 30  # the needle's own sentence, in the embedded tokenizer's tokens
+    view = fns["needle"](["dynamic", "fp8"], "128,192", "0,100", 3, needed, _request())
     assert view.needle_status.startswith("8 cells in ")  # 2 specs x 2 lengths x 2 depths
-    direct = needle_grid(tiny, ["dynamic", "fp8"], [128, 192], [0.0, 100.0], seed=3, max_new_tokens=4)
+    direct = needle_grid(
+        tiny, ["dynamic", "fp8"], [128, 192], [0.0, 100.0], seed=3, max_new_tokens=needed, needles_per_context=1
+    )  # the tab's default: one needle per prefill
     assert view.needle_table.drop(columns=[c for c in view.needle_table if "s" == c[-1:]]).equals(
         direct.summary_frame().drop(columns=[c for c in direct.summary_frame() if "s" == c[-1:]])
     )
+    cut = sum(c.cut for c in direct.cells)  # the random tiny model misses; its answers run to max_new_tokens
+    assert cut > 0 and f"⚠ {cut} miss(es) ended at max_new_tokens={needed} (marked `cut`)" in view.needle_status
     assert view.score_plot is not None and view.hit_plot is not None and len(view.needle_files) == 2
-    assert "lengths" in refused(fns["needle"](["dynamic"], "12x", "0", 0, 4, _request()))
+    together = fns["needle"](["dynamic"], "128", "0,100", 3, needed, _request(), False)  # one prefill per length
+    assert together.needle_status.startswith("2 cells in ")
+    assert "lengths" in refused(fns["needle"](["dynamic"], "12x", "0", 0, needed, _request()))
     assert "depth 150.0 must be a number from 0 to 100" in refused(
-        fns["needle"](["dynamic"], "128", "150", 0, 4, _request())
+        fns["needle"](["dynamic"], "128", "150", 0, needed, _request())
     )
-    for tokens, message in ((0, "must be a whole number >= 1"), (65, "is more than a needle grid runs here")):
+    short = answer_tokens_needed(tiny, [128], [0.0], seed=0)
+    for tokens, message in (
+        (0, "must be a whole number >= 1"),
+        (65, "is more than a needle grid runs here"),
+        (short - 1, f"max_new_tokens={short - 1} cannot hold the answer: the needle's own sentence takes {short}"),
+    ):
         assert message in refused(fns["needle"](["dynamic"], "128", "0", 0, tokens, _request()))
     # Cancel while it runs: the cells finished so far are shown
     app.sessions.get("tab-1").compare_pending = True
     app.sessions.get("tab-1").compare_cancel.set()
-    cancelled = fns["needle"](["dynamic"], "128", "0", 0, 4, _request())
+    cancelled = fns["needle"](["dynamic"], "128", "0", 0, needed, _request())
     assert cancelled.needle_status.startswith("Cancelled after 0 cells")
 
 

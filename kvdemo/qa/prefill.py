@@ -35,7 +35,8 @@ PREFILL_CHUNK_TOKENS = 256
 moves and Stop acts within that time."""
 
 ProgressCallback = Callable[[int, int], None]
-"""`on_progress(done_tokens, total_tokens)`, called after each chunk."""
+"""`on_progress(done_tokens, total_tokens)`, called after each chunk; `on_quantize(done_layers, layers)`, called
+after each layer the quantized cache has taken."""
 
 
 class PrefillStopped(Exception):
@@ -50,6 +51,7 @@ def run_prefill(
     chunk_tokens: int = PREFILL_CHUNK_TOKENS,
     on_progress: ProgressCallback | None = None,
     stop: threading.Event | None = None,
+    on_quantize: ProgressCallback | None = None,
 ) -> None:
     """Fill the empty `cache` with the keys and values of `ids`, `chunk_tokens` at a time.
 
@@ -60,7 +62,10 @@ def run_prefill(
             over a full-precision `DynamicCache` and the cache gets the whole context in one update per layer.
         chunk_tokens: tokens per forward pass (>= 1); a context that fits one chunk takes one pass.
         on_progress: called with (tokens done, n) after each chunk.
-        stop: when set before a chunk starts, the prefill stops.
+        stop: when set before a chunk starts, or before a layer is quantized, the prefill stops.
+        on_quantize: for a quantized cache fed from the chunks, called with (0, layers) once the chunks are
+            done, then with (layers done, layers) after each layer's first update, which quantizes the whole
+            context's keys and values: the prefill's last stage, seconds for `hqq` (its optimiser).
 
     Raises:
         PrefillStopped: `stop` was set; `cache` is then in an unfinished state and must be dropped.
@@ -76,6 +81,13 @@ def run_prefill(
         if on_progress is not None:
             on_progress(min(start + chunk_tokens, total), total)
     if work is not cache:  # the quantized cache's first update: the whole context, as one forward pass gives it
-        for index, layer in enumerate(cast("list[DynamicLayer]", work.layers)):  # a DynamicCache's, prefilled
+        layers = cast("list[DynamicLayer]", work.layers)  # a DynamicCache's, prefilled
+        if on_quantize is not None:
+            on_quantize(0, len(layers))  # the stage starts: the first layer may take seconds
+        for index, layer in enumerate(layers):
+            if stop is not None and stop.is_set():
+                raise PrefillStopped(f"the prefill was stopped while quantizing layer {index + 1} of {len(layers)}")
             assert layer.keys is not None and layer.values is not None
             cache.update(layer.keys, layer.values, index)
+            if on_quantize is not None:
+                on_quantize(index + 1, len(layers))

@@ -163,6 +163,7 @@ class QASession:
         reserve_tokens: int | None = None,
         on_progress: ProgressCallback | None = None,
         chunk_tokens: int = PREFILL_CHUNK_TOKENS,
+        on_quantize: ProgressCallback | None = None,
     ) -> PrefillReport:
         """Prefill `context` into a new cache of this session's backend, replacing (and freeing) any old one.
 
@@ -179,6 +180,8 @@ class QASession:
             on_progress: `on_progress(done_tokens, total_tokens)` after each chunk of the forward pass.
             chunk_tokens: tokens per forward pass (`kvdemo.qa.prefill.run_prefill`: the same cache as one pass);
                 `request_stop()` from another thread stops the prefill between two chunks.
+            on_quantize: `on_quantize(done_layers, layers)` after each layer a quantized backend has taken the
+                whole context into (the prefill's last stage, when the context took more than one chunk).
 
         Returns:
             A `PrefillReport` (tokens, seconds, memory).
@@ -210,7 +213,16 @@ class QASession:
         self._stop.clear()
         cache = build_cache(self.spec, self.loaded.config)
         start = time.perf_counter()
-        run_prefill(self.loaded, cache, split.prefix, self.spec.info.quantized, chunk_tokens, on_progress, self._stop)
+        run_prefill(
+            self.loaded,
+            cache,
+            split.prefix,
+            self.spec.info.quantized,
+            chunk_tokens,
+            on_progress,
+            self._stop,
+            on_quantize,
+        )
         saved = snapshot.take(cache)
         seconds = time.perf_counter() - start
         self.cache, self._snapshot, self._split, self.context = cache, saved, split, context

@@ -153,9 +153,10 @@ class App:
         context: str | PreparedContext,
         max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
         on_progress: Callable[[int, int], None] | None = None,
+        on_quantize: Callable[[int, int], None] | None = None,
     ) -> PrefillReport:
-        """`qa.prefill(context, max_new_tokens, on_progress=...)` for the session of `key`, within the server-wide
-        KV budget.
+        """`qa.prefill(context, max_new_tokens, on_progress=..., on_quantize=...)` for the session of `key`, within
+        the server-wide KV budget.
 
         The session's most bytes (`session_kv_bytes`, with `QUESTION_RESERVE_TOKENS + max_new_tokens` decoded)
         are reserved as `prefill:<key>` before the prefill runs; the session's previous cache still counts
@@ -192,7 +193,7 @@ class App:
             f"a {qa.spec.label} KV cache for {tokens:,} context tokens + {reserve} for a question and its answer",
         )
         try:
-            report = qa.prefill(context, max_new_tokens, on_progress=on_progress)
+            report = qa.prefill(context, max_new_tokens, on_progress=on_progress, on_quantize=on_quantize)
         except BaseException:
             self.kv.release(holder)
             raise

@@ -84,6 +84,11 @@ class AskTab(AskWidgets):
                         on_progress=lambda done, total: progress(
                             (done, total), desc=f"Prefilling: {done:,} of {total:,} tokens", unit="tokens"
                         ),
+                        on_quantize=lambda done, total: progress(
+                            (done, total),
+                            desc=f"Quantizing the cache ({qa.spec.backend}): {done} of {total} layers",
+                            unit="layers",
+                        ),
                     )
                 finally:
                     user.prefilling = None
