@@ -19,6 +19,7 @@ from kvdemo.compare.run import compare
 from kvdemo.qa.session import QUESTION_RESERVE_TOKENS
 from kvdemo.serve.accounting import KVAccount, ServerKVBudgetError, prefill_tokens, session_kv_bytes
 from kvdemo.serve.server import App
+from kvdemo.ui.ask_widgets import START_SPEC
 from kvdemo.ui.mcp_tools import McpTools
 
 MIB = 2**20
@@ -230,11 +231,11 @@ def test_mcp_sessions_are_named_and_kept_apart_from_each_other_and_from_the_tabs
 
 def test_mcp_tools_obey_the_server_budget_and_refuse_bad_input(tiny, normans):
     context = normans.select("0").context
-    one = _one_session_bytes(tiny, context, CacheSpec.parse("hqq:4,residual_length=16"))
+    one = _one_session_bytes(tiny, context, START_SPEC)  # the tool's default spec
     app = _app(tiny, int(1.5 * one))
     tools = McpTools(app)
     tools.prefill_context(context, session="a", request=None)
-    with pytest.raises(gr.Error, match="The server's KV budget is full: a hqq .* KV cache for .* context tokens"):
+    with pytest.raises(gr.Error, match=f"The server's KV budget is full: a {START_SPEC.backend} .* KV cache for .* "):
         tools.prefill_context(context, session="b", request=None)
     cases = [
         (lambda: tools.prefill_context(context, "hqq:4,nbits=2", "a"), "nbits is given twice"),

@@ -16,8 +16,13 @@ from kvdemo.qa.session import DEFAULT_MAX_NEW_TOKENS
 from kvdemo.ui import views
 from kvdemo.ui.examples import EXAMPLES
 
-START_SPEC = CacheSpec("hqq", nbits=4, residual_length=16)
-"""The Ask tab's starting spec: a short residual, so that flushes show within the first answers."""
+START_SPEC = CacheSpec("quanto", nbits=4, residual_length=16)
+"""The Ask tab's starting spec: a short residual, so that flushes show within the first answers, on the backend
+whose flush (transformers' own, `flush=requantize`) costs least. Measured by `benchmarks/first_answer.py` on
+2 cores (2026-12-01, load 1.4-1.6), prefill + the first answer (64 tokens) against `dynamic`'s: 0.95x on the
+Normans example (1,341 tokens) and 1.02x on 4,707 tokens, with a flush of every layer at the question's pass
+and every 16 tokens after. `hqq:4,residual_length=16` took 4.5x there (each flush re-runs hqq's optimiser over
+the whole layer; 2.4x with `flush=append`)."""
 
 
 class PrefillView(NamedTuple):
