@@ -528,7 +528,9 @@ def test_needle_tab_runs_a_grid_cancels_and_refuses_bad_input(handlers, tiny):
         direct.summary_frame().drop(columns=[c for c in direct.summary_frame() if "s" == c[-1:]])
     )
     cut = sum(c.cut for c in direct.cells)  # the random tiny model misses; its answers run to max_new_tokens
-    assert cut > 0 and f"⚠ {cut} miss(es) ended at max_new_tokens={needed} (marked `cut`)" in view.needle_status
+    assert cut > 0 and f"⚠ {cut} miss(es) (dynamic, fp8) ended at max_new_tokens={needed} (marked `cut`)" in (
+        view.needle_status
+    )
     assert view.score_plot is not None and view.hit_plot is not None and len(view.needle_files) == 2
     together = fns["needle"](["dynamic"], "128", "0,100", 3, needed, _request(), False)  # one prefill per length
     assert together.needle_status.startswith("2 cells in ")

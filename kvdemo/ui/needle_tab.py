@@ -44,12 +44,13 @@ class NeedleView(NamedTuple):
 def _view(grid: needle_records.NeedleGrid, note: str) -> NeedleView:
     """The outputs of a (possibly partial) grid; the note says how many misses `max_new_tokens` ended."""
     table = grid.to_frame()
-    cut = sum(c.cut for c in grid.cells)
+    cut = [c for c in grid.cells if c.cut]
     if cut:
+        where = ", ".join(dict.fromkeys(c.spec_text for c in cut))
         note += (
-            f" ⚠ {cut:,} miss(es) ended at max_new_tokens={grid.max_new_tokens} (marked `cut`): the number may not "
-            "have had room to appear; the score still says whether the model knew it. Raise max_new_tokens to "
-            "tell."
+            f" ⚠ {len(cut):,} miss(es) ({where}) ended at max_new_tokens={grid.max_new_tokens} (marked `cut`): the "
+            "number may not have had room to appear; the score still says whether the model knew it. Raise "
+            "max_new_tokens to tell."
         )
     if table.empty:
         return NeedleView(needle_status=note, needle_table=table, score_plot=None, hit_plot=None, needle_files=None)

@@ -1,0 +1,66 @@
+"""Each tab's first result at its defaults, read from the page's own configuration (the values its widgets start
+with), on a shipped article with the embedded model: the headline must be true. How quick it is, is measured
+side by side by `benchmarks/first_answer.py` (no timed assertion here)."""
+
+from __future__ import annotations
+
+import gradio as gr
+import pytest
+
+from kvdemo import CacheSpec, QASession
+from kvdemo.serve.server import App
+from kvdemo.ui import build_demo
+from kvdemo.ui.examples import example
+from tests.helpers import named_handlers
+
+pytestmark = pytest.mark.slow  # minutes: a needle grid and two prefills of an article on the embedded model
+
+
+@pytest.fixture(scope="module")
+def page(embedded):
+    app = App(loader=lambda source=None: embedded)
+    app.start_loading()
+    demo = build_demo(app)
+    app.wait_for_model()
+    return app, demo, named_handlers(demo)
+
+
+def _starting_values(demo, api_name: str) -> list:
+    """The values the inputs of the event `api_name` start with on the page."""
+    (event,) = [f for f in demo.fns.values() if f.api_name == api_name]
+    return [block.value for block in event.inputs]
+
+
+def test_the_ask_tab_first_answer_at_its_defaults_flushes_and_restores(page, embedded):
+    app, demo, fns = page
+    context, questions = example("Normans")  # the example button a new user presses first
+    _, backend, *options = _starting_values(demo, "prefill")
+    question_box, max_new_tokens, _ = _starting_values(demo, "ask")
+    request = gr.Request(session_hash="defaults")
+    view = fns["prefill"](context, backend, *options, request)
+    assert view.prefill_info.startswith("Prefilled"), view.prefill_info
+    qa = app.sessions.get("defaults").qa
+    final = list(fns["ask"](questions[0], max_new_tokens, request, context))[-1]
+    answer = qa.history[-1]
+    # flushes show in the first answer (the reason for the short residual), and the cache is restored
+    assert answer.flush_count > 0 and answer.cache_length_after == qa.prefill_report.context_tokens
+    assert f"cache length after restore = {answer.cache_length_after:,} (context)" in final.stats
+    assert answer.text.strip() and answer.finish_reason == "eos"  # a whole answer within max_new_tokens
+    # the same question on a fresh session of the same spec: the page's answer is a fresh single-question run
+    fresh = QASession(embedded, qa.spec)
+    fresh.prefill(context)
+    assert fresh.ask(questions[0], max_new_tokens).token_ids == answer.token_ids
+    assert question_box in ("", None)  # the page suggests the example's questions, it asks none by itself
+
+
+def test_the_needle_tab_at_its_defaults_finds_every_needle_with_dynamic(page):
+    app, demo, fns = page
+    specs, lengths, depths, seed, max_new_tokens, one_needle = _starting_values(demo, "needle")
+    assert "dynamic" in specs
+    view = fns["needle"](specs, lengths, depths, seed, max_new_tokens, gr.Request(session_hash="needle"), one_needle)
+    summary = view.needle_table.set_index("spec text")
+    assert summary.at["dynamic", "hits"] == summary.at["dynamic", "cells"] > 0, view.needle_status
+    assert summary.at["dynamic", "cut"] == 0
+    assert summary["cells"].tolist() == [summary.at["dynamic", "cells"]] * len(specs)
+    if CacheSpec.parse("hqq:2").text in specs:  # the lesson of the default pair: 2 bits lose the needle
+        assert summary.at["hqq:2", "mean score"] < summary.at["dynamic", "mean score"] - 5
