@@ -286,7 +286,7 @@ def test_embedded_model_finds_a_needle_with_the_full_precision_cache(embedded):
 
 
 def test_heatmap_frame_and_figure_read_the_table(tiny):
-    from kvdemo.charts.reports import SCORE_FLOOR, needle_heatmap_figure, needle_heatmap_frame
+    from kvdemo.charts.needle import SCORE_FLOOR, needle_heatmap_figure, needle_heatmap_frame
 
     grid = needle_grid(tiny, ["dynamic", "fp8"], [200, 260], [100, 0], max_new_tokens=2)
     table = grid.to_frame()

@@ -14,7 +14,7 @@ from kvdemo.compare.records import ComparisonReport
 def format_needle(grid: Any) -> str:
     """The readable tables printed by `needle` without `--json`: per spec, depth rows x length columns with a
     tick (hit) or a cross (miss) and the score (nats), then one summary row per spec."""
-    from kvdemo.charts.reports import needle_heatmap_frame
+    from kvdemo.charts.needle import needle_heatmap_frame
 
     table = grid.to_frame()
     lines = [

@@ -12,7 +12,7 @@ import gradio as gr
 
 from kvdemo import checks
 from kvdemo.cache.spec import CacheSpec, all_specs
-from kvdemo.charts.reports import needle_heatmap_figure
+from kvdemo.charts.needle import needle_heatmap_figure
 from kvdemo.needle import grid as needle
 from kvdemo.needle import records as needle_records
 from kvdemo.needle.inputs import parse_depths, parse_lengths
