@@ -17,6 +17,7 @@ import math
 import torch
 
 from kvdemo import CacheSpec
+from kvdemo.cache.rotation import hadamard
 
 FLOAT_ATOL = 1e-4
 """Full-precision keys, values and de-quantized values that did not change level: equal within this (measured:
@@ -50,6 +51,16 @@ def quantization_step(spec: CacheSpec, reference: torch.Tensor) -> float:
         return 2.0 ** (math.floor(math.log2(top)) - FP8_MANTISSA_BITS) if top > 0 else 0.0
     nbits = int(spec.resolved()["nbits"])
     return float(reference.max() - reference.min()) / (2**nbits - 1)
+
+
+def levels(spec: CacheSpec, store: torch.Tensor) -> torch.Tensor:
+    """A de-quantized store in the domain its quantization levels lie on: as it is, or for `rotation=hadamard`
+    rotated again by H (`kvdemo.cache.rotation`: the layer rotates back what the library de-quantizes, and
+    H @ H = I). There one value moved by a level stays one value; rotated back it would move every value of its
+    token by step / sqrt(head_dim)."""
+    if spec.resolved().get("rotation", "none") == "none":
+        return store
+    return store @ hadamard(store.shape[-1], store.dtype)
 
 
 def assert_within_one_step(got: torch.Tensor, expected: torch.Tensor, step: float, what: str = "store") -> None:

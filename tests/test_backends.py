@@ -55,8 +55,10 @@ def test_spec_defaults_and_label():
         "axis_key": 0,
         "axis_value": 0,
         "flush": "requantize",
+        "rotation": "none",
     }
     assert spec.label == "hqq nbits=2 q_group_size=64 residual_length=4"
+    assert spec.replace(rotation="hadamard").label == "hqq nbits=2 q_group_size=64 residual_length=4 rotation=hadamard"
     assert CacheSpec("fp8").resolved() == {} and CacheSpec("fp8").label == "fp8"
 
 

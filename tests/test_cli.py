@@ -51,6 +51,7 @@ def test_ask_json_on_the_normans_case(embedded, capsys):
         "axis_key": 0,
         "axis_value": 0,
         "flush": "requantize",
+        "rotation": "none",
     }
     tokens = result["context_tokens"]
     assert 1300 < tokens < 1400
@@ -395,7 +396,7 @@ def test_needle_json_and_csv_on_the_embedded_model(embedded, capsys, tmp_path):
         assert cell["value_tokens"] == 6 and cell["prefill_seconds"] > 0 and cell["score_seconds"] > 0
     assert cells[0]["value"] == cells[2]["value"]  # the same needles for every spec
     lines = csv.read_text().splitlines()
-    assert lines[0].startswith("spec text,length,depth,placed depth,hit,score") and len(lines) == 5
+    assert lines[0].startswith("spec text,length,depth,placed depth,hit,cut,score") and len(lines) == 5
 
 
 def test_needle_tables_and_progress_bar(embedded, capsys):

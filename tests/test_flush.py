@@ -119,6 +119,7 @@ def test_update_assigns_a_new_list_at_each_flush(tiny):
 
 
 def test_the_option_reaches_the_command_line_and_the_page(capsys):
+    from kvdemo.cache.registry import GROUP_OPTIONS
     from kvdemo.cli.main import build_parser, run_ask  # noqa: F401
     from kvdemo.ui.inputs import spec_from_inputs
     from kvdemo.ui.views import backend_option_updates
@@ -130,8 +131,9 @@ def test_the_option_reaches_the_command_line_and_the_page(capsys):
         parser.parse_args(["ask", "--help"])
     assert "--flush" in capsys.readouterr().out
     *fields, _ = backend_option_updates("hqq", 4, 64, 128, 0, 0, "append")
-    assert fields[-2]["choices"] == ["requantize", "append"] and fields[-2]["value"] == "append"
-    assert not backend_option_updates("fp8")[-3]["visible"]
+    flush = fields[GROUP_OPTIONS.index("flush")]
+    assert flush["choices"] == ["requantize", "append"] and flush["value"] == "append"
+    assert not backend_option_updates("fp8")[GROUP_OPTIONS.index("flush")]["visible"]
     assert spec_from_inputs(
         "hqq", dict(nbits=4, q_group_size=64, residual_length=128, axis_key=0, axis_value=0, flush="append")
     ) == CacheSpec("hqq", nbits=4, q_group_size=64, residual_length=128, axis_key=0, axis_value=0, flush="append")

@@ -146,10 +146,15 @@ def test_imports_point_one_way():
 
 
 def _defined(path: Path) -> set[str]:
-    """The names a module defines at its top level (functions, classes, assignments), not those it imports."""
+    """The names a module defines at its top level (functions, classes, assignments; also inside a top-level
+    `if`, such as `if TYPE_CHECKING:` and its `else`), not those it imports."""
     names = set()
-    for node in ast.parse(path.read_text(encoding="utf-8")).body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+    nodes = list(ast.parse(path.read_text(encoding="utf-8")).body)
+    while nodes:
+        node = nodes.pop()
+        if isinstance(node, ast.If):
+            nodes += node.body + node.orelse
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names.add(node.name)
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):
             for target in node.targets if isinstance(node, ast.Assign) else [node.target]:

@@ -223,20 +223,21 @@ def test_session_store_is_bounded_and_frees_the_least_recently_used():
 
 def test_backend_options_shown_from_the_registry():
     *hqq, note = backend_option_updates("hqq")
-    assert [u["visible"] for u in hqq] == [True] * 6 + [False]  # every option but dynamic's storage
+    assert [u["visible"] for u in hqq] == [True] * 6 + [False, True]  # every option but dynamic's storage
     assert hqq[0]["choices"] == [1, 2, 3, 4, 8] and hqq[3]["choices"] == [0, 1]
     *quanto, _ = backend_option_updates("quanto")
     assert quanto[0]["choices"] == [2, 4] and quanto[4]["choices"] == [0, -1]
     *fp8, note = backend_option_updates("fp8")
-    assert [u["visible"] for u in fp8] == [False] * 7 and "never flushes" in note
+    assert [u["visible"] for u in fp8] == [False] * 8 and "never flushes" in note
     *dynamic, note = backend_option_updates("dynamic")
-    assert [u["visible"] for u in dynamic] == [False] * 6 + [True] and "storage=growing" in note
-    assert dynamic[-1]["choices"] == ["concat", "growing"] and dynamic[-1]["value"] == "concat"
+    assert [u["visible"] for u in dynamic] == [False] * 6 + [True, False] and "storage=growing" in note
+    assert dynamic[-2]["choices"] == ["concat", "growing"] and dynamic[-2]["value"] == "concat"
+    assert hqq[-1]["choices"] == ["none", "hadamard"] and hqq[-1]["value"] == "none"  # rotation
 
 
 def test_switching_backend_keeps_the_values_the_new_backend_allows():
     *hqq, _ = backend_option_updates("hqq", 3, 32, 16, 1, 0)
-    assert [u.get("value") for u in hqq] == [3, 32, 16, 1, 0, "requantize", None]  # back to hqq: what was there
+    assert [u.get("value") for u in hqq] == [3, 32, 16, 1, 0, "requantize", None, "none"]  # what was there
     *quanto, _ = backend_option_updates("quanto", 3, 32, 16, 1, 0)
     assert [u.get("value") for u in quanto] == [
         4,
@@ -246,11 +247,12 @@ def test_switching_backend_keeps_the_values_the_new_backend_allows():
         0,
         "requantize",
         None,
+        "none",
     ]  # nbits 3 and axis 1 are not quanto's: defaults; storage is hidden (not quanto's)
     *hqq, _ = backend_option_updates("hqq", None, None, 0, None, None)
-    assert [u.get("value") for u in hqq] == [4, 64, 128, 0, 0, "requantize", None]
+    assert [u.get("value") for u in hqq] == [4, 64, 128, 0, 0, "requantize", None, "none"]
     *dynamic, _ = backend_option_updates("dynamic", 4, 64, 128, 0, 0, "append", "growing")
-    assert dynamic[-1]["value"] == "growing" and not any(u["visible"] for u in dynamic[:-1])
+    assert dynamic[-2]["value"] == "growing" and not any(u["visible"] for i, u in enumerate(dynamic) if i != 6)
 
 
 def test_spec_from_inputs_ignores_hidden_options():
@@ -286,7 +288,10 @@ def test_changing_options_or_the_context_after_a_prefill_asks_for_a_new_one(hand
     fns["prefill"](CONTEXT, *HQQ, _request())
     message, _, button = gate(CONTEXT, "hqq", 2, 64, 4, 0, 0, _request())
     assert "⚠ The options changed since the prefill" in message and button["interactive"] is False
-    assert "Now: **spec** `hqq:2,q_group_size=64,residual_length=4,axis_key=0,axis_value=0,flush=requantize`" in message
+    assert (
+        "Now: **spec** `hqq:2,q_group_size=64,residual_length=4,axis_key=0,axis_value=0,flush=requantize,rotation=none`"
+        in message
+    )
     message, _, button = gate(CONTEXT + " Edited.", *HQQ, _request())
     assert "⚠ The Context box changed since the prefill" in message and button["interactive"] is False
     message, notice, button = gate(CONTEXT, *HQQ, _request())
@@ -614,7 +619,8 @@ def test_enter_in_the_question_box_cannot_pass_the_gate(handlers, tiny):
     message = refused(fns["ask"]("Who led them?", 4, _request(), CONTEXT))
     assert message == (
         "⚠ The options changed since the prefill: the cache holds hqq:4,q_group_size=64,residual_length=4,"
-        "axis_key=0,axis_value=0,flush=requantize, the page shows fp8; press Prefill to rebuild it, or set the "
+        "axis_key=0,axis_value=0,flush=requantize,rotation=none, the page shows fp8; press Prefill to rebuild it, or "
+        "set the "
         "options back"
     )
     gate(CONTEXT, "quanto", 3, _request())
@@ -657,7 +663,7 @@ def test_the_page_fields_leave_bad_numbers_to_the_project_checks(handlers):
     for field_ in numbers:
         assert field_.preprocess(-3) == -3 and field_.preprocess(2.5) == 2.5, field_.label
     options = [b for b in demo.blocks.values() if isinstance(b, gr.Dropdown) and b.label in GROUP_OPTIONS]
-    assert {b.label for b in options} == {"nbits", "axis_key", "axis_value", "flush", "storage"}
+    assert {b.label for b in options} == {"nbits", "axis_key", "axis_value", "flush", "storage", "rotation"}
     for field_ in options:
         assert field_.preprocess(-1) == -1 and field_.preprocess("Growing") == "Growing", field_.label
     fns["prefill"](CONTEXT, *HQQ, _request())

@@ -18,30 +18,19 @@ never appends in place to the list the snapshot holds, so restore stays exact an
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import torch
 from transformers import PreTrainedConfig, QuantizedCache
 from transformers.cache_utils import HQQQuantizedLayer, QuantizedLayer, QuantoQuantizedLayer
 
+from kvdemo.cache.rotation import ROTATED_LAYERS, ROTATIONS, LibraryLayer, RotatedHQQLayer, RotatedQuantoLayer
+
 FLUSH_POLICIES = ("requantize", "append")
 """The flush policies: transformers' (the default) first."""
 
-if TYPE_CHECKING:
 
-    class _Layer(QuantizedLayer):
-        """What the mixin is mixed into, as the type checker sees it: a `QuantizedLayer` whose `_quantize` and
-        `_dequantize` are the library's own (quanto's, hqq's), not abstract."""
-
-        def _quantize(self, tensor, axis): ...
-
-        def _dequantize(self, q_tensor): ...
-
-else:
-    _Layer = object
-
-
-class AppendFlushMixin(_Layer):
+class AppendFlushMixin(LibraryLayer):
     """The `append` flush policy for a transformers `QuantizedLayer` subclass: the store
     (`_quantized_keys`, `_quantized_values`) is a list of blocks, each what the layer's own `_quantize` returns
     (a quanto `QTensor`, an hqq `(W_q, meta)` pair)."""
@@ -102,36 +91,60 @@ class AppendHQQLayer(AppendFlushMixin, HQQQuantizedLayer):
     """transformers' `HQQQuantizedLayer` with the `append` flush policy."""
 
 
+class AppendRotatedQuantoLayer(AppendFlushMixin, RotatedQuantoLayer):
+    """`RotatedQuantoLayer` (`kvdemo.cache.rotation`) with the `append` flush policy: each block is stored rotated
+    and read back un-rotated (the mixin's `super()._dequantize` is the rotated layer's)."""
+
+
+class AppendRotatedHQQLayer(AppendFlushMixin, RotatedHQQLayer):
+    """`RotatedHQQLayer` with the `append` flush policy."""
+
+
 APPEND_LAYERS: dict[type, type[QuantizedLayer]] = {
     QuantoQuantizedLayer: AppendQuantoLayer,
     HQQQuantizedLayer: AppendHQQLayer,
+    RotatedQuantoLayer: AppendRotatedQuantoLayer,
+    RotatedHQQLayer: AppendRotatedHQQLayer,
 }
-"""transformers' layer class -> the same layer with the `append` flush policy."""
+"""A layer class -> the same layer with the `append` flush policy."""
 
 
-def quantized_cache(backend: str, config: PreTrainedConfig, flush: str = "requantize", **options) -> QuantizedCache:
-    """transformers' `QuantizedCache(backend, config, **options)`, with its layers given the flush policy `flush`.
+def quantized_cache(
+    backend: str, config: PreTrainedConfig, flush: str = "requantize", rotation: str = "none", **options
+) -> QuantizedCache:
+    """transformers' `QuantizedCache(backend, config, **options)`, with its layers given the flush policy `flush`
+    and the rotation `rotation` (`kvdemo.cache.rotation`).
 
     Args:
-        backend: `quanto` or `hqq` for `append`; any `QuantizedCache` backend for `requantize`.
+        backend: `quanto` or `hqq` for `append` or a rotation; any `QuantizedCache` backend otherwise.
         flush: one of `FLUSH_POLICIES`.
+        rotation: one of `ROTATIONS`.
         options: the group-wise options (nbits, q_group_size, residual_length, axis_key, axis_value).
 
     Raises:
-        ValueError: an unknown policy, or `append` on a layer without a residual (fp8).
+        ValueError: an unknown policy or rotation, or `append` or a rotation on a layer without a residual (fp8).
 
     Example:
-        >>> cache = quantized_cache("hqq", model.config, flush="append", nbits=4)
+        >>> cache = quantized_cache("hqq", model.config, flush="append", rotation="hadamard", nbits=4)
     """
     if flush not in FLUSH_POLICIES:
         raise ValueError(f"flush={flush!r} is not a flush policy; choose one of {', '.join(FLUSH_POLICIES)}")
+    if rotation not in ROTATIONS:
+        raise ValueError(f"rotation={rotation!r} is not a rotation; choose one of {', '.join(ROTATIONS)}")
     cache = QuantizedCache(backend, config, **options)
-    if flush == "append":
-        layer_class = APPEND_LAYERS.get(type(cache.layers[0]))
-        if layer_class is None:
-            raise ValueError(f"flush=append needs a layer with a residual; {type(cache.layers[0]).__name__} has none")
+    layer_class: type = type(cache.layers[0])
+    steps = (
+        (rotation != "none", ROTATED_LAYERS, f"rotation={rotation}"),
+        (flush == "append", APPEND_LAYERS, "flush=append"),
+    )
+    for wanted, table, what in steps:  # the rotation first: the append layers of the rotated ones
+        if wanted:
+            if layer_class not in table:
+                raise ValueError(f"{what} needs a layer with a residual; {layer_class.__name__} has none")
+            layer_class = table[layer_class]
+    if layer_class is not type(cache.layers[0]):
         # the same options as transformers' own layers (built from the same keywords, so validated the same way)
-        first = cast(QuantizedLayer, cache.layers[0])  # a key of APPEND_LAYERS
+        first = cast(QuantizedLayer, cache.layers[0])  # a key of the tables
         kwargs = {name: getattr(first, name) for name in ("nbits", "axis_key", "axis_value")}
         kwargs.update(q_group_size=first.q_group_size, residual_length=first.residual_length)
         cache.layers = [layer_class(**kwargs) for _ in cache.layers]

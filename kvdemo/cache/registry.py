@@ -25,9 +25,10 @@ from transformers.cache_utils import Cache
 
 from kvdemo.cache.flush import FLUSH_POLICIES, quantized_cache
 from kvdemo.cache.geometry import KVGeometry
+from kvdemo.cache.rotation import ROTATIONS
 from kvdemo.cache.storage import STORAGE_POLICIES, capacity_bound, dynamic_cache
 
-GROUP_OPTIONS = ("nbits", "q_group_size", "residual_length", "axis_key", "axis_value", "flush", "storage")
+GROUP_OPTIONS = ("nbits", "q_group_size", "residual_length", "axis_key", "axis_value", "flush", "storage", "rotation")
 """Every option a backend may take, in the order the page and the command line show them."""
 
 
@@ -42,6 +43,7 @@ class SpecOptions(TypedDict, total=False):
     axis_value: int
     flush: str
     storage: str
+    rotation: str
 
 
 @dataclass(frozen=True)
@@ -156,6 +158,13 @@ def _group_options(nbits: tuple[int, ...], axes: tuple[int, ...]) -> dict[str, O
             choices=FLUSH_POLICIES,
             help="at a flush, re-quantize the whole layer (transformers) or append the residual block (KIVI)",
         ),
+        "rotation": Option(
+            "rotation",
+            ROTATIONS[0],
+            choices=ROTATIONS,
+            help="hadamard: keys and values rotated along head_dim before quantizing, rotated back when read "
+            "(QuaRot, llama.cpp); none: as transformers",
+        ),
     }
 
 
@@ -241,10 +250,12 @@ def _quantized_cache(name: str, options: Mapping[str, Any], config: PreTrainedCo
 
 
 def _residual_cache(name: str, options: Mapping[str, Any], config: PreTrainedConfig) -> Cache:
-    """`QuantizedCache(name, config, **options)` whose layers flush by the `flush` option's policy
-    (`kvdemo.cache.flush.quantized_cache`: transformers' own layers for `requantize`)."""
+    """`QuantizedCache(name, config, **options)` whose layers flush by the `flush` option's policy and rotate by
+    the `rotation` option (`kvdemo.cache.flush.quantized_cache`: transformers' own layers for `requantize` and
+    `none`)."""
     options = dict(options)
-    return quantized_cache(name, config, str(options.pop("flush", FLUSH_POLICIES[0])), **options)
+    flush, rotation = str(options.pop("flush", FLUSH_POLICIES[0])), str(options.pop("rotation", ROTATIONS[0]))
+    return quantized_cache(name, config, flush, rotation, **options)
 
 
 BACKENDS: dict[str, Backend] = {

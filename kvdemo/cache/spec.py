@@ -18,6 +18,7 @@ from transformers.cache_utils import BaseQuantizedLayer, Cache, get_layer_types_
 
 from kvdemo.cache.geometry import element_size, kv_geometry
 from kvdemo.cache.registry import BACKENDS, GROUP_OPTIONS, Backend, SpecOptions
+from kvdemo.cache.rotation import rotation_problem
 from kvdemo.checks import shown
 
 MAX_OPTION_VALUE = 1 << 20
@@ -33,7 +34,8 @@ class CacheSpec:
         nbits: bits per quantized value; q_group_size: values per scale/zero-point group; residual_length:
             full-precision tokens held before a flush (>= 1); axis_key, axis_value: grouping axes; flush: the
             flush policy (`requantize`, `append`: `kvdemo.cache.flush`); storage: how `dynamic` stores its tensors
-            (`concat`, `growing`: `kvdemo.cache.storage`). Which backend
+            (`concat`, `growing`: `kvdemo.cache.storage`); rotation: `hadamard` rotates keys and values before
+            quantizing (`kvdemo.cache.rotation`), `none` does not. Which backend
             takes which, and the values allowed, are in its registry entry (`Backend.options`).
 
     Example:
@@ -50,6 +52,7 @@ class CacheSpec:
     axis_value: int | None = None
     flush: str | None = None
     storage: str | None = None
+    rotation: str | None = None
 
     @property
     def info(self) -> Backend:
@@ -150,7 +153,8 @@ class CacheSpec:
             ValueError: naming the option, the value given and the values allowed: an unknown backend, an
                 option the backend does not take (fp8 and dynamic take none), a value outside the registry's
                 choices, a q_group_size that does not fit head_dim or the backend's bit packing, a
-                residual_length < 1, or a quantized backend on a model whose layers are not all full attention.
+                residual_length < 1, `rotation=hadamard` on a head_dim that is not a power of two, or a quantized
+                backend on a model whose layers are not all full attention.
             ImportError: the backend's package is not installed; the message gives the pip command.
         """
         info = self.info
@@ -189,6 +193,10 @@ class CacheSpec:
                     f"backend={self.backend} needs a model whose layers are all full attention; this model also has "
                     f"{', '.join(others)} layers. Use backend=dynamic with it"
                 )
+        if self.resolved().get("rotation", "none") != "none":
+            problem = rotation_problem(kv_geometry(model_config).head_dim)
+            if problem:
+                raise ValueError(problem)
         if info.group_rule is not None:
             opts, geo = self.resolved(), kv_geometry(model_config)
             for axis_name in ("axis_key", "axis_value"):

@@ -180,6 +180,7 @@ class ComparisonReport:
         "axis_value",
         "flush",
         "storage",
+        "rotation",
         "KV bytes",
         "bytes/token",
         "ratio to dynamic",

@@ -1,0 +1,98 @@
+"""kvdemo.cache.rotation: the Hadamard matrix, rotated layers that store the library's own quantization of the
+rotated keys and values, what rotation buys on keys with outlier channels, and its refusals. The restore and
+fresh-run invariants of the rotated specs run in tests/test_invariants.py (the registry's `all_specs`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers.cache_utils import HQQQuantizedLayer, QuantoQuantizedLayer
+
+from kvdemo import CacheSpec, QASession
+from kvdemo.cache.flush import AppendRotatedHQQLayer, quantized_cache
+from kvdemo.cache.rotation import RotatedHQQLayer, RotatedQuantoLayer, hadamard, rotation_problem
+from kvdemo.cache.spec import build_cache
+
+
+def test_the_hadamard_matrix_is_symmetric_orthonormal_and_flat():
+    for size in (1, 2, 64, 128):
+        matrix = hadamard(size)
+        assert matrix.shape == (size, size) and torch.equal(matrix, matrix.T)
+        assert torch.allclose(matrix @ matrix, torch.eye(size), atol=1e-6)
+        assert torch.allclose(matrix.abs(), torch.full((size, size), size**-0.5))  # every channel spread evenly
+    assert hadamard(64, torch.float16).dtype == torch.float16
+    for size in (0, 48, 96):
+        with pytest.raises(ValueError, match=f"head_dim to be a power of two \\(this model's is {size}\\)"):
+            hadamard(size)
+    assert rotation_problem(64) is None
+
+
+def _keys_with_outlier_channels(tokens: int = 256, head_dim: int = 64) -> torch.Tensor:
+    """[1, 2, tokens, head_dim]: most channels ~N(0, 1), three channels 20x larger for every token (the
+    low-frequency rotary pairs of real keys)."""
+    torch.manual_seed(0)
+    keys = torch.randn(1, 2, tokens, head_dim)
+    keys[..., [3, 17, 40]] *= 20
+    return keys
+
+
+@pytest.mark.parametrize(
+    "plain_class, rotated_class, axis",
+    [(QuantoQuantizedLayer, RotatedQuantoLayer, 0), (HQQQuantizedLayer, RotatedHQQLayer, 1)],
+)  # the axis whose groups run along head_dim (quanto's 0, hqq's 1): there an outlier channel sets a group's range
+def test_a_rotated_layer_stores_the_librarys_quantization_of_the_rotated_keys(plain_class, rotated_class, axis):
+    keys = _keys_with_outlier_channels()
+    matrix = hadamard(keys.shape[-1])
+    options = dict(nbits=2, residual_length=1024, axis_key=axis, axis_value=axis)
+    rotated, plain, plain_of_rotated = (c(**options) for c in (rotated_class, plain_class, plain_class))
+    rotated.update(keys, keys)
+    plain.update(keys, keys)
+    plain_of_rotated.update(keys @ matrix, keys @ matrix)  # the library's own quantizer on x @ H, by hand
+    read = rotated._dequantize(rotated._quantized_keys)
+    by_hand = plain_of_rotated._dequantize(plain_of_rotated._quantized_keys) @ matrix
+    assert read.shape == keys.shape and torch.allclose(read, by_hand, atol=1e-5)
+    # what the rotation buys: the outlier channels no longer set every group's range
+    error_rotated = float((read - keys).norm() / keys.norm())
+    error_plain = float((plain._dequantize(plain._quantized_keys) - keys).norm() / keys.norm())
+    assert error_rotated < 0.6 * error_plain, (error_rotated, error_plain)
+
+
+def _config(head_dim: int) -> LlamaConfig:
+    return LlamaConfig(
+        hidden_size=2 * head_dim, num_attention_heads=2, num_key_value_heads=1, head_dim=head_dim, num_hidden_layers=2
+    )
+
+
+def test_rotation_is_refused_where_it_cannot_run():
+    assert CacheSpec.parse("quanto:4,rotation=hadamard").validate(_config(64)).rotation == "hadamard"
+    with pytest.raises(ValueError, match="needs head_dim to be a power of two \\(this model's is 48\\)"):
+        CacheSpec.parse("hqq:4,rotation=hadamard,q_group_size=16").validate(_config(48))
+    with pytest.raises(ValueError, match="rotation='givens' is not allowed for quanto; allowed: none, hadamard"):
+        CacheSpec.parse("quanto:4,rotation=givens")
+    for backend in ("dynamic", "fp8"):
+        with pytest.raises(ValueError, match=f"rotation=hadamard is not an option of the {backend} backend"):
+            CacheSpec.parse(f"{backend},rotation=hadamard")
+    with pytest.raises(ValueError, match="rotation='x' is not a rotation; choose one of none, hadamard"):
+        quantized_cache("quanto", _config(64), rotation="x")
+
+
+def test_rotation_with_the_append_flush_builds_both_layers(tiny):
+    cache = build_cache(CacheSpec.parse("hqq:4,flush=append,rotation=hadamard"), tiny.config)
+    assert all(type(layer) is AppendRotatedHQQLayer for layer in cache.layers)
+
+
+@pytest.mark.parametrize("text", ["quanto:2,residual_length=3", "hqq:4,residual_length=2,flush=append"])
+def test_a_rotated_cache_has_the_same_bytes_restores_and_answers_as_a_fresh_run(tiny, text):
+    context = "The Normans were the people who gave their name to Normandy, a region in France. Rollo led them."
+    spec, rotated = CacheSpec.parse(text), CacheSpec.parse(text + ",rotation=hadamard")
+    plain_report = QASession(tiny, spec).prefill(context)
+    session = QASession(tiny, rotated)
+    report = session.prefill(context)
+    assert report.kv_bytes == plain_report.kv_bytes and report.memory == plain_report.memory  # the same tensors
+    answers = [session.ask("Who led them?", 7) for _ in range(2)]  # flushes mid-answer (residual 2-3)
+    assert answers[0].flush_count > 0 and answers[0].token_ids == answers[1].token_ids
+    assert answers[1].cache_length_after == report.context_tokens
+    fresh = QASession(tiny, rotated)
+    fresh.prefill(context)
+    assert fresh.ask("Who led them?", 7).token_ids == answers[0].token_ids
