@@ -256,7 +256,7 @@ def test_mcp_tools_obey_the_server_budget_and_refuse_bad_input(tiny, normans):
         with pytest.raises(gr.Error, match=message):
             call()
     # the session still answers as alone after every refusal
-    alone = QASession(tiny, CacheSpec.parse("hqq:4,residual_length=16"))
+    alone = QASession(tiny, START_SPEC)  # the tool's default spec
     alone.prefill(context)
     assert json.loads(tools.ask_question("Who?", 4, "a"))["answer"] == alone.ask("Who?", 4).text
 

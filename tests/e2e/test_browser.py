@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import expect, sync_playwright
 
-from kvdemo import CacheSpec, QASession
+from kvdemo import QASession
 from kvdemo.evals.cases import example_path, load_case
+from kvdemo.ui.ask_widgets import START_SPEC
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
 
@@ -43,7 +44,7 @@ def test_a_person_prefills_asks_and_stops(page, embedded):
     bots = page.locator('[data-testid="bot"]')
 
     page.get_by_label("max_new_tokens", exact=True).first.fill("16")
-    reference = QASession(embedded, CacheSpec("hqq", nbits=4, residual_length=16))  # the page's defaults
+    reference = QASession(embedded, START_SPEC)  # the page's starting spec
     reference.prefill(context)
     for n, question in enumerate(["Who was the Norse leader?", "In what country is Normandy located?"], 1):
         page.get_by_label("question", exact=True).fill(question)
@@ -84,13 +85,19 @@ def test_a_person_compares_two_backends(page):
     page.get_by_label("max_new_tokens", exact=True).nth(1).fill("4")
     page.get_by_role("button", name="Run comparison").click()
     expect(page.get_by_text(re.compile(r"Compared 2 specs on 1 question\b"))).to_be_visible(timeout=180_000)
-    expect(page.get_by_role("gridcell", name="fp8", exact=True)).to_be_visible()
+    table = page.get_by_role("grid", name=re.compile("^comparison"))
+    expect(table.get_by_role("gridcell", name="fp8", exact=True)).to_be_visible()
+    # the answers side by side: dynamic's, then fp8's with where it departs from it (or "identical")
+    answers = page.get_by_role("grid", name=re.compile("^the answers side by side"))
+    expect(answers.get_by_role("gridcell", name="(the reference)", exact=True)).to_be_visible()
+    departure = re.compile(r"^(identical|token \d+: .* where dynamic has )")
+    expect(answers.get_by_role("gridcell", name=departure)).to_be_visible()
     expect(page.get_by_text("Memory against fidelity")).to_be_visible()
     # a bad spec line is refused at the click: the message shows and the results stay
     page.get_by_label("more specs, one per line").fill("hqq:9")
     page.get_by_role("button", name="Run comparison").click()
     expect(page.get_by_text("more specs, line 1: nbits=9 is not allowed for hqq").first).to_be_visible(timeout=10_000)
-    expect(page.get_by_role("gridcell", name="fp8", exact=True)).to_be_visible()
+    expect(table.get_by_role("gridcell", name="fp8", exact=True)).to_be_visible()
     page.get_by_label("more specs, one per line").fill("")
     expect(page.get_by_text("Decode speed")).to_be_visible()
     assert page.get_by_role("tabpanel").locator(".vega-embed").count() == 2

@@ -16,6 +16,7 @@ from playwright.sync_api import Page, expect, sync_playwright
 
 from kvdemo.evals.cases import example_path, load_case
 from kvdemo.qa.prefill import PREFILL_CHUNK_TOKENS
+from kvdemo.ui.ask_widgets import START_SPEC
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts" / "state"
 LONGER_THAN_A_TOAST_MS = 12_000
@@ -73,8 +74,9 @@ def _box(page: Page):
     return page.get_by_label("context", exact=True)
 
 
-def _prefill(page: Page, context: str, backend: str = "hqq") -> int:
-    """Fill the Context box, press Prefill and wait for the summary line; returns the tokens prefilled."""
+def _prefill(page: Page, context: str, backend: str = START_SPEC.backend) -> int:
+    """Fill the Context box, press Prefill and wait for the summary line (`backend`: the page's, by default its
+    starting one); returns the tokens prefilled."""
     _box(page).fill(context)
     page.get_by_role("button", name="Prefill").click()
     line = page.get_by_text(re.compile(rf"^Prefilled [\d,]+ tokens in [\d.]+ s with {backend}\b"))
@@ -270,7 +272,7 @@ def test_a_long_prefill_shows_progress_and_stops_and_a_question_shows_at_once(pa
     seen = page.evaluate("window.kvdemoSeen")
     assert {"click", "question", "reading", "first token"} <= set(seen), seen
     assert seen["question"] <= seen["first token"] and seen["reading"] <= seen["first token"]
-    # hqq with residual_length 16: the question's ~20 tokens fill the residual, so the next step flushes
+    # the starting spec's residual_length 16: the question's ~20 tokens fill the residual, so the next step flushes
     assert "flush announced" in seen
     expect(page.get_by_text(re.compile(rf"cache length after restore = {tokens:,} \(context\)"))).to_be_visible()
     _shot(page, "3-answered")
@@ -297,25 +299,26 @@ def test_a_backend_without_residual_says_so_in_the_residual_chart(page, normans,
 def test_a_reload_keeps_the_context_and_options_and_says_nothing_is_prefilled(page, southern_california):
     context = southern_california.select("0-1").context
     _prefill(page, context)
-    page.get_by_label("quanto", exact=True).check()
+    page.get_by_label("hqq", exact=True).check()  # another backend than the starting one
     # the backend's options are shown again after the change: fill residual_length once they are
-    expect(page.get_by_text(re.compile(r"Now: spec quanto:4,q_group_size=64,residual_length=16"))).to_be_visible()
+    expect(page.get_by_text(re.compile(r"Now: spec hqq:4,q_group_size=64,residual_length=16"))).to_be_visible()
     page.get_by_label("residual_length", exact=True).fill("48")
     page.get_by_label("residual_length", exact=True).press("Tab")
     expect(page.get_by_text(re.compile(r"^⚠ The options changed since the prefill"))).to_be_visible()
-    expect(page.get_by_text(re.compile(r"Now: spec quanto:4,q_group_size=64,residual_length=48"))).to_be_visible()
+    expect(page.get_by_text(re.compile(r"Now: spec hqq:4,q_group_size=64,residual_length=48"))).to_be_visible()
     page.wait_for_timeout(1_000)  # the browser state is written after each change
 
     page.reload()
     expect(page.get_by_text("135 M parameters")).to_be_visible(timeout=60_000)
     expect(_box(page)).to_have_value(context, timeout=30_000)
-    expect(page.get_by_label("quanto", exact=True)).to_be_checked()
+    expect(page.get_by_label("hqq", exact=True)).to_be_checked()
     expect(page.get_by_label("residual_length", exact=True)).to_have_value("48")
     expect(page.get_by_label("nbits", exact=True)).to_have_value("4")
     expect(
         page.get_by_text(
             re.compile(
-                r"^spec quanto:4,q_group_size=64,residual_length=48,axis_key=0,axis_value=0,flush=requantize · "
+                r"^spec hqq:4,q_group_size=64,residual_length=48,axis_key=0,axis_value=0,flush=requantize,"
+                r"rotation=none · "
                 r"nothing prefilled in this tab yet$"
             )
         )
