@@ -229,7 +229,7 @@ class CompareTab:
             "(the token, and the log-probability of each answer's token under each cache)",
             interactive=False,
             wrap=True,
-            column_widths=["18%", "12%", "30%", "8%", "32%"],
+            column_widths=["16%", "12%", "30%", "12%", "30%"],
         )
         with gr.Accordion("What each column means", open=False):
             gr.Markdown("\n".join(f"- **{name}**: {text}" for name, text in DISPLAY_HELP.items()))
