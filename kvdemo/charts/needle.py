@@ -34,20 +34,16 @@ def needle_heatmap_frame(table: pd.DataFrame, spec: str, value: str = "score") -
     """
     if value not in NEEDLE_VALUES:
         raise ValueError(f"value={value!r}: choose one of {', '.join(NEEDLE_VALUES)}")
-    rows = table[table["spec text"] == spec].astype({value: "float64"})
+    return _pivot(table, spec, value)
+
+
+def _pivot(table: pd.DataFrame, spec: str, column: str) -> pd.DataFrame:
+    """The spec's `column` (as float64) by depth (rows, sorted) and length (columns), the mean should a cell
+    appear twice; empty when the spec has no cell."""
+    rows = table[table["spec text"] == spec].astype({column: "float64"})
     if rows.empty:
         return pd.DataFrame(dtype="float64")
-    return rows.pivot_table(index="depth", columns="length", values=value, aggfunc="mean").sort_index()
-
-
-def _cut_cells(table: pd.DataFrame, spec: str, depths: list, lengths: list) -> pd.DataFrame | None:
-    """1.0 where the spec's cell is a miss that max_new_tokens ended (`NeedleCell.cut`), by depth and length as
-    `needle_heatmap_frame` pivots; None for a table without the `cut` column."""
-    if "cut" not in table:
-        return None
-    rows = table[table["spec text"] == spec].astype({"cut": "float64"})
-    cuts = rows.pivot_table(index="depth", columns="length", values="cut", aggfunc="mean")
-    return cuts.reindex(index=depths, columns=lengths)
+    return rows.pivot_table(index="depth", columns="length", values=column, aggfunc="mean").sort_index()
 
 
 def needle_heatmap_figure(
@@ -88,7 +84,8 @@ def needle_heatmap_figure(
         shown = needle_heatmap_frame(table, spec, value).reindex(index=depths, columns=lengths)
         scores = needle_heatmap_frame(table, spec, "score").reindex(index=depths, columns=lengths)
         hits = needle_heatmap_frame(table, spec, "hit").reindex(index=depths, columns=lengths)
-        cuts = _cut_cells(table, spec, depths, lengths)
+        # 1.0 where a miss was ended by max_new_tokens (`NeedleCell.cut`); a table without the column has none
+        cuts = _pivot(table, spec, "cut").reindex(index=depths, columns=lengths) if "cut" in table else None
         image = ax.imshow(shown.to_numpy(), aspect="auto", **scale)
         for i in range(len(depths)):
             for j in range(len(lengths)):
