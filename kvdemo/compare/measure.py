@@ -117,15 +117,14 @@ def measure_spec(
     run.step(f"{spec.text}: prefilled {prefill.context_tokens} tokens")
     answers, flush_steps, flush_seconds = _answer_all(run, session, spec)
     ref_ids = reference.token_ids if reference is not None else tuple(a.token_ids for a in answers)
-    own, parts, drift_runs, departures = _score_all(run, session, spec, answers, reference, reference_kv)
+    own, parts, drift_runs, departures = _score_all(run, session, spec, answers, ref_ids, reference, reference_kv)
     del session  # free this cache before the perplexity's
     gc.collect()
     ppl = None
     if run.perplexity_inputs is not None:
         ppl = _perplexity(run, spec, run.perplexity_inputs, context_ids, reference_kv, reference)
         drift_runs.append(ppl.context_errors)
-    questions_out = _question_results(run, answers, ref_ids, parts, flush_steps, flush_seconds, drift_runs)
-    questions_out = [replace(q, departure=d) for q, d in zip(questions_out, departures)]
+    questions_out = _question_results(run, answers, ref_ids, parts, flush_steps, flush_seconds, drift_runs, departures)
     result = _spec_result(
         spec, prefill, answers, flush_seconds, questions_out, parts, kv_error, drift_runs, ppl, dynamic_kv_bytes
     )
@@ -215,13 +214,13 @@ def _score_all(
     session: QASession,
     spec: CacheSpec,
     answers: Sequence,
+    ref_ids: Sequence[Sequence[int]],
     reference: Reference | None,
     reference_kv: cache_error.KV,
 ) -> tuple[list[torch.Tensor], list, list[tuple[float, ...]], list[Departure | None]]:
-    """The reference's answers teacher-forced through this cache: the own log-probabilities (kept only for the
-    reference run), each question's `PositionFidelity`, the context's error after each flush (the drift), and
-    where each of this spec's `answers` first leaves the reference's (`first_departure`)."""
-    ref_ids = reference.token_ids if reference is not None else tuple(a.token_ids for a in answers)
+    """The reference's answers (`ref_ids`) teacher-forced through this cache: the own log-probabilities (kept only
+    for the reference run), each question's `PositionFidelity`, the context's error after each flush (the drift),
+    and where each of this spec's `answers` first leaves the reference's (`first_departure`)."""
     own, parts, drift_runs = [], [], []
     departures: list[Departure | None] = []
     for i, question in enumerate(run.questions):
@@ -333,8 +332,9 @@ def _question_results(
     flush_steps: Sequence[int],
     flush_seconds: Sequence[float],
     drift_runs: Sequence[tuple[float, ...]],
+    departures: Sequence[Departure | None],
 ) -> list[QuestionResult]:
-    """One `QuestionResult` per question, from its answer, its fidelity and its flushes."""
+    """One `QuestionResult` per question, from its answer, its fidelity, its flushes and its departure."""
     questions_out, gold_answers = [], run.gold_answers
     for i, (question, answer) in enumerate(zip(run.questions, answers)):
         gold = None if gold_answers is None else score_against_gold(answer.text, gold_answers[i])
@@ -356,6 +356,7 @@ def _question_results(
                 flush_seconds=flush_seconds[i],
                 cache_length_after=answer.cache_length_after,
                 context_errors=drift_runs[i],
+                departure=departures[i],
             )
         )
     return questions_out
