@@ -118,7 +118,8 @@ class NeedleTab:
                     NEEDLE_MAX_NEW_TOKENS,
                     what="a needle grid",
                 )
-                needed = needle.answer_tokens_needed(loaded, token_lengths, token_depths, seed=int(seed or 0))
+                needle_seed = int(seed or 0)
+                needed = needle.answer_tokens_needed(loaded, token_lengths, token_depths, seed=needle_seed)
                 if answer_tokens < needed:
                     raise ValueError(
                         f"max_new_tokens={answer_tokens} cannot hold the answer: the needle's own sentence "
@@ -132,7 +133,7 @@ class NeedleTab:
                         token_lengths,
                         token_depths,
                         needles_per_context=1 if one_needle else None,
-                        seed=int(seed or 0),
+                        seed=needle_seed,
                         max_new_tokens=answer_tokens,
                         cancel=cancel,
                         kv_budget_bytes=self.app.kv_budget_bytes,
