@@ -218,6 +218,21 @@ def test_cancel_keeps_the_finished_cells(tiny):
     assert "cancelled after 2 cell(s)" in str(caught.value)
 
 
+def test_cancel_acts_within_one_chunk_of_a_long_prefill(tiny):
+    cancel, seen = threading.Event(), []
+
+    def on_progress(done, total, what):
+        seen.append(what)
+        if what == "hqq:4: prefilling 256 of 400 tokens":
+            cancel.set()
+
+    with pytest.raises(NeedleCancelled) as caught:
+        needle_grid(tiny, ["dynamic", "hqq:4"], [400], [50], max_new_tokens=3, cancel=cancel, on_progress=on_progress)
+    assert [c.spec_text for c in caught.value.grid.cells] == ["dynamic"]
+    assert "dynamic: prefilling 256 of 400 tokens" in seen and "dynamic: prefilling 400 of 400 tokens" in seen
+    assert seen[-1] == "hqq:4: prefilling 256 of 400 tokens"  # the next chunk never ran
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [

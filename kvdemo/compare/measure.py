@@ -64,6 +64,8 @@ class ComparisonRun:
             internal cancellation propagates to `compare`.
         on_step: called with a description after the prefill, after each answer and each score, and every
             `PERPLEXITY_STEPS_PER_UNIT` decode steps of the perplexity feed.
+        on_note: called with a description of the work now running, without a unit done: after each chunk of a
+            prefill ("hqq:4: prefilling 512 of 1,341 tokens") and each layer its quantizer has taken.
         kv_budget_bytes: each session's out-of-memory guard (`QASession`), also applied to the perplexity's cache.
         perplexity_inputs: from `fidelity.perplexity_inputs`; None: no perplexity.
     """
@@ -75,6 +77,7 @@ class ComparisonRun:
     gold_answers: Sequence[Sequence[str]] | None = None
     cancel: threading.Event | None = None
     on_step: Callable[[str], None] | None = None
+    on_note: Callable[[str], None] | None = None
     kv_budget_bytes: int | None = None
     perplexity_inputs: PerplexityInputs | None = None
 
@@ -87,6 +90,30 @@ class ComparisonRun:
         """One unit of work done (`on_step(what)`)."""
         if self.on_step is not None:
             self.on_step(what)
+
+    def prefill(self, session: QASession) -> PrefillReport:
+        """`session.prefill` of the run's context, its chunks and its quantizer's layers described through
+        `on_note`, and `cancel` checked after each of them (a prefill takes seconds to a minute per spec).
+
+        Raises:
+            Cancelled: `cancel` was set; the session's unfinished cache is dropped with the session.
+        """
+        label = session.spec.text
+
+        def chunk(done: int, total: int) -> None:
+            self.check_cancel()
+            self.note(f"{label}: prefilling {done:,} of {total:,} tokens")
+
+        def layer(done: int, total: int) -> None:
+            self.check_cancel()
+            self.note(f"{label}: quantizing the cache, {done} of {total} layers")
+
+        return session.prefill(self.context, max_new_tokens=self.max_new_tokens, on_progress=chunk, on_quantize=layer)
+
+    def note(self, what: str) -> None:
+        """What runs now (`on_note(what)`), no unit done."""
+        if self.on_note is not None:
+            self.on_note(what)
 
 
 def measure_spec(
@@ -109,7 +136,7 @@ def measure_spec(
         ValueError, ImportError: the session refuses the spec, context or a question (its message).
     """
     session = QASession(run.loaded_model, spec, kv_budget_bytes=run.kv_budget_bytes)
-    prefill = session.prefill(run.context, max_new_tokens=run.max_new_tokens)
+    prefill = run.prefill(session)
     context_ids = session.context_ids(run.context)  # a PreparedContext is not tokenized again
     reference_kv = _reference_kv(run.loaded_model, session, context_ids, reference)
     assert session.cache is not None  # prefilled

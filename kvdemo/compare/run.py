@@ -112,7 +112,16 @@ def compare(
         inputs = fidelity.perplexity_inputs(loaded_model, context, perplexity_tokens, continuation)
     progress = _Progress(len(ordered) * (1 + 2 * len(questions) + perplexity_units(perplexity_tokens)), on_progress)
     run = ComparisonRun(
-        loaded_model, context, tuple(questions), max_new_tokens, gold_answers, cancel, progress, kv_budget_bytes, inputs
+        loaded_model,
+        context,
+        tuple(questions),
+        max_new_tokens,
+        gold_answers,
+        cancel,
+        on_step=progress,
+        on_note=progress.announce,
+        kv_budget_bytes=kv_budget_bytes,
+        perplexity_inputs=inputs,
     )
     return _measure_all(run, ordered, progress)
 

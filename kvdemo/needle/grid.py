@@ -237,7 +237,17 @@ class _GridRun:
     def prefill(self, session: QASession, spec: CacheSpec, context: NeedleContext, reserve: int) -> PrefillReport:
         self.check_cancel()
         self.progress(f"{spec.text}: prefilling {context.length:,} tokens", finished=False)
-        report = session.prefill(context.prepared, reserve_tokens=reserve)  # not tokenized again
+
+        def chunk(done: int, total: int) -> None:  # Cancel acts within one chunk of a long prefill
+            self.check_cancel()
+            self.progress(f"{spec.text}: prefilling {done:,} of {total:,} tokens", finished=False)
+
+        def layer(done: int, total: int) -> None:
+            self.check_cancel()
+            self.progress(f"{spec.text}: quantizing the cache, {done} of {total} layers", finished=False)
+
+        # not tokenized again
+        report = session.prefill(context.prepared, reserve_tokens=reserve, on_progress=chunk, on_quantize=layer)
         if report.context_tokens != context.length:  # the prepared ids are the length
             raise RuntimeError(f"prefilled {report.context_tokens} tokens for a {context.length}-token context")
         self.progress(f"{spec.text}: prefilled {context.length:,} tokens")
