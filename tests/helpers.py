@@ -3,6 +3,8 @@ config, a fault injected into a forward pass, and the page's handlers called as 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -101,3 +103,11 @@ def named_handlers(demo) -> dict:
         "gate": as_the_page_calls(by_name["gate"]),
         "before_answer": by_name["before_answer"],  # the Ask click's step before the queue
     }
+
+
+def plotted(update) -> Any:
+    """The data of a native plot's update (`gr.LinePlot(value=frame, ...)` returned by a handler), as a DataFrame:
+    what Gradio sends the page (`columns` and `data` of its postprocessed value)."""
+    import pandas as pd
+
+    return pd.DataFrame(update.value["data"], columns=update.value["columns"])

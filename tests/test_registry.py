@@ -125,3 +125,18 @@ def test_every_backend_entry_is_complete():
         assert callable(backend.make_cache) and callable(backend.kv_bytes)
         assert (backend.group_rule is None) == ("q_group_size" not in backend.options)
         assert dataclasses.is_dataclass(backend)
+
+
+def test_short_text_keeps_only_what_differs_from_the_defaults_and_parses_back():
+    page_spec = CacheSpec.parse("quanto:4,q_group_size=64,residual_length=16,axis_key=0,axis_value=0,flush=requantize")
+    assert page_spec.short_text == "quanto:4,residual_length=16"
+    assert (
+        CacheSpec.parse("hqq:4,rotation=hadamard,q_group_size=32").short_text
+        == "hqq:4,q_group_size=32,rotation=hadamard"
+    )
+    assert CacheSpec.parse("fp8").short_text == "fp8" and CacheSpec.parse("dynamic,storage=growing").short_text == (
+        "dynamic,storage=growing"
+    )
+    for spec in all_specs():
+        again = CacheSpec.parse(spec.short_text)
+        assert (again.backend, again.resolved()) == (spec.backend, spec.resolved()), spec.text

@@ -216,7 +216,7 @@ def test_switching_backend_mid_answer_finishes_on_the_old_cache_then_asks_for_a_
     fns["prefill"](CONTEXT, *HQQ, _req())
     stream = fns["ask"](QUESTION, 6, _req())
     next(stream)
-    note, _, ask_button = fns["gate"](CONTEXT, "fp8", None, None, None, None, None, _req())
+    note, _, ask_button, _ = fns["gate"](CONTEXT, "fp8", None, None, None, None, None, _req())
     assert "Press **Prefill** to rebuild it" in note and ask_button["interactive"] is False
     final = list(stream)[-1]
     assert final[0][-1]["content"] == _fresh_answer(tiny).text  # the answer ran on its own (hqq) cache
@@ -264,7 +264,7 @@ def test_handlers_that_only_read_or_stop_never_create_or_evict_sessions(tiny):
         assert fns["stop"](_req(f"x{i}")) is None
         assert fns["cancel_compare"](_req(f"x{i}")) is None
         assert fns["compare_questions"](CONTEXT, _req(f"x{i}")) == ""
-        line, notice, ask = fns["gate"](CONTEXT, "fp8", None, None, None, None, None, _req(f"x{i}"))
+        line, notice, ask, _ = fns["gate"](CONTEXT, "fp8", None, None, None, None, None, _req(f"x{i}"))
         assert "nothing prefilled in this tab yet" in line and ask["interactive"] is False
     assert len(app.sessions) == 1 and app.sessions.peek("a").qa is not None
 

@@ -18,7 +18,7 @@ from kvdemo.ui import build_demo, views
 from kvdemo.ui.examples import EXAMPLES, example
 from kvdemo.ui.inputs import MAX_UPLOAD_BYTES, read_upload, spec_from_inputs
 from kvdemo.ui.views import backend_option_updates
-from tests.helpers import named_handlers, refused
+from tests.helpers import named_handlers, plotted, refused
 
 CONTEXT = "The Normans were the people who gave their name to Normandy, a region in France. Rollo led them."
 HQQ = ("hqq", 4, 64, 4, 0, 0)
@@ -52,7 +52,13 @@ def test_prefill_then_ask_streams_and_restores(handlers, tiny):
     assert len(updates) == 8  # at once "reading the question", one per decode step, then the final one
     assert updates[0].stats.startswith("reading the question (") and updates[0].chat[-1]["content"] == "…"
     assert updates[1].chat[-1]["content"] != "…"  # each update carries its own chat
-    chat, stats, memory, residual, flushes, table, speed = updates[-1]
+    chat, stats, memory_plot, residual, flushes_plot, table, speed = updates[-1]
+    memory, flushes = plotted(memory_plot), plotted(flushes_plot)
+    assert memory_plot.title == "KV cache memory" and flushes_plot.title == "Time per decode step (flush steps marked)"
+    # each y-axis from 0 to a tenth above its largest value: no point clipped at the top
+    assert memory_plot.y_lim == [0, pytest.approx(memory["MiB"].max() * 1.1)]
+    assert flushes_plot.y_lim == [0, pytest.approx(flushes["ms"].max() * 1.1)]
+    assert memory_plot.x_lim == flushes_plot.x_lim == [0, 8.0]  # 6 steps on an axis of at least 8 (no "0.000000")
     assert speed.startswith("**Speed limit**: a decode step reads ") and "×** the floor" in speed
     qa = app.sessions.get("tab-1").qa
     context_tokens = qa.prefill_report.context_tokens
@@ -62,9 +68,12 @@ def test_prefill_then_ask_streams_and_restores(handlers, tiny):
     events = app.sessions.get("tab-1").events
     held = memory[memory["series"] == "held (cache + snapshot)"]["MiB"].tolist()
     assert held == pytest.approx([e.memory.total_bytes / 2**20 for e in events])  # the snapshot counted
-    assert residual.title.startswith("Residual fill (layer 0; flushes at residual_length=4)")
-    residual = residual.value
-    assert [row[1] for row in residual["data"]] == [e.memory.layers[0].residual_tokens for e in events]
+    assert residual.title == "Residual fill (layer 0): flushes at residual_length=4" and residual.y_lim[0] == 0
+    fill = plotted(residual)
+    assert fill[fill["series"] == "residual (layer 0)"]["residual tokens"].tolist() == [
+        e.memory.layers[0].residual_tokens for e in events
+    ]
+    assert fill[fill["series"] == "residual_length"]["residual tokens"].tolist() == [4.0] * len(events)
     assert flushes["step"].tolist() == list(range(6)) and flushes["kind"].iloc[0] == "question pass"
     assert flushes["layers flushed"].sum() == qa.history[-1].flush_count > 0
     assert set(flushes.loc[flushes["layers flushed"] > 0, "kind"]) <= {"question pass", "flush step"}
@@ -97,7 +106,12 @@ def test_stop_ends_the_answer_and_restores(handlers):
 def test_stop_pressed_while_the_answer_waits_in_the_queue_stops_it_after_one_step(handlers):
     app, fns = handlers
     fns["prefill"](CONTEXT, *HQQ, _request())
-    assert fns["before_answer"](_request())["interactive"] is False  # the click: Ask disabled, Stop applies
+    ask, stop, chat = fns["before_answer"]("Who led the Normans?", _request())  # the click
+    assert ask["interactive"] is False and stop["interactive"] is True  # Ask disabled, Stop enabled and applies
+    assert chat[-2:] == [
+        {"role": "user", "content": "Who led the Normans?"},
+        {"role": "assistant", "content": "… waiting for the model"},
+    ]
     fns["stop"](_request())  # pressed while the answer waits in the queue
     final = _ask(fns, "Who led the Normans?", 50)[-1]
     answer = app.sessions.get("tab-1").qa.history[-1]
@@ -106,7 +120,7 @@ def test_stop_pressed_while_the_answer_waits_in_the_queue_stops_it_after_one_ste
     for click in (True, False):
         fns["stop"](_request())
         if click:
-            fns["before_answer"](_request())
+            fns["before_answer"]("Who led the Normans?", _request())
         _ask(fns, "Who led the Normans?", 5)
         assert app.sessions.get("tab-1").qa.history[-1].finish_reason == "max_new_tokens"
 
@@ -283,18 +297,18 @@ def test_spec_from_inputs_ignores_hidden_options():
 def test_changing_options_or_the_context_after_a_prefill_asks_for_a_new_one(handlers):
     app, fns = handlers
     gate = named_handlers(build_demo(app))["gate"]
-    line, notice, button = gate(CONTEXT, *HQQ, _request())
+    line, notice, button, _ = gate(CONTEXT, *HQQ, _request())
     assert "nothing prefilled in this tab yet" in line and button["interactive"] is False
     fns["prefill"](CONTEXT, *HQQ, _request())
-    message, _, button = gate(CONTEXT, "hqq", 2, 64, 4, 0, 0, _request())
+    message, _, button, _ = gate(CONTEXT, "hqq", 2, 64, 4, 0, 0, _request())
     assert "⚠ The options changed since the prefill" in message and button["interactive"] is False
     assert (
         "Now: **spec** `hqq:2,q_group_size=64,residual_length=4,axis_key=0,axis_value=0,flush=requantize,rotation=none`"
         in message
     )
-    message, _, button = gate(CONTEXT + " Edited.", *HQQ, _request())
+    message, _, button, _ = gate(CONTEXT + " Edited.", *HQQ, _request())
     assert "⚠ The Context box changed since the prefill" in message and button["interactive"] is False
-    message, notice, button = gate(CONTEXT, *HQQ, _request())
+    message, notice, button, _ = gate(CONTEXT, *HQQ, _request())
     assert message.startswith("Prefilled") and notice == "" and button["interactive"] is True
     # the API path cannot answer over a context the page no longer shows
     updates = list(fns["ask"]("Who led the Normans?", 3, _request(), "Another text entirely."))
@@ -356,9 +370,8 @@ def test_compare_tab_runs_and_leaves_the_session_cache_untouched(handlers, tiny)
     assert table["spec"].tolist() == ["dynamic", "fp8", "hqq:2,residual_length=2"]
     assert table["mean KLD"].iloc[0] == 0.0 and table["mean KLD"].iloc[2] > 0 and table["restored"].all()
     assert "contains gold" not in table and "PPL" not in table  # columns with no value are not shown
-    drawn = tradeoff.dropna(subset=["bytes per token"])
-    assert drawn["bytes per token"].round(0).tolist() == table["bytes/token"].tolist()
-    assert sorted(tradeoff["backend"]) == ["dynamic", "fp8", "hqq", "quanto"]  # quanto: an invisible legend row
+    assert tradeoff["bytes per token"].round(0).tolist() == table["bytes/token"].tolist()
+    assert tradeoff["spec"].tolist() == table["spec"].tolist()  # one point per spec, named in the legend
     # the same figures as kvdemo.compare.run called directly
     direct = compare(
         tiny,
@@ -454,7 +467,7 @@ def test_every_series_is_in_the_chart_data_from_the_first_update(handlers):
     app, fns = handlers
     fns["prefill"](CONTEXT, *HQQ, _request())
     first = list(fns["ask"]("Who led the Normans?", 3, _request()))[1]  # the first step's update
-    steps = first[4]
+    steps = plotted(first[4])
     assert list(steps["kind"]) == ["question pass", "decode step", "flush step"]  # one real row, two invisible
     assert steps["ms"].notna().tolist() == [True, False, False]
     frame = with_every_series(steps.iloc[:1], "kind", ["question pass"])
@@ -473,11 +486,16 @@ def test_each_chart_shows_what_exists_for_the_backend(handlers, backend, series,
     app, fns = handlers
     options = HQQ[1:] if backend == "hqq" else (None,) * 5
     view = fns["prefill"](CONTEXT, backend, *options, _request())
-    assert residual_title in view.residual_plot.title and view.memory_plot is None
+    assert residual_title in view.residual_plot.title
+    # the empty charts of a new cache: titled, every series of the backend in the legend, no point drawn
+    empty = plotted(view.memory_plot)
+    assert view.memory_plot.title == "KV cache memory: ask a question to see it"
+    assert sorted(empty["series"]) == sorted(series) and empty["MiB"].isna().all()
+    assert view.step_plot.title.endswith(": ask a question to see it") and plotted(view.step_plot)["ms"].isna().all()
     chat, stats, memory, residual, *_ = _ask(fns, "Who led the Normans?", 3)[-1]
-    assert sorted(set(memory["series"])) == sorted(series) and residual_title in residual.title
-    if backend != "hqq":
-        assert residual.value["data"] == []  # no sawtooth of a residual that does not exist (the title says so)
+    assert sorted(set(plotted(memory)["series"])) == sorted(series) and residual_title in residual.title
+    if backend != "hqq":  # no sawtooth of a residual that does not exist (the title says so)
+        assert plotted(residual)["residual tokens"].isna().all()
 
 
 def test_prefill_shows_real_progress_and_stop_ends_it(handlers):
@@ -508,7 +526,8 @@ def test_prefill_shows_real_progress_and_stop_ends_it(handlers):
     view = fns["prefill"](long_context, *HQQ, _request(), progress=stop_after_the_first_chunk)
     assert view.prefill_info.startswith("⚠ Stopped: the prefill was stopped after 256 of")
     qa = app.sessions.get("tab-1").qa  # the previous cache stays: a prefill replaces it only when it ends
-    assert f"The cache still holds the previous context ({tokens:,} tokens)" in view.prefill_info
+    # the kept cache's own summary, not replaced by the stop
+    assert f"The cache still holds the previous context: Prefilled **{tokens:,} tokens**" in view.prefill_info
     assert qa is not None and qa.cache_length == tokens and view.ask_button["interactive"] is True
     assert len(_ask(fns, "Where did they meet?", 2)) == 4
     fns["prefill"](long_context, *HQQ, _request())  # and it prefills again
@@ -675,3 +694,63 @@ def test_the_page_fields_leave_bad_numbers_to_the_project_checks(handlers):
     view = fns["prefill"](CONTEXT, "quanto", 4, 2, 16, -1, -1, _request())  # groups along the 2 KV heads
     assert "quanto nbits=4 q_group_size=2 residual_length=16 axis_key=-1 axis_value=-1" in view.prefill_info
     assert len(_ask(fns, "Who led them?", 3)) > 1
+
+
+def test_a_refusal_beside_ask_gives_way_to_the_last_answer_once_the_page_matches_again(handlers):
+    app, fns = handlers
+    fns["prefill"](CONTEXT, *HQQ, _request())
+    last_line = _ask(fns, "Who led the Normans?", 3)[-1].stats
+    assert "cache length after restore" in last_line
+    changed = ("hqq", 4, 64, 8, 0, 0)  # residual_length 8 on the page, 4 in the cache
+    line, _, ask, beside_ask = fns["gate"](CONTEXT, *changed, _request())
+    assert ask["interactive"] is False and beside_ask is views.KEEP and "residual_length=8" in line
+    fns["before_answer"]("Where?", _request())  # Enter in the question box, the button being disabled
+    stale = refused(_ask(fns, "Where?", 3))
+    assert not app.sessions.get("tab-1").answer_pending  # nothing waits once refused
+    assert "the page shows hqq:4,q_group_size=64,residual_length=8" in stale
+    line, _, ask, beside_ask = fns["gate"](CONTEXT, *HQQ, _request())  # the option set back
+    assert ask["interactive"] is True and line.startswith("Prefilled") and beside_ask == last_line
+
+
+def test_the_click_echoes_the_question_and_a_refusal_takes_it_back(handlers):
+    app, fns = handlers
+    assert fns["before_answer"]("Who?", _request())[2] is views.KEEP  # nothing prefilled: nothing to echo
+    fns["prefill"](CONTEXT, *HQQ, _request())
+    _ask(fns, "Who led the Normans?", 3)
+    before = list(app.sessions.get("tab-1").chat)
+    assert len(before) == 2
+    _, _, echoed = fns["before_answer"]("  Where?  ", _request())
+    assert echoed[:2] == before and echoed[2] == {"role": "user", "content": "Where?"}
+    assert fns["before_answer"]("   ", _request())[2] is views.KEEP
+    refused_view = list(fns["ask"]("Where?", 3, _request(), "another text"))[-1]  # the Context box changed
+    assert "Context box has changed" in refused_view.stats and refused_view.chat == before
+
+
+def test_stop_is_enabled_only_while_something_runs(handlers):
+    app, fns = handlers
+    demo_fns = {getattr(f.fn, "__name__", ""): f.fn for f in build_demo(app).fns.values()}
+    stop_state = demo_fns["stop_state"]
+    assert stop_state(_request())["interactive"] is False  # no session yet
+    fns["prefill"](CONTEXT, *HQQ, _request())
+    assert stop_state(_request())["interactive"] is False  # prefilled, idle
+    stream = fns["ask"]("Who led the Normans?", 20, _request())
+    next(stream)
+    assert stop_state(_request())["interactive"] is True  # an answer streams
+    stream.close()
+    assert stop_state(_request())["interactive"] is False
+
+
+def test_example_questions_follow_the_context_box(handlers):
+    app, fns = handlers
+    demo_fns = {getattr(f.fn, "__name__", ""): f.fn for f in build_demo(app).fns.values()}
+    questions_for = demo_fns["example_questions"]
+    normans, questions = example("Normans")
+    offered = questions_for(normans, _request()).constructor_args  # the update the page gets
+    assert offered["samples"] == [[q] for q in questions] and offered["visible"] is True
+    other = questions_for("A text about something else entirely.", _request()).constructor_args
+    assert other["samples"] == [] and other["visible"] is False  # never Normans' questions about another text
+    fns["prefill"](CONTEXT, *HQQ, _request())
+    _ask(fns, "Who led the Normans?", 2)
+    asked = questions_for(CONTEXT, _request()).constructor_args
+    assert asked["samples"] == [["Who led the Normans?"]]  # asked on this text
+    assert questions_for("A text about something else entirely.", _request()).constructor_args["visible"] is False

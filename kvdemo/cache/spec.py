@@ -91,6 +91,16 @@ class CacheSpec:
         return ",".join([head] + [f"{k}={v}" for k, v in given.items()])
 
     @property
+    def short_text(self) -> str:
+        """The spec in `CacheSpec.parse`'s syntax with nbits and only the options that differ from the backend's
+        defaults, the same spec once parsed: `quanto:4,residual_length=16` for a page's every-option spec (a table
+        cell a reader can take in; `full_text` says everything)."""
+        defaults = {name: opt.default for name, opt in self.info.options.items()}
+        resolved = self.resolved()
+        head = f"{self.backend}:{resolved.pop('nbits')}" if "nbits" in resolved else str(self.backend)
+        return ",".join([head] + [f"{k}={v}" for k, v in resolved.items() if v != defaults[k]])
+
+    @property
     def full_text(self) -> str:
         """The spec in `CacheSpec.parse`'s syntax with every option resolved, so that it means one thing
         wherever it is shown: `hqq:4,q_group_size=64,residual_length=16,axis_key=0,axis_value=0`, `fp8`."""

@@ -53,13 +53,14 @@ def speed_figure(frame: pd.DataFrame, title: str = "Decode speed") -> Figure:
 def tradeoff_frame(frame: pd.DataFrame) -> pd.DataFrame:
     """The app's memory-against-fidelity chart data, one row per spec, from `ComparisonReport.to_frame()`.
 
-    Columns: `spec`, `backend` (the frame's `backend` field), `bytes per token` (KV bytes per context token),
+    Columns: `spec` (the frame's `spec text`: backend:nbits and the options set), `backend`, `bytes per token`
+    (KV bytes per context token),
     `KL (nats)` (mean KL per answer token against `dynamic`, llama.cpp's "Mean KLD"), `identical` (share of answers
     identical to `dynamic`'s), `contains gold` (NaN without gold answers).
     """
     return pd.DataFrame(
         {
-            "spec": frame["spec"].astype("string"),
+            "spec": frame["spec text"].astype("string"),
             "backend": frame["backend"].astype("string"),
             "bytes per token": frame["bytes/token"].astype("float64"),
             "KL (nats)": frame["KL (nats)"].astype("float64"),
@@ -70,11 +71,11 @@ def tradeoff_frame(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def speed_frame(frame: pd.DataFrame) -> pd.DataFrame:
-    """The app's decode-speed chart data: `spec`, `tokens/s` (median over the answers) and `flush s` (seconds
-    spent in decode steps that flushed), from `ComparisonReport.to_frame()`."""
+    """The app's decode-speed chart data: `spec` (the `spec text`), `tokens/s` (median over the answers) and
+    `flush s` (seconds spent in decode steps that flushed), from `ComparisonReport.to_frame()`."""
     return pd.DataFrame(
         {
-            "spec": frame["spec"].astype("string"),
+            "spec": frame["spec text"].astype("string"),
             "tokens/s": frame["tokens/s"].astype("float64"),
             "flush s": frame["flush s"].astype("float64"),
         }

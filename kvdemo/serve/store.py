@@ -44,6 +44,8 @@ class UserSession:
         answer_stop: set by Stop (`interrupt`) since the answer was asked (`queue_answer`, `answering`): a Stop
             pressed while the answer waits in the queue, or before its stream has begun, still stops it.
         answer_pending: an Ask click has queued an answer that has not ended yet.
+        answer_line: the line the last answer ended with (its tokens, speed, flushes and restore), shown again
+            when a refusal beside Ask no longer applies; "" before the first answer on this cache.
     """
 
     qa: QASession | None = None
@@ -59,6 +61,7 @@ class UserSession:
     page_shows: tuple[str, CacheSpec | None] | None = None
     answer_stop: threading.Event = field(default_factory=threading.Event)
     answer_pending: bool = False
+    answer_line: str = ""
 
     def interrupt(self) -> None:
         """Stop this session's answer after its current decode step (also one asked that has not begun: see
@@ -73,6 +76,11 @@ class UserSession:
         """At an Ask click, before the answer waits in the queue: from now on Stop applies to it."""
         self.answer_stop.clear()
         self.answer_pending = True
+
+    def answer_refused(self) -> None:
+        """The answer an Ask click queued (`queue_answer`) was refused before it began: none is pending now (a
+        refusal never reaches `answering`, which clears it for an answer that runs)."""
+        self.answer_pending = False
 
     @contextmanager
     def answering(self) -> Iterator[Callable[[QASession], None]]:
@@ -234,11 +242,13 @@ class SessionStore:
         user.compare_pending = True
 
     @staticmethod
-    def cancel_long_job(user: UserSession | None) -> None:
-        """Cancel the session's long job at its next decode step, also while it waits in the queue; nothing when
-        none is running or waiting."""
+    def cancel_long_job(user: UserSession | None) -> bool:
+        """Cancel the session's long job at its next prefill chunk or decode step, also while it waits in the
+        queue; nothing when none is running or waiting. Returns whether there was one to cancel."""
         if user is not None and user.compare_pending:
             user.compare_cancel.set()
+            return True
+        return False
 
     @contextmanager
     def long_job(self, user: UserSession, busy: str) -> Iterator[threading.Event]:

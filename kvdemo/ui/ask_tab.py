@@ -14,16 +14,15 @@ from typing import Any
 import gradio as gr
 
 from kvdemo import checks
-from kvdemo.cache.registry import BACKENDS, GROUP_OPTIONS
-from kvdemo.cache.spec import CacheSpec
+from kvdemo.cache.registry import GROUP_OPTIONS
 from kvdemo.cache.speedlimit import speed_limit
 from kvdemo.qa.prefill import PrefillStopped
 from kvdemo.qa.session import QASession
 from kvdemo.serve.server import App
 from kvdemo.serve.store import UserSession, request_key
-from kvdemo.ui import views
+from kvdemo.ui import page_state, views
 from kvdemo.ui.ask_widgets import AnswerView, AskWidgets, PrefillView
-from kvdemo.ui.examples import example
+from kvdemo.ui.examples import example, suggested_questions
 from kvdemo.ui.inputs import page_event, read_upload, refusal, spec_from_inputs
 
 _log = logging.getLogger(__name__)
@@ -54,13 +53,6 @@ class AskTab(AskWidgets):
         self.w: dict[str, Any] = {}
 
     # ---- handlers -----------------------------------------------------------------------------------
-    def _prefilled_matches(self, user: UserSession | None, context: str | None, spec: CacheSpec | None) -> bool:
-        """Whether the page's Context box and options are what this session's cache holds."""
-        if user is None or user.qa is None or spec is None:
-            return False
-        same_spec = spec.backend == user.qa.spec.backend and spec.resolved() == user.qa.spec.resolved()
-        return same_spec and (context is None or context == user.qa.context)
-
     def prefill(self, context, backend, options: dict[str, Any], request: gr.Request, progress) -> PrefillView:
         """Prefill `context` into a new KV cache of the chosen backend (replacing this session's context).
         `options`: the option fields by name (`GROUP_OPTIONS`); the page calls it through `page_event`. A refusal
@@ -92,19 +84,19 @@ class AskTab(AskWidgets):
                     )
                 finally:
                     user.prefilling = None
-                user.qa, user.chat, user.events = qa, [], []
+                user.qa, user.chat, user.events, user.answer_line = qa, [], [], ""
                 self.app.sessions.forget_freed(request_key(request))
         except PrefillStopped as stopped:  # the session keeps its previous cache (replaced only after a prefill)
             _log.info("%s", stopped)
             kept = (
-                f"The cache still holds the previous context ({views.prefilled_tokens(user.qa):,} tokens)."
+                f"The cache still holds the previous context: {page_state.page_line(user, context, spec)}"
                 if user.qa is not None
                 else "Nothing is prefilled now; press Prefill to start again."
             )
             return PrefillView(
                 prefill_info=f"⚠ Stopped: {stopped}. {kept}",
                 notice="",
-                ask_button=gr.update(interactive=self._prefilled_matches(user, context, spec)),
+                ask_button=gr.update(interactive=page_state.prefilled_matches(user, context, spec)),
             )
         except (ValueError, ImportError) as error:
             held = self.app.sessions.peek_request(request)  # the tab's session, if it has one
@@ -113,7 +105,7 @@ class AskTab(AskWidgets):
                 if held is not None and held.qa is not None
                 else ""
             )
-            matches = self._prefilled_matches(held, context, spec)
+            matches = page_state.prefilled_matches(held, context, spec)
             message = refusal(error, "a prefill")
             message = message.rstrip(".") + "." + kept if kept else message  # "... tokens. The cache still ..."
             return PrefillView.refused(message, matches)
@@ -124,12 +116,14 @@ class AskTab(AskWidgets):
             prefill_info=views.prefill_summary(qa) + cleared,
             chat=[],
             stats="",
-            memory_plot=None,
+            memory_plot=views.memory_chart([], qa.spec),
             residual_plot=views.residual_chart([], qa.spec),
-            step_plot=None,
+            step_plot=views.step_times([]),
             answers_table=views.answers_table(user.answers),
             notice="",
-            ask_button=gr.update(interactive=self._page_differs(user) is None),  # options may have changed meanwhile
+            ask_button=gr.update(
+                interactive=page_state.page_differs(user) is None
+            ),  # options may have changed meanwhile
             speed_limit=_speed_line(qa),  # the new cache's floor, not the last answer's line
         )
 
@@ -151,25 +145,10 @@ class AskTab(AskWidgets):
                 "The Context box has changed since the prefill; press Prefill to prefill the text it "
                 "shows (answers come only from the prefilled text)"
             )
-        differs = self._page_differs(user)
+        differs = page_state.page_differs(user)
         if differs:
             raise ValueError(differs)
         return user
-
-    def _page_differs(self, user: UserSession) -> str | None:
-        """What differs between the page's Context box and options (`UserSession.page_shows`) and the session's
-        cache, said as a refusal; None when they match, or when no page showed this session (an API caller)."""
-        if user.page_shows is None or user.qa is None:
-            return None
-        context, spec = user.page_shows
-        if self._prefilled_matches(user, context, spec):
-            return None
-        what = "options" if context == user.qa.context else "Context box"
-        now = f", the page shows {spec.full_text}" if spec is not None else ", the page's options are not valid"
-        return (
-            f"The {what} changed since the prefill: the cache holds {user.qa.spec.full_text}{now}; press Prefill to "
-            f"rebuild it, or set the {what} back"
-        )
 
     def ask(
         self, question: str, max_new_tokens: float, request: gr.Request, context: str | None = None
@@ -185,7 +164,11 @@ class AskTab(AskWidgets):
             if not user.lock.acquire(blocking=False):
                 raise ValueError("An answer or a prefill is already running in this session; wait or press Stop")
         except ValueError as error:
-            yield AnswerView.refused(refusal(error, "a question"))
+            held = self.app.sessions.peek_request(request)
+            if held is not None and not held.lock.locked():  # a running answer clears its own mark when it ends
+                held.answer_refused()
+            # the chat without the question the click echoed
+            yield AnswerView.refused(refusal(error, "a question"), list(held.chat) if held is not None else [])
             return
         try:
             with user.answering() as began:
@@ -208,7 +191,7 @@ class AskTab(AskWidgets):
             stream = qa.stream(prepared)
             began(qa)  # a Stop pressed while the answer waited applies now
         except ValueError as error:
-            yield AnswerView.refused(refusal(error, "a question"))
+            yield AnswerView.refused(refusal(error, "a question"), list(user.chat))
             return
         user.chat = user.chat + [{"role": "user", "content": question.strip()}, {"role": "assistant", "content": "…"}]
         user.events = []
@@ -235,12 +218,13 @@ class AskTab(AskWidgets):
                         step_plot=views.step_times(user.events),
                     )
         finally:  # also a stopped, disconnected or failed answer: the session recorded it when its stream closed
-            user.answers.append(dict(qa.history[-1].to_dict(), spec=qa.spec.full_text))
+            user.answers.append(dict(qa.history[-1].to_dict(), spec=qa.spec.short_text))
         if not user.events:
             user.chat[-1] = {"role": "assistant", "content": qa.history[-1].text}
+        user.answer_line = views.answer_stats(qa, first_token, user.events)
         yield AnswerView(
             chat=user.chat,
-            stats=views.answer_stats(qa, first_token, user.events),
+            stats=user.answer_line,
             memory_plot=views.memory_chart(user.events, qa.spec),
             residual_plot=views.residual_chart(user.events, qa.spec),
             step_plot=views.step_times(user.events),
@@ -256,27 +240,44 @@ class AskTab(AskWidgets):
         if user is not None:
             user.interrupt()
 
-    def before_answer(self, request: gr.Request) -> Any:
-        """At an Ask click (or Enter), before the answer waits in the queue: disable Ask, and let Stop apply to
-        this answer from now (`UserSession.queue_answer`)."""
+    def before_answer(self, question: str, request: gr.Request) -> tuple[Any, Any, Any]:
+        """(Ask, Stop, chat) at an Ask click (or Enter), before the answer waits in the queue: Ask disabled, Stop
+        enabled and applying to this answer from now (`UserSession.queue_answer`), and the question in the chat
+        at once with a waiting reply, so that a queued user sees what they asked (when the answer is refused, its
+        refusal puts the chat back)."""
         user = self.app.sessions.peek_request(request)
+        chat: Any = views.KEEP
         if user is not None:
             user.queue_answer()
-        return gr.update(interactive=False)
+            if user.qa is not None and isinstance(question, str) and question.strip() and not user.lock.locked():
+                chat = [
+                    *user.chat,
+                    {"role": "user", "content": question.strip()},
+                    {"role": "assistant", "content": "… waiting for the model"},
+                ]
+        return gr.update(interactive=False), gr.update(interactive=True), chat
 
-    def before_prefill(self, request: gr.Request) -> Any:
-        """At a Prefill click, before it waits in the queue: stop what runs in this session and disable Ask."""
+    def before_prefill(self, request: gr.Request) -> tuple[Any, Any]:
+        """(Ask, Stop) at a Prefill click, before it waits in the queue: stop what runs in this session, disable
+        Ask, enable Stop (it stops the prefill before its next chunk)."""
         user = self.app.sessions.peek_request(request)
         if user is not None:
             user.interrupt()
-        return gr.update(interactive=False)
+        return gr.update(interactive=False), gr.update(interactive=True)
 
-    def gate(self, context, backend, options: dict[str, Any], request: gr.Request) -> tuple[Any, Any, Any]:
-        """(prefill line, notice, Ask button) for what the page shows now: Ask is enabled only while the Context
-        box and the options are exactly what the cache was prefilled with; otherwise the line says what differs,
-        and `UserSession.page_shows` records the page so that `ask` refuses Enter in the question box (which the
-        disabled button does not stop). The page calls it through `page_event` (without progress: it runs outside the
-        queue, before any queued answer)."""
+    def stop_state(self, request: gr.Request) -> Any:
+        """Stop enabled only while a prefill or an answer runs or waits in this session."""
+        user = self.app.sessions.peek_request(request)
+        running = user is not None and (user.lock.locked() or user.answer_pending or user.prefilling is not None)
+        return gr.update(interactive=running)
+
+    def gate(self, context, backend, options: dict[str, Any], request: gr.Request) -> tuple[Any, Any, Any, Any]:
+        """(prefill line, notice, Ask button, the line beside Ask) for what the page shows now: Ask is enabled only
+        while the Context box and the options are exactly what the cache was prefilled with; otherwise the line
+        says what differs, and `UserSession.page_shows` records the page so that `ask` refuses Enter in the question
+        box (which the disabled button does not stop). Once the page matches again, a refusal beside Ask gives way
+        to the last answer's line (`UserSession.answer_line`). The page calls it through `page_event` (without
+        progress: it runs outside the queue, before any queued answer)."""
         user = self.app.sessions.peek_request(request)
         try:
             spec = spec_from_inputs(backend, options)
@@ -284,19 +285,11 @@ class AskTab(AskWidgets):
             spec = None
         if user is not None:
             user.page_shows = (context, spec)
-        shown = f"**spec** `{spec.full_text}`" if spec is not None else "**spec**: options not valid yet"
-        if user is None or user.qa is None:
-            return f"{shown} · nothing prefilled in this tab yet", "", gr.update(interactive=False)
-        if self._prefilled_matches(user, context, spec):
-            return views.prefill_summary(user.qa), "", gr.update(interactive=True)
-        what = "options" if context == user.qa.context else "Context box"
-        return (
-            f"⚠ The {what} changed since the prefill (the cache holds {views.prefilled_tokens(user.qa):,} "
-            f"tokens with `{user.qa.spec.full_text}`). Press **Prefill** to rebuild it; until then Ask is "
-            f"disabled, so answers never come from a state the page does not show. Now: {shown}",
-            "",
-            gr.update(interactive=False),
-        )
+        line = page_state.page_line(user, context, spec)
+        if user is None or user.qa is None or not page_state.prefilled_matches(user, context, spec):
+            return line, "", gr.update(interactive=False), views.KEEP
+        idle = not (user.lock.locked() or user.answer_pending)  # a streaming answer keeps its own line
+        return line, "", gr.update(interactive=True), user.answer_line if idle else views.KEEP
 
     def upload(self, path: str | None) -> tuple[Any, Any]:
         """(Context box, notice) for an uploaded file: its text, or a refusal beside Prefill (the box keeps
@@ -307,30 +300,20 @@ class AskTab(AskWidgets):
             return gr.skip(), refusal(error, "an upload")
 
     @staticmethod
-    def load_example(name: str) -> tuple[str, Any]:
-        """The example's context for the text box, and its questions for the example-questions list."""
-        context, questions = example(name)
-        return context, gr.Dataset(samples=[[q] for q in questions])
+    def load_example(name: str) -> str:
+        """The example's context for the text box (its questions follow the box: `example_questions`)."""
+        return example(name)[0]
+
+    def example_questions(self, context: str, request: gr.Request) -> Any:
+        """The example-questions list for the Context box's text: the questions asked so far on it, or a shipped
+        example's own questions; hidden for any other text, so that it never offers Normans' questions about
+        another article."""
+        user = self.app.sessions.peek_request(request)
+        held = user.qa if user is not None and user.qa is not None and user.qa.context == context else None
+        questions = suggested_questions(held, context)
+        return gr.Dataset(samples=[[q] for q in questions], visible=bool(questions))
 
     # ---- the widgets and their events ---------------------------------------------------------------
-    @staticmethod
-    def remember(context, backend, *options) -> dict[str, Any]:
-        """What the browser keeps across a reload: the Context box, the backend and its options."""
-        return {"context": context, "backend": backend, "options": list(options)}
-
-    @staticmethod
-    def restore(saved: dict[str, Any] | None) -> list[Any]:
-        """The Context box, backend and options as the browser kept them (nothing when it kept nothing)."""
-        if not isinstance(saved, dict) or saved.get("backend") not in BACKENDS:
-            return [gr.skip()] * (2 + len(GROUP_OPTIONS))
-        options = list(saved.get("options") or [])[: len(GROUP_OPTIONS)]
-        return [
-            saved.get("context") or "",
-            saved["backend"],
-            *options,
-            *[gr.skip()] * (len(GROUP_OPTIONS) - len(options)),
-        ]
-
     def wire(self, demo: gr.Blocks) -> None:
         """The tab's events. Prefills, answers and model loads share one queue group (`concurrency_id="model"`):
         `--concurrency` of them run at once across users. The gate (`AskTab.gate`) runs after every change of
@@ -343,10 +326,11 @@ class AskTab(AskWidgets):
         gate = {
             "fn": page_event(self.gate, progress=False),
             "inputs": state_inputs,
-            "outputs": [w["prefill_info"], w["notice"], w["ask_button"]],
+            "outputs": [w["prefill_info"], w["notice"], w["ask_button"], w["stats"]],
             **private,
         }
-        remember = {"fn": self.remember, "inputs": state_inputs, "outputs": w["saved"], **private}
+        stop_state = {"fn": self.stop_state, "outputs": w["stop_button"], **private}
+        remember = {"fn": page_state.remember, "inputs": state_inputs, "outputs": w["saved"], **private}
         w["backend"].change(
             views.backend_option_updates,
             inputs=[w["backend"], *option_fields],
@@ -357,39 +341,45 @@ class AskTab(AskWidgets):
             field_.change(**gate)
         for field_ in state_inputs:
             field_.change(**remember)
-        demo.load(self.restore, inputs=w["saved"], outputs=state_inputs, **private)
+        demo.load(page_state.restore, inputs=w["saved"], outputs=state_inputs, **private)
         # typing or pasting into the box makes it no longer the uploaded file's text: the file name goes
         w["context"].input(lambda: None, outputs=w["upload"], **private)
         w["upload"].upload(self.upload, inputs=w["upload"], outputs=[w["context"], w["notice"]], api_name="read_upload")
+        w["context"].change(self.example_questions, inputs=w["context"], outputs=w["example_questions"], **private)
         for name, button in w["examples"].items():
-            button.click(
-                functools.partial(self.load_example, name), outputs=[w["context"], w["example_questions"]], **private
-            )
+            button.click(functools.partial(self.load_example, name), outputs=w["context"], **private)
         w["example_questions"].click(
             lambda sample: sample[0], inputs=w["example_questions"], outputs=w["question"], **private
         )
         # at the click, before the queue: Ask disabled while a prefill runs (a queued question would be answered on
         # the new cache), and this session's running prefill or answer stopped (the new prefill replaces it)
-        w["prefill_button"].click(self.before_prefill, outputs=w["ask_button"], **private).then(
+        w["prefill_button"].click(self.before_prefill, outputs=[w["ask_button"], w["stop_button"]], **private).then(
             page_event(self.prefill),
             inputs=state_inputs,
             outputs=[w[name] for name in PrefillView._fields],
             api_name="prefill",
+            show_progress_on=w["prefill_info"],  # the bar where the user looks, not over every chart
             **model_work,
-        )
+        ).then(**stop_state)
         answer_outputs = [w[name] for name in AnswerView._fields]
         # Ask is disabled while an answer streams; afterwards the gate decides
         for trigger, api in (
             (w["ask_button"].click, {"api_name": "ask"}),
             (w["question"].submit, {"api_visibility": "private"}),
         ):
-            trigger(self.before_answer, outputs=w["ask_button"], **private).then(
+            trigger(
+                self.before_answer,
+                inputs=w["question"],
+                outputs=[w["ask_button"], w["stop_button"], w["chat"]],
+                **private,
+            ).then(
                 self.ask,
                 inputs=[w["question"], w["max_new_tokens"], w["context"]],
                 outputs=answer_outputs,
+                show_progress_on=w["chat"],  # the queue's place and the wait, once, over the chat
                 **api,
                 **model_work,
-            ).then(**gate)
+            ).then(**gate).then(**stop_state)
         w["stop_button"].click(self.stop, api_name="stop", queue=False)
 
 

@@ -59,9 +59,10 @@ class AnswerView(NamedTuple):
     speed_limit: Any = views.KEEP  # the line under the step-time chart, at the answer's end
 
     @classmethod
-    def refused(cls, message: str) -> AnswerView:
-        """A refusal: the message beside Ask; the chat, charts and table stay as they were."""
-        return cls(stats=message)
+    def refused(cls, message: str, chat: Any = views.KEEP) -> AnswerView:
+        """A refusal: the message beside Ask; the charts and table stay as they were, and the chat is `chat` (the
+        session's, without the question the click echoed)."""
+        return cls(stats=message, chat=chat)
 
 
 class AskWidgets:
@@ -104,12 +105,21 @@ class AskWidgets:
                     # over the chat and charts; `checks.max_new_tokens` refuses them beside Ask, saying what to change
                     w["max_new_tokens"] = gr.Number(DEFAULT_MAX_NEW_TOKENS, label="max_new_tokens")
                     w["ask_button"] = gr.Button("Ask", variant="primary", interactive=False)
-                    w["stop_button"] = gr.Button("Stop", variant="stop")
-                w["example_questions"] = gr.Dataset(components=[w["question"]], samples=[], label="example questions")
+                    # enabled while a prefill or an answer runs or waits (`AskTab.stop_state`)
+                    w["stop_button"] = gr.Button("Stop", variant="stop", interactive=False)
+                w["example_questions"] = gr.Dataset(
+                    components=[w["question"]], samples=[], label="example questions", visible=False
+                )
                 w["stats"] = gr.Markdown("")
             with gr.Column(scale=2):
                 self._build_charts()
-        w["answers_table"] = gr.Dataframe(answers_frame([]), label="this session's answers", interactive=False)
+        w["answers_table"] = gr.Dataframe(
+            answers_frame([]),
+            label="this session's answers (spec: nbits and the options that differ from the defaults; the line "
+            "under Prefill gives the whole spec)",
+            interactive=False,
+            wrap=False,  # each column as wide as its widest cell: a narrow one would break its header mid-word
+        )
         with gr.Accordion("What am I looking at?", open=False):
             gr.Markdown(views.EXPLAINER)
 
@@ -142,35 +152,44 @@ class AskWidgets:
 
     def _build_charts(self) -> None:
         w = self.w
+        # each chart starts empty with its title and legend (`views`); a bare None draws an untitled box
         w["memory_plot"] = gr.LinePlot(
-            None,
+            views.memory_data([], START_SPEC),
             x="step",
             y="MiB",
             color="series",
-            title="KV cache memory",
+            title=f"{views.MEMORY_TITLE}: ask a question to see it",
             x_title="decode step",
             y_title="MiB",
             height=230,
-            y_lim=[0, None],
+            x_lim=[0, views.MIN_STEPS_SHOWN],
+            y_lim=[0, 1],
             color_map=dict(zip(MEMORY_SERIES, ("#1f77b4", "#ff7f0e", "#d62728", "#7f7f7f"))),
         )
         w["residual_plot"] = gr.LinePlot(
-            None,
+            views.residual_data([], START_SPEC),
             x="step",
             y="residual tokens",
-            title="Residual fill (layer 0)",
+            color="series",
+            title="Residual fill (layer 0): prefill a context and ask to see it",
             x_title="decode step",
-            height=180,
+            y_title="tokens",
+            height=200,
+            x_lim=[0, views.MIN_STEPS_SHOWN],
+            y_lim=[0, START_SPEC.resolved()["residual_length"] * 1.1],
+            color_map=dict(zip(views.RESIDUAL_SERIES, ("#ff7f0e", "#7f7f7f"))),
         )
         w["step_plot"] = gr.ScatterPlot(
-            None,
+            views.step_data([]),
             x="step",
             y="ms",
             color="kind",
-            title="Time per decode step (flush steps marked)",
+            title=f"{views.STEP_TITLE}: ask a question to see it",
             x_title="decode step",
             y_title="ms",
             height=220,
+            x_lim=[0, views.MIN_STEPS_SHOWN],
+            y_lim=[0, 1],
             color_map=dict(zip(STEP_KINDS, ("#7f7f7f", "#1f77b4", "#d62728"))),
             tooltip=["step", "ms", "kind", "layers flushed"],
         )

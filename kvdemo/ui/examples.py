@@ -3,6 +3,8 @@ Ask tab, and the questions suggested to the Compare tab."""
 
 from __future__ import annotations
 
+import functools
+
 from kvdemo.evals.cases import example_path, load_case
 from kvdemo.qa.session import QASession
 
@@ -12,10 +14,17 @@ EXAMPLE_QUESTIONS = 6
 
 
 def example(name: str) -> tuple[str, list[str]]:
-    """The context (chosen paragraphs) and the first answerable questions of a shipped example."""
+    """The context (chosen paragraphs) and the first answerable questions of a shipped example (read once per
+    process: the page looks them up at every change of the Context box)."""
+    context, questions = _example(name)
+    return context, list(questions)
+
+
+@functools.cache
+def _example(name: str) -> tuple[str, tuple[str, ...]]:
     stem, paragraphs = EXAMPLES[name]
     case = load_case(example_path(stem)).select(paragraphs)
-    return case.context, [q.question for q in case.answerable(EXAMPLE_QUESTIONS)]
+    return case.context, tuple(q.question for q in case.answerable(EXAMPLE_QUESTIONS))
 
 
 def suggested_questions(qa: QASession | None, context: str) -> list[str]:

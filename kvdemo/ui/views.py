@@ -65,6 +65,19 @@ SUBMITTED = (
 that Gradio draws over the status tells which; a "Queued" line stayed under a running job's progress)."""
 
 
+def acknowledge_cancel(cancelled: bool, job: str) -> None:
+    """A toast at a Cancel click (`gr.Info`: the event must be queued, with no concurrency limit, so that it runs at
+    once): that the session's `job` stops after the prefill chunk or decode step now running (about a second) and
+    shows what finished, or that there was nothing to cancel."""
+    if cancelled:
+        gr.Info(
+            f"Cancelling the {job}: it stops after the prefill chunk or decode step now running and shows what "
+            "finished."
+        )
+    else:
+        gr.Info(f"No {job} is running or waiting in this session: nothing to cancel.")
+
+
 def model_status(loaded: LoadedModel) -> str:
     """The model's status line."""
     d = loaded.describe()
@@ -173,7 +186,7 @@ def comparison_outputs(report: ComparisonReport, note: str) -> tuple[str, Any, A
         note += f" · context {tokens:,} tokens · max_new_tokens {report.max_new_tokens:,}"
         if report.perplexity_source:
             note += f" · perplexity on the {report.perplexity_source}"
-    tradeoff = with_every_series(tradeoff_frame(frame), "backend", BACKENDS)
+    tradeoff = tradeoff_frame(frame)  # one point per spec, coloured and named by its spec
     return note, comparison_display_frame(frame), tradeoff, speed_frame(frame)
 
 
@@ -198,9 +211,40 @@ def kv_error_plot(report: ComparisonReport | None, spec_text: str | None) -> Any
     return kv_error_figure(result.kv_error, title=f"Relative KV error after the prefill: {result.spec_text}")
 
 
+STEP_TITLE = "Time per decode step (flush steps marked)"
+MEMORY_TITLE = "KV cache memory"
+
+
 def step_times(events: list) -> Any:
-    """The step-time chart's data with every `STEP_KINDS` series in its legend."""
+    """The step-time chart: its data with every `STEP_KINDS` series in its legend, and a y-axis from 0 to a
+    tenth above the slowest step, so that no point (the question pass, a flush step) sits clipped at the top."""
+    frame = step_data(events)
+    title = STEP_TITLE if events else f"{STEP_TITLE}: ask a question to see it"
+    return gr.ScatterPlot(value=frame, title=title, x_lim=_steps(frame), y_lim=[0, _headroom(frame["ms"])])
+
+
+def step_data(events: list) -> Any:
+    """The step-time chart's data (`charts.step_time_frame`), every `STEP_KINDS` series in its legend."""
     return with_every_series(step_time_frame(events), "kind", STEP_KINDS)
+
+
+MIN_STEPS_SHOWN = 8
+"""The x-axis of the Ask tab's charts spans at least this many decode steps: an empty chart (or one of a single
+step) would otherwise get a one-point axis, ticked "0.000000"."""
+
+
+def _steps(frame: Any) -> list[float | None]:
+    """The x-axis (decode steps) of a chart of `frame`'s `step` column: from 0 to its last step, at least
+    `MIN_STEPS_SHOWN`."""
+    return [0, float(max(frame["step"].max() if len(frame) else 0, MIN_STEPS_SHOWN))]
+
+
+def _headroom(values: Any) -> float:
+    """A tenth above the largest of `values` (a pandas Series; NaN ignored), or 1 when there is none: the top of
+    a chart's y-axis. Gradio's native plots otherwise fit the axis to the data without a margin, so a line at the
+    maximum is drawn on the frame, and an empty chart's one-point axis is ticked "0.000000"."""
+    top = values.max()
+    return 1.0 if pd.isna(top) or top <= 0 else float(top) * 1.1
 
 
 def with_every_series(frame: Any, column: str, names: Iterable[str]) -> Any:
@@ -234,21 +278,46 @@ def answers_table(records: list[dict]) -> Any:
 
 
 def memory_chart(events: list, spec: CacheSpec) -> Any:
-    """The memory chart's data: the series that exist for `spec`'s backend (`charts.memory_series`), each in the
-    legend from the first update."""
+    """The memory chart: the series that exist for `spec`'s backend (`charts.memory_series`), each in the legend
+    from the first update, on a y-axis from 0 to a tenth above the largest (`_headroom`)."""
+    frame = memory_data(events, spec)
+    title = MEMORY_TITLE if events else f"{MEMORY_TITLE}: ask a question to see it"
+    return gr.LinePlot(value=frame, title=title, x_lim=_steps(frame), y_lim=[0, _headroom(frame["MiB"])])
+
+
+RESIDUAL_SERIES = ("residual (layer 0)", "residual_length")
+"""The residual chart's series: the fill of layer 0's residual in tokens, and the `residual_length` at which it
+flushes (a level line)."""
+
+
+def memory_data(events: list, spec: CacheSpec) -> Any:
+    """The memory chart's data (`charts.memory_frame`): `spec`'s series, each in the legend."""
     series = memory_series(spec.info.quantized, spec.info.has_residual)
     return with_every_series(memory_frame(events, series), "series", series)
 
 
-def residual_chart(events: list, spec: CacheSpec) -> Any:
-    """The residual chart for `spec`: its fill (layer 0), or, for a backend that keeps no residual, an empty
-    chart whose title says so. Never `value=None`: Gradio then draws an empty box without the title."""
+def residual_data(events: list, spec: CacheSpec) -> Any:
+    """The residual chart's data: layer 0's fill (`charts.residual_frame`, as floats) and, for a backend with a
+    residual, the `residual_length` level at every step (`RESIDUAL_SERIES`), each series in the legend."""
+    fill = residual_frame(events if spec.info.has_residual else []).astype({"residual tokens": "float64"})
+    frame = fill.assign(series=RESIDUAL_SERIES[0])
     if not spec.info.has_residual:
-        return gr.LinePlot(
-            value=residual_frame([]), title=f"Residual fill: {spec.backend} keeps no residual (nothing to show)"
-        )
-    title = f"Residual fill (layer 0; flushes at residual_length={spec.resolved()['residual_length']:,})"
-    return gr.LinePlot(value=residual_frame(events), title=title)
+        return with_every_series(frame, "series", RESIDUAL_SERIES[:1])
+    level = fill.assign(**{"residual tokens": float(spec.resolved()["residual_length"]), "series": RESIDUAL_SERIES[1]})
+    return with_every_series(pd.concat([frame, level], ignore_index=True), "series", RESIDUAL_SERIES)
+
+
+def residual_chart(events: list, spec: CacheSpec) -> Any:
+    """The residual chart for `spec`: its fill (layer 0) under the `residual_length` line, on a y-axis from 0, or,
+    for a backend that keeps no residual, an empty chart whose title says so. Never `value=None`: Gradio then
+    draws an empty box without the title."""
+    frame = residual_data(events, spec)
+    if not spec.info.has_residual:
+        title = f"Residual fill: {spec.backend} keeps no residual (nothing to show)"
+        return gr.LinePlot(value=frame, title=title, x_lim=_steps(frame), y_lim=[0, 1])
+    limit = spec.resolved()["residual_length"]
+    title = f"Residual fill (layer 0): flushes at residual_length={limit:,}"
+    return gr.LinePlot(value=frame, title=title, x_lim=_steps(frame), y_lim=[0, limit * 1.1])
 
 
 def speed_limit_line(limit: SpeedLimit, step_seconds: float | None) -> str:

@@ -228,7 +228,8 @@ WATCH_ANSWER = """question => {
         if (text.includes('the next step flushes')) mark('flush announced');
         const bots = document.querySelectorAll('[data-testid="bot"]');
         const last = bots.length ? bots[bots.length - 1].textContent.trim() : '';
-        if (last && last !== '…') mark('first token');
+        if (last.startsWith('… waiting')) mark('waiting');  // the click's echo, before the queue
+        else if (last && last !== '…') mark('first token');
     }).observe(document.body, {subtree: true, childList: true, characterData: true});
 }"""
 
@@ -270,7 +271,8 @@ def test_a_long_prefill_shows_progress_and_stops_and_a_question_shows_at_once(pa
     page.evaluate(WATCH_ANSWER, question)
     _ask(page, question, 24)
     seen = page.evaluate("window.kvdemoSeen")
-    assert {"click", "question", "reading", "first token"} <= set(seen), seen
+    assert {"click", "question", "waiting", "reading", "first token"} <= set(seen), seen
+    assert seen["question"] <= seen["waiting"] <= seen["reading"]  # echoed at the click, then read
     assert seen["question"] <= seen["first token"] and seen["reading"] <= seen["first token"]
     # the starting spec's residual_length 16: the question's ~20 tokens fill the residual, so the next step flushes
     assert "flush announced" in seen
