@@ -286,7 +286,7 @@ BACKENDS: dict[str, Backend] = {
         kv_bytes=_group_bytes({}),
         options=_group_options(nbits=(2, 4), axes=(0, -1)),
         group_rule=_quanto_group_problem,
-        compare_nbits=(2, 4),
+        compare_nbits=(4,),  # the Compare tab starts with four specs: quick, one per backend
         module="optimum.quanto",
         pip="pip install optimum-quanto==0.2.7",
     ),
@@ -301,7 +301,7 @@ BACKENDS: dict[str, Backend] = {
         kv_bytes=_group_bytes({3: 3.5}),
         options=_group_options(nbits=(1, 2, 3, 4, 8), axes=(0, 1)),
         group_rule=_hqq_group_problem,
-        compare_nbits=(2, 4, 8),
+        compare_nbits=(4,),
         module="hqq",
         pip="pip install hqq==0.2.8.post1",
     ),

@@ -156,7 +156,7 @@ class NeedleGrid:
 
     def summary_frame(self) -> pd.DataFrame:
         """One row per spec: `spec text`, `cells`, `hits`, `cut` (misses ended by max_new_tokens, `NeedleCell.cut`),
-        `hit rate`, `mean score` (nats), `prefill s` (summed
+        `hit rate` and `mean score` (nats; both to 3 decimals, for reading), `prefill s` (summed
         over its prefills), `decode s` (answers and scorings summed), `seconds` (the two together)."""
         rows = []
         for spec in self.specs:
@@ -171,8 +171,8 @@ class NeedleGrid:
                     "cells": len(cells),
                     "hits": sum(c.hit for c in cells),
                     "cut": sum(c.cut for c in cells),
-                    "hit rate": sum(c.hit for c in cells) / len(cells),
-                    "mean score": sum(c.score for c in cells) / len(cells),
+                    "hit rate": round(sum(c.hit for c in cells) / len(cells), 3),
+                    "mean score": round(sum(c.score for c in cells) / len(cells), 3),
                     "prefill s": round(prefill, 2),
                     "decode s": round(decode, 2),
                     "seconds": round(prefill + decode, 2),

@@ -162,7 +162,9 @@ class CompareTab:
     def cancel(self, request: gr.Request) -> None:
         """Cancel this session's comparison at its next decode step (it returns what finished), also while
         it still waits in the queue; does nothing when none is running or waiting."""
-        self.app.sessions.cancel_long_job(self.app.sessions.peek_request(request))
+        views.acknowledge_cancel(
+            self.app.sessions.cancel_long_job(self.app.sessions.peek_request(request)), "comparison"
+        )
 
     def build(self) -> None:
         """The tab's widgets (inside a `gr.Blocks` and `gr.Tab` context), kept in `self.w` by name."""
@@ -221,8 +223,9 @@ class CompareTab:
         """The status, the table and its files, the tradeoff and speed plots, the KV error heatmap."""
         w = self.w
         w["compare_status"] = gr.Markdown("")
+        # not wrapped: a narrow column would break its header mid-word ("bytes/to ken"); the table scrolls
         w["compare_table"] = gr.Dataframe(
-            label="comparison (memory · fidelity against dynamic · speed)", interactive=False, wrap=True
+            label="comparison (memory · fidelity against dynamic · speed)", interactive=False, wrap=False
         )
         w["answers_table"] = gr.Dataframe(
             label="the answers side by side: each spec's after dynamic's, and where it first departs from it "
@@ -245,7 +248,7 @@ class CompareTab:
                 None,
                 x="bytes per token",
                 y="KL (nats)",
-                color="backend",
+                color="spec",  # each point named in the legend, not only its backend
                 title="Memory against fidelity",
                 x_title="KV bytes per context token",
                 y_title="mean KL to dynamic (nats)",
@@ -263,6 +266,7 @@ class CompareTab:
                 tooltip=["spec", "tokens/s", "flush s"],
                 sort="-y",
                 y_lim=[0, None],
+                x_label_angle=-35,  # spec names side by side would overlap
             )
         with gr.Row():
             w["heatmap_spec"] = gr.Dropdown(
@@ -272,7 +276,7 @@ class CompareTab:
                 info="relative error ||K - K^|| / ||K|| per layer and KV head after the "
                 "prefill, against dynamic's keys and values",
             )
-            w["heatmap_plot"] = gr.Plot(label="relative KV error per layer and KV head", scale=3)
+            w["heatmap_plot"] = gr.Plot(label="relative KV error per layer and KV head", scale=3, show_label=False)
 
     def wire(self) -> None:
         """The tab's events: one comparison at a time across users (minutes of CPU); answers keep their own
@@ -297,10 +301,13 @@ class CompareTab:
             inputs=[self.ask.w["context"], *settings, w["perplexity"]],
             outputs=[w[name] for name in CompareView._fields],
             api_name="compare",
+            show_progress_on=w["compare_status"],  # one bar, on the status line, not over every table and chart
             concurrency_limit=1,
             concurrency_id="compare",
         )
-        w["cancel_button"].click(self.cancel, api_name="cancel_compare", queue=False)
+        w["cancel_button"].click(
+            self.cancel, api_name="cancel_compare", concurrency_limit=None
+        )  # at once, with a toast
         w["heatmap_spec"].change(
             views.kv_error_plot,
             inputs=[w["report"], w["heatmap_spec"]],

@@ -187,8 +187,9 @@ class NeedleTab:
                     w["cancel_button"] = gr.Button("Cancel", variant="stop")
         w["needle_status"] = gr.Markdown("")
         with gr.Row():
-            w["score_plot"] = gr.Plot(label="graded score: log P(number) per depth and length")
-            w["hit_plot"] = gr.Plot(label="hit: the answer holds the number")
+            # the figures carry their own titles; Gradio's label would be drawn over them
+            w["score_plot"] = gr.Plot(label="graded score: log P(number) per depth and length", show_label=False)
+            w["hit_plot"] = gr.Plot(label="hit: the answer holds the number", show_label=False)
         w["needle_table"] = gr.Dataframe(label="per spec and length", interactive=False, wrap=True)
         w["needle_files"] = gr.File(
             label="every cell (CSV) and the whole grid (JSON)", file_count="multiple", interactive=False, height=100
@@ -204,11 +205,14 @@ class NeedleTab:
             inputs=[w["specs"], w["lengths"], w["depths"], w["seed"], w["max_new_tokens"], w["one_needle"]],
             outputs=[w[name] for name in NeedleView._fields],
             api_name="needle",
+            show_progress_on=w["needle_status"],  # one bar, on the status line, not over every table and chart
             concurrency_limit=1,
             concurrency_id="compare",
         )
-        w["cancel_button"].click(self.cancel, api_name="cancel_needle", queue=False)
+        w["cancel_button"].click(self.cancel, api_name="cancel_needle", concurrency_limit=None)  # at once, with a toast
 
     def cancel(self, request: gr.Request) -> None:
         """Cancel this session's grid at its next decode step; does nothing when none runs or waits."""
-        self.app.sessions.cancel_long_job(self.app.sessions.peek_request(request))
+        views.acknowledge_cancel(
+            self.app.sessions.cancel_long_job(self.app.sessions.peek_request(request)), "needle grid"
+        )
