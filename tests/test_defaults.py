@@ -1,19 +1,21 @@
 """Each tab's first result at its defaults, read from the page's own configuration (the values its widgets start
 with), on a shipped article with the embedded model: the headline must be true. How quick it is, is measured
-side by side by `benchmarks/first_answer.py` (no timed assertion here)."""
+side by side by `benchmarks/first_answer.py` (no timed assertion here). The Needle and Compare tabs' defaults run
+in full in the browser walk (`tests/e2e/test_browser.py`), which reads them from the page the same way a user does:
+by not touching them."""
 
 from __future__ import annotations
 
 import gradio as gr
 import pytest
 
-from kvdemo import CacheSpec, QASession
+from kvdemo import QASession
 from kvdemo.serve.server import App
 from kvdemo.ui import build_demo
 from kvdemo.ui.examples import example
 from tests.helpers import named_handlers
 
-pytestmark = pytest.mark.slow  # minutes: a needle grid and two prefills of an article on the embedded model
+pytestmark = pytest.mark.slow  # two prefills of an article on the embedded model
 
 
 @pytest.fixture(scope="module")
@@ -51,16 +53,3 @@ def test_the_ask_tab_first_answer_at_its_defaults_flushes_and_restores(page, emb
     fresh.prefill(context)
     assert fresh.ask(questions[0], max_new_tokens).token_ids == answer.token_ids
     assert question_box in ("", None)  # the page suggests the example's questions, it asks none by itself
-
-
-def test_the_needle_tab_at_its_defaults_finds_every_needle_with_dynamic(page):
-    app, demo, fns = page
-    specs, lengths, depths, seed, max_new_tokens, one_needle = _starting_values(demo, "needle")
-    assert "dynamic" in specs
-    view = fns["needle"](specs, lengths, depths, seed, max_new_tokens, gr.Request(session_hash="needle"), one_needle)
-    summary = view.needle_table.set_index("spec text")
-    assert summary.at["dynamic", "hits"] == summary.at["dynamic", "cells"] > 0, view.needle_status
-    assert summary.at["dynamic", "cut"] == 0
-    assert summary["cells"].tolist() == [summary.at["dynamic", "cells"]] * len(specs)
-    if CacheSpec.parse("hqq:2").text in specs:  # the lesson of the default pair: 2 bits lose the needle
-        assert summary.at["hqq:2", "mean score"] < summary.at["dynamic", "mean score"] - 5
