@@ -185,14 +185,11 @@ def test_cancel_stops_at_the_next_step_and_keeps_finished_specs(tiny):
 def test_a_long_prefill_shows_its_chunks_and_layers_and_cancel_acts_within_one_chunk(tiny):
     context = " ".join([CONTEXT] * 20)  # two 256-token chunks on the 512-token window
     notes: list[str] = []
-    compare(
-        tiny,
-        context,
-        QUESTIONS[:1],
-        [CacheSpec("hqq", nbits=4)],
-        max_new_tokens=2,
-        on_progress=lambda *a: notes.append(a[2]),
-    )
+
+    def run(**kwargs):
+        return compare(tiny, context, QUESTIONS[:1], [CacheSpec("hqq", nbits=4)], max_new_tokens=2, **kwargs)
+
+    run(on_progress=lambda *a: notes.append(a[2]))
     tokens = QASession(tiny).prepare(context, max_tokens=tiny.max_context_tokens).split.prefix
     total = f"{len(tokens):,}"
     assert 256 < len(tokens) <= 512 - 64
@@ -217,15 +214,7 @@ def test_a_long_prefill_shows_its_chunks_and_layers_and_cancel_acts_within_one_c
             cancel.set()
 
     with pytest.raises(ComparisonCancelled) as caught:
-        compare(
-            tiny,
-            context,
-            QUESTIONS[:1],
-            [CacheSpec("hqq", nbits=4)],
-            max_new_tokens=2,
-            cancel=cancel,
-            on_progress=on_progress,
-        )
+        run(cancel=cancel, on_progress=on_progress)
     assert [r.backend for r in caught.value.report.results] == ["dynamic"]
     assert seen[-1] == f"hqq:4: prefilling 256 of {total} tokens"  # no second chunk ran
 
