@@ -106,8 +106,22 @@ def named_handlers(demo) -> dict:
 
 
 def plotted(update) -> Any:
-    """The data of a native plot's update (`gr.LinePlot(value=frame, ...)` returned by a handler), as a DataFrame:
-    what Gradio sends the page (`columns` and `data` of its postprocessed value)."""
+    """The data of a plot's update returned by a handler, as a DataFrame: what Gradio sends the page. A native
+    plot (`gr.LinePlot(value=frame, ...)`) gives `columns` and `data` of its postprocessed value; an Altair plot
+    (`PlotData`, the step-time chart) its Vega-Lite spec's inline `data.values`."""
+    import json
+
     import pandas as pd
 
+    if getattr(update, "type", None) == "altair":
+        return pd.DataFrame(json.loads(update.plot)["data"]["values"], columns=["step", "ms", "kind", "layers flushed"])
     return pd.DataFrame(update.value["data"], columns=update.value["columns"])
+
+
+def plot_title(update) -> str:
+    """The title of a plot's update: a native plot's `title`, or an Altair plot's (`PlotData`) spec title."""
+    import json
+
+    if getattr(update, "type", None) == "altair":
+        return json.loads(update.plot)["title"]
+    return update.title

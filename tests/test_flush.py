@@ -181,3 +181,20 @@ def test_the_step_time_chart_marks_append_flush_steps(tiny, normans):
     assert [e.step for e in events if e.flushed_layers] == rule
     frame = step_time_frame(events)
     assert list(frame[frame["kind"] == "flush step"]["step"]) == [s for s in rule if s > 0]
+    # the page's chart (a Vega-Lite spec): the same rows, a log axis, every kind in the legend, the x-axis to the end
+    from kvdemo.charts.steps import step_time_figure, step_time_spec
+
+    spec = step_time_spec(events, "steps", min_steps=8)
+    assert spec["encoding"]["y"]["scale"]["type"] == "log"
+    assert spec["encoding"]["fill"]["scale"]["domain"] == ["question pass", "decode step", "flush step"]
+    assert spec["encoding"]["x"]["scale"]["domain"] == [0, 11]
+    values = spec["data"]["values"]
+    assert [v["step"] for v in values if v["kind"] == "flush step"] == [s for s in rule if s > 0]
+    assert [v["ms"] for v in values] == pytest.approx([e.seconds * 1000 for e in events])
+    empty = step_time_spec([], "none yet", min_steps=8)
+    assert empty["data"]["values"] == [] and empty["encoding"]["x"]["scale"]["domain"] == [0, 8]
+    from kvdemo.charts.steps import _step_time_base
+
+    assert empty["title"] == "none yet" and "title" not in _step_time_base()  # the spec built once is not mutated
+    assert _step_time_base()["data"] == {"values": []}
+    assert step_time_figure(events).axes[0].get_yscale() == "log"

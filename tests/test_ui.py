@@ -11,6 +11,7 @@ import pytest
 from kvdemo import CacheSpec, QASession
 from kvdemo.cache.registry import GROUP_OPTIONS
 from kvdemo.cache.storage import GrowingLayer
+from kvdemo.charts.steps import MEMORY_SERIES
 from kvdemo.compare.run import compare
 from kvdemo.serve.server import App
 from kvdemo.serve.store import SessionStore
@@ -18,7 +19,7 @@ from kvdemo.ui import build_demo, views
 from kvdemo.ui.examples import EXAMPLES, example
 from kvdemo.ui.inputs import MAX_UPLOAD_BYTES, read_upload, spec_from_inputs
 from kvdemo.ui.views import backend_option_updates
-from tests.helpers import named_handlers, plotted, refused
+from tests.helpers import named_handlers, plot_title, plotted, refused
 
 CONTEXT = "The Normans were the people who gave their name to Normandy, a region in France. Rollo led them."
 HQQ = ("hqq", 4, 64, 4, 0, 0)
@@ -54,11 +55,15 @@ def test_prefill_then_ask_streams_and_restores(handlers, tiny):
     assert updates[1].chat[-1]["content"] != "…"  # each update carries its own chat
     chat, stats, memory_plot, residual, flushes_plot, table, speed = updates[-1]
     memory, flushes = plotted(memory_plot), plotted(flushes_plot)
-    assert memory_plot.title == "KV cache memory" and flushes_plot.title == "Time per decode step (flush steps marked)"
-    # each y-axis from 0 to a tenth above its largest value: no point clipped at the top
+    assert memory_plot.title == "KV cache memory"
+    assert plot_title(flushes_plot) == "Time per decode step (flush steps marked)"
+    # the memory y-axis from 0 to a tenth above its largest value: no point clipped at the top; step times on a log
+    # axis that Vega fits to them, so that a flush step does not crush the plain ones
     assert memory_plot.y_lim == [0, pytest.approx(memory["MiB"].max() * 1.1)]
-    assert flushes_plot.y_lim == [0, pytest.approx(flushes["ms"].max() * 1.1)]
-    assert memory_plot.x_lim == flushes_plot.x_lim == [0, 8.0]  # 6 steps on an axis of at least 8 (no "0.000000")
+    step_spec = json.loads(flushes_plot.plot)
+    assert step_spec["encoding"]["y"]["scale"] == {"type": "log"} and "domain" not in step_spec["encoding"]["y"]
+    # 6 steps on an axis of at least 8 (no "0.000000")
+    assert memory_plot.x_lim == [0, 8.0] and step_spec["encoding"]["x"]["scale"]["domain"] == [0, 8]
     assert speed.startswith("**Speed limit**: a decode step reads ") and "×** the floor" in speed
     qa = app.sessions.get("tab-1").qa
     context_tokens = qa.prefill_report.context_tokens
@@ -467,11 +472,14 @@ def test_every_series_is_in_the_chart_data_from_the_first_update(handlers):
     app, fns = handlers
     fns["prefill"](CONTEXT, *HQQ, _request())
     first = list(fns["ask"]("Who led the Normans?", 3, _request()))[1]  # the first step's update
-    steps = plotted(first[4])
-    assert list(steps["kind"]) == ["question pass", "decode step", "flush step"]  # one real row, two invisible
-    assert steps["ms"].notna().tolist() == [True, False, False]
-    frame = with_every_series(steps.iloc[:1], "kind", ["question pass"])
-    assert len(frame) == 1  # nothing missing: unchanged
+    memory = plotted(first[2])
+    assert sorted(memory["series"]) == sorted(MEMORY_SERIES)  # one real row per series: nothing invisible to add
+    frame = with_every_series(memory, "series", MEMORY_SERIES)
+    assert len(frame) == 4  # nothing missing: unchanged
+    # the step-time chart (Altair) fixes its legend in the spec instead: every kind, from one real row
+    steps = json.loads(first[4].plot)
+    assert [v["kind"] for v in steps["data"]["values"]] == ["question pass"]
+    assert steps["encoding"]["fill"]["scale"]["domain"] == ["question pass", "decode step", "flush step"]
 
 
 @pytest.mark.parametrize(
@@ -491,7 +499,7 @@ def test_each_chart_shows_what_exists_for_the_backend(handlers, backend, series,
     empty = plotted(view.memory_plot)
     assert view.memory_plot.title == "KV cache memory: ask a question to see it"
     assert sorted(empty["series"]) == sorted(series) and empty["MiB"].isna().all()
-    assert view.step_plot.title.endswith(": ask a question to see it") and plotted(view.step_plot)["ms"].isna().all()
+    assert plot_title(view.step_plot).endswith(": ask a question to see it") and plotted(view.step_plot).empty
     chat, stats, memory, residual, *_ = _ask(fns, "Who led the Normans?", 3)[-1]
     assert sorted(set(plotted(memory)["series"])) == sorted(series) and residual_title in residual.title
     if backend != "hqq":  # no sawtooth of a residual that does not exist (the title says so)

@@ -10,7 +10,6 @@ import gradio as gr
 
 from kvdemo.cache.registry import BACKENDS, GROUP_OPTIONS
 from kvdemo.cache.spec import CacheSpec
-from kvdemo.cache.telemetry import STEP_KINDS
 from kvdemo.charts.steps import MEMORY_SERIES, answers_frame
 from kvdemo.qa.session import DEFAULT_MAX_NEW_TOKENS
 from kvdemo.ui import views
@@ -179,18 +178,5 @@ class AskWidgets:
             y_lim=[0, START_SPEC.resolved()["residual_length"] * 1.1],
             color_map=dict(zip(views.RESIDUAL_SERIES, ("#ff7f0e", "#7f7f7f"))),
         )
-        w["step_plot"] = gr.ScatterPlot(
-            views.step_data([]),
-            x="step",
-            y="ms",
-            color="kind",
-            title=f"{views.STEP_TITLE}: ask a question to see it",
-            x_title="decode step",
-            y_title="ms",
-            height=220,
-            x_lim=[0, views.MIN_STEPS_SHOWN],
-            y_lim=[0, 1],
-            color_map=dict(zip(STEP_KINDS, ("#7f7f7f", "#1f77b4", "#d62728"))),
-            tooltip=["step", "ms", "kind", "layers flushed"],
-        )
+        w["step_plot"] = gr.Plot(views.step_times([]), show_label=False)  # a log axis: Altair's, not native
         w["speed_limit"] = gr.Markdown("")

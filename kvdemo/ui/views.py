@@ -3,17 +3,18 @@ the comparison's outputs. They read records and the registry, never a live cache
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import gradio as gr
 import pandas as pd
+from gradio.components.plot import AltairPlotData
 
 from kvdemo.cache.registry import BACKENDS, GROUP_OPTIONS
 from kvdemo.cache.spec import CacheSpec
 from kvdemo.cache.speedlimit import SpeedLimit
-from kvdemo.cache.telemetry import STEP_KINDS
 from kvdemo.charts.reports import comparison_display_frame, kv_error_figure, speed_frame, tradeoff_frame
 from kvdemo.charts.steps import (
     answers_frame,
@@ -21,7 +22,7 @@ from kvdemo.charts.steps import (
     memory_frame,
     memory_series,
     residual_frame,
-    step_time_frame,
+    step_time_spec,
 )
 from kvdemo.compare.records import ComparisonReport
 from kvdemo.qa.models import LoadedModel
@@ -215,17 +216,12 @@ STEP_TITLE = "Time per decode step (flush steps marked)"
 MEMORY_TITLE = "KV cache memory"
 
 
-def step_times(events: list) -> Any:
-    """The step-time chart: its data with every `STEP_KINDS` series in its legend, and a y-axis from 0 to a
-    tenth above the slowest step, so that no point (the question pass, a flush step) sits clipped at the top."""
-    frame = step_data(events)
+def step_times(events: list) -> AltairPlotData:
+    """The step-time chart for `gr.Plot`: `charts.step_time_spec` (a log axis of ms, every `STEP_KINDS` kind in
+    its legend, no point clipped) as the Altair plot Gradio's front end draws, titled, empty before an answer."""
     title = STEP_TITLE if events else f"{STEP_TITLE}: ask a question to see it"
-    return gr.ScatterPlot(value=frame, title=title, x_lim=_steps(frame), y_lim=[0, _headroom(frame["ms"])])
-
-
-def step_data(events: list) -> Any:
-    """The step-time chart's data (`charts.step_time_frame`), every `STEP_KINDS` series in its legend."""
-    return with_every_series(step_time_frame(events), "kind", STEP_KINDS)
+    spec = step_time_spec(events, title, min_steps=MIN_STEPS_SHOWN)
+    return AltairPlotData(plot=json.dumps(spec), chart="scatter")  # "chart": Gradio fits it to the page width
 
 
 MIN_STEPS_SHOWN = 8
