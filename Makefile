@@ -30,9 +30,12 @@ setup: $(DEV_STAMP)
 run: $(APP_STAMP)
 	$(PY) app.py
 
+# JupyterLab refuses to start as root (containers, VMs) without --allow-root; LAB_ARGS passes more options
+# (e.g. LAB_ARGS="--no-browser --port 8889")
+LAB_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 notebook: $(APP_STAMP)
 	$(PY) -c "import jupyterlab" 2>/dev/null || $(PY) -m pip install --quiet jupyterlab==4.6.6 ipykernel==7.4.0
-	$(VENV)/bin/jupyter lab notebooks/
+	$(VENV)/bin/jupyter lab $(LAB_ROOT) $(LAB_ARGS) notebooks/
 
 test: $(DEV_STAMP)
 	GRADIO_ANALYTICS_ENABLED=False HF_HUB_OFFLINE=1 $(PY) -m pytest

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -34,7 +35,7 @@ def test_ask_json_on_the_normans_case(embedded, capsys):
             "--nbits",
             "4",
             "--residual-length",
-            "4",
+            "16",
             "--max-new-tokens",
             "32",
             "--json",
@@ -47,7 +48,7 @@ def test_ask_json_on_the_normans_case(embedded, capsys):
     assert result["options"] == {
         "nbits": 4,
         "q_group_size": 64,
-        "residual_length": 4,
+        "residual_length": 16,
         "axis_key": 0,
         "axis_value": 0,
         "flush": "requantize",
@@ -167,6 +168,20 @@ def test_bad_device_and_token_counts(embedded, capsys):
 
 
 @pytest.mark.process
+@pytest.mark.model
+@pytest.mark.process
+@pytest.mark.parametrize("extra, bar", [((), False), (("--progress",), True)])
+def test_json_runs_print_no_progress_bar_unless_asked(extra, bar):
+    """`--json` output is read by programs: stderr stays empty, transformers' "Loading weights" bar included, unless
+    `--progress` asks for the bars (a process of its own: the model loads in it, as from a shell)."""
+    command = [sys.executable, "-m", "kvdemo", "ask", "--context-file", NORMANS, "--paragraphs", "0"]
+    command += ["--question", "Who?", "--max-new-tokens", "2", "--json", *extra]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=600, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert json.loads(run.stdout)["answers"][0]["cache_length_after"] > 0
+    assert ("Loading weights" in run.stderr) is bar and (run.stderr == "") is not bar
+
+
 def test_help_explains_every_option():
     out = subprocess.run(
         [sys.executable, "-m", "kvdemo", "ask", "--help"], capture_output=True, text=True, check=True
@@ -184,6 +199,8 @@ def test_help_explains_every_option():
         "--axis-value",
         "--max-new-tokens",
         "--json",
+        "--progress",
+        "--no-progress",
     ):
         assert option in out
     assert "hqq: QuantizedCache(backend='hqq')" in out and "nbits 1|2|3|4|8 (default 4)" in out
@@ -208,11 +225,12 @@ def test_compare_json_on_the_normans_case(embedded, capsys):
             "--max-new-tokens",
             "4",
             "--json",
-            "--no-progress",
         ]
     )
     assert code == 0
-    report = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    assert captured.err == ""  # --json: no progress bar unless --progress
+    report = json.loads(captured.out)
     assert [r["spec_text"] for r in report["results"]] == ["dynamic", "hqq:4,residual_length=2", "fp8"]
     assert report["max_new_tokens"] == 4
     dynamic, hqq, fp8 = report["results"]

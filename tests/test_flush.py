@@ -181,6 +181,8 @@ def test_the_step_time_chart_marks_append_flush_steps(tiny, normans):
     assert [e.step for e in events if e.flushed_layers] == rule
     frame = step_time_frame(events)
     assert list(frame[frame["kind"] == "flush step"]["step"]) == [s for s in rule if s > 0]
+    answer = session.history[-1]  # flushes counted per layer; the steps that flushed, once each
+    assert answer.flush_steps == len(rule) and answer.flush_count == len(rule) * tiny.config.num_hidden_layers
     # the page's chart (a Vega-Lite spec): the same rows, a log axis, every kind in the legend, the x-axis to the end
     from kvdemo.charts.steps import step_time_figure, step_time_spec
 

@@ -121,3 +121,47 @@ def test_jupyterlab_runs_notebook_1_in_chromium():
     texts = [o["text"] for o in report["outputs"]]
     assert "SmolLM2-135M-Instruct" in texts[0] and any("context tokens prefilled" in t for t in texts)
     assert screenshot.stat().st_size > 10_000
+
+
+@pytest.mark.process
+def test_make_notebook_starts_jupyterlab_as_this_user(tmp_path):
+    """`make notebook` serves JupyterLab whoever runs it: as root (containers, this machine) it passes
+    `--allow-root`, without which JupyterLab exits with "Running as root is not recommended"."""
+    import os
+    import signal
+    import socket
+    import urllib.request
+
+    root = Path(__file__).resolve().parents[1]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    token = "kvdemo-test"
+    args = f"--no-browser --ip 127.0.0.1 --port {port} --IdentityProvider.token={token}"
+    env = dict(os.environ, JUPYTER_RUNTIME_DIR=str(tmp_path), JUPYTER_CONFIG_DIR=str(tmp_path / "config"))
+    log = open(tmp_path / "lab.log", "w+")  # noqa: SIM115 (closed below)
+    process = subprocess.Popen(
+        ["make", "-s", "notebook", f"LAB_ARGS={args}"],
+        cwd=root,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        status = None
+        for _ in range(240):  # up to a minute: JupyterLab starts in a few seconds
+            if process.poll() is not None:
+                break
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status?token={token}", timeout=2) as r:
+                    status = r.status
+                    break
+            except OSError:
+                time.sleep(0.25)
+        log.seek(0)
+        assert status == 200, f"make notebook did not serve JupyterLab (exit {process.poll()}): {log.read()[-2000:]}"
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=30)
+        log.close()

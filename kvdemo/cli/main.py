@@ -63,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--model", help="a Hub id, a local folder or a .gguf file (default: the embedded SmolLM2-135M)")
     ask.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     ask.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
+    _progress_arguments(ask)
     compare = sub.add_parser(
         "compare",
         help="the same context and questions over several backends: memory, fidelity against dynamic and gold, speed",
@@ -106,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     compare.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     compare.add_argument("--json", action="store_true", help="print the report as one JSON object instead of a table")
-    compare.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    _progress_arguments(compare)
     _needle_parser(sub)
     return parser
 
@@ -152,7 +153,16 @@ def _needle_parser(sub: Any) -> None:
     parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--json", action="store_true", help="print the grid as one JSON object instead of tables")
     parser.add_argument("--csv", metavar="PATH", help="also write the table of cells as CSV to PATH")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    _progress_arguments(parser)
+
+
+def _progress_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--no-progress` and `--progress`: whether the run draws progress bars on stderr (the model's loading bar
+    and kvdemo's own). By default it does, except with `--json`, whose output a program reads (`--progress`
+    brings them back)."""
+    bars = parser.add_mutually_exclusive_group()
+    bars.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    bars.add_argument("--progress", action="store_true", help="progress bars on stderr also with --json")
 
 
 def _context_arguments(parser: argparse.ArgumentParser) -> None:
@@ -209,17 +219,7 @@ def run_compare(args: argparse.Namespace) -> ComparisonReport:
     golds = [case.gold_for(q) for q in questions]
     gold_answers = None if any(g is None for g in golds) else [list(g) for g in golds]
     loaded = load_model(args.model, device=args.device)
-    bars: list[tqdm] = []
-
-    def on_progress(done: int, total: int, what: str) -> None:
-        if args.no_progress:
-            return
-        if not bars:
-            bars.append(tqdm(total=total, unit="step", file=sys.stderr, dynamic_ncols=True))
-        bars[0].set_description(what, refresh=False)
-        bars[0].update(done - bars[0].n)
-
-    try:
+    with _ProgressBar(args.no_progress) as on_progress:
         return compare(
             loaded,
             case.context,
@@ -231,9 +231,6 @@ def run_compare(args: argparse.Namespace) -> ComparisonReport:
             perplexity_tokens=args.perplexity_tokens,
             continuation=case.continuation,
         )
-    finally:
-        for bar in bars:
-            bar.close()
 
 
 def run_needle(args: argparse.Namespace) -> Any:
@@ -327,9 +324,15 @@ def run_ask(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the exit status (2 on bad input, with the message on stderr)."""
+    """Entry point; returns the exit status (2 on bad input, with the message on stderr). With `--json` (unless
+    `--progress`) or `--no-progress`, stderr gets no progress bar, transformers' "Loading weights" bar included
+    (`kvdemo.quiet`, for the run only)."""
+    from kvdemo.quiet import quiet
+
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.no_progress = args.no_progress or (args.json and not args.progress)
+    quiet(args.no_progress)
     try:
         if args.command == "compare":
             report = run_compare(args)
@@ -340,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, ImportError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    finally:
+        quiet(False)  # transformers' defaults again (main() also runs inside other processes: the tests)
     if args.command == "needle":
         if args.csv:
             try:

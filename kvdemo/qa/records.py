@@ -81,8 +81,14 @@ class Answer:
 
     @property
     def flush_count(self) -> int:
-        """Flushes summed over layers."""
+        """Flushes summed over layers (a step in which all 30 layers flush counts 30)."""
         return sum(self.flushes)
+
+    @property
+    def flush_steps(self) -> int:
+        """Steps (the question's pass included) in which layers flushed: the most flushes of any one layer, since
+        each layer is updated once per step and flushes at most once in it."""
+        return max(self.flushes, default=0)
 
     @property
     def tokens_per_second(self) -> float:
