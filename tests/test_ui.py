@@ -746,6 +746,26 @@ def test_stop_is_enabled_only_while_something_runs(handlers):
     assert stop_state(_request())["interactive"] is True  # an answer streams
     stream.close()
     assert stop_state(_request())["interactive"] is False
+    # Enter during a prefill: the answer is refused while the prefill holds the lock; once the prefill ends,
+    # nothing runs or waits, so Stop is disabled again (the queued answer ended with its refusal)
+    user = app.sessions.get("tab-1")
+    user.lock.acquire()  # what a running prefill holds
+    try:
+        fns["before_answer"]("Where?", _request())
+        assert "already running" in refused(_ask(fns, "Where?", 3))
+        assert stop_state(_request())["interactive"] is True  # the prefill still runs
+    finally:
+        user.lock.release()
+    assert not user.answer_pending and stop_state(_request())["interactive"] is False
+    # two clicks queued, one answer running: the mark stays until both have ended
+    fns["before_answer"]("Where?", _request())
+    fns["before_answer"]("Where?", _request())
+    running = fns["ask"]("Who led the Normans?", 20, _request())
+    next(running)
+    assert "already running" in refused(list(fns["ask"]("Where?", 3, _request())))
+    assert user.answer_pending and stop_state(_request())["interactive"] is True
+    running.close()
+    assert not user.answer_pending and stop_state(_request())["interactive"] is False
 
 
 def test_example_questions_follow_the_context_box(handlers):

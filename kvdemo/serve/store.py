@@ -43,7 +43,8 @@ class UserSession:
             (an API or MCP caller). An answer is refused while it is not what `qa` holds.
         answer_stop: set by Stop (`interrupt`) since the answer was asked (`queue_answer`, `answering`): a Stop
             pressed while the answer waits in the queue, or before its stream has begun, still stops it.
-        answer_pending: an Ask click has queued an answer that has not ended yet.
+        answers_queued: Ask clicks whose answer has not ended yet, refused or run (`queue_answer`,
+            `answer_ended`); `answer_pending` while there is one.
         answer_line: the line the last answer ended with (its tokens, speed, flushes and restore), shown again
             when a refusal beside Ask no longer applies; "" before the first answer on this cache.
     """
@@ -60,7 +61,7 @@ class UserSession:
     last_used: float = 0.0
     page_shows: tuple[str, CacheSpec | None] | None = None
     answer_stop: threading.Event = field(default_factory=threading.Event)
-    answer_pending: bool = False
+    answers_queued: int = 0
     answer_line: str = ""
 
     def interrupt(self) -> None:
@@ -73,14 +74,20 @@ class UserSession:
                 qa.request_stop()
 
     def queue_answer(self) -> None:
-        """At an Ask click, before the answer waits in the queue: from now on Stop applies to it."""
+        """At an Ask click, before the answer waits in the queue: from now on Stop applies to it, and it is
+        pending until `answer_ended`."""
         self.answer_stop.clear()
-        self.answer_pending = True
+        self.answers_queued += 1
 
-    def answer_refused(self) -> None:
-        """The answer an Ask click queued (`queue_answer`) was refused before it began: none is pending now (a
-        refusal never reaches `answering`, which clears it for an answer that runs)."""
-        self.answer_pending = False
+    def answer_ended(self) -> None:
+        """An answer an Ask click queued has ended, however: refused (before or after the lock), run, stopped or
+        failed. The one place the pending mark comes off; the Ask tab's `ask` calls it once, in a `finally`."""
+        self.answers_queued = max(self.answers_queued - 1, 0)
+
+    @property
+    def answer_pending(self) -> bool:
+        """An Ask click has queued an answer that has not ended yet."""
+        return self.answers_queued > 0
 
     @contextmanager
     def answering(self) -> Iterator[Callable[[QASession], None]]:
@@ -96,10 +103,7 @@ class UserSession:
             if self.answer_stop.is_set():
                 qa.request_stop()
 
-        try:
-            yield began
-        finally:
-            self.answer_pending = False
+        yield began
 
     @property
     def busy(self) -> bool:

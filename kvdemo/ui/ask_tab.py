@@ -159,14 +159,20 @@ class AskTab(AskWidgets):
         (`UserSession.page_shows`: Enter in the question box reaches the server even while the gate has
         disabled Ask). A refusal is a message beside Ask; the chat and charts stay."""
         try:
+            yield from self._ask(question, max_new_tokens, request, context)
+        finally:  # refused or run: the Ask click's answer has ended (`before_answer` queued it)
+            held = self.app.sessions.peek_request(request)
+            if held is not None:
+                held.answer_ended()
+
+    def _ask(self, question: str, max_new_tokens: float, request: gr.Request, context: str | None):
+        try:
             user = self._answerable_session(request, context)
             max_new_tokens = checks.max_new_tokens(max_new_tokens)
             if not user.lock.acquire(blocking=False):
                 raise ValueError("An answer or a prefill is already running in this session; wait or press Stop")
         except ValueError as error:
             held = self.app.sessions.peek_request(request)
-            if held is not None and not held.lock.locked():  # a running answer clears its own mark when it ends
-                held.answer_refused()
             # the chat without the question the click echoed
             yield AnswerView.refused(refusal(error, "a question"), list(held.chat) if held is not None else [])
             return
