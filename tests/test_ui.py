@@ -782,3 +782,20 @@ def test_example_questions_follow_the_context_box(handlers):
     asked = questions_for(CONTEXT, _request()).constructor_args
     assert asked["samples"] == [["Who led the Normans?"]]  # asked on this text
     assert questions_for("A text about something else entirely.", _request()).constructor_args["visible"] is False
+
+
+def test_cancel_is_enabled_only_while_a_long_job_runs_or_waits(handlers):
+    app, fns = handlers
+    demo = build_demo(app)
+    cancels = [b for b in demo.blocks.values() if isinstance(b, gr.Button) and b.value == "Cancel"]
+    assert len(cancels) == 2 and all(b.interactive is False for b in cancels)  # Compare's and Needle's, at start
+    states = [f.fn for f in demo.fns.values() if getattr(f.fn, "__name__", "") == "cancel_state"]
+    assert len(states) == 4  # after each tab's click and after its run
+    assert all(state(_request())["interactive"] is False for state in states)  # no session yet
+    fns["prefill"](CONTEXT, *HQQ, _request())
+    user = app.sessions.get("tab-1")
+    app.sessions.queue_long_job(user)  # a click queued a comparison
+    assert all(state(_request())["interactive"] is True for state in states)
+    with app.sessions.long_job(user, "busy"):  # it runs
+        assert all(state(_request())["interactive"] is True for state in states)
+    assert all(state(_request())["interactive"] is False for state in states)  # it ended

@@ -106,6 +106,11 @@ class UserSession:
         yield began
 
     @property
+    def long_job_active(self) -> bool:
+        """A comparison or a needle grid runs in this session, or a click has queued one (what Cancel acts on)."""
+        return self.compare_pending or self.compare_lock.locked()
+
+    @property
     def busy(self) -> bool:
         """An answer, a prefill or a comparison is running in this session."""
         return self.lock.locked() or self.compare_lock.locked()

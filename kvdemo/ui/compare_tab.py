@@ -159,6 +159,12 @@ class CompareTab:
                 f"⚠ The comparison failed ({type(error).__name__}: {str(error)[:200]}); your own session is untouched"
             )
 
+    def cancel_state(self, request: gr.Request) -> Any:
+        """Cancel enabled only while a comparison or a grid runs or waits in this session (before a click and after
+        the run, a red enabled button would offer to cancel nothing)."""
+        user = self.app.sessions.peek_request(request)
+        return gr.update(interactive=user is not None and user.long_job_active)
+
     def cancel(self, request: gr.Request) -> None:
         """Cancel this session's comparison at its next decode step (it returns what finished), also while
         it still waits in the queue; does nothing when none is running or waiting."""
@@ -217,7 +223,7 @@ class CompareTab:
                 with gr.Row():
                     w["fill_button"] = gr.Button("Fill in questions (asked so far, or the example's)", size="sm")
                     w["compare_button"] = gr.Button("Run comparison", variant="primary")
-                    w["cancel_button"] = gr.Button("Cancel", variant="stop")
+                    w["cancel_button"] = gr.Button("Cancel", variant="stop", interactive=False)  # `cancel_state`
 
     def _build_results(self) -> None:
         """The status, the table and its files, the tradeoff and speed plots, the KV error heatmap."""
@@ -296,7 +302,7 @@ class CompareTab:
             outputs=w["compare_status"],
             concurrency_limit=None,
             api_visibility="private",  # never waits in the queue: it answers at once
-        ).then(
+        ).then(self.cancel_state, outputs=w["cancel_button"], queue=False, api_visibility="private").then(
             self.run,
             inputs=[self.ask.w["context"], *settings, w["perplexity"]],
             outputs=[w[name] for name in CompareView._fields],
@@ -304,7 +310,7 @@ class CompareTab:
             show_progress_on=w["compare_status"],  # one bar, on the status line, not over every table and chart
             concurrency_limit=1,
             concurrency_id="compare",
-        )
+        ).then(self.cancel_state, outputs=w["cancel_button"], queue=False, api_visibility="private")
         w["cancel_button"].click(
             self.cancel, api_name="cancel_compare", concurrency_limit=None
         )  # at once, with a toast

@@ -184,7 +184,7 @@ class NeedleTab:
                 w["depths"] = gr.Textbox(QUICK_DEPTHS, label="depths (%)", info="comma-separated, 0 to 100")
                 with gr.Row():
                     w["run_button"] = gr.Button("Run grid", variant="primary")
-                    w["cancel_button"] = gr.Button("Cancel", variant="stop")
+                    w["cancel_button"] = gr.Button("Cancel", variant="stop", interactive=False)  # `cancel_state`
         w["needle_status"] = gr.Markdown("")
         with gr.Row():
             # the figures carry their own titles; Gradio's label would be drawn over them
@@ -200,7 +200,7 @@ class NeedleTab:
         w = self.w
         w["run_button"].click(
             self.queued, outputs=w["needle_status"], concurrency_limit=None, api_visibility="private"
-        ).then(
+        ).then(self.cancel_state, outputs=w["cancel_button"], queue=False, api_visibility="private").then(
             self.run,
             inputs=[w["specs"], w["lengths"], w["depths"], w["seed"], w["max_new_tokens"], w["one_needle"]],
             outputs=[w[name] for name in NeedleView._fields],
@@ -208,8 +208,13 @@ class NeedleTab:
             show_progress_on=w["needle_status"],  # one bar, on the status line, not over every table and chart
             concurrency_limit=1,
             concurrency_id="compare",
-        )
+        ).then(self.cancel_state, outputs=w["cancel_button"], queue=False, api_visibility="private")
         w["cancel_button"].click(self.cancel, api_name="cancel_needle", concurrency_limit=None)  # at once, with a toast
+
+    def cancel_state(self, request: gr.Request) -> Any:
+        """Cancel enabled only while a grid or a comparison runs or waits in this session."""
+        user = self.app.sessions.peek_request(request)
+        return gr.update(interactive=user is not None and user.long_job_active)
 
     def cancel(self, request: gr.Request) -> None:
         """Cancel this session's grid at its next decode step; does nothing when none runs or waits."""
