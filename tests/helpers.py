@@ -106,22 +106,40 @@ def named_handlers(demo) -> dict:
 
 
 def plotted(update) -> Any:
-    """The data of a plot's update returned by a handler, as a DataFrame: what Gradio sends the page. A native
-    plot (`gr.LinePlot(value=frame, ...)`) gives `columns` and `data` of its postprocessed value; an Altair plot
-    (`PlotData`, the step-time chart) its Vega-Lite spec's inline `data.values`."""
-    import json
-
+    """The data of a plot's update returned by a handler, as a DataFrame. A native plot's `gr.update(value=frame,
+    ...)` gives the frame, a component (`gr.LinePlot(value=frame, ...)`) the `columns` and `data` of its
+    postprocessed value; a matplotlib figure (the step-time chart) the points of each labelled scatter (`step`,
+    `ms`, `kind`); an encoded empty chart (`PlotData`) no row."""
     import pandas as pd
+    from matplotlib.figure import Figure
 
-    if getattr(update, "type", None) == "altair":
-        return pd.DataFrame(json.loads(update.plot)["data"]["values"], columns=["step", "ms", "kind", "layers flushed"])
+    if isinstance(update, Figure):
+        rows = [
+            (x, y, collection.get_label())
+            for collection in update.axes[0].collections
+            for x, y in collection.get_offsets()
+        ]
+        return pd.DataFrame(rows, columns=["step", "ms", "kind"])
+    if getattr(update, "type", None) == "matplotlib":
+        return pd.DataFrame(columns=["step", "ms", "kind"])
+    if isinstance(update, dict):  # a `gr.update(value=frame, ...)`: Gradio postprocesses the frame as it is
+        return update["value"]
     return pd.DataFrame(update.value["data"], columns=update.value["columns"])
 
 
 def plot_title(update) -> str:
-    """The title of a plot's update: a native plot's `title`, or an Altair plot's (`PlotData`) spec title."""
-    import json
+    """The title of a plot's update: a native plot's `title` (a component or a `gr.update` dict), a matplotlib
+    figure's, or the one `views` encoded an empty step-time chart with (`views._empty_step_chart`)."""
+    from matplotlib.figure import Figure
 
-    if getattr(update, "type", None) == "altair":
-        return json.loads(update.plot)["title"]
-    return update.title
+    from kvdemo.ui import views
+
+    if isinstance(update, Figure):
+        return update.axes[0].get_title()
+    if getattr(update, "type", None) == "matplotlib":  # an encoded empty chart: which of the two
+        for suffix in ("drawn when the answer ends", "ask a question to see it"):
+            title = f"{views.STEP_TITLE}: {suffix}"
+            if views._empty_step_chart(title) == update:
+                return title
+        raise AssertionError("an encoded plot that is not one of the empty step-time charts")
+    return update["title"] if isinstance(update, dict) else update.title

@@ -183,20 +183,18 @@ def test_the_step_time_chart_marks_append_flush_steps(tiny, normans):
     assert list(frame[frame["kind"] == "flush step"]["step"]) == [s for s in rule if s > 0]
     answer = session.history[-1]  # flushes counted per layer; the steps that flushed, once each
     assert answer.flush_steps == len(rule) and answer.flush_count == len(rule) * tiny.config.num_hidden_layers
-    # the page's chart (a Vega-Lite spec): the same rows, a log axis, every kind in the legend, the x-axis to the end
-    from kvdemo.charts.steps import step_time_figure, step_time_spec
+    # the figure (the page's chart and the notebooks'): the same points by kind, on a log axis, every kind in its
+    # legend, the x-axis to the last step
+    from kvdemo.charts.steps import step_time_figure
 
-    spec = step_time_spec(events, "steps", min_steps=8)
-    assert spec["encoding"]["y"]["scale"]["type"] == "log"
-    assert spec["encoding"]["fill"]["scale"]["domain"] == ["question pass", "decode step", "flush step"]
-    assert spec["encoding"]["x"]["scale"]["domain"] == [0, 11]
-    values = spec["data"]["values"]
-    assert [v["step"] for v in values if v["kind"] == "flush step"] == [s for s in rule if s > 0]
-    assert [v["ms"] for v in values] == pytest.approx([e.seconds * 1000 for e in events])
-    empty = step_time_spec([], "none yet", min_steps=8)
-    assert empty["data"]["values"] == [] and empty["encoding"]["x"]["scale"]["domain"] == [0, 8]
-    from kvdemo.charts.steps import _step_time_base
-
-    assert empty["title"] == "none yet" and "title" not in _step_time_base()  # the spec built once is not mutated
-    assert _step_time_base()["data"] == {"values": []}
-    assert step_time_figure(events).axes[0].get_yscale() == "log"
+    figure = step_time_figure(events, "steps", min_steps=8)
+    axes = figure.axes[0]
+    points = {c.get_label(): [tuple(p) for p in c.get_offsets()] for c in axes.collections}
+    assert [step for step, _ in points["flush step"]] == [s for s in rule if s > 0]
+    drawn = sorted(p for ps in points.values() for p in ps)
+    assert [step for step, _ in drawn] == [e.step for e in events]
+    assert [ms for _, ms in drawn] == pytest.approx([e.seconds * 1000 for e in events])
+    assert axes.get_yscale() == "log" and axes.get_xlim() == (-0.5, 11.5)
+    assert [t.get_text() for t in figure.legends[0].get_texts()] == ["question pass", "decode step", "flush step"]
+    empty = step_time_figure([], "none yet", min_steps=8).axes[0]
+    assert empty.get_xlim() == (-0.5, 8.5) and empty.get_ylim() == (10, 1000) and empty.get_title() == "none yet"

@@ -3,7 +3,7 @@
 One function turns the records into each chart's data (a pandas DataFrame): the app feeds them to
 Gradio's native plots while an answer streams (about a millisecond per update), and the notebooks draw
 them with the matplotlib functions below. The step-time chart needs a log axis, which those plots lack: the page
-gets it as a Vega-Lite spec built by Altair (`step_time_spec`), drawn by `gr.Plot`. Figures are built with
+draws it with `step_time_figure` through `gr.Plot`, once per answer. Figures are built with
 `matplotlib.figure.Figure`, not pyplot, so nothing is registered globally and a figure is freed with its last
 reference.
 """
@@ -11,12 +11,11 @@ reference.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from functools import cache
 from typing import Any
 
-import altair as alt
 import pandas as pd
 from matplotlib.figure import Figure
+from matplotlib.ticker import LogLocator, MaxNLocator, NullFormatter, StrMethodFormatter
 
 from kvdemo.cache.telemetry import STEP_KINDS, StepEvent
 from kvdemo.charts.frames import MIB, typed_frame
@@ -91,60 +90,9 @@ def step_time_frame(events: Sequence[StepEvent]) -> pd.DataFrame:
 
 
 STEP_COLOURS = ("#7f7f7f", "#1f77b4", "#d62728")
-"""The colour of each of `STEP_KINDS` in the step-time charts (the page's and the notebooks')."""
-STEP_SHAPES = ("square", "circle", "triangle-down")
-"""The marker of each of `STEP_KINDS` (Vega's names; matplotlib's "s", "o", "v" in the notebooks' figure)."""
-
-
-@cache
-def _step_time_base() -> dict[str, Any]:
-    """The step-time chart's Vega-Lite spec without its data and title, built and validated by Altair once per
-    process: building it takes Altair ~40 ms (its schema checks), too long for every decode step."""
-
-    def kinds(values: tuple[str, ...]) -> alt.Scale:
-        return alt.Scale(domain=list(STEP_KINDS), range=list(values))
-
-    chart = (
-        alt.Chart(alt.Data(values=[]))
-        .mark_point(filled=True, size=40)
-        .encode(
-            x=alt.X("step:Q", title="decode step"),
-            y=alt.Y("ms:Q", title="ms (log scale)", scale=alt.Scale(type="log")),
-            # fill and stroke, not color: Gradio's front end re-colours a scatter's `color` scale with its theme
-            fill=alt.Fill("kind:N", title=None, scale=kinds(STEP_COLOURS), legend=alt.Legend(orient="bottom")),
-            stroke=alt.Stroke("kind:N", title=None, scale=kinds(STEP_COLOURS), legend=alt.Legend(orient="bottom")),
-            shape=alt.Shape("kind:N", title=None, scale=kinds(STEP_SHAPES), legend=alt.Legend(orient="bottom")),
-            tooltip=["step:Q", alt.Tooltip("ms:Q", format=",.1f"), "kind:N", "layers flushed:Q"],
-        )
-        # vega-embed reads `usermeta.embedOptions`: SVG, as Gradio's native plots draw, so the text is in the page
-        .properties(height=200, usermeta={"embedOptions": {"renderer": "svg"}})
-    )
-    return chart.to_dict()
-
-
-def step_time_spec(events: Sequence[StepEvent], title: str, min_steps: int = 8) -> dict[str, Any]:
-    """The step-time chart as a Vega-Lite spec (a JSON-ready dict, drawn by Gradio's `gr.Plot` as an Altair
-    chart): each decode step's wall time in ms on a log axis, coloured by its kind (`STEP_KINDS`, all three in the
-    legend from the start), so that a flush step 40x a plain one does not crush the plain steps to the axis.
-
-    Args:
-        events: the answer's `StepEvent`s, in step order (empty: an empty chart with its axes and legend).
-        title: the chart's title.
-        min_steps: the x-axis spans at least this many decode steps (a one-point axis otherwise).
-
-    Returns:
-        The spec: Altair's (`_step_time_base`, built once) with `step_time_frame(events)`'s rows as inline
-        `data.values` and the x-axis from 0 to the last step. About a millisecond for 200 steps.
-    """
-    spec = dict(_step_time_base())
-    rows = step_time_frame(events)
-    spec["data"] = {"values": rows.astype(object).to_dict("records")}
-    spec["title"] = title
-    last = int(rows["step"].max()) if len(rows) else 0
-    encoding = dict(spec["encoding"])
-    encoding["x"] = dict(encoding["x"], scale={"domain": [0, max(last, min_steps)]})
-    spec["encoding"] = encoding
-    return spec
+"""The colour of each of `STEP_KINDS` in the step-time chart."""
+STEP_MARKERS = ("s", "o", "v")
+"""The matplotlib marker of each of `STEP_KINDS` in the step-time chart."""
 
 
 def flush_timing(events: Sequence[StepEvent]) -> tuple[int, float | None, float | None]:
@@ -248,15 +196,36 @@ def residual_comparison_figure(
     return fig
 
 
-def step_time_figure(events: Sequence[StepEvent], title: str = "Time per decode step") -> Figure:
-    """Each decode step's wall time (ms, log axis), the steps where layers flushed marked apart: a flush
-    re-quantizes the whole layer, so those steps stand out, and the log axis keeps the plain steps readable."""
-    fig = Figure(figsize=(7, 3.2), layout="constrained")
+def step_time_figure(
+    events: Sequence[StepEvent], title: str = "Time per decode step", min_steps: int = 0, size=(7, 3.2)
+) -> Figure:
+    """Each decode step's wall time (ms) on a log axis, its kind (`STEP_KINDS`) marked apart: a flush re-quantizes
+    the whole layer, so a flush step can take 40x a plain one, and the log axis keeps both readable. The page's
+    step-time chart (through `gr.Plot`) and the notebooks' figure.
+
+    Args:
+        events: the answer's `StepEvent`s (empty: the axes and the legend only).
+        title: the figure's title.
+        min_steps: the x-axis spans at least this many decode steps.
+        size: the figure's size in inches.
+    """
+    fig = Figure(figsize=size, layout="constrained")
     ax = fig.add_subplot()
-    for kind, style, colour in zip(STEP_KINDS, ("s", "o", "v"), STEP_COLOURS):
-        points = [(e.step, e.seconds * 1000) for e in events if e.kind == kind]
-        if points:
-            ax.scatter(*zip(*points), marker=style, label=kind, color=colour)
+    for kind, marker, colour in zip(STEP_KINDS, STEP_MARKERS, STEP_COLOURS):
+        steps = [e.step for e in events if e.kind == kind]
+        ms = [e.seconds * 1000 for e in events if e.kind == kind]
+        ax.scatter(steps, ms, marker=marker, label=kind, color=colour, s=18)
     ax.set(xlabel="decode step", ylabel="ms (log scale)", title=title, yscale="log")
-    ax.legend(fontsize="small")
+    last = max((e.step for e in events), default=0)
+    ax.set_xlim(-0.5, max(last, min_steps) + 0.5)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # whole steps
+    if events:
+        ax.margins(y=0.12)  # no point on the frame (the question's pass is often the slowest)
+    else:
+        ax.set_ylim(10, 1000)  # a log axis needs a positive range before any step
+    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))  # 100, 200, 500, 1,000 ms: read as numbers
+    ax.yaxis.set_major_formatter(StrMethodFormatter("{x:,.0f}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.grid(True, which="major", alpha=0.3)
+    fig.legend(fontsize="small", loc="outside lower center", ncols=3, frameon=False)  # below: no point hidden
     return fig

@@ -207,6 +207,7 @@ class AskTab(AskWidgets):
             chat=list(user.chat),
             stats=f"reading the question ({len(prepared.ids):,} tokens) on top of the {qa.cache_length:,}-token "
             "context…",
+            step_plot=views.step_times([], streaming=True),  # drawn once, when the answer ends (`views.step_times`)
             speed_limit=_speed_line(qa),  # the cache's floor now, not the last answer's step
         )
         try:
@@ -221,7 +222,6 @@ class AskTab(AskWidgets):
                         stats=views.step_line(event, qa.spec),
                         memory_plot=views.memory_chart(user.events, qa.spec),
                         residual_plot=views.residual_chart(user.events, qa.spec),
-                        step_plot=views.step_times(user.events),
                     )
         finally:  # also a stopped, disconnected or failed answer: the session recorded it when its stream closed
             user.answers.append(dict(qa.history[-1].to_dict(), spec=qa.spec.short_text))

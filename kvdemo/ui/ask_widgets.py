@@ -178,5 +178,6 @@ class AskWidgets:
             y_lim=[0, START_SPEC.resolved()["residual_length"] * 1.1],
             color_map=dict(zip(views.RESIDUAL_SERIES, ("#ff7f0e", "#7f7f7f"))),
         )
-        w["step_plot"] = gr.Plot(views.step_times([]), show_label=False)  # a log axis: Altair's, not native
+        # a log axis: matplotlib's (`views.step_times`); the label names the image for screen readers and tests
+        w["step_plot"] = gr.Plot(views.step_times([]), label="Time per decode step", show_label=False, format="png")
         w["speed_limit"] = gr.Markdown("")

@@ -3,14 +3,13 @@ the comparison's outputs. They read records and the registry, never a live cache
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
+from functools import cache
 from pathlib import Path
 from typing import Any
 
 import gradio as gr
 import pandas as pd
-from gradio.components.plot import AltairPlotData
 
 from kvdemo.cache.registry import BACKENDS, GROUP_OPTIONS
 from kvdemo.cache.spec import CacheSpec
@@ -22,7 +21,7 @@ from kvdemo.charts.steps import (
     memory_frame,
     memory_series,
     residual_frame,
-    step_time_spec,
+    step_time_figure,
 )
 from kvdemo.compare.records import ComparisonReport
 from kvdemo.qa.models import LoadedModel
@@ -216,12 +215,32 @@ STEP_TITLE = "Time per decode step (flush steps marked)"
 MEMORY_TITLE = "KV cache memory"
 
 
-def step_times(events: list) -> AltairPlotData:
-    """The step-time chart for `gr.Plot`: `charts.step_time_spec` (a log axis of ms, every `STEP_KINDS` kind in
-    its legend, no point clipped) as the Altair plot Gradio's front end draws, titled, empty before an answer."""
-    title = STEP_TITLE if events else f"{STEP_TITLE}: ask a question to see it"
-    spec = step_time_spec(events, title, min_steps=MIN_STEPS_SHOWN)
-    return AltairPlotData(plot=json.dumps(spec), chart="scatter")  # "chart": Gradio fits it to the page width
+def step_times(events: list, streaming: bool = False) -> Any:
+    """The step-time chart for `gr.Plot`: `charts.step_time_figure` (a log axis of ms, every `STEP_KINDS` kind in
+    its legend, no point clipped), titled. Before an answer, and while one streams (`streaming`: the title says
+    so), an empty chart, drawn once per process; the answer's own is drawn once, when it ends (0.1-0.3 s for a
+    figure: too long for every decode step). Gradio's native plots, which stream the other two charts, have no
+    log axis.
+
+    Returns:
+        A matplotlib `Figure` for the answer's steps, or the empty chart as `gr.Plot`'s `PlotData` (a PNG).
+    """
+    if events and not streaming:
+        return step_time_figure(events, STEP_TITLE, min_steps=MIN_STEPS_SHOWN, size=STEP_FIGURE_SIZE)
+    waiting = "drawn when the answer ends" if streaming else "ask a question to see it"
+    return _empty_step_chart(f"{STEP_TITLE}: {waiting}")
+
+
+STEP_FIGURE_SIZE = (6.4, 3.0)
+"""The step-time chart's size on the page, in inches (at matplotlib's 100 dpi: 640 x 300 px, scaled to the column)."""
+
+
+@cache
+def _empty_step_chart(title: str) -> Any:
+    """The step-time chart without a step, titled `title`, encoded once (`gr.Plot`'s own PNG encoding)."""
+    return gr.Plot(format="png", render=False).postprocess(
+        step_time_figure([], title, min_steps=MIN_STEPS_SHOWN, size=STEP_FIGURE_SIZE)
+    )
 
 
 MIN_STEPS_SHOWN = 8
@@ -273,12 +292,13 @@ def answers_table(records: list[dict]) -> Any:
     return answers_frame(records).round({"question s": 2, "decode tokens/s": 1, "seconds": 2})
 
 
-def memory_chart(events: list, spec: CacheSpec) -> Any:
-    """The memory chart: the series that exist for `spec`'s backend (`charts.memory_series`), each in the legend
-    from the first update, on a y-axis from 0 to a tenth above the largest (`_headroom`)."""
+def memory_chart(events: list, spec: CacheSpec) -> dict[str, Any]:
+    """The memory chart's update (a `gr.update` dict: building a `gr.LinePlot` per decode step cost ~5 ms): the
+    series that exist for `spec`'s backend (`charts.memory_series`), each in the legend from the first update, on
+    a y-axis from 0 to a tenth above the largest (`_headroom`)."""
     frame = memory_data(events, spec)
     title = MEMORY_TITLE if events else f"{MEMORY_TITLE}: ask a question to see it"
-    return gr.LinePlot(value=frame, title=title, x_lim=_steps(frame), y_lim=[0, _headroom(frame["MiB"])])
+    return gr.update(value=frame, title=title, x_lim=_steps(frame), y_lim=[0, _headroom(frame["MiB"])])
 
 
 RESIDUAL_SERIES = ("residual (layer 0)", "residual_length")
@@ -303,17 +323,17 @@ def residual_data(events: list, spec: CacheSpec) -> Any:
     return with_every_series(pd.concat([frame, level], ignore_index=True), "series", RESIDUAL_SERIES)
 
 
-def residual_chart(events: list, spec: CacheSpec) -> Any:
-    """The residual chart for `spec`: its fill (layer 0) under the `residual_length` line, on a y-axis from 0, or,
-    for a backend that keeps no residual, an empty chart whose title says so. Never `value=None`: Gradio then
-    draws an empty box without the title."""
+def residual_chart(events: list, spec: CacheSpec) -> dict[str, Any]:
+    """The residual chart's update (a `gr.update` dict, as `memory_chart`) for `spec`: its fill (layer 0) under
+    the `residual_length` line, on a y-axis from 0, or, for a backend that keeps no residual, an empty chart whose
+    title says so. Never `value=None`: Gradio then draws an empty box without the title."""
     frame = residual_data(events, spec)
     if not spec.info.has_residual:
         title = f"Residual fill: {spec.backend} keeps no residual (nothing to show)"
-        return gr.LinePlot(value=frame, title=title, x_lim=_steps(frame), y_lim=[0, 1])
+        return gr.update(value=frame, title=title, x_lim=_steps(frame), y_lim=[0, 1])
     limit = spec.resolved()["residual_length"]
     title = f"Residual fill (layer 0): flushes at residual_length={limit:,}"
-    return gr.LinePlot(value=frame, title=title, x_lim=_steps(frame), y_lim=[0, limit * 1.1])
+    return gr.update(value=frame, title=title, x_lim=_steps(frame), y_lim=[0, limit * 1.1])
 
 
 def speed_limit_line(limit: SpeedLimit, step_seconds: float | None) -> str:
