@@ -158,7 +158,7 @@ def test_a_refusal_stays_beside_its_button_and_keeps_the_page(page, normans, cap
     bots, users = page.locator('[data-testid="bot"]'), page.locator('[data-testid="user"]')
     answer = bots.first.inner_text()
     stats = page.get_by_text(re.compile(rf"cache length after restore = {tokens:,} \(context\)"))
-    charts = page.locator(".vega-embed")
+    charts = page.locator(".vega-embed, #step-times img")  # memory and residual (Vega), step times (a PNG)
     expect(charts).to_have_count(3)
     caplog.set_level(logging.INFO, logger="kvdemo")  # the server's log (app.py prints it as `kvdemo: ...`)
     caplog.clear()
