@@ -332,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.no_progress = args.no_progress or (args.json and not args.progress)
-    quiet(args.no_progress)
+    if args.no_progress:
+        quiet()
     try:
         if args.command == "compare":
             report = run_compare(args)
@@ -344,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     finally:
-        quiet(False)  # transformers' defaults again (main() also runs inside other processes: the tests)
+        if args.no_progress:
+            quiet(False)  # transformers' defaults again (main() also runs inside other processes: the tests)
     if args.command == "needle":
         if args.csv:
             try:
