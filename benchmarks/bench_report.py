@@ -170,6 +170,13 @@ def _print_startup(results: dict[str, Any]) -> None:
         print("|---|---|---|")
         for key, label in (("app_with_converted_copy", "with the converted copy"), ("app_gguf", "from the GGUF")):
             print(f"| {label} | {s[key]['first_page_seconds']:.1f} | {s[key]['model_loaded_seconds']:.1f} |")
+        if "cli_help" in s:
+            h = s["cli_help"]
+            print(
+                f"   python -m kvdemo --help: {h['help_seconds']:.2f} s (target < 2 s; the bare interpreter "
+                f"{h['interpreter_seconds']:.2f} s, import torch alone {h['import_torch_seconds']:.2f} s: "
+                f"{h['help_seconds'] / h['import_torch_seconds']:.2f}x)"
+            )
 
 
 def draw(results: dict[str, Any], folder: Path) -> list[Path]:

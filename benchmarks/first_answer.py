@@ -28,7 +28,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from kvdemo import CacheSpec, QASession, load_model  # noqa: E402
-from kvdemo.qa.session import DEFAULT_MAX_NEW_TOKENS  # noqa: E402
+from kvdemo.qa.limits import DEFAULT_MAX_NEW_TOKENS  # noqa: E402
 from kvdemo.ui.ask_widgets import START_SPEC  # noqa: E402
 from kvdemo.ui.examples import EXAMPLES, example  # noqa: E402
 

@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvdemo import load_model  # noqa: E402
 from kvdemo.charts.needle import needle_heatmap_figure  # noqa: E402
 from kvdemo.cli.format import format_needle  # noqa: E402
-from kvdemo.needle.grid import DEFAULT_DEPTHS, DEFAULT_LENGTHS, DEFAULT_SPECS, needle_grid  # noqa: E402
+from kvdemo.needle.grid import needle_grid  # noqa: E402
+from kvdemo.needle.inputs import DEFAULT_DEPTHS, DEFAULT_LENGTHS, DEFAULT_SPECS  # noqa: E402
 
 
 def main() -> None:

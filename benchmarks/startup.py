@@ -74,11 +74,30 @@ def _app_start(env: dict[str, str], timeout: float = 180) -> dict[str, Any]:
     return {"first_page_seconds": page, "model_loaded_seconds": loaded, "model_status": str(status)[:120]}
 
 
+def _cli_help(env: dict[str, str], rounds: int = 3) -> dict[str, float]:
+    """Seconds of `python -m kvdemo --help` beside its floors, measured in turn in fresh processes (the median of
+    `rounds`): the bare interpreter (`python -c pass`) and `import torch` alone, which `--help` must not need."""
+    commands = {
+        "interpreter": [sys.executable, "-c", "pass"],
+        "help": [sys.executable, "-m", "kvdemo", "--help"],
+        "import_torch": [sys.executable, "-c", "import torch"],
+    }
+    times: dict[str, list[float]] = {name: [] for name in commands}
+    for _ in range(rounds):
+        for name, command in commands.items():
+            start = time.perf_counter()
+            subprocess.run(command, env=env, cwd=ROOT, capture_output=True, check=True)
+            times[name].append(time.perf_counter() - start)
+    return {f"{name}_seconds": sorted(values)[len(values) // 2] for name, values in times.items()}
+
+
 def run_startup() -> dict[str, Any]:
     """Section 6, in fresh processes with an empty temporary cache folder."""
     with tempfile.TemporaryDirectory(prefix="kvdemo-bench-cache-") as folder:
         env = dict(os.environ, KVDEMO_CACHE_DIR=folder, HF_HUB_OFFLINE="1", GRADIO_ANALYTICS_ENABLED="False")
-        out = {"gguf": _subprocess_load(dict(env, KVDEMO_GGUF_CACHE="0"))}
+        out: dict[str, Any] = {"cli_help": _cli_help(env)}
+        print(f"  python -m kvdemo --help: {out['cli_help']['help_seconds']:.2f} s", flush=True)
+        out["gguf"] = _subprocess_load(dict(env, KVDEMO_GGUF_CACHE="0"))
         print(f"  GGUF load: {out['gguf']['load_seconds']:.1f} s", flush=True)
         out["gguf_first_load_writing_copy"] = _subprocess_load(env)
         out["converted_copy"] = _subprocess_load(env)

@@ -5,8 +5,10 @@ Public surface: `load_model`, `LoadedModel`, `CacheSpec`, `BACKENDS`, `build_cac
 (and its `PrefillReport`, `StepEvent`, `Answer`), `kv_memory`, `MemoryReport`, `quiet` (no loading bars).
 """
 
+import importlib
 import os
 import warnings
+from typing import TYPE_CHECKING, Any
 
 # OpenMP threads that wait for work spin for at most 20,000 iterations before they sleep (libgomp's GOMP_SPINCOUNT;
 # read when torch loads, so it acts only if torch is not imported yet; a value set by the user, or
@@ -17,19 +19,28 @@ import warnings
 if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "20000")
 
-# In a Jupyter kernel without ipywidgets, transformers' first `import tqdm.auto` (just below) warns "IProgress not
+# In a Jupyter kernel without ipywidgets, transformers' first `import tqdm.auto` (when it loads) warns "IProgress not
 # found" and falls back to a text bar: nothing to act on, so that one message from that one module is ignored.
 warnings.filterwarnings("ignore", message="IProgress not found", module=r"tqdm\.auto")
 
-from kvdemo.cache.registry import BACKENDS
-from kvdemo.cache.spec import CacheSpec, build_cache
-from kvdemo.cache.telemetry import MemoryReport, StepEvent, kv_memory
-from kvdemo.qa.models import LoadedModel, load_model
-from kvdemo.qa.records import Answer, PrefillReport
-from kvdemo.qa.session import QASession
-from kvdemo.quiet import quiet
+from kvdemo.quiet import quiet  # loads nothing heavy; eager, so that the name is the function, not its module
 
-__all__ = [
+# The other public names load on first use (PEP 562 `__getattr__`), so that `import kvdemo` and
+# `python -m kvdemo --help` read no torch: each name's module is imported when the name is first read.
+_PUBLIC = {
+    "BACKENDS": "kvdemo.cache.registry",
+    "Answer": "kvdemo.qa.records",
+    "CacheSpec": "kvdemo.cache.spec",
+    "LoadedModel": "kvdemo.qa.models",
+    "MemoryReport": "kvdemo.cache.telemetry",
+    "PrefillReport": "kvdemo.qa.records",
+    "QASession": "kvdemo.qa.session",
+    "StepEvent": "kvdemo.cache.telemetry",
+    "build_cache": "kvdemo.cache.spec",
+    "kv_memory": "kvdemo.cache.telemetry",
+    "load_model": "kvdemo.qa.models",
+}
+__all__ = [  # quiet and the keys of _PUBLIC (tests/test_cli.py checks it), written out for mypy and ruff
     "BACKENDS",
     "Answer",
     "CacheSpec",
@@ -43,3 +54,28 @@ __all__ = [
     "load_model",
     "quiet",
 ]
+
+if TYPE_CHECKING:
+    from kvdemo.cache.registry import BACKENDS
+    from kvdemo.cache.spec import CacheSpec, build_cache
+    from kvdemo.cache.telemetry import MemoryReport, StepEvent, kv_memory
+    from kvdemo.qa.models import LoadedModel, load_model
+    from kvdemo.qa.records import Answer, PrefillReport
+    from kvdemo.qa.session import QASession
+
+
+def __getattr__(name: str) -> Any:
+    """A public name, imported from its module on first use and kept (PEP 562).
+
+    Raises:
+        AttributeError: `name` is not one of `__all__` (nor a submodule already imported).
+    """
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'kvdemo' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))

@@ -182,6 +182,48 @@ def test_json_runs_print_no_progress_bar_unless_asked(extra, bar):
     assert ("Loading weights" in run.stderr) is bar and (run.stderr == "") is not bar
 
 
+HEAVY = ("torch", "transformers", "optimum.quanto", "hqq", "gradio", "pandas", "matplotlib")
+"""What `--help` must not import (issue 25: it took 17.5 s when the parser came after them)."""
+
+
+@pytest.mark.parametrize("command", ["", "ask", "compare", "needle"])
+def test_help_loads_no_model_library(command):
+    """Every `--help` is printed by a process that imported none of `HEAVY` (read from the process itself, after
+    argparse printed the help and before it exits), and `import kvdemo` alone loads none of them either."""
+    probe = (
+        "import atexit, sys\n"
+        f"atexit.register(lambda: print('LOADED', sorted(m for m in {HEAVY!r} if m in sys.modules), file=sys.stderr))\n"
+        "import runpy\n"
+        f"sys.argv = ['kvdemo', *{command.split()!r}, '--help']\n"
+        "runpy.run_module('kvdemo', run_name='__main__')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "usage: python -m kvdemo" in done.stdout
+    assert "LOADED []" in done.stderr, done.stderr
+    bare = subprocess.run(
+        [sys.executable, "-c", f"import sys, kvdemo; print(sorted(m for m in {HEAVY!r} if m in sys.modules))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert bare.stdout.strip() == "[]"
+
+
+def test_the_public_names_load_on_first_use():
+    """`kvdemo`'s public names (PEP 562 `__getattr__`): each is its module's object, `__all__` lists exactly the
+    lazy table, and a name that is not public is an AttributeError as for any module."""
+    import kvdemo
+    from kvdemo.qa.session import QASession
+
+    assert sorted(kvdemo.__all__) == sorted([*kvdemo._PUBLIC, "quiet"])
+    assert kvdemo.QASession is QASession and "QASession" in dir(kvdemo)
+    for name in kvdemo._PUBLIC:
+        assert getattr(kvdemo, name) is getattr(__import__(kvdemo._PUBLIC[name], fromlist=[name]), name)
+    with pytest.raises(AttributeError, match="has no attribute 'session_of_nobody'"):
+        kvdemo.session_of_nobody  # noqa: B018
+
+
 def test_help_explains_every_option():
     out = subprocess.run(
         [sys.executable, "-m", "kvdemo", "ask", "--help"], capture_output=True, text=True, check=True
@@ -274,7 +316,7 @@ def test_compare_table_and_progress_bar(embedded, capsys):
 
 
 def test_compare_perplexity_on_the_next_paragraphs(embedded, capsys, monkeypatch):
-    import kvdemo.cli.main as cli
+    import kvdemo.compare.run
 
     reports = []
 
@@ -282,7 +324,7 @@ def test_compare_perplexity_on_the_next_paragraphs(embedded, capsys, monkeypatch
         reports.append(compare(*args, **kwargs))
         return reports[-1]
 
-    monkeypatch.setattr(cli, "compare", keep)
+    monkeypatch.setattr(kvdemo.compare.run, "compare", keep)  # where the command imports it from when it runs
     code = main(
         [
             "compare",

@@ -16,7 +16,7 @@ from kvdemo import CacheSpec, QASession
 from kvdemo.cache.spec import estimate_kv_bytes
 from kvdemo.cache.telemetry import _bytes
 from kvdemo.compare.run import compare
-from kvdemo.qa.session import QUESTION_RESERVE_TOKENS
+from kvdemo.qa.limits import QUESTION_RESERVE_TOKENS
 from kvdemo.serve.accounting import KVAccount, ServerKVBudgetError, prefill_tokens, session_kv_bytes
 from kvdemo.serve.server import App
 from kvdemo.ui.ask_widgets import START_SPEC

@@ -12,7 +12,7 @@ import torch
 import transformers.utils.logging as hf_logging
 
 from kvdemo import CacheSpec, QASession
-from kvdemo.qa.session import DEFAULT_MAX_NEW_TOKENS, QUESTION_RESERVE_TOKENS
+from kvdemo.qa.limits import DEFAULT_MAX_NEW_TOKENS, QUESTION_RESERVE_TOKENS
 from tests.helpers import ALL_SPECS, make_tiny, spec_id
 
 

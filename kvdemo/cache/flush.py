@@ -24,10 +24,8 @@ import torch
 from transformers import PreTrainedConfig, QuantizedCache
 from transformers.cache_utils import HQQQuantizedLayer, QuantizedLayer, QuantoQuantizedLayer
 
-from kvdemo.cache.rotation import ROTATED_LAYERS, ROTATIONS, LibraryLayer, RotatedHQQLayer, RotatedQuantoLayer
-
-FLUSH_POLICIES = ("requantize", "append")
-"""The flush policies: transformers' (the default) first."""
+from kvdemo.cache.policies import FLUSH_POLICIES, ROTATIONS
+from kvdemo.cache.rotation import ROTATED_LAYERS, LibraryLayer, RotatedHQQLayer, RotatedQuantoLayer
 
 
 class AppendFlushMixin(LibraryLayer):

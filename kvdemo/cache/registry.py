@@ -18,15 +18,17 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
-from transformers import PreTrainedConfig, QuantizedCache
-from transformers.cache_utils import Cache
+from kvdemo.cache.policies import FLUSH_POLICIES, ROTATIONS, STORAGE_POLICIES
 
-from kvdemo.cache.flush import FLUSH_POLICIES, quantized_cache
-from kvdemo.cache.geometry import KVGeometry
-from kvdemo.cache.rotation import ROTATIONS
-from kvdemo.cache.storage import STORAGE_POLICIES, capacity_bound, dynamic_cache
+# Reading the registry loads neither torch nor transformers (the command line's `--help` reads it): the modules
+# that build a cache are imported by the functions that build one.
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+    from transformers.cache_utils import Cache
+
+    from kvdemo.cache.geometry import KVGeometry
 
 GROUP_OPTIONS = ("nbits", "q_group_size", "residual_length", "axis_key", "axis_value", "flush", "storage", "rotation")
 """Every option a backend may take, in the order the page and the command line show them."""
@@ -77,12 +79,12 @@ class Option:
         return "|".join(map(str, self.choices)) if self.choices is not None else f">={self.minimum}"
 
 
-BytesFormula = Callable[[SpecOptions, KVGeometry, int, int, int, bool], float]
+BytesFormula = Callable[[SpecOptions, "KVGeometry", int, int, int, bool], float]
 """`formula(options, geometry, tokens, residual_tokens, element_bytes, nominal_bits) -> bytes` (see
 `estimate_kv_bytes`): `options` resolved, `residual_tokens` already capped at what the residual can hold."""
-CacheMaker = Callable[[str, SpecOptions, PreTrainedConfig], Cache]
+CacheMaker = Callable[[str, SpecOptions, "PreTrainedConfig"], "Cache"]
 """`make(backend_name, options, model_config) -> Cache`: options as a spec gives them (`CacheSpec.given()`)."""
-GroupRule = Callable[[int, int, int, KVGeometry], "str | None"]
+GroupRule = Callable[[int, int, int, "KVGeometry"], "str | None"]
 """`rule(nbits, q_group_size, axis, geometry) -> why it cannot run, or None` for one tensor (keys or values)."""
 
 
@@ -172,6 +174,8 @@ def _full_precision_bytes(opts, geo: KVGeometry, tokens, residual, element, nomi
     """Every value in the model's dtype; with `storage=growing` (`kvdemo.cache.storage.GrowingLayer`) the buffers'
     whole capacity, at most `capacity_bound(tokens)` tokens (an upper bound, reached right after a one-pass
     prefill; up to max(256 tokens, 12.5 %) above the tokens held). `nominal` counts the tokens held only."""
+    from kvdemo.cache.storage import capacity_bound
+
     held = capacity_bound(tokens) if opts.get("storage") == "growing" and not nominal else tokens
     return geo.values_per_token * element * held
 
@@ -240,12 +244,16 @@ def _hqq_group_problem(nbits: int, group: int, axis: int, geo: KVGeometry) -> st
 
 def _dynamic_cache(name: str, options: SpecOptions, config: PreTrainedConfig) -> Cache:
     """transformers' `DynamicCache(config=config)`, or its `GrowingLayer` form with `storage=growing`."""
+    from kvdemo.cache.storage import dynamic_cache
+
     return dynamic_cache(config, str(options.get("storage", STORAGE_POLICIES[0])))
 
 
 def _quantized_cache(name: str, options: Mapping[str, Any], config: PreTrainedConfig) -> Cache:
     """`QuantizedCache(name, config, **options)` with only the options given (transformers fills the rest with
     its defaults, the registry's `Option.default`)."""
+    from transformers import QuantizedCache
+
     return QuantizedCache(name, config, **options)
 
 
@@ -253,6 +261,8 @@ def _residual_cache(name: str, options: Mapping[str, Any], config: PreTrainedCon
     """`QuantizedCache(name, config, **options)` whose layers flush by the `flush` option's policy and rotate by
     the `rotation` option (`kvdemo.cache.flush.quantized_cache`: transformers' own layers for `requantize` and
     `none`)."""
+    from kvdemo.cache.flush import quantized_cache
+
     options = dict(options)
     flush, rotation = str(options.pop("flush", FLUSH_POLICIES[0])), str(options.pop("rotation", ROTATIONS[0]))
     return quantized_cache(name, config, flush, rotation, **options)

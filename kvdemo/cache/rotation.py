@@ -26,9 +26,6 @@ from typing import TYPE_CHECKING
 import torch
 from transformers.cache_utils import HQQQuantizedLayer, QuantizedLayer, QuantoQuantizedLayer
 
-ROTATIONS = ("none", "hadamard")
-"""The `rotation` option's values: transformers' behaviour (no rotation) first."""
-
 if TYPE_CHECKING:
 
     class LibraryLayer(QuantizedLayer):

@@ -10,16 +10,17 @@ import numbers
 import re
 import time
 from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
-import torch
-from transformers import PreTrainedConfig
-from transformers.cache_utils import BaseQuantizedLayer, Cache, get_layer_types_and_kwargs
-
-from kvdemo.cache.geometry import element_size, kv_geometry
 from kvdemo.cache.registry import BACKENDS, GROUP_OPTIONS, Backend, SpecOptions
-from kvdemo.cache.rotation import rotation_problem
 from kvdemo.checks import shown
+
+# A spec is parsed, shown and checked against the registry without torch or transformers (the command line's
+# `--help` lists the default specs): what meets a model imports them in the function that needs them.
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedConfig
+    from transformers.cache_utils import Cache
 
 MAX_OPTION_VALUE = 1 << 20
 """No option means anything above this (1,048,576 tokens or values); larger numbers are refused."""
@@ -195,6 +196,11 @@ class CacheSpec:
             raise ImportError(f"the {self.backend} backend needs the {info.module} package: {info.pip}")
         if model_config is None:
             return self
+        from transformers.cache_utils import get_layer_types_and_kwargs
+
+        from kvdemo.cache.geometry import kv_geometry
+        from kvdemo.cache.rotation import rotation_problem
+
         if info.quantized:
             layer_types, _ = get_layer_types_and_kwargs(model_config.get_text_config(decoder=True))
             others = sorted(set(layer_types) - {"full_attention"})
@@ -263,6 +269,8 @@ def allowed_group_sizes(spec: CacheSpec, model_config: PreTrainedConfig) -> dict
     Returns:
         {"axis_key": [...], "axis_value": [...]}, ascending; empty lists for backends without q_group_size.
     """
+    from kvdemo.cache.geometry import kv_geometry
+
     rule = spec.info.group_rule
     if rule is None:
         return {"axis_key": [], "axis_value": []}
@@ -301,6 +309,8 @@ def estimate_kv_bytes(
     Raises:
         ValueError, ImportError: see `CacheSpec.validate`.
     """
+    from kvdemo.cache.geometry import element_size, kv_geometry
+
     spec.validate(model_config)
     opts = spec.resolved()
     residual = max(min(residual_tokens, opts["residual_length"], tokens), 0) if "residual_length" in opts else 0
@@ -331,7 +341,9 @@ def warm_up(backends: tuple[str, ...] | None = None) -> dict[str, float]:
     Returns:
         Seconds spent per backend.
     """
+    import torch
     from transformers import LlamaConfig
+    from transformers.cache_utils import BaseQuantizedLayer
 
     config = LlamaConfig(
         vocab_size=8,

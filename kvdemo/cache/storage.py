@@ -39,15 +39,13 @@ import math
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
+from kvdemo.cache.policies import STORAGE_POLICIES
+
 GROWTH = 1.125
 """The factor by which a full buffer's capacity grows (see the module docstring for why 1.125)."""
 
 MIN_HEADROOM = 256
 """The least room (tokens) a new buffer leaves after the tokens it holds: a typical answer's length."""
-
-STORAGE_POLICIES = ("concat", "growing")
-"""The `storage` option of the `dynamic` backend: `concat` is transformers' `DynamicLayer` (a `torch.cat` of the
-whole cache at every update, the default), `growing` is `GrowingLayer` (see the module docstring)."""
 
 
 def grown_capacity(needed: int) -> int:

@@ -13,19 +13,21 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
-
-from tqdm.auto import tqdm
+from typing import TYPE_CHECKING, Any
 
 from kvdemo import checks
 from kvdemo.cache.registry import BACKENDS, GROUP_OPTIONS, option_choices_text
 from kvdemo.cache.spec import CacheSpec, default_compare_specs
-from kvdemo.cli.format import format_comparison, format_needle, format_summary
-from kvdemo.compare.records import ComparisonReport
-from kvdemo.compare.run import compare
-from kvdemo.evals.cases import load_case
-from kvdemo.qa.session import DEFAULT_MAX_NEW_TOKENS
-from kvdemo.qa.text import check_text
+from kvdemo.needle import inputs as needle
+from kvdemo.qa.limits import DEFAULT_MAX_NEW_TOKENS
+
+# The parser reads only modules that load no torch, so `--help` answers in well under 2 s; a run imports what it
+# runs (the model, the comparison, the grid, the tables) in the function that runs it.
+if TYPE_CHECKING:
+    from tqdm.auto import tqdm
+
+    from kvdemo.compare.records import ComparisonReport
+    from kvdemo.needle.records import NeedleGrid
 
 
 def _backend_help() -> str:
@@ -113,9 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _needle_parser(sub: Any) -> None:
-    """The `needle` subcommand's arguments (defaults from `kvdemo.needle.grid`)."""
-    from kvdemo.needle import grid as needle
-
+    """The `needle` subcommand's arguments (the grid's defaults, from `kvdemo.needle.inputs`)."""
     parser = sub.add_parser(
         "needle",
         help="needle in a haystack: a fact hidden at depths of contexts of several lengths, per backend",
@@ -185,6 +185,9 @@ def _case_questions(args: argparse.Namespace) -> tuple[Any, list[str]]:
     """The case (cut to --paragraphs) and the questions from --question and --questions-from-case (and, for
     compare, --unanswerable-from-case). Raises ValueError for a missing or bad choice, or a question with a broken
     character (an argument that is not UTF-8 reaches Python as an unpaired surrogate: `check_text`)."""
+    from kvdemo.evals.cases import load_case
+    from kvdemo.qa.text import check_text
+
     questions = [check_text(q, f"--question number {i}") for i, q in enumerate(args.question, 1)]
     case = load_case(args.context_file).select(args.paragraphs)
     for flag, count, picked in (
@@ -209,6 +212,7 @@ def run_compare(args: argparse.Namespace) -> ComparisonReport:
     Raises:
         ValueError, ImportError, OSError: bad input; the message says what to change.
     """
+    from kvdemo.compare.run import compare
     from kvdemo.qa.models import load_model
 
     specs = [CacheSpec.parse(text) for text in args.spec] or default_compare_specs()
@@ -233,24 +237,23 @@ def run_compare(args: argparse.Namespace) -> ComparisonReport:
         )
 
 
-def run_needle(args: argparse.Namespace) -> Any:
+def run_needle(args: argparse.Namespace) -> NeedleGrid:
     """Run the `needle` command and return its `NeedleGrid`.
 
     Raises:
         ValueError, ImportError, OSError: bad input; the message says what to change.
     """
-    from kvdemo.needle import grid as needle
-    from kvdemo.needle import inputs as needle_inputs
+    from kvdemo.needle.grid import needle_grid
     from kvdemo.qa.models import load_model
 
     specs = [CacheSpec.parse(text) for text in (args.spec or needle.DEFAULT_SPECS)]
-    lengths = needle_inputs.parse_lengths(args.lengths) if args.lengths is not None else list(needle.DEFAULT_LENGTHS)
-    depths = needle_inputs.parse_depths(args.depths) if args.depths is not None else list(needle.DEFAULT_DEPTHS)
+    lengths = needle.parse_lengths(args.lengths) if args.lengths is not None else list(needle.DEFAULT_LENGTHS)
+    depths = needle.parse_depths(args.depths) if args.depths is not None else list(needle.DEFAULT_DEPTHS)
     if args.csv is not None and not Path(args.csv).expanduser().parent.is_dir():
         raise ValueError(f"--csv {args.csv}: the folder {Path(args.csv).expanduser().parent} does not exist")
     loaded = load_model(args.model, device=args.device)
     with _ProgressBar(args.no_progress) as on_progress:
-        return needle.needle_grid(
+        return needle_grid(
             loaded,
             specs,
             lengths,
@@ -275,6 +278,8 @@ class _ProgressBar:
             if self.off:
                 return
             if self.bar is None:
+                from tqdm.auto import tqdm
+
                 self.bar = tqdm(total=total, unit="step", file=sys.stderr, dynamic_ncols=True)
             self.bar.set_description(what, refresh=False)
             self.bar.update(done - self.bar.n)
@@ -347,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if args.no_progress:
             quiet(False)  # transformers' defaults again (main() also runs inside other processes: the tests)
+    from kvdemo.cli.format import format_comparison, format_needle, format_summary
+
     if args.command == "needle":
         if args.csv:
             try:

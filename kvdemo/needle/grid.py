@@ -70,17 +70,20 @@ from kvdemo.needle.haystack import (
     haystack_text,
     make_needles,
 )
-from kvdemo.needle.inputs import check_count, check_depths, check_lengths
+from kvdemo.needle.inputs import (
+    DEFAULT_DEPTHS,
+    DEFAULT_LENGTHS,
+    DEFAULT_MAX_NEW_TOKENS,
+    DEFAULT_SPECS,
+    check_count,
+    check_depths,
+    check_lengths,
+)
 from kvdemo.needle.records import NeedleCancelled, NeedleCell, NeedleGrid
+from kvdemo.qa.limits import QUESTION_RESERVE_TOKENS
 from kvdemo.qa.models import LoadedModel
 from kvdemo.qa.records import PrefillReport
-from kvdemo.qa.session import QUESTION_RESERVE_TOKENS, QASession
-
-DEFAULT_SPECS = ("dynamic", "hqq:2", "hqq:4", "quanto:4", "fp8")
-DEFAULT_LENGTHS = (1024, 2048, 4096, 7936)
-DEFAULT_DEPTHS = (0.0, 25.0, 50.0, 75.0, 100.0)
-DEFAULT_MAX_NEW_TOKENS = 32
-"""Tokens an answer may take: the answer "The special magic number for Velora Quintash is 482913." is 18."""
+from kvdemo.qa.session import QASession
 
 ProgressCallback = Callable[[int, int, str], None]
 """`on_progress(done, total, what)`: units of work done so far (prefills, answers, scorings), the total,

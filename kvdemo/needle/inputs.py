@@ -1,5 +1,6 @@
 """The needle grid's inputs checked and parsed: context lengths (tokens) and depths (%), as lists or as text
-such as `"1024, 2048 4096"`; every error is a `ValueError` whose message says what to write instead."""
+such as `"1024, 2048 4096"`; every error is a `ValueError` whose message says what to write instead. And the
+grid's defaults (read by the command line's `--help` too: this module loads no torch)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,13 @@ from collections.abc import Sequence
 from typing import Any, Literal, SupportsInt, cast, overload
 
 from kvdemo.checks import shown
-from kvdemo.qa.session import QUESTION_RESERVE_TOKENS
+from kvdemo.qa.limits import QUESTION_RESERVE_TOKENS
+
+DEFAULT_SPECS = ("dynamic", "hqq:2", "hqq:4", "quanto:4", "fp8")
+DEFAULT_LENGTHS = (1024, 2048, 4096, 7936)
+DEFAULT_DEPTHS = (0.0, 25.0, 50.0, 75.0, 100.0)
+DEFAULT_MAX_NEW_TOKENS = 32
+"""Tokens an answer may take: the answer "The special magic number for Velora Quintash is 482913." is 18."""
 
 
 # ---- input checks ----------------------------------------------------------------------------------------

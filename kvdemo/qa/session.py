@@ -23,15 +23,12 @@ from kvdemo.cache.geometry import full_precision_bytes
 from kvdemo.cache.spec import CacheSpec, build_cache
 from kvdemo.cache.telemetry import StepEvent, kv_memory
 from kvdemo.qa.decode import greedy_decode, teacher_forced
+from kvdemo.qa.limits import DEFAULT_MAX_NEW_TOKENS, QUESTION_RESERVE_TOKENS
 from kvdemo.qa.models import LoadedModel
 from kvdemo.qa.prefill import PREFILL_CHUNK_TOKENS, ProgressCallback, run_prefill
 from kvdemo.qa.prompt import PreparedContext, PreparedQuestion, PromptLayout, PromptSplit
 from kvdemo.qa.records import Answer, PrefillReport
 from kvdemo.qa.text import check_text
-
-DEFAULT_MAX_NEW_TOKENS = 64
-QUESTION_RESERVE_TOKENS = 64
-"""Tokens a prefill keeps free for a question, on top of the answer's `max_new_tokens`."""
 
 
 class QASession:

@@ -17,10 +17,11 @@ from contextlib import contextmanager
 
 from kvdemo import checks
 from kvdemo.cache.spec import CacheSpec
+from kvdemo.qa.limits import DEFAULT_MAX_NEW_TOKENS, QUESTION_RESERVE_TOKENS
 from kvdemo.qa.models import LoadedModel, is_hub_id, load_model
 from kvdemo.qa.prompt import PreparedContext, PreparedQuestion
 from kvdemo.qa.records import PrefillReport
-from kvdemo.qa.session import DEFAULT_MAX_NEW_TOKENS, QUESTION_RESERVE_TOKENS, QASession
+from kvdemo.qa.session import QASession
 from kvdemo.serve.accounting import KVAccount, prefill_tokens, session_kv_bytes
 from kvdemo.serve.store import SessionStore
 

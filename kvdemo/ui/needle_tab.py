@@ -15,7 +15,7 @@ from kvdemo.cache.spec import CacheSpec, all_specs
 from kvdemo.charts.needle import needle_heatmap_figure
 from kvdemo.needle import grid as needle
 from kvdemo.needle import records as needle_records
-from kvdemo.needle.inputs import parse_depths, parse_lengths
+from kvdemo.needle.inputs import DEFAULT_MAX_NEW_TOKENS, DEFAULT_SPECS, parse_depths, parse_lengths
 from kvdemo.serve.store import request_key
 from kvdemo.ui import views
 from kvdemo.ui.ask_tab import AskTab
@@ -114,7 +114,7 @@ class NeedleTab:
                     parse_depths(depths or ""),
                 )
                 answer_tokens = checks.max_new_tokens(
-                    needle.DEFAULT_MAX_NEW_TOKENS if max_new_tokens in (None, "") else max_new_tokens,
+                    DEFAULT_MAX_NEW_TOKENS if max_new_tokens in (None, "") else max_new_tokens,
                     NEEDLE_MAX_NEW_TOKENS,
                     what="a needle grid",
                 )
@@ -124,7 +124,7 @@ class NeedleTab:
                     raise ValueError(
                         f"max_new_tokens={answer_tokens} cannot hold the answer: the needle's own sentence "
                         f"takes {needed} tokens, so every cell would miss; set max_new_tokens to at least "
-                        f"{needed} ({needle.DEFAULT_MAX_NEW_TOKENS} leaves room for the model's wording)"
+                        f"{needed} ({DEFAULT_MAX_NEW_TOKENS} leaves room for the model's wording)"
                     )
                 with self.app.needle_grid(request_key(request), loaded, chosen, token_lengths, answer_tokens):
                     grid = needle.needle_grid(
@@ -159,7 +159,7 @@ class NeedleTab:
         with gr.Row():
             with gr.Column(scale=1, min_width=280):
                 w["specs"] = gr.CheckboxGroup(
-                    [s.text for s in all_specs()], value=list(needle.DEFAULT_SPECS[:2]), label="specs"
+                    [s.text for s in all_specs()], value=list(DEFAULT_SPECS[:2]), label="specs"
                 )
                 w["seed"] = gr.Number(0, label="seed (draws the needles)", precision=0)
                 w["one_needle"] = gr.Checkbox(
@@ -169,7 +169,7 @@ class NeedleTab:
                     "prefills, but the model may answer with another needle's number)",
                 )
                 w["max_new_tokens"] = gr.Number(  # no bounds: `run` refuses a bad value beside the button
-                    needle.DEFAULT_MAX_NEW_TOKENS,
+                    DEFAULT_MAX_NEW_TOKENS,
                     label="max_new_tokens",
                     info=f"tokens per answer, up to {NEEDLE_MAX_NEW_TOKENS}: enough to state the number "
                     "(about 18 tokens) in the model's own words",

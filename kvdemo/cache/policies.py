@@ -1,0 +1,15 @@
+"""The words of kvdemo's own cache options: the flush policies of the residual backends (`kvdemo.cache.flush`),
+`dynamic`'s storage policies (`kvdemo.cache.storage`) and the rotations (`kvdemo.cache.rotation`).
+
+Plain tuples that import nothing, so that the registry, and with it the command line's `--help`, reads the
+allowed values without loading torch or transformers (which the modules that implement the policies need)."""
+
+FLUSH_POLICIES = ("requantize", "append")
+"""The flush policies: transformers' (the default) first."""
+
+STORAGE_POLICIES = ("concat", "growing")
+"""The `storage` option of the `dynamic` backend: `concat` is transformers' `DynamicLayer` (a `torch.cat` of the
+whole cache at every update, the default), `growing` is `kvdemo.cache.storage.GrowingLayer`."""
+
+ROTATIONS = ("none", "hadamard")
+"""The `rotation` option's values: transformers' behaviour (no rotation) first."""
