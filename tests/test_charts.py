@@ -121,3 +121,27 @@ def test_chart_frames_read_fields_not_labels(report):
     assert labels == ["dynamic", "hqq:2,residual_length=2", "fp8"]
     bars = speed_figure(full).axes[0]
     assert [t.get_text() for t in bars.get_yticklabels()] == labels
+
+
+def test_an_infinite_kl_is_reported_as_such(report):
+    """A spec whose cache gives zero probability to a token `dynamic` does not has KL +inf (issue 23): the reader's
+    table shows inf, the page's line names the spec and says the chart leaves it out, and the JSON download and
+    `--json` carry "inf" in strict JSON; no NaN anywhere."""
+    import dataclasses
+    import json
+
+    from kvdemo.ui import views
+
+    fp8 = report.results[-1]
+    inf = float("inf")
+    broken = dataclasses.replace(fp8, kl=dataclasses.replace(fp8.kl, mean_kld=inf, max_kld=inf))
+    infinite = dataclasses.replace(report, results=(*report.results[:-1], broken))
+    note, table, tradeoff, _ = views.comparison_outputs(infinite, "Compared")
+    assert "⚠ mean KL is infinite for fp8" in note and "leaves it out" in note
+    assert "⚠" not in views.comparison_outputs(report, "Compared")[0]  # finite: no word about it
+    assert table["mean KLD"].iloc[-1] == inf
+    assert tradeoff["KL (nats)"].iloc[-1] == inf
+    text = infinite.to_json()
+    results = json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))["results"]
+    assert results[-1]["kl"]["mean_kld"] == "inf" and results[-1]["kl"]["max_kld"] == "inf"
+    assert results[0]["kl"]["mean_kld"] == report.results[0].kl.mean_kld  # finite figures stay numbers

@@ -16,7 +16,7 @@ import torch
 from kvdemo import CacheSpec, QASession
 from kvdemo.cache.telemetry import flushed_layers, kv_memory
 from kvdemo.compare.measure import ComparisonRun, first_departure, measure_spec
-from kvdemo.compare.records import ComparisonCancelled
+from kvdemo.compare.records import ComparisonCancelled, json_ready
 from kvdemo.compare.run import compare
 from kvdemo.evals import cache_error, fidelity
 from kvdemo.evals.metrics import (
@@ -93,6 +93,30 @@ def test_kl_divergence_by_hand():
     assert kl_divergence(p, p).abs().max().item() == 0.0
     with pytest.raises(ValueError, match="differ"):
         kl_divergence(p, q[:1])
+
+
+def test_kl_divergence_with_zero_probabilities():
+    """0 log 0 = 0 (issue 23, p-e-w/heretic PR#348): a token both give zero probability adds nothing, so equal rows
+    give 0, not NaN; P > 0 where Q = 0 gives +inf; the statistics carry +inf and never NaN, and the report's JSON
+    writes it out as "inf" (strict JSON, as JSON.parse reads it)."""
+    inf = float("inf")
+    p = torch.tensor([[0.5, 0.5, 0.0], [0.9, 0.1, 0.0]]).log()  # the third token masked: log 0 = -inf
+    assert torch.isneginf(p[:, 2]).all()
+    assert kl_divergence(p, p).tolist() == [0.0, 0.0]
+    q = torch.tensor([[0.5, 0.0, 0.5], [0.9, 0.1, 0.0]]).log()  # row 0: Q gives 0 where P gives 0.5
+    kl = kl_divergence(p, q)
+    assert kl[0].item() == inf and kl[1].item() == 0.0
+    assert kl_divergence(q, p)[0].item() == inf  # and the other way round
+    stats = fidelity.kl_statistics([p, p], [q, p], [[0, 0], [0, 0]])
+    figures = [stats.mean_kld, stats.median_kld, stats.p99_kld, stats.max_kld, stats.mean_abs_dlogp]
+    assert not any(math.isnan(f) for f in figures), figures
+    assert stats.mean_kld == inf and stats.max_kld == inf and stats.median_kld == 0.0  # 3 of 4 positions are 0
+    assert fidelity.percentile(torch.tensor([0.0, inf]), 0.0) == 0.0  # not 1 x 0 + 0 x inf = NaN
+    assert fidelity.percentile(torch.tensor([inf, inf]), 0.5) == inf
+    ready = json_ready({"kl": {"mean_kld": inf, "min": -inf, "missing": float("nan")}, "rows": [(1.5, inf)]})
+    assert ready == {"kl": {"mean_kld": "inf", "min": "-inf", "missing": "nan"}, "rows": [[1.5, "inf"]]}
+    assert json_ready([float("nan")], nan=None) == [None]
+    json.loads(json.dumps(ready, allow_nan=False))
 
 
 def test_dynamic_against_itself_has_zero_kl_and_identical_answers(tiny):

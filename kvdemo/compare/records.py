@@ -5,9 +5,10 @@ before a Cancel. See `kvdemo.compare.run` for how each figure is measured."""
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import asdict, dataclass
-from typing import cast
+from typing import Any, cast
 
 import pandas as pd
 
@@ -152,6 +153,21 @@ def _mean(values: list[float]) -> float:
 
 def _none_to_nan(value: float | None) -> float:
     return float("nan") if value is None else value
+
+
+def json_ready(value: Any, nan: Any = "nan") -> Any:
+    """`value` (dicts, lists, tuples, numbers, text) with every non-finite float written out, so that strict JSON
+    carries it and no reader turns it into null without a word: +inf as `"inf"` (a KL divergence where the cache
+    gives a token zero probability that `dynamic` does not, `kvdemo.evals.metrics.kl_divergence`), -inf as
+    `"-inf"`, and NaN as `nan` (default `"nan"`; a table's missing figure, NaN in its frame, passes `nan=None`).
+    Python's `json` would write `Infinity`, which JSON.parse refuses; pandas' `to_json` writes null."""
+    if isinstance(value, dict):
+        return {k: json_ready(v, nan) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_ready(v, nan) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return nan if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    return value
 
 
 @dataclass(frozen=True)
@@ -304,18 +320,18 @@ class ComparisonReport:
 
     def to_dict(self) -> dict:
         """JSON-ready: model, max_new_tokens, perplexity_source and every result with its answers and fidelity
-        records (`SpecResult`'s fields; no NaN: a missing figure is None). `python -m kvdemo compare --json` prints
-        exactly this (`to_json`)."""
+        records (`SpecResult`'s fields; a missing figure is None, an infinite one `"inf"`: `json_ready`).
+        `python -m kvdemo compare --json` prints exactly this (`to_json`)."""
         return {
             "model": self.model,
             "max_new_tokens": self.max_new_tokens,
             "perplexity_source": self.perplexity_source,
-            "results": [asdict(r) for r in self.results],
+            "results": json_ready([asdict(r) for r in self.results]),
         }
 
     def to_json(self) -> str:
         """`to_dict()` as the text `python -m kvdemo compare --json` prints (indented, UTF-8 kept)."""
-        return json.dumps(self.to_dict(), indent=2, ensure_ascii=False)
+        return json.dumps(self.to_dict(), indent=2, ensure_ascii=False, allow_nan=False)
 
     def to_csv(self) -> str:
         """The full table (`to_frame()`) as CSV text, one header line, no index; the answers are in `to_json`."""

@@ -103,6 +103,8 @@ def percentile(values: torch.Tensor, fraction: float) -> float:
     low = int(math.floor(position))
     high = min(low + 1, ordered.numel() - 1)
     weight = position - low
+    if weight == 0 or ordered[low] == ordered[high]:  # also an infinite value as it is (0 x inf would be NaN)
+        return float(ordered[low])
     return float((1 - weight) * ordered[low] + weight * ordered[high])
 
 

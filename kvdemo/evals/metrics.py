@@ -151,11 +151,17 @@ def kl_divergence(reference: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         other: log Q, the same shape.
 
     Returns:
-        Shape [n]: sum over the vocabulary of P * (log P - log Q); 0 where the rows are equal.
+        Shape [n]: sum over the vocabulary of P * (log P - log Q), with 0 * log 0 = 0: a token that P gives zero
+        probability (log P = -inf, e.g. a masked logit) adds 0 whatever Q gives it, so equal rows give 0 also
+        with -inf entries; a token with P > 0 and Q = 0 makes the row +inf (Q cannot encode what P says), kept as
+        +inf for the caller to report. (torch's `kl_div(log_target=True)` computes exp(t) * (t - x) and gives
+        NaN for t = x = -inf: the case of p-e-w/heretic PR#348.)
 
     Raises:
         ValueError: the shapes differ.
     """
     if reference.shape != other.shape:
         raise ValueError(f"log-probabilities of shapes {tuple(reference.shape)} and {tuple(other.shape)} differ")
-    return torch.nn.functional.kl_div(other, reference, log_target=True, reduction="none").sum(dim=-1)
+    p = reference.exp()
+    terms = torch.where(p > 0, p * (reference - other), torch.zeros((), dtype=p.dtype, device=p.device))
+    return terms.sum(dim=-1)

@@ -29,10 +29,11 @@ import gradio as gr
 
 from kvdemo import checks
 from kvdemo.cache.spec import CacheSpec, default_compare_specs
-from kvdemo.compare.records import ComparisonCancelled
+from kvdemo.compare.records import ComparisonCancelled, json_ready
 from kvdemo.compare.run import compare
 from kvdemo.evals.cases import gold_answers_for
-from kvdemo.qa.session import DEFAULT_MAX_NEW_TOKENS, QASession
+from kvdemo.qa.limits import DEFAULT_MAX_NEW_TOKENS
+from kvdemo.qa.session import QASession
 from kvdemo.serve.server import App
 from kvdemo.serve.store import UserSession
 from kvdemo.ui import views
@@ -267,7 +268,7 @@ class McpTools:
                     raise
                 except Exception as error:  # a fault inside a decode step: every session it used has restored
                     raise ValueError(f"The comparison failed ({type(error).__name__}: {str(error)[:200]})") from None
-            rows = json.loads(report.to_frame().to_json(orient="records"))
+            rows = json_ready(report.to_frame().to_dict(orient="records"), nan=None)
             for row, result in zip(rows, report.results):
                 row["answers"] = [q.answer for q in result.questions]
             return _json(

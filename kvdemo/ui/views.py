@@ -3,6 +3,7 @@ the comparison's outputs. They read records and the registry, never a live cache
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from functools import cache
 from pathlib import Path
@@ -179,13 +180,21 @@ def step_line(event: Any, spec: CacheSpec) -> str:
 def comparison_outputs(report: ComparisonReport, note: str) -> tuple[str, Any, Any, Any]:
     """The Compare tab's status line, the short table a reader sees (`charts.comparison_display_frame`: MiB,
     rounded, grouped memory · fidelity · speed, empty columns dropped) and two chart frames, for a (possibly
-    partial) report."""
+    partial) report. A spec whose mean KL is infinite (its cache gives zero probability to a token `dynamic`
+    does not: `kvdemo.evals.metrics.kl_divergence`) shows `inf` in the table, and the line says that the chart,
+    which cannot place it, leaves it out."""
     frame = report.to_frame()
     if report.results:
         tokens = report.results[0].context_tokens
         note += f" · context {tokens:,} tokens · max_new_tokens {report.max_new_tokens:,}"
         if report.perplexity_source:
             note += f" · perplexity on the {report.perplexity_source}"
+        infinite = [r.spec_text for r in report.results if math.isinf(r.kl.mean_kld)]
+        if infinite:
+            note += (
+                f" · ⚠ mean KL is infinite for {', '.join(infinite)}: its cache gives zero probability to a token "
+                "dynamic's does not, so the memory-against-fidelity chart leaves it out"
+            )
     tradeoff = tradeoff_frame(frame)  # one point per spec, coloured and named by its spec
     return note, comparison_display_frame(frame), tradeoff, speed_frame(frame)
 
