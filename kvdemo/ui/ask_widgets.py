@@ -11,7 +11,8 @@ import gradio as gr
 from kvdemo.cache.registry import BACKENDS, GROUP_OPTIONS
 from kvdemo.cache.spec import CacheSpec
 from kvdemo.charts.steps import MEMORY_SERIES, answers_frame
-from kvdemo.qa.session import DEFAULT_MAX_NEW_TOKENS
+from kvdemo.qa.limits import DEFAULT_MAX_NEW_TOKENS
+from kvdemo.serve.secret import browser_state_secret
 from kvdemo.ui import views
 from kvdemo.ui.examples import EXAMPLES
 
@@ -92,8 +93,9 @@ class AskWidgets:
                 w["prefill_info"] = gr.Markdown(
                     f"**spec** `{START_SPEC.full_text}` · nothing prefilled in this tab yet"
                 )
-        # what a reload should keep: the Context box and the options, in the browser's localStorage
-        w["saved"] = gr.BrowserState(None, storage_key="kvdemo-ask-tab")
+        # what a reload should keep: the Context box and the options, in the browser's localStorage, encrypted with
+        # a secret that a restarted server finds again (kvdemo.serve.secret)
+        w["saved"] = gr.BrowserState(None, storage_key="kvdemo-ask-tab", secret=browser_state_secret())
         gr.Markdown("### Questions")
         with gr.Row():
             with gr.Column(scale=3):

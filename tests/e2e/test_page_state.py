@@ -1,8 +1,8 @@
 """Chromium (Debian's, driven by Playwright) checks that the page's state matches the server's at every moment,
 on SQuAD articles: a changed Context box disables Ask; a refusal stays beside its button and keeps the rest;
 a long prefill shows real progress and stops; a question shows at once; the residual chart says when a backend
-keeps none; a reload brings back the Context box and options and says that nothing is prefilled in the tab.
-Saves screenshots under artifacts/state/ (not committed)."""
+keeps none; a reload brings back the Context box and options and says that nothing is prefilled in the tab, also
+after the server restarted. Saves screenshots under artifacts/state/ (not committed)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,12 @@ from playwright.sync_api import Page, expect, sync_playwright
 
 from kvdemo.evals.cases import example_path, load_case
 from kvdemo.qa.prefill import PREFILL_CHUNK_TOKENS
+from kvdemo.serve.secret import ENV, SECRET_FILE
+from kvdemo.serve.server import App
+from kvdemo.ui import build_demo
 from kvdemo.ui.ask_widgets import START_SPEC
+
+from .conftest import free_port
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts" / "state"
 LONGER_THAN_A_TOAST_MS = 12_000
@@ -328,3 +333,44 @@ def test_a_reload_keeps_the_context_and_options_and_says_nothing_is_prefilled(pa
     expect(_ask_button(page)).to_be_disabled()
     expect(page.locator('[data-testid="bot"]')).to_have_count(0)
     _shot(page, "7-after-reload")
+
+
+def test_what_the_browser_kept_survives_a_server_restart(browser, embedded, normans, tmp_path, monkeypatch):
+    """gradio-app/gradio#10263: `gr.BrowserState` is encrypted with a secret that Gradio draws anew at every start,
+    so a restarted server could not read what the browser kept. With the secret from `kvdemo.serve.secret` (here
+    the file in a fresh cache folder), a second server on the same port, built from scratch, reads it back."""
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.setenv("KVDEMO_CACHE_DIR", str(tmp_path))
+    port = free_port()
+
+    def start():
+        app = App(loader=lambda source: embedded)
+        app.start_loading()
+        demo = build_demo(app)
+        demo.queue(default_concurrency_limit=1)
+        demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, ssr_mode=False, quiet=True)
+        app.wait_for_model()
+        return demo
+
+    context = normans.select("2").context
+    demo = start()
+    tab = browser.new_context(viewport={"width": 1400, "height": 1800})
+    try:
+        page = tab.new_page()
+        page.goto(f"http://127.0.0.1:{port}/")
+        expect(page.get_by_text("135 M parameters")).to_be_visible(timeout=120_000)
+        _box(page).fill(context)
+        page.get_by_label("residual_length", exact=True).fill("48")
+        page.get_by_label("residual_length", exact=True).press("Tab")
+        expect(page.get_by_text(re.compile(r"spec quanto:4,q_group_size=64,residual_length=48")).first).to_be_visible()
+        page.wait_for_timeout(1_000)  # the browser state is written after each change
+        demo.close()  # the server goes away; the browser keeps its localStorage
+        demo = start()  # a new server: a new page, new components, the secret read from the file
+        page.reload()
+        expect(page.get_by_text("135 M parameters")).to_be_visible(timeout=60_000)
+        expect(_box(page)).to_have_value(context, timeout=30_000)
+        expect(page.get_by_label("residual_length", exact=True)).to_have_value("48")
+        assert (tmp_path / SECRET_FILE).is_file()
+    finally:
+        tab.close()
+        demo.close()
