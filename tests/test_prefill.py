@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import DynamicCache, Phi3Config, Phi3ForCausalLM
 from transformers.cache_utils import Cache
 
-from kvdemo import QASession
+from kvdemo import CacheSpec, QASession
 from kvdemo.cache.spec import build_cache, estimate_kv_bytes
-from kvdemo.qa.prefill import PrefillStopped
+from kvdemo.qa.models import LoadedModel
+from kvdemo.qa.prefill import PrefillStopped, rope_changes, run_prefill
 from tests.helpers import ALL_SPECS, spec_id
 from tests.quantized import (
     FLOAT_ATOL,
@@ -154,3 +156,78 @@ def test_the_store_tolerance_holds_when_the_inputs_move_by_a_float_rounding(tiny
             assert_within_one_step(a, b, quantization_step(spec, b), f"{spec.text} {what}")
             flipped += int(((a - b).abs() > FLOAT_ATOL).sum())
     assert flipped > 0  # the case the tolerance is for does happen
+
+
+def _tiny_phi3_longrope(tokenizer, original: int = 300) -> LoadedModel:
+    """A random Phi-3 with Phi-3's length-dependent RoPE: longrope, short factors up to `original` tokens
+    (`original_max_position_embeddings`), long ones past it (huggingface/transformers PR#33129)."""
+    half = 8  # head_dim 16: 8 rotary frequencies
+    config = Phi3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        original_max_position_embeddings=original,
+        rope_scaling={"type": "longrope", "short_factor": [1.0] * half, "long_factor": [4.0 + i for i in range(half)]},
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(4)
+    return LoadedModel(
+        model=Phi3ForCausalLM(config).eval(),
+        tokenizer=tokenizer,
+        name="tiny-phi3-longrope",
+        source=None,
+        max_context_tokens=1024,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        eos_token_ids=frozenset({2}),
+    )
+
+
+def test_a_length_dependent_rope_is_prefilled_in_one_pass_and_never_mixed(embedded, tiny):
+    """Issue 23, item 2: a RoPE whose factors depend on the sequence length (found from the model's rotary
+    embeddings, not by name) is prefilled in one pass, so a 444-token context's keys equal one forward pass's
+    (chunked, the first 256 tokens' keys had the short factors: 108 % of their norm off); a cache that an answer
+    would carry past the switch is refused with what to change; a RoPE that ignores the length (the control
+    Llama) keeps its chunks."""
+    phi3 = _tiny_phi3_longrope(embedded.tokenizer)
+    assert rope_changes(phi3, 256, 444) == "longrope" and rope_changes(phi3, 301, 900) is None
+    assert rope_changes(phi3, 10, 300) is None  # both below the switch: the short factors
+    assert rope_changes(tiny, 1, 512) is None  # default RoPE: no length in it
+    ids = list(range(100, 544))  # 444 tokens
+    one_pass = DynamicCache(config=phi3.config)
+    with torch.no_grad():
+        phi3.model(input_ids=torch.tensor([ids]), cache=one_pass, use_cache=True)
+    progress = []
+    cache = build_cache(CacheSpec("dynamic"), phi3.config)
+    run_prefill(phi3, cache, ids, False, 256, on_progress=lambda done, total: progress.append(done))
+    assert progress == [444]  # one pass: no chunk ended before the whole context
+    for ours, theirs in zip(cache.layers, one_pass.layers):
+        assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+    chunked = build_cache(CacheSpec("dynamic"), tiny.config)  # the control keeps its chunks
+    progress.clear()
+    run_prefill(tiny, chunked, ids, False, 256, on_progress=lambda done, total: progress.append(done))
+    assert progress == [256, 444]
+
+    session = QASession(phi3, CacheSpec("dynamic"))
+    context = " ".join(["The Normans held Rouen."] * 30)
+    tokens = len(session.prepare(context).split.prefix)
+    assert tokens < 300 < tokens + 64 + 64, tokens  # a question and a 64-token answer would cross 300
+    with pytest.raises(ValueError, match=r"RoPE \(longrope\) takes other factors from 301 tokens on") as refusal:
+        session.prefill(context, max_new_tokens=64)
+    assert "Prefill a shorter context or lower max_new_tokens so that the whole stays below 301 tokens" in str(
+        refusal.value
+    ) and "or prefill a context of 301 tokens or more" in str(refusal.value)
+    assert session.cache is None  # refused before anything was built
+    report = session.prefill(context, reserve_tokens=300 - tokens)  # room for what stays below the switch
+    assert report.context_tokens == tokens
+    with pytest.raises(ValueError, match=r"Lower max_new_tokens so that the whole stays below 301 tokens"):
+        session.ask("Who held Rouen?", max_new_tokens=64)
+    assert session.cache_length == tokens  # the refusal left the cache as it was
+    long_context = " ".join(["The Normans held Rouen."] * 80)  # past the switch: every factor is the long one
+    assert QASession(phi3, CacheSpec("dynamic")).prefill(long_context).context_tokens > 301

@@ -16,6 +16,13 @@ shapes, other sums), and the quantizer then rounds the same levels except for va
 rounding of a midpoint, which go one quantization step the other way (seen: 1 value of 46,336 in hqq 8-bit's
 layer-1 values on one CI machine, 0.0045 = one step of a 0.92 range; `tests/quantized.py` bounds the share).
 Restoring and re-asking repeat the same path and stay exact.
+
+A RoPE whose factors depend on the sequence length (Phi-3's `longrope`, `dynamic` NTK: transformers' rotary
+embeddings recompute them from the longest position of each forward, `dynamic_rope_update`) would give the first
+chunks the short sequence's factors and the last ones the whole context's (huggingface/transformers PR#33129).
+`rope_changes` finds such a RoPE by asking the model's own rotary embeddings (transformers'
+`ROPE_INIT_FUNCTIONS[rope_type]`) for the factors at two lengths, whatever its name; for those models the prefill
+is one forward pass.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from typing import cast
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kvdemo.qa.models import LoadedModel
 
@@ -37,6 +45,29 @@ moves and Stop acts within that time."""
 ProgressCallback = Callable[[int, int], None]
 """`on_progress(done_tokens, total_tokens)`, called after each chunk; `on_quantize(done_layers, layers)`, called
 after each layer the quantized cache has taken."""
+
+
+def rope_changes(loaded: LoadedModel, shorter: int, longer: int) -> str | None:
+    """Whether the model's RoPE factors for a sequence of `longer` tokens differ from those for `shorter` tokens.
+
+    Reads every rotary embedding module of the model (one with a `rope_type` that transformers'
+    `ROPE_INIT_FUNCTIONS` knows) and calls its own init function with `seq_len` set to each length; the inverse
+    frequencies and the attention scaling are compared exactly. A RoPE that ignores the length (default,
+    linear, yarn, llama3) never differs.
+
+    Returns:
+        The rope_type whose factors differ (e.g. "longrope"), or None.
+    """
+    for module in loaded.model.modules():
+        rope_type = getattr(module, "rope_type", None)
+        init = ROPE_INIT_FUNCTIONS.get(rope_type) if isinstance(rope_type, str) else None
+        config = getattr(module, "config", None)
+        if init is None or config is None:
+            continue
+        (short_freq, short_scale), (long_freq, long_scale) = (init(config, None, seq_len=n) for n in (shorter, longer))
+        if short_scale != long_scale or not torch.equal(short_freq, long_freq):
+            return rope_type
+    return None
 
 
 class PrefillStopped(Exception):
@@ -60,7 +91,9 @@ def run_prefill(
         ids: the prefix's token ids (length n >= 1); fed as input_ids of shape [1, chunk].
         quantized: whether `cache` quantizes on update (the backend's registry entry says): then the chunks run
             over a full-precision `DynamicCache` and the cache gets the whole context in one update per layer.
-        chunk_tokens: tokens per forward pass (>= 1); a context that fits one chunk takes one pass.
+        chunk_tokens: tokens per forward pass (>= 1); a context that fits one chunk takes one pass, and so does
+            every context of a model whose RoPE factors change between the first chunk's length and the whole
+            context's (`rope_changes`): chunks would be given other factors than one pass gives them.
         on_progress: called with (tokens done, n) after each chunk.
         stop: when set before a chunk starts, or before a layer is quantized, the prefill stops.
         on_quantize: for a quantized cache fed from the chunks, called with (0, layers) once the chunks are
@@ -71,6 +104,8 @@ def run_prefill(
         PrefillStopped: `stop` was set; `cache` is then in an unfinished state and must be dropped.
     """
     total = len(ids)
+    if total > chunk_tokens and rope_changes(loaded, chunk_tokens, total):
+        chunk_tokens = total
     work = DynamicCache(config=loaded.config) if quantized and total > chunk_tokens else cache
     for start in range(0, total, chunk_tokens):
         if stop is not None and stop.is_set():
