@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections.abc import Callable
 from contextlib import closing
 from typing import Any
@@ -45,6 +46,31 @@ TOOLS = ("prefill_context", "ask_question", "compare_backends")
 registered in `register`) when its tab lands."""
 
 _SESSION_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+MCP_ANSWER_SECONDS = 30.0
+"""The most seconds one `ask_question` call decodes: then the answer ends after its current decode step, as Stop
+ends it (finish_reason "stopped", the cache restored, the queue slot freed). A bound, because an MCP client's
+cancel (`notifications/cancelled`, or a dropped connection) never reaches the tool: Gradio's MCP bridge runs the
+tool as a job of its own HTTP loopback client and neither forwards the cancel nor cancels that job (gradio 6.31,
+`gradio/mcp.py` `call_tool`; as jlowin/fastmcp#4354 and #1305 report for other servers)."""
+
+MCP_COMPARE_SECONDS = 300.0
+"""The most seconds one `compare_backends` call runs: then it stops after the current prefill chunk or decode step,
+as Cancel does, and returns the specs finished so far with a note (same reason as `MCP_ANSWER_SECONDS`)."""
+
+
+def _after(seconds: float, bound: threading.Event, stop: Callable[[], None]) -> threading.Timer:
+    """In `seconds`, unless the returned timer is cancelled first (a daemon thread): `bound.set()`, then `stop()`."""
+
+    def reached() -> None:
+        bound.set()
+        stop()
+
+    timer = threading.Timer(seconds, reached)
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 def _json(value: Any) -> str:
@@ -140,7 +166,8 @@ class McpTools:
         request: gr.Request | None = None,
     ) -> str:
         """Answer a question about the text prefilled by prefill_context (greedy decoding); afterwards the KV
-        cache is restored exactly to the prefilled context.
+        cache is restored exactly to the prefilled context. One call decodes for at most 30 seconds: a longer
+        answer ends there (finish_reason "stopped", with a note); cancelling the call does not stop it sooner.
 
         Args:
             question: the question about the prefilled text
@@ -175,6 +202,8 @@ class McpTools:
         stream = qa.stream(self.app.reserve_answer(key, qa, question, max_new_tokens))
         began(qa)  # the Ask tab's Stop, pressed for this session before the stream began, applies now
         first_token = None
+        bound = threading.Event()
+        timer = _after(MCP_ANSWER_SECONDS, bound, qa.request_stop)
         try:
             with closing(stream):
                 for event in stream:
@@ -186,7 +215,10 @@ class McpTools:
                 f"The answer failed after {steps} decode step(s) ({type(error).__name__}: {str(error)[:200]}). "
                 "The cache was restored to the prefilled context; ask again"
             ) from None
+        finally:
+            timer.cancel()
         answer = qa.history[-1]
+        timed_out = bound.is_set() and answer.finish_reason == "stopped"
         return _json(
             {
                 "question": answer.question,
@@ -201,6 +233,10 @@ class McpTools:
                 "cache_length_after": answer.cache_length_after,
                 "context_tokens": views.prefilled_tokens(qa),
                 "spec": qa.spec.text,
+                "note": f"stopped at this tool's bound of {MCP_ANSWER_SECONDS:g} s per call; ask with a lower "
+                "max_new_tokens, or again"
+                if timed_out
+                else "",
             }
         )
 
@@ -216,7 +252,8 @@ class McpTools:
     ) -> str:
         """Compare KV cache backends on one text: each spec prefills it in a fresh cache and answers the
         questions; gives memory, agreement with dynamic (identical answers, KL divergence) and speed. Minutes on
-        a CPU; one comparison runs at a time on the server.
+        a CPU; one comparison runs at a time on the server. One call runs for at most 300 seconds: it then
+        returns the specs finished so far, with a note; cancelling the call does not stop it sooner.
 
         Args:
             questions: the questions, asked in turn on the text (1-20)
@@ -250,6 +287,8 @@ class McpTools:
             golds = gold_answers_for(context, questions)
             note = ""
             prepared = self.app.prepare(loaded, context)  # tokenized once for the reservation and every spec
+            bound = threading.Event()
+            timer = _after(MCP_COMPARE_SECONDS, bound, cancel.set)
             with self.app.comparison(key, loaded, prepared, parsed, max_new_tokens):
                 try:
                     report = compare(
@@ -262,12 +301,20 @@ class McpTools:
                         cancel=cancel,
                         kv_budget_bytes=self.app.kv_budget_bytes,
                     )
-                except ComparisonCancelled as cancelled:  # the session was freed meanwhile
-                    report, note = cancelled.report, "cancelled: the session was freed; the finished specs follow"
+                except ComparisonCancelled as cancelled:  # the bound passed, or the session was freed meanwhile
+                    report = cancelled.report
+                    note = (
+                        f"stopped at this tool's bound of {MCP_COMPARE_SECONDS:g} s per call; the finished specs "
+                        "follow (compare fewer specs or questions per call)"
+                        if bound.is_set()
+                        else "cancelled: the session was freed; the finished specs follow"
+                    )
                 except (ValueError, ImportError):
                     raise
                 except Exception as error:  # a fault inside a decode step: every session it used has restored
                     raise ValueError(f"The comparison failed ({type(error).__name__}: {str(error)[:200]})") from None
+                finally:
+                    timer.cancel()
             rows = json_ready(report.to_frame().to_dict(orient="records"), nan=None)
             for row, result in zip(rows, report.results):
                 row["answers"] = [q.answer for q in result.questions]

@@ -160,3 +160,38 @@ def test_compare_over_the_sse_transport(mcp_app, tiny, normans):
         assert row["KV bytes"] == alone.prefill(paragraph.context, max_new_tokens=4).kv_bytes
         assert row["answers"] == [alone.ask(question, 4).text]
     assert report["scored_against_gold"] is True  # a paragraph of a shipped example with one of its questions
+
+
+def test_one_call_runs_no_longer_than_its_stated_bound(mcp_app, tiny, monkeypatch):
+    """Issue 23, item 1: an MCP client's cancel never reaches a Gradio tool (its bridge runs the tool as a job of
+    its own loopback client), so each call is bounded instead, as its description says: an answer past
+    `MCP_ANSWER_SECONDS` ends after its current decode step (stopped, the cache restored, the next call served),
+    a comparison past `MCP_COMPARE_SECONDS` returns the specs finished so far. Bounds of 0.3 s here."""
+    from kvdemo.ui import mcp_tools
+
+    url, _, _ = mcp_app
+    monkeypatch.setattr(mcp_tools, "MCP_ANSWER_SECONDS", 0.3)
+    monkeypatch.setattr(mcp_tools, "MCP_COMPARE_SECONDS", 0.3)
+    context = "The Normans held Rouen. Rollo led them."
+    specs = ["hqq:4,residual_length=2", "quanto:4,residual_length=2", "fp8"]
+    tools, results = _mcp(
+        url,
+        [
+            ("prefill_context", {"context": context, "spec": "hqq:4,residual_length=4", "session": "slow"}),
+            ("ask_question", {"question": "Tell me all you know.", "max_new_tokens": 400, "session": "slow"}),
+            ("ask_question", {"question": "Who led them?", "max_new_tokens": 3, "session": "slow"}),
+            ("compare_backends", {"questions": ["Who?"] * 4, "specs": specs, "max_new_tokens": 64, "context": context}),
+        ],
+    )
+    assert not any(result.isError for result in results), [_text(r) for r in results]
+    described = {tool.name: tool.description for tool in tools}
+    assert "at most 30 seconds" in described["ask_question"] and "at most 300 seconds" in described["compare_backends"]
+    prefilled, long, short, compared = (json.loads(_text(r)) for r in results)
+    assert long["finish_reason"] == "stopped" and 0 < long["tokens"] < 400
+    assert long["note"] == "stopped at this tool's bound of 0.3 s per call; ask with a lower max_new_tokens, or again"
+    assert long["cache_length_after"] == prefilled["context_tokens"]  # restored as after any answer
+    alone = QASession(tiny, CacheSpec.parse("hqq:4,residual_length=4"))
+    alone.prefill(context)
+    assert short["answer"] == alone.ask("Who led them?", 3).text and short["note"] == ""  # served next, unchanged
+    assert compared["note"].startswith("stopped at this tool's bound of 0.3 s per call; the finished specs follow")
+    assert len(compared["results"]) < 1 + len(specs)  # dynamic first, then the specs done within the bound
