@@ -1,0 +1,115 @@
+"""The README a newcomer reads in two minutes, and the manual under docs/: the README stays short, every relative
+link and picture points to a file (and a heading) that exists, the screenshots are small PNGs, every page leads
+back to the README, and docs/app.md's settings table lists every option of `app.py --help`. No model is loaded."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+import app as app_module
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+PAGES = sorted((ROOT / "docs").glob("*.md"))
+README_LINES = 200
+SCREENSHOTS = ("docs/images/ask.png", "docs/images/compare.png")
+SCREENSHOT_BYTES = 300_000
+LINK = re.compile(r"!?\[([^\]]*)\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+BACK = "[← back to the README](../README.md)"
+
+
+def _prose(text: str) -> str:
+    """The text without fenced code blocks and inline code spans (a link there is code, not a link)."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
+    return re.sub(r"`[^`\n]*`", "", text)
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, code and emphasis marks and punctuation but `-` and `_` dropped,
+    spaces to hyphens."""
+    text = re.sub(r"[`*]|\[([^\]]*)\]\([^)]*\)", lambda m: m.group(1) or "", heading.strip()).lower()
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    text = re.sub(r"^```.*?^```", "", path.read_text(encoding="utf-8"), flags=re.M | re.S)
+    return {slug(m) for m in re.findall(r"^#{1,6} +(.+?) *#*$", text, flags=re.M)}
+
+
+def links(path: Path) -> list[tuple[str, str]]:
+    """(text, target) of every link and picture in `path`, outside code."""
+    return LINK.findall(_prose(path.read_text(encoding="utf-8")))
+
+
+def test_the_readme_is_short():
+    lines = README.read_text(encoding="utf-8").count("\n")
+    assert lines <= README_LINES, f"README.md has {lines} lines; move detail into a docs/ page ({README_LINES} at most)"
+
+
+@pytest.mark.parametrize("path", [README, *PAGES], ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_every_relative_link_and_picture_points_to_a_file_and_heading(path):
+    broken = []
+    for text, target in links(path):
+        if re.match(r"[a-z]+:", target):  # http(s):, mailto:: not checked offline
+            continue
+        file, _, anchor = target.partition("#")
+        resolved = (path.parent / file).resolve() if file else path
+        if not resolved.exists():
+            broken.append(f"[{text}]({target}): no such file")
+        elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
+            broken.append(f"[{text}]({target}): no heading #{anchor} in {resolved.relative_to(ROOT)}")
+    assert not broken, f"{path.relative_to(ROOT)}:\n" + "\n".join(broken)
+
+
+def test_the_readme_shows_the_screenshots_small_and_described():
+    shown = {target: text for text, target in links(README)}
+    for name in SCREENSHOTS:
+        assert name in shown and len(shown[name]) > 20, f"README.md shows {name} with alt text"
+        data = (ROOT / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{name} is not a PNG"
+        assert len(data) < SCREENSHOT_BYTES, f"{name} is {len(data):,} bytes; `make screenshots` shrinks it"
+
+
+def test_every_page_has_a_title_and_leads_back_to_the_readme():
+    for path in PAGES:
+        if path.name == "DESIGN.md":
+            continue
+        lines = path.read_text(encoding="utf-8").splitlines()
+        assert lines[0].startswith("# ") and BACK in lines[:5], f"{path.name}: a '# title' then {BACK}"
+    linked = {target.partition("#")[0] for _, target in links(README)}
+    missing = [p.name for p in PAGES if f"docs/{p.name}" not in linked]
+    assert not missing, f"README.md links no docs page {missing}"
+
+
+def _help_options(capsys) -> dict[str, tuple[list[str], set[str]]]:
+    """`app.py --help`: each option's first flag -> (its flags, the environment variables its help names)."""
+    with pytest.raises(SystemExit):
+        app_module.parse_args(["--help"])
+    text = capsys.readouterr().out.split("\noptions:\n", 1)[1]
+    options: dict[str, tuple[list[str], set[str]]] = {}
+    for block in re.split(r"\n(?=  -)", "\n" + text):
+        if not block.strip() or block.strip().startswith("-h"):
+            continue
+        head = block.strip().split("  ")[0]  # the flags, before the help text
+        flags = re.findall(r"--[a-z][a-z-]*", head)
+        options[flags[0]] = (flags, set(re.findall(r"KVDEMO_[A-Z_]+", block)))
+    return options
+
+
+def test_the_settings_table_lists_every_option_of_app_help(capsys):
+    options = _help_options(capsys)
+    assert {"--host", "--queue-size", "--mcp", "--allow-local-paths"} <= set(options), options
+    page = (ROOT / "docs" / "app.md").read_text(encoding="utf-8")
+    rows = {}
+    for line in page.splitlines():
+        if line.startswith("| `--"):
+            rows[re.findall(r"--[a-z][a-z-]*", line.split("|")[1])[0]] = line
+    missing = sorted(set(options) - set(rows))
+    assert not missing, f"docs/app.md's settings table lacks {missing} (`app.py --help`)"
+    for first, (flags, variables) in options.items():
+        cells = rows[first].split("|")
+        assert all(f"`{flag}`" in cells[1] for flag in flags), f"{first}: the row names {flags}"
+        assert all(v in cells[2] for v in variables), f"{first}: the row names {sorted(variables)}"
