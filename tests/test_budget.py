@@ -64,7 +64,7 @@ def test_prefill_over_the_budget_is_refused_and_the_session_kept(tiny):
 
 
 def test_estimates_on_the_embedded_shape_match_the_measured_table():
-    """Bytes per token measured on the embedded model (README table): 30 layers, 3 KV heads, head_dim 64."""
+    """Bytes per token measured on the embedded model (docs/compare.md's table): 30 layers, 3 KV heads, head_dim 64."""
     from transformers import LlamaConfig
 
     config = LlamaConfig(
