@@ -26,7 +26,7 @@ def _s(s: float | None) -> str:
 
 
 def print_report(results: dict[str, Any]) -> None:
-    """Print every table of a `run_all.py` results dict, in the order of the README's Benchmarks section."""
+    """Print every table of a `run_all.py` results dict, in the order of docs/benchmarks.md."""
     cfg = results["config"]
     print(
         f"\nmodel: {results['model']}; {results['machine']['cpu']} ({results['machine']['cpu_cores']} cores, "

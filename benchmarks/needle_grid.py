@@ -1,4 +1,4 @@
-"""The needle-in-a-haystack grid of the README, measured in one run (`kvdemo.needle.grid`).
+"""The needle-in-a-haystack grid of docs/needle.md, measured in one run (`kvdemo.needle.grid`).
 
 Runs the grid (default: dynamic, hqq:2, hqq:4, quanto:4 and fp8 on the embedded model, lengths 1024, 2048, 4096
 and 7936 tokens, depths 0, 25, 50, 75 and 100 %, every depth of a length in one context), then the same grid
