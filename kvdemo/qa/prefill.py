@@ -70,6 +70,35 @@ def rope_changes(loaded: LoadedModel, shorter: int, longer: int) -> str | None:
     return None
 
 
+def check_rope(loaded: LoadedModel, context_tokens: int, more_tokens: int, hint: str) -> None:
+    """Refuse a cache whose keys would mix two RoPE factor sets: the model's RoPE factors change between the
+    context's length and the `more_tokens` after it that a question and its answer may add (`rope_changes`:
+    Phi-3's longrope past `original_max_position_embeddings`, dynamic NTK past `max_position_embeddings`). The
+    context's keys, cached once, keep the factors of its length, while every later token would get the other
+    ones. transformers' `generate` recomputes the whole cache at that point for Phi-3 (huggingface/transformers
+    PR#33129); a cache kept and restored cannot, so `QASession` refuses it.
+
+    Raises:
+        ValueError: naming the RoPE, the length where its factors change (found by bisection) and what to do
+            (`hint`, e.g. "Lower max_new_tokens").
+    """
+    kind = rope_changes(loaded, context_tokens, context_tokens + more_tokens)
+    if kind is None:
+        return
+    low, high = context_tokens, context_tokens + more_tokens  # the factors at low are the context's; at high not
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if rope_changes(loaded, context_tokens, middle) else (middle, high)
+    longer = high + more_tokens <= loaded.max_context_tokens and not rope_changes(loaded, high, high + more_tokens)
+    raise ValueError(  # `longer`: a context past the change keeps its factors (longrope's; dynamic NTK's move on)
+        f"this model's RoPE ({kind}) takes other factors from {high:,} tokens on, and the context's "
+        f"{context_tokens:,} tokens with a question and an answer may reach {context_tokens + more_tokens:,}: the "
+        "keys cached with the context's factors would not match the later ones (transformers' generate "
+        f"recomputes the whole cache there; a kept cache cannot). {hint} so that the whole stays below "
+        f"{high:,} tokens" + (f", or prefill a context of {high:,} tokens or more" if longer else "")
+    )
+
+
 class PrefillStopped(Exception):
     """The prefill was stopped between two chunks (Stop, or a new prefill); the cache it was building is dropped."""
 

@@ -25,7 +25,7 @@ from kvdemo.cache.telemetry import StepEvent, kv_memory
 from kvdemo.qa.decode import greedy_decode, teacher_forced
 from kvdemo.qa.limits import DEFAULT_MAX_NEW_TOKENS, QUESTION_RESERVE_TOKENS
 from kvdemo.qa.models import LoadedModel
-from kvdemo.qa.prefill import PREFILL_CHUNK_TOKENS, ProgressCallback, rope_changes, run_prefill
+from kvdemo.qa.prefill import PREFILL_CHUNK_TOKENS, ProgressCallback, check_rope, run_prefill
 from kvdemo.qa.prompt import PreparedContext, PreparedQuestion, PromptLayout, PromptSplit
 from kvdemo.qa.records import Answer, PrefillReport
 from kvdemo.qa.text import check_text
@@ -187,7 +187,7 @@ class QASession:
             ValueError: the context is empty or blank, holds a broken character (an unpaired surrogate, e.g. half
                 an emoji: the message gives its position; `kvdemo.qa.text.check_text`), or its tokens plus
                 `reserve_tokens` exceed the model's `max_context_tokens` (the message gives the numbers), or the
-                model's RoPE factors change between the context's length and that reserve's end (`_check_rope`).
+                model's RoPE factors change between the context's length and that reserve's end (`check_rope`).
                 The session is unchanged then.
             KVBudgetError (a ValueError): the estimated cache exceeds `kv_budget_bytes`; the session is
                 unchanged (the old context and cache stay).
@@ -244,37 +244,8 @@ class QASession:
         """
         checks.prefill_fits(self.loaded.max_context_tokens, context_tokens, reserve_tokens)
         if context_tokens:
-            self._check_rope(context_tokens, reserve_tokens, "Prefill a shorter context or lower max_new_tokens")
+            check_rope(self.loaded, context_tokens, reserve_tokens, "Prefill a shorter context or lower max_new_tokens")
             budget.check_budget(*self._budget_of, context_tokens, reserve_tokens)
-
-    def _check_rope(self, context_tokens: int, more_tokens: int, hint: str) -> None:
-        """Refuse a cache whose keys would mix two RoPE factor sets: the model's RoPE factors change between the
-        context's length and the `more_tokens` after it that a question and its answer may add
-        (`kvdemo.qa.prefill.rope_changes`: Phi-3's longrope past `original_max_position_embeddings`, dynamic NTK
-        past `max_position_embeddings`). The context's keys, cached once, keep the factors of its length, while
-        every later token would get the other ones. transformers' `generate` recomputes the whole cache at that
-        point for Phi-3 (huggingface/transformers PR#33129); a cache kept and restored cannot, so it is refused.
-
-        Raises:
-            ValueError: naming the RoPE, the length where its factors change and what to do (`hint`).
-        """
-        kind = rope_changes(self.loaded, context_tokens, context_tokens + more_tokens)
-        if kind is None:
-            return
-        low, high = context_tokens, context_tokens + more_tokens  # the factors at low are the context's; at high not
-        while high - low > 1:
-            middle = (low + high) // 2
-            low, high = (low, middle) if rope_changes(self.loaded, context_tokens, middle) else (middle, high)
-        longer = high + more_tokens <= self.loaded.max_context_tokens and not rope_changes(
-            self.loaded, high, high + more_tokens
-        )  # a context past the change whose answers keep its factors (longrope's; dynamic NTK's change again)
-        raise ValueError(
-            f"this model's RoPE ({kind}) takes other factors from {high:,} tokens on, and the context's "
-            f"{context_tokens:,} tokens with a question and an answer may reach {context_tokens + more_tokens:,}: the "
-            "keys cached with the context's factors would not match the later ones (transformers' generate "
-            f"recomputes the whole cache there; a kept cache cannot). {hint} so that the whole stays below "
-            f"{high:,} tokens" + (f", or prefill a context of {high:,} tokens or more" if longer else "")
-        )
 
     def check_answer(self, question_tokens: int, max_new_tokens: int) -> None:
         """Whether an answer of up to `max_new_tokens` to a question of `question_tokens` tokens fits the prefilled
@@ -286,7 +257,7 @@ class QASession:
         """
         context, decoded = self._prefilled()[1].seq_length, question_tokens + max_new_tokens
         checks.answer_fits(self.loaded.max_context_tokens, context, question_tokens, max_new_tokens)
-        self._check_rope(context, decoded, "Lower max_new_tokens")
+        check_rope(self.loaded, context, decoded, "Lower max_new_tokens")
         budget.check_budget(*self._budget_of, context, decoded, "Lower max_new_tokens, or prefill a shorter context")
 
     @property

@@ -30,10 +30,12 @@ import gradio as gr
 
 from kvdemo import checks
 from kvdemo.cache.spec import CacheSpec, default_compare_specs
-from kvdemo.compare.records import ComparisonCancelled, json_ready
+from kvdemo.compare.records import ComparisonCancelled, ComparisonReport, json_ready
 from kvdemo.compare.run import compare
 from kvdemo.evals.cases import gold_answers_for
 from kvdemo.qa.limits import DEFAULT_MAX_NEW_TOKENS
+from kvdemo.qa.models import LoadedModel
+from kvdemo.qa.prompt import PreparedContext
 from kvdemo.qa.session import QASession
 from kvdemo.serve.server import App
 from kvdemo.serve.store import UserSession
@@ -285,36 +287,9 @@ class McpTools:
         busy = "A comparison is already running in this session; wait for it to end"
         with self.app.sessions.long_job(user, busy) as cancel:
             golds = gold_answers_for(context, questions)
-            note = ""
             prepared = self.app.prepare(loaded, context)  # tokenized once for the reservation and every spec
-            bound = threading.Event()
-            timer = _after(MCP_COMPARE_SECONDS, bound, cancel.set)
             with self.app.comparison(key, loaded, prepared, parsed, max_new_tokens):
-                try:
-                    report = compare(
-                        loaded,
-                        prepared,
-                        questions,
-                        parsed,
-                        max_new_tokens,
-                        golds,
-                        cancel=cancel,
-                        kv_budget_bytes=self.app.kv_budget_bytes,
-                    )
-                except ComparisonCancelled as cancelled:  # the bound passed, or the session was freed meanwhile
-                    report = cancelled.report
-                    note = (
-                        f"stopped at this tool's bound of {MCP_COMPARE_SECONDS:g} s per call; the finished specs "
-                        "follow (compare fewer specs or questions per call)"
-                        if bound.is_set()
-                        else "cancelled: the session was freed; the finished specs follow"
-                    )
-                except (ValueError, ImportError):
-                    raise
-                except Exception as error:  # a fault inside a decode step: every session it used has restored
-                    raise ValueError(f"The comparison failed ({type(error).__name__}: {str(error)[:200]})") from None
-                finally:
-                    timer.cancel()
+                report, note = self._bounded_compare(loaded, prepared, questions, parsed, max_new_tokens, golds, cancel)
             rows = json_ready(report.to_frame().to_dict(orient="records"), nan=None)
             for row, result in zip(rows, report.results):
                 row["answers"] = [q.answer for q in result.questions]
@@ -327,6 +302,50 @@ class McpTools:
                     "results": rows,
                 }
             )
+
+    def _bounded_compare(
+        self,
+        loaded: LoadedModel,
+        prepared: PreparedContext,
+        questions: list[str],
+        specs: list[CacheSpec],
+        max_new_tokens: int,
+        golds: list[tuple[str, ...]] | None,
+        cancel: threading.Event,
+    ) -> tuple[ComparisonReport, str]:
+        """`compare_backends`' run: `compare` stopped by `cancel`, which `MCP_COMPARE_SECONDS` sets; returns the
+        report (the specs finished, when stopped) and a note saying why it stopped ("" when it did not).
+
+        Raises:
+            ValueError, ImportError: bad input, or a fault inside a decode step (every session it used restored).
+        """
+        bound = threading.Event()
+        timer = _after(MCP_COMPARE_SECONDS, bound, cancel.set)
+        try:
+            report = compare(
+                loaded,
+                prepared,
+                questions,
+                specs,
+                max_new_tokens,
+                golds,
+                cancel=cancel,
+                kv_budget_bytes=self.app.kv_budget_bytes,
+            )
+            return report, ""
+        except ComparisonCancelled as cancelled:  # the bound passed, or the session was freed meanwhile
+            if bound.is_set():
+                return cancelled.report, (
+                    f"stopped at this tool's bound of {MCP_COMPARE_SECONDS:g} s per call; the finished specs follow "
+                    "(compare fewer specs or questions per call)"
+                )
+            return cancelled.report, "cancelled: the session was freed; the finished specs follow"
+        except (ValueError, ImportError):
+            raise
+        except Exception as error:  # a fault inside a decode step: every session it used has restored
+            raise ValueError(f"The comparison failed ({type(error).__name__}: {str(error)[:200]})") from None
+        finally:
+            timer.cancel()
 
     def register(self) -> None:
         """Add the tools to the `gr.Blocks` being built, as API endpoints named `TOOLS`: prefill and ask in the
