@@ -1,0 +1,193 @@
+"""Random sequences against the invariants (issue 23, item 5; the pattern of SQLite's and vLLM's randomized tests):
+a hypothesis `RuleBasedStateMachine` drives one `QASession` on a tiny model through random sequences of prefill
+(random and odd texts, some too long for the window), ask (random max_new_tokens; a residual_length of 1-8 makes
+answers flush mid-answer and on the last step), Stop at a random decode step, a fault injected at a random decode
+step, and changes of spec (every spec of `all_specs()`) and of context. After every step:
+
+- the cache holds exactly the post-prefill tokens, and the post-prefill bytes (`kv_memory` of the cache and its
+  snapshot): exactly for the backends whose restore puts back the saved tensors; for `dynamic`, whose restore
+  slices the last decode step's tensors back to the context (a view, docs/DESIGN.md), at most what its byte
+  formula gives for the context with the longest question and answer fed since the prefill;
+- every answer equals a fresh session's answer to the same question on the same context and spec, a stopped
+  answer a prefix of it;
+- a refused prefill (too long for the window) leaves the session as it was;
+- at the end, every `QASession` the sequence made is freed (weak references), so nothing keeps a cache alive.
+
+CI runs `KVDEMO_RANDOM_EXAMPLES` sequences (default 12) of up to 12 steps; a longer run:
+`KVDEMO_RANDOM_EXAMPLES=500 pytest tests/test_state_machine.py`."""
+
+from __future__ import annotations
+
+import gc
+import os
+import weakref
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from kvdemo import CacheSpec, QASession
+from kvdemo.cache.spec import all_specs, estimate_kv_bytes
+from kvdemo.cache.telemetry import kv_memory
+
+EXAMPLES = int(os.environ.get("KVDEMO_RANDOM_EXAMPLES", "12"))
+
+ODD = ["<|im_end|>", "<|im_start|>assistant", "\u200b", "\u202e", "\x00", "\r\n", "\t", "😀", "ſ", "Ｆｕｌｌ"]
+"""Pieces of text a tokenizer or a chat template could trip on: control tokens as text, invisible and bidi
+characters, NUL, line endings, an emoji (4 UTF-8 bytes), letters with odd case mappings, full-width forms."""
+
+WORDS = st.sampled_from(["The", "Normans", "held", "Rouen", "in", "911", "and", "Rollo", "led", "them", ".", ",", "?"])
+TEXT = st.lists(
+    st.one_of(WORDS, WORDS, WORDS, st.sampled_from(ODD), st.text(st.characters(exclude_categories=["Cs"]), max_size=8)),
+    min_size=1,
+    max_size=120,
+).map(" ".join)
+
+
+def _spec(draw_spec: CacheSpec, residual: int) -> CacheSpec:
+    """`draw_spec` with a short residual where it has one, so answers flush."""
+    return draw_spec.replace(residual_length=residual) if draw_spec.info.has_residual else draw_spec
+
+
+SPECS = st.builds(_spec, st.sampled_from(all_specs()), st.integers(1, 8))
+
+
+class SessionMachine(RuleBasedStateMachine):
+    """One session under random use; `loaded` is set by the test (the tiny model)."""
+
+    loaded = None
+
+    @initialize(spec=SPECS)
+    def start(self, spec):
+        self.made: list[weakref.ref] = []
+        self.qa = self._session(spec)
+        self.context: str | None = None
+        self.tokens = self.bytes = self.fed = 0
+
+    def _session(self, spec: CacheSpec) -> QASession:
+        qa = QASession(self.loaded, spec)
+        self.made.append(weakref.ref(qa))
+        return qa
+
+    def _fresh(self, question: str, max_new_tokens: int):
+        fresh = self._session(self.qa.spec)
+        fresh.prefill(self.context)
+        return fresh.ask(question, max_new_tokens)
+
+    @rule(spec=SPECS)
+    def change_spec(self, spec):
+        self.qa, self.context, self.tokens, self.fed = self._session(spec), None, 0, 0
+
+    def _feeds(self, question: str, max_new_tokens: int) -> None:
+        """Count the most tokens an answer to `question` may feed after the context (its ids and the answer)."""
+        try:
+            self.fed = max(self.fed, len(self.qa.prepare_question(question, max_new_tokens).ids) + max_new_tokens)
+        except ValueError:
+            pass
+
+    @rule(text=TEXT)
+    def prefill(self, text):
+        before = (self.qa.cache, self.qa.context, self.qa.cache_length)
+        try:
+            report = self.qa.prefill(text)
+        except ValueError as refusal:  # too long for the window, or a text with nothing in it
+            assert any(s in str(refusal) for s in ("tokens", "empty")), refusal
+            assert (self.qa.cache, self.qa.context, self.qa.cache_length) == before  # unchanged
+            return
+        self.context, self.tokens, self.fed = text, report.context_tokens, 0
+        self.bytes = kv_memory(self.qa.cache, self.qa._snapshot).total_bytes
+
+    @precondition(lambda self: self.context is not None)
+    @rule(question=TEXT, max_new_tokens=st.integers(1, 24))
+    def ask(self, question, max_new_tokens):
+        self._feeds(question, max_new_tokens)
+        try:
+            answer = self.qa.ask(question, max_new_tokens)
+        except ValueError as refusal:  # an empty question, or one that does not fit the window
+            assert any(s in str(refusal) for s in ("tokens", "empty")), refusal
+            return
+        expected = self._fresh(question, max_new_tokens)
+        assert answer.token_ids == expected.token_ids and answer.text == expected.text
+        assert answer.finish_reason == expected.finish_reason and answer.cache_length_after == self.tokens
+
+    @precondition(lambda self: self.context is not None)
+    @rule(question=TEXT, stop_at=st.integers(0, 10))
+    def stop(self, question, stop_at):
+        self._feeds(question, 16)
+        try:
+            stream = self.qa.stream(question, 16)
+        except ValueError:
+            return
+        for step, _ in enumerate(stream):
+            if step == stop_at:
+                self.qa.request_stop()
+        answer = self.qa.history[-1]
+        expected = self._fresh(question, 16)
+        assert list(answer.token_ids) == list(expected.token_ids[: len(answer.token_ids)])
+        cut = len(answer.token_ids) < len(expected.token_ids)
+        assert answer.finish_reason == ("stopped" if cut else expected.finish_reason)
+
+    @precondition(lambda self: self.context is not None)
+    @rule(question=TEXT, fail_at=st.integers(1, 12))
+    def fault(self, question, fail_at):
+        model, calls = self.loaded.model, {"n": 0}
+        forward = model.forward
+
+        def failing(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == fail_at:
+                raise RuntimeError("injected fault")
+            return forward(*args, **kwargs)
+
+        self._feeds(question, 16)
+        model.forward = failing
+        try:
+            self.qa.ask(question, 16)
+        except RuntimeError as error:
+            assert str(error) == "injected fault"
+        except ValueError:
+            pass
+        finally:
+            del model.forward  # the class's forward again
+
+    @invariant()
+    def the_cache_is_the_post_prefill_cache(self):
+        if self.context is None:
+            return
+        assert self.qa.cache_length == self.tokens
+        held = kv_memory(self.qa.cache, self.qa._snapshot).total_bytes
+        if self.qa.spec.info.quantized:
+            assert held == self.bytes
+        else:  # the view of the last step's tensors, bounded by the byte formula (capacity for storage=growing)
+            most = estimate_kv_bytes(self.qa.spec, self.loaded.config, self.tokens + self.fed, self.loaded.dtype)
+            assert self.bytes <= held <= max(most, self.bytes), (held, self.bytes, most)
+
+    def teardown(self):
+        made = getattr(self, "made", [])
+        self.qa = None
+        gc.collect()
+        assert not [ref for ref in made if ref() is not None], "a QASession outlived its sequence"
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_random_sequences_keep_every_invariant(tiny):
+    SessionMachine.loaded = tiny
+    run_state_machine_as_test(
+        SessionMachine,
+        settings=settings(
+            max_examples=EXAMPLES,
+            stateful_step_count=12,
+            deadline=None,
+            derandomize=EXAMPLES <= 12,  # CI: the same sequences every run; a long run draws new ones
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+            database=None,
+        ),
+    )
