@@ -1,4 +1,5 @@
-"""A running app on a free local port, with the embedded model, for gradio_client and browser tests."""
+"""Running apps on free local ports for gradio_client, MCP and browser tests: `app_url` with the embedded model,
+`mcp_app` with the tiny model and the MCP server."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 
 from kvdemo.serve.server import App
 from kvdemo.ui import build_demo
+from kvdemo.ui.mcp_tools import serve_only_tools
 
 
 def free_port() -> int:
@@ -26,4 +28,30 @@ def app_url(embedded):
     demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, ssr_mode=False, quiet=True)
     assert app.wait_for_model() is embedded
     yield f"http://127.0.0.1:{port}/"
+    demo.close()
+
+
+@pytest.fixture(scope="module")
+def mcp_app(tiny):
+    """(url, app, the MCP tool names served): the tiny model (another model source goes to `load_model`), the MCP
+    server on, errors shown as app.py shows them (`show_error=True`)."""
+    from kvdemo.qa.models import load_model
+
+    app = App(loader=lambda source: tiny if source is None else load_model(source))
+    app.start_loading()
+    demo = build_demo(app)
+    demo.queue(default_concurrency_limit=1)
+    port = free_port()
+    demo.launch(
+        server_name="127.0.0.1",
+        server_port=port,
+        prevent_thread_lock=True,
+        ssr_mode=False,
+        quiet=True,
+        mcp_server=True,
+        show_error=True,
+    )
+    served = serve_only_tools(demo)
+    assert app.wait_for_model() is tiny
+    yield f"http://127.0.0.1:{port}/", app, served
     demo.close()

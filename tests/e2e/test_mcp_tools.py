@@ -9,34 +9,14 @@ import asyncio
 import json
 import urllib.request
 
-import pytest
 from gradio_client import Client
 from mcp import ClientSession
 from mcp.client.sse import sse_client
 from mcp.client.streamable_http import streamable_http_client
 
 from kvdemo import CacheSpec, QASession
-from kvdemo.ui import App, build_demo
 from kvdemo.ui.ask_widgets import START_SPEC
-from kvdemo.ui.mcp_tools import TOOLS, serve_only_tools
-
-from .conftest import free_port
-
-
-@pytest.fixture(scope="module")
-def mcp_app(tiny):
-    app = App(loader=lambda source: tiny)
-    app.start_loading()
-    demo = build_demo(app)
-    demo.queue(default_concurrency_limit=1)
-    port = free_port()
-    demo.launch(
-        server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, ssr_mode=False, quiet=True, mcp_server=True
-    )
-    served = serve_only_tools(demo)
-    assert app.wait_for_model() is tiny
-    yield f"http://127.0.0.1:{port}/", app, served
-    demo.close()
+from kvdemo.ui.mcp_tools import TOOLS
 
 
 def _mcp(url: str, calls: list[tuple[str, dict]], transport: str = "http") -> tuple[list, list]:
