@@ -137,8 +137,8 @@ def plot_title(update) -> str:
     if isinstance(update, Figure):
         return update.axes[0].get_title()
     if getattr(update, "type", None) == "matplotlib":  # an encoded empty chart: which of the two
-        for suffix in ("drawn when the answer ends", "ask a question to see it"):
-            title = f"{views.STEP_TITLE}: {suffix}"
+        for streaming in (True, False):
+            title = views.waiting_step_title(streaming)
             if views._empty_step_chart(title) == update:
                 return title
         raise AssertionError("an encoded plot that is not one of the empty step-time charts")

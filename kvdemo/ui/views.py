@@ -236,8 +236,13 @@ def step_times(events: list, streaming: bool = False) -> Any:
     """
     if events and not streaming:
         return step_time_figure(events, STEP_TITLE, min_steps=MIN_STEPS_SHOWN, size=STEP_FIGURE_SIZE)
-    waiting = "drawn when the answer ends" if streaming else "ask a question to see it"
-    return _empty_step_chart(f"{STEP_TITLE}: {waiting}")
+    return _empty_step_chart(waiting_step_title(streaming))
+
+
+def waiting_step_title(streaming: bool) -> str:
+    """The empty step-time chart's title: while an answer streams, or before any (short enough for the figure's
+    width; there is no flush step to mark yet)."""
+    return f"Time per decode step: {'drawn when the answer ends' if streaming else 'ask a question to see it'}"
 
 
 STEP_FIGURE_SIZE = (6.4, 3.0)
