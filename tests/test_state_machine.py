@@ -19,8 +19,11 @@ CI runs `KVDEMO_RANDOM_EXAMPLES` sequences (default 12) of up to 12 steps; a lon
 from __future__ import annotations
 
 import gc
+import json
 import os
 import weakref
+from collections import Counter
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -39,6 +42,7 @@ from kvdemo.cache.spec import all_specs, estimate_kv_bytes
 from kvdemo.cache.telemetry import kv_memory
 
 EXAMPLES = int(os.environ.get("KVDEMO_RANDOM_EXAMPLES", "12"))
+ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
 
 ODD = ["<|im_end|>", "<|im_start|>assistant", "\u200b", "\u202e", "\x00", "\r\n", "\t", "😀", "ſ", "Ｆｕｌｌ"]
 """Pieces of text a tokenizer or a chat template could trip on: control tokens as text, invisible and bidi
@@ -61,12 +65,14 @@ SPECS = st.builds(_spec, st.sampled_from(all_specs()), st.integers(1, 8))
 
 
 class SessionMachine(RuleBasedStateMachine):
-    """One session under random use; `loaded` is set by the test (the tiny model)."""
+    """One session under random use; `loaded` is set by the test (the tiny model); `done` counts what ran."""
 
     loaded = None
+    done: Counter = Counter()
 
     @initialize(spec=SPECS)
     def start(self, spec):
+        self.done["sequences"] += 1
         self.made: list[weakref.ref] = []
         self.qa = self._session(spec)
         self.context: str | None = None
@@ -82,8 +88,10 @@ class SessionMachine(RuleBasedStateMachine):
         fresh.prefill(self.context)
         return fresh.ask(question, max_new_tokens)
 
+    @precondition(lambda self: self.context is not None)  # a spec change drops the context: after a prefill only
     @rule(spec=SPECS)
     def change_spec(self, spec):
+        self.done["spec changes"] += 1
         self.qa, self.context, self.tokens, self.fed = self._session(spec), None, 0, 0
 
     def _feeds(self, question: str, max_new_tokens: int) -> None:
@@ -101,7 +109,9 @@ class SessionMachine(RuleBasedStateMachine):
         except ValueError as refusal:  # too long for the window, or a text with nothing in it
             assert any(s in str(refusal) for s in ("tokens", "empty")), refusal
             assert (self.qa.cache, self.qa.context, self.qa.cache_length) == before  # unchanged
+            self.done["prefills refused"] += 1
             return
+        self.done["prefills"] += 1
         self.context, self.tokens, self.fed = text, report.context_tokens, 0
         self.bytes = kv_memory(self.qa.cache, self.qa._snapshot).total_bytes
 
@@ -113,7 +123,10 @@ class SessionMachine(RuleBasedStateMachine):
             answer = self.qa.ask(question, max_new_tokens)
         except ValueError as refusal:  # an empty question, or one that does not fit the window
             assert any(s in str(refusal) for s in ("tokens", "empty")), refusal
+            self.done["questions refused"] += 1
             return
+        self.done["answers"] += 1
+        self.done["answers that flushed"] += answer.flush_count > 0
         expected = self._fresh(question, max_new_tokens)
         assert answer.token_ids == expected.token_ids and answer.text == expected.text
         assert answer.finish_reason == expected.finish_reason and answer.cache_length_after == self.tokens
@@ -133,6 +146,7 @@ class SessionMachine(RuleBasedStateMachine):
         expected = self._fresh(question, 16)
         assert list(answer.token_ids) == list(expected.token_ids[: len(answer.token_ids)])
         cut = len(answer.token_ids) < len(expected.token_ids)
+        self.done["answers stopped" if cut else "answers that ended before the stop"] += 1
         assert answer.finish_reason == ("stopped" if cut else expected.finish_reason)
 
     @precondition(lambda self: self.context is not None)
@@ -153,6 +167,7 @@ class SessionMachine(RuleBasedStateMachine):
             self.qa.ask(question, 16)
         except RuntimeError as error:
             assert str(error) == "injected fault"
+            self.done["faults injected"] += 1
         except ValueError:
             pass
         finally:
@@ -179,7 +194,7 @@ class SessionMachine(RuleBasedStateMachine):
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_random_sequences_keep_every_invariant(tiny):
-    SessionMachine.loaded = tiny
+    SessionMachine.loaded, SessionMachine.done = tiny, Counter()
     run_state_machine_as_test(
         SessionMachine,
         settings=settings(
@@ -191,3 +206,8 @@ def test_random_sequences_keep_every_invariant(tiny):
             database=None,
         ),
     )
+    done = dict(sorted(SessionMachine.done.items()))
+    ARTIFACTS.mkdir(exist_ok=True)
+    (ARTIFACTS / "random_sequences.json").write_text(json.dumps(done, indent=2))
+    print(json.dumps(done))
+    assert done["sequences"] >= EXAMPLES and done["answers"] > 0 and done["prefills"] > 0
