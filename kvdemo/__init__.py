@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 # read when torch loads, so it acts only if torch is not imported yet; a value set by the user, or
 # OMP_WAIT_POLICY, is kept). libgomp's default spins up to 300,000 iterations: on a small shared CPU (2 cores, other
 # processes or a second session) the spinning threads take the cores from the ones doing the matrix-vector
-# products. Measured on 2 cores (benchmarks/speed.py, README "Benchmarks"): idle, the same step time as the default
+# products. Measured on 2 cores (benchmarks/speed.py, docs/benchmarks.md): idle, the same step time as the default
 # (52-55 ms at 2 threads); with one busy process beside it, 0.56 s per step instead of 3.7 s.
 if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "20000")
