@@ -55,3 +55,5 @@ def mcp_app(tiny):
     assert app.wait_for_model() is tiny
     yield f"http://127.0.0.1:{port}/", app, served
     demo.close()
+    for key in list(app.sessions._sessions):  # what the module's clients left: freed, so no later test sees it
+        app.sessions.free(key, "the test module ended")

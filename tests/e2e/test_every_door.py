@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import urllib.error
 import urllib.request
@@ -20,9 +21,12 @@ from gradio_client import Client, handle_file
 from mcp import ClientSession
 from mcp.client.streamable_http import streamable_http_client
 
+import kvdemo
 from kvdemo.ui.mcp_tools import TOOLS
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
+KVDEMO = str(Path(kvdemo.__file__).resolve().parent) + os.sep
+"""The package's folder: a traceback frame under it is the app's code."""
 SEED = 23
 PER_ENDPOINT = 8
 
@@ -34,13 +38,14 @@ def _crashes_in(log: str) -> tuple[list[str], Counter]:
     check of the payload against the component (a pydantic FileData error, a value not among a Radio's choices,
     a CheckboxGroup given null), counted by its last line."""
     crashes, kinds = [], Counter()
+    ours = f'File "{KVDEMO}'  # a frame in the package itself (a clone's folder may be named kvdemo too: its .venv)
     for block in log.split("Traceback (most recent call last):")[1:]:
         lines = [line for line in block.splitlines() if line.strip() and not line.startswith((" ", "\t"))]
         last = next((line for line in lines if not line.startswith("During handling")), "?")
-        if "/kvdemo/" in block and not last.startswith("gradio.exceptions.Error"):
+        if ours in block and not last.startswith("gradio.exceptions.Error"):
             crashes.append(block[-1500:])
         else:
-            kinds["gr.Error (the app's refusal)" if "/kvdemo/" in block else f"Gradio: {last.split(':')[0]}"] += 1
+            kinds["gr.Error (the app's refusal)" if ours in block else f"Gradio: {last.split(':')[0]}"] += 1
     return crashes, kinds
 
 
