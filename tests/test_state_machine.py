@@ -40,6 +40,7 @@ from hypothesis.stateful import (
 from kvdemo import CacheSpec, QASession
 from kvdemo.cache.spec import all_specs, estimate_kv_bytes
 from kvdemo.cache.telemetry import kv_memory
+from tests.helpers import fail_forward_at
 
 EXAMPLES = int(os.environ.get("KVDEMO_RANDOM_EXAMPLES", "12"))
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
@@ -152,26 +153,16 @@ class SessionMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.context is not None)
     @rule(question=TEXT, fail_at=st.integers(1, 12))
     def fault(self, question, fail_at):
-        model, calls = self.loaded.model, {"n": 0}
-        forward = model.forward
-
-        def failing(*args, **kwargs):
-            calls["n"] += 1
-            if calls["n"] == fail_at:
-                raise RuntimeError("injected fault")
-            return forward(*args, **kwargs)
-
         self._feeds(question, 16)
-        model.forward = failing
-        try:
-            self.qa.ask(question, 16)
-        except RuntimeError as error:
-            assert str(error) == "injected fault"
-            self.done["faults injected"] += 1
-        except ValueError:
-            pass
-        finally:
-            del model.forward  # the class's forward again
+        with pytest.MonkeyPatch.context() as patch:  # the model's own forward again when the block ends
+            fail_forward_at(patch, self.loaded, fail_at, "injected fault")
+            try:
+                self.qa.ask(question, 16)
+            except RuntimeError as error:
+                assert str(error) == "injected fault"
+                self.done["faults injected"] += 1
+            except ValueError:
+                pass
 
     @invariant()
     def the_cache_is_the_post_prefill_cache(self):
