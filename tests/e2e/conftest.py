@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 
+import gradio as gr
 import pytest
 
 from kvdemo.serve.server import App
@@ -18,16 +19,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def app_url(embedded):
-    app = App()  # loads the embedded model: the same object as the `embedded` fixture's
+def serve(app: App, port: int | None = None, **launch) -> tuple[gr.Blocks, str]:
+    """`app` started loading its model, its page built, queued one event at a time (as on CPU) and launched on
+    `port` (default: a free one) without blocking; `launch` adds `demo.launch` options. Returns (demo, url)."""
     app.start_loading()
     demo = build_demo(app)
     demo.queue(default_concurrency_limit=1)
-    port = free_port()
-    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, ssr_mode=False, quiet=True)
+    port = port or free_port()
+    demo.launch(
+        server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, ssr_mode=False, quiet=True, **launch
+    )
+    return demo, f"http://127.0.0.1:{port}/"
+
+
+@pytest.fixture(scope="session")
+def app_url(embedded):
+    app = App()  # loads the embedded model: the same object as the `embedded` fixture's
+    demo, url = serve(app)
     assert app.wait_for_model() is embedded
-    yield f"http://127.0.0.1:{port}/"
+    yield url
     demo.close()
 
 
@@ -38,22 +48,10 @@ def mcp_app(tiny):
     from kvdemo.qa.models import load_model
 
     app = App(loader=lambda source: tiny if source is None else load_model(source))
-    app.start_loading()
-    demo = build_demo(app)
-    demo.queue(default_concurrency_limit=1)
-    port = free_port()
-    demo.launch(
-        server_name="127.0.0.1",
-        server_port=port,
-        prevent_thread_lock=True,
-        ssr_mode=False,
-        quiet=True,
-        mcp_server=True,
-        show_error=True,
-    )
+    demo, url = serve(app, mcp_server=True, show_error=True)
     served = serve_only_tools(demo)
     assert app.wait_for_model() is tiny
-    yield f"http://127.0.0.1:{port}/", app, served
+    yield url, app, served
     demo.close()
     for key in list(app.sessions._sessions):  # what the module's clients left: freed, so no later test sees it
         app.sessions.free(key, "the test module ended")

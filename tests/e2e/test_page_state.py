@@ -18,10 +18,9 @@ from kvdemo.evals.cases import example_path, load_case
 from kvdemo.qa.prefill import PREFILL_CHUNK_TOKENS
 from kvdemo.serve.secret import ENV, SECRET_FILE
 from kvdemo.serve.server import App
-from kvdemo.ui import build_demo
 from kvdemo.ui.ask_widgets import START_SPEC
 
-from .conftest import free_port
+from .conftest import free_port, serve
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts" / "state"
 LONGER_THAN_A_TOAST_MS = 12_000
@@ -345,10 +344,7 @@ def test_what_the_browser_kept_survives_a_server_restart(browser, embedded, norm
 
     def start():
         app = App(loader=lambda source: embedded)
-        app.start_loading()
-        demo = build_demo(app)
-        demo.queue(default_concurrency_limit=1)
-        demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, ssr_mode=False, quiet=True)
+        demo, _ = serve(app, port)
         app.wait_for_model()
         return demo
 
