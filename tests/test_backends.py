@@ -50,6 +50,7 @@ def test_spec_defaults_and_label():
     spec = CacheSpec("hqq", nbits=2, residual_length=4)
     assert spec.resolved() == {
         "nbits": 2,
+        "nbits_value": 2,  # unset: nbits's, as transformers' one precision
         "q_group_size": 64,
         "residual_length": 4,
         "axis_key": 0,
@@ -60,6 +61,15 @@ def test_spec_defaults_and_label():
     assert spec.label == "hqq nbits=2 q_group_size=64 residual_length=4"
     assert spec.replace(rotation="hadamard").label == "hqq nbits=2 q_group_size=64 residual_length=4 rotation=hadamard"
     assert CacheSpec("fp8").resolved() == {} and CacheSpec("fp8").label == "fp8"
+    # nbits_value is shown only where it differs from nbits, so each text means one spec
+    mixed = spec.replace(nbits=4, nbits_value=2)
+    assert mixed.label == "hqq nbits=4 nbits_value=2 q_group_size=64 residual_length=4"
+    assert mixed.short_text == "hqq:4,nbits_value=2,residual_length=4"
+    assert CacheSpec.parse(mixed.full_text) == mixed.replace(q_group_size=64, axis_key=0, axis_value=0).replace(
+        flush="requantize", rotation="none"
+    )
+    assert "nbits_value" not in spec.replace(nbits_value=2).full_text
+    assert spec.replace(nbits_value=2).resolved() == spec.resolved()
 
 
 @pytest.mark.parametrize(

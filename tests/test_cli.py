@@ -47,6 +47,7 @@ def test_ask_json_on_the_normans_case(embedded, capsys):
     assert result["backend"] == "hqq"
     assert result["options"] == {
         "nbits": 4,
+        "nbits_value": 4,  # unset: nbits's
         "q_group_size": 64,
         "residual_length": 16,
         "axis_key": 0,

@@ -122,7 +122,7 @@ def test_the_option_reaches_the_command_line_and_the_page(capsys):
     from kvdemo.cache.registry import GROUP_OPTIONS
     from kvdemo.cli.main import build_parser, run_ask  # noqa: F401
     from kvdemo.ui.inputs import spec_from_inputs
-    from kvdemo.ui.views import backend_option_updates
+    from kvdemo.ui.option_fields import backend_option_updates
 
     parser = build_parser()
     args = parser.parse_args(["ask", "--context-file", "x", "--backend", "hqq", "--flush", "Append"])

@@ -71,7 +71,7 @@ def test_a_fifth_backend_reaches_the_page(with_dummy, tiny):
     from kvdemo.serve.server import App
     from kvdemo.ui import build_demo
     from kvdemo.ui.inputs import spec_from_inputs
-    from kvdemo.ui.views import backend_option_updates
+    from kvdemo.ui.option_fields import backend_option_updates
 
     demo = build_demo(App(loader=lambda source=None: tiny))
     radios = [b for b in demo.blocks.values() if isinstance(b, gr.Radio) and b.label == "backend"]

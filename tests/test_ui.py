@@ -18,7 +18,7 @@ from kvdemo.serve.store import SessionStore
 from kvdemo.ui import build_demo, views
 from kvdemo.ui.examples import EXAMPLES, example
 from kvdemo.ui.inputs import MAX_UPLOAD_BYTES, read_upload, spec_from_inputs
-from kvdemo.ui.views import backend_option_updates
+from kvdemo.ui.option_fields import backend_option_updates
 from tests.helpers import named_handlers, plot_title, plotted, refused
 
 CONTEXT = "The Normans were the people who gave their name to Normandy, a region in France. Rollo led them."
@@ -242,21 +242,23 @@ def test_session_store_is_bounded_and_frees_the_least_recently_used():
 
 def test_backend_options_shown_from_the_registry():
     *hqq, note = backend_option_updates("hqq")
-    assert [u["visible"] for u in hqq] == [True] * 6 + [False, True]  # every option but dynamic's storage
+    assert [u["visible"] for u in hqq] == [True] * 6 + [False, True, True]  # every option but dynamic's storage
     assert hqq[0]["choices"] == [1, 2, 3, 4, 8] and hqq[3]["choices"] == [0, 1]
     *quanto, _ = backend_option_updates("quanto")
     assert quanto[0]["choices"] == [2, 4] and quanto[4]["choices"] == [0, -1]
     *fp8, note = backend_option_updates("fp8")
-    assert [u["visible"] for u in fp8] == [False] * 8 and "never flushes" in note
+    assert [u["visible"] for u in fp8] == [False] * 9 and "never flushes" in note
     *dynamic, note = backend_option_updates("dynamic")
-    assert [u["visible"] for u in dynamic] == [False] * 6 + [True, False] and "storage=growing" in note
-    assert dynamic[-2]["choices"] == ["concat", "growing"] and dynamic[-2]["value"] == "concat"
-    assert hqq[-1]["choices"] == ["none", "hadamard"] and hqq[-1]["value"] == "none"  # rotation
+    assert [u["visible"] for u in dynamic] == [False] * 6 + [True, False, False] and "storage=growing" in note
+    assert dynamic[-3]["choices"] == ["concat", "growing"] and dynamic[-3]["value"] == "concat"
+    assert hqq[-2]["choices"] == ["none", "hadamard"] and hqq[-2]["value"] == "none"  # rotation
+    # nbits_value: first the empty field, "same as nbits" (the option unset), then the values' own bits
+    assert quanto[-1]["choices"] == [("same as nbits", ""), ("2", 2), ("4", 4)] and quanto[-1]["value"] == ""
 
 
 def test_switching_backend_keeps_the_values_the_new_backend_allows():
     *hqq, _ = backend_option_updates("hqq", 3, 32, 16, 1, 0)
-    assert [u.get("value") for u in hqq] == [3, 32, 16, 1, 0, "requantize", None, "none"]  # what was there
+    assert [u.get("value") for u in hqq] == [3, 32, 16, 1, 0, "requantize", None, "none", ""]  # what was there
     *quanto, _ = backend_option_updates("quanto", 3, 32, 16, 1, 0)
     assert [u.get("value") for u in quanto] == [
         4,
@@ -267,11 +269,15 @@ def test_switching_backend_keeps_the_values_the_new_backend_allows():
         "requantize",
         None,
         "none",
+        "",
     ]  # nbits 3 and axis 1 are not quanto's: defaults; storage is hidden (not quanto's)
     *hqq, _ = backend_option_updates("hqq", None, None, 0, None, None)
-    assert [u.get("value") for u in hqq] == [4, 64, 128, 0, 0, "requantize", None, "none"]
+    assert [u.get("value") for u in hqq] == [4, 64, 128, 0, 0, "requantize", None, "none", ""]
     *dynamic, _ = backend_option_updates("dynamic", 4, 64, 128, 0, 0, "append", "growing")
-    assert dynamic[-2]["value"] == "growing" and not any(u["visible"] for i, u in enumerate(dynamic) if i != 6)
+    assert dynamic[-3]["value"] == "growing" and not any(u["visible"] for i, u in enumerate(dynamic) if i != 6)
+    # the values' bits kept where the backend takes them, hqq's 8 is not quanto's: back to "same as nbits"
+    *hqq, _ = backend_option_updates("hqq", 4, 64, 128, 0, 0, "append", None, "none", 8)
+    assert hqq[-1]["value"] == 8 and backend_option_updates("quanto", *[u.get("value") for u in hqq])[-2]["value"] == ""
 
 
 def test_spec_from_inputs_ignores_hidden_options():
@@ -694,7 +700,15 @@ def test_the_page_fields_leave_bad_numbers_to_the_project_checks(handlers):
     for field_ in numbers:
         assert field_.preprocess(-3) == -3 and field_.preprocess(2.5) == 2.5, field_.label
     options = [b for b in demo.blocks.values() if isinstance(b, gr.Dropdown) and b.label in GROUP_OPTIONS]
-    assert {b.label for b in options} == {"nbits", "axis_key", "axis_value", "flush", "storage", "rotation"}
+    assert {b.label for b in options} == {
+        "nbits",
+        "axis_key",
+        "axis_value",
+        "flush",
+        "storage",
+        "rotation",
+        "nbits_value",
+    }
     for field_ in options:
         assert field_.preprocess(-1) == -1 and field_.preprocess("Growing") == "Growing", field_.label
     fns["prefill"](CONTEXT, *HQQ, _request())

@@ -25,6 +25,7 @@ from transformers import PreTrainedConfig, QuantizedCache
 from transformers.cache_utils import HQQQuantizedLayer, QuantizedLayer, QuantoQuantizedLayer
 
 from kvdemo.cache.policies import FLUSH_POLICIES, ROTATIONS
+from kvdemo.cache.precision import value_precision_layer
 from kvdemo.cache.rotation import ROTATED_LAYERS, LibraryLayer, RotatedHQQLayer, RotatedQuantoLayer
 
 
@@ -108,22 +109,30 @@ APPEND_LAYERS: dict[type, type[QuantizedLayer]] = {
 
 
 def quantized_cache(
-    backend: str, config: PreTrainedConfig, flush: str = "requantize", rotation: str = "none", **options
+    backend: str,
+    config: PreTrainedConfig,
+    flush: str = "requantize",
+    rotation: str = "none",
+    nbits_value: int | None = None,
+    **options,
 ) -> QuantizedCache:
-    """transformers' `QuantizedCache(backend, config, **options)`, with its layers given the flush policy `flush`
-    and the rotation `rotation` (`kvdemo.cache.rotation`).
+    """transformers' `QuantizedCache(backend, config, **options)`, with its layers given the flush policy `flush`,
+    the rotation `rotation` (`kvdemo.cache.rotation`) and the values' own precision `nbits_value`
+    (`kvdemo.cache.precision`).
 
     Args:
-        backend: `quanto` or `hqq` for `append` or a rotation; any `QuantizedCache` backend otherwise.
+        backend: `quanto` or `hqq` for `append`, a rotation or `nbits_value`; any `QuantizedCache` backend otherwise.
         flush: one of `FLUSH_POLICIES`.
         rotation: one of `ROTATIONS`.
+        nbits_value: bits per quantized value of the values; None (or nbits): nbits, as transformers.
         options: the group-wise options (nbits, q_group_size, residual_length, axis_key, axis_value).
 
     Raises:
-        ValueError: an unknown policy or rotation, or `append` or a rotation on a layer without a residual (fp8).
+        ValueError: an unknown policy or rotation, `append`, a rotation or `nbits_value` on a layer without a
+            residual (fp8), or an `nbits_value` the library's layer does not take (the library's message).
 
     Example:
-        >>> cache = quantized_cache("hqq", model.config, flush="append", rotation="hadamard", nbits=4)
+        >>> cache = quantized_cache("hqq", model.config, flush="append", rotation="hadamard", nbits=4, nbits_value=2)
     """
     if flush not in FLUSH_POLICIES:
         raise ValueError(f"flush={flush!r} is not a flush policy; choose one of {', '.join(FLUSH_POLICIES)}")
@@ -140,10 +149,15 @@ def quantized_cache(
             if layer_class not in table:
                 raise ValueError(f"{what} needs a layer with a residual; {layer_class.__name__} has none")
             layer_class = table[layer_class]
+    extra = {}
+    if nbits_value is not None and nbits_value != getattr(cache.layers[0], "nbits", None):
+        if not issubclass(layer_class, QuantizedLayer):
+            raise ValueError(f"nbits_value needs a group-wise layer with nbits; {layer_class.__name__} has none")
+        layer_class, extra = value_precision_layer(layer_class), {"nbits_value": nbits_value}
     if layer_class is not type(cache.layers[0]):
         # the same options as transformers' own layers (built from the same keywords, so validated the same way)
         first = cast(QuantizedLayer, cache.layers[0])  # a key of the tables
         kwargs = {name: getattr(first, name) for name in ("nbits", "axis_key", "axis_value")}
-        kwargs.update(q_group_size=first.q_group_size, residual_length=first.residual_length)
+        kwargs.update(q_group_size=first.q_group_size, residual_length=first.residual_length, **extra)
         cache.layers = [layer_class(**kwargs) for _ in cache.layers]
     return cache

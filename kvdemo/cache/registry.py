@@ -30,8 +30,19 @@ if TYPE_CHECKING:
 
     from kvdemo.cache.geometry import KVGeometry
 
-GROUP_OPTIONS = ("nbits", "q_group_size", "residual_length", "axis_key", "axis_value", "flush", "storage", "rotation")
-"""Every option a backend may take, in the order the page and the command line show them."""
+GROUP_OPTIONS = (
+    "nbits",
+    "q_group_size",
+    "residual_length",
+    "axis_key",
+    "axis_value",
+    "flush",
+    "storage",
+    "rotation",
+    "nbits_value",
+)
+"""Every option a backend may take, in the order the page and the command line show them (one added later goes last:
+the page state a browser keeps lists the values in this order)."""
 
 
 class SpecOptions(TypedDict, total=False):
@@ -39,6 +50,7 @@ class SpecOptions(TypedDict, total=False):
     integers but for the text options (`flush`, `storage`)."""
 
     nbits: int
+    nbits_value: int
     q_group_size: int
     residual_length: int
     axis_key: int
@@ -61,6 +73,9 @@ class Option:
             integer >= `minimum` is allowed (then model-dependent rules may narrow it, see `CacheSpec.validate`).
         minimum: the smallest allowed value when `choices` is None.
         help: one line for `--help` and the page, with the unit.
+        same_as: for an option that takes another option's value when unset (`nbits_value` takes `nbits`'s, so
+            that `nbits` alone means transformers' one precision for keys and values), that option's name; its
+            `default` is then only the other option's default.
     """
 
     name: str
@@ -68,6 +83,7 @@ class Option:
     choices: tuple[int | str, ...] | None = None
     minimum: int | None = None
     help: str = ""
+    same_as: str | None = None
 
     @property
     def is_text(self) -> bool:
@@ -77,6 +93,11 @@ class Option:
     def allowed_text(self) -> str:
         """The allowed values as text: `2|4` or `>=1`."""
         return "|".join(map(str, self.choices)) if self.choices is not None else f">={self.minimum}"
+
+    @property
+    def default_text(self) -> str:
+        """The default as `--help` and the README say it: `4`, `requantize`, or `nbits` for a `same_as` option."""
+        return self.same_as or str(self.default)
 
 
 BytesFormula = Callable[[SpecOptions, "KVGeometry", int, int, int, bool], float]
@@ -139,13 +160,27 @@ class Backend:
 
     def options_text(self) -> str:
         """Its options with allowed values and defaults, e.g. `nbits 2|4 (default 4), ...`; `none` without."""
-        return ", ".join(f"{n} {o.allowed_text()} (default {o.default})" for n, o in self.options.items()) or "none"
+        text = ", ".join(f"{n} {o.allowed_text()} (default {o.default_text})" for n, o in self.options.items())
+        return text or "none"
 
 
 def _group_options(nbits: tuple[int, ...], axes: tuple[int, ...]) -> dict[str, Option]:
     """The options of a group-wise integer backend with a residual (transformers' `QuantizedLayer`)."""
     return {
-        "nbits": Option("nbits", 4, choices=nbits, help="bits per quantized value"),
+        "nbits": Option(
+            "nbits",
+            4,
+            choices=nbits,
+            help="bits per quantized value (the keys', and the values' too unless nbits_value is set)",
+        ),
+        "nbits_value": Option(
+            "nbits_value",
+            4,
+            choices=nbits,
+            help="bits per quantized value of the values alone (llama.cpp's --cache-type-v beside --cache-type-k); "
+            "unset: nbits, as transformers",
+            same_as="nbits",
+        ),
         "q_group_size": Option(
             "q_group_size", 64, minimum=1, help="values that share one scale and zero point (must fit head_dim)"
         ),
@@ -187,9 +222,11 @@ def _fp8_bytes(opts, geo: KVGeometry, tokens, residual, element, nominal) -> flo
 
 def _group_bytes(stored_bits: dict[int, float]) -> BytesFormula:
     """Group-wise affine quantization with a full-precision residual: `residual` tokens in the model's dtype,
-    the others at nbits per value (`stored_bits[nbits]` where the packing pads) plus a scale and a zero point
-    in the model's dtype per group of q_group_size values. Source: x ~ scale * (q - zero) per group (HQQ,
-    Badri and Shaji 2023; optimum-quanto) with KIVI's full-precision residual (Liu et al. 2024).
+    the others at nbits per key value and nbits_value per value value (`stored_bits[n]` where the packing pads)
+    plus a scale and a zero point in the model's dtype per group of q_group_size values. Keys and values are half
+    of the values per token each (V / 2 = layers x kv_heads x head_dim). Source: x ~ scale * (q - zero) per group
+    (HQQ, Badri and Shaji 2023; optimum-quanto) with KIVI's full-precision residual (Liu et al. 2024), whose
+    keys and values take their bits apart (its `k_bits`, `v_bits`).
 
     The same for both flush policies: with `flush=append` the store is a list of blocks (the prefill's, then one
     per flush), each with its own scales and zero points, so no group spans a block's boundary. Every grouping
@@ -199,9 +236,11 @@ def _group_bytes(stored_bits: dict[int, float]) -> BytesFormula:
     would add up to one partial group per block and tensor."""
 
     def formula(opts, geo: KVGeometry, tokens, residual, element, nominal) -> float:
-        bits = opts["nbits"] if nominal else stored_bits.get(opts["nbits"], opts["nbits"])
+        key_bits, value_bits = opts["nbits"], opts.get("nbits_value", opts["nbits"])
+        if not nominal:
+            key_bits, value_bits = (stored_bits.get(n, n) for n in (key_bits, value_bits))
         values = geo.values_per_token
-        per_token = values * bits / 8 + 2 * element * values / opts["q_group_size"]
+        per_token = values / 2 * (key_bits + value_bits) / 8 + 2 * element * values / opts["q_group_size"]
         return per_token * (tokens - residual) + values * element * residual
 
     return formula
@@ -265,7 +304,8 @@ def _residual_cache(name: str, options: Mapping[str, Any], config: PreTrainedCon
 
     options = dict(options)
     flush, rotation = str(options.pop("flush", FLUSH_POLICIES[0])), str(options.pop("rotation", ROTATIONS[0]))
-    return quantized_cache(name, config, flush, rotation, **options)
+    nbits_value = options.pop("nbits_value", None)
+    return quantized_cache(name, config, flush, rotation, nbits_value=nbits_value, **options)
 
 
 BACKENDS: dict[str, Backend] = {

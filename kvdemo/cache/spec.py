@@ -10,7 +10,7 @@ import numbers
 import re
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from kvdemo.cache.registry import BACKENDS, GROUP_OPTIONS, Backend, SpecOptions
 from kvdemo.checks import shown
@@ -36,7 +36,8 @@ class CacheSpec:
             full-precision tokens held before a flush (>= 1); axis_key, axis_value: grouping axes; flush: the
             flush policy (`requantize`, `append`: `kvdemo.cache.flush`); storage: how `dynamic` stores its tensors
             (`concat`, `growing`: `kvdemo.cache.storage`); rotation: `hadamard` rotates keys and values before
-            quantizing (`kvdemo.cache.rotation`), `none` does not. Which backend
+            quantizing (`kvdemo.cache.rotation`), `none` does not; nbits_value: bits per quantized value of the
+            values alone (`kvdemo.cache.precision`; None: nbits, as transformers). Which backend
             takes which, and the values allowed, are in its registry entry (`Backend.options`).
 
     Example:
@@ -54,6 +55,7 @@ class CacheSpec:
     flush: str | None = None
     storage: str | None = None
     rotation: str | None = None
+    nbits_value: int | None = None
 
     @property
     def info(self) -> Backend:
@@ -69,18 +71,30 @@ class CacheSpec:
         )
 
     def resolved(self) -> SpecOptions:
-        """Every option the backend takes, with its default filled in where unset."""
-        return cast(SpecOptions, {name: self.given().get(name, opt.default) for name, opt in self.info.options.items()})
+        """Every option the backend takes, with its default filled in where unset (an unset `same_as` option, such
+        as `nbits_value`, takes its source option's resolved value)."""
+        given: dict[str, Any] = dict(self.given())
+        resolved: dict[str, Any] = {}
+        for name, opt in self.info.options.items():  # a source option comes before the options that follow it
+            resolved[name] = given.get(name, resolved[opt.same_as] if opt.same_as else opt.default)
+        return cast(SpecOptions, resolved)
+
+    def _defaults(self) -> dict[str, Any]:
+        """Each option's value when unset: its default, or its source option's resolved value (`same_as`)."""
+        resolved: dict[str, Any] = dict(self.resolved())
+        return {n: resolved[o.same_as] if o.same_as else o.default for n, o in self.info.options.items()}
 
     @property
     def label(self) -> str:
-        """A short human name, e.g. `hqq nbits=4 q_group_size=64 residual_length=4`."""
-        defaults = {name: opt.default for name, opt in self.info.options.items()}
-        # axes at 0 and a text option at its default (flush=requantize) are left out of the short name
+        """A short human name, e.g. `hqq nbits=4 q_group_size=64 residual_length=4`,
+        `quanto nbits=4 nbits_value=2 q_group_size=64 residual_length=128`."""
+        defaults, options = self._defaults(), self.info.options
+        # axes at 0, a text option at its default (flush=requantize) and nbits_value equal to nbits are left out
         opts = " ".join(
             f"{k}={v}"
             for k, v in self.resolved().items()
-            if not (k.startswith("axis") and v == 0) and not (isinstance(v, str) and v == defaults[k])
+            if not (k.startswith("axis") and v == 0)
+            and not ((isinstance(v, str) or options[k].same_as) and v == defaults[k])
         )
         return f"{self.backend} {opts}".strip()
 
@@ -96,18 +110,19 @@ class CacheSpec:
         """The spec in `CacheSpec.parse`'s syntax with nbits and only the options that differ from the backend's
         defaults, the same spec once parsed: `quanto:4,residual_length=16` for a page's every-option spec (a table
         cell a reader can take in; `full_text` says everything)."""
-        defaults = {name: opt.default for name, opt in self.info.options.items()}
-        resolved = self.resolved()
+        defaults, resolved = self._defaults(), self.resolved()
         head = f"{self.backend}:{resolved.pop('nbits')}" if "nbits" in resolved else str(self.backend)
         return ",".join([head] + [f"{k}={v}" for k, v in resolved.items() if v != defaults[k]])
 
     @property
     def full_text(self) -> str:
         """The spec in `CacheSpec.parse`'s syntax with every option resolved, so that it means one thing
-        wherever it is shown: `hqq:4,q_group_size=64,residual_length=16,axis_key=0,axis_value=0`, `fp8`."""
-        resolved = self.resolved()
+        wherever it is shown: `hqq:4,q_group_size=64,residual_length=16,axis_key=0,axis_value=0`, `fp8`
+        (`nbits_value` only where it differs from nbits: unset, it means nbits, so the text means one thing)."""
+        defaults, options, resolved = self._defaults(), self.info.options, self.resolved()
         head = f"{self.backend}:{resolved.pop('nbits')}" if "nbits" in resolved else str(self.backend)
-        return ",".join([head] + [f"{k}={v}" for k, v in resolved.items()])
+        shown = [f"{k}={v}" for k, v in resolved.items() if not (options[k].same_as and v == defaults[k])]
+        return ",".join([head] + shown)
 
     @classmethod
     def parse(cls, text: str) -> CacheSpec:
@@ -215,15 +230,22 @@ class CacheSpec:
                 raise ValueError(problem)
         if info.group_rule is not None:
             opts, geo = self.resolved(), kv_geometry(model_config)
-            for axis_name in ("axis_key", "axis_value"):
-                problem = info.group_rule(opts["nbits"], opts["q_group_size"], opts[axis_name], geo)
+            for axis_name, axis, bits in _tensors(opts):
+                problem = info.group_rule(bits, opts["q_group_size"], axis, geo)
                 if problem:
                     sizes = allowed_group_sizes(self.replace(q_group_size=None), model_config)[axis_name]
                     hint = f"; allowed here: {', '.join(map(str, sizes))}" if sizes else ""
-                    raise ValueError(
-                        f"q_group_size={opts['q_group_size']} ({axis_name}={opts[axis_name]}): {problem}{hint}"
-                    )
+                    raise ValueError(f"q_group_size={opts['q_group_size']} ({axis_name}={axis}): {problem}{hint}")
         return self
+
+
+def _tensors(opts: SpecOptions) -> list[tuple[str, int, int]]:
+    """(axis option, axis, bits) of the keys, then of the values, from resolved options: each tensor's group rule
+    is checked with its own axis and bits (`nbits`, `nbits_value`)."""
+    return [
+        ("axis_key", opts["axis_key"], opts["nbits"]),
+        ("axis_value", opts["axis_value"], opts.get("nbits_value", opts["nbits"])),
+    ]
 
 
 def _is_text_option(name: str) -> bool:
@@ -233,8 +255,9 @@ def _is_text_option(name: str) -> bool:
 
 def all_specs() -> list[CacheSpec]:
     """Every backend at every nbits it allows, the other options unset (the backend's defaults), then each other
-    choice of a text option (`storage=growing`, `flush=append`) at the default nbits: what the tests' matrix runs
-    and the Compare tab offers.
+    choice of a text option (`storage=growing`, `flush=append`) at the default nbits, and the default nbits with
+    the values one step lower (`quanto:4,nbits_value=2`, `hqq:4,nbits_value=3`): what the tests' matrix runs and
+    the Compare tab offers.
 
     Example:
         >>> [s.text for s in all_specs()][:5]
@@ -255,6 +278,9 @@ def all_specs() -> list[CacheSpec]:
                     for choice in option.choices
                     if choice != option.default
                 ]
+            elif option.same_as is not None:  # nbits_value: the values one step below the keys' default bits
+                lower = [c for c in cast("tuple[int, ...]", option.choices) if c < cast("int", option.default)]
+                specs += [CacheSpec(name, nbits=default_nbits).replace(**{option.name: lower[-1]})] if lower else []
     return specs
 
 
@@ -276,8 +302,7 @@ def allowed_group_sizes(spec: CacheSpec, model_config: PreTrainedConfig) -> dict
         return {"axis_key": [], "axis_value": []}
     opts, geo = spec.resolved(), kv_geometry(model_config)
     candidates = range(1, geo.kv_heads * geo.head_dim + 1)
-    axes: tuple[Literal["axis_key", "axis_value"], ...] = ("axis_key", "axis_value")
-    return {axis: [g for g in candidates if rule(opts["nbits"], g, opts[axis], geo) is None] for axis in axes}
+    return {name: [g for g in candidates if rule(bits, g, axis, geo) is None] for name, axis, bits in _tensors(opts)}
 
 
 def estimate_kv_bytes(

@@ -197,6 +197,7 @@ class ComparisonReport:
         "flush",
         "storage",
         "rotation",
+        "nbits_value",
         "KV bytes",
         "bytes/token",
         "ratio to dynamic",
@@ -289,7 +290,7 @@ class ComparisonReport:
                 }
             )
         frame = pd.DataFrame(rows, columns=list(self.COLUMNS))
-        integers = ("nbits", "q_group_size", "residual_length", "axis_key", "axis_value")
+        integers = ("nbits", "q_group_size", "residual_length", "axis_key", "axis_value", "nbits_value")
         return frame.astype({name: "Int64" for name in integers})
 
     ANSWER_COLUMNS = ("question", "spec", "answer", "finish", "first departure from dynamic")

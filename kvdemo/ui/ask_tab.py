@@ -20,7 +20,7 @@ from kvdemo.qa.prefill import PrefillStopped
 from kvdemo.qa.session import QASession
 from kvdemo.serve.server import App
 from kvdemo.serve.store import UserSession, request_key
-from kvdemo.ui import page_state, views
+from kvdemo.ui import option_fields, page_state, views
 from kvdemo.ui.ask_widgets import AnswerView, AskWidgets, PrefillView
 from kvdemo.ui.examples import example, suggested_questions
 from kvdemo.ui.inputs import page_event, read_upload, refusal, spec_from_inputs
@@ -327,8 +327,8 @@ class AskTab(AskWidgets):
         page shows what the cache holds."""
         w, model_work = self.w, {"concurrency_id": "model"}
         private: dict[str, Any] = {"api_visibility": "private", "queue": False}  # keywords of gradio's events
-        option_fields = [w[name] for name in GROUP_OPTIONS]
-        state_inputs = [w["context"], w["backend"], *option_fields]
+        fields = [w[name] for name in GROUP_OPTIONS]
+        state_inputs = [w["context"], w["backend"], *fields]
         gate = {
             "fn": page_event(self.gate, progress=False),
             "inputs": state_inputs,
@@ -338,12 +338,12 @@ class AskTab(AskWidgets):
         stop_state = {"fn": self.stop_state, "outputs": w["stop_button"], **private}
         remember = {"fn": page_state.remember, "inputs": state_inputs, "outputs": w["saved"], **private}
         w["backend"].change(
-            views.backend_option_updates,
-            inputs=[w["backend"], *option_fields],
-            outputs=[*option_fields, w["backend_note"]],
+            option_fields.backend_option_updates,
+            inputs=[w["backend"], *fields],
+            outputs=[*fields, w["backend_note"]],
             **private,
         ).then(**gate)
-        for field_ in [w["context"], *option_fields]:
+        for field_ in [w["context"], *fields]:
             field_.change(**gate)
         for field_ in state_inputs:
             field_.change(**remember)

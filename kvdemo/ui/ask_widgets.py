@@ -13,7 +13,7 @@ from kvdemo.cache.spec import CacheSpec
 from kvdemo.charts.steps import MEMORY_SERIES, answers_frame
 from kvdemo.qa.limits import DEFAULT_MAX_NEW_TOKENS
 from kvdemo.serve.secret import browser_state_secret
-from kvdemo.ui import views
+from kvdemo.ui import option_fields, views
 from kvdemo.ui.examples import EXAMPLES
 
 START_SPEC = CacheSpec("quanto", nbits=4, residual_length=16)
@@ -133,14 +133,17 @@ class AskWidgets:
         options = {name: opt for b in reversed(list(BACKENDS.values())) for name, opt in b.options.items()}
         options.update(START_SPEC.info.options)
         for name in GROUP_OPTIONS:
-            option, value = options[name], cast("int | str", start.get(name, options[name].default))
+            option = options[name]
+            value = cast("int | str", start.get(name, options[name].default))
+            if option.same_as is not None and name not in START_SPEC.given():
+                value = option_fields.field_start(option)  # "same as nbits": the field left empty
             visible = name in START_SPEC.info.options
             if option.choices is not None:
                 # the choices follow the backend in a browser (`backend_option_updates`); an API caller keeps the
                 # page's first ones, so a value outside them (quanto's axis -1) reaches `spec_from_inputs`, which
                 # checks it against the registry and says what is allowed
                 w[name] = gr.Dropdown(
-                    list(option.choices),
+                    option_fields.field_choices(option),
                     value=value,
                     label=name,
                     info=option.help,
@@ -149,7 +152,7 @@ class AskWidgets:
                 )
             else:  # no precision or minimum, as max_new_tokens: the registry's check names the option
                 w[name] = gr.Number(cast(int, value), label=name, info=option.help, visible=visible)
-        w["backend_note"] = gr.Markdown(views.backend_option_updates(START_SPEC.backend)[-1])
+        w["backend_note"] = gr.Markdown(option_fields.backend_option_updates(START_SPEC.backend)[-1])
 
     def _build_charts(self) -> None:
         w = self.w

@@ -12,7 +12,6 @@ from typing import Any
 import gradio as gr
 import pandas as pd
 
-from kvdemo.cache.registry import BACKENDS, GROUP_OPTIONS
 from kvdemo.cache.spec import CacheSpec
 from kvdemo.cache.speedlimit import SpeedLimit
 from kvdemo.charts.reports import comparison_display_frame, kv_error_figure, speed_frame, tradeoff_frame
@@ -87,37 +86,6 @@ def model_status(loaded: LoadedModel) -> str:
         f"{d['kv_heads']} KV heads · head_dim {d['head_dim']} · max context {d['max_context_tokens']:,} tokens · "
         f"{d['device']} · {d['dtype']}"
     )
-
-
-def backend_option_updates(backend: str, *current: Any) -> tuple[Any, ...]:
-    """Visibility, choices and values of the option fields (`GROUP_OPTIONS`) for a backend, from `BACKENDS`, and the
-    backend's description. A field keeps its current value when the new backend allows it (so switching
-    away and back restores what was there), else it takes the backend's default.
-
-    Args:
-        backend: the chosen backend.
-        current: the fields' current values, in `GROUP_OPTIONS` order (may be omitted).
-    """
-    info = BACKENDS.get(backend) or next(iter(BACKENDS.values()))
-    current = current + (None,) * (len(GROUP_OPTIONS) - len(current))
-    updates = []
-    for name, value in zip(GROUP_OPTIONS, current):
-        option = info.options.get(name)
-        if option is None:
-            updates.append(gr.update(visible=False))
-            continue
-        if option.choices is not None:
-            allowed = value in option.choices
-        else:
-            assert option.minimum is not None  # an option without choices has a minimum
-            allowed = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= option.minimum
-        keep = value if allowed else option.default
-        if option.choices is not None:
-            updates.append(gr.update(visible=True, choices=list(option.choices), value=keep))
-        else:
-            updates.append(gr.update(visible=True, value=keep))
-    note = f"{info.summary}. {info.behaviour}"
-    return (*updates, note)
 
 
 def prefill_summary(qa: QASession) -> str:

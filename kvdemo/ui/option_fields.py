@@ -1,0 +1,57 @@
+"""The Ask tab's option fields, from the registry (`kvdemo.cache.registry.BACKENDS`): what each field offers, its
+first value, and the updates that follow a change of backend. Nothing here names a backend or an option."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import gradio as gr
+
+from kvdemo.cache.registry import BACKENDS, GROUP_OPTIONS, Option
+
+
+def field_choices(option: Option) -> list[Any]:
+    """What an option's Dropdown offers: its registry choices; for a `same_as` option (`nbits_value`) first
+    `("same as nbits", "")`, the empty field, which leaves the option unset (`spec_from_inputs`), so that the page's
+    `nbits` alone means what transformers' `nbits` means."""
+    assert option.choices is not None  # a Dropdown's option lists its values
+    if option.same_as is None:
+        return list(option.choices)
+    return [(f"same as {option.same_as}", ""), *((str(choice), choice) for choice in option.choices)]
+
+
+def field_start(option: Option) -> int | str:
+    """An option field's value when nothing else is there: the registry default, or the empty field ("") for a
+    `same_as` option."""
+    return "" if option.same_as is not None else option.default
+
+
+def backend_option_updates(backend: str, *current: Any) -> tuple[Any, ...]:
+    """Visibility, choices and values of the option fields (`GROUP_OPTIONS`) for a backend, from `BACKENDS`, and the
+    backend's description. A field keeps its current value when the new backend allows it (so switching
+    away and back restores what was there), else it takes the backend's default.
+
+    Args:
+        backend: the chosen backend.
+        current: the fields' current values, in `GROUP_OPTIONS` order (may be omitted).
+    """
+    info = BACKENDS.get(backend) or next(iter(BACKENDS.values()))
+    current = current + (None,) * (len(GROUP_OPTIONS) - len(current))
+    updates = []
+    for name, value in zip(GROUP_OPTIONS, current):
+        option = info.options.get(name)
+        if option is None:
+            updates.append(gr.update(visible=False))
+            continue
+        if option.choices is not None:
+            allowed = value in option.choices or (option.same_as is not None and value in ("", None))
+        else:
+            assert option.minimum is not None  # an option without choices has a minimum
+            allowed = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= option.minimum
+        keep = value if allowed else field_start(option)
+        if option.choices is not None:
+            updates.append(gr.update(visible=True, choices=field_choices(option), value="" if keep is None else keep))
+        else:
+            updates.append(gr.update(visible=True, value=keep))
+    note = f"{info.summary}. {info.behaviour}"
+    return (*updates, note)
