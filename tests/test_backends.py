@@ -203,7 +203,8 @@ def test_build_cache_returns_the_transformers_classes_with_the_options():
         1,
     )
     assert type(build_cache(CacheSpec("quanto"), config).layers[1]) is QuantoQuantizedLayer
-    assert type(build_cache(CacheSpec("fp8"), config).layers[0]) is Fp8QuantizedLayer
+    fp8 = build_cache(CacheSpec("fp8"), config).layers[0]
+    assert isinstance(fp8, Fp8QuantizedLayer) and type(fp8).__name__ == "TableFp8Layer"  # transformers', by table
     with pytest.raises(ValueError):
         build_cache(CacheSpec("quanto", nbits=8), config)
 

@@ -62,7 +62,7 @@ def _hqq_bytes(nbits, group):
     "spec, per_tensor",
     [
         (CacheSpec("dynamic"), N * 4),
-        (CacheSpec("fp8"), N * 1 + 4),  # float8 values + one float32 scale
+        (CacheSpec("fp8"), N * 1 + 4 + 256 * 4),  # float8 values + one float32 scale + the 256-entry table
         (CacheSpec("quanto", nbits=2), _quanto_bytes(2, 64)),
         (CacheSpec("quanto", nbits=4, q_group_size=32), _quanto_bytes(4, 32)),
         (CacheSpec("hqq", nbits=1, q_group_size=16), _hqq_bytes(1, 16)),

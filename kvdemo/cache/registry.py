@@ -216,8 +216,12 @@ def _full_precision_bytes(opts, geo: KVGeometry, tokens, residual, element, nomi
 
 
 def _fp8_bytes(opts, geo: KVGeometry, tokens, residual, element, nominal) -> float:
-    """One byte per value (float8_e4m3) plus one float32 scale per layer and tensor."""
-    return geo.values_per_token * tokens + 2 * geo.layers * 4
+    """One byte per value (float8_e4m3) plus one float32 scale per layer and tensor, and (`nominal` aside) the
+    de-quantization table of 256 values in the model's dtype per layer and tensor (`kvdemo.cache.fp8`)."""
+    from kvdemo.cache.fp8 import FP8_CODES
+
+    tables = 0 if nominal else 2 * geo.layers * FP8_CODES * element
+    return geo.values_per_token * tokens + 2 * geo.layers * 4 + tables
 
 
 def _group_bytes(stored_bits: dict[int, float]) -> BytesFormula:
@@ -288,12 +292,16 @@ def _dynamic_cache(name: str, options: SpecOptions, config: PreTrainedConfig) ->
     return dynamic_cache(config, str(options.get("storage", STORAGE_POLICIES[0])))
 
 
-def _quantized_cache(name: str, options: Mapping[str, Any], config: PreTrainedConfig) -> Cache:
-    """`QuantizedCache(name, config, **options)` with only the options given (transformers fills the rest with
-    its defaults, the registry's `Option.default`)."""
+def _fp8_cache(name: str, options: Mapping[str, Any], config: PreTrainedConfig) -> Cache:
+    """transformers' `QuantizedCache("fp8", config)` whose layers de-quantize by table
+    (`kvdemo.cache.fp8.TableFp8Layer`: the same bits, the same store)."""
     from transformers import QuantizedCache
 
-    return QuantizedCache(name, config, **options)
+    from kvdemo.cache.fp8 import TableFp8Layer
+
+    cache = QuantizedCache(name, config, **options)
+    cache.layers = [TableFp8Layer() for _ in cache.layers]
+    return cache
 
 
 def _residual_cache(name: str, options: Mapping[str, Any], config: PreTrainedConfig) -> Cache:
@@ -360,7 +368,7 @@ BACKENDS: dict[str, Backend] = {
         "QuantizedCache(backend='fp8'): float8_e4m3 per tensor, scale frozen at the first update, no residual",
         "It appends every new token with the scale frozen at the prefill: no residual, never flushes.",
         quantized=True,
-        make_cache=_quantized_cache,
+        make_cache=_fp8_cache,
         kv_bytes=_fp8_bytes,
     ),
 }

@@ -32,7 +32,10 @@ from transformers.cache_utils import Cache, CacheLayerMixin, QuantizedLayer
 if TYPE_CHECKING:
     from kvdemo.cache.snapshot import CacheSnapshot
 
-_KV_ATTRIBUTES = ("_quantized_keys", "_quantized_values", "keys", "values")
+_QUANTIZED_ATTRIBUTES = ("_quantized_keys", "_quantized_values", "_dequantize_tables")
+"""The layer attributes that hold a quantized store: the keys', the values', and fp8's de-quantization tables
+(`kvdemo.cache.fp8`)."""
+_KV_ATTRIBUTES = (*_QUANTIZED_ATTRIBUTES, "keys", "values")
 """The layer attributes that hold the KV cache's tensors (a quantized store, then the full-precision tensors)."""
 
 
@@ -254,9 +257,7 @@ def kv_memory(cache: Cache, snapshot: CacheSnapshot | None = None) -> MemoryRepo
     devices: set[torch.device] = set()
     layers = []
     for layer in cache.layers:
-        quantized = _bytes(
-            (getattr(layer, "_quantized_keys", None), getattr(layer, "_quantized_values", None)), seen, devices
-        )
+        quantized = _bytes(tuple(getattr(layer, name, None) for name in _QUANTIZED_ATTRIBUTES), seen, devices)
         keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
         layers.append(
             LayerMemory(
