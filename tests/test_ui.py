@@ -817,3 +817,20 @@ def test_cancel_is_enabled_only_while_a_long_job_runs_or_waits(handlers):
     with app.sessions.long_job(user, "busy"):  # it runs
         assert all(state(_request())["interactive"] is True for state in states)
     assert all(state(_request())["interactive"] is False for state in states)  # it ended
+
+
+def test_live_charts_redraw_four_times_a_second_and_at_every_flush():
+    """The memory and residual charts are rebuilt from every step so far at each redraw: at most one per
+    `CHART_INTERVAL_SECONDS` (0.25 s), but always at the first step and at a flush, so no flush waits."""
+    from types import SimpleNamespace
+
+    from kvdemo.ui.views import CHART_INTERVAL_SECONDS, charts_due
+
+    assert CHART_INTERVAL_SECONDS == 0.25
+    steps = [(0.0, ()), (0.08, ()), (0.16, ()), (0.24, ()), (0.26, ()), (0.34, (0, 1)), (0.42, ()), (0.6, ())]
+    drawn_at, drawn = None, []
+    for elapsed, flushed in steps:
+        if charts_due(SimpleNamespace(elapsed=elapsed, flushed_layers=flushed), drawn_at):
+            drawn_at = elapsed
+            drawn.append(elapsed)
+    assert drawn == [0.0, 0.26, 0.34, 0.6]

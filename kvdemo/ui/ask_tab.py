@@ -201,7 +201,7 @@ class AskTab(AskWidgets):
             return
         user.chat = user.chat + [{"role": "user", "content": question.strip()}, {"role": "assistant", "content": "…"}]
         user.events = []
-        first_token = None
+        first_token = drawn_at = None
         # at once, before the question's own forward pass (seconds on a long context): what is happening
         yield AnswerView(
             chat=list(user.chat),
@@ -217,11 +217,13 @@ class AskTab(AskWidgets):
                         first_token = event.elapsed
                     user.events.append(event)
                     user.chat = user.chat[:-1] + [{"role": "assistant", "content": event.text}]
+                    due = views.charts_due(event, drawn_at)  # at most 4 redraws a second, and at every flush
+                    drawn_at = event.elapsed if due else drawn_at
                     yield AnswerView(
                         chat=user.chat,
                         stats=views.step_line(event, qa.spec),
-                        memory_plot=views.memory_chart(user.events, qa.spec),
-                        residual_plot=views.residual_chart(user.events, qa.spec),
+                        memory_plot=views.memory_chart(user.events, qa.spec) if due else views.KEEP,
+                        residual_plot=views.residual_chart(user.events, qa.spec) if due else views.KEEP,
                     )
         finally:  # also a stopped, disconnected or failed answer: the session recorded it when its stream closed
             user.answers.append(dict(qa.history[-1].to_dict(), spec=qa.spec.short_text))

@@ -189,6 +189,21 @@ def kv_error_plot(report: ComparisonReport | None, spec_text: str | None) -> Any
 
 
 STEP_TITLE = "Time per decode step (flush steps marked)"
+CHART_INTERVAL_SECONDS = 0.25
+"""The least time between two redraws of the live memory and residual charts while an answer streams: 4 per
+second, where a `dynamic` step on the embedded model takes 70-80 ms. Each redraw rebuilds both charts' frames from
+every step so far and sends them to the browser (about 3.5 ms a step, 5 % of a `dynamic` step, when drawn at every
+step: `benchmarks/overhead.py`). The chat and the step line still change at every step, and no step is left out of
+the charts' data: a redraw shows every step up to it."""
+
+
+def charts_due(event: Any, drawn_at: float | None) -> bool:
+    """Whether the live charts are redrawn at `event` (a `StepEvent`): at the first step, at every step in which a
+    layer flushed (so each flush shows as it happens), and else once `CHART_INTERVAL_SECONDS` passed since
+    `drawn_at` (the `elapsed` seconds of the last redraw; None before the first)."""
+    return drawn_at is None or bool(event.flushed_layers) or event.elapsed - drawn_at >= CHART_INTERVAL_SECONDS
+
+
 MEMORY_TITLE = "KV cache memory"
 
 
