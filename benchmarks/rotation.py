@@ -52,9 +52,19 @@ def _spec(backend: str, nbits: int, rotation: str) -> CacheSpec:
     return CacheSpec(backend, nbits=nbits, rotation=None if rotation == "none" else rotation)
 
 
-def fidelity(loaded, example: str, tokens: int) -> dict:
-    """Every pair off and on against `dynamic`, teacher-forced on `tokens` tokens of the article's next paragraphs
-    after the Ask tab's example context (`kvdemo.ui.examples.EXAMPLES`)."""
+def rotation_specs() -> list[CacheSpec]:
+    """Every pair of `PAIRS`, rotation off then on."""
+    return [_spec(backend, nbits, rotation) for backend, nbits in PAIRS for rotation in ("none", "hadamard")]
+
+
+def fidelity(loaded, example: str, tokens: int, compared: list[CacheSpec] | None = None) -> dict:
+    """Each spec of `compared` (default `rotation_specs()`) against `dynamic`, teacher-forced on `tokens` tokens of
+    the article's next paragraphs after the Ask tab's example context (`kvdemo.ui.examples.EXAMPLES`).
+
+    Returns:
+        {"context_tokens", "tokens", spec text: {"perplexity", "ppl_ratio", "bytes_per_token", "mean_kld",
+        "p99_kld", "same_top_p"}} (`dynamic`'s row without the KL figures).
+    """
     stem, paragraphs = EXAMPLES[example]
     case = load_case(example_path(stem)).select(paragraphs)
     inputs = perplexity_inputs(loaded, case.context, tokens, case.continuation)
@@ -63,10 +73,7 @@ def fidelity(loaded, example: str, tokens: int) -> dict:
     run_prefill(loaded, prefill, context_ids, quantized=False)
     kv = [(layer.keys, layer.values) for layer in prefill.layers]
     fed, scored = list(inputs.continuation_ids[:-1]), list(inputs.continuation_ids[1:])
-    specs = {"dynamic": CacheSpec("dynamic")}
-    for backend, nbits in PAIRS:
-        for rotation in ("none", "hadamard"):
-            specs[_spec(backend, nbits, rotation).text] = _spec(backend, nbits, rotation)
+    specs = {"dynamic": CacheSpec("dynamic")} | {spec.text: spec for spec in compared or rotation_specs()}
     logprobs = {}
     for name, spec in specs.items():
         log(f"{example}: fidelity {name}")
@@ -110,6 +117,20 @@ def step_cost(loaded, rounds: int) -> dict:
     return out
 
 
+def print_fidelity(articles: dict) -> None:
+    """`fidelity`'s rows per article as a table."""
+    for article, rows in articles.items():
+        print(f"\n{article}: {rows['context_tokens']:,} context tokens, {rows['tokens']} teacher-forced tokens")
+        print(f"{'spec':40} {'bytes/tok':>9} {'mean KL':>8} {'99% KL':>7} {'same top':>8} {'PPL x':>6}")
+        for name, row in rows.items():
+            if not isinstance(row, dict):
+                continue
+            print(
+                f"{name:40} {row['bytes_per_token']:9.0f} {row.get('mean_kld', 0):8.4f} {row.get('p99_kld', 0):7.3f} "
+                f"{row.get('same_top_p', 100):7.1f}% {row['ppl_ratio']:6.3f}"
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
@@ -122,16 +143,7 @@ def main() -> None:
         out["fidelity"][article] = fidelity(loaded, article, tokens)
     out["step_seconds"] = step_cost(loaded, rounds)
     out["load_average_end"] = os.getloadavg()
-    for article, rows in out["fidelity"].items():
-        print(f"\n{article}: {rows['context_tokens']:,} context tokens, {rows['tokens']} teacher-forced tokens")
-        print(f"{'spec':26} {'bytes/tok':>9} {'mean KL':>8} {'99% KL':>7} {'same top':>8} {'PPL x':>6}")
-        for name, row in rows.items():
-            if not isinstance(row, dict):
-                continue
-            print(
-                f"{name:26} {row['bytes_per_token']:9.0f} {row.get('mean_kld', 0):8.4f} {row.get('p99_kld', 0):7.3f} "
-                f"{row.get('same_top_p', 100):7.1f}% {row['ppl_ratio']:6.3f}"
-            )
+    print_fidelity(out["fidelity"])
     for length, row in out["step_seconds"].items():
         cost = ", ".join(
             f"{b}:4 {row[_spec(b, 4, 'hadamard').text] / row[_spec(b, 4, 'none').text]:.2f}x" for b in ("quanto", "hqq")
