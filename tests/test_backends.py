@@ -160,9 +160,12 @@ def test_invalid_options_are_refused_with_what_is_allowed(spec, message):
             "hqq packs 8 1-bit values together, so q_group_size must be a multiple of 8; allowed here: 8, 16, 32, 64",
         ),
         (CacheSpec("hqq", nbits=2, q_group_size=2), "so q_group_size must be a multiple of 4"),
-        (CacheSpec("hqq", nbits=3, axis_key=1), "use axis 0 for nbits=3"),
+        (CacheSpec("hqq", nbits=3, axis_key=1), "nbits=3 with axis_key=1: hqq's 3-bit packing"),
+        # no group size fits the values' 3 bits on axis 1: the message names the bits, not q_group_size
+        (CacheSpec("hqq", nbits=4, nbits_value=3, axis_value=1), "nbits_value=3 with axis_value=1: hqq's 3-bit"),
         (CacheSpec("hqq", nbits=4, axis_value=1), "num_key_value_heads x head_dim / q_group_size = 192/64"),
-        (CacheSpec("quanto", axis_key=-1), "with axis -1 must divide num_key_value_heads=3; allowed here: 1, 3"),
+        # the sizes offered fit keys and values alike (3 fits the keys' axis -1, not the values' head_dim)
+        (CacheSpec("quanto", axis_key=-1), "with axis -1 must divide num_key_value_heads=3; allowed here: 1"),
     ],
 )
 def test_group_sizes_that_do_not_fit_the_model_are_refused(spec, message):

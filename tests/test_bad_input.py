@@ -169,7 +169,7 @@ TABLE: list[tuple[str, str, Callable[[Env], Any], str]] = [
         "api",
         "hqq 3-bit on axis 1",
         lambda e: QASession(e.tiny, CacheSpec("hqq", nbits=3, axis_key=1)),
-        "hqq's 3-bit packing along axis 1 breaks on some token counts; use axis 0 for nbits=3",
+        "nbits=3 with axis_key=1: hqq's 3-bit packing along axis 1 breaks on some token counts; use axis 0 for 3 bits",
     ),
     (
         "api",

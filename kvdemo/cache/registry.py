@@ -275,7 +275,7 @@ def _hqq_group_problem(nbits: int, group: int, axis: int, geo: KVGeometry) -> st
             return f"hqq packs {pack} {nbits}-bit values together, so q_group_size must be a multiple of {pack}"
         return None
     if nbits == 3:
-        return "hqq's 3-bit packing along axis 1 breaks on some token counts; use axis 0 for nbits=3"
+        return "hqq's 3-bit packing along axis 1 breaks on some token counts; use axis 0 for 3 bits"
     width = geo.kv_heads * geo.head_dim
     if width % group or (width // group) % pack:
         return (

@@ -230,21 +230,24 @@ class CacheSpec:
                 raise ValueError(problem)
         if info.group_rule is not None:
             opts, geo = self.resolved(), kv_geometry(model_config)
-            for axis_name, axis, bits in _tensors(opts):
+            for axis_name, axis, bits_name, bits in _tensors(opts):
                 problem = info.group_rule(bits, opts["q_group_size"], axis, geo)
                 if problem:
-                    sizes = allowed_group_sizes(self.replace(q_group_size=None), model_config)[axis_name]
-                    hint = f"; allowed here: {', '.join(map(str, sizes))}" if sizes else ""
+                    fits = allowed_group_sizes(self.replace(q_group_size=None), model_config)
+                    if not fits[axis_name]:  # no group size fits these bits on this axis: bits or axis must change
+                        raise ValueError(f"{bits_name}={bits} with {axis_name}={axis}: {problem}")
+                    both = sorted(set.intersection(*(set(sizes) for sizes in fits.values())))  # keys' and values' alike
+                    hint = f"; allowed here: {', '.join(map(str, both))}" if both else ""
                     raise ValueError(f"q_group_size={opts['q_group_size']} ({axis_name}={axis}): {problem}{hint}")
         return self
 
 
-def _tensors(opts: SpecOptions) -> list[tuple[str, int, int]]:
-    """(axis option, axis, bits) of the keys, then of the values, from resolved options: each tensor's group rule
-    is checked with its own axis and bits (`nbits`, `nbits_value`)."""
+def _tensors(opts: SpecOptions) -> list[tuple[str, int, str, int]]:
+    """(axis option, axis, bits option, bits) of the keys, then of the values, from resolved options: each tensor's
+    group rule is checked with its own axis and bits (`nbits`, `nbits_value`)."""
     return [
-        ("axis_key", opts["axis_key"], opts["nbits"]),
-        ("axis_value", opts["axis_value"], opts.get("nbits_value", opts["nbits"])),
+        ("axis_key", opts["axis_key"], "nbits", opts["nbits"]),
+        ("axis_value", opts["axis_value"], "nbits_value", opts.get("nbits_value", opts["nbits"])),
     ]
 
 
@@ -302,7 +305,7 @@ def allowed_group_sizes(spec: CacheSpec, model_config: PreTrainedConfig) -> dict
         return {"axis_key": [], "axis_value": []}
     opts, geo = spec.resolved(), kv_geometry(model_config)
     candidates = range(1, geo.kv_heads * geo.head_dim + 1)
-    return {name: [g for g in candidates if rule(bits, g, axis, geo) is None] for name, axis, bits in _tensors(opts)}
+    return {name: [g for g in candidates if rule(bits, g, axis, geo) is None] for name, axis, _, bits in _tensors(opts)}
 
 
 def estimate_kv_bytes(
