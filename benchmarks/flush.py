@@ -91,7 +91,12 @@ def base_kv(loaded, tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def filled(spec: CacheSpec, loaded, kv, length: int):
     """A cache of `spec` holding `length` tokens: `kv` tiled along the tokens, given in one update per layer (the
     prefill's first update, as `kvdemo.qa.prefill.run_prefill` gives the whole context)."""
-    cache = build_cache(spec, loaded.config)
+    return fill(build_cache(spec, loaded.config), kv, length)
+
+
+def fill(cache, kv, length: int):
+    """`cache` (any transformers cache, e.g. one built without a spec) given `length` tokens per layer as `filled`
+    gives them; the cache."""
     for index, (keys, values) in enumerate(kv):
         reps = math.ceil(length / keys.shape[-2])
         k = keys.repeat(1, 1, reps, 1)[..., :length, :].contiguous()
@@ -206,20 +211,22 @@ def fp8_table(kv, rounds: int = 20) -> dict[str, Any]:
     """A cheaper exact de-quantization for fp8, measured against transformers' own on one layer's keys of 2,048
     tokens: float8 has 256 codes, so `table = codes.float() * scale` (256 float32 values, each computed as the
     library computes an element) and `index_select(table, codes)` give the same bits as `q.float() * scale`,
-    keeping no full-precision copy of the store between steps."""
+    keeping no full-precision copy of the store between steps. The table is the fp8 backend's own
+    (`kvdemo.cache.fp8.TableFp8Layer`); `benchmarks/fp8.py` measures it per decode step."""
     from transformers.cache_utils import Fp8QuantizedLayer
 
-    layer = Fp8QuantizedLayer()
+    from kvdemo.cache.fp8 import TableFp8Layer
+
+    layer, table_layer = Fp8QuantizedLayer(), TableFp8Layer()
     keys = kv[0][0].contiguous()
     layer.update(keys, keys)
-    q, scale = layer._quantized_keys
-    table = torch.arange(256, dtype=torch.uint8).view(q.dtype).float() * scale  # the NaN codes stay NaN, as in q
+    table_layer.update(keys, keys)
 
     def library():
-        return layer._dequantize((q, scale))
+        return layer._dequantize(layer._quantized_keys)
 
     def by_table():
-        return torch.index_select(table, 0, q.view(torch.uint8).reshape(-1).int()).view(q.shape).to(keys.dtype)
+        return table_layer._dequantize(table_layer._quantized_keys)
 
     assert torch.equal(library(), by_table())
     seconds = {"library": [], "table": []}

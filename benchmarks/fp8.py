@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -32,7 +31,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from flush import base_kv, forward, log  # noqa: E402  (benchmarks/flush.py's helpers)
+from flush import base_kv, fill, forward, log  # noqa: E402  (benchmarks/flush.py's helpers)
 from transformers import QuantizedCache  # noqa: E402
 
 from kvdemo import CacheSpec, load_model  # noqa: E402
@@ -41,16 +40,6 @@ from kvdemo.cache.speedlimit import probe_bandwidth, speed_limit  # noqa: E402
 
 FILLER = 13
 """The token fed at every timed step."""
-
-
-def fill(cache, kv, length: int):
-    """`cache` given `length` tokens per layer in one update: `kv` ([1, kv_heads, tokens, head_dim] per layer) tiled
-    along the tokens, as a one-pass prefill gives them."""
-    for index, (keys, values) in enumerate(kv):
-        reps = math.ceil(length / keys.shape[-2])
-        k = keys.repeat(1, 1, reps, 1)[..., :length, :].contiguous()
-        cache.update(k, values.repeat(1, 1, reps, 1)[..., :length, :].contiguous(), index)
-    return cache
 
 
 def caches(loaded, kv, length: int) -> dict:

@@ -12,7 +12,7 @@ from typing import Any, cast
 
 import pandas as pd
 
-from kvdemo.cache.registry import GROUP_OPTIONS, SpecOptions
+from kvdemo.cache.registry import BACKENDS, GROUP_OPTIONS, SpecOptions
 from kvdemo.evals.cache_error import KVError
 from kvdemo.evals.fidelity import KLStats, PerplexityResult
 
@@ -189,15 +189,7 @@ class ComparisonReport:
         "spec",
         "spec text",
         "backend",
-        "nbits",
-        "q_group_size",
-        "residual_length",
-        "axis_key",
-        "axis_value",
-        "flush",
-        "storage",
-        "rotation",
-        "nbits_value",
+        *GROUP_OPTIONS,  # nbits first, then the other options in the registry's order
         "KV bytes",
         "bytes/token",
         "ratio to dynamic",
@@ -290,7 +282,8 @@ class ComparisonReport:
                 }
             )
         frame = pd.DataFrame(rows, columns=list(self.COLUMNS))
-        integers = ("nbits", "q_group_size", "residual_length", "axis_key", "axis_value", "nbits_value")
+        options = {name: opt for backend in BACKENDS.values() for name, opt in backend.options.items()}
+        integers = [name for name in GROUP_OPTIONS if not options[name].is_text]  # the registry's integer options
         return frame.astype({name: "Int64" for name in integers})
 
     ANSWER_COLUMNS = ("question", "spec", "answer", "finish", "first departure from dynamic")
