@@ -2,7 +2,8 @@
 `run_all.py`), printed as ratios and written to `artifacts/bench/flush.json`.
 
 1. flush step / normal step, for quanto:4 and hqq:4 (residual_length 128) with `flush=requantize` (transformers)
-   and `flush=append` (`kvdemo.cache.flush`), at 1,024, 2,048, 4,096 and 7,680 context tokens. Each round fills every
+   and `flush=append` (`kvdemo.cache.flush`), and hqq:4 with its optimiser off (`optimize=false`,
+   `kvdemo.cache.hqq_optimize`) under both, at 1,024, 2,048, 4,096 and 7,680 context tokens. Each round fills every
    cache's residual to residual_length - 1 with one untimed forward pass, then times the flush step and
    `--normal` steps after it; the caches take turns within a round (interleaved), and the medians are compared.
    The context's keys and values are the embedded model's on the Normans article (2,048 real tokens, tiled
@@ -11,7 +12,7 @@
 3. where a decode step's extra time goes: `torch.profiler` over one step per backend at 2,048 tokens, split into
    the cache update (of which de-quantizing the store, and `torch.cat`), attention (`scaled_dot_product_attention`)
    and the matrix products (`aten::linear`/`aten::mm`/`aten::addmm`).
-4. fidelity of both policies: teacher-forced on the article's next paragraphs after paragraphs 0-11, fed one
+4. fidelity of the same specs: teacher-forced on the article's next paragraphs after paragraphs 0-11, fed one
    decode step per token through each cache (the layout of `kvdemo.evals.fidelity.perplexity_inputs`), residual_length
    16 so that the answer flushes every 16 tokens: KL(P_dynamic || P_spec) (`kvdemo.evals.fidelity.kl_statistics`) and
    the perplexity (exp of the mean negative log-likelihood, as `kvdemo.evals.fidelity.perplexity` defines it).
@@ -55,6 +56,9 @@ POLICIES = ("requantize", "append")
 FLUSH_SPECS = {
     f"{b}:4,flush={p}": CacheSpec(b, nbits=4, residual_length=RESIDUAL, flush=p)
     for b in ("quanto", "hqq")
+    for p in POLICIES
+} | {
+    f"hqq:4,flush={p},optimize=false": CacheSpec("hqq", nbits=4, residual_length=RESIDUAL, flush=p, optimize="false")
     for p in POLICIES
 }
 OTHER_SPECS = {"dynamic": CacheSpec("dynamic"), "fp8": CacheSpec("fp8")}
@@ -245,9 +249,8 @@ def fidelity(loaded, tokens: int) -> dict[str, Any]:
     case = load_case(example_path("normans")).select("0-11")
     inputs = perplexity_inputs(loaded, case.context, tokens, case.continuation)
     specs = {"dynamic": CacheSpec("dynamic")}
-    for backend in ("quanto", "hqq"):
-        for policy in POLICIES:
-            specs[f"{backend}:4,flush={policy}"] = CacheSpec(backend, nbits=4, residual_length=16, flush=policy)
+    for name, spec in FLUSH_SPECS.items():
+        specs[name] = spec.replace(residual_length=16)
     prefill = DynamicCache(config=loaded.config)
     run_prefill(loaded, prefill, list(inputs.context_ids), quantized=False)
     kv = [(layer.keys, layer.values) for layer in prefill.layers]
@@ -310,15 +313,15 @@ def print_steps(results, steps, rounds) -> None:
     results["steps"] = steps
     lengths = list(steps)
     print(f"\n1. flush step / normal step (residual_length {RESIDUAL}; medians of {rounds} rounds, interleaved)")
-    print(f"{'context tokens':>15}" + "".join(f"{n:>30}" for n in FLUSH_SPECS))
+    print(f"{'context tokens':>15}" + "".join(f"{n:>36}" for n in FLUSH_SPECS))
     for length, row in results["steps"].items():
-        cells = "".join(f"{row[n]['flush_over_step']:>20.2f}× ({row[n]['flush_ms']:>5.0f} ms)" for n in FLUSH_SPECS)
+        cells = "".join(f"{row[n]['flush_over_step']:>26.2f}× ({row[n]['flush_ms']:>5.0f} ms)" for n in FLUSH_SPECS)
         print(f"{int(length):>15,}" + cells)
     print("\n2. quantized normal step / dynamic step")
     others = [n for n in results["steps"][lengths[0]] if n != "dynamic_ms"]
-    print(f"{'context tokens':>15}{'dynamic ms':>12}" + "".join(f"{n:>26}" for n in others))
+    print(f"{'context tokens':>15}{'dynamic ms':>12}" + "".join(f"{n:>36}" for n in others))
     for length, row in results["steps"].items():
-        cells = "".join(f"{row[n]['step_over_dynamic']:>26.2f}" for n in others)
+        cells = "".join(f"{row[n]['step_over_dynamic']:>36.2f}" for n in others)
         print(f"{int(length):>15,}{row['dynamic_ms']:>12.0f}" + cells)
 
 

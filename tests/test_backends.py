@@ -57,6 +57,7 @@ def test_spec_defaults_and_label():
         "axis_value": 0,
         "flush": "requantize",
         "rotation": "none",
+        "optimize": "true",
     }
     assert spec.label == "hqq nbits=2 q_group_size=64 residual_length=4"
     assert spec.replace(rotation="hadamard").label == "hqq nbits=2 q_group_size=64 residual_length=4 rotation=hadamard"
@@ -66,7 +67,7 @@ def test_spec_defaults_and_label():
     assert mixed.label == "hqq nbits=4 nbits_value=2 q_group_size=64 residual_length=4"
     assert mixed.short_text == "hqq:4,nbits_value=2,residual_length=4"
     assert CacheSpec.parse(mixed.full_text) == mixed.replace(q_group_size=64, axis_key=0, axis_value=0).replace(
-        flush="requantize", rotation="none"
+        flush="requantize", rotation="none", optimize="true"
     )
     assert "nbits_value" not in spec.replace(nbits_value=2).full_text
     assert spec.replace(nbits_value=2).resolved() == spec.resolved()

@@ -54,6 +54,7 @@ def test_ask_json_on_the_normans_case(embedded, capsys):
         "axis_value": 0,
         "flush": "requantize",
         "rotation": "none",
+        "optimize": "true",
     }
     tokens = result["context_tokens"]
     assert 1300 < tokens < 1400

@@ -242,23 +242,25 @@ def test_session_store_is_bounded_and_frees_the_least_recently_used():
 
 def test_backend_options_shown_from_the_registry():
     *hqq, note = backend_option_updates("hqq")
-    assert [u["visible"] for u in hqq] == [True] * 6 + [False, True, True]  # every option but dynamic's storage
+    assert [u["visible"] for u in hqq] == [True] * 6 + [False, True, True, True]  # every option but dynamic's storage
     assert hqq[0]["choices"] == [1, 2, 3, 4, 8] and hqq[3]["choices"] == [0, 1]
     *quanto, _ = backend_option_updates("quanto")
     assert quanto[0]["choices"] == [2, 4] and quanto[4]["choices"] == [0, -1]
     *fp8, note = backend_option_updates("fp8")
-    assert [u["visible"] for u in fp8] == [False] * 9 and "never flushes" in note
+    assert [u["visible"] for u in fp8] == [False] * 10 and "never flushes" in note
     *dynamic, note = backend_option_updates("dynamic")
-    assert [u["visible"] for u in dynamic] == [False] * 6 + [True, False, False] and "storage=growing" in note
-    assert dynamic[-3]["choices"] == ["concat", "growing"] and dynamic[-3]["value"] == "concat"
-    assert hqq[-2]["choices"] == ["none", "hadamard"] and hqq[-2]["value"] == "none"  # rotation
+    assert [u["visible"] for u in dynamic] == [False] * 6 + [True, False, False, False] and "storage=growing" in note
+    assert dynamic[6]["choices"] == ["concat", "growing"] and dynamic[6]["value"] == "concat"
+    assert hqq[7]["choices"] == ["none", "hadamard"] and hqq[7]["value"] == "none"  # rotation
     # nbits_value: first the empty field, "same as nbits" (the option unset), then the values' own bits
-    assert quanto[-1]["choices"] == [("same as nbits", ""), ("2", 2), ("4", 4)] and quanto[-1]["value"] == ""
+    assert quanto[8]["choices"] == [("same as nbits", ""), ("2", 2), ("4", 4)] and quanto[8]["value"] == ""
+    # optimize: hqq's alone
+    assert hqq[9]["choices"] == ["true", "false"] and hqq[9]["value"] == "true" and not quanto[9]["visible"]
 
 
 def test_switching_backend_keeps_the_values_the_new_backend_allows():
     *hqq, _ = backend_option_updates("hqq", 3, 32, 16, 1, 0)
-    assert [u.get("value") for u in hqq] == [3, 32, 16, 1, 0, "requantize", None, "none", ""]  # what was there
+    assert [u.get("value") for u in hqq] == [3, 32, 16, 1, 0, "requantize", None, "none", "", "true"]  # as there
     *quanto, _ = backend_option_updates("quanto", 3, 32, 16, 1, 0)
     assert [u.get("value") for u in quanto] == [
         4,
@@ -270,14 +272,15 @@ def test_switching_backend_keeps_the_values_the_new_backend_allows():
         None,
         "none",
         "",
-    ]  # nbits 3 and axis 1 are not quanto's: defaults; storage is hidden (not quanto's)
+        None,
+    ]  # nbits 3 and axis 1 are not quanto's: defaults; storage and optimize are hidden (not quanto's)
     *hqq, _ = backend_option_updates("hqq", None, None, 0, None, None)
-    assert [u.get("value") for u in hqq] == [4, 64, 128, 0, 0, "requantize", None, "none", ""]
+    assert [u.get("value") for u in hqq] == [4, 64, 128, 0, 0, "requantize", None, "none", "", "true"]
     *dynamic, _ = backend_option_updates("dynamic", 4, 64, 128, 0, 0, "append", "growing")
-    assert dynamic[-3]["value"] == "growing" and not any(u["visible"] for i, u in enumerate(dynamic) if i != 6)
+    assert dynamic[6]["value"] == "growing" and not any(u["visible"] for i, u in enumerate(dynamic) if i != 6)
     # the values' bits kept where the backend takes them, hqq's 8 is not quanto's: back to "same as nbits"
     *hqq, _ = backend_option_updates("hqq", 4, 64, 128, 0, 0, "append", None, "none", 8)
-    assert hqq[-1]["value"] == 8 and backend_option_updates("quanto", *[u.get("value") for u in hqq])[-2]["value"] == ""
+    assert hqq[8]["value"] == 8 and backend_option_updates("quanto", *[u.get("value") for u in hqq])[8]["value"] == ""
 
 
 def test_spec_from_inputs_ignores_hidden_options():
@@ -314,8 +317,8 @@ def test_changing_options_or_the_context_after_a_prefill_asks_for_a_new_one(hand
     message, _, button, _ = gate(CONTEXT, "hqq", 2, 64, 4, 0, 0, _request())
     assert "⚠ The options changed since the prefill" in message and button["interactive"] is False
     assert (
-        "Now: **spec** `hqq:2,q_group_size=64,residual_length=4,axis_key=0,axis_value=0,flush=requantize,rotation=none`"
-        in message
+        "Now: **spec** `hqq:2,q_group_size=64,residual_length=4,axis_key=0,axis_value=0,flush=requantize,rotation=none,"
+        "optimize=true`" in message
     )
     message, _, button, _ = gate(CONTEXT + " Edited.", *HQQ, _request())
     assert "⚠ The Context box changed since the prefill" in message and button["interactive"] is False
@@ -656,7 +659,8 @@ def test_enter_in_the_question_box_cannot_pass_the_gate(handlers, tiny):
     message = refused(fns["ask"]("Who led them?", 4, _request(), CONTEXT))
     assert message == (
         "⚠ The options changed since the prefill: the cache holds hqq:4,q_group_size=64,residual_length=4,"
-        "axis_key=0,axis_value=0,flush=requantize,rotation=none, the page shows fp8; press Prefill to rebuild it, or "
+        "axis_key=0,axis_value=0,flush=requantize,rotation=none,optimize=true, the page shows fp8; press Prefill to "
+        "rebuild it, or "
         "set the "
         "options back"
     )
@@ -708,6 +712,7 @@ def test_the_page_fields_leave_bad_numbers_to_the_project_checks(handlers):
         "storage",
         "rotation",
         "nbits_value",
+        "optimize",
     }
     for field_ in options:
         assert field_.preprocess(-1) == -1 and field_.preprocess("Growing") == "Growing", field_.label

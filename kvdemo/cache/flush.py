@@ -24,7 +24,7 @@ import torch
 from transformers import PreTrainedConfig, QuantizedCache
 from transformers.cache_utils import HQQQuantizedLayer, QuantizedLayer, QuantoQuantizedLayer
 
-from kvdemo.cache.policies import FLUSH_POLICIES, ROTATIONS
+from kvdemo.cache.policies import FLUSH_POLICIES, OPTIMIZE_CHOICES, ROTATIONS
 from kvdemo.cache.precision import value_precision_layer
 from kvdemo.cache.rotation import ROTATED_LAYERS, LibraryLayer, RotatedHQQLayer, RotatedQuantoLayer
 
@@ -114,22 +114,25 @@ def quantized_cache(
     flush: str = "requantize",
     rotation: str = "none",
     nbits_value: int | None = None,
+    optimize: str = OPTIMIZE_CHOICES[0],
     **options,
 ) -> QuantizedCache:
     """transformers' `QuantizedCache(backend, config, **options)`, with its layers given the flush policy `flush`,
-    the rotation `rotation` (`kvdemo.cache.rotation`) and the values' own precision `nbits_value`
-    (`kvdemo.cache.precision`).
+    the rotation `rotation` (`kvdemo.cache.rotation`), the values' own precision `nbits_value`
+    (`kvdemo.cache.precision`) and, for hqq, its optimiser switched by `optimize` (`kvdemo.cache.hqq_optimize`).
 
     Args:
         backend: `quanto` or `hqq` for `append`, a rotation or `nbits_value`; any `QuantizedCache` backend otherwise.
         flush: one of `FLUSH_POLICIES`.
         rotation: one of `ROTATIONS`.
         nbits_value: bits per quantized value of the values; None (or nbits): nbits, as transformers.
+        optimize: one of `OPTIMIZE_CHOICES`; `false` (hqq only) quantizes by min-max rounding alone.
         options: the group-wise options (nbits, q_group_size, residual_length, axis_key, axis_value).
 
     Raises:
-        ValueError: an unknown policy or rotation, `append`, a rotation or `nbits_value` on a layer without a
-            residual (fp8), or an `nbits_value` the library's layer does not take (the library's message).
+        ValueError: an unknown policy, rotation or optimize word, `append`, a rotation or `nbits_value` on a layer
+            without a residual (fp8), an `nbits_value` the library's layer does not take (the library's message),
+            or `optimize=false` on a layer that is not hqq's.
 
     Example:
         >>> cache = quantized_cache("hqq", model.config, flush="append", rotation="hadamard", nbits=4, nbits_value=2)
@@ -138,6 +141,8 @@ def quantized_cache(
         raise ValueError(f"flush={flush!r} is not a flush policy; choose one of {', '.join(FLUSH_POLICIES)}")
     if rotation not in ROTATIONS:
         raise ValueError(f"rotation={rotation!r} is not a rotation; choose one of {', '.join(ROTATIONS)}")
+    if optimize not in OPTIMIZE_CHOICES:
+        raise ValueError(f"optimize={optimize!r} is not one of {', '.join(OPTIMIZE_CHOICES)}")
     cache = QuantizedCache(backend, config, **options)
     layer_class: type = type(cache.layers[0])
     steps = (
@@ -160,4 +165,13 @@ def quantized_cache(
         kwargs = {name: getattr(first, name) for name in ("nbits", "axis_key", "axis_value")}
         kwargs.update(q_group_size=first.q_group_size, residual_length=first.residual_length, **extra)
         cache.layers = [layer_class(**kwargs) for _ in cache.layers]
+    if optimize == "false":
+        from kvdemo.cache.hqq_optimize import MinMaxQuantizer
+
+        if not isinstance(cache.layers[0], HQQQuantizedLayer):
+            name = type(cache.layers[0]).__name__
+            raise ValueError(f"optimize=false is hqq's option; {name} has no optimiser to switch off")
+
+        for layer in cache.layers:
+            cast(HQQQuantizedLayer, layer).quantizer = MinMaxQuantizer  # the library's layer calls `self.quantizer`
     return cache

@@ -1,5 +1,6 @@
-"""The words of kvdemo's own cache options: the flush policies of the residual backends (`kvdemo.cache.flush`),
-`dynamic`'s storage policies (`kvdemo.cache.storage`) and the rotations (`kvdemo.cache.rotation`).
+"""The words of the cache options that take words: the flush policies of the residual backends
+(`kvdemo.cache.flush`), `dynamic`'s storage policies (`kvdemo.cache.storage`), the rotations
+(`kvdemo.cache.rotation`) and hqq's `optimize` switch (`kvdemo.cache.hqq_optimize`).
 
 Plain tuples that import nothing, so that the registry, and with it the command line's `--help`, reads the
 allowed values without loading torch or transformers (which the modules that implement the policies need)."""
@@ -13,3 +14,6 @@ whole cache at every update, the default), `growing` is `kvdemo.cache.storage.Gr
 
 ROTATIONS = ("none", "hadamard")
 """The `rotation` option's values: transformers' behaviour (no rotation) first."""
+
+OPTIMIZE_CHOICES = ("true", "false")
+"""hqq's `optimize` option: its half-quadratic optimiser of zero points on (hqq's and transformers' default) or off."""

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypedDict
 
-from kvdemo.cache.policies import FLUSH_POLICIES, ROTATIONS, STORAGE_POLICIES
+from kvdemo.cache.policies import FLUSH_POLICIES, OPTIMIZE_CHOICES, ROTATIONS, STORAGE_POLICIES
 
 # Reading the registry loads neither torch nor transformers (the command line's `--help` reads it): the modules
 # that build a cache are imported by the functions that build one.
@@ -40,6 +40,7 @@ GROUP_OPTIONS = (
     "storage",
     "rotation",
     "nbits_value",
+    "optimize",
 )
 """Every option a backend may take, in the order the page and the command line show them (one added later goes last:
 the page state a browser keeps lists the values in this order)."""
@@ -47,7 +48,7 @@ the page state a browser keeps lists the values in this order)."""
 
 class SpecOptions(TypedDict, total=False):
     """Options by name, as `CacheSpec.given()` and `CacheSpec.resolved()` give them: the keys are `GROUP_OPTIONS`,
-    integers but for the text options (`flush`, `storage`)."""
+    integers but for the text options (`flush`, `storage`, `rotation`, `optimize`)."""
 
     nbits: int
     nbits_value: int
@@ -58,6 +59,7 @@ class SpecOptions(TypedDict, total=False):
     flush: str
     storage: str
     rotation: str
+    optimize: str
 
 
 @dataclass(frozen=True)
@@ -205,6 +207,9 @@ def _group_options(nbits: tuple[int, ...], axes: tuple[int, ...]) -> dict[str, O
     }
 
 
+_OPTIMIZE_HELP = "true: hqq's optimiser refines the zero points (as transformers); false: min-max rounding, cheaper"
+
+
 def _full_precision_bytes(opts, geo: KVGeometry, tokens, residual, element, nominal) -> float:
     """Every value in the model's dtype; with `storage=growing` (`kvdemo.cache.storage.GrowingLayer`) the buffers'
     whole capacity, at most `capacity_bound(tokens)` tokens (an upper bound, reached right after a one-pass
@@ -313,7 +318,8 @@ def _residual_cache(name: str, options: Mapping[str, Any], config: PreTrainedCon
     options = dict(options)
     flush, rotation = str(options.pop("flush", FLUSH_POLICIES[0])), str(options.pop("rotation", ROTATIONS[0]))
     nbits_value = options.pop("nbits_value", None)
-    return quantized_cache(name, config, flush, rotation, nbits_value=nbits_value, **options)
+    optimize = str(options.pop("optimize", OPTIMIZE_CHOICES[0]))
+    return quantized_cache(name, config, flush, rotation, nbits_value=nbits_value, optimize=optimize, **options)
 
 
 BACKENDS: dict[str, Backend] = {
@@ -357,7 +363,10 @@ BACKENDS: dict[str, Backend] = {
         make_cache=_residual_cache,
         # hqq 0.2.8 packs 3-bit values ten to an int32 with padding: 5,040 bytes per 11,520 values (measured)
         kv_bytes=_group_bytes({3: 3.5}),
-        options=_group_options(nbits=(1, 2, 3, 4, 8), axes=(0, 1)),
+        options={
+            **_group_options(nbits=(1, 2, 3, 4, 8), axes=(0, 1)),
+            "optimize": Option("optimize", OPTIMIZE_CHOICES[0], choices=OPTIMIZE_CHOICES, help=_OPTIMIZE_HELP),
+        },
         group_rule=_hqq_group_problem,
         compare_nbits=(4,),
         module="hqq",

@@ -37,7 +37,8 @@ class CacheSpec:
             flush policy (`requantize`, `append`: `kvdemo.cache.flush`); storage: how `dynamic` stores its tensors
             (`concat`, `growing`: `kvdemo.cache.storage`); rotation: `hadamard` rotates keys and values before
             quantizing (`kvdemo.cache.rotation`), `none` does not; nbits_value: bits per quantized value of the
-            values alone (`kvdemo.cache.precision`; None: nbits, as transformers). Which backend
+            values alone (`kvdemo.cache.precision`; None: nbits, as transformers); optimize: hqq's optimiser of
+            zero points on (`true`, hqq's default) or off (`false`: `kvdemo.cache.hqq_optimize`). Which backend
             takes which, and the values allowed, are in its registry entry (`Backend.options`).
 
     Example:
@@ -56,6 +57,7 @@ class CacheSpec:
     storage: str | None = None
     rotation: str | None = None
     nbits_value: int | None = None
+    optimize: str | None = None
 
     @property
     def info(self) -> Backend:

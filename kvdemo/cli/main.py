@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
         "prefill seconds, decode tokens/s, seconds of the decode steps that flushed; cache length after restore.\n"
         "The table is the short one (MiB, ratios; columns without values left out); --json gives everything.\n\n"
         "Spec syntax: backend[:nbits][,option=value...] with options q_group_size, residual_length, axis_key,\n"
-        "axis_value, flush, rotation, nbits_value (unset ones take the defaults below), e.g.\n"
+        "axis_value, flush, rotation, nbits_value, optimize (unset ones take the defaults below), e.g.\n"
         "  --spec dynamic --spec hqq:4 --spec quanto:2,q_group_size=32,residual_length=16 --spec fp8\n"
         "  --spec quanto:4,nbits_value=2 (keys at 4 bits, values at 2)\n"
         f"Default specs: {' '.join(s.text for s in default_compare_specs())}\n\nBackends:\n" + _backend_help(),

@@ -324,7 +324,7 @@ def test_a_reload_keeps_the_context_and_options_and_says_nothing_is_prefilled(pa
         page.get_by_text(
             re.compile(
                 r"^spec hqq:4,q_group_size=64,residual_length=48,axis_key=0,axis_value=0,flush=requantize,"
-                r"rotation=none · "
+                r"rotation=none,optimize=true · "
                 r"nothing prefilled in this tab yet$"
             )
         )
