@@ -8,8 +8,9 @@ min-max rounding: `round(x * scale + zero)` clamped, what optimum-quanto does to
 
 Why a KV cache wants the choice: the solver is a dozen element-wise passes (a fractional power among them) per
 iteration over every value quantized, so a flush of one 128-token block in all 30 layers of the embedded model costs
-250-330 ms, 2.6-4.4 times a plain decode step (docs/benchmarks.md, "Flush policies and quantized decode"), against
-about 8 ms without it. What it buys in fidelity is measured there, beside the cost.
+200-405 ms, 2.4-3.8 times a plain decode step at 1k-8k tokens; without it the flush step is 1.05-1.31 times a plain
+one (docs/benchmarks.md, "hqq's optimiser", which gives what the solver buys in fidelity beside the cost: little at
+4 bits, 10-46 % of the mean KL at 3 bits).
 
 How: `MinMaxQuantizer` is hqq's `Quantizer` whose `quantize` passes `optimize=False`; a layer built with
 `optimize=false` has it as its `quantizer` attribute (transformers' layer calls `self.quantizer.quantize` and
