@@ -172,14 +172,13 @@ def floors(loaded, runners: list, job: Job, bandwidth: float) -> dict[str, dict]
     """Each system's decode-step floor at the context's length (prefilled caches; llama.cpp by its KV type)."""
     out, tokens = {}, len(job.prefix_ids)
     weights = gguf_tensor_bytes(embedded_gguf_path())
-    dynamic = next(r for r in runners if r.name == REFERENCE).floor().to_dict()
     for r in runners:
         if isinstance(r, KvdemoRunner):
             out[r.name] = r.floor().to_dict()
         elif isinstance(r, LlamaCppRunner):
             out[r.name] = r.floor(weights, tokens, bandwidth).to_dict()
-        else:  # the pattern and re-prefill decode on a DynamicCache of the same tokens
-            out[r.name] = dynamic
+    for r in runners:  # the pattern and re-prefill decode on a DynamicCache of the same tokens
+        out.setdefault(r.name, out[REFERENCE])
     return out
 
 

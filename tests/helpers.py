@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from kvdemo.cache.spec import CacheSpec, all_specs
+from kvdemo.cache.spec import CacheSpec, all_specs, build_cache
 from kvdemo.qa.models import LoadedModel
 
 # Every backend and nbits the registry allows; the options left unset take the backend's defaults.
@@ -17,6 +17,16 @@ ALL_SPECS = all_specs()
 
 def spec_id(spec: CacheSpec) -> str:
     return spec.label.replace(" ", ",")
+
+
+def filled_layer(spec: CacheSpec, config, keys: torch.Tensor, values: torch.Tensor, steps: int = 0):
+    """Layer 0 of a cache of `spec` for `config` after a prefill of `keys`, `values` ([batch, kv_heads, tokens,
+    head_dim]) and `steps` decode steps that feed the same rows again, one token each."""
+    layer = build_cache(spec, config).layers[0]
+    layer.update(keys, values)
+    for i in range(steps):
+        layer.update(keys[..., i : i + 1, :], values[..., i : i + 1, :])
+    return layer
 
 
 def make_tiny(tokenizer, *, kv_heads: int = 2, head_dim: int = 64, layers: int = 2, seed: int = 0) -> LoadedModel:

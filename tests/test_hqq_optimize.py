@@ -15,6 +15,7 @@ from kvdemo.cache.flush import quantized_cache
 from kvdemo.cache.hqq_optimize import MinMaxQuantizer
 from kvdemo.cache.spec import build_cache, estimate_kv_bytes
 from kvdemo.cache.telemetry import kv_memory
+from tests.helpers import filled_layer
 
 CONFIG = LlamaConfig(
     vocab_size=8,
@@ -25,16 +26,6 @@ CONFIG = LlamaConfig(
     num_key_value_heads=2,
     head_dim=64,
 )
-
-
-def _filled(spec: CacheSpec, keys: torch.Tensor, values: torch.Tensor, steps: int):
-    """Layer 0 of a cache of `spec` after a prefill of `keys`, `values` ([1, 2, tokens, 64]) and `steps` decode
-    steps of the same rows."""
-    layer = build_cache(spec, CONFIG).layers[0]
-    layer.update(keys, values)
-    for i in range(steps):
-        layer.update(keys[..., i : i + 1, :], values[..., i : i + 1, :])
-    return layer
 
 
 def test_the_min_max_quantizer_is_hqqs_own_without_its_optimiser():
@@ -66,8 +57,8 @@ def test_a_layer_with_optimize_false_stores_what_the_min_max_quantizer_makes(bas
     torch.manual_seed(1)
     keys, values = torch.randn(1, 2, 40, 64), torch.randn(1, 2, 40, 64) * 3
     spec = CacheSpec.parse(base).replace(residual_length=4)
-    off = _filled(spec.replace(optimize="false"), keys, values, steps=9)
-    on = _filled(spec, keys, values, steps=9)
+    off = filled_layer(spec.replace(optimize="false"), CONFIG, keys, values, steps=9)
+    on = filled_layer(spec, CONFIG, keys, values, steps=9)
     assert off.quantizer is MinMaxQuantizer and on.quantizer is not MinMaxQuantizer
     # the same layer class, the quantizer swapped: quantizing the same rows by hand gives the stored codes
     assert type(off) is type(on)
@@ -76,9 +67,9 @@ def test_a_layer_with_optimize_false_stores_what_the_min_max_quantizer_makes(bas
         (off._quantized_values, on._quantized_values),
     ):
         assert not torch.equal(off._dequantize(store_off), on._dequantize(store_on))
-    manual = _filled(spec, keys, values, steps=0)
+    manual = filled_layer(spec, CONFIG, keys, values, steps=0)
     manual.quantizer = MinMaxQuantizer
-    fresh = _filled(spec.replace(optimize="false"), keys, values, steps=0)
+    fresh = filled_layer(spec.replace(optimize="false"), CONFIG, keys, values, steps=0)
     manual_again = manual._quantize(keys.contiguous(), axis=manual.axis_key)
     assert torch.equal(fresh._dequantize(fresh._quantized_keys), manual._dequantize(manual_again))
 

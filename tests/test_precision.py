@@ -12,6 +12,7 @@ from transformers import LlamaConfig
 from kvdemo import CacheSpec, QASession
 from kvdemo.cache.spec import build_cache, estimate_kv_bytes
 from kvdemo.cache.telemetry import kv_memory
+from tests.helpers import filled_layer
 
 CONFIG = LlamaConfig(
     vocab_size=8,
@@ -27,10 +28,7 @@ CONFIG = LlamaConfig(
 def _stores(spec: CacheSpec, keys: torch.Tensor, values: torch.Tensor, steps: int = 0):
     """The de-quantized keys and values a cache of `spec` holds after a prefill of `keys`, `values`
     ([1, 2, tokens, 64]) and `steps` decode steps of the same rows, and its layer."""
-    layer = build_cache(spec, CONFIG).layers[0]
-    layer.update(keys, values)
-    for i in range(steps):
-        layer.update(keys[..., i : i + 1, :], values[..., i : i + 1, :])
+    layer = filled_layer(spec, CONFIG, keys, values, steps)
     return layer._dequantize(layer._quantized_keys), layer._dequantize(layer._quantized_values), layer
 
 
