@@ -9,11 +9,14 @@
    mean, 99 %, the share of positions with the same top token) and the perplexity's ratio to `dynamic`'s.
    Bytes per token are the registry's formula (`estimate_kv_bytes`), equal off and on.
 2. The rotation's cost per decode step: median step time of quanto:4 and hqq:4, off and on, at the context's
-   length and 4x it (the same keys and values tiled), interleaved in rounds. The rotation adds one
-   [tokens, head_dim] x [head_dim, head_dim] product per layer and tensor per step (`kvdemo.cache.rotation`).
+   length and 4x it (the same keys and values tiled), interleaved in rounds. On, both ways
+   (`kvdemo.cache.rotation`): the query side (the new token's key and value, the query and the output rotated:
+   O(head_dim^2) per new token, what `rotation=hadamard` builds) and the read side (the whole store rotated back
+   after every de-quantization: one [tokens, head_dim] x [head_dim, head_dim] product per layer and tensor).
 
     .venv/bin/python benchmarks/rotation.py                  # both shipped articles: 10-25 minutes on 2 cores
     .venv/bin/python benchmarks/rotation.py --quick          # the Normans only, 64 tokens, 3 rounds
+    .venv/bin/python benchmarks/rotation.py --steps-only     # part 2 alone
 """
 
 from __future__ import annotations
@@ -35,10 +38,11 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from flush import filled, forward, log  # noqa: E402  (benchmarks/flush.py's helpers)
+from flush import fill, filled, forward, log  # noqa: E402  (benchmarks/flush.py's helpers)
 from transformers import DynamicCache  # noqa: E402
 
 from kvdemo import CacheSpec, load_model  # noqa: E402
+from kvdemo.cache.flush import quantized_cache  # noqa: E402
 from kvdemo.cache.spec import estimate_kv_bytes  # noqa: E402
 from kvdemo.evals.cases import example_path, load_case  # noqa: E402
 from kvdemo.evals.fidelity import kl_statistics, perplexity_inputs  # noqa: E402
@@ -93,9 +97,14 @@ def fidelity(loaded, example: str, tokens: int, compared: list[CacheSpec] | None
     return out
 
 
+READ_SIDE = " (read side)"
+"""The suffix of a rotated spec's name built rotating on read (`kvdemo.cache.rotation.RotationMixin`)."""
+
+
 def step_cost(loaded, rounds: int) -> dict:
     """Median decode-step seconds of quanto:4 and hqq:4, rotation off and on, at the Normans example's length and
-    4x it (interleaved)."""
+    4x it (interleaved). Rotated, both ways: the query side (what `rotation=hadamard` builds for the embedded model,
+    `kvdemo.cache.attention`) and the read side (`name + READ_SIDE`: the whole store rotated back at every step)."""
     stem, paragraphs = EXAMPLES["Normans"]
     ids = perplexity_inputs(loaded, load_case(example_path(stem)).select(paragraphs).context, 8, None).context_ids
     prefill = DynamicCache(config=loaded.config)
@@ -106,7 +115,11 @@ def step_cost(loaded, rounds: int) -> dict:
         specs = {s.text: s for b in ("quanto", "hqq") for r in ("none", "hadamard") for s in [_spec(b, 4, r)]}
         specs = {name: s.replace(residual_length=4096) for name, s in specs.items()}  # no flush within the steps
         caches = {name: filled(s, loaded, kv, length) for name, s in specs.items()}
-        times: dict[str, list[float]] = {name: [] for name in specs}
+        for name, spec in list(specs.items()):
+            if spec.rotation == "hadamard":  # the same layers rotating on read: the library call without the spec
+                options = dict(nbits=4, residual_length=4096, rotation="hadamard", rotate_query=False)
+                caches[name + READ_SIDE] = fill(quantized_cache(spec.backend, loaded.config, **options), kv, length)
+        times: dict[str, list[float]] = {name: [] for name in caches}
         for _ in range(rounds):
             for name, cache in caches.items():
                 start = time.perf_counter()
@@ -134,10 +147,11 @@ def print_fidelity(articles: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--steps-only", action="store_true", help="only the step cost (part 2), a few minutes")
     args = parser.parse_args()
     loaded = load_model()
     tokens, rounds = (64, 3) if args.quick else (256, 7)
-    articles = ["Normans"] if args.quick else list(EXAMPLES)
+    articles = [] if args.steps_only else ["Normans"] if args.quick else list(EXAMPLES)
     out: dict = {"load_average_start": os.getloadavg(), "fidelity": {}}
     for article in articles:
         out["fidelity"][article] = fidelity(loaded, article, tokens)
@@ -145,10 +159,12 @@ def main() -> None:
     out["load_average_end"] = os.getloadavg()
     print_fidelity(out["fidelity"])
     for length, row in out["step_seconds"].items():
-        cost = ", ".join(
-            f"{b}:4 {row[_spec(b, 4, 'hadamard').text] / row[_spec(b, 4, 'none').text]:.2f}x" for b in ("quanto", "hqq")
-        )
-        print(f"\nstep at {int(length):,} tokens, rotation on / off: {cost}")
+        for way, suffix in (("query side", ""), ("read side", READ_SIDE)):
+            cost = ", ".join(
+                f"{b}:4 {row[_spec(b, 4, 'hadamard').text + suffix] / row[_spec(b, 4, 'none').text]:.2f}x"
+                for b in ("quanto", "hqq")
+            )
+            print(f"step at {int(length):,} tokens, rotation on ({way}) / off: {cost}")
     print(f"load average {out['load_average_start'][0]:.2f} -> {out['load_average_end'][0]:.2f}")
     path = ROOT / "artifacts" / "bench" / "rotation.json"
     path.parent.mkdir(parents=True, exist_ok=True)

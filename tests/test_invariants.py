@@ -15,6 +15,11 @@ from tests.helpers import ALL_SPECS, fail_forward_at, spec_id
 QUESTIONS = ["Who was the Norse leader?", "In what country is Normandy located?", "When were the Normans in Normandy?"]
 
 
+ROTATED_APPEND = [CacheSpec.parse(f"{b},flush=append,rotation=hadamard") for b in ("quanto:2", "hqq:4")]
+"""The rotation under the `append` flush policy (issue 22, goal 3), which `all_specs` has one at a time: the query
+side's rotated residual quantized as a block of its own (`AppendQueryRotated*Layer`)."""
+
+
 def _matrix() -> list[CacheSpec]:
     specs = []
     for spec in ALL_SPECS:
@@ -22,11 +27,11 @@ def _matrix() -> list[CacheSpec]:
             specs += [spec.replace(residual_length=r) for r in (1, 4, None)]
         else:
             specs.append(spec)
-    return specs
+    return specs + [spec.replace(residual_length=4) for spec in ROTATED_APPEND]
 
 
 MATRIX = _matrix()
-RESIDUAL_SPECS = [s for s in ALL_SPECS if s.info.has_residual]
+RESIDUAL_SPECS = [s for s in ALL_SPECS if s.info.has_residual] + ROTATED_APPEND
 
 
 @pytest.fixture(scope="module")

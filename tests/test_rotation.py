@@ -1,6 +1,7 @@
-"""kvdemo.cache.rotation: the Hadamard matrix, rotated layers that store the library's own quantization of the
-rotated keys and values, what rotation buys on keys with outlier channels, and its refusals. The restore and
-fresh-run invariants of the rotated specs run in tests/test_invariants.py (the registry's `all_specs`)."""
+"""kvdemo.cache.rotation and kvdemo.cache.attention: the Hadamard matrix, rotated layers that store the library's own
+quantization of the rotated keys and values (rotated back on read, or kept in the rotated basis for kvdemo's
+attention function, which rotates the query), what rotation buys on keys with outlier channels, and its refusals.
+The restore and fresh-run invariants of the rotated specs run in tests/test_invariants.py (`all_specs`)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,19 @@ from transformers import LlamaConfig
 from transformers.cache_utils import HQQQuantizedLayer, QuantoQuantizedLayer
 
 from kvdemo import CacheSpec, QASession
-from kvdemo.cache.flush import AppendRotatedHQQLayer, quantized_cache
-from kvdemo.cache.rotation import RotatedHQQLayer, RotatedQuantoLayer, hadamard, rotation_problem
+from kvdemo.cache.attention import ATTENTION, install, uses_query_rotation
+from kvdemo.cache.flush import AppendQueryRotatedHQQLayer, AppendRotatedHQQLayer, quantized_cache
+from kvdemo.cache.rotation import (
+    ROTATED_MARK,
+    QueryRotatedQuantoLayer,
+    RotatedHQQLayer,
+    RotatedQuantoLayer,
+    hadamard,
+    rotation_problem,
+)
 from kvdemo.cache.spec import build_cache
+from kvdemo.evals.cache_error import dequantized_kv
+from tests.helpers import make_tiny
 
 
 def test_the_hadamard_matrix_is_symmetric_orthonormal_and_flat():
@@ -78,8 +89,74 @@ def test_rotation_is_refused_where_it_cannot_run():
 
 
 def test_rotation_with_the_append_flush_builds_both_layers(tiny):
+    assert uses_query_rotation(tiny.config)  # a LoadedModel's attention is kvdemo's
     cache = build_cache(CacheSpec.parse("hqq:4,flush=append,rotation=hadamard"), tiny.config)
-    assert all(type(layer) is AppendRotatedHQQLayer for layer in cache.layers)
+    assert all(type(layer) is AppendQueryRotatedHQQLayer for layer in cache.layers)
+    read_side = quantized_cache("hqq", tiny.config, flush="append", rotation="hadamard", rotate_query=False)
+    assert all(type(layer) is AppendRotatedHQQLayer for layer in read_side.layers)
+
+
+def _logits(loaded, cache, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return loaded.model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True).logits[0]
+
+
+def test_kvdemos_attention_gives_sdpas_own_bits_for_an_unrotated_cache(embedded):
+    tiny = make_tiny(embedded.tokenizer, seed=3)  # its own model: the attention is switched below
+    assert tiny.config._attn_implementation == ATTENTION
+    ids = embedded.tokenizer("The Normans held Rouen. Rollo led them, and Normandy was named after them.")["input_ids"]
+    outputs = {}
+    for implementation in (ATTENTION, "sdpa"):
+        tiny.model.set_attn_implementation(implementation)
+        for text in ("dynamic", "quanto:4,residual_length=4", "fp8"):
+            cache = build_cache(CacheSpec.parse(text), tiny.config)
+            prefill = _logits(tiny, cache, ids[:-6])
+            steps = [_logits(tiny, cache, [token]) for token in ids[-6:]]  # decode steps, one flush (residual 4)
+            outputs[implementation, text] = torch.cat([prefill, *steps])
+    for text in ("dynamic", "quanto:4,residual_length=4", "fp8"):
+        assert torch.equal(outputs[ATTENTION, text], outputs["sdpa", text]), text
+
+
+@pytest.mark.parametrize("text", ["quanto:4,residual_length=3", "hqq:4,residual_length=3,flush=append,nbits_value=2"])
+def test_the_query_side_rotation_attends_as_the_read_side_one(tiny, embedded, text):
+    """The two ways of `rotation=hadamard` are the same arithmetic: in the rotated basis with the query rotated
+    (kvdemo's attention), and rotated back on every read (any attention). Their stores hold the library's
+    quantization of the same rotated tensors, so what attention reads and the logits agree to float rounding."""
+    spec = CacheSpec.parse(text + ",rotation=hadamard")
+    query_side = build_cache(spec, tiny.config)
+    read_side = quantized_cache(spec.backend, tiny.config, rotate_query=False, **spec.resolved())
+    assert isinstance(query_side.layers[0], QueryRotatedQuantoLayer) == text.startswith("quanto")
+    ids = embedded.tokenizer("The Normans held Rouen. Rollo led them, and Normandy was named after them.")["input_ids"]
+    for cache in (query_side, read_side):
+        _logits(tiny, cache, ids[:-5])
+    for token in ids[-5:]:  # a flush at the third step (residual 3)
+        query_logits, read_logits = _logits(tiny, query_side, [token]), _logits(tiny, read_side, [token])
+        assert torch.allclose(query_logits, read_logits, atol=1e-4), float((query_logits - read_logits).abs().max())
+    assert query_side.layers[0]._quantized_keys is not None
+    for (keys, values), (read_keys, read_values) in zip(dequantized_kv(query_side), dequantized_kv(read_side)):
+        # in the model's basis both ways: the same de-quantized keys and values
+        assert keys.shape == read_keys.shape and torch.allclose(keys, read_keys, atol=1e-4)
+        assert torch.allclose(values, read_values, atol=1e-4)
+    returned, _ = query_side.layers[0].update(torch.randn(1, 2, 1, 64), torch.randn(1, 2, 1, 64))
+    assert getattr(returned, ROTATED_MARK) is True  # what makes kvdemo's attention rotate the query
+
+
+def test_a_model_whose_attention_is_not_sdpa_keeps_it_and_rotates_on_read(embedded):
+    tiny = make_tiny(embedded.tokenizer, seed=5)
+    tiny.model.set_attn_implementation("eager")
+    assert install(tiny.model) is False and tiny.config._attn_implementation == "eager"
+    cache = build_cache(CacheSpec.parse("quanto:4,rotation=hadamard"), tiny.config)
+    assert all(type(layer) is RotatedQuantoLayer for layer in cache.layers)
+    with pytest.raises(ValueError, match="rotate_query needs a model that attends through kvdemo_attention"):
+        quantized_cache("quanto", tiny.config, rotation="hadamard", rotate_query=True)
+    context = "The Normans were the people who gave their name to Normandy, a region in France. Rollo led them."
+    answers = []
+    for implementation in ("eager", ATTENTION):  # the same answer through either attention (the tiny model)
+        tiny.model.set_attn_implementation(implementation)
+        session = QASession(tiny, CacheSpec.parse("quanto:4,residual_length=3,rotation=hadamard"))
+        session.prefill(context)
+        answers.append(session.ask("Who led them?", 8).token_ids)
+    assert answers[0] == answers[1]
 
 
 @pytest.mark.parametrize("text", ["quanto:2,residual_length=3", "hqq:4,residual_length=2,flush=append"])

@@ -24,9 +24,19 @@ import torch
 from transformers import PreTrainedConfig, QuantizedCache
 from transformers.cache_utils import HQQQuantizedLayer, QuantizedLayer, QuantoQuantizedLayer
 
+from kvdemo.cache.attention import uses_query_rotation
 from kvdemo.cache.policies import FLUSH_POLICIES, OPTIMIZE_CHOICES, ROTATIONS
 from kvdemo.cache.precision import value_precision_layer
-from kvdemo.cache.rotation import ROTATED_LAYERS, LibraryLayer, RotatedHQQLayer, RotatedQuantoLayer
+from kvdemo.cache.rotation import (
+    QUERY_ROTATED_LAYERS,
+    ROTATED_LAYERS,
+    LibraryLayer,
+    QueryRotatedHQQLayer,
+    QueryRotatedQuantoLayer,
+    QueryRotationMixin,
+    RotatedHQQLayer,
+    RotatedQuantoLayer,
+)
 
 
 class AppendFlushMixin(LibraryLayer):
@@ -99,11 +109,22 @@ class AppendRotatedHQQLayer(AppendFlushMixin, RotatedHQQLayer):
     """`RotatedHQQLayer` with the `append` flush policy."""
 
 
+class AppendQueryRotatedQuantoLayer(QueryRotationMixin, AppendFlushMixin, QuantoQuantizedLayer):
+    """`QueryRotatedQuantoLayer` with the `append` flush policy: the rotation's `update` comes first and hands the
+    rotated states to the append policy's."""
+
+
+class AppendQueryRotatedHQQLayer(QueryRotationMixin, AppendFlushMixin, HQQQuantizedLayer):
+    """`QueryRotatedHQQLayer` with the `append` flush policy."""
+
+
 APPEND_LAYERS: dict[type, type[QuantizedLayer]] = {
     QuantoQuantizedLayer: AppendQuantoLayer,
     HQQQuantizedLayer: AppendHQQLayer,
     RotatedQuantoLayer: AppendRotatedQuantoLayer,
     RotatedHQQLayer: AppendRotatedHQQLayer,
+    QueryRotatedQuantoLayer: AppendQueryRotatedQuantoLayer,
+    QueryRotatedHQQLayer: AppendQueryRotatedHQQLayer,
 }
 """A layer class -> the same layer with the `append` flush policy."""
 
@@ -115,6 +136,7 @@ def quantized_cache(
     rotation: str = "none",
     nbits_value: int | None = None,
     optimize: str = OPTIMIZE_CHOICES[0],
+    rotate_query: bool | None = None,
     **options,
 ) -> QuantizedCache:
     """transformers' `QuantizedCache(backend, config, **options)`, with its layers given the flush policy `flush`,
@@ -127,12 +149,17 @@ def quantized_cache(
         rotation: one of `ROTATIONS`.
         nbits_value: bits per quantized value of the values; None (or nbits): nbits, as transformers.
         optimize: one of `OPTIMIZE_CHOICES`; `false` (hqq only) quantizes by min-max rounding alone.
+        rotate_query: with a rotation, keep the layers in the rotated basis and let attention rotate the query
+            (`kvdemo.cache.rotation.QueryRotationMixin`, needs `kvdemo.cache.attention.kvdemo_attention`), or
+            rotate every read back (`RotationMixin`, any attention); None: the query side exactly when `config`
+            attends through `kvdemo_attention` (`kvdemo.cache.attention.install`).
         options: the group-wise options (nbits, q_group_size, residual_length, axis_key, axis_value).
 
     Raises:
         ValueError: an unknown policy, rotation or optimize word, `append`, a rotation or `nbits_value` on a layer
             without a residual (fp8), an `nbits_value` the library's layer does not take (the library's message),
-            or `optimize=false` on a layer that is not hqq's.
+            or `optimize=false` on a layer that is not hqq's; `rotate_query=True` for a config whose attention is
+            not `kvdemo_attention`.
 
     Example:
         >>> cache = quantized_cache("hqq", model.config, flush="append", rotation="hadamard", nbits=4, nbits_value=2)
@@ -143,10 +170,14 @@ def quantized_cache(
         raise ValueError(f"rotation={rotation!r} is not a rotation; choose one of {', '.join(ROTATIONS)}")
     if optimize not in OPTIMIZE_CHOICES:
         raise ValueError(f"optimize={optimize!r} is not one of {', '.join(OPTIMIZE_CHOICES)}")
+    if rotate_query is None:
+        rotate_query = uses_query_rotation(config)
+    elif rotate_query and not uses_query_rotation(config):
+        raise ValueError("rotate_query needs a model that attends through kvdemo_attention (attention.install)")
     cache = QuantizedCache(backend, config, **options)
     layer_class: type = type(cache.layers[0])
     steps = (
-        (rotation != "none", ROTATED_LAYERS, f"rotation={rotation}"),
+        (rotation != "none", QUERY_ROTATED_LAYERS if rotate_query else ROTATED_LAYERS, f"rotation={rotation}"),
         (flush == "append", APPEND_LAYERS, "flush=append"),
     )
     for wanted, table, what in steps:  # the rotation first: the append layers of the rotated ones

@@ -201,7 +201,7 @@ def _group_options(nbits: tuple[int, ...], axes: tuple[int, ...]) -> dict[str, O
             "rotation",
             ROTATIONS[0],
             choices=ROTATIONS,
-            help="hadamard: keys and values rotated along head_dim before quantizing, rotated back when read "
+            help="hadamard: keys and values rotated along head_dim before quantizing, the query rotated to match "
             "(QuaRot, llama.cpp); none: as transformers",
         ),
     }

@@ -11,11 +11,16 @@ Groups that run along head_dim (quanto's and hqq's `axis=0` store them along the
 reshape) gain most. Pattern: QuaRot (Ashkboos et al. 2024, arXiv:2404.00456), llama.cpp's Hadamard rotation of
 a quantized KV cache (ggml-org/llama.cpp#21038), ik_llama.cpp's `-khad`/`-vhad`.
 
-Cost, as done here (un-rotate after de-quantizing): one [tokens, head_dim] x [head_dim, head_dim] product per
-layer and tensor at every quantization (the flush) and at every read of the store (every decode step), so
-O(tokens x head_dim^2) per step per layer on top of the de-quantization (`benchmarks/rotation.py` measures
-it). The alternative, rotating the query and un-rotating the attention output instead (O(head_dim^2) per new
-token), is not built here.
+Two ways, the same arithmetic in exact terms (`benchmarks/rotation.py` measures both per decode step):
+
+- **query side** (`QueryRotationMixin`, what `rotation=hadamard` builds when the model attends through
+  `kvdemo.cache.attention.kvdemo_attention`): the layer rotates each new token's key and value once, on entry,
+  and keeps everything (store and residual) in the rotated basis; attention rotates the query and rotates its
+  output back. O(new tokens x head_dim^2) per layer and step.
+- **read side** (`RotationMixin`, for a model whose attention is not kvdemo's, e.g. `eager`): the library
+  quantizes `x @ H` at each flush, and every read of the store is rotated back after de-quantizing, so the
+  residual and what `update` returns stay in the model's basis. O(tokens x head_dim^2) per layer and step on top
+  of the de-quantization.
 """
 
 from __future__ import annotations
@@ -66,36 +71,92 @@ def hadamard(size: int, dtype: torch.dtype = torch.float32, device: str = "cpu")
     return (matrix / size**0.5).to(dtype=dtype, device=device)
 
 
-def _rotate(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor @ H` along its last axis (head_dim), in its own dtype and device."""
+def rotate(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor @ H` along its last axis (head_dim, a power of two), in its own dtype and device: the same shape.
+    H is its own inverse, so `rotate` also rotates back."""
     return tensor @ hadamard(tensor.shape[-1], tensor.dtype, str(tensor.device))
 
 
+ROTATED_MARK = "_kvdemo_rotated"
+"""The attribute a query-side rotated layer sets (True) on the key tensor its `update` returns; read by
+`kvdemo.cache.attention.kvdemo_attention`."""
+
+
+def mark_rotated(keys: torch.Tensor) -> torch.Tensor:
+    """`keys` ([batch, kv_heads, tokens, head_dim], in the rotated basis) marked for `kvdemo_attention`: the same
+    tensor object, returned."""
+    setattr(keys, ROTATED_MARK, True)
+    return keys
+
+
 class RotationMixin(LibraryLayer):
-    """`rotation=hadamard` for a transformers `QuantizedLayer` subclass: the library's `_quantize` gets the keys
-    and values rotated along head_dim, its `_dequantize` output is rotated back (H is its own inverse). The
-    residual stays as it is (full precision, never rotated), so what `update` returns is the same layout as
-    without rotation."""
+    """`rotation=hadamard` rotated on read, for a transformers `QuantizedLayer` subclass: the library's `_quantize`
+    gets the keys and values rotated along head_dim, its `_dequantize` output is rotated back (H is its own
+    inverse). The residual stays as it is (full precision, never rotated), so what `update` returns is the same
+    layout as without rotation, for any attention function."""
 
     def _quantize(self, tensor, axis):
         """The library's quantization of `tensor @ H` (tensor [batch, kv_heads, tokens, head_dim])."""
-        return super()._quantize(_rotate(tensor).contiguous(), axis)
+        return super()._quantize(rotate(tensor).contiguous(), axis)
 
     def _dequantize(self, q_tensor):
         """The library's de-quantization, rotated back: [batch, kv_heads, tokens, head_dim]."""
-        return _rotate(super()._dequantize(q_tensor))
+        return rotate(super()._dequantize(q_tensor))
+
+
+class QueryRotationMixin(LibraryLayer):
+    """`rotation=hadamard` on the query side, for a transformers `QuantizedLayer` subclass (or kvdemo's `append`
+    layers): `update` rotates the new keys and values once (`rotate`) and hands them to the layer's own update, so
+    the store (the library's quantization of rotated tensors, its `_quantize` and `_dequantize` untouched) and the
+    residual are in the rotated basis, and so are the keys and values returned, which carry the mark
+    (`mark_rotated`) that makes `kvdemo_attention` rotate the query and the output.
+    Only for a model that attends through `kvdemo_attention`; `spec.build_cache` checks that.
+
+    Attributes:
+        rotated_basis: True: the stored keys and values are `x @ H` (`to_model_basis` turns them back).
+    """
+
+    rotated_basis = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's own update of `rotate(key_states)`, `rotate(value_states)` ([batch, kv_heads, new tokens,
+        head_dim]); returns its (keys, values) in the rotated basis, the keys marked."""
+        keys, values = super().update(rotate(key_states), rotate(value_states), *args, **kwargs)
+        return mark_rotated(keys), values
+
+
+def to_model_basis(layer, tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` (keys or values read from `layer`'s store or residual, [..., head_dim]) in the model's basis:
+    rotated back if the layer keeps the rotated basis (`QueryRotationMixin`), else as it is."""
+    return rotate(tensor) if getattr(layer, "rotated_basis", False) else tensor
 
 
 class RotatedQuantoLayer(RotationMixin, QuantoQuantizedLayer):
-    """transformers' `QuantoQuantizedLayer` storing rotated keys and values."""
+    """transformers' `QuantoQuantizedLayer` storing rotated keys and values, rotated back on read."""
 
 
 class RotatedHQQLayer(RotationMixin, HQQQuantizedLayer):
-    """transformers' `HQQQuantizedLayer` storing rotated keys and values."""
+    """transformers' `HQQQuantizedLayer` storing rotated keys and values, rotated back on read."""
+
+
+class QueryRotatedQuantoLayer(QueryRotationMixin, QuantoQuantizedLayer):
+    """transformers' `QuantoQuantizedLayer` in the rotated basis, for `kvdemo_attention`."""
+
+
+class QueryRotatedHQQLayer(QueryRotationMixin, HQQQuantizedLayer):
+    """transformers' `HQQQuantizedLayer` in the rotated basis, for `kvdemo_attention`."""
 
 
 ROTATED_LAYERS: dict[type, type[QuantizedLayer]] = {
     QuantoQuantizedLayer: RotatedQuantoLayer,
     HQQQuantizedLayer: RotatedHQQLayer,
 }
-"""transformers' layer class -> the same layer storing rotated keys and values."""
+"""transformers' layer class -> the same layer storing rotated keys and values, rotated back on read."""
+
+QUERY_ROTATED_LAYERS: dict[type, type[QuantizedLayer]] = {
+    QuantoQuantizedLayer: QueryRotatedQuantoLayer,
+    HQQQuantizedLayer: QueryRotatedHQQLayer,
+}
+"""transformers' layer class -> the same layer in the rotated basis (the query-side rotation)."""

@@ -15,6 +15,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import BaseQuantizedLayer, Cache, DynamicLayer
 
+from kvdemo.cache.rotation import to_model_basis
 from kvdemo.qa.models import LoadedModel
 
 KV = tuple[tuple[torch.Tensor, torch.Tensor], ...]
@@ -59,7 +60,8 @@ def reference_kv(loaded_model: LoadedModel, token_ids: Sequence[int]) -> KV:
 def dequantized_kv(cache: Cache, tokens: int | None = None) -> KV:
     """The keys and values the model reads from `cache` (nothing in it changes): for a quantized layer the
     backend's own de-quantization of its store (`layer._dequantize`, as `QuantizedLayer.update` calls it) followed
-    by the full-precision residual; for a `DynamicLayer` its tensors.
+    by the full-precision residual, in the model's basis (a query-side rotated layer's rotated back,
+    `kvdemo.cache.rotation.to_model_basis`); for a `DynamicLayer` its tensors.
 
     Args:
         tokens: keep only the first `tokens` positions (e.g. the context's); None keeps all.
@@ -81,6 +83,7 @@ def dequantized_kv(cache: Cache, tokens: int | None = None) -> KV:
                 assert layer.values is not None  # set with the keys
                 keys = torch.cat([keys, layer.keys.to(keys.dtype)], dim=-2)
                 values = torch.cat([values, layer.values.to(values.dtype)], dim=-2)
+            keys, values = to_model_basis(layer, keys), to_model_basis(layer, values)  # a query-side rotation
         else:
             keys, values = layer.keys, layer.values
             assert keys is not None and values is not None  # an initialized layer holds tensors

@@ -82,6 +82,9 @@ class LoadedModel:
         weights_from: where the weights were read: `"gguf"` (de-quantized now), `"converted"` (the converted
             safetensors copy of a GGUF, see the module docstring), or `"pretrained"` (a folder or Hub id).
         load_seconds: wall time of the load (seconds), 0.0 when not measured.
+
+    Made, it points the model's attention at kvdemo's (`kvdemo.cache.attention.install`: transformers' sdpa, plus
+    the query side of a rotated cache; every other cache gets sdpa's own bits).
     """
 
     model: Any
@@ -94,6 +97,11 @@ class LoadedModel:
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
     weights_from: str = "pretrained"
     load_seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        from kvdemo.cache.attention import install
+
+        install(self.model)
 
     @property
     def config(self):

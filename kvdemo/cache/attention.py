@@ -1,0 +1,83 @@
+"""kvdemo's attention function: transformers' `sdpa_attention_forward`, plus the query side of a rotated cache.
+
+A cache layer that stores its keys and values in the rotated basis (`kvdemo.cache.rotation.QueryRotationMixin`:
+it rotates each new token once, K' = K @ H, V' = V @ H, H the orthonormal Hadamard matrix, H @ H = I) hands
+attention K' and V' with a mark (`ROTATED_MARK`, a Python attribute on the key tensor). For marked keys this
+function attends with the query rotated and rotates the output back:
+
+    softmax((q H)(K H)^T) (V H) H = softmax(q K^T) V      (H H^T = I, H symmetric)
+
+so attention's scores and output are those of the unrotated keys and values in exact arithmetic, at a cost of
+O(new tokens x head_dim^2) per layer and step (the query and the output), not O(cached tokens x head_dim^2) (the
+read-side rotation of `kvdemo.cache.rotation.RotationMixin`, which rotates the whole de-quantized store back at
+every step). Unmarked keys (every other cache: `dynamic`, fp8, unrotated quanto and hqq, transformers' own
+caches in the same model) go to `sdpa_attention_forward` unchanged, with the same arguments: the same bits.
+
+The function is registered with transformers' `AttentionInterface` under `ATTENTION`, and its masks with
+`AttentionMaskInterface` (transformers' `sdpa_mask`, so every mask is what `sdpa` gets); `install(model)` points a
+model whose attention is `sdpa` at it (`model.set_attn_implementation`). The model's attention layers look the
+function up by `config._attn_implementation` at every forward pass. Pattern: transformers' documentation,
+"Attention Interface" (registering a wrapper of `sdpa_attention_forward`), and QuaRot's online rotation of the
+query (Ashkboos et al. 2024, arXiv:2404.00456); llama.cpp rotates Q, K and V for a quantized KV cache
+(ggml-org/llama.cpp#21038).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from kvdemo.cache.rotation import ROTATED_MARK, rotate
+
+ATTENTION = "kvdemo_sdpa"
+"""The name kvdemo's attention function is registered under (`config._attn_implementation` of an installed model)."""
+
+
+def kvdemo_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """transformers' `sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)`; for keys marked
+    by `kvdemo.cache.rotation.mark_rotated` (key and value in the rotated basis), with `query @ H`, and the output
+    multiplied by H.
+
+    Args:
+        query: [batch, heads, new tokens, head_dim]; key, value: [batch, kv_heads, tokens, head_dim].
+
+    Returns:
+        (attention output [batch, new tokens, heads, head_dim] in the model's basis, None), as sdpa's.
+    """
+    if not getattr(key, ROTATED_MARK, False):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    output, weights = sdpa_attention_forward(module, rotate(query), key, value, attention_mask, **kwargs)
+    return rotate(output), weights
+
+
+AttentionInterface.register(ATTENTION, kvdemo_attention)
+AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+
+
+def install(model: PreTrainedModel) -> bool:
+    """Point `model`'s attention at `kvdemo_attention` if it is `sdpa` (transformers' default where the model
+    supports it); any other implementation (eager, flash) is left as it is, and rotated caches then rotate on
+    read (`uses_query_rotation`).
+
+    Returns:
+        Whether the model's attention is now kvdemo's.
+    """
+    config = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) == "sdpa":
+        model.set_attn_implementation(ATTENTION)
+    return uses_query_rotation(config)
+
+
+def uses_query_rotation(config) -> bool:
+    """Whether a model with this config attends through `kvdemo_attention` (so a rotated cache may hand it keys
+    and values in the rotated basis)."""
+    return getattr(config, "_attn_implementation", None) == ATTENTION
