@@ -97,3 +97,34 @@ def test_probe_gives_a_positive_finite_bandwidth():
     with pytest.raises(ValueError):
         probe_bandwidth(mib=0)
     assert torch.get_num_threads() >= 1
+
+
+def test_the_rotation_costs_flops_not_bytes(small):
+    """`rotation=hadamard`: the same bytes read; the flops it adds per step by hand. The small model has 2 layers,
+    4 query heads, 2 KV heads of 64: one rotation of a head's vector is 2 x 64^2 flops."""
+    context = "The Normans were the people who in the 10th and 11th centuries gave their name to Normandy. " * 3
+    product = 2 * 64**2
+    limits = {}
+    for text in ("quanto:4,residual_length=8", "quanto:4,residual_length=8,rotation=hadamard"):
+        qa = QASession(small, CacheSpec.parse(text))
+        qa.prefill(context)
+        limits[text] = speed_limit(small.model, qa.cache, bandwidth=10e9)
+    plain, rotated = limits.values()
+    assert rotated.kv_bytes == plain.kv_bytes and rotated.floor_seconds == plain.floor_seconds
+    assert plain.rotation_flops == 0 and plain.rotation_side == ""
+    # the query side (the tiny model attends through kvdemo's function): 2 x 4 query heads + 2 x 2 KV heads per layer
+    assert rotated.rotation_side == "query" and rotated.rotation_flops == 2 * (2 * 4 + 2 * 2) * product
+    line = views.speed_limit_line(rotated, None)
+    assert f"the rotation adds {rotated.rotation_flops / 1e6:,.1f} MFLOP per step, the same bytes" in line
+    assert "rotation" not in views.speed_limit_line(plain, None)
+    # the read side: every stored token's key and value per KV head (the prefill is all in the store)
+    from kvdemo.cache.flush import quantized_cache
+    from kvdemo.cache.speedlimit import rotation_flops
+
+    read = quantized_cache("quanto", small.config, rotation="hadamard", rotate_query=False, residual_length=8)
+    n = qa.cache_length
+    for index in range(len(qa.cache.layers)):
+        keys, values = (torch.randn(1, 2, n, 64) for _ in range(2))
+        read.update(keys, values, index)
+    assert rotation_flops(small.config, read) == (2 * 2 * 2 * n * product, "read")
+    assert "whole store rotated back" in views.speed_limit_line(SpeedLimit(1, 1, n, 1.0, 0, 0, 1, "read"), None)

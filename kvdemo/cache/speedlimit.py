@@ -102,6 +102,12 @@ class SpeedLimit:
             de-quantize all stored tokens at each step and keep no copy between steps; `benchmarks/flush.py`
             measures the time); 0 for `dynamic`. Not in the floor: a cache that attends to its quantized store
             directly would not write them.
+        rotation_flops: floating-point operations a step of a rotated cache (`rotation=hadamard`) adds, each a
+            [head_dim] x [head_dim, head_dim] product of 2 x head_dim^2 flops: on the query side
+            (`kvdemo.cache.rotation.QueryRotationMixin`) the new token's key and value per KV head and its query
+            and attention output per query head, in every layer; on the read side (`RotationMixin`) every stored
+            token's key and value per KV head in every layer. 0 without a rotation. Bytes are unchanged.
+        rotation_side: `query` or `read` (the rotated layers' way), "" without a rotation.
     """
 
     weight_bytes: int
@@ -110,6 +116,8 @@ class SpeedLimit:
     bandwidth: float
     dequantized_bytes: int = 0
     unread_bytes: int = 0
+    rotation_flops: int = 0
+    rotation_side: str = ""
 
     @property
     def bytes_read(self) -> int:
@@ -142,7 +150,7 @@ class SpeedLimit:
         """How many floors a measured step takes: step_seconds / floor_seconds."""
         return step_seconds / self.floor_seconds
 
-    def to_dict(self) -> dict[str, float | int | None]:
+    def to_dict(self) -> dict[str, float | int | str | None]:
         """The figures as a JSON-ready dict (bytes, bytes per second, seconds, tokens)."""
         return {
             "weight_bytes": self.weight_bytes,
@@ -153,6 +161,8 @@ class SpeedLimit:
             "crossover_tokens": self.crossover_tokens,
             "dequantized_bytes": self.dequantized_bytes,
             "unread_bytes": self.unread_bytes,
+            "rotation_flops": self.rotation_flops,
+            "rotation_side": self.rotation_side,
         }
 
 
@@ -174,6 +184,7 @@ def speed_limit(model: PreTrainedModel, cache: Cache, bandwidth: float | None = 
     layer_token_bytes = full_precision_bytes(model.config, 1, next(model.parameters()).dtype) // layers
     quantized_tokens = sum(layer.seq_length - layer.residual_tokens for layer in memory.layers if layer.quantized_bytes)
     kv_read = sum(layer.quantized_bytes + layer_token_bytes * layer.residual_tokens for layer in memory.layers)
+    flops, side = rotation_flops(model.config, cache)
     return SpeedLimit(
         weight_bytes=weight_bytes(model),
         kv_bytes=kv_read,
@@ -181,4 +192,28 @@ def speed_limit(model: PreTrainedModel, cache: Cache, bandwidth: float | None = 
         kv_tokens=cache.get_seq_length(),
         bandwidth=probe_bandwidth() if bandwidth is None else bandwidth,
         dequantized_bytes=layer_token_bytes * quantized_tokens,
+        rotation_flops=flops,
+        rotation_side=side,
     )
+
+
+def rotation_flops(model_config, cache: Cache) -> tuple[int, str]:
+    """The flops a decode step (one new token) of `cache` spends rotating (`SpeedLimit.rotation_flops`): per layer,
+    (2 x query heads + 2 x KV heads) products on the query side, 2 x stored tokens x KV heads on the read side
+    (the store of `kv_memory`'s layer: held tokens - residual), each product 2 x head_dim^2 flops; and the side
+    (`query`, `read`; "" for a cache without rotated layers)."""
+    from kvdemo.cache.rotation import QueryRotationMixin, RotationMixin
+
+    geo = kv_geometry(model_config)
+    query_heads = int(model_config.get_text_config(decoder=True).num_attention_heads)
+    product = 2 * geo.head_dim**2
+    flops, side = 0, ""
+    for layer, stats in zip(cache.layers, kv_memory(cache).layers):
+        if isinstance(layer, QueryRotationMixin):
+            flops, side = flops + (2 * query_heads + 2 * geo.kv_heads) * product, side or "query"
+        elif isinstance(layer, RotationMixin):
+            flops, side = (
+                flops + 2 * (stats.seq_length - stats.residual_tokens) * geo.kv_heads * product,
+                side or "read",
+            )
+    return flops, side

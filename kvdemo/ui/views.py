@@ -363,6 +363,12 @@ def speed_limit_line(limit: SpeedLimit, step_seconds: float | None) -> str:
             "and read by attention (transformers' quantized layers keep no full-precision copy between steps): "
             "why a quantized step is slower than `dynamic`'s, not faster"
         )
+    if limit.rotation_side:
+        what = {
+            "query": "the new token's key, value, query and attention output rotated",
+            "read": "the whole store rotated back at every read: this model's attention is not kvdemo's",
+        }[limit.rotation_side]
+        parts.append(f"the rotation adds {limit.rotation_flops / 1e6:,.1f} MFLOP per step, the same bytes ({what})")
     return " · ".join(parts)
 
 
