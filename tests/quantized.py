@@ -54,9 +54,9 @@ def quantization_step(spec: CacheSpec, reference: torch.Tensor) -> float:
 
 
 def levels(spec: CacheSpec, store: torch.Tensor) -> torch.Tensor:
-    """A de-quantized store in the domain its quantization levels lie on: as it is, or for `rotation=hadamard`
-    rotated again by H (`kvdemo.cache.rotation`: the layer rotates back what the library de-quantizes, and
-    H @ H = I). There one value moved by a level stays one value; rotated back it would move every value of its
+    """A de-quantized store read in the model's basis (`kvdemo.cache.rotation.to_model_basis`) in the domain its
+    quantization levels lie on: as it is, or for `rotation=hadamard` rotated again by H (H @ H = I). There one
+    value moved by a level stays one value; rotated back it would move every value of its
     token by step / sqrt(head_dim)."""
     if spec.resolved().get("rotation", "none") == "none":
         return store

@@ -9,6 +9,7 @@ from transformers import DynamicCache, Phi3Config, Phi3ForCausalLM
 from transformers.cache_utils import Cache
 
 from kvdemo import CacheSpec, QASession
+from kvdemo.cache.rotation import to_model_basis
 from kvdemo.cache.spec import build_cache, estimate_kv_bytes
 from kvdemo.qa.models import LoadedModel
 from kvdemo.qa.prefill import PrefillStopped, rope_changes, run_prefill
@@ -28,12 +29,14 @@ CONTEXT = " ".join(
 
 def _stores(cache) -> list[tuple[str, torch.Tensor, bool]]:
     """Every layer's keys and values as the model would read them: (name, tensor, whether it is a de-quantized
-    store). A quantized layer gives its store de-quantized, then its full-precision residual (quanto, hqq)."""
+    store). A quantized layer gives its store de-quantized (in the model's basis: a query-side rotated layer's
+    rotated back), then its full-precision residual (quanto, hqq; a query-side rotated one's in the rotated basis,
+    compared as it is)."""
     out = []
     for index, layer in enumerate(cache.layers):
         if getattr(layer, "_quantized_keys", None) is not None:
-            out += [(f"layer {index} keys store", layer._dequantize(layer._quantized_keys), True)]
-            out += [(f"layer {index} values store", layer._dequantize(layer._quantized_values), True)]
+            for what, store in (("keys", layer._quantized_keys), ("values", layer._quantized_values)):
+                out += [(f"layer {index} {what} store", to_model_basis(layer, layer._dequantize(store)), True)]
         out += [(f"layer {index} keys", layer.keys, False), (f"layer {index} values", layer.values, False)]
     return out
 
@@ -150,7 +153,12 @@ def test_the_store_tolerance_holds_when_the_inputs_move_by_a_float_rounding(tiny
         for k, v in ((keys, values), (moved(keys), moved(values))):
             layer = build_cache(spec, tiny.config).layers[0]
             layer.update(k, v)
-            stores.append((layer._dequantize(layer._quantized_keys), layer._dequantize(layer._quantized_values)))
+            stores.append(
+                tuple(
+                    to_model_basis(layer, layer._dequantize(q))
+                    for q in (layer._quantized_keys, layer._quantized_values)
+                )
+            )
         for what, a, b in zip(("keys", "values"), stores[1], stores[0]):
             a, b = levels(spec, a), levels(spec, b)
             assert_within_one_step(a, b, quantization_step(spec, b), f"{spec.text} {what}")
