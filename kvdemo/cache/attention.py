@@ -79,5 +79,9 @@ def install(model: PreTrainedModel) -> bool:
 
 def uses_query_rotation(config) -> bool:
     """Whether a model with this config attends through `kvdemo_attention` (so a rotated cache may hand it keys
-    and values in the rotated basis)."""
-    return getattr(config, "_attn_implementation", None) == ATTENTION
+    and values in the rotated basis): the config and its decoder's text config (the one a cache is built for)
+    both name it. A model class that cannot switch its attention (transformers warns and keeps it) names sdpa."""
+    if getattr(config, "_attn_implementation", None) != ATTENTION:
+        return False
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    return getattr(text, "_attn_implementation", None) == ATTENTION

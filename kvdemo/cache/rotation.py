@@ -110,7 +110,7 @@ class QueryRotationMixin(LibraryLayer):
     the store (the library's quantization of rotated tensors, its `_quantize` and `_dequantize` untouched) and the
     residual are in the rotated basis, and so are the keys and values returned, which carry the mark
     (`mark_rotated`) that makes `kvdemo_attention` rotate the query and the output.
-    Only for a model that attends through `kvdemo_attention`; `spec.build_cache` checks that.
+    Only for a model that attends through `kvdemo_attention`; `kvdemo.cache.flush.quantized_cache` checks that.
 
     Attributes:
         rotated_basis: True: the stored keys and values are `x @ H` (`to_model_basis` turns them back).
