@@ -116,9 +116,9 @@ def step_cost(loaded, rounds: int) -> dict:
         specs = {name: s.replace(residual_length=4096) for name, s in specs.items()}  # no flush within the steps
         caches = {name: filled(s, loaded, kv, length) for name, s in specs.items()}
         for name, spec in list(specs.items()):
-            if spec.rotation == "hadamard":  # the same layers rotating on read: the library call without the spec
-                options = dict(nbits=4, residual_length=4096, rotation="hadamard", rotate_query=False)
-                caches[name + READ_SIDE] = fill(quantized_cache(spec.backend, loaded.config, **options), kv, length)
+            if spec.rotation == "hadamard":  # the same spec's layers rotating on read (the library call)
+                read_side = quantized_cache(spec.backend, loaded.config, rotate_query=False, **spec.resolved())
+                caches[name + READ_SIDE] = fill(read_side, kv, length)
         times: dict[str, list[float]] = {name: [] for name in caches}
         for _ in range(rounds):
             for name, cache in caches.items():

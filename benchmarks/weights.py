@@ -122,13 +122,14 @@ def main() -> None:
     stem, paragraphs = EXAMPLES["Normans"]
     case = load_case(example_path(stem)).select(paragraphs)
     questions = [q.question for q in case.questions][: 1 if args.quick else 3]
-    models = variants(reference)
+    context = case.context
+    if args.quick:  # its first 256 tokens, the same text for every variant (one tokenizer)
+        context = reference.tokenizer.decode(QASession(reference).context_ids(context)[:256])
     sessions = {}
-    for name, loaded in models.items():
+    for name, loaded in variants(reference).items():
         log(f"prefill {name}")
         sessions[name] = QASession(loaded)
-        ids = sessions[name].context_ids(case.context)
-        sessions[name].prefill(reference.tokenizer.decode(ids[:256]) if args.quick else case.context)
+        sessions[name].prefill(context)
     answers: dict[str, list] = {name: [] for name in sessions}
     times: dict[str, list[float]] = {name: [] for name in sessions}
     for round_ in range(rounds):  # every question on every variant, interleaved; a step = 1 / decode tokens/s

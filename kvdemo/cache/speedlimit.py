@@ -35,7 +35,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
 from kvdemo.cache.geometry import full_precision_bytes, kv_geometry
-from kvdemo.cache.telemetry import kv_memory
+from kvdemo.cache.telemetry import MemoryReport, kv_memory
 
 PROBE_MIB = 256
 """The probe's tensor size: far above any CPU's last-level cache, so the copy runs from DRAM."""
@@ -184,7 +184,7 @@ def speed_limit(model: PreTrainedModel, cache: Cache, bandwidth: float | None = 
     layer_token_bytes = full_precision_bytes(model.config, 1, next(model.parameters()).dtype) // layers
     quantized_tokens = sum(layer.seq_length - layer.residual_tokens for layer in memory.layers if layer.quantized_bytes)
     kv_read = sum(layer.quantized_bytes + layer_token_bytes * layer.residual_tokens for layer in memory.layers)
-    flops, side = rotation_flops(model.config, cache)
+    flops, side = rotation_flops(model.config, cache, memory)
     return SpeedLimit(
         weight_bytes=weight_bytes(model),
         kv_bytes=kv_read,
@@ -197,18 +197,19 @@ def speed_limit(model: PreTrainedModel, cache: Cache, bandwidth: float | None = 
     )
 
 
-def rotation_flops(model_config, cache: Cache) -> tuple[int, str]:
+def rotation_flops(model_config, cache: Cache, memory: MemoryReport | None = None) -> tuple[int, str]:
     """The flops a decode step (one new token) of `cache` spends rotating (`SpeedLimit.rotation_flops`): per layer,
     (2 x query heads + 2 x KV heads) products on the query side, 2 x stored tokens x KV heads on the read side
     (the store of `kv_memory`'s layer: held tokens - residual), each product 2 x head_dim^2 flops; and the side
-    (`query`, `read`; "" for a cache without rotated layers)."""
+    (`query`, `read`; "" for a cache without rotated layers). `memory`: `kv_memory(cache)` when the caller has it
+    (None reads it)."""
     from kvdemo.cache.rotation import QueryRotationMixin, RotationMixin
 
     geo = kv_geometry(model_config)
     query_heads = int(model_config.get_text_config(decoder=True).num_attention_heads)
     product = 2 * geo.head_dim**2
     flops, side = 0, ""
-    for layer, stats in zip(cache.layers, kv_memory(cache).layers):
+    for layer, stats in zip(cache.layers, (memory or kv_memory(cache)).layers):
         if isinstance(layer, QueryRotationMixin):
             flops, side = flops + (2 * query_heads + 2 * geo.kv_heads) * product, side or "query"
         elif isinstance(layer, RotationMixin):
