@@ -126,6 +126,8 @@ class Backend:
         options: the options it takes, by name (only `storage` for `dynamic`, none for `fp8`).
         group_rule: its `GroupRule` for q_group_size, or None when it takes no q_group_size.
         compare_nbits: the nbits it is compared at by default (`(None,)`: the backend as it is; `()`: not at all).
+        compare_rotations: the `rotation` values each of those nbits is compared at by default (issue 22: the
+            rotated twin beside the plain spec); `("none",)` for a backend without the option.
         module: the Python module it needs, or None; pip: the command that installs it.
     """
 
@@ -138,6 +140,7 @@ class Backend:
     options: dict[str, Option] = field(default_factory=dict)
     group_rule: GroupRule | None = None
     compare_nbits: tuple[int | None, ...] = (None,)
+    compare_rotations: tuple[str, ...] = ROTATIONS[:1]
     module: str | None = None
     pip: str | None = None
 
@@ -350,7 +353,8 @@ BACKENDS: dict[str, Backend] = {
         kv_bytes=_group_bytes({}),
         options=_group_options(nbits=(2, 4), axes=(0, -1)),
         group_rule=_quanto_group_problem,
-        compare_nbits=(4,),  # the Compare tab starts with four specs: quick, one per backend
+        compare_nbits=(4,),  # the Compare tab starts with six specs: one per backend, and the rotated twins
+        compare_rotations=ROTATIONS,
         module="optimum.quanto",
         pip="pip install optimum-quanto==0.2.7",
     ),
@@ -369,6 +373,7 @@ BACKENDS: dict[str, Backend] = {
         },
         group_rule=_hqq_group_problem,
         compare_nbits=(4,),
+        compare_rotations=ROTATIONS,
         module="hqq",
         pip="pip install hqq==0.2.8.post1",
     ),

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
+from kvdemo.cache.policies import ROTATIONS
 from kvdemo.cache.registry import BACKENDS, GROUP_OPTIONS, Backend, SpecOptions
 from kvdemo.checks import shown
 
@@ -290,8 +291,19 @@ def all_specs() -> list[CacheSpec]:
 
 
 def default_compare_specs() -> list[CacheSpec]:
-    """The specs compared when none are chosen: each backend at its `compare_nbits`."""
-    return [CacheSpec(name, nbits=n) for name, info in BACKENDS.items() for n in info.compare_nbits]
+    """The specs compared when none are chosen: each backend at each of its `compare_nbits`, each at each of its
+    `compare_rotations` (unset where it is the default).
+
+    Example:
+        >>> [s.text for s in default_compare_specs()]
+        ['dynamic', 'quanto:4', 'quanto:4,rotation=hadamard', 'hqq:4', 'hqq:4,rotation=hadamard', 'fp8']
+    """
+    return [
+        CacheSpec(name, nbits=n, rotation=None if r == ROTATIONS[0] else r)
+        for name, info in BACKENDS.items()
+        for n in info.compare_nbits
+        for r in info.compare_rotations
+    ]
 
 
 def allowed_group_sizes(spec: CacheSpec, model_config: PreTrainedConfig) -> dict[str, list[int]]:
