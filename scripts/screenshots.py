@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))  # kvdemo from this checkout
 from PIL import Image  # noqa: E402
 from playwright.sync_api import Locator, Page, expect, sync_playwright  # noqa: E402
 
-from kvdemo.cache.spec import all_specs  # noqa: E402
+from kvdemo.cache.catalogue import all_specs  # noqa: E402
 from kvdemo.quiet import quiet  # noqa: E402
 from kvdemo.ui.examples import example  # noqa: E402
 

@@ -8,7 +8,8 @@ from typing import Any
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from kvdemo.cache.spec import CacheSpec, all_specs, build_cache
+from kvdemo.cache.catalogue import all_specs
+from kvdemo.cache.spec import CacheSpec, build_cache
 from kvdemo.qa.models import LoadedModel
 
 # Every backend and nbits the registry allows; the options left unset take the backend's defaults.

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from kvdemo import QASession, kv_memory
+from kvdemo.cache.catalogue import all_specs, default_compare_specs
 from kvdemo.cache.registry import BACKENDS, Backend, Option, markdown_table
-from kvdemo.cache.spec import CacheSpec, all_specs, default_compare_specs, estimate_kv_bytes
+from kvdemo.cache.spec import CacheSpec, estimate_kv_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 

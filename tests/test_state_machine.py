@@ -38,7 +38,8 @@ from hypothesis.stateful import (
 )
 
 from kvdemo import CacheSpec, QASession
-from kvdemo.cache.spec import all_specs, estimate_kv_bytes
+from kvdemo.cache.catalogue import all_specs
+from kvdemo.cache.spec import estimate_kv_bytes
 from kvdemo.cache.telemetry import kv_memory
 from tests.helpers import fail_forward_at
 

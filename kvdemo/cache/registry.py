@@ -1,11 +1,10 @@
 """The one registry of KV cache backends: `BACKENDS`, one `Backend` entry each.
 
 Each `Backend` entry carries its own rules, as transformers' cache-layer subclasses carry theirs: the options
-and values it allows, its packing rule for `q_group_size`, its byte formula, how its cache is built and the
-text that describes it (`kvdemo.cache.spec` validates a `CacheSpec` and builds its cache from them).
-The page, the command line, the compare defaults, the tests and the README's backend
-table read `BACKENDS` (and `all_specs`); nothing else switches on backend names. Adding a backend is one
-entry here (see CONTRIBUTING.md, "Adding a backend").
+and values it allows, its packing rule for `q_group_size`, its byte formula, how its cache is built and the text
+that describes it (`kvdemo.cache.spec` validates a `CacheSpec` and builds its cache from them). The page, the
+command line, the tests and the README's backend table read `BACKENDS` (and `kvdemo.cache.catalogue`'s specs);
+nothing else switches on backend names. Adding a backend is one entry here (CONTRIBUTING.md, "Adding a backend").
 
 The packing rules (`_quanto_group_problem`, `_hqq_group_problem`) were found by running every backend over
 every nbits, q_group_size and axis on the embedded model's shapes (3 KV heads, head_dim 64) and on the test
@@ -125,9 +124,8 @@ class Backend:
         kv_bytes: its `BytesFormula`.
         options: the options it takes, by name (only `storage` for `dynamic`, none for `fp8`).
         group_rule: its `GroupRule` for q_group_size, or None when it takes no q_group_size.
-        compare_nbits: the nbits it is compared at by default (`(None,)`: the backend as it is; `()`: not at all).
-        compare_rotations: the `rotation` values each of those nbits is compared at by default (issue 22: the
-            rotated twin beside the plain spec); `("none",)` for a backend without the option.
+        compare_nbits: the nbits it is compared at by default (`(None,)`: the backend as it is; `()`: not at all),
+            each at every `rotation` it takes (`kvdemo.cache.catalogue.default_compare_specs`).
         module: the Python module it needs, or None; pip: the command that installs it.
     """
 
@@ -140,7 +138,6 @@ class Backend:
     options: dict[str, Option] = field(default_factory=dict)
     group_rule: GroupRule | None = None
     compare_nbits: tuple[int | None, ...] = (None,)
-    compare_rotations: tuple[str, ...] = ROTATIONS[:1]
     module: str | None = None
     pip: str | None = None
 
@@ -354,7 +351,6 @@ BACKENDS: dict[str, Backend] = {
         options=_group_options(nbits=(2, 4), axes=(0, -1)),
         group_rule=_quanto_group_problem,
         compare_nbits=(4,),  # the Compare tab starts with six specs: one per backend, and the rotated twins
-        compare_rotations=ROTATIONS,
         module="optimum.quanto",
         pip="pip install optimum-quanto==0.2.7",
     ),
@@ -373,7 +369,6 @@ BACKENDS: dict[str, Backend] = {
         },
         group_rule=_hqq_group_problem,
         compare_nbits=(4,),
-        compare_rotations=ROTATIONS,
         module="hqq",
         pip="pip install hqq==0.2.8.post1",
     ),

@@ -12,7 +12,6 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
-from kvdemo.cache.policies import ROTATIONS
 from kvdemo.cache.registry import BACKENDS, GROUP_OPTIONS, Backend, SpecOptions
 from kvdemo.checks import shown
 
@@ -257,53 +256,6 @@ def _tensors(opts: SpecOptions) -> list[tuple[str, int, str, int]]:
 def _is_text_option(name: str) -> bool:
     """Whether the option `name` takes words (`flush`, `storage`) rather than integers, in any registry backend."""
     return any(b.options[name].is_text for b in BACKENDS.values() if name in b.options)
-
-
-def all_specs() -> list[CacheSpec]:
-    """Every backend at every nbits it allows, the other options unset (the backend's defaults), then each other
-    choice of a text option (`storage=growing`, `flush=append`) at the default nbits, and the default nbits with
-    the values one step lower (`quanto:4,nbits_value=2`, `hqq:4,nbits_value=3`): what the tests' matrix runs and
-    the Compare tab offers.
-
-    Example:
-        >>> [s.text for s in all_specs()][:5]
-        ['dynamic', 'dynamic,storage=growing', 'quanto:2', 'quanto:4', 'quanto:4,flush=append']
-    """
-    specs = []
-    for name, info in BACKENDS.items():
-        nbits = info.options.get("nbits")
-        # nbits is an integer option: its choices and default are ints (`Option` types them for both kinds)
-        nbits_choices = cast("tuple[int, ...]", nbits.choices) if nbits is not None else (None,)
-        default_nbits = cast("int", nbits.default) if nbits else None
-        specs += [CacheSpec(name, nbits=n) for n in nbits_choices]
-        for option in info.options.values():
-            if option.is_text:
-                assert option.choices is not None  # a text option lists its words
-                specs += [
-                    CacheSpec(name, nbits=default_nbits).replace(**{option.name: choice})
-                    for choice in option.choices
-                    if choice != option.default
-                ]
-            elif option.same_as is not None:  # nbits_value: the values one step below the keys' default bits
-                lower = [c for c in cast("tuple[int, ...]", option.choices) if c < cast("int", option.default)]
-                specs += [CacheSpec(name, nbits=default_nbits).replace(**{option.name: lower[-1]})] if lower else []
-    return specs
-
-
-def default_compare_specs() -> list[CacheSpec]:
-    """The specs compared when none are chosen: each backend at each of its `compare_nbits`, each at each of its
-    `compare_rotations` (unset where it is the default).
-
-    Example:
-        >>> [s.text for s in default_compare_specs()]
-        ['dynamic', 'quanto:4', 'quanto:4,rotation=hadamard', 'hqq:4', 'hqq:4,rotation=hadamard', 'fp8']
-    """
-    return [
-        CacheSpec(name, nbits=n, rotation=None if r == ROTATIONS[0] else r)
-        for name, info in BACKENDS.items()
-        for n in info.compare_nbits
-        for r in info.compare_rotations
-    ]
 
 
 def allowed_group_sizes(spec: CacheSpec, model_config: PreTrainedConfig) -> dict[str, list[int]]:

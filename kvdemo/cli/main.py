@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvdemo import checks
+from kvdemo.cache.catalogue import default_compare_specs
 from kvdemo.cache.registry import BACKENDS, GROUP_OPTIONS, option_choices_text
-from kvdemo.cache.spec import CacheSpec, default_compare_specs
+from kvdemo.cache.spec import CacheSpec
 from kvdemo.needle import inputs as needle
 from kvdemo.qa.limits import DEFAULT_MAX_NEW_TOKENS
 

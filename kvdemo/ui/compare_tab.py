@@ -10,8 +10,8 @@ from typing import Any, NamedTuple
 
 import gradio as gr
 
+from kvdemo.cache.catalogue import all_specs, default_compare_specs
 from kvdemo.cache.registry import BACKENDS, GROUP_OPTIONS
-from kvdemo.cache.spec import all_specs, default_compare_specs
 from kvdemo.charts.reports import DISPLAY_HELP
 from kvdemo.compare.records import ComparisonCancelled, ComparisonReport
 from kvdemo.compare.run import compare

@@ -29,7 +29,8 @@ from typing import Any
 import gradio as gr
 
 from kvdemo import checks
-from kvdemo.cache.spec import CacheSpec, default_compare_specs
+from kvdemo.cache.catalogue import default_compare_specs
+from kvdemo.cache.spec import CacheSpec
 from kvdemo.compare.records import ComparisonCancelled, ComparisonReport, json_ready
 from kvdemo.compare.run import compare
 from kvdemo.evals.cases import gold_answers_for

@@ -11,7 +11,8 @@ from typing import Any, NamedTuple
 import gradio as gr
 
 from kvdemo import checks
-from kvdemo.cache.spec import CacheSpec, all_specs
+from kvdemo.cache.catalogue import all_specs
+from kvdemo.cache.spec import CacheSpec
 from kvdemo.charts.needle import needle_heatmap_figure
 from kvdemo.needle import grid as needle
 from kvdemo.needle import records as needle_records

@@ -14,7 +14,7 @@ import pytest
 from playwright.sync_api import Page, expect, sync_playwright
 
 from kvdemo import QASession
-from kvdemo.cache.spec import default_compare_specs
+from kvdemo.cache.catalogue import default_compare_specs
 from kvdemo.qa.limits import DEFAULT_MAX_NEW_TOKENS
 from kvdemo.ui.ask_widgets import START_SPEC
 from kvdemo.ui.examples import example

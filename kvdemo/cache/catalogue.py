@@ -1,0 +1,58 @@
+"""The specs kvdemo offers, made from the registry alone: every backend at every nbits and option word
+(`all_specs`: what the tests' matrix runs and the Compare tab lists) and the Compare tab's start
+(`default_compare_specs`). No torch: the command line's `--help` lists them."""
+
+from __future__ import annotations
+
+from typing import cast
+
+from kvdemo.cache.registry import BACKENDS
+from kvdemo.cache.spec import CacheSpec
+
+
+def all_specs() -> list[CacheSpec]:
+    """Every backend at every nbits it allows, the other options unset (the backend's defaults), then each other
+    choice of a text option (`storage=growing`, `flush=append`) at the default nbits, and the default nbits with
+    the values one step lower (`quanto:4,nbits_value=2`, `hqq:4,nbits_value=3`): what the tests' matrix runs and
+    the Compare tab offers.
+
+    Example:
+        >>> [s.text for s in all_specs()][:5]
+        ['dynamic', 'dynamic,storage=growing', 'quanto:2', 'quanto:4', 'quanto:4,flush=append']
+    """
+    specs = []
+    for name, info in BACKENDS.items():
+        nbits = info.options.get("nbits")
+        # nbits is an integer option: its choices and default are ints (`Option` types them for both kinds)
+        nbits_choices = cast("tuple[int, ...]", nbits.choices) if nbits is not None else (None,)
+        default_nbits = cast("int", nbits.default) if nbits else None
+        specs += [CacheSpec(name, nbits=n) for n in nbits_choices]
+        for option in info.options.values():
+            if option.is_text:
+                assert option.choices is not None  # a text option lists its words
+                specs += [
+                    CacheSpec(name, nbits=default_nbits).replace(**{option.name: choice})
+                    for choice in option.choices
+                    if choice != option.default
+                ]
+            elif option.same_as is not None:  # nbits_value: the values one step below the keys' default bits
+                lower = [c for c in cast("tuple[int, ...]", option.choices) if c < cast("int", option.default)]
+                specs += [CacheSpec(name, nbits=default_nbits).replace(**{option.name: lower[-1]})] if lower else []
+    return specs
+
+
+def default_compare_specs() -> list[CacheSpec]:
+    """The specs compared when none are chosen: each backend at each of its `compare_nbits`, each at every
+    `rotation` the backend takes (unset where it is the default: the plain spec, then its rotated twin).
+
+    Example:
+        >>> [s.text for s in default_compare_specs()]
+        ['dynamic', 'quanto:4', 'quanto:4,rotation=hadamard', 'hqq:4', 'hqq:4,rotation=hadamard', 'fp8']
+    """
+    specs = []
+    for name, info in BACKENDS.items():
+        rotation = info.options.get("rotation")
+        others = [str(r) for r in rotation.choices or () if r != rotation.default] if rotation else []
+        rotations: list[str | None] = [None, *others]
+        specs += [CacheSpec(name, nbits=n, rotation=r) for n in info.compare_nbits for r in rotations]
+    return specs
