@@ -70,6 +70,7 @@ def test_the_walkthroughs_are_there():
         "02_residual_and_flushes.ipynb",
         "03_backends_side_by_side.ipynb",
         "04_needle_in_a_haystack.ipynb",
+        "05_why_rotation.ipynb",
     ]
 
 
