@@ -7,17 +7,18 @@
 3. Ask tab (`docs/images/ask.png`): load the Normans example with its button, prefill, ask one example question
    to the end (so the answers table and the step-time chart have a row), then ask a longer question and take the
    picture while its answer streams: the chat, the live memory and residual charts, the step line, the speed limit.
-4. Compare tab (`docs/images/compare.png`): `--specs` (by default `dynamic`, `quanto:4`, `hqq:4`, `fp8`: the
-   tab's own defaults) on one question with `--compare-tokens` new tokens, and the picture of the results once
-   the run ends: the status, the table, the answers side by side, the two charts.
+4. Compare tab (`docs/images/compare.png`): `--specs` (by default the tab's own start,
+   `kvdemo.cache.catalogue.default_compare_specs`: one spec per backend and the 4-bit ones' rotated twins) on one
+   question with `--compare-tokens` new tokens, and the picture of the results once the run ends: the status, the
+   table, the answers side by side, the two charts.
 
 Each picture is cropped to its region and, when over `--max-kib`, scaled down with Pillow until it fits.
-About 3 minutes on 2 near-idle cores (191 s at load ~1.5: model load, a 1,341-token prefill, two answers, four
-specs' comparison), 4-7 minutes under load 4-5.
+About 2-3 minutes on 2 near-idle cores (128 s at load ~0.5 with four specs, before the twins: model load, a
+1,341-token prefill, two answers, the comparison), 4-7 minutes under load 4-5.
 
 Example:
     .venv/bin/python scripts/screenshots.py                    # writes docs/images/{ask,compare}.png
-    .venv/bin/python scripts/screenshots.py --out /tmp/shots --specs dynamic,fp8
+    .venv/bin/python scripts/screenshots.py --out /tmp/shots --specs dynamic fp8
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ sys.path.insert(0, str(ROOT))  # kvdemo from this checkout
 from PIL import Image  # noqa: E402
 from playwright.sync_api import Locator, Page, expect, sync_playwright  # noqa: E402
 
-from kvdemo.cache.catalogue import all_specs  # noqa: E402
+from kvdemo.cache.catalogue import all_specs, default_compare_specs  # noqa: E402
 from kvdemo.quiet import quiet  # noqa: E402
 from kvdemo.ui.examples import example  # noqa: E402
 
@@ -159,7 +160,12 @@ def shoot_compare(page: Page, specs: list[str], tokens: int, timeout_ms: int) ->
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "images", help="folder for ask.png, compare.png")
-    parser.add_argument("--specs", default="dynamic,quanto:4,hqq:4,fp8", help="the Compare tab's specs, by commas")
+    parser.add_argument(
+        "--specs",
+        nargs="+",
+        default=[s.text for s in default_compare_specs()],
+        help="the Compare tab's specs, by spaces (a spec holds commas; default: the tab's own start)",
+    )
     parser.add_argument("--compare-tokens", type=int, default=24, help="max_new_tokens of the comparison")
     parser.add_argument("--max-kib", type=int, default=280, help="scale a picture down until it fits")
     parser.add_argument("--timeout", type=float, default=900, help="seconds to wait for any one step")
@@ -180,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
             expect(page.get_by_text("135 M parameters")).to_be_visible(timeout=timeout_ms)
             shots = {"ask.png": shoot_ask(page, timeout_ms)}
             print(f"ask.png taken at {time.perf_counter() - start:.0f} s", flush=True)
-            shots["compare.png"] = shoot_compare(page, args.specs.split(","), args.compare_tokens, timeout_ms)
+            shots["compare.png"] = shoot_compare(page, args.specs, args.compare_tokens, timeout_ms)
             print(f"compare.png taken at {time.perf_counter() - start:.0f} s", flush=True)
             browser.close()
     finally:
