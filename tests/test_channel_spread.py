@@ -60,6 +60,21 @@ def test_quantos_spans_are_its_groups_ranges_and_shrink_when_rotated():
     assert float(group_spans(rotated, 0).median()) < 0.5 * float(spans.median())
 
 
+def test_an_append_stores_spans_are_its_blocks_spans_in_order():
+    keys = _keys(40)
+    cache = quantized_cache("quanto", CONFIG, nbits=2, residual_length=8, flush="append", rotate_query=False)
+    layer = cache.layers[0]
+    layer.update(keys[..., :32, :], keys[..., :32, :])  # the prefill: one block of 32 tokens
+    for token in range(32, 40):  # the eighth decode step flushes the residual as a second block
+        layer.update(keys[..., token : token + 1, :], keys[..., token : token + 1, :])
+    blocks = layer._quantized_keys
+    assert isinstance(blocks, list) and len(blocks) == 2
+    spans = group_spans(cache, 0)
+    assert spans.shape == (2 * (32 + 8),)  # one group per KV head and token, in every block
+    rows = torch.cat([layer._dequantize(b).reshape(-1, 64) for b in blocks]).double()
+    assert torch.allclose(rows.amax(1) - rows.amin(1), spans, rtol=1e-5)
+
+
 def test_hqqs_groups_keep_to_one_channel_only_when_heads_times_tokens_is_a_multiple():
     """hqq's axis 0 reshapes the flat tensor to [q_group_size, -1]: a group is every (heads x tokens)-th value,
     one channel exactly when heads x tokens is a multiple of q_group_size (notebook 05, section 4)."""

@@ -68,7 +68,8 @@ def group_spans(cache: Cache, layer: int, tensor: str = "keys") -> torch.Tensor:
     layer's spans are those of `x @ H`.
 
     Args:
-        cache: a prefilled `QuantizedCache` of quanto or hqq (its store holds the context's tokens).
+        cache: a prefilled `QuantizedCache` of quanto or hqq (its store holds the context's tokens; with
+            `flush=append`, the blocks' groups one after the other).
         layer: the layer's index.
         tensor: `keys` or `values`.
 
@@ -86,11 +87,17 @@ def group_spans(cache: Cache, layer: int, tensor: str = "keys") -> torch.Tensor:
     store = (entry._quantized_keys, entry._quantized_values)[which]
     if store is None:
         raise ValueError(f"layer {layer} has no quantized store yet; prefill the cache first")
-    if isinstance(store, tuple) and isinstance(store[1], dict) and "scale" in store[1]:  # hqq: (codes, meta)
-        meta = cast(dict, store[1])
+    # `flush=append` keeps a list of blocks, each what the library's `_quantize` returned (`kvdemo.cache.flush`)
+    return torch.cat([_block_spans(block, layer, entry) for block in (store if isinstance(store, list) else [store])])
+
+
+def _block_spans(block, layer: int, entry) -> torch.Tensor:
+    """`group_spans` of one block the library's `_quantize` returned: [groups] float64 on the CPU."""
+    if isinstance(block, tuple) and isinstance(block[1], dict) and "scale" in block[1]:  # hqq: (codes, meta)
+        meta = cast(dict, block[1])
         scale, nbits = meta["scale"], int(meta["nbits"])
-    elif hasattr(store, "_scale") and hasattr(store, "qtype"):  # optimum-quanto's WeightQBitsTensor
-        scale, nbits = store._scale, int(store.qtype.bits)
+    elif hasattr(block, "_scale") and hasattr(block, "qtype"):  # optimum-quanto's WeightQBitsTensor
+        scale, nbits = block._scale, int(block.qtype.bits)
     else:
         raise ValueError(f"layer {layer} ({type(entry).__name__}) is not group-wise: it has no per-group scales")
     return (scale.double().abs().flatten() * (2**nbits - 1)).cpu()
