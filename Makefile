@@ -15,7 +15,7 @@ $(APP_STAMP): requirements.txt
 	$(PY) -m pip install --quiet --no-deps $(EMBEDDED)
 	$(PY) -m pip install --quiet --no-deps --editable .
 	@echo "warming up the quantized backends (optimum-quanto compiles its extension once: 30-60 s on 2 idle cores, about 150 s on busy ones)..."
-	$(PY) -c "from kvdemo.cache.spec import warm_up; print({k: round(v, 1) for k, v in warm_up().items()}, 'seconds')"
+	$(PY) -c "from kvdemo.cache.warmup import warm_up; print({k: round(v, 1) for k, v in warm_up().items()}, 'seconds')"
 	touch $@
 
 $(DEV_STAMP): $(APP_STAMP) requirements-dev.txt

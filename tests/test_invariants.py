@@ -1,5 +1,5 @@
-"""docs/DESIGN.md, invariants 1-3: over every backend and nbits, residual_length in {1, 4, default}, on a tiny
-random Llama: after every answer the cache is back to its post-prefill state, and every answer equals a
+"""docs/DESIGN.md, invariants 1-3: over every backend and nbits, residual_length in {1, 4, default}, and per-layer
+plans, on a tiny random Llama: after every answer the cache is back to its post-prefill state, and every answer equals a
 fresh single-question run (token ids)."""
 
 from __future__ import annotations
@@ -20,6 +20,11 @@ ROTATED_APPEND = [CacheSpec.parse(f"{b},flush=append,rotation=hadamard") for b i
 side's rotated residual quantized as a block of its own (`AppendQueryRotated*Layer`)."""
 
 
+PLANNED = [CacheSpec.parse("quanto,plan=k4v2h+k2v4"), CacheSpec.parse("hqq,plan=k8v3+k2v4h,flush=append")]
+"""Per-layer plans (issue 22, goal 5) for the tiny model's two layers: each layer its own key and value bits and
+rotation, under both flush policies (`kvdemo.cache.layer_plan`)."""
+
+
 def _matrix() -> list[CacheSpec]:
     specs = []
     for spec in ALL_SPECS:
@@ -27,11 +32,11 @@ def _matrix() -> list[CacheSpec]:
             specs += [spec.replace(residual_length=r) for r in (1, 4, None)]
         else:
             specs.append(spec)
-    return specs + [spec.replace(residual_length=4) for spec in ROTATED_APPEND]
+    return specs + [spec.replace(residual_length=4) for spec in ROTATED_APPEND + PLANNED]
 
 
 MATRIX = _matrix()
-RESIDUAL_SPECS = [s for s in ALL_SPECS if s.info.has_residual] + ROTATED_APPEND
+RESIDUAL_SPECS = [s for s in ALL_SPECS if s.info.has_residual] + ROTATED_APPEND + PLANNED
 
 
 @pytest.fixture(scope="module")

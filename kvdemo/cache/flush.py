@@ -9,7 +9,7 @@
   prefill's block, then one block per flush. Attention reads the blocks de-quantized (each with the library's
   own `_dequantize`) and concatenated, then the residual. A flush step costs one block's quantization, whatever
   the context. Each token is quantized once; groups never span a block's boundary and each block has its own
-  scales and zero points (see `kvdemo.backends._group_bytes`). Pattern: KIVI (Liu et al. 2024,
+  scales and zero points (see `kvdemo.cache.layouts.group_bytes`). Pattern: KIVI (Liu et al. 2024,
   github.com/jy-yuan/KIVI), which quantizes each full residual group and appends it.
 
 The snapshot (`kvdemo.snapshot`) keeps `vars(layer).copy()`: `update` here assigns a new list at each flush and
@@ -18,6 +18,7 @@ never appends in place to the list the snapshot holds, so restore stays exact an
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import cast
 
 import torch
@@ -25,6 +26,7 @@ from transformers import PreTrainedConfig, QuantizedCache
 from transformers.cache_utils import HQQQuantizedLayer, QuantizedLayer, QuantoQuantizedLayer
 
 from kvdemo.cache.attention import uses_query_rotation
+from kvdemo.cache.layer_plan import LayerPrecision
 from kvdemo.cache.policies import FLUSH_POLICIES, OPTIMIZE_CHOICES, ROTATIONS
 from kvdemo.cache.precision import value_precision_layer
 from kvdemo.cache.rotation import (
@@ -129,6 +131,47 @@ APPEND_LAYERS: dict[type, type[QuantizedLayer]] = {
 """A layer class -> the same layer with the `append` flush policy."""
 
 
+def _layer_class(library_class: type, flush: str, rotation: str, rotate_query: bool) -> type:
+    """The layer class for one layer: transformers' own `library_class` (`QuantoQuantizedLayer`,
+    `HQQQuantizedLayer`, or another backend's), rotated by `rotation` (query or read side) and with the `flush`
+    policy.
+
+    Raises:
+        ValueError: a rotation or `append` on a layer without a residual (fp8)."""
+    layer_class = library_class
+    steps = (
+        (rotation != "none", QUERY_ROTATED_LAYERS if rotate_query else ROTATED_LAYERS, f"rotation={rotation}"),
+        (flush == "append", APPEND_LAYERS, "flush=append"),
+    )
+    for wanted, table, what in steps:  # the rotation first: the append layers of the rotated ones
+        if wanted:
+            if layer_class not in table:
+                raise ValueError(f"{what} needs a layer with a residual; {layer_class.__name__} has none")
+            layer_class = table[layer_class]
+    return layer_class
+
+
+def _per_layer(
+    plan: Sequence[LayerPrecision] | None,
+    first: QuantizedLayer,
+    layers: int,
+    nbits_value: int | None,
+    rotation: str,
+    nbits_given: bool,
+) -> Sequence[LayerPrecision]:
+    """Each layer's precision: the plan's, or the same for every layer (the library layer `first`'s nbits, the
+    values' `nbits_value`, `rotation`). Raises ValueError: a plan with nbits, nbits_value or a rotation, or a plan
+    whose length is not `layers`."""
+    if plan is None:
+        nbits = getattr(first, "nbits", 0)  # fp8's layer has none (and no layer of its own to build)
+        return [LayerPrecision(nbits, nbits_value or nbits, rotation)] * layers
+    if nbits_value is not None or rotation != "none" or nbits_given:
+        raise ValueError("a plan sets each layer's nbits, nbits_value and rotation; leave those out")
+    if len(plan) != layers:
+        raise ValueError(f"the plan gives {len(plan)} layers and this model has {layers}")
+    return plan
+
+
 def quantized_cache(
     backend: str,
     config: PreTrainedConfig,
@@ -137,14 +180,16 @@ def quantized_cache(
     nbits_value: int | None = None,
     optimize: str = OPTIMIZE_CHOICES[0],
     rotate_query: bool | None = None,
+    plan: Sequence[LayerPrecision] | None = None,
     **options,
 ) -> QuantizedCache:
     """transformers' `QuantizedCache(backend, config, **options)`, with its layers given the flush policy `flush`,
     the rotation `rotation` (`kvdemo.cache.rotation`), the values' own precision `nbits_value`
-    (`kvdemo.cache.precision`) and, for hqq, its optimiser switched by `optimize` (`kvdemo.cache.hqq_optimize`).
+    (`kvdemo.cache.precision`) and, for hqq, its optimiser switched by `optimize` (`kvdemo.cache.hqq_optimize`);
+    or, with a `plan`, each layer its own nbits, nbits_value and rotation (`kvdemo.cache.layer_plan`).
 
     Args:
-        backend: `quanto` or `hqq` for `append`, a rotation or `nbits_value`; any `QuantizedCache` backend otherwise.
+        backend: `quanto` or `hqq` for `append`, a rotation, `nbits_value` or a plan; any `QuantizedCache` one else.
         flush: one of `FLUSH_POLICIES`.
         rotation: one of `ROTATIONS`.
         nbits_value: bits per quantized value of the values; None (or nbits): nbits, as transformers.
@@ -153,16 +198,19 @@ def quantized_cache(
             (`kvdemo.cache.rotation.QueryRotationMixin`, needs `kvdemo.cache.attention.kvdemo_attention`), or
             rotate every read back (`RotationMixin`, any attention); None: the query side exactly when `config`
             attends through `kvdemo_attention` (`kvdemo.cache.attention.install`).
+        plan: one `LayerPrecision` per layer, replacing `nbits`, `nbits_value`, `rotation` (left unset); None: alike.
         options: the group-wise options (nbits, q_group_size, residual_length, axis_key, axis_value).
 
     Raises:
         ValueError: an unknown policy, rotation or optimize word, `append`, a rotation or `nbits_value` on a layer
             without a residual (fp8), an `nbits_value` the library's layer does not take (the library's message),
             or `optimize=false` on a layer that is not hqq's; `rotate_query=True` for a config whose attention is
-            not `kvdemo_attention`.
+            not `kvdemo_attention`; a plan whose length is not the model's layer count, or given with nbits,
+            nbits_value or a rotation.
 
     Example:
         >>> cache = quantized_cache("hqq", model.config, flush="append", rotation="hadamard", nbits=4, nbits_value=2)
+        >>> cache = quantized_cache("quanto", model.config, plan=parse_plan("k4v2h*20+k2v2h*10"))
     """
     if flush not in FLUSH_POLICIES:
         raise ValueError(f"flush={flush!r} is not a flush policy; choose one of {', '.join(FLUSH_POLICIES)}")
@@ -175,27 +223,25 @@ def quantized_cache(
     elif rotate_query and not uses_query_rotation(config):
         raise ValueError("rotate_query needs a model that attends through kvdemo_attention (attention.install)")
     cache = QuantizedCache(backend, config, **options)
-    layer_class: type = type(cache.layers[0])
-    steps = (
-        (rotation != "none", QUERY_ROTATED_LAYERS if rotate_query else ROTATED_LAYERS, f"rotation={rotation}"),
-        (flush == "append", APPEND_LAYERS, "flush=append"),
-    )
-    for wanted, table, what in steps:  # the rotation first: the append layers of the rotated ones
-        if wanted:
-            if layer_class not in table:
-                raise ValueError(f"{what} needs a layer with a residual; {layer_class.__name__} has none")
-            layer_class = table[layer_class]
-    extra = {}
-    if nbits_value is not None and nbits_value != getattr(cache.layers[0], "nbits", None):
-        if not issubclass(layer_class, QuantizedLayer):
-            raise ValueError(f"nbits_value needs a group-wise layer with nbits; {layer_class.__name__} has none")
-        layer_class, extra = value_precision_layer(layer_class), {"nbits_value": nbits_value}
-    if layer_class is not type(cache.layers[0]):
+    first = cast(QuantizedLayer, cache.layers[0])
+    plan = _per_layer(plan, first, len(cache.layers), nbits_value, rotation, "nbits" in options)
+    library_class: type = type(first)
+    layers: list[QuantizedLayer | None] = []
+    for precision in plan:
+        layer_class = _layer_class(library_class, flush, precision.rotation, rotate_query)
+        extra = {}
+        if precision.nbits_value != precision.nbits:
+            if not issubclass(layer_class, QuantizedLayer):
+                raise ValueError(f"nbits_value needs a group-wise layer with nbits; {layer_class.__name__} has none")
+            layer_class, extra = value_precision_layer(layer_class), {"nbits_value": precision.nbits_value}
+        if layer_class is library_class and precision.nbits == getattr(first, "nbits", 0):
+            layers.append(None)  # transformers' own layer, as QuantizedCache built it
+            continue
         # the same options as transformers' own layers (built from the same keywords, so validated the same way)
-        first = cast(QuantizedLayer, cache.layers[0])  # a key of the tables
-        kwargs = {name: getattr(first, name) for name in ("nbits", "axis_key", "axis_value")}
-        kwargs.update(q_group_size=first.q_group_size, residual_length=first.residual_length, **extra)
-        cache.layers = [layer_class(**kwargs) for _ in cache.layers]
+        kwargs = {name: getattr(first, name) for name in ("axis_key", "axis_value")}
+        kwargs.update(nbits=precision.nbits, q_group_size=first.q_group_size, residual_length=first.residual_length)
+        layers.append(layer_class(**kwargs, **extra))
+    cache.layers = [own if layer is None else layer for own, layer in zip(cache.layers, layers)]
     if optimize == "false":
         from kvdemo.cache.hqq_optimize import MinMaxQuantizer
 

@@ -6,10 +6,8 @@ that describes it (`kvdemo.cache.spec` validates a `CacheSpec` and builds its ca
 command line, the tests and the README's backend table read `BACKENDS` (and `kvdemo.cache.catalogue`'s specs);
 nothing else switches on backend names. Adding a backend is one entry here (CONTRIBUTING.md, "Adding a backend").
 
-The packing rules (`_quanto_group_problem`, `_hqq_group_problem`) were found by running every backend over
-every nbits, q_group_size and axis on the embedded model's shapes (3 KV heads, head_dim 64) and on the test
-model's, for prefill lengths 1, 5, 37, 64 and 130 followed by decode steps with flushes;
-`tests/test_backends.py::test_validation_predicts_what_runs` repeats that sweep.
+The byte formulas and the packing rules for `q_group_size` live in `kvdemo.cache.layouts` (how each library lays
+its store out).
 """
 
 from __future__ import annotations
@@ -19,6 +17,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypedDict
 
+from kvdemo.cache.layer_plan import PLAN, canonical_plan, parse_plan
+from kvdemo.cache.layer_plan import SYNTAX as PLAN_SYNTAX
+from kvdemo.cache.layouts import fp8_bytes, full_precision_bytes, group_bytes, hqq_group_problem, quanto_group_problem
 from kvdemo.cache.policies import FLUSH_POLICIES, OPTIMIZE_CHOICES, ROTATIONS, STORAGE_POLICIES
 
 # Reading the registry loads neither torch nor transformers (the command line's `--help` reads it): the modules
@@ -41,8 +42,16 @@ GROUP_OPTIONS = (
     "nbits_value",
     "optimize",
 )
-"""Every option a backend may take, in the order the page and the command line show them (one added later goes last:
-the page state a browser keeps lists the values in this order)."""
+"""Every option a backend may take that the Ask tab shows as a field, in the order the page and the command line show
+them (one added later goes last: the page state a browser keeps lists the values in this order)."""
+
+SPEC_OPTIONS = (*GROUP_OPTIONS, PLAN)
+"""Every option a spec may set: `GROUP_OPTIONS` and `PLAN` (`kvdemo.cache.layer_plan`: a spec option like the others,
+with its syntax, check and byte formula, but no field of the Ask tab: a plan is made for one model and one text,
+`kvdemo.evals.planner`, in the Compare tab, the command line or Python)."""
+
+PLANNED = ("nbits", "nbits_value", "rotation")
+"""The options a plan sets per layer: a spec with a plan leaves them unset (`CacheSpec.validate`)."""
 
 
 class SpecOptions(TypedDict, total=False):
@@ -59,6 +68,7 @@ class SpecOptions(TypedDict, total=False):
     storage: str
     rotation: str
     optimize: str
+    plan: str
 
 
 @dataclass(frozen=True)
@@ -77,6 +87,9 @@ class Option:
         same_as: for an option that takes another option's value when unset (`nbits_value` takes `nbits`'s, so
             that `nbits` alone means transformers' one precision for keys and values), that option's name; its
             `default` is then only the other option's default.
+        canonical: for a text option written in a syntax of its own rather than chosen from `choices` (`plan`), the
+            function that checks a text and gives its one canonical form (raises ValueError saying what to change);
+            `syntax` describes that syntax in one line.
     """
 
     name: str
@@ -85,6 +98,8 @@ class Option:
     minimum: int | None = None
     help: str = ""
     same_as: str | None = None
+    canonical: Callable[[str], str] | None = None
+    syntax: str = ""
 
     @property
     def is_text(self) -> bool:
@@ -92,13 +107,16 @@ class Option:
         return isinstance(self.default, str)
 
     def allowed_text(self) -> str:
-        """The allowed values as text: `2|4` or `>=1`."""
+        """The allowed values as text: `2|4`, `>=1`, or the syntax of a text option without choices (`plan`)."""
+        if self.canonical is not None:
+            return self.syntax
         return "|".join(map(str, self.choices)) if self.choices is not None else f">={self.minimum}"
 
     @property
     def default_text(self) -> str:
-        """The default as `--help` and the README say it: `4`, `requantize`, or `nbits` for a `same_as` option."""
-        return self.same_as or str(self.default)
+        """The default as `--help` and the README say it: `4`, `requantize`, `nbits` for a `same_as` option, `none`
+        for an empty one (`plan`)."""
+        return self.same_as or str(self.default) or "none"
 
 
 BytesFormula = Callable[[SpecOptions, "KVGeometry", int, int, int, bool], float]
@@ -204,90 +222,18 @@ def _group_options(nbits: tuple[int, ...], axes: tuple[int, ...]) -> dict[str, O
             help="hadamard: keys and values rotated along head_dim before quantizing, the query rotated to match "
             "(QuaRot, llama.cpp); none: as transformers",
         ),
+        PLAN: Option(
+            PLAN,
+            "",
+            help="each layer's nbits, nbits_value and rotation (kvdemo.cache.layer_plan; made by kvdemo.evals.planner "
+            "for a byte budget); set, it replaces nbits, nbits_value and rotation",
+            canonical=canonical_plan,
+            syntax=PLAN_SYNTAX,
+        ),
     }
 
 
 _OPTIMIZE_HELP = "true: hqq's optimiser refines the zero points (as transformers); false: min-max rounding, cheaper"
-
-
-def _full_precision_bytes(opts, geo: KVGeometry, tokens, residual, element, nominal) -> float:
-    """Every value in the model's dtype; with `storage=growing` (`kvdemo.cache.storage.GrowingLayer`) the buffers'
-    whole capacity, at most `capacity_bound(tokens)` tokens (an upper bound, reached right after a one-pass
-    prefill; up to max(256 tokens, 12.5 %) above the tokens held). `nominal` counts the tokens held only."""
-    from kvdemo.cache.storage import capacity_bound
-
-    held = capacity_bound(tokens) if opts.get("storage") == "growing" and not nominal else tokens
-    return geo.values_per_token * element * held
-
-
-def _fp8_bytes(opts, geo: KVGeometry, tokens, residual, element, nominal) -> float:
-    """One byte per value (float8_e4m3) plus one float32 scale per layer and tensor, and (`nominal` aside) the
-    de-quantization table of 256 values in the model's dtype per layer and tensor (`kvdemo.cache.fp8`)."""
-    from kvdemo.cache.fp8 import FP8_CODES
-
-    tables = 0 if nominal else 2 * geo.layers * FP8_CODES * element
-    return geo.values_per_token * tokens + 2 * geo.layers * 4 + tables
-
-
-def _group_bytes(stored_bits: dict[int, float]) -> BytesFormula:
-    """Group-wise affine quantization with a full-precision residual: `residual` tokens in the model's dtype,
-    the others at nbits per key value and nbits_value per value value (`stored_bits[n]` where the packing pads)
-    plus a scale and a zero point in the model's dtype per group of q_group_size values. Keys and values are half
-    of the values per token each (V / 2 = layers x kv_heads x head_dim). Source: x ~ scale * (q - zero) per group
-    (HQQ, Badri and Shaji 2023; optimum-quanto) with KIVI's full-precision residual (Liu et al. 2024), whose
-    keys and values take their bits apart (its `k_bits`, `v_bits`).
-
-    The same for both flush policies: with `flush=append` the store is a list of blocks (the prefill's, then one
-    per flush), each with its own scales and zero points, so no group spans a block's boundary. Every grouping
-    these backends allow splits one token's values (kv_heads x head_dim) into whole groups (the group rules), so
-    a block of any number of tokens holds whole groups and the split adds no group and no byte (measured: the
-    same bytes as `requantize`, `tests/test_flush.py`). A group size that did not divide one token's values
-    would add up to one partial group per block and tensor."""
-
-    def formula(opts, geo: KVGeometry, tokens, residual, element, nominal) -> float:
-        key_bits, value_bits = opts["nbits"], opts.get("nbits_value", opts["nbits"])
-        if not nominal:
-            key_bits, value_bits = (stored_bits.get(n, n) for n in (key_bits, value_bits))
-        values = geo.values_per_token
-        per_token = values / 2 * (key_bits + value_bits) / 8 + 2 * element * values / opts["q_group_size"]
-        return per_token * (tokens - residual) + values * element * residual
-
-    return formula
-
-
-def _quanto_group_problem(nbits: int, group: int, axis: int, geo: KVGeometry) -> str | None:
-    """optimum-quanto: axis 0 groups along head_dim; axis -1 groups along batch x heads x tokens, so one
-    token must already fill whole groups."""
-    if axis == 0:
-        return f"q_group_size={group} must divide head_dim={geo.head_dim}" if geo.head_dim % group else None
-    if geo.kv_heads % group:
-        return f"q_group_size={group} with axis -1 must divide num_key_value_heads={geo.kv_heads}"
-    return None
-
-
-_HQQ_VALUES_PER_PACK = {1: 8, 2: 4, 3: 1, 4: 2, 8: 1}
-"""Values per byte that hqq's bit packing needs along the packed axis (hqq.core.bitpack: 8x1bit, 4x2bit,
-2x4bit in a uint8; 3-bit values go 10 to an int32 and 8-bit ones are stored as they are)."""
-
-
-def _hqq_group_problem(nbits: int, group: int, axis: int, geo: KVGeometry) -> str | None:
-    """hqq: the group must fit head_dim (axis 0) or heads x head_dim (axis 1) in whole packs."""
-    pack = _HQQ_VALUES_PER_PACK[nbits]
-    if axis == 0:
-        if geo.head_dim % group:
-            return f"q_group_size={group} must divide head_dim={geo.head_dim}"
-        if group % pack:
-            return f"hqq packs {pack} {nbits}-bit values together, so q_group_size must be a multiple of {pack}"
-        return None
-    if nbits == 3:
-        return "hqq's 3-bit packing along axis 1 breaks on some token counts; use axis 0 for 3 bits"
-    width = geo.kv_heads * geo.head_dim
-    if width % group or (width // group) % pack:
-        return (
-            f"with axis 1, num_key_value_heads x head_dim / q_group_size = {width}/{group} must be a whole "
-            f"multiple of {pack} (hqq packs {pack} {nbits}-bit values together)"
-        )
-    return None
 
 
 def _dynamic_cache(name: str, options: SpecOptions, config: PreTrainedConfig) -> Cache:
@@ -311,15 +257,18 @@ def _fp8_cache(name: str, options: Mapping[str, Any], config: PreTrainedConfig) 
 
 def _residual_cache(name: str, options: Mapping[str, Any], config: PreTrainedConfig) -> Cache:
     """`QuantizedCache(name, config, **options)` whose layers flush by the `flush` option's policy and rotate by
-    the `rotation` option (`kvdemo.cache.flush.quantized_cache`: transformers' own layers for `requantize` and
-    `none`)."""
+    the `rotation` option, or take each its own precision from the `plan` (`kvdemo.cache.flush.quantized_cache`:
+    transformers' own layers for `requantize` and `none`)."""
     from kvdemo.cache.flush import quantized_cache
 
     options = dict(options)
     flush, rotation = str(options.pop("flush", FLUSH_POLICIES[0])), str(options.pop("rotation", ROTATIONS[0]))
     nbits_value = options.pop("nbits_value", None)
     optimize = str(options.pop("optimize", OPTIMIZE_CHOICES[0]))
-    return quantized_cache(name, config, flush, rotation, nbits_value=nbits_value, optimize=optimize, **options)
+    plan = parse_plan(str(options.pop(PLAN))) if options.get(PLAN) else None
+    return quantized_cache(
+        name, config, flush, rotation, nbits_value=nbits_value, optimize=optimize, plan=plan, **options
+    )
 
 
 BACKENDS: dict[str, Backend] = {
@@ -330,7 +279,7 @@ BACKENDS: dict[str, Backend] = {
         "into a new tensor at every decode step; storage=growing writes only the new token into spare capacity.",
         quantized=False,
         make_cache=_dynamic_cache,
-        kv_bytes=_full_precision_bytes,
+        kv_bytes=full_precision_bytes,
         options={
             "storage": Option(
                 "storage",
@@ -347,9 +296,9 @@ BACKENDS: dict[str, Backend] = {
         "(flush=requantize, transformers') or only the residual block is quantized and appended (flush=append).",
         quantized=True,
         make_cache=_residual_cache,
-        kv_bytes=_group_bytes({}),
+        kv_bytes=group_bytes({}),
         options=_group_options(nbits=(2, 4), axes=(0, -1)),
-        group_rule=_quanto_group_problem,
+        group_rule=quanto_group_problem,
         compare_nbits=(4,),  # the Compare tab starts with six specs: one per backend, and the rotated twins
         module="optimum.quanto",
         pip="pip install optimum-quanto==0.2.7",
@@ -362,12 +311,12 @@ BACKENDS: dict[str, Backend] = {
         quantized=True,
         make_cache=_residual_cache,
         # hqq 0.2.8 packs 3-bit values ten to an int32 with padding: 5,040 bytes per 11,520 values (measured)
-        kv_bytes=_group_bytes({3: 3.5}),
+        kv_bytes=group_bytes({3: 3.5}),
         options={
             **_group_options(nbits=(1, 2, 3, 4, 8), axes=(0, 1)),
             "optimize": Option("optimize", OPTIMIZE_CHOICES[0], choices=OPTIMIZE_CHOICES, help=_OPTIMIZE_HELP),
         },
-        group_rule=_hqq_group_problem,
+        group_rule=hqq_group_problem,
         compare_nbits=(4,),
         module="hqq",
         pip="pip install hqq==0.2.8.post1",
@@ -378,7 +327,7 @@ BACKENDS: dict[str, Backend] = {
         "It appends every new token with the scale frozen at the prefill: no residual, never flushes.",
         quantized=True,
         make_cache=_fp8_cache,
-        kv_bytes=_fp8_bytes,
+        kv_bytes=fp8_bytes,
     ),
 }
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import re
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
-from kvdemo.cache.registry import BACKENDS, GROUP_OPTIONS, Backend, SpecOptions
+from kvdemo.cache.layer_plan import PLAN, parse_plan, plan_problem
+from kvdemo.cache.registry import BACKENDS, PLANNED, SPEC_OPTIONS, Backend, SpecOptions
 from kvdemo.checks import shown
 
 # A spec is parsed, shown and checked against the registry without torch or transformers (the command line's
@@ -38,8 +38,10 @@ class CacheSpec:
             (`concat`, `growing`: `kvdemo.cache.storage`); rotation: `hadamard` rotates keys and values before
             quantizing (`kvdemo.cache.rotation`), `none` does not; nbits_value: bits per quantized value of the
             values alone (`kvdemo.cache.precision`; None: nbits, as transformers); optimize: hqq's optimiser of
-            zero points on (`true`, hqq's default) or off (`false`: `kvdemo.cache.hqq_optimize`). Which backend
-            takes which, and the values allowed, are in its registry entry (`Backend.options`).
+            zero points on (`true`, hqq's default) or off (`false`: `kvdemo.cache.hqq_optimize`); plan: each
+            layer's nbits, nbits_value and rotation (`kvdemo.cache.layer_plan`, e.g. `k4v2h*12+k2v2h*18`; set, it
+            replaces those three options, which stay unset). Which backend takes which, and the values allowed,
+            are in its registry entry (`Backend.options`).
 
     Example:
         >>> CacheSpec.parse("hqq:4,residual_length=16").label
@@ -58,6 +60,18 @@ class CacheSpec:
     rotation: str | None = None
     nbits_value: int | None = None
     optimize: str | None = None
+    plan: str | None = None
+
+    def __post_init__(self) -> None:
+        """A plan is kept in its one canonical text (`kvdemo.cache.layer_plan.canonical_plan`), so that two texts
+        of one plan make one spec; a text that does not parse is kept as given, for `validate` to refuse."""
+        if isinstance(self.plan, str):
+            from kvdemo.cache.layer_plan import canonical_plan
+
+            try:
+                object.__setattr__(self, "plan", canonical_plan(self.plan))
+            except ValueError:
+                pass
 
     @property
     def info(self) -> Backend:
@@ -69,22 +83,26 @@ class CacheSpec:
     def given(self) -> SpecOptions:
         """The options set on this spec (not None), by name."""
         return cast(
-            SpecOptions, {name: getattr(self, name) for name in GROUP_OPTIONS if getattr(self, name) is not None}
+            SpecOptions, {name: getattr(self, name) for name in SPEC_OPTIONS if getattr(self, name) is not None}
         )
 
     def resolved(self) -> SpecOptions:
         """Every option the backend takes, with its default filled in where unset (an unset `same_as` option, such
-        as `nbits_value`, takes its source option's resolved value)."""
+        as `nbits_value`, takes its source option's resolved value); with a `plan`, not the options it sets per
+        layer (`PLANNED`: nbits, nbits_value, rotation)."""
         given: dict[str, Any] = dict(self.given())
         resolved: dict[str, Any] = {}
         for name, opt in self.info.options.items():  # a source option comes before the options that follow it
+            if (given.get(PLAN) and name in PLANNED) or (name == PLAN and not given.get(PLAN)):
+                continue
             resolved[name] = given.get(name, resolved[opt.same_as] if opt.same_as else opt.default)
         return cast(SpecOptions, resolved)
 
     def _defaults(self) -> dict[str, Any]:
         """Each option's value when unset: its default, or its source option's resolved value (`same_as`)."""
         resolved: dict[str, Any] = dict(self.resolved())
-        return {n: resolved[o.same_as] if o.same_as else o.default for n, o in self.info.options.items()}
+        options = self.info.options
+        return {n: resolved[str(options[n].same_as)] if options[n].same_as else options[n].default for n in resolved}
 
     @property
     def label(self) -> str:
@@ -148,10 +166,10 @@ class CacheSpec:
         for pair in pairs:
             name, sep, value = (p.strip() for p in pair.partition("="))
             if not sep or not name or not value:
-                raise ValueError(f"spec {text!r}: {pair!r} is not option=value (options: {', '.join(GROUP_OPTIONS)})")
+                raise ValueError(f"spec {text!r}: {pair!r} is not option=value (options: {', '.join(SPEC_OPTIONS)})")
             name = name.replace("-", "_")
-            if name not in GROUP_OPTIONS:
-                raise ValueError(f"spec {text!r}: {name!r} is not an option; options: {', '.join(GROUP_OPTIONS)}")
+            if name not in SPEC_OPTIONS:
+                raise ValueError(f"spec {text!r}: {name!r} is not an option; options: {', '.join(SPEC_OPTIONS)}")
             if name in options:
                 raise ValueError(f"spec {text!r}: {name} is given twice")
             options[name] = value
@@ -193,6 +211,11 @@ class CacheSpec:
                     f"{name}={value} is not an option of the {self.backend} backend (it takes {takes}); leave it unset"
                 )
             opt = info.options[name]
+            if opt.canonical is not None:  # a text in a syntax of its own (`plan`): its parser says what is wrong
+                if not isinstance(value, str):
+                    raise ValueError(f"{name}={shown(value)} must be text: {opt.syntax}")
+                opt.canonical(value)
+                continue
             if opt.is_text:
                 assert opt.choices is not None  # a text option lists its words
                 if value not in opt.choices:
@@ -209,10 +232,25 @@ class CacheSpec:
                 raise ValueError(f"{name}={value} is not allowed for {self.backend}; it must be >= {opt.minimum}")
             if value > MAX_OPTION_VALUE:
                 raise ValueError(f"{name}={shown(value)} is not allowed; it must be <= {MAX_OPTION_VALUE:,}")
+        planned = [name for name in PLANNED if name in self.given()]
+        if self.plan and planned:
+            raise ValueError(
+                f"{', '.join(planned)} and plan are both given; the plan sets each layer's nbits, nbits_value and "
+                "rotation, so leave them out (e.g. quanto,plan=k4v2h*30)"
+            )
         if not info.installed():
             raise ImportError(f"the {self.backend} backend needs the {info.module} package: {info.pip}")
-        if model_config is None:
-            return self
+        if model_config is not None:
+            self._validate_on_model(model_config)
+        return self
+
+    def _validate_on_model(self, model_config: PreTrainedConfig) -> None:
+        """`validate`'s checks against the model's shapes: full-attention layers for a quantized backend, the
+        plan's layer count and bits, a head_dim a rotation takes, and the group rule of each tensor's bits.
+
+        Raises:
+            ValueError: see `validate`."""
+        info = self.info
         from transformers.cache_utils import get_layer_types_and_kwargs
 
         from kvdemo.cache.geometry import kv_geometry
@@ -226,7 +264,15 @@ class CacheSpec:
                     f"backend={self.backend} needs a model whose layers are all full attention; this model also has "
                     f"{', '.join(others)} layers. Use backend=dynamic with it"
                 )
-        if self.resolved().get("rotation", "none") != "none":
+        if self.plan:
+            problem = plan_problem(
+                parse_plan(self.plan),
+                kv_geometry(model_config).layers,
+                cast("tuple[int, ...]", info.options["nbits"].choices),
+            )
+            if problem:
+                raise ValueError(problem)
+        if any(rotation != "none" for rotation in _rotations(self)):
             problem = rotation_problem(kv_geometry(model_config).head_dim)
             if problem:
                 raise ValueError(problem)
@@ -241,16 +287,29 @@ class CacheSpec:
                     both = sorted(set.intersection(*(set(sizes) for sizes in fits.values())))  # keys' and values' alike
                     hint = f"; allowed here: {', '.join(map(str, both))}" if both else ""
                     raise ValueError(f"q_group_size={opts['q_group_size']} ({axis_name}={axis}): {problem}{hint}")
-        return self
 
 
 def _tensors(opts: SpecOptions) -> list[tuple[str, int, str, int]]:
     """(axis option, axis, bits option, bits) of the keys, then of the values, from resolved options: each tensor's
-    group rule is checked with its own axis and bits (`nbits`, `nbits_value`)."""
+    group rule is checked with its own axis and bits (`nbits`, `nbits_value`); with a plan, once for every bits the
+    plan gives the keys, then the values."""
+    if opts.get("plan"):
+        layers = parse_plan(opts["plan"])
+        return [("axis_key", opts["axis_key"], "nbits", b) for b in sorted({p.nbits for p in layers})] + [
+            ("axis_value", opts["axis_value"], "nbits_value", b) for b in sorted({p.nbits_value for p in layers})
+        ]
     return [
         ("axis_key", opts["axis_key"], "nbits", opts["nbits"]),
         ("axis_value", opts["axis_value"], "nbits_value", opts.get("nbits_value", opts["nbits"])),
     ]
+
+
+def _rotations(spec: CacheSpec) -> list[str]:
+    """The rotations a spec's layers take: its `rotation` option, or each of its plan's layers' (none where the
+    backend takes no rotation)."""
+    if spec.plan:
+        return [layer.rotation for layer in parse_plan(spec.plan)]
+    return [str(spec.resolved().get("rotation", "none"))]
 
 
 def _is_text_option(name: str) -> bool:
@@ -271,7 +330,10 @@ def allowed_group_sizes(spec: CacheSpec, model_config: PreTrainedConfig) -> dict
         return {"axis_key": [], "axis_value": []}
     opts, geo = spec.resolved(), kv_geometry(model_config)
     candidates = range(1, geo.kv_heads * geo.head_dim + 1)
-    return {name: [g for g in candidates if rule(bits, g, axis, geo) is None] for name, axis, _, bits in _tensors(opts)}
+    fits: dict[str, list[int]] = {}
+    for name, axis, _, bits in _tensors(opts):  # a plan's several bits per tensor: the sizes that fit them all
+        fits[name] = [g for g in fits.get(name, candidates) if rule(bits, g, axis, geo) is None]
+    return fits
 
 
 def estimate_kv_bytes(
@@ -324,40 +386,3 @@ def build_cache(spec: CacheSpec, model_config: PreTrainedConfig) -> Cache:
     """
     spec.validate(model_config)
     return spec.info.empty_cache(spec.given(), model_config)
-
-
-def warm_up(backends: tuple[str, ...] | None = None) -> dict[str, float]:
-    """Run one prefill-sized update and one decode-step update through each installed quantized backend's
-    own cache layer, on random tensors of shape [1, 1, 8, 64], so that one-time work happens now: optimum-quanto
-    compiles its C++ extension on its first de-quantize in a fresh install (23-35 s on 2 cores, written into
-    site-packages, needs g++ and ninja). `make` runs this once after installing.
-
-    Returns:
-        Seconds spent per backend.
-    """
-    import torch
-    from transformers import LlamaConfig
-    from transformers.cache_utils import BaseQuantizedLayer
-
-    config = LlamaConfig(
-        vocab_size=8,
-        hidden_size=64,
-        intermediate_size=8,
-        num_hidden_layers=1,
-        num_attention_heads=1,
-        num_key_value_heads=1,
-        head_dim=64,
-    )
-    seconds = {}
-    for name in backends or tuple(BACKENDS):
-        info = BACKENDS[name]
-        if not info.quantized or not info.installed():
-            continue
-        spec = CacheSpec(name, residual_length=1) if info.has_residual else CacheSpec(name)
-        start = time.perf_counter()
-        layer = cast(BaseQuantizedLayer, build_cache(spec, config).layers[0])  # a QuantizedCache's
-        states = torch.randn(1, 1, 8, 64)
-        layer.update(states, states)
-        layer.update(states[:, :, :1], states[:, :, :1])
-        seconds[name] = time.perf_counter() - start
-    return seconds

@@ -1,0 +1,109 @@
+"""How each backend lays its store out, as the registry (`kvdemo.cache.registry.BACKENDS`) reads it: the byte
+formulas (bytes a cache holds, from the model's shape, before anything runs; `kvdemo.cache.spec.estimate_kv_bytes`)
+and the packing rules for `q_group_size` (which group sizes a library's layout takes). No torch: the command line's
+`--help` reads the registry.
+
+The packing rules were found by running every backend over every nbits, q_group_size and axis on the embedded
+model's shapes (3 KV heads, head_dim 64) and on the test model's, for prefill lengths 1, 5, 37, 64 and 130 followed
+by decode steps with flushes; `tests/test_backends.py::test_validation_predicts_what_runs` repeats that sweep. The
+byte formulas are checked against the real tensors (`kvdemo.cache.telemetry.kv_memory`) in `tests/test_budget.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from kvdemo.cache.layer_plan import PLAN, parse_plan
+
+if TYPE_CHECKING:
+    from kvdemo.cache.geometry import KVGeometry
+
+
+def full_precision_bytes(opts, geo: KVGeometry, tokens, residual, element, nominal) -> float:
+    """Every value in the model's dtype; with `storage=growing` (`kvdemo.cache.storage.GrowingLayer`) the buffers'
+    whole capacity, at most `capacity_bound(tokens)` tokens (an upper bound, reached right after a one-pass
+    prefill; up to max(256 tokens, 12.5 %) above the tokens held). `nominal` counts the tokens held only."""
+    from kvdemo.cache.storage import capacity_bound
+
+    held = capacity_bound(tokens) if opts.get("storage") == "growing" and not nominal else tokens
+    return geo.values_per_token * element * held
+
+
+def fp8_bytes(opts, geo: KVGeometry, tokens, residual, element, nominal) -> float:
+    """One byte per value (float8_e4m3) plus one float32 scale per layer and tensor, and (`nominal` aside) the
+    de-quantization table of 256 values in the model's dtype per layer and tensor (`kvdemo.cache.fp8`)."""
+    from kvdemo.cache.fp8 import FP8_CODES
+
+    tables = 0 if nominal else 2 * geo.layers * FP8_CODES * element
+    return geo.values_per_token * tokens + 2 * geo.layers * 4 + tables
+
+
+def group_bytes(stored_bits: dict[int, float]) -> Callable[..., float]:
+    """Group-wise affine quantization with a full-precision residual: `residual` tokens in the model's dtype,
+    the others at nbits per key value and nbits_value per value value (`stored_bits[n]` where the packing pads)
+    plus a scale and a zero point in the model's dtype per group of q_group_size values. Keys and values are half
+    of the values per token each (V / 2 = layers x kv_heads x head_dim). Source: x ~ scale * (q - zero) per group
+    (HQQ, Badri and Shaji 2023; optimum-quanto) with KIVI's full-precision residual (Liu et al. 2024), whose
+    keys and values take their bits apart (its `k_bits`, `v_bits`). With a per-layer `plan`
+    (`kvdemo.cache.layer_plan`) each layer's share (V / layers) takes that layer's bits; the scales are the same.
+
+    The same for both flush policies: with `flush=append` the store is a list of blocks (the prefill's, then one
+    per flush), each with its own scales and zero points, so no group spans a block's boundary. Every grouping
+    these backends allow splits one token's values (kv_heads x head_dim) into whole groups (the group rules), so
+    a block of any number of tokens holds whole groups and the split adds no group and no byte (measured: the
+    same bytes as `requantize`, `tests/test_flush.py`). A group size that did not divide one token's values
+    would add up to one partial group per block and tensor."""
+
+    def stored(bits: int, nominal: bool) -> float:
+        return bits if nominal else stored_bits.get(bits, bits)
+
+    def layer_bits(opts, nominal) -> list[tuple[float, float]]:
+        """(key bits, value bits) per layer as stored: one pair for every layer alike, or the plan's, layer by
+        layer (each layer holds the same share of the values per token)."""
+        if opts.get(PLAN):
+            return [(stored(p.nbits, nominal), stored(p.nbits_value, nominal)) for p in parse_plan(opts[PLAN])]
+        return [(stored(opts["nbits"], nominal), stored(opts.get("nbits_value", opts["nbits"]), nominal))]
+
+    def formula(opts, geo: KVGeometry, tokens, residual, element, nominal) -> float:
+        values, bits = geo.values_per_token, layer_bits(opts, nominal)
+        scales = 2 * element * values / opts["q_group_size"]  # a scale and a zero point per group
+        per_token = sum(values / 2 / len(bits) * (k + v) / 8 for k, v in bits) + scales
+        return per_token * (tokens - residual) + values * element * residual
+
+    return formula
+
+
+def quanto_group_problem(nbits: int, group: int, axis: int, geo: KVGeometry) -> str | None:
+    """optimum-quanto: axis 0 groups along head_dim; axis -1 groups along batch x heads x tokens, so one
+    token must already fill whole groups."""
+    if axis == 0:
+        return f"q_group_size={group} must divide head_dim={geo.head_dim}" if geo.head_dim % group else None
+    if geo.kv_heads % group:
+        return f"q_group_size={group} with axis -1 must divide num_key_value_heads={geo.kv_heads}"
+    return None
+
+
+HQQ_VALUES_PER_PACK = {1: 8, 2: 4, 3: 1, 4: 2, 8: 1}
+"""Values per byte that hqq's bit packing needs along the packed axis (hqq.core.bitpack: 8x1bit, 4x2bit,
+2x4bit in a uint8; 3-bit values go 10 to an int32 and 8-bit ones are stored as they are)."""
+
+
+def hqq_group_problem(nbits: int, group: int, axis: int, geo: KVGeometry) -> str | None:
+    """hqq: the group must fit head_dim (axis 0) or heads x head_dim (axis 1) in whole packs."""
+    pack = HQQ_VALUES_PER_PACK[nbits]
+    if axis == 0:
+        if geo.head_dim % group:
+            return f"q_group_size={group} must divide head_dim={geo.head_dim}"
+        if group % pack:
+            return f"hqq packs {pack} {nbits}-bit values together, so q_group_size must be a multiple of {pack}"
+        return None
+    if nbits == 3:
+        return "hqq's 3-bit packing along axis 1 breaks on some token counts; use axis 0 for 3 bits"
+    width = geo.kv_heads * geo.head_dim
+    if width % group or (width // group) % pack:
+        return (
+            f"with axis 1, num_key_value_heads x head_dim / q_group_size = {width}/{group} must be a whole "
+            f"multiple of {pack} (hqq packs {pack} {nbits}-bit values together)"
+        )
+    return None
