@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -285,6 +286,18 @@ def test_compare_json_on_the_normans_case(embedded, capsys):
     assert 0.1 < hqq["ratio_to_dynamic"] < 0.2 and fp8["ratio_to_dynamic"] == pytest.approx(0.25, abs=0.01)
 
 
+def test_compare_plans_per_layer_within_a_budget(embedded, capsys):
+    argv = ["compare", "--context-file", NORMANS, "--paragraphs", "0", "--question", "Who was the Norse leader?"]
+    argv += ["--spec", "quanto:4", "--plan-budget", "5760", "--max-new-tokens", "2", "--no-progress"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    plan = re.search(r"per-layer plan: (quanto,plan=\S+): 5,760 bytes per token \(budget 5,760\)", out)
+    assert plan is not None and plan.group(1) in out.splitlines()[4]  # the plan's row after dynamic and quanto:4
+    layers = CacheSpec.parse(plan.group(1)).plan.split("+")
+    assert sum(int(run.partition("*")[2] or 1) for run in layers) == 30  # one precision per layer of SmolLM2
+    assert "the best uniform spec within it, quanto:4," in out
+
+
 def test_compare_table_and_progress_bar(embedded, capsys):
     assert (
         main(
@@ -401,6 +414,12 @@ def test_compare_perplexity_on_the_tail_of_a_text_file(embedded, capsys, tmp_pat
         (["--max-new-tokens", "0"], "error: max_new_tokens=0 must be a whole number >= 1"),
         (["--perplexity-tokens", "-3"], "error: --perplexity-tokens -3: it must be >= 0"),
         (["--paragraphs", "38", "--perplexity-tokens", "5000"], "holding out its last 5001 to score 5000 leaves none"),
+        (
+            ["--plan-budget", "1000"],
+            "error: a budget of 1,000 bytes per token is below the smallest quanto cache on "
+            "this model (4,320: every layer at the fewest bits); give 4,320 or more",
+        ),
+        (["--plan-base", "fp8", "--plan-budget", "5000"], "error: backend=fp8 takes no per-layer plan; choose quanto"),
     ],
 )
 def test_compare_bad_input_exits_2_with_a_message(embedded, args, message, capsys):

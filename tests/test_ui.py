@@ -10,6 +10,7 @@ import pytest
 
 from kvdemo import CacheSpec, QASession
 from kvdemo.cache.registry import GROUP_OPTIONS
+from kvdemo.cache.spec import estimate_kv_bytes
 from kvdemo.cache.storage import GrowingLayer
 from kvdemo.charts.steps import MEMORY_SERIES
 from kvdemo.compare.run import compare
@@ -453,6 +454,33 @@ def test_compare_tab_bad_input_says_what_to_change(handlers, context, chosen, mo
     app, fns = handlers
     fns["prefill"](CONTEXT, *HQQ, _request())
     assert message in refused(fns["compare"](context, chosen, more, questions, max_new_tokens, _request()))
+    assert len(_ask(fns, "Who?", 2)) == 4  # the session still answers
+
+
+def test_compare_tab_plans_per_layer_within_a_budget(handlers, tiny):
+    app, fns = handlers
+    budget = estimate_kv_bytes(CacheSpec.parse("quanto:4,nbits_value=2"), tiny.config, 1, tiny.dtype)
+    status, table, *_ = fns["compare"](CONTEXT, ["fp8"], "", "Who?", 2, _request(), 0, "quanto", budget)
+    planned = [text for text in table["spec"] if ",plan=" in text]
+    assert len(planned) == 1 and planned[0].startswith("quanto,plan=k") and len(table) == 4  # and its uniform twin
+    assert f"Per-layer plan: `{planned[0]}: {budget:,.0f} bytes per token (budget {budget:,.0f})" in status
+    assert table["bytes/token"].iloc[2] <= budget + 1
+
+
+@pytest.mark.parametrize(
+    "base, budget, message",
+    [
+        ("quanto", -1, "plan budget=-1 must be a number of bytes per token from 1 to 1,048,576 (0: no plan)"),
+        ("quanto", "lots", "plan budget='lots' must be a number of bytes per token"),
+        ("fp8", 5000, "plan backend=fp8 takes no per-layer plan; choose quanto, hqq"),
+        ("hqq:4,group=2", 5000, "'group' is not an option"),
+        ("quanto", 10, "a budget of 10 bytes per token is below the smallest quanto cache on this model"),
+    ],
+)
+def test_compare_tab_bad_plan_says_what_to_change(handlers, base, budget, message):
+    app, fns = handlers
+    fns["prefill"](CONTEXT, *HQQ, _request())
+    assert message in refused(fns["compare"](CONTEXT, ["fp8"], "", "Who?", 2, _request(), 0, base, budget))
     assert len(_ask(fns, "Who?", 2)) == 4  # the session still answers
 
 

@@ -24,6 +24,11 @@ query (Ashkboos et al. 2024, arXiv:2404.00456); llama.cpp rotates Q, K and V for
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -53,10 +58,69 @@ def kvdemo_attention(
     Returns:
         (attention output [batch, new tokens, heads, head_dim] in the model's basis, None), as sdpa's.
     """
+    recorder = _RECORDER.get()
+    if recorder is not None:  # `recording_queries` in this thread: keep the query, in the model's basis
+        recorder.add(module, query, kwargs.get("scaling"))
     if not getattr(key, ROTATED_MARK, False):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     output, weights = sdpa_attention_forward(module, rotate(query), key, value, attention_mask, **kwargs)
     return rotate(output), weights
+
+
+@dataclass
+class QueryRecord:
+    """The queries attention received in the `recording_queries` block, per layer: the last `last` positions.
+
+    Attributes:
+        last: how many of the latest query positions each layer keeps.
+        queries: layer index -> [batch, heads, <= last, head_dim], in the model's basis (before any rotation), in
+            the order the positions came (a chunked prefill's chunks are joined).
+        scaling: layer index -> the softmax scale attention used (the module's `scaling`; sdpa's
+            1/sqrt(head_dim) where the model gives none).
+    """
+
+    last: int
+    queries: dict[int, torch.Tensor] = field(default_factory=dict)
+    scaling: dict[int, float] = field(default_factory=dict)
+
+    def add(self, module: torch.nn.Module, query: torch.Tensor, scaling: float | None) -> None:
+        """Keep `query`'s positions for `module`'s layer (`module.layer_idx`), the last `last` of them."""
+        index = int(getattr(module, "layer_idx", len(self.queries)))
+        held = self.queries.get(index)
+        joined = query.detach() if held is None else torch.cat([held, query.detach()], dim=-2)
+        self.queries[index] = joined[..., -self.last :, :].clone()  # not a view pinning the whole chunk
+        self.scaling[index] = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
+
+
+_RECORDER: ContextVar[QueryRecord | None] = ContextVar("kvdemo_query_recorder", default=None)
+
+
+@contextmanager
+def recording_queries(last: int) -> Iterator[QueryRecord]:
+    """Inside the block, `kvdemo_attention` keeps the last `last` query positions of every layer it runs in this
+    thread (a `ContextVar`: another user's forward pass through the same shared model records nothing), so that
+    a measure can ask what attention would give with other keys and values (`kvdemo.evals.planner`). Only a model
+    that attends through kvdemo's function (`install`) records.
+
+    Args:
+        last: positions per layer to keep (>= 1).
+
+    Raises:
+        ValueError: last < 1.
+
+    Example:
+        >>> with recording_queries(64) as record:
+        ...     reference = reference_kv(loaded, ids)
+        >>> record.queries[0].shape  # [batch, heads, 64, head_dim]
+    """
+    if last < 1:
+        raise ValueError(f"last={last} must be >= 1 (query positions kept per layer)")
+    record = QueryRecord(last)
+    token = _RECORDER.set(record)
+    try:
+        yield record
+    finally:
+        _RECORDER.reset(token)
 
 
 AttentionInterface.register(ATTENTION, kvdemo_attention)

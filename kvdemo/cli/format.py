@@ -76,7 +76,7 @@ def format_summary(result: dict[str, Any]) -> str:
 
 def format_comparison(report: ComparisonReport) -> str:
     """The table printed without `--json`: `charts.comparison_display_frame` with its groups as a first header
-    line, then a line on the perplexity's text when there was a perplexity run."""
+    line, then a line on the perplexity's text when there was a perplexity run, and one per per-layer plan."""
     display = comparison_display_frame(report.to_frame(), grouped=True)
     with pd.option_context("display.width", 400, "display.max_columns", None, "display.max_colwidth", 60):
         text = display.to_string(index=False)
@@ -91,4 +91,6 @@ def format_comparison(report: ComparisonReport) -> str:
             f"\nperplexity: {ppl.tokens} tokens of {where}, fed one decode step each after a "
             f"{ppl.context_tokens}-token prefill"
         )
+    for line in report.plans:
+        text += f"\nper-layer plan: {line}"
     return text

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvdemo import checks
 from kvdemo.cache.catalogue import default_compare_specs
-from kvdemo.cache.registry import BACKENDS, GROUP_OPTIONS, option_choices_text
+from kvdemo.cache.registry import BACKENDS, SPEC_OPTIONS, option_choices_text
 from kvdemo.cache.spec import CacheSpec
 from kvdemo.needle import inputs as needle
 from kvdemo.qa.limits import DEFAULT_MAX_NEW_TOKENS
@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _context_arguments(ask)
     ask.add_argument("--backend", default="dynamic", choices=list(BACKENDS), help="KV cache backend (default dynamic)")
-    for name in GROUP_OPTIONS:  # each option's help and allowed values from the registry
+    for name in SPEC_OPTIONS:  # each option's help and allowed values from the registry
         option = next(b.options[name] for b in BACKENDS.values() if name in b.options)
         kind = str.lower if option.is_text else int  # a word (flush) or a whole number
         ask.add_argument(f"--{name.replace('_', '-')}", type=kind, help=f"{option.help} ({option_choices_text(name)})")
@@ -67,6 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     ask.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
     _progress_arguments(ask)
+    _compare_parser(sub)
+    _needle_parser(sub)
+    return parser
+
+
+def _compare_parser(sub: Any) -> None:
+    """The `compare` subcommand's arguments (the default specs from `kvdemo.cache.catalogue`)."""
     compare = sub.add_parser(
         "compare",
         help="the same context and questions over several backends: memory, fidelity against dynamic and gold, speed",
@@ -86,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
         "axis_value, flush, rotation, nbits_value, optimize (unset ones take the defaults below), e.g.\n"
         "  --spec dynamic --spec hqq:4 --spec quanto:2,q_group_size=32,residual_length=16 --spec fp8\n"
         "  --spec quanto:4,nbits_value=2 (keys at 4 bits, values at 2)\n"
+        "  --spec quanto,plan=k4v2h*20+k2v2h*10 (a per-layer plan: each layer's key and value bits, h rotated)\n"
+        "--plan-budget BYTES chooses one on this context within BYTES per token, compared beside the best uniform one\n"
         f"Default specs: {' '.join(s.text for s in default_compare_specs())}\n\nBackends:\n" + _backend_help(),
     )
     _context_arguments(compare)
@@ -96,6 +105,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="case files: also ask the first N questions the text does not answer (SQuAD 2.0 is_impossible)",
     )
     compare.add_argument("--spec", action="append", default=[], help="a spec to compare (repeat for several)")
+    compare.add_argument(
+        "--plan-budget",
+        type=float,
+        action="append",
+        default=[],
+        metavar="BYTES",
+        help="also compare a per-layer plan chosen on this context within BYTES per quantized token (repeat for "
+        "several; e.g. 5760, quanto:4,nbits_value=2's bytes on the embedded model), and the best uniform spec within "
+        "the same bytes",
+    )
+    plan_help = "the backend and options a plan keeps (default quanto; e.g. hqq,q_group_size=32)"
+    compare.add_argument("--plan-base", default="quanto", metavar="SPEC", help=plan_help)
     compare.add_argument("--max-new-tokens", type=int, default=32, help="most tokens per answer (default 32)")
     compare.add_argument(
         "--perplexity-tokens",
@@ -112,8 +133,6 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     compare.add_argument("--json", action="store_true", help="print the report as one JSON object instead of a table")
     _progress_arguments(compare)
-    _needle_parser(sub)
-    return parser
 
 
 def _needle_parser(sub: Any) -> None:
@@ -218,6 +237,7 @@ def run_compare(args: argparse.Namespace) -> ComparisonReport:
     from kvdemo.qa.models import load_model
 
     specs = [CacheSpec.parse(text) for text in args.spec] or default_compare_specs()
+    plans = [(CacheSpec.parse(args.plan_base), budget) for budget in args.plan_budget]
     checks.max_new_tokens(args.max_new_tokens)
     if args.perplexity_tokens < 0:
         raise ValueError(f"--perplexity-tokens {args.perplexity_tokens}: it must be >= 0 (0: no perplexity)")
@@ -236,6 +256,7 @@ def run_compare(args: argparse.Namespace) -> ComparisonReport:
             on_progress=on_progress,
             perplexity_tokens=args.perplexity_tokens,
             continuation=case.continuation,
+            plans=plans,
         )
 
 
@@ -302,7 +323,7 @@ def run_ask(args: argparse.Namespace) -> dict[str, Any]:
     from kvdemo.qa.models import load_model
     from kvdemo.qa.session import QASession
 
-    spec = CacheSpec(args.backend, **{name: getattr(args, name) for name in GROUP_OPTIONS})
+    spec = CacheSpec(args.backend, **{name: getattr(args, name) for name in SPEC_OPTIONS})
     spec.validate()  # options against the registry before the model loads
     checks.max_new_tokens(args.max_new_tokens)
     case, questions = _case_questions(args)

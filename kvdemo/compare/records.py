@@ -12,7 +12,7 @@ from typing import Any, cast
 
 import pandas as pd
 
-from kvdemo.cache.registry import BACKENDS, GROUP_OPTIONS, SpecOptions
+from kvdemo.cache.registry import BACKENDS, SPEC_OPTIONS, SpecOptions
 from kvdemo.evals.cache_error import KVError
 from kvdemo.evals.fidelity import KLStats, PerplexityResult
 
@@ -178,18 +178,21 @@ class ComparisonReport:
         model: the model's name; max_new_tokens: the answers' limit (tokens).
         perplexity_source: where the perplexity's text came from (`PerplexityInputs.source`: `continuation` or
             `tail`), None without a perplexity run.
+        plans: one line per per-layer plan chosen for the comparison (`kvdemo.evals.planner.LayerPlan.summary`:
+            the plan, its bytes against the budget, its summed attention error against the best uniform spec's).
     """
 
     model: str
     max_new_tokens: int
     results: tuple[SpecResult, ...]
     perplexity_source: str | None = None
+    plans: tuple[str, ...] = ()
 
     COLUMNS = (
         "spec",
         "spec text",
         "backend",
-        *GROUP_OPTIONS,  # nbits first, then the other options in the registry's order
+        *SPEC_OPTIONS,  # nbits first, then the other options in the registry's order
         "KV bytes",
         "bytes/token",
         "ratio to dynamic",
@@ -226,7 +229,7 @@ class ComparisonReport:
     def to_frame(self) -> pd.DataFrame:
         """The full table: one row per spec, `COLUMNS` (also when there is none).
 
-        Columns: `spec` (label), `spec text`, `backend`, `nbits` and the other options of `GROUP_OPTIONS` (the flush
+        Columns: `spec` (label), `spec text`, `backend`, `nbits` and the other options of `SPEC_OPTIONS` (the flush
         policy and `dynamic`'s storage included; empty where the backend does not take it);
         `KV bytes`, `bytes/token`, `ratio to dynamic`; `identical to dynamic` (share of answers), `common prefix
         (tokens)` (mean); `KL (nats)` (the mean KL per position, llama.cpp's "Mean KLD"), `median KLD`, `99.0% KLD`,
@@ -248,7 +251,7 @@ class ComparisonReport:
                     "spec text": r.spec_text,
                     "backend": r.backend,
                     "nbits": r.nbits,
-                    **{name: r.options.get(name) for name in GROUP_OPTIONS if name != "nbits"},
+                    **{name: r.options.get(name) for name in SPEC_OPTIONS if name != "nbits"},
                     "KV bytes": r.kv_bytes,
                     "bytes/token": round(r.bytes_per_token, 1),
                     "ratio to dynamic": round(r.ratio_to_dynamic, 4),
@@ -283,7 +286,7 @@ class ComparisonReport:
             )
         frame = pd.DataFrame(rows, columns=list(self.COLUMNS))
         options = {name: opt for backend in BACKENDS.values() for name, opt in backend.options.items()}
-        integers = [name for name in GROUP_OPTIONS if not options[name].is_text]  # the registry's integer options
+        integers = [name for name in SPEC_OPTIONS if not options[name].is_text]  # the registry's integer options
         return frame.astype({name: "Int64" for name in integers})
 
     ANSWER_COLUMNS = ("question", "spec", "answer", "finish", "first departure from dynamic")
@@ -313,13 +316,14 @@ class ComparisonReport:
         return pd.DataFrame(rows, columns=list(self.ANSWER_COLUMNS))
 
     def to_dict(self) -> dict:
-        """JSON-ready: model, max_new_tokens, perplexity_source and every result with its answers and fidelity
-        records (`SpecResult`'s fields; a missing figure is None, an infinite one `"inf"`: `json_ready`).
+        """JSON-ready: model, max_new_tokens, perplexity_source, the plans' lines and every result with its answers
+        and fidelity records (`SpecResult`'s fields; a missing figure is None, an infinite one `"inf"`: `json_ready`).
         `python -m kvdemo compare --json` prints exactly this (`to_json`)."""
         return {
             "model": self.model,
             "max_new_tokens": self.max_new_tokens,
             "perplexity_source": self.perplexity_source,
+            "plans": list(self.plans),
             "results": json_ready([asdict(r) for r in self.results]),
         }
 

@@ -38,7 +38,7 @@ from kvdemo import checks
 from kvdemo.cache.spec import CacheSpec
 from kvdemo.compare.measure import Cancelled, ComparisonRun, Reference, measure_spec, perplexity_units
 from kvdemo.compare.records import ComparisonCancelled, ComparisonReport, SpecResult
-from kvdemo.evals import fidelity
+from kvdemo.evals import fidelity, planner
 from kvdemo.qa.models import LoadedModel
 from kvdemo.qa.prompt import PreparedContext
 from kvdemo.qa.session import QASession
@@ -59,6 +59,7 @@ def compare(
     kv_budget_bytes: int | None = None,
     perplexity_tokens: int = 0,
     continuation: str | None = None,
+    plans: Sequence[tuple[CacheSpec, float]] = (),
 ) -> ComparisonReport:
     """Prefill `context` and answer `questions` once per spec, one backend at a time (each session and cache
     is freed before the next), `dynamic` first and always included; duplicates are run once.
@@ -84,15 +85,18 @@ def compare(
             (`fidelity.perplexity`); 0: none.
         continuation: the text after the context (e.g. `Case.continuation`); None: the last N + 1 tokens of the
             context are held out of the perplexity's prefill and fed instead (`fidelity.perplexity_inputs`).
+        plans: each (base spec, bytes per token): a per-layer plan chosen for this context within the budget
+            (`planner.plan_layers`) is compared, beside the best uniform spec within it; the report's `plans`.
 
     Returns:
         The `ComparisonReport`.
 
     Raises:
         ValueError: no question, an empty one, gold answers not one list per question, max_new_tokens < 1,
-            perplexity_tokens < 0, a continuation too short for perplexity_tokens, or a spec the model cannot run
-            (nothing has run then); or a context or question the session refuses (its message; a question too
-            long for the window is found when its turn comes).
+            perplexity_tokens < 0, a continuation too short for perplexity_tokens, a spec the model cannot run, or a
+            plan's base that takes no plan or budget below its backend's smallest cache (nothing has run then); or
+            a context or question the session refuses (its message; a question too long for the window is found
+            when its turn comes).
         ImportError: a spec's backend package is missing.
         ComparisonCancelled: `cancel` was set; its `report` holds the specs finished before.
 
@@ -103,27 +107,53 @@ def compare(
         >>> report.to_frame()
     """
     questions, ordered, max_new_tokens = _checked(loaded_model, questions, specs, max_new_tokens, gold_answers)
-    if isinstance(perplexity_tokens, bool) or not isinstance(perplexity_tokens, int) or perplexity_tokens < 0:
-        raise ValueError(f"perplexity_tokens={perplexity_tokens!r} must be a whole number >= 0 (0: no perplexity)")
+    _check_perplexity_tokens(perplexity_tokens)
     if not isinstance(context, PreparedContext):  # the one tokenization of the context for every spec
         context = QASession(loaded_model).prepare(context, max_tokens=loaded_model.max_context_tokens)
     inputs = None
     if perplexity_tokens:
         inputs = fidelity.perplexity_inputs(loaded_model, context, perplexity_tokens, continuation)
-    progress = _Progress(len(ordered) * (1 + 2 * len(questions) + perplexity_units(perplexity_tokens)), on_progress)
-    run = ComparisonRun(
-        loaded_model,
-        context,
-        tuple(questions),
-        max_new_tokens,
-        gold_answers,
-        cancel,
-        on_step=progress,
-        on_note=progress.announce,
-        kv_budget_bytes=kv_budget_bytes,
-        perplexity_inputs=inputs,
-    )
-    return _measure_all(run, ordered, progress)
+    plans = [(planner.check_budget(loaded_model, base, budget), budget) for base, budget in plans]  # refused now
+    per_spec = 1 + 2 * len(questions) + perplexity_units(perplexity_tokens)
+    progress = _Progress((len(ordered) + 2 * len(plans)) * per_spec + len(plans), on_progress)
+    summaries = _plan_all(loaded_model, context, plans, ordered, progress, cancel, max_new_tokens)
+    progress.total = len(ordered) * per_spec + len(plans)
+    shared = (loaded_model, context, tuple(questions), max_new_tokens, gold_answers, cancel)
+    run = ComparisonRun(*shared, progress, progress.announce, kv_budget_bytes=kv_budget_bytes, perplexity_inputs=inputs)
+    return _measure_all(run, ordered, progress, summaries)
+
+
+def _check_perplexity_tokens(perplexity_tokens: int) -> None:
+    """Raises ValueError unless `perplexity_tokens` is a whole number >= 0."""
+    if isinstance(perplexity_tokens, bool) or not isinstance(perplexity_tokens, int) or perplexity_tokens < 0:
+        raise ValueError(f"perplexity_tokens={perplexity_tokens!r} must be a whole number >= 0 (0: no perplexity)")
+
+
+def _plan_all(
+    loaded_model: LoadedModel,
+    context: PreparedContext,
+    plans: Sequence[tuple[CacheSpec, float]],
+    ordered: list[CacheSpec],
+    progress: _Progress,
+    cancel: threading.Event | None,
+    max_new_tokens: int,
+) -> tuple[str, ...]:
+    """Choose each plan on the context (`planner.plan_layers`) and add it to `ordered`, with the best uniform spec
+    within its budget (each spec once). Returns the plans' summary lines.
+
+    Raises:
+        ComparisonCancelled: `cancel` was set before a plan (an empty report: nothing was measured yet)."""
+    summaries = []
+    for base, budget in plans:
+        progress.announce(f"planning {base.backend} per layer at {budget:,.0f} bytes per token")
+        if cancel is not None and cancel.is_set():
+            raise ComparisonCancelled(ComparisonReport(loaded_model.name, max_new_tokens, ()))
+        plan = planner.plan_layers(loaded_model, QASession(loaded_model).context_ids(context), base, budget)
+        progress("planned")
+        summaries.append(plan.summary())
+        added = [spec.validate(loaded_model.config) for spec in (plan.spec, plan.uniform) if spec is not None]
+        ordered += [spec for spec in added if spec.label not in [s.label for s in ordered]]
+    return tuple(summaries)
 
 
 class _Progress:
@@ -142,8 +172,11 @@ class _Progress:
             self.on_progress(self.done, self.total, what)
 
 
-def _measure_all(run: ComparisonRun, ordered: list[CacheSpec], progress: _Progress) -> ComparisonReport:
-    """`measure_spec` for every spec in turn, `dynamic`'s run (the first) the reference of the others."""
+def _measure_all(
+    run: ComparisonRun, ordered: list[CacheSpec], progress: _Progress, plans: tuple[str, ...] = ()
+) -> ComparisonReport:
+    """`measure_spec` for every spec in turn, `dynamic`'s run (the first) the reference of the others; `plans`: the
+    plans' lines for the report."""
     results: list[SpecResult] = []
     reference: Reference | None = None
     source = None if run.perplexity_inputs is None else run.perplexity_inputs.source
@@ -153,13 +186,15 @@ def _measure_all(run: ComparisonRun, ordered: list[CacheSpec], progress: _Progre
         try:
             result, own = measure_spec(run, spec, reference, results[0].kv_bytes if results else None)
         except Cancelled:
-            raise ComparisonCancelled(ComparisonReport(name, run.max_new_tokens, tuple(results), source)) from None
+            raise ComparisonCancelled(
+                ComparisonReport(name, run.max_new_tokens, tuple(results), source, plans)
+            ) from None
         finally:
             gc.collect()
         if reference is None:
             reference = own
         results.append(result)
-    return ComparisonReport(name, run.max_new_tokens, tuple(results), source)
+    return ComparisonReport(name, run.max_new_tokens, tuple(results), source, plans)
 
 
 def _checked(

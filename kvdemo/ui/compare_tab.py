@@ -23,8 +23,10 @@ from kvdemo.ui.examples import suggested_questions
 from kvdemo.ui.inputs import (
     COMPARE_MAX_NEW_TOKENS,
     COMPARE_MAX_PERPLEXITY_TOKENS,
+    PLAN_BACKENDS,
     compare_inputs,
     perplexity_tokens,
+    plan_request,
     refusal,
     user_errors,
 )
@@ -115,6 +117,8 @@ class CompareTab:
         max_new_tokens,
         request: gr.Request,
         perplexity=0,
+        plan_base=PLAN_BACKENDS[0],
+        plan_budget=0,
         progress=gr.Progress(),
     ) -> CompareView:
         """Run `kvdemo.compare.run` on the Context box's text and the questions, one spec at a time, in fresh
@@ -125,6 +129,7 @@ class CompareTab:
             with self.app.sessions.long_job(user, BUSY) as cancel:
                 specs, questions, max_new_tokens = compare_inputs(chosen, more, questions_text, max_new_tokens)
                 ppl_tokens = perplexity_tokens(perplexity)
+                plans = plan_request(plan_base, plan_budget)
                 loaded = self.app.wait_for_model()
                 golds = gold_answers_for(context, questions)
                 progress(0, desc="Starting the comparison…")
@@ -142,12 +147,14 @@ class CompareTab:
                         kv_budget_bytes=self.app.kv_budget_bytes,
                         perplexity_tokens=ppl_tokens,
                         continuation=continuation_for(context) if ppl_tokens else None,
+                        plans=plans,
                     )
                 plural = "s" if len(questions) > 1 else ""
                 note = f"Compared {len(report.results)} specs on {len(questions)} question{plural}"
                 note += (
                     " (scored against the example's gold answers)." if golds else " (no gold answers for this text)."
                 )
+                note += "".join(f"\n\nPer-layer plan: `{line}`" for line in report.plans)
                 return _view(report, note)
         except ComparisonCancelled as cancelled:
             return _view(cancelled.report, f"Cancelled after {len(cancelled.report.results)} spec(s).")
@@ -216,6 +223,23 @@ class CompareTab:
                     "follows (an example's next paragraphs, or the tail of your text) one decode step at a time "
                     "through each cache: perplexity and its ratio to dynamic",
                 )
+                with gr.Accordion("Per-layer plan", open=False):
+                    w["plan_base"] = gr.Dropdown(
+                        list(PLAN_BACKENDS),
+                        value=PLAN_BACKENDS[0],
+                        label="plan backend",
+                        allow_custom_value=True,  # a base with options: hqq,q_group_size=32
+                        info="its options (q_group_size, residual_length, flush...) stay; the plan gives each layer "
+                        "its key bits, value bits and rotation",
+                    )
+                    w["plan_budget"] = gr.Number(
+                        0,
+                        label="plan budget (bytes per token)",
+                        info="0: no plan. B > 0: choose, on this context, the per-layer plan of least measured "
+                        "attention error within B bytes per quantized token, and compare it beside the best "
+                        "uniform spec within B (embedded model: quanto:2 4,320, quanto:4,nbits_value=2 5,760, "
+                        "quanto:4 7,200). One more full-precision prefill, and 10-60 s of measuring",
+                    )
             with gr.Column(scale=2):
                 w["questions"] = gr.Textbox(
                     label="questions, one per line", lines=6, placeholder="Who was the Norse leader?"
@@ -304,7 +328,7 @@ class CompareTab:
             api_visibility="private",  # never waits in the queue: it answers at once
         ).then(self.cancel_state, outputs=w["cancel_button"], queue=False, api_visibility="private").then(
             self.run,
-            inputs=[self.ask.w["context"], *settings, w["perplexity"]],
+            inputs=[self.ask.w["context"], *settings, w["perplexity"], w["plan_base"], w["plan_budget"]],
             outputs=[w[name] for name in CompareView._fields],
             api_name="compare",
             show_progress_on=w["compare_status"],  # one bar, on the status line, not over every table and chart

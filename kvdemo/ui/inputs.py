@@ -16,6 +16,7 @@ from typing import Any, cast
 import gradio as gr
 
 from kvdemo import checks
+from kvdemo.cache.layer_plan import PLAN
 from kvdemo.cache.registry import BACKENDS, GROUP_OPTIONS
 from kvdemo.cache.spec import CacheSpec
 from kvdemo.qa.text import check_text
@@ -198,6 +199,38 @@ def refusal(error: Exception, what: str) -> str:
     message = error.message if isinstance(error, gr.Error) else str(error)
     _log.info("refused %s: %s", what, message)
     return f"⚠ {message}"
+
+
+PLAN_BACKENDS = tuple(name for name, info in BACKENDS.items() if PLAN in info.options)
+"""The backends that take a per-layer plan (`plan` in their registry options), the Compare tab's plan choices."""
+
+MAX_PLAN_BUDGET = 1 << 20
+"""No KV cache here needs more bytes per token than this (the embedded model's full precision is 46,080)."""
+
+
+def plan_request(base: Any, budget: Any) -> list[tuple[CacheSpec, float]]:
+    """The Compare tab's per-layer plan fields: a base spec (`quanto`, or with options, `hqq,q_group_size=32`) and a
+    budget in bytes per quantized token; a budget of 0 or empty asks for no plan.
+
+    Returns:
+        [] or [(base, budget)], for `compare(..., plans=...)`, which checks the budget against the backend's
+        smallest cache on the model.
+
+    Raises:
+        ValueError: a budget that is not a number from 0 to `MAX_PLAN_BUDGET`, or a base that does not parse or
+            takes no plan (saying which backends do).
+    """
+    if budget is None or budget == "" or budget == 0:
+        return []
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget <= MAX_PLAN_BUDGET:
+        raise ValueError(
+            f"plan budget={checks.shown(budget)} must be a number of bytes per token from 1 to {MAX_PLAN_BUDGET:,} "
+            "(0: no plan)"
+        )
+    spec = CacheSpec.parse(base if isinstance(base, str) and base.strip() else PLAN_BACKENDS[0])
+    if PLAN not in spec.info.options:
+        raise ValueError(f"plan backend={spec.backend} takes no per-layer plan; choose {', '.join(PLAN_BACKENDS)}")
+    return [(spec, float(budget))]
 
 
 def perplexity_tokens(value: Any) -> int:
