@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 import gradio as gr
 
 from kvdemo.cache.catalogue import all_specs, default_compare_specs
-from kvdemo.cache.registry import BACKENDS, GROUP_OPTIONS
+from kvdemo.cache.registry import BACKENDS, SPEC_OPTIONS
 from kvdemo.charts.reports import DISPLAY_HELP
 from kvdemo.compare.records import ComparisonCancelled, ComparisonReport
 from kvdemo.compare.run import compare
@@ -193,7 +193,9 @@ class CompareTab:
     def _build_inputs(self) -> None:
         """The specs, max_new_tokens, perplexity tokens, the questions and the buttons."""
         w = self.w
-        defaults = {name: opt.default for b in BACKENDS.values() for name, opt in b.options.items()}
+        defaults = {
+            name: opt.default for b in BACKENDS.values() for name, opt in b.options.items() if opt.canonical is None
+        }  # not the plan: none by default, and written per model (below, Per-layer plan)
         with gr.Row():
             with gr.Column(scale=1, min_width=280):
                 w["choice"] = gr.CheckboxGroup(
@@ -209,7 +211,7 @@ class CompareTab:
                     lines=2,
                     placeholder="hqq:4,residual_length=16\nquanto:2,q_group_size=32,axis_key=-1",
                     info="backend[:nbits][,option=value...]; options "
-                    + ", ".join(name for name in GROUP_OPTIONS if name != "nbits"),
+                    + ", ".join(name for name in SPEC_OPTIONS if name != "nbits"),
                 )
                 # no precision or bounds on the numbers: `compare_inputs` and `perplexity_tokens` refuse what
                 # Gradio would round silently or refuse with a bare "Error", and say what to change
