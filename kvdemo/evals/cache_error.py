@@ -76,23 +76,29 @@ def dequantized_kv(cache: Cache, tokens: int | None = None) -> KV:
     for index, layer in enumerate(cast("list[DynamicLayer]", cache.layers)):  # a DynamicCache's or QuantizedCache's
         if not layer.is_initialized:
             raise ValueError(f"layer {index} holds nothing; prefill the cache first")
-        if isinstance(layer, BaseQuantizedLayer):
-            keys = layer._dequantize(layer._quantized_keys)
-            values = layer._dequantize(layer._quantized_values)
-            if layer.keys is not None and layer.keys.dim() == 4 and layer.keys.shape[-2]:
-                assert layer.values is not None  # set with the keys
-                keys = torch.cat([keys, layer.keys.to(keys.dtype)], dim=-2)
-                values = torch.cat([values, layer.values.to(values.dtype)], dim=-2)
-            keys, values = to_model_basis(layer, keys), to_model_basis(layer, values)  # a query-side rotation
-        else:
-            keys, values = layer.keys, layer.values
-            assert keys is not None and values is not None  # an initialized layer holds tensors
+        keys, values = layer_kv(layer)
         if tokens is not None:
             if keys.shape[-2] < tokens:
                 raise ValueError(f"layer {index} holds {keys.shape[-2]} tokens, fewer than the {tokens} asked for")
             keys, values = keys[..., :tokens, :], values[..., :tokens, :]
         out.append((keys, values))
     return tuple(out)
+
+
+def layer_kv(layer) -> tuple[torch.Tensor, torch.Tensor]:
+    """One initialized cache layer's keys and values as the model reads them (see `dequantized_kv`): for a quantized
+    layer its store de-quantized by the backend's own code, then its residual, in the model's basis; for a
+    `DynamicLayer` its tensors. Each [batch, kv_heads, tokens, head_dim]."""
+    if not isinstance(layer, BaseQuantizedLayer):
+        assert layer.keys is not None and layer.values is not None  # an initialized layer holds tensors
+        return layer.keys, layer.values
+    keys = layer._dequantize(layer._quantized_keys)
+    values = layer._dequantize(layer._quantized_values)
+    if layer.keys is not None and layer.keys.dim() == 4 and layer.keys.shape[-2]:
+        assert layer.values is not None  # set with the keys
+        keys = torch.cat([keys, layer.keys.to(keys.dtype)], dim=-2)
+        values = torch.cat([values, layer.values.to(values.dtype)], dim=-2)
+    return to_model_basis(layer, keys), to_model_basis(layer, values)  # a query-side rotation
 
 
 @dataclass(frozen=True)

@@ -5,11 +5,11 @@ The measure (`layer_errors`): one full-precision prefill of the context through 
 last `query_tokens` queries of every layer (`kvdemo.cache.attention.recording_queries`). Then, for every
 candidate precision the backend takes (each nbits, each rotation), the context's keys and values are quantized by
 the library's own layers (the cache a spec of that precision builds: its prefill update, as a real prefill does)
-and read back in the model's basis (`cache_error.dequantized_kv`). A layer's error for a candidate is the relative
-squared error of its attention output over those queries, with the keys quantized (values exact) or the values
-quantized (keys exact):
+and read back in the model's basis (`cache_error.layer_kv`), one layer at a time. A layer's error for a candidate
+is the relative squared error of its attention output over those queries, with the keys quantized (values exact)
+or the values quantized (keys exact):
 
-    e = ||softmax(q K^T s) V - softmax(q K^T s) V||^2 / ||softmax(q K^T s) V||^2   (one side quantized)
+    e_K = ||A(q, K^, V) - A(q, K, V)||^2 / ||A(q, K, V)||^2,   A(q, K, V) = softmax(s q K^T + causal mask) V
 
 so the keys' and the values' errors are in the same units, what attention hands on, which the raw relative KV
 error is not (a key error moves every score through the softmax; KIVI, Liu et al. 2024). A layer's error at
@@ -39,7 +39,7 @@ from kvdemo.cache.geometry import kv_geometry
 from kvdemo.cache.layer_plan import PLAN, LayerPrecision, plan_text
 from kvdemo.cache.registry import BACKENDS, PLANNED
 from kvdemo.cache.spec import CacheSpec, build_cache, estimate_kv_bytes
-from kvdemo.evals.cache_error import KV, dequantized_kv, reference_kv
+from kvdemo.evals.cache_error import KV, layer_kv, reference_kv
 from kvdemo.qa.models import LoadedModel
 
 QUERY_TOKENS = 64
@@ -224,8 +224,12 @@ def layer_errors(
     values: list[dict[tuple[int, str], float]] = [{} for _ in range(layers)]
     for nbits in bits:
         for rotation in rotations:
-            quantized = _quantized(base.replace(nbits=nbits, rotation=rotation), config, reference)
-            for i, ((k, v), (k_hat, v_hat)) in enumerate(zip(reference, quantized)):
+            cache = build_cache(base.replace(nbits=nbits, rotation=rotation), config)
+            for i, (layer, (k, v)) in enumerate(zip(cast("list[DynamicLayer]", cache.layers), reference)):
+                with torch.no_grad():
+                    layer.update(k, v)  # the prefill's update: the library quantizes the whole context
+                k_hat, v_hat = layer_kv(layer)  # one layer de-quantized at a time: little memory held
+                cache.layers[i] = DynamicLayer()  # its store freed
                 q, scale = record.queries[i], record.scaling[i]
                 keys[i][(nbits, rotation)] = _relative(_attention(q, k_hat, v, scale), exact[i])
                 values[i][(nbits, rotation)] = _relative(_attention(q, k, v_hat, scale), exact[i])
@@ -236,16 +240,6 @@ def layer_errors(
         for v in bits
     }
     return LayerErrors(base, tuple(keys), tuple(values), per_token, len(token_ids), record.last)
-
-
-def _quantized(spec: CacheSpec, config, reference: KV) -> KV:
-    """The context's keys and values stored by a cache of `spec` (each layer's prefill update: the library's own
-    quantization of the whole context) and read back in the model's basis."""
-    cache = build_cache(spec, config)
-    with torch.no_grad():
-        for layer, (k, v) in zip(cast("list[DynamicLayer]", cache.layers), reference):  # a QuantizedCache's
-            layer.update(k, v)
-    return dequantized_kv(cache)
 
 
 def choose_plan(errors: LayerErrors, budget_bytes_per_token: float) -> LayerPlan:
