@@ -42,6 +42,12 @@ from kvdemo.cache.spec import CacheSpec, build_cache, estimate_kv_bytes
 from kvdemo.evals.cache_error import KV, layer_kv, reference_kv
 from kvdemo.qa.models import LoadedModel
 
+MIN_PLAN_BITS = 2
+"""The fewest bits a plan gives a layer's keys or values. hqq's 1-bit stores err by more than their own norm (hqq:1:
+perplexity x 2,694 on the embedded model, docs/compare.md), beyond where one layer's attention error predicts the
+model's: with 1-bit candidates, hqq's plan at 5,760 bytes per token put layer 0 at 1 bit and lost to the uniform
+K2/V4 on the Normans example (mean KL 0.976 against 0.902); without them it wins (0.752; benchmarks/plan.py)."""
+
 QUERY_TOKENS = 64
 """Query positions per layer the error is measured over: the context's last ones (where a question's attention
 starts from)."""
@@ -138,11 +144,12 @@ def plan_base(base: CacheSpec) -> CacheSpec:
 
 
 def _candidates(base: CacheSpec, config) -> tuple[list[int], list[str]]:
-    """The bits and rotations a plan of `base` may give a layer on this model: the backend's nbits whose group rule
-    fits `base`'s q_group_size and axes for keys and values alike, and its rotations (`none` alone where the
-    head_dim takes no Hadamard matrix)."""
+    """The bits and rotations a plan of `base` may give a layer on this model: the backend's nbits from
+    `MIN_PLAN_BITS` whose group rule fits `base`'s q_group_size and axes for keys and values alike, and its rotations
+    (`none` alone where the head_dim takes no Hadamard matrix)."""
     options = base.info.options
-    bits = [b for b in cast("tuple[int, ...]", options["nbits"].choices) if _runs(base.replace(nbits=b), config)]
+    choices = [b for b in cast("tuple[int, ...]", options["nbits"].choices) if b >= MIN_PLAN_BITS]
+    bits = [b for b in choices if _runs(base.replace(nbits=b), config)]
     rotations = [str(r) for r in cast("tuple[str, ...]", options["rotation"].choices)]
     rotations = [r for r in rotations if _runs(base.replace(nbits=bits[0] if bits else None, rotation=r), config)]
     return bits, rotations
@@ -183,7 +190,7 @@ def layer_errors(
     """Measure every layer's attention-output error at every candidate precision of `base`'s backend on this
     context (see the module docstring).
 
-    Work: one full-precision prefill of `token_ids`, then per candidate (nbits x rotations: quanto 4, hqq 10) one
+    Work: one full-precision prefill of `token_ids`, then per candidate (nbits x rotations: quanto 4, hqq 8) one
     quantization of the whole context's keys and values by the library's layers, and per layer and candidate two
     attentions of `query_tokens` queries over the context.
 
