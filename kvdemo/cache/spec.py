@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
-from kvdemo.cache.layer_plan import PLAN, parse_plan, plan_problem
+from kvdemo.cache.layer_plan import PLAN, canonical_plan, parse_plan, plan_problem
 from kvdemo.cache.registry import BACKENDS, PLANNED, SPEC_OPTIONS, Backend, SpecOptions
 from kvdemo.checks import shown
 
@@ -66,8 +66,6 @@ class CacheSpec:
         """A plan is kept in its one canonical text (`kvdemo.cache.layer_plan.canonical_plan`), so that two texts
         of one plan make one spec; a text that does not parse is kept as given, for `validate` to refuse."""
         if isinstance(self.plan, str):
-            from kvdemo.cache.layer_plan import canonical_plan
-
             try:
                 object.__setattr__(self, "plan", canonical_plan(self.plan))
             except ValueError:
@@ -199,8 +197,9 @@ class CacheSpec:
             ValueError: naming the option, the value given and the values allowed: an unknown backend, an
                 option the backend does not take (fp8 and dynamic take none), a value outside the registry's
                 choices, a q_group_size that does not fit head_dim or the backend's bit packing, a
-                residual_length < 1, `rotation=hadamard` on a head_dim that is not a power of two, or a quantized
-                backend on a model whose layers are not all full attention.
+                residual_length < 1, `rotation=hadamard` on a head_dim that is not a power of two, a quantized
+                backend on a model whose layers are not all full attention, or a `plan` that does not parse, is
+                given with nbits, nbits_value or rotation, or does not give one of the backend's bits per layer.
             ImportError: the backend's package is not installed; the message gives the pip command.
         """
         info = self.info
