@@ -41,7 +41,12 @@ K4/V4 (quanto's top: its plan there can only be quanto:4, so quanto is planned a
 
 UNIFORM = {
     "quanto": ["quanto:2,rotation=hadamard", "quanto:4,nbits_value=2,rotation=hadamard"],
-    "hqq": ["hqq:4,nbits_value=2,rotation=hadamard", "hqq:4", "hqq:4,rotation=hadamard"],
+    "hqq": [
+        "hqq:4,nbits_value=2,rotation=hadamard",
+        "hqq:2,nbits_value=4,rotation=hadamard",
+        "hqq:4",
+        "hqq:4,rotation=hadamard",
+    ],
 }
 """The field's uniform specs at those bytes, measured beside the plans (the planner's own best uniform is added)."""
 
