@@ -39,7 +39,7 @@ from kvdemo.cache.geometry import kv_geometry
 from kvdemo.cache.layer_plan import PLAN, LayerPrecision, plan_text
 from kvdemo.cache.registry import BACKENDS, PLANNED
 from kvdemo.cache.spec import CacheSpec, build_cache, estimate_kv_bytes
-from kvdemo.evals.cache_error import KV, layer_kv, reference_kv
+from kvdemo.evals.cache_error import layer_kv, reference_kv
 from kvdemo.qa.models import LoadedModel
 
 MIN_PLAN_BITS = 2
@@ -185,7 +185,6 @@ def layer_errors(
     token_ids: Sequence[int],
     base: CacheSpec,
     query_tokens: int = QUERY_TOKENS,
-    reference: KV | None = None,
 ) -> LayerErrors:
     """Measure every layer's attention-output error at every candidate precision of `base`'s backend on this
     context (see the module docstring).
@@ -200,8 +199,6 @@ def layer_errors(
         token_ids: the context's ids as a prefill feeds them (`QASession.context_ids`).
         base: the backend and the options every candidate keeps (`plan_base`).
         query_tokens: query positions per layer (the context's last ones).
-        reference: the context's full-precision keys and values if already at hand; None prefills (and records the
-            queries) here. Given, the queries are still recorded by one prefill.
 
     Returns:
         The `LayerErrors`.
@@ -223,8 +220,7 @@ def layer_errors(
     if not bits:
         raise ValueError(f"no nbits of {base.backend} fits {base.short_text} on this model; change q_group_size")
     with recording_queries(query_tokens) as record:
-        fresh = reference_kv(loaded_model, token_ids)
-    reference = reference if reference is not None else fresh
+        reference = reference_kv(loaded_model, token_ids)
     layers = kv_geometry(config).layers
     exact = [_attention(record.queries[i], k, v, record.scaling[i]) for i, (k, v) in enumerate(reference)]
     keys: list[dict[tuple[int, str], float]] = [{} for _ in range(layers)]
@@ -295,19 +291,20 @@ def choose_plan(errors: LayerErrors, budget_bytes_per_token: float) -> LayerPlan
         states = nxt
     error, chosen = min(states.values(), key=lambda state: state[0])
     spec = errors.base.replace(plan=plan_text(chosen)).validate()
-    uniform, uniform_error = _best_uniform(errors, options, budget_bytes_per_token)
+    uniform, uniform_error = _best_uniform(errors, budget_bytes_per_token)
     return LayerPlan(
         spec, chosen, budget_bytes_per_token, errors.plan_bytes(chosen), error, uniform_error, uniform, errors
     )
 
 
-def _best_uniform(errors: LayerErrors, options, budget: float) -> tuple[CacheSpec | None, float | None]:
+def _best_uniform(errors: LayerErrors, budget: float) -> tuple[CacheSpec | None, float | None]:
     """The uniform spec (every layer at one precision and one rotation) of least summed error within `budget`."""
     best: tuple[float, LayerPrecision] | None = None
+    rotations = sorted({rotation for _, rotation in errors.keys[0]})
     for (nbits, nbits_value), per_token in errors.bytes_per_token.items():
         if per_token > budget + 1e-6:
             continue
-        for rotation in {r for layer in errors.keys for (_, r) in layer}:
+        for rotation in rotations:
             precision = LayerPrecision(nbits, nbits_value, rotation)
             error = errors.plan_error([precision] * errors.layers)
             if best is None or error < best[0]:
