@@ -12,6 +12,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, QuantizedC
 from transformers.cache_utils import Fp8QuantizedLayer, HQQQuantizedLayer, QuantoQuantizedLayer
 
 from kvdemo import BACKENDS, CacheSpec, build_cache
+from kvdemo.cache.dequantize import ExactHQQLayer, ExactQuantoLayer
 from kvdemo.cache.spec import allowed_group_sizes
 
 
@@ -197,7 +198,7 @@ def test_build_cache_returns_the_transformers_classes_with_the_options():
     config = _config(layers=2)
     assert type(build_cache(CacheSpec(), config)) is DynamicCache
     cache = build_cache(CacheSpec("hqq", nbits=2, q_group_size=16, residual_length=5, axis_value=1), config)
-    assert type(cache) is QuantizedCache and all(type(layer) is HQQQuantizedLayer for layer in cache.layers)
+    assert type(cache) is QuantizedCache and all(type(layer) is ExactHQQLayer for layer in cache.layers)
     layer = cache.layers[0]
     assert (layer.nbits, layer.q_group_size, layer.residual_length, layer.axis_key, layer.axis_value) == (
         2,
@@ -206,7 +207,8 @@ def test_build_cache_returns_the_transformers_classes_with_the_options():
         0,
         1,
     )
-    assert type(build_cache(CacheSpec("quanto"), config).layers[1]) is QuantoQuantizedLayer
+    assert type(build_cache(CacheSpec("quanto"), config).layers[1]) is ExactQuantoLayer  # transformers', in place
+    assert issubclass(ExactQuantoLayer, QuantoQuantizedLayer) and issubclass(ExactHQQLayer, HQQQuantizedLayer)
     fp8 = build_cache(CacheSpec("fp8"), config).layers[0]
     assert isinstance(fp8, Fp8QuantizedLayer) and type(fp8).__name__ == "TableFp8Layer"  # transformers', by table
     with pytest.raises(ValueError):

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers.cache_utils import HQQQuantizedLayer, QuantoQuantizedLayer
+from transformers.cache_utils import HQQQuantizedLayer
 
 from kvdemo import CacheSpec, QASession
 from kvdemo.cache import snapshot
-from kvdemo.cache.flush import AppendFlushMixin, AppendHQQLayer, AppendQuantoLayer
+from kvdemo.cache.blockwise import blockwise_layer
+from kvdemo.cache.dequantize import ExactHQQLayer, ExactQuantoLayer
+from kvdemo.cache.flush import AppendFlushMixin, AppendHQQLayer, AppendQuantoLayer, quantized_cache
 from kvdemo.cache.spec import build_cache
 from kvdemo.cache.telemetry import kv_memory
 
@@ -23,12 +25,15 @@ def _feed(loaded, cache, ids):
 
 
 def test_the_registry_builds_each_policy(tiny):
-    assert type(build_cache(CacheSpec("hqq", nbits=4), tiny.config).layers[0]) is HQQQuantizedLayer
+    # transformers' layers de-quantizing in place, read block-wise (the tiny model attends through kvdemo's function)
+    assert type(build_cache(CacheSpec("hqq", nbits=4), tiny.config).layers[0]) is blockwise_layer(ExactHQQLayer)
     assert type(build_cache(CacheSpec("quanto", nbits=4, flush="requantize"), tiny.config).layers[0]) is (
-        QuantoQuantizedLayer
+        blockwise_layer(ExactQuantoLayer)
     )
-    assert type(build_cache(APPEND[0], tiny.config).layers[0]) is AppendQuantoLayer
-    assert type(build_cache(APPEND[1], tiny.config).layers[0]) is AppendHQQLayer
+    assert type(build_cache(APPEND[0], tiny.config).layers[0]) is blockwise_layer(AppendQuantoLayer)
+    assert type(build_cache(APPEND[1], tiny.config).layers[0]) is blockwise_layer(AppendHQQLayer)
+    whole = quantized_cache("hqq", tiny.config, flush="append", blockwise=False, nbits=4)
+    assert type(whole.layers[0]) is AppendHQQLayer and issubclass(AppendHQQLayer, HQQQuantizedLayer)
     assert CacheSpec.parse("hqq:4,flush=append") == APPEND[1] and APPEND[1].text == "hqq:4,flush=append"
     assert CacheSpec("hqq", nbits=4).label == "hqq nbits=4 q_group_size=64 residual_length=128"
     assert APPEND[1].label.endswith("residual_length=128 flush=append")
@@ -45,7 +50,7 @@ def test_append_quantizes_only_the_residual_block_with_the_library_quantizer(tin
     spec = CacheSpec(backend, nbits=4, residual_length=4)
     caches = {p: build_cache(spec.replace(flush=p), tiny.config) for p in ("requantize", "append")}
     quantized = {p: [] for p in caches}
-    base = type(caches["requantize"].layers[0])  # the append layer inherits its `_quantize`
+    base = {"quanto": ExactQuantoLayer, "hqq": ExactHQQLayer}[backend]  # both layers inherit its `_quantize`
     original = base._quantize
 
     def spy(layer, tensor, axis):

@@ -8,9 +8,9 @@ import pytest
 import torch
 from hqq.core.quantize import Quantizer
 from transformers import LlamaConfig
-from transformers.cache_utils import HQQQuantizedLayer
 
 from kvdemo import CacheSpec
+from kvdemo.cache.dequantize import ExactHQQLayer
 from kvdemo.cache.flush import quantized_cache
 from kvdemo.cache.hqq_optimize import MinMaxQuantizer
 from kvdemo.cache.spec import build_cache, estimate_kv_bytes
@@ -75,7 +75,7 @@ def test_a_layer_with_optimize_false_stores_what_the_min_max_quantizer_makes(bas
 
 
 def test_optimize_true_is_transformers_layer_and_changes_no_byte():
-    assert type(build_cache(CacheSpec.parse("hqq:4,optimize=true"), CONFIG).layers[0]) is HQQQuantizedLayer
+    assert type(build_cache(CacheSpec.parse("hqq:4,optimize=true"), CONFIG).layers[0]) is ExactHQQLayer
     torch.manual_seed(2)
     keys, values = torch.randn(1, 2, 40, 64), torch.randn(1, 2, 40, 64)
     for spec in (CacheSpec.parse("hqq:4,residual_length=8"), CacheSpec.parse("hqq:4,residual_length=8,optimize=false")):

@@ -12,6 +12,7 @@ from transformers.cache_utils import HQQQuantizedLayer, QuantoQuantizedLayer
 
 from kvdemo import CacheSpec, QASession
 from kvdemo.cache.attention import ATTENTION, install, uses_query_rotation
+from kvdemo.cache.blockwise import blockwise_layer
 from kvdemo.cache.flush import AppendQueryRotatedHQQLayer, AppendRotatedHQQLayer, quantized_cache
 from kvdemo.cache.rotation import (
     ROTATED_MARK,
@@ -91,9 +92,9 @@ def test_rotation_is_refused_where_it_cannot_run():
 def test_rotation_with_the_append_flush_builds_both_layers(tiny):
     assert uses_query_rotation(tiny.config)  # a LoadedModel's attention is kvdemo's
     cache = build_cache(CacheSpec.parse("hqq:4,flush=append,rotation=hadamard"), tiny.config)
-    assert all(type(layer) is AppendQueryRotatedHQQLayer for layer in cache.layers)
+    assert all(type(layer) is blockwise_layer(AppendQueryRotatedHQQLayer) for layer in cache.layers)
     read_side = quantized_cache("hqq", tiny.config, flush="append", rotation="hadamard", rotate_query=False)
-    assert all(type(layer) is AppendRotatedHQQLayer for layer in read_side.layers)
+    assert all(type(layer) is blockwise_layer(AppendRotatedHQQLayer) for layer in read_side.layers)
 
 
 def _logits(loaded, cache, ids: list[int]) -> torch.Tensor:
@@ -102,19 +103,29 @@ def _logits(loaded, cache, ids: list[int]) -> torch.Tensor:
 
 
 def test_kvdemos_attention_gives_sdpas_own_bits_for_an_unrotated_cache(embedded):
+    """Without a rotation kvdemo's attention is sdpa's, bit for bit, for a cache read whole; a quantized cache read
+    block-wise (the default under kvdemo's attention, `kvdemo.cache.blockwise`) agrees to float rounding."""
     tiny = make_tiny(embedded.tokenizer, seed=3)  # its own model: the attention is switched below
     assert tiny.config._attn_implementation == ATTENTION
     ids = embedded.tokenizer("The Normans held Rouen. Rollo led them, and Normandy was named after them.")["input_ids"]
     outputs = {}
+    texts = ("dynamic", "quanto:4,residual_length=4", "fp8")
     for implementation in (ATTENTION, "sdpa"):
         tiny.model.set_attn_implementation(implementation)
-        for text in ("dynamic", "quanto:4,residual_length=4", "fp8"):
-            cache = build_cache(CacheSpec.parse(text), tiny.config)
+        caches = {text: build_cache(CacheSpec.parse(text), tiny.config) for text in texts}
+        if implementation == ATTENTION:
+            caches["whole"] = quantized_cache("quanto", tiny.config, blockwise=False, nbits=4, residual_length=4)
+        for text, cache in caches.items():
             prefill = _logits(tiny, cache, ids[:-6])
             steps = [_logits(tiny, cache, [token]) for token in ids[-6:]]  # decode steps, one flush (residual 4)
             outputs[implementation, text] = torch.cat([prefill, *steps])
-    for text in ("dynamic", "quanto:4,residual_length=4", "fp8"):
+    for text in ("dynamic", "fp8"):
         assert torch.equal(outputs[ATTENTION, text], outputs["sdpa", text]), text
+    quanto = "quanto:4,residual_length=4"
+    assert torch.equal(outputs[ATTENTION, "whole"], outputs["sdpa", quanto])
+    blockwise, sdpa = outputs[ATTENTION, quanto], outputs["sdpa", quanto]
+    assert not torch.equal(blockwise, sdpa)  # the decode steps took the block-wise path
+    assert torch.allclose(blockwise, sdpa, atol=1e-4) and torch.equal(blockwise.argmax(-1), sdpa.argmax(-1))
 
 
 @pytest.mark.parametrize("text", ["quanto:4,residual_length=3", "hqq:4,residual_length=3,flush=append,nbits_value=2"])

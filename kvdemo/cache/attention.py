@@ -34,6 +34,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from kvdemo.cache.blockwise import attend_blockwise, blocks_of
 from kvdemo.cache.rotation import ROTATED_MARK, rotate
 
 ATTENTION = "kvdemo_sdpa"
@@ -61,10 +62,24 @@ def kvdemo_attention(
     recorder = _RECORDER.get()
     if recorder is not None:  # `recording_queries` in this thread: keep the query, in the model's basis
         recorder.add(module, query, kwargs.get("scaling"))
-    if not getattr(key, ROTATED_MARK, False):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    output, weights = sdpa_attention_forward(module, rotate(query), key, value, attention_mask, **kwargs)
-    return rotate(output), weights
+    rotated = getattr(key, ROTATED_MARK, False)
+    if rotated:
+        query = rotate(query)
+    blocks = blocks_of(key)
+    if blocks is not None and _blockwise_call(query, attention_mask, kwargs):
+        output, weights = attend_blockwise(query, key, value, blocks, kwargs.get("scaling")), None
+    else:
+        if blocks is not None:  # a call the block-wise path does not take: the whole store, as transformers'
+            key, value = blocks.materialized(key, value)
+        output, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return (rotate(output) if rotated else output), weights
+
+
+def _blockwise_call(query: torch.Tensor, attention_mask: torch.Tensor | None, kwargs: dict) -> bool:
+    """Whether `attend_blockwise` gives this call's attention: one new token, no mask (every key visible), no
+    dropout, and none of the options it does not apply (a sliding window, attention sinks, a soft cap)."""
+    unsupported = any(kwargs.get(name) is not None for name in ("sliding_window", "s_aux", "softcap"))
+    return query.shape[-2] == 1 and attention_mask is None and not kwargs.get("dropout") and not unsupported
 
 
 @dataclass

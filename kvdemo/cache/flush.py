@@ -26,6 +26,8 @@ from transformers import PreTrainedConfig, QuantizedCache
 from transformers.cache_utils import HQQQuantizedLayer, QuantizedLayer, QuantoQuantizedLayer
 
 from kvdemo.cache.attention import uses_query_rotation
+from kvdemo.cache.blockwise import blockwise_layer
+from kvdemo.cache.dequantize import EXACT_LAYERS, ExactHQQLayer, ExactQuantoLayer
 from kvdemo.cache.layer_plan import LayerPrecision
 from kvdemo.cache.policies import FLUSH_POLICIES, OPTIMIZE_CHOICES, ROTATIONS
 from kvdemo.cache.precision import value_precision_layer
@@ -94,11 +96,11 @@ class AppendFlushMixin(LibraryLayer):
         return keys_to_return, values_to_return
 
 
-class AppendQuantoLayer(AppendFlushMixin, QuantoQuantizedLayer):
+class AppendQuantoLayer(AppendFlushMixin, ExactQuantoLayer):
     """transformers' `QuantoQuantizedLayer` with the `append` flush policy."""
 
 
-class AppendHQQLayer(AppendFlushMixin, HQQQuantizedLayer):
+class AppendHQQLayer(AppendFlushMixin, ExactHQQLayer):
     """transformers' `HQQQuantizedLayer` with the `append` flush policy."""
 
 
@@ -111,12 +113,12 @@ class AppendRotatedHQQLayer(AppendFlushMixin, RotatedHQQLayer):
     """`RotatedHQQLayer` with the `append` flush policy."""
 
 
-class AppendQueryRotatedQuantoLayer(QueryRotationMixin, AppendFlushMixin, QuantoQuantizedLayer):
+class AppendQueryRotatedQuantoLayer(QueryRotationMixin, AppendFlushMixin, ExactQuantoLayer):
     """`QueryRotatedQuantoLayer` with the `append` flush policy: the rotation's `update` comes first and hands the
     rotated states to the append policy's."""
 
 
-class AppendQueryRotatedHQQLayer(QueryRotationMixin, AppendFlushMixin, HQQQuantizedLayer):
+class AppendQueryRotatedHQQLayer(QueryRotationMixin, AppendFlushMixin, ExactHQQLayer):
     """`QueryRotatedHQQLayer` with the `append` flush policy."""
 
 
@@ -131,10 +133,11 @@ APPEND_LAYERS: dict[type, type[QuantizedLayer]] = {
 """A layer class -> the same layer with the `append` flush policy."""
 
 
-def _layer_class(library_class: type, flush: str, rotation: str, rotate_query: bool) -> type:
+def _layer_class(library_class: type, flush: str, rotation: str, rotate_query: bool, blockwise: bool) -> type:
     """The layer class for one layer: transformers' own `library_class` (`QuantoQuantizedLayer`,
-    `HQQQuantizedLayer`, or another backend's), rotated by `rotation` (query or read side) and with the `flush`
-    policy.
+    `HQQQuantizedLayer`, or another backend's) de-quantizing in place (`kvdemo.cache.dequantize`), rotated by
+    `rotation` (query or read side) and with the `flush` policy, read block-wise at decode steps if `blockwise`
+    (`kvdemo.cache.blockwise`; residual layers only).
 
     Raises:
         ValueError: a rotation or `append` on a layer without a residual (fp8)."""
@@ -148,6 +151,9 @@ def _layer_class(library_class: type, flush: str, rotation: str, rotate_query: b
             if layer_class not in table:
                 raise ValueError(f"{what} needs a layer with a residual; {layer_class.__name__} has none")
             layer_class = table[layer_class]
+    layer_class = EXACT_LAYERS.get(layer_class, layer_class)  # the in-place de-quantization under every layer
+    if blockwise and issubclass(layer_class, QuantizedLayer):  # residual layers (quanto, hqq); not fp8's
+        layer_class = blockwise_layer(layer_class)
     return layer_class
 
 
@@ -172,6 +178,31 @@ def _per_layer(
     return plan
 
 
+def _checked(
+    config: PreTrainedConfig,
+    flush: str,
+    rotation: str,
+    optimize: str,
+    rotate_query: bool | None,
+    blockwise: bool | None,
+) -> tuple[bool, bool]:
+    """`quantized_cache`'s words checked; (rotate_query, blockwise) resolved for `config` (None: whether it attends
+    through `kvdemo_attention`). Raises ValueError as `quantized_cache` documents."""
+    if flush not in FLUSH_POLICIES:
+        raise ValueError(f"flush={flush!r} is not a flush policy; choose one of {', '.join(FLUSH_POLICIES)}")
+    if rotation not in ROTATIONS:
+        raise ValueError(f"rotation={rotation!r} is not a rotation; choose one of {', '.join(ROTATIONS)}")
+    if optimize not in OPTIMIZE_CHOICES:
+        raise ValueError(f"optimize={optimize!r} is not one of {', '.join(OPTIMIZE_CHOICES)}")
+    own_attention = uses_query_rotation(config)
+    for name, wanted in (("rotate_query", rotate_query), ("blockwise", blockwise)):
+        if wanted and not own_attention:
+            raise ValueError(f"{name} needs a model that attends through kvdemo_attention (attention.install)")
+    return (own_attention if rotate_query is None else rotate_query), (
+        own_attention if blockwise is None else blockwise
+    )
+
+
 def quantized_cache(
     backend: str,
     config: PreTrainedConfig,
@@ -181,6 +212,7 @@ def quantized_cache(
     optimize: str = OPTIMIZE_CHOICES[0],
     rotate_query: bool | None = None,
     plan: Sequence[LayerPrecision] | None = None,
+    blockwise: bool | None = None,
     **options,
 ) -> QuantizedCache:
     """transformers' `QuantizedCache(backend, config, **options)`, with its layers given the flush policy `flush`,
@@ -199,36 +231,30 @@ def quantized_cache(
             rotate every read back (`RotationMixin`, any attention); None: the query side exactly when `config`
             attends through `kvdemo_attention` (`kvdemo.cache.attention.install`).
         plan: one `LayerPrecision` per layer, replacing `nbits`, `nbits_value`, `rotation` (left unset); None: alike.
+        blockwise: decode steps attend to the store block by block (`kvdemo.cache.blockwise`, needs
+            `kvdemo_attention`), or read it whole as transformers does (False); None: block-wise exactly when
+            `config` attends through `kvdemo_attention`.
         options: the group-wise options (nbits, q_group_size, residual_length, axis_key, axis_value).
 
     Raises:
         ValueError: an unknown policy, rotation or optimize word, `append`, a rotation or `nbits_value` on a layer
             without a residual (fp8), an `nbits_value` the library's layer does not take (the library's message),
-            or `optimize=false` on a layer that is not hqq's; `rotate_query=True` for a config whose attention is
-            not `kvdemo_attention`; a plan whose length is not the model's layer count, or given with nbits,
-            nbits_value or a rotation.
+            or `optimize=false` on a layer that is not hqq's; `rotate_query=True` or `blockwise=True` for a
+            config whose attention is not `kvdemo_attention`; a plan whose length is not the model's layer count,
+            or given with nbits, nbits_value or a rotation.
 
     Example:
         >>> cache = quantized_cache("hqq", model.config, flush="append", rotation="hadamard", nbits=4, nbits_value=2)
         >>> cache = quantized_cache("quanto", model.config, plan=parse_plan("k4v2h*20+k2v2h*10"))
     """
-    if flush not in FLUSH_POLICIES:
-        raise ValueError(f"flush={flush!r} is not a flush policy; choose one of {', '.join(FLUSH_POLICIES)}")
-    if rotation not in ROTATIONS:
-        raise ValueError(f"rotation={rotation!r} is not a rotation; choose one of {', '.join(ROTATIONS)}")
-    if optimize not in OPTIMIZE_CHOICES:
-        raise ValueError(f"optimize={optimize!r} is not one of {', '.join(OPTIMIZE_CHOICES)}")
-    if rotate_query is None:
-        rotate_query = uses_query_rotation(config)
-    elif rotate_query and not uses_query_rotation(config):
-        raise ValueError("rotate_query needs a model that attends through kvdemo_attention (attention.install)")
+    rotate_query, blockwise = _checked(config, flush, rotation, optimize, rotate_query, blockwise)
     cache = QuantizedCache(backend, config, **options)
     first = cast(QuantizedLayer, cache.layers[0])
     plan = _per_layer(plan, first, len(cache.layers), nbits_value, rotation, "nbits" in options)
     library_class: type = type(first)
     layers: list[QuantizedLayer | None] = []
     for precision in plan:
-        layer_class = _layer_class(library_class, flush, precision.rotation, rotate_query)
+        layer_class = _layer_class(library_class, flush, precision.rotation, rotate_query, blockwise)
         extra = {}
         if precision.nbits_value != precision.nbits:
             if not issubclass(layer_class, QuantizedLayer):

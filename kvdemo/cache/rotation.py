@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING
 import torch
 from transformers.cache_utils import HQQQuantizedLayer, QuantizedLayer, QuantoQuantizedLayer
 
+from kvdemo.cache.dequantize import ExactHQQLayer, ExactQuantoLayer
+
 if TYPE_CHECKING:
 
     class LibraryLayer(QuantizedLayer):
@@ -133,19 +135,19 @@ def to_model_basis(layer, tensor: torch.Tensor) -> torch.Tensor:
     return rotate(tensor) if getattr(layer, "rotated_basis", False) else tensor
 
 
-class RotatedQuantoLayer(RotationMixin, QuantoQuantizedLayer):
+class RotatedQuantoLayer(RotationMixin, ExactQuantoLayer):
     """transformers' `QuantoQuantizedLayer` storing rotated keys and values, rotated back on read."""
 
 
-class RotatedHQQLayer(RotationMixin, HQQQuantizedLayer):
+class RotatedHQQLayer(RotationMixin, ExactHQQLayer):
     """transformers' `HQQQuantizedLayer` storing rotated keys and values, rotated back on read."""
 
 
-class QueryRotatedQuantoLayer(QueryRotationMixin, QuantoQuantizedLayer):
+class QueryRotatedQuantoLayer(QueryRotationMixin, ExactQuantoLayer):
     """transformers' `QuantoQuantizedLayer` in the rotated basis, for `kvdemo_attention`."""
 
 
-class QueryRotatedHQQLayer(QueryRotationMixin, HQQQuantizedLayer):
+class QueryRotatedHQQLayer(QueryRotationMixin, ExactHQQLayer):
     """transformers' `HQQQuantizedLayer` in the rotated basis, for `kvdemo_attention`."""
 
 

@@ -1,0 +1,157 @@
+"""Block-wise reads of a quantized store: a decode step attends to each stored block as the library de-quantizes
+it, and to the full-precision tail, and merges the parts by their log-sum-exp, instead of de-quantizing the whole
+store and joining it to the residual first.
+
+transformers' `QuantizedLayer.update` returns `cat([dequantize(store), residual, new])` at every decode step: the
+whole store de-quantized (one float tensor of every stored token) and copied once more by `torch.cat`, then read
+by attention. Here a decode step's `update` (one new token, no flush) only appends the token to the residual and
+returns the residual (the "tail", [batch, kv_heads, residual tokens, head_dim]) with a mark (`BLOCKS_MARK`, a
+Python attribute on the returned key tensor) that names the store's blocks and the layer's own `_dequantize`.
+`kvdemo.cache.attention.kvdemo_attention` sees the mark and calls `attend_blockwise`: for each block, the
+library's de-quantization of that block alone (quanto's, hqq's, through any kvdemo rotation or value precision
+layered on it), then torch's CPU flash-attention kernel (`aten._scaled_dot_product_flash_attention_for_cpu`,
+what `scaled_dot_product_attention` runs on CPU), which also returns each query's log-sum-exp of its scores;
+the parts are merged exactly as softmax over the union of the blocks:
+
+    out = sum_b exp(lse_b - lse) out_b,   lse = log sum_b exp(lse_b)
+
+No concatenated copy of the store is made, and the de-quantized block is read while it is still in the CPU's
+cache. The merge equals one softmax over all keys in exact arithmetic; in float32 it differs in the last bits
+(`tests/test_blockwise.py` bounds it; `benchmarks/decode.py` checks the greedy tokens against the whole-store
+path). The store is what the flush policy makes it: one block (`flush=requantize`, transformers' store) or the
+prefill's block and one per flush (`flush=append`).
+
+Every other step takes the layer's own `update` unchanged (the prefill, a question's tokens, a flush step, a
+pending beam reorder), and so does any model whose attention is not kvdemo's (`kvdemo.cache.flush.quantized_cache`
+adds the mixin only where the config attends through `kvdemo_attention`). The snapshot (`kvdemo.cache.snapshot`)
+is unchanged: `update` assigns new tensors, as transformers' does.
+
+Pattern: Flash-Decoding's split-KV decode (Dao, Haziza, Massa, Sizov 2023, "Flash-Decoding for long-context
+inference"): attention over blocks of the KV cache, each with its log-sum-exp, reduced at the end; FlashAttention's
+softmax rescaling (Dao et al. 2022, arXiv:2205.14135).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+from transformers.cache_utils import QuantizedLayer
+
+from kvdemo.cache.rotation import LibraryLayer, QueryRotationMixin, mark_rotated, rotate
+
+BLOCKS_MARK = "_kvdemo_blocks"
+"""The attribute `BlockwiseReadMixin.update` sets on the key tensor it returns (a `StoreBlocks`); read by
+`kvdemo.cache.attention.kvdemo_attention`."""
+
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+@dataclass(frozen=True)
+class StoreBlocks:
+    """A layer's quantized store as a decode step reads it, besides the full-precision tail.
+
+    Attributes:
+        keys, values: the store's blocks, oldest first, each what the library's `_quantize` returned (a quanto
+            `QTensor`, an hqq `(W_q, meta)` pair).
+        dequantize: the layer's `_dequantize` of one block -> [batch, kv_heads, block tokens, head_dim].
+    """
+
+    keys: Sequence[object]
+    values: Sequence[object]
+    dequantize: Callable[[object], torch.Tensor]
+
+    def materialized(self, tail_keys: torch.Tensor, tail_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, values) [batch, kv_heads, stored + tail tokens, head_dim]: every block de-quantized and joined
+        with the tail, as transformers' `QuantizedLayer.update` returns them (the fallback for an attention call
+        `attend_blockwise` does not take)."""
+        keys = torch.cat([*(self.dequantize(b) for b in self.keys), tail_keys], dim=-2)
+        values = torch.cat([*(self.dequantize(b) for b in self.values), tail_values], dim=-2)
+        return keys, values
+
+
+def blocks_of(keys: torch.Tensor) -> StoreBlocks | None:
+    """The `StoreBlocks` marked on `keys` by `BlockwiseReadMixin.update`, or None."""
+    return getattr(keys, BLOCKS_MARK, None)
+
+
+class BlockwiseReadMixin(LibraryLayer):
+    """Block-wise decode reads for a transformers `QuantizedLayer` subclass (or kvdemo's flush, rotation and value
+    precision layers): see the module docstring. Only for a model that attends through
+    `kvdemo.cache.attention.kvdemo_attention`; `kvdemo.cache.flush.quantized_cache` checks that."""
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode step (one new token, no flush): the token appended to the residual (rotated first in a
+        query-side rotated layer, as `QueryRotationMixin.update` would), and (residual keys marked with the
+        store's `StoreBlocks`, residual values) returned, each [batch, kv_heads, residual tokens, head_dim]. Any
+        other step: the layer's own `update` (all stored tokens returned)."""
+        if self.keys is None or self.values is None or not self.is_initialized:  # the prefill: the layer's own
+            return super().update(key_states, value_states, *args, **kwargs)
+        residual = self.keys.shape[-2] if self.keys.dim() == 4 else 0
+        if self._pending_beam_idx is not None or key_states.shape[-2] != 1 or residual + 1 >= self.residual_length:
+            return super().update(key_states, value_states, *args, **kwargs)
+        rotated = isinstance(self, QueryRotationMixin)  # its update is behind this one: rotate the token here
+        if rotated:
+            key_states, value_states = rotate(key_states), rotate(value_states)
+        self.cumulative_length += 1
+        # new tensors, as transformers' update assigns them (a snapshot holds the old ones)
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        store_keys, store_values = self._quantized_keys, self._quantized_values
+        blocks = StoreBlocks(
+            keys=store_keys if isinstance(store_keys, list) else [store_keys],
+            values=store_values if isinstance(store_values, list) else [store_values],
+            dequantize=self._dequantize,
+        )
+        keys = self.keys.view(self.keys.shape)  # a new tensor object: the mark never sticks to the stored residual
+        setattr(keys, BLOCKS_MARK, blocks)
+        return (mark_rotated(keys) if rotated else keys), self.values
+
+
+@cache
+def blockwise_layer(layer_class: type[QuantizedLayer]) -> type[QuantizedLayer]:
+    """`layer_class` (kvdemo's layers of transformers' `QuantoQuantizedLayer` or `HQQQuantizedLayer`: in place,
+    flush, rotation) with `BlockwiseReadMixin` in front, built once per class (e.g. `BlockwiseAppendHQQLayer`):
+    a subclass of `layer_class`."""
+    return type(f"Blockwise{layer_class.__name__}", (BlockwiseReadMixin, layer_class), {})
+
+
+def attend_blockwise(
+    query: torch.Tensor,
+    tail_keys: torch.Tensor,
+    tail_values: torch.Tensor,
+    blocks: StoreBlocks,
+    scaling: float | None,
+) -> torch.Tensor:
+    """Attention of `query` over the store's blocks and the tail, merged by log-sum-exp (module docstring).
+
+    Args:
+        query: [batch, heads, new tokens, head_dim]; every query attends to every key (no mask: a decode step).
+        tail_keys, tail_values: [batch, kv_heads, tail tokens, head_dim], heads a multiple of kv_heads.
+        blocks: the store, de-quantized one block at a time by `blocks.dequantize`.
+        scaling: the softmax scale (None: 1/sqrt(head_dim)).
+
+    Returns:
+        [batch, new tokens, heads, head_dim], as transformers' `sdpa_attention_forward` returns it.
+    """
+    batch, heads, tokens, head_dim = query.shape
+    kv_heads = tail_keys.shape[1]
+    # the query heads that share a KV head attend as extra query rows of it (no repeat of the keys)
+    grouped = query.reshape(batch, kv_heads, heads // kv_heads * tokens, head_dim)
+    outputs, lses = [], []
+    for key_block, value_block in zip(blocks.keys, blocks.values):
+        output, lse = _FLASH(grouped, blocks.dequantize(key_block), blocks.dequantize(value_block), scale=scaling)
+        outputs.append(output)
+        lses.append(lse)
+    output, lse = _FLASH(grouped, tail_keys, tail_values, scale=scaling)
+    outputs.append(output)
+    lses.append(lse)
+    total = torch.logsumexp(torch.stack(lses), dim=0)
+    merged = outputs[0] * (lses[0] - total).exp().unsqueeze(-1)
+    for output, lse in zip(outputs[1:], lses[1:]):
+        merged += output * (lse - total).exp().unsqueeze(-1)
+    return merged.reshape(batch, heads, tokens, head_dim).transpose(1, 2).contiguous()
