@@ -1,4 +1,5 @@
-"""kvdemo's attention function: transformers' `sdpa_attention_forward`, plus the query side of a rotated cache.
+"""kvdemo's attention function: transformers' `sdpa_attention_forward`, plus the query side of a rotated cache and
+the block-wise read of a quantized store.
 
 A cache layer that stores its keys and values in the rotated basis (`kvdemo.cache.rotation.QueryRotationMixin`:
 it rotates each new token once, K' = K @ H, V' = V @ H, H the orthonormal Hadamard matrix, H @ H = I) hands
@@ -10,8 +11,12 @@ function attends with the query rotated and rotates the output back:
 so attention's scores and output are those of the unrotated keys and values in exact arithmetic, at a cost of
 O(new tokens x head_dim^2) per layer and step (the query and the output), not O(cached tokens x head_dim^2) (the
 read-side rotation of `kvdemo.cache.rotation.RotationMixin`, which rotates the whole de-quantized store back at
-every step). Unmarked keys (every other cache: `dynamic`, fp8, unrotated quanto and hqq, transformers' own
-caches in the same model) go to `sdpa_attention_forward` unchanged, with the same arguments: the same bits.
+every step). Keys marked by a block-wise layer (`kvdemo.cache.blockwise.BLOCKS_MARK`: quanto and hqq at a decode
+step) are the residual, and the mark names the quantized store's blocks: `attend_blockwise` attends to each block as
+the layer de-quantizes it and merges the parts by log-sum-exp; a call it does not take (a mask, several new tokens,
+another device than the CPU) reads the whole store joined, as transformers' layer returns it. Unmarked keys (every
+other cache: `dynamic`, fp8, transformers' own caches in the same model) go to `sdpa_attention_forward` unchanged,
+with the same arguments: the same bits.
 
 The function is registered with transformers' `AttentionInterface` under `ATTENTION`, and its masks with
 `AttentionMaskInterface` (transformers' `sdpa_mask`, so every mask is what `sdpa` gets); `install(model)` points a
@@ -51,10 +56,12 @@ def kvdemo_attention(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """transformers' `sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)`; for keys marked
     by `kvdemo.cache.rotation.mark_rotated` (key and value in the rotated basis), with `query @ H`, and the output
-    multiplied by H.
+    multiplied by H; for keys marked by a block-wise layer, over the store's blocks and the residual
+    (`kvdemo.cache.blockwise.attend_blockwise`).
 
     Args:
-        query: [batch, heads, new tokens, head_dim]; key, value: [batch, kv_heads, tokens, head_dim].
+        query: [batch, heads, new tokens, head_dim]; key, value: [batch, kv_heads, tokens, head_dim] (for
+            block-wise keys, the residual tokens only).
 
     Returns:
         (attention output [batch, new tokens, heads, head_dim] in the model's basis, None), as sdpa's.
@@ -76,10 +83,12 @@ def kvdemo_attention(
 
 
 def _blockwise_call(query: torch.Tensor, attention_mask: torch.Tensor | None, kwargs: dict) -> bool:
-    """Whether `attend_blockwise` gives this call's attention: one new token, no mask (every key visible), no
-    dropout, and none of the options it does not apply (a sliding window, attention sinks, a soft cap)."""
+    """Whether `attend_blockwise` gives this call's attention: one new token on the CPU (its kernel is torch's CPU
+    flash attention), no mask (every key visible), no dropout, and none of the options it does not apply (a
+    sliding window, attention sinks, a soft cap)."""
     unsupported = any(kwargs.get(name) is not None for name in ("sliding_window", "s_aux", "softcap"))
-    return query.shape[-2] == 1 and attention_mask is None and not kwargs.get("dropout") and not unsupported
+    plain = attention_mask is None and not kwargs.get("dropout") and not unsupported
+    return query.shape[-2] == 1 and query.device.type == "cpu" and plain
 
 
 @dataclass

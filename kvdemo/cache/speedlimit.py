@@ -97,10 +97,11 @@ class SpeedLimit:
             the spare room of `storage=growing`, the rest of a storage a restored view still keeps; 0 otherwise.
         kv_tokens: tokens in the cache (`get_seq_length()`).
         bandwidth: bytes per second (`probe_bandwidth`).
-        dequantized_bytes: bytes of full-precision keys and values a step of a quantized cache writes by
-            de-quantizing its whole store in every layer (transformers' `QuantizedLayer.update` and the fp8 layer
-            de-quantize all stored tokens at each step and keep no copy between steps; `benchmarks/flush.py`
-            measures the time); 0 for `dynamic`. Not in the floor: a cache that attends to its quantized store
+        dequantized_bytes: bytes of full-precision keys and values a step of a quantized cache makes by
+            de-quantizing its whole store in every layer (every stored token at each step, no copy kept between
+            steps: joined whole by transformers' `QuantizedLayer.update` and the fp8 layer, block by block by
+            `kvdemo.cache.blockwise`; `benchmarks/flush.py` and `benchmarks/decode.py` measure the time); 0 for
+            `dynamic`. Not in the floor: a cache that attends to its quantized store
             directly would not write them.
         rotation_flops: floating-point operations a step of a rotated cache (`rotation=hadamard`) adds, each a
             [head_dim] x [head_dim, head_dim] product of 2 x head_dim^2 flops: on the query side

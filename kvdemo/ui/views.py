@@ -358,10 +358,10 @@ def speed_limit_line(limit: SpeedLimit, step_seconds: float | None) -> str:
         )
     if limit.dequantized_bytes:
         parts.append(
-            f"not in the floor: each step also de-quantizes the whole quantized store, "
-            f"{limit.dequantized_bytes / 2**20:,.1f} MiB of full-precision keys and values written in every layer "
-            "and read by attention (transformers' quantized layers keep no full-precision copy between steps): "
-            "why a quantized step is slower than `dynamic`'s, not faster"
+            f"not in the floor: each step also de-quantizes every stored value, "
+            f"{limit.dequantized_bytes / 2**20:,.1f} MiB of full-precision keys and values over all layers "
+            "(block by block, each read while still in the CPU's cache; no full-precision copy is kept between "
+            "steps): why a quantized step is slower than `dynamic`'s, not faster"
         )
     if limit.rotation_side:
         what = {
