@@ -55,13 +55,15 @@ check-style: $(DEV_STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-# three scripts, each measuring side by side in one process and printing ratios (9 min on 2 idle cores, 15-30 min
+# four scripts, each measuring side by side in one process and printing ratios (17 min on 2 idle cores, 25-40 min
 # on a busy machine): restore, bytes, speed, overhead, start-up (artifacts/bench/{results.json,bench.png}); the
-# decode step against its speed limit (speed.json); the flush policies and quantized decode (flush.json)
+# decode step against its speed limit (speed.json); the flush policies (flush.json); the quantized decode step
+# before and after block-wise reads (decode.json)
 bench: $(APP_STAMP)
 	GRADIO_ANALYTICS_ENABLED=False HF_HUB_OFFLINE=1 $(PY) benchmarks/run_all.py
 	GRADIO_ANALYTICS_ENABLED=False HF_HUB_OFFLINE=1 $(PY) benchmarks/speed.py
 	GRADIO_ANALYTICS_ENABLED=False HF_HUB_OFFLINE=1 $(PY) benchmarks/flush.py
+	GRADIO_ANALYTICS_ENABLED=False HF_HUB_OFFLINE=1 $(PY) benchmarks/decode.py
 
 # kvdemo beside transformers' prefix-cache pattern, re-prefilling and llama.cpp on the embedded GGUF, one thread each
 # (benchmarks/peers.py; about 25 min on 2 idle cores). The first time, it builds the pinned llama-cpp-python from
