@@ -11,14 +11,15 @@ figures.
    block-wise); interleaved in rounds, medians, ratios to `dynamic` and each step's floor
    (`kvdemo.cache.speedlimit.speed_limit`: the bytes a step must read over the measured bandwidth). The greedy token
    of every timed step is compared between `before` and `after`.
-3. The same greedy answers: each shipped example's context and three of its questions, 32 new tokens, greedy, on
-   `before` and `after` caches of every spec: the token ids compared.
+3. The same greedy answers: each shipped example's context and its first `--questions` questions (2), 32 new
+   tokens, greedy, on `before` and `after` caches of every spec: the token ids compared.
 
 fp8 is measured beside them (kvdemo's table layer, `kvdemo.cache.fp8`, whole: block-wise reads did not make it
 faster, see docs/benchmarks.md).
 
-    .venv/bin/python benchmarks/decode.py            # about 8 minutes on 2 idle cores
+    .venv/bin/python benchmarks/decode.py            # about 6 minutes of steps, then 10 of greedy answers (2 cores)
     .venv/bin/python benchmarks/decode.py --quick    # 1,024 tokens, 2 rounds, one question
+    .venv/bin/python benchmarks/decode.py --answers-only   # part 3 alone
 """
 
 from __future__ import annotations
@@ -178,12 +179,16 @@ def same_answers(loaded, specs, questions: int, new_tokens: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--questions", type=int, default=2, help="questions per example for the greedy answers")
+    parser.add_argument("--answers-only", action="store_true", help="only part 3 (no timing: may run beside others)")
     args = parser.parse_args()
     loaded = load_model()
-    lengths, rounds, questions = ([1024], 2, 1) if args.quick else ([2048, 8000], 7, 3)
+    lengths, rounds, questions = ([1024], 2, 1) if args.quick else ([2048, 8000], 7, args.questions)
+    if args.answers_only:
+        lengths = []
     out: dict = {"load_average_start": os.getloadavg(), "threads": torch.get_num_threads(), "lengths": {}}
     out["bandwidth_bytes_per_second"] = bandwidth = probe_bandwidth()
-    out["store_seconds"] = stores = per_store(40)
+    out["store_seconds"] = stores = per_store(40) if lengths else {}
     print("\none key store of 2,048 tokens de-quantized:")
     for name, row in stores.items():
         print(
@@ -216,7 +221,7 @@ def main() -> None:
         f"\nbandwidth {bandwidth / 1e9:.1f} GB/s, {out['threads']} threads, "
         f"load average {out['load_average_start'][0]:.2f} -> {out['load_average_end'][0]:.2f}"
     )
-    path = ROOT / "artifacts" / "bench" / "decode.json"
+    path = ROOT / "artifacts" / "bench" / ("decode_answers.json" if args.answers_only else "decode.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2))
     print(f"written to {path.relative_to(ROOT)}")
