@@ -258,7 +258,8 @@ def _fp8_cache(name: str, options: Mapping[str, Any], config: PreTrainedConfig) 
 def _residual_cache(name: str, options: Mapping[str, Any], config: PreTrainedConfig) -> Cache:
     """`QuantizedCache(name, config, **options)` whose layers flush by the `flush` option's policy and rotate by
     the `rotation` option, or take each its own precision from the `plan` (`kvdemo.cache.flush.quantized_cache`:
-    transformers' own layers for `requantize` and `none`)."""
+    for `requantize` and `none`, transformers' own layers de-quantizing in place with the same bits,
+    `kvdemo.cache.dequantize`), read block-wise under kvdemo's attention (`kvdemo.cache.blockwise`)."""
     from kvdemo.cache.flush import quantized_cache
 
     options = dict(options)
