@@ -210,7 +210,7 @@ def test_build_cache_returns_the_transformers_classes_with_the_options():
     assert type(build_cache(CacheSpec("quanto"), config).layers[1]) is ExactQuantoLayer  # transformers', in place
     assert issubclass(ExactQuantoLayer, QuantoQuantizedLayer) and issubclass(ExactHQQLayer, HQQQuantizedLayer)
     fp8 = build_cache(CacheSpec("fp8"), config).layers[0]
-    assert isinstance(fp8, Fp8QuantizedLayer) and type(fp8).__name__ == "TableFp8Layer"  # transformers', by table
+    assert isinstance(fp8, Fp8QuantizedLayer) and type(fp8).__name__ == "ExactFp8Layer"  # transformers', bitwise
     with pytest.raises(ValueError):
         build_cache(CacheSpec("quanto", nbits=8), config)
 

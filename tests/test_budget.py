@@ -81,10 +81,10 @@ def test_estimates_on_the_embedded_shape_match_the_measured_table():
         "hqq:4": 7_200,
         "hqq:8": 12_960,
     }
-    tables = {"fp8": 2 * 30 * 256 * 4}  # fp8's de-quantization tables, 256 float32 values per layer and tensor
+    scales = {"fp8": 2 * 30 * 4}  # fp8's float32 scale per layer and tensor
     for text, per_token in measured.items():
         estimate = estimate_kv_bytes(CacheSpec.parse(text), config, 1000, torch.float32)
-        assert estimate == pytest.approx(per_token * 1000 + tables.get(text, 0), rel=0.001), text
+        assert estimate == pytest.approx(per_token * 1000 + scales.get(text, 0), rel=0.001), text
 
 
 def test_an_answer_that_would_grow_the_cache_over_the_budget_is_refused(tiny):

@@ -62,7 +62,7 @@ def _hqq_bytes(nbits, group):
     "spec, per_tensor",
     [
         (CacheSpec("dynamic"), N * 4),
-        (CacheSpec("fp8"), N * 1 + 4 + 256 * 4),  # float8 values + one float32 scale + the 256-entry table
+        (CacheSpec("fp8"), N * 1 + 4),  # float8 values + one float32 scale
         (CacheSpec("quanto", nbits=2), _quanto_bytes(2, 64)),
         (CacheSpec("quanto", nbits=4, q_group_size=32), _quanto_bytes(4, 32)),
         (CacheSpec("hqq", nbits=1, q_group_size=16), _hqq_bytes(1, 16)),
@@ -167,8 +167,8 @@ def test_every_memory_figure_counts_what_the_snapshot_keeps_alive(tiny, spec):
             snapshot_bytes = 0
         elif spec.backend == "fp8":  # torch.cat appends: the post-prefill fp8 keys and values stay with the snapshot
             snapshot_bytes = 2 * layers * 2 * tokens * 64 * 1  # K and V x layers x 2 KV heads x tokens x head_dim x 1 B
-            # + a float32 scale and a 256-entry float32 table for K and V per layer, the cache's too
-            assert store == snapshot_bytes + 2 * layers * (4 + 256 * 4)
+            # + a float32 scale for K and V per layer, the cache's too
+            assert store == snapshot_bytes + 2 * layers * 4
         else:  # the old quantized store, from the first flush on (the residual is empty after the prefill)
             snapshot_bytes = store if event.step >= flush_steps[0] else 0
         assert event.memory.snapshot_bytes == snapshot_bytes

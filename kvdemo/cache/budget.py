@@ -30,7 +30,7 @@ def held_bytes_estimate(
 
     - the cache: `spec.estimate_kv_bytes` with the reserve in the residual as far as it reaches;
     - plus what the snapshot keeps alive meanwhile: for a quantized backend the post-prefill store (less the
-      per-layer constants it shares with the cache: fp8's scales and tables), once the
+      per-layer constants it shares with the cache: fp8's scales), once the
       cache replaces it: fp8 at the first decode step (`torch.cat` builds a new store), a residual backend at
       its first flush, which comes when `reserve_tokens >= residual_length` (the residual is empty after the
       prefill). `dynamic` keeps only lengths.
@@ -39,8 +39,8 @@ def held_bytes_estimate(
     info = spec.info
     flushes = not info.has_residual or reserve_tokens >= spec.resolved()["residual_length"]
     if info.quantized and reserve_tokens > 0 and flushes:
-        # the post-prefill store's tokens; its per-layer constants (fp8's scales and de-quantization tables, the
-        # store of no token) are the very tensors the cache still holds, counted once
+        # the post-prefill store's tokens; its per-layer constants (fp8's scales, the store of no token) are the
+        # very tensors the cache still holds, counted once
         held += estimate_kv_bytes(spec, config, context_tokens, dtype) - estimate_kv_bytes(spec, config, 0, dtype)
     return held
 

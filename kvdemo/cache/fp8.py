@@ -1,20 +1,30 @@
-"""The `fp8` backend's layer: transformers' `Fp8QuantizedLayer`, whose de-quantization reads a 256-entry table.
+"""The `fp8` backend's layer: transformers' `Fp8QuantizedLayer`, whose de-quantization places each code's bits.
 
 transformers de-quantizes the whole float8_e4m3 store at every decode step as `(q.float() * scale).to(dtype)`:
-a float8 -> float32 conversion per value, which this CPU does in software, then a multiply. Its scale is frozen at
-the first update (one per layer and tensor), so every one of the 256 codes has one de-quantized value for the
-life of the layer: `table = (codes.float() * scale).to(dtype)`, computed once, with the same float32 operations
-per element as transformers' own, so `torch.take(table, q.view(uint8))` gives the same bits (NaN codes give NaN
-as they do there; `tests/test_fp8.py` checks `torch.equal` against the library's `_dequantize`). The store,
-the quantization and the update stay transformers' own: only `_dequantize` changes.
+a float8 -> float32 conversion per value, which torch does on this CPU one value at a time, then a multiply.
+A float8_e4m3fn code is a sign bit, 4 exponent bits (bias 7) and 3 mantissa bits; float32 has the same fields
+with 8 exponent bits (bias 127) and 23 mantissa bits. So each code's value is found with integer operations over
+the whole tensor (vectorised): the code, sign-extended to int32 and shifted left by 20, has the code's exponent and
+mantissa in the low bits of float32's exponent and the top of its mantissa; masking keeps them and the sign
+(`E4M3_TO_FLOAT32_MASK`). Read as float32, that is the code's value times 2^-120 (the biases' difference,
+127 - 7), exactly, subnormal codes included (they land on float32 subnormals, also exact). One multiply by
+`2^120 * scale` then gives the library's value: `2^120 * scale` is exact (a power of two times a float32 that
+does not overflow), so the product is the same real number as `q.float() * scale`, rounded once, to the same bits.
 
-Measured (`benchmarks/fp8.py`, the embedded model, 2 threads): a decode step 173.9 -> 145.7 ms at 2,048 tokens and
-491.2 -> 383.6 ms at 8,000 (`dynamic`: 99.1 and 181.1 ms); the rest is the whole store still de-quantized per step.
+The two NaN codes of e4m3fn (0x7f, 0xff; only a NaN state quantizes to them, since torch saturates larger values
+to +-448) would come out as +-480 this way; a layer whose store may hold one (`_quantize` saw it) takes
+transformers' own `_dequantize` from then on, as does a scale whose `2^120 * scale` overflows. `tests/test_fp8.py`
+checks `torch.equal` against the library's `_dequantize` for every code at several scales and on decode steps.
+The store, the quantization and the update stay transformers' own: only `_dequantize` changes, and no table,
+index or other per-layer constant is added (the bytes are the library's).
 
-The tables are real memory, counted by `kvdemo.cache.telemetry.kv_memory` (the layer's `_dequantize_tables`)
-and by the byte formula: 256 values of the model's dtype per layer and tensor (1 KiB in float32; 60 KiB for the
-embedded model's 30 layers). Pattern: a lookup table for a small code book, as llama.cpp de-quantizes its
-codebook types (`kvalues_iq4nl` in ggml-quants.c) and as bitsandbytes' NF4 code book does.
+Measured (`benchmarks/fp8.py`, the embedded model, 2 threads, 2026-12-03; docs/benchmarks.md "fp8 de-quantized by
+bit placement"): one key store of 8,000 tokens 5.22 ms (transformers) -> 1.20 ms; a decode step ÷ `dynamic`'s
+1.63 (transformers) -> 1.48 (kvdemo's earlier 256-entry table) -> 1.18 at 2,048 tokens and 2.34 -> 1.93 ->
+1.24-1.28 at 8,000.
+Pattern: the bitwise de-quantization of vLLM's Marlin kernels (`csrc/quantization/marlin/dequant.h`: a code's bits
+shifted into a wider float's fields, then one multiply by the exponent biases' difference), written here with
+torch's element-wise integer operations.
 """
 
 from __future__ import annotations
@@ -22,38 +32,60 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Fp8QuantizedLayer
 
-FP8_CODES = 256
-"""The codes of an 8-bit float: one table entry each."""
+E4M3_TO_FLOAT32_SHIFT = 20
+"""float32's 23 mantissa bits less e4m3's 3: the left shift that puts a code's mantissa at the top of float32's."""
+
+E4M3_TO_FLOAT32_MASK = -0x78100000
+"""0x87F00000 as an int32: float32's sign bit, the low 4 bits of its exponent and the top 3 of its mantissa (the
+bits a shifted, sign-extended code may fill; the sign extension's other bits are cleared)."""
+
+E4M3_TO_FLOAT32_FACTOR = 2.0**120
+"""2^(127 - 7): float32's exponent bias over e4m3's. A code's bits placed in float32 read as its value / 2^120."""
 
 
-def dequantize_table(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The de-quantized value of every float8_e4m3 code at `scale` (a float32 scalar tensor), [256] of `dtype`:
-    `(code.float() * scale).to(dtype)`, element by element the operations of `Fp8QuantizedLayer._dequantize`."""
-    codes = torch.arange(FP8_CODES, dtype=torch.uint8, device=scale.device).view(Fp8QuantizedLayer.fp8_dtype)
-    return (codes.float() * scale).to(dtype)
+def has_nan_codes(codes: torch.Tensor) -> bool:
+    """Whether `codes` (float8_e4m3fn, any shape) holds one of its two NaN codes (0x7f, 0xff)."""
+    return bool((codes.view(torch.uint8) & 0x7F).eq_(0x7F).any())
 
 
-class TableFp8Layer(Fp8QuantizedLayer):
-    """transformers' `Fp8QuantizedLayer` de-quantizing by table (see the module docstring).
+def dequantize_e4m3(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`(codes.float() * scale).to(dtype)` bit for bit, by placing each code's bits in a float32 (module
+    docstring), for codes that hold no NaN code and a scale with `2^120 * scale` finite.
+
+    Args:
+        codes: float8_e4m3fn, any shape, e.g. [batch, kv_heads, tokens, head_dim].
+        scale: a float32 scalar tensor (transformers' per-tensor scale).
+        dtype: the result's dtype (the model's).
+
+    Returns:
+        float tensor of `codes`' shape: 4 bytes per code written once (one int32 tensor, reused as the result).
+    """
+    bits = codes.view(torch.int8).to(torch.int32)  # sign-extended
+    bits.bitwise_left_shift_(E4M3_TO_FLOAT32_SHIFT).bitwise_and_(E4M3_TO_FLOAT32_MASK)
+    return bits.view(torch.float32).mul_(scale * E4M3_TO_FLOAT32_FACTOR).to(dtype)
+
+
+class ExactFp8Layer(Fp8QuantizedLayer):
+    """transformers' `Fp8QuantizedLayer` de-quantizing by bit placement (see the module docstring).
 
     Attributes:
-        _dequantize_tables: (keys' table, values' table), each [256] of the model's dtype, made at the first update
-            from the frozen scales.
+        _nan_codes: whether a NaN code may be in the store (set by `_quantize` when it makes one, never cleared:
+            a restored store may still be read the library's way, which gives the same bits).
     """
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """transformers' first update (dtype, device, the frozen scales), then the two tables."""
-        super().lazy_initialization(key_states, value_states)
-        self._dequantize_tables = tuple(
-            dequantize_table(store[1], key_states.dtype) for store in (self._quantized_keys, self._quantized_values)
-        )
+    _nan_codes = False
+
+    def _quantize(self, tensor, scale=None):
+        """transformers' quantization (`(q, scale)`); notes a NaN code in `q` (a NaN in `tensor`)."""
+        quant_tensor, scale = super()._quantize(tensor, scale)
+        if not self._nan_codes and has_nan_codes(quant_tensor):
+            self._nan_codes = True
+        return quant_tensor, scale
 
     def _dequantize(self, qtensor):
-        """The store `(q, scale)` de-quantized, [batch, kv_heads, tokens, head_dim] of the model's dtype: each
-        code's entry in the table of its scale (the keys' or the values'); another scale (never in kvdemo) takes
-        transformers' own path."""
+        """The store `(q, scale)` de-quantized, [batch, kv_heads, tokens, head_dim] of the model's dtype, by
+        `dequantize_e4m3`; with a NaN code in the store or an overflowing scale, by transformers' own path."""
         quant_tensor, scale = qtensor
-        for store, table in zip((self._quantized_keys, self._quantized_values), self._dequantize_tables):
-            if scale is store[1]:
-                return torch.take(table, quant_tensor.view(torch.uint8).long())
-        return super()._dequantize(qtensor)
+        if self._nan_codes or not torch.isfinite(scale * E4M3_TO_FLOAT32_FACTOR):
+            return super()._dequantize(qtensor)
+        return dequantize_e4m3(quant_tensor, scale, self.keys.dtype)

@@ -31,12 +31,9 @@ def full_precision_bytes(opts, geo: KVGeometry, tokens, residual, element, nomin
 
 
 def fp8_bytes(opts, geo: KVGeometry, tokens, residual, element, nominal) -> float:
-    """One byte per value (float8_e4m3) plus one float32 scale per layer and tensor, and (`nominal` aside) the
-    de-quantization table of 256 values in the model's dtype per layer and tensor (`kvdemo.cache.fp8`)."""
-    from kvdemo.cache.fp8 import FP8_CODES
-
-    tables = 0 if nominal else 2 * geo.layers * FP8_CODES * element
-    return geo.values_per_token * tokens + 2 * geo.layers * 4 + tables
+    """One byte per value (float8_e4m3) plus one float32 scale per layer and tensor (transformers'
+    `Fp8QuantizedLayer`; kvdemo's de-quantization, `kvdemo.cache.fp8`, holds nothing more)."""
+    return geo.values_per_token * tokens + 2 * geo.layers * 4
 
 
 def group_bytes(stored_bits: dict[int, float]) -> Callable[..., float]:

@@ -244,14 +244,14 @@ def _dynamic_cache(name: str, options: SpecOptions, config: PreTrainedConfig) ->
 
 
 def _fp8_cache(name: str, options: Mapping[str, Any], config: PreTrainedConfig) -> Cache:
-    """transformers' `QuantizedCache("fp8", config)` whose layers de-quantize by table
-    (`kvdemo.cache.fp8.TableFp8Layer`: the same bits, the same store)."""
+    """transformers' `QuantizedCache("fp8", config)` whose layers de-quantize by bit placement
+    (`kvdemo.cache.fp8.ExactFp8Layer`: the same bits, the same store)."""
     from transformers import QuantizedCache
 
-    from kvdemo.cache.fp8 import TableFp8Layer
+    from kvdemo.cache.fp8 import ExactFp8Layer
 
     cache = QuantizedCache(name, config, **options)
-    cache.layers = [TableFp8Layer() for _ in cache.layers]
+    cache.layers = [ExactFp8Layer() for _ in cache.layers]
     return cache
 
 

@@ -32,9 +32,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin, QuantizedLayer
 if TYPE_CHECKING:
     from kvdemo.cache.snapshot import CacheSnapshot
 
-_QUANTIZED_ATTRIBUTES = ("_quantized_keys", "_quantized_values", "_dequantize_tables")
-"""The layer attributes that hold a quantized store: the keys', the values', and fp8's de-quantization tables
-(`kvdemo.cache.fp8`)."""
+_QUANTIZED_ATTRIBUTES = ("_quantized_keys", "_quantized_values")
+"""The layer attributes that hold a quantized store: the keys' and the values'."""
 _KV_ATTRIBUTES = (*_QUANTIZED_ATTRIBUTES, "keys", "values")
 """The layer attributes that hold the KV cache's tensors (a quantized store, then the full-precision tensors)."""
 
