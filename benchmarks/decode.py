@@ -14,8 +14,8 @@ figures.
 3. The same greedy answers: each shipped example's context and its first `--questions` questions (2), 32 new
    tokens, greedy, on `before` and `after` caches of every spec: the token ids compared.
 
-fp8 is measured beside them (kvdemo's table layer, `kvdemo.cache.fp8`, whole: block-wise reads did not make it
-faster, see docs/benchmarks.md).
+fp8 is measured beside them (kvdemo's layer, `kvdemo.cache.fp8`: the whole store de-quantized by bit placement;
+`benchmarks/fp8.py` compares it with transformers' layer and the table it replaced).
 
     .venv/bin/python benchmarks/decode.py            # about 6 minutes of steps, then 10 of greedy answers (2 cores)
     .venv/bin/python benchmarks/decode.py --quick    # 1,024 tokens, 2 rounds, one question
