@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import PretrainedConfig, QuantizedCache
 from transformers.cache_utils import Fp8QuantizedLayer
 
 from kvdemo import CacheSpec, QASession
 from kvdemo.cache.fp8 import ExactFp8Layer, dequantize_e4m3, has_nan_codes
+from kvdemo.cache.snapshot import restore, take
 from kvdemo.cache.spec import estimate_kv_bytes
 
 EVERY_CODE = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).reshape(1, 1, 32, 8)
@@ -56,11 +58,14 @@ def test_decode_steps_return_what_transformers_layer_returns():
     assert not mine._nan_codes and "_nan_codes" not in vars(mine)  # saturated, never NaN: the fast path throughout
 
 
-def test_a_nan_state_is_read_the_library_s_way():
-    mine, library = ExactFp8Layer(), Fp8QuantizedLayer()
+def test_a_nan_state_is_read_the_library_s_way_until_the_store_is_restored():
+    cache = QuantizedCache("fp8", PretrainedConfig(num_hidden_layers=1))
+    cache.layers = [ExactFp8Layer()]
+    mine, library = cache.layers[0], Fp8QuantizedLayer()
     prefill = torch.randn(1, 2, 6, 8)
     for layer in (mine, library):
         layer.update(prefill, prefill)
+    snapshot = take(cache)
     assert not mine._nan_codes
     step = torch.randn(1, 2, 1, 8)
     step[0, 1, 0, 3] = float("nan")
@@ -69,6 +74,10 @@ def test_a_nan_state_is_read_the_library_s_way():
     assert torch.equal(ours[0].isnan(), theirs[0].isnan()) and int(ours[0].isnan().sum()) == 1
     finite = ~theirs[0].isnan()
     assert torch.equal(ours[0][finite], theirs[0][finite])
+    restore(cache, snapshot)  # the post-prefill store again, which holds no NaN code: bit placement again
+    restored = mine._dequantize(mine._quantized_keys)
+    assert not mine._nan_codes and restored.shape == prefill.shape and not restored.isnan().any()
+    assert torch.equal(restored, Fp8QuantizedLayer._dequantize(mine, mine._quantized_keys))
 
 
 def test_answers_and_bytes(tiny, normans):

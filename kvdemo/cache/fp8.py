@@ -69,8 +69,8 @@ class ExactFp8Layer(Fp8QuantizedLayer):
     """transformers' `Fp8QuantizedLayer` de-quantizing by bit placement (see the module docstring).
 
     Attributes:
-        _nan_codes: whether a NaN code may be in the store (set by `_quantize` when it makes one, never cleared:
-            a restored store may still be read the library's way, which gives the same bits).
+        _nan_codes: whether a NaN code may be in the store (set by `_quantize` when it makes one; an attribute of
+            the layer, so `kvdemo.cache.snapshot.restore` puts it back with the store it describes).
     """
 
     _nan_codes = False
