@@ -91,3 +91,16 @@ def test_answers_and_bytes(tiny, normans):
     first = session.ask("Who was the Norse leader?", 8)
     assert session.ask("Who was the Norse leader?", 8).token_ids == first.token_ids
     assert isinstance(session.cache.layers[0], ExactFp8Layer)
+
+
+def test_a_scale_too_large_for_bit_placement_is_read_the_library_s_way():
+    mine, library = ExactFp8Layer(), Fp8QuantizedLayer()
+    states = torch.randn(1, 2, 6, 8).clamp(-3, 3) * 1.0e4
+    states[0, 0, 0, 0] = 448 * 300.0  # the scale is 300: 2^120 * 300 overflows float32
+    for layer in (mine, library):
+        layer.update(states, states)
+    scale = mine._quantized_keys[1]
+    assert float(scale) == 300.0 and not torch.isfinite(scale * 2.0**120)
+    assert dequantize_e4m3(mine._quantized_keys[0], scale, torch.float32).isinf().any()  # why the layer checks
+    ours = mine._dequantize(mine._quantized_keys)
+    assert torch.equal(ours, library._dequantize(library._quantized_keys)) and ours.isfinite().all()
