@@ -3,4 +3,4 @@
 from kvdemo.cli.main import main
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())  # the shell sees main()'s status: 0, 2 on bad input, 1 on a failure at run time

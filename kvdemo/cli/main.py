@@ -210,6 +210,9 @@ def _case_questions(args: argparse.Namespace) -> tuple[Any, list[str]]:
     from kvdemo.qa.text import check_text
 
     questions = [check_text(q, f"--question number {i}") for i, q in enumerate(args.question, 1)]
+    for i, question in enumerate(questions, 1):  # refused before the model loads, as the session would after it
+        if not question.strip():
+            raise ValueError(f"--question number {i} is empty; type a question about the context")
     case = load_case(args.context_file).select(args.paragraphs)
     for flag, count, picked in (
         ("--questions-from-case", args.questions_from_case, lambda n: case.answerable(n)),
@@ -352,7 +355,8 @@ def run_ask(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the exit status (2 on bad input, with the message on stderr). With `--json` (unless
+    """Entry point; returns the exit status: 0 on success, 2 on bad input, 1 on a failure at run time, with the
+    message on stderr (`python -m kvdemo` and the `kvdemo` script exit with it). With `--json` (unless
     `--progress`) or `--no-progress`, stderr gets no progress bar, transformers' "Loading weights" bar included
     (`kvdemo.quiet`, for the run only)."""
     from kvdemo.quiet import quiet
@@ -372,6 +376,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, ImportError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except Exception as error:  # a failure at run time (the model's forward pass, a library): a message, exit 1
+        print(f"error: the run failed: {type(error).__name__}: {error}", file=sys.stderr)
+        return 1
     finally:
         if args.no_progress:
             quiet(False)  # transformers' defaults again (main() also runs inside other processes: the tests)
