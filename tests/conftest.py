@@ -15,10 +15,18 @@ os.environ.setdefault(
 )
 
 import pytest
+import torch
 
 from kvdemo.evals.cases import example_path, load_case
 from kvdemo.qa.models import LoadedModel, load_model
 from tests.helpers import make_tiny
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # two pytest-xdist workers on two cores (`make test`): one thread each, and so in every process a test starts
+    # (a notebook's kernel, the app, the command line), which inherits OMP_NUM_THREADS. Two processes of two spinning
+    # OpenMP threads each on two cores ran notebook 02 in 274 s instead of 29 s.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
@@ -47,3 +55,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())) or "e2e" in item.path.parts:
             item.add_marker(pytest.mark.model)
+
+
+def _utf8(text: str) -> str:
+    """`text` with lone surrogates written as `\\udXXX` escapes: what a test may capture (the hostile payloads of
+    tests/e2e/test_every_door.py are logged as received) and what pytest-xdist's channel cannot send as UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test report's captured output made UTF-8 before a pytest-xdist worker sends it to the controller (which
+    otherwise stops the whole run with `DumpError: strings must be utf-8 encodable`)."""
+    outcome = yield
+    report = outcome.get_result()
+    report.sections = [(title, _utf8(content)) for title, content in report.sections]
+    if isinstance(report.longrepr, str):
+        report.longrepr = _utf8(report.longrepr)
