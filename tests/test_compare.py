@@ -1,6 +1,9 @@
 """kvdemo.evals.metrics and kvdemo.compare.run: SQuAD metrics and the unanswerable rule on hand-made cases, KL
 divergence, and comparisons on a tiny model checked against `QASession`, `kv_memory` and `kvdemo.evals.fidelity` on
-the same caches."""
+the same caches.
+
+Cost: 22 s for 34 tests in one process on 2 idle cores (2026-12-04, before two workers).
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,9 @@
 """docs/DESIGN.md, invariants 1-3: over every backend and nbits, residual_length in {1, 4, default}, and per-layer
 plans, on a tiny random Llama: after every answer the cache is back to its post-prefill state, and every answer equals a
-fresh single-question run (token ids)."""
+fresh single-question run (token ids).
+
+Cost: 48 s for 123 tests in one process on 2 idle cores (2026-12-04, before two workers).
+"""
 
 from __future__ import annotations
 

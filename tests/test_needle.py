@@ -1,6 +1,9 @@
 """kvdemo.needle.grid: contexts of an exact token length with each needle at its depth, the graded score against a
 plain forward, the grid's bookkeeping (cells, prefills, progress), cancel and bad input, on a tiny model; one
-grid on the embedded model, which finds a needle with the full-precision cache."""
+grid on the embedded model, which finds a needle with the full-precision cache.
+
+Cost: 19 s for 41 tests in one process on 2 idle cores (2026-12-04, before two workers).
+"""
 
 from __future__ import annotations
 

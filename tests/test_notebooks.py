@@ -1,6 +1,9 @@
 """The walkthroughs run top to bottom (shorter: KVDEMO_NOTEBOOK_QUICK=1, same cells) with the project's
 kernel, show only what the reader needs (no progress bar, warning or stderr), open with what they show and how
-long they take, and are committed without outputs."""
+long they take, and are committed without outputs.
+
+Cost: 141 s for 19 tests in one process on 2 idle cores (2026-12-04, before two workers).
+"""
 
 from __future__ import annotations
 

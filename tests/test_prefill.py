@@ -1,5 +1,8 @@
 """The prefill in chunks: the same cache as one forward pass for every backend, real progress, a stop between
-chunks that leaves the session clean; and the question's own pass reported apart from the decode steps."""
+chunks that leaves the session clean; and the question's own pass reported apart from the decode steps.
+
+Cost: 11 s for 21 tests in one process on 2 idle cores (2026-12-04, before two workers).
+"""
 
 from __future__ import annotations
 

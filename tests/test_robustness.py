@@ -1,5 +1,8 @@
 """Stops, faults, idle and crowded sessions, memory over time, and what user text may never reach
-(issue 6), on the app's handlers with tiny random Llamas."""
+(issue 6), on the app's handlers with tiny random Llamas.
+
+Cost: 83 s for 21 tests in one process on 2 idle cores (2026-12-04, before two workers).
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
 """QASession: prompt layout, bad input (message checked, session still answering), and real cases on the
-embedded model."""
+embedded model.
+
+Cost: 81 s for 42 tests in one process on 2 idle cores (2026-12-04, before two workers).
+"""
 
 from __future__ import annotations
 
@@ -176,7 +179,7 @@ def normans_context(normans):
 
 
 @pytest.mark.parametrize(
-    "spec", [CacheSpec("hqq", nbits=4, residual_length=4), CacheSpec("fp8")], ids=lambda s: s.backend
+    "spec", [CacheSpec("hqq", nbits=4, residual_length=16), CacheSpec("fp8")], ids=lambda s: s.backend
 )
 def test_embedded_model_answers_from_the_context_and_restores(embedded, normans_context, spec):
     session = QASession(embedded, spec)
@@ -190,6 +193,8 @@ def test_embedded_model_answers_from_the_context_and_restores(embedded, normans_
     a2 = session.ask(q2, 24)
     assert "rollo" in a1.text.lower()  # gold: Rollo (the 135M model gets this one right on every backend here)
     assert a1.cache_length_after == a2.cache_length_after == report.context_tokens
+    # hqq's residual (16 tokens) flushes inside each answer: a flush of the real model's store is restored too
+    assert spec.backend == "fp8" or (a1.flush_count > 0 and a2.flush_count > 0)
     fresh = QASession(embedded, spec)
     fresh.prefill(normans_context)
     assert fresh.ask(q2, 24).token_ids == a2.token_ids

@@ -14,7 +14,10 @@ step, and changes of spec (every spec of `all_specs()`) and of context. After ev
 - at the end, every `QASession` the sequence made is freed (weak references), so nothing keeps a cache alive.
 
 CI runs `KVDEMO_RANDOM_EXAMPLES` sequences (default 12) of up to 12 steps; a longer run:
-`KVDEMO_RANDOM_EXAMPLES=500 pytest tests/test_state_machine.py`."""
+`KVDEMO_RANDOM_EXAMPLES=500 pytest tests/test_state_machine.py`.
+
+Cost: 19 s for 1 tests in one process on 2 idle cores (2026-12-04, before two workers).
+"""
 
 from __future__ import annotations
 

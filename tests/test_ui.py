@@ -1,4 +1,7 @@
-"""The page's handlers called directly (prefill, ask, stop, backend switch, bad input), on a tiny model."""
+"""The page's handlers called directly (prefill, ask, stop, backend switch, bad input), on a tiny model.
+
+Cost: 41 s for 66 tests in one process on 2 idle cores (2026-12-04, before two workers).
+"""
 
 from __future__ import annotations
 

@@ -2,7 +2,10 @@
 defaults as the page sets them: open the page, load an example, prefill, ask three of the example questions, change
 an option and set it back, stop an answer, compare six specs, cancel a comparison, run the needle grid. Each step
 asserts what the page shows (the answers equal a fresh `QASession`'s on the same spec). Screenshots at 1,400 and
-1,024 px under artifacts/walk/ (not committed)."""
+1,024 px under artifacts/walk/ (not committed).
+
+Cost: 181 s for 1 tests in one process on 2 idle cores (2026-12-04, before two workers).
+"""
 
 from __future__ import annotations
 
