@@ -4,8 +4,7 @@
 backend, printing a summary or (with `--json`) one JSON object. `python -m kvdemo compare ...` runs the same
 context and questions over several backends (`kvdemo.compare.run`) and prints a table or (with `--json`) the report.
 `python -m kvdemo needle ...` runs a needle-in-a-haystack grid (`kvdemo.needle.grid`): context lengths x needle
-depths per backend, hits and graded scores, as tables or (with `--json`) the grid.
-Bad input exits with status 2 and the message on stderr."""
+depths per backend, hits and graded scores, as tables or (with `--json`) the grid. Exit status: `main`."""
 
 from __future__ import annotations
 
@@ -210,9 +209,8 @@ def _case_questions(args: argparse.Namespace) -> tuple[Any, list[str]]:
     from kvdemo.qa.text import check_text
 
     questions = [check_text(q, f"--question number {i}") for i, q in enumerate(args.question, 1)]
-    for i, question in enumerate(questions, 1):  # refused before the model loads, as the session would after it
-        if not question.strip():
-            raise ValueError(f"--question number {i} is empty; type a question about the context")
+    if blank := [i for i, q in enumerate(questions, 1) if not q.strip()]:  # refused before the model loads
+        raise ValueError(f"--question number {blank[0]} is empty; type a question about the context")
     case = load_case(args.context_file).select(args.paragraphs)
     for flag, count, picked in (
         ("--questions-from-case", args.questions_from_case, lambda n: case.answerable(n)),
@@ -355,10 +353,9 @@ def run_ask(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the exit status: 0 on success, 2 on bad input, 1 on a failure at run time, with the
-    message on stderr (`python -m kvdemo` and the `kvdemo` script exit with it). With `--json` (unless
-    `--progress`) or `--no-progress`, stderr gets no progress bar, transformers' "Loading weights" bar included
-    (`kvdemo.quiet`, for the run only)."""
+    """Entry point; returns the exit status (`python -m kvdemo` exits with it): 0, 2 on bad input, 1 on a failure at
+    run time, with the message on stderr. With `--json` (unless `--progress`) or `--no-progress`, stderr gets no
+    progress bar, transformers' "Loading weights" bar included (`kvdemo.quiet`, for the run only)."""
     from kvdemo.quiet import quiet
 
     parser = build_parser()
@@ -398,7 +395,3 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(json.dumps(result, indent=2, ensure_ascii=False) if args.json else format_summary(result))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

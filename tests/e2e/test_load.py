@@ -48,13 +48,23 @@ def _alive(kind: type) -> list:
         return [o for o in gc.get_objects() if isinstance(o, kind)]
 
 
+def _storage(tensor: torch.Tensor) -> torch.UntypedStorage | None:
+    """The storage `tensor`'s data lives in, or None for a wrapper tensor that has none of its own (a tensor
+    subclass whose data are inner tensors, alive and counted themselves; an earlier test module in this process may
+    leave one): torch raises "invalid python storage" for those."""
+    if tensor.device.type != "cpu":
+        return None
+    try:
+        storage = tensor.untyped_storage()
+        storage.data_ptr()
+    except RuntimeError:
+        return None
+    return storage
+
+
 def _storages() -> dict[int, int]:
     """Every CPU tensor storage alive in this process (the model's weights and any cache): data pointer -> bytes."""
-    return {
-        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-        for t in _alive(torch.Tensor)
-        if t.device.type == "cpu"
-    }
+    return {s.data_ptr(): s.nbytes() for t in _alive(torch.Tensor) if (s := _storage(t)) is not None}
 
 
 def _new_tensors(baseline: dict[int, int]) -> str:
@@ -62,7 +72,7 @@ def _new_tensors(baseline: dict[int, int]) -> str:
     the message of a failed leak check."""
     lines = []
     for tensor in _alive(torch.Tensor):
-        if tensor.device.type == "cpu" and tensor.untyped_storage().data_ptr() not in baseline:
+        if (storage := _storage(tensor)) is not None and storage.data_ptr() not in baseline:
             holders = [type(r).__name__ for r in gc.get_referrers(tensor)][:5]
             lines.append(f"{tuple(tensor.shape)} {tensor.dtype} held by {holders}")
     return "new tensors: " + "; ".join(lines[:20])
