@@ -150,8 +150,9 @@ def attend_blockwise(
     output, lse = _FLASH(grouped, tail_keys, tail_values, scale=scaling)
     outputs.append(output)
     lses.append(lse)
+    # the merge in float32, the kernel's log-sum-exp's dtype, cast back to the model's (bfloat16, float16) at the end
     total = torch.logsumexp(torch.stack(lses), dim=0)
-    merged = outputs[0] * (lses[0] - total).exp().unsqueeze(-1)
+    merged = outputs[0].float() * (lses[0] - total).exp().unsqueeze(-1)
     for output, lse in zip(outputs[1:], lses[1:]):
-        merged += output * (lse - total).exp().unsqueeze(-1)
-    return merged.reshape(batch, heads, tokens, head_dim).transpose(1, 2).contiguous()
+        merged += output.float() * (lse - total).exp().unsqueeze(-1)
+    return merged.to(query.dtype).reshape(batch, heads, tokens, head_dim).transpose(1, 2).contiguous()
