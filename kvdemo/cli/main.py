@@ -203,14 +203,13 @@ def _context_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _case_questions(args: argparse.Namespace) -> tuple[Any, list[str]]:
     """The case (cut to --paragraphs) and the questions from --question and --questions-from-case (and, for
-    compare, --unanswerable-from-case). Raises ValueError for a missing or bad choice, or a question with a broken
-    character (an argument that is not UTF-8 reaches Python as an unpaired surrogate: `check_text`)."""
+    compare, --unanswerable-from-case). Raises ValueError for a missing or bad choice, or a question that is blank or
+    has a broken character (an argument that is not UTF-8 reaches Python as an unpaired surrogate: `check_question`),
+    before any model loads."""
     from kvdemo.evals.cases import load_case
-    from kvdemo.qa.text import check_text
+    from kvdemo.qa.text import check_question
 
-    questions = [check_text(q, f"--question number {i}") for i, q in enumerate(args.question, 1)]
-    if blank := [i for i, q in enumerate(questions, 1) if not q.strip()]:  # refused before the model loads
-        raise ValueError(f"--question number {blank[0]} is empty; type a question about the context")
+    questions = [check_question(q, f"--question number {i}") for i, q in enumerate(args.question, 1)]
     case = load_case(args.context_file).select(args.paragraphs)
     for flag, count, picked in (
         ("--questions-from-case", args.questions_from_case, lambda n: case.answerable(n)),

@@ -28,7 +28,7 @@ from kvdemo.qa.models import LoadedModel
 from kvdemo.qa.prefill import PREFILL_CHUNK_TOKENS, ProgressCallback, check_rope, run_prefill
 from kvdemo.qa.prompt import PreparedContext, PreparedQuestion, PromptLayout, PromptSplit
 from kvdemo.qa.records import Answer, PrefillReport
-from kvdemo.qa.text import check_text
+from kvdemo.qa.text import check_question, check_text
 
 
 class QASession:
@@ -115,9 +115,7 @@ class QASession:
                 (an unpaired surrogate: `kvdemo.qa.text.check_text`).
         """
         split = self._prefilled()[2]
-        if not isinstance(question, str) or not question.strip():
-            raise ValueError("the question is empty; type a question about the context")
-        return self.layout.question_ids(split, check_text(question, "the question"))
+        return self.layout.question_ids(split, check_question(question))
 
     def prompt_ids(self, question: str) -> list[int]:
         """The whole token ids the model reads for `question` after the prefill: the prefilled ids followed by

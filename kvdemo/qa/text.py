@@ -66,6 +66,26 @@ def check_text(text: str, what: str) -> str:
     return _PAIR_OR_LONE.sub(join, text)
 
 
+def check_question(question: str, what: str = "the question") -> str:
+    """A question, ready for a tokenizer: refused when empty or blank, then `check_text`. One check for the session
+    (`QASession.question_ids`) and the command line, which runs it before the model loads.
+
+    Args:
+        question: the user's question.
+        what: what the question is, starting the message (`"the question"`, `"--question number 2"`).
+
+    Returns:
+        `check_text(question, what)`.
+
+    Raises:
+        ValueError: `question` is not a str, or empty or blank ("<what> is empty; type a question about the
+            context"), or holds an unpaired surrogate (`check_text`).
+    """
+    if not isinstance(question, str) or not question.strip():
+        raise ValueError(f"{what} is empty; type a question about the context")
+    return check_text(question, what)
+
+
 def _broken_message(text: str, position: int, what: str) -> str:
     line = text.count("\n", 0, position) + 1
     column = position - (text.rfind("\n", 0, position) + 1) + 1
