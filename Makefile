@@ -38,16 +38,18 @@ notebook: $(APP_STAMP)
 	$(VENV)/bin/jupyter lab $(LAB_ROOT) $(LAB_ARGS) notebooks/
 
 # two pytest-xdist workers, one test module each at a time (module-scoped fixtures made once), one torch thread each
-# (tests/conftest.py): 581 s against 1,230 s for one process on 2 idle cores (2026-12-04). TEST_WORKERS=0 runs one.
+# (tests/conftest.py): pytest 689 s against 1,230 s in one process on 2 idle cores (2026-12-04). TEST_WORKERS=0 runs
+# one process (xdist's -n 0).
 TEST_WORKERS ?= 2
+WORKERS := -n $(TEST_WORKERS) --dist loadscope
 test: $(DEV_STAMP)
-	GRADIO_ANALYTICS_ENABLED=False HF_HUB_OFFLINE=1 $(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope)
+	GRADIO_ANALYTICS_ENABLED=False HF_HUB_OFFLINE=1 $(PY) -m pytest $(WORKERS)
 
 # every test with the line coverage of kvdemo/ (pytest-cov, combined over the workers; processes a test starts are
 # not counted): the total in the terminal, the report in artifacts/coverage/
 coverage: $(DEV_STAMP)
-	GRADIO_ANALYTICS_ENABLED=False HF_HUB_OFFLINE=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope --cov=kvdemo \
-		--cov-report=term --cov-report=html:artifacts/coverage
+	GRADIO_ANALYTICS_ENABLED=False HF_HUB_OFFLINE=1 $(PY) -m pytest $(WORKERS) --cov=kvdemo --cov-report=term \
+		--cov-report=html:artifacts/coverage
 
 # the fast lane: the tests that load no model and start no process (`model`, `process`, `slow` skipped), < 1 min
 # (18 s on 2 idle cores, 2026-12-04; one process: two xdist workers took 20 s, their start-up outweighs the split)
