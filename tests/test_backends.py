@@ -13,6 +13,7 @@ from transformers.cache_utils import Fp8QuantizedLayer, HQQQuantizedLayer, Quant
 
 from kvdemo import BACKENDS, CacheSpec, build_cache
 from kvdemo.cache.dequantize import ExactHQQLayer, ExactQuantoLayer
+from kvdemo.cache.layer_kinds import UnsupportedModelError
 from kvdemo.cache.spec import allowed_group_sizes
 
 
@@ -165,9 +166,15 @@ def test_invalid_options_are_refused_with_what_is_allowed(spec, message):
         (CacheSpec("hqq", nbits=3, axis_key=1), "nbits=3 with axis_key=1: hqq's 3-bit packing"),
         # no group size fits the values' 3 bits on axis 1: the message names the bits, not q_group_size
         (CacheSpec("hqq", nbits=4, nbits_value=3, axis_value=1), "nbits_value=3 with axis_value=1: hqq's 3-bit"),
-        (CacheSpec("hqq", nbits=4, axis_value=1), "num_key_value_heads x head_dim / q_group_size = 192/64"),
+        (
+            CacheSpec("hqq", nbits=4, axis_value=1, q_group_size=64),
+            "num_key_value_heads x head_dim / q_group_size = 192/64",
+        ),
         # the sizes offered fit keys and values alike (3 fits the keys' axis -1, not the values' head_dim)
-        (CacheSpec("quanto", axis_key=-1), "with axis -1 must divide num_key_value_heads=3; allowed here: 1"),
+        (
+            CacheSpec("quanto", axis_key=-1, q_group_size=64),
+            "with axis -1 must divide num_key_value_heads=3; allowed here: 1",
+        ),
     ],
 )
 def test_group_sizes_that_do_not_fit_the_model_are_refused(spec, message):
@@ -176,9 +183,34 @@ def test_group_sizes_that_do_not_fit_the_model_are_refused(spec, message):
     assert message in str(error.value)
 
 
+@pytest.mark.parametrize(
+    "spec, head_dim, fitted",
+    [
+        (CacheSpec("hqq", nbits=4, axis_value=1), 64, 32),  # 64 does not fit axis 1's 3 x 64 in 4-bit packs
+        (CacheSpec("quanto", axis_key=-1), 64, 1),  # the keys' axis -1 takes 1 or 3, the values' head_dim 1 of them
+        (CacheSpec("hqq"), 96, 32),  # Phi-3's head_dim: 3 x 32
+        (CacheSpec("quanto"), 80, 16),  # 80 = 5 x 16
+        (CacheSpec("hqq"), 192, 64),  # the default fits: left unset
+        (CacheSpec("hqq", nbits=1), 80, 16),  # 1-bit packs of 8: 16 divides 80
+    ],
+)
+def test_an_unset_q_group_size_is_fitted_to_the_model(spec, head_dim, fitted):
+    """A q_group_size left unset takes the backend's default (64) where it fits the stored widths, else the largest
+    size below it that fits keys and values alike; the fitted spec says so in its text."""
+    config = _config(head_dim=head_dim)
+    got = spec.validate(config)
+    assert got.resolved()["q_group_size"] == fitted
+    assert (got.q_group_size is None) == (fitted == 64)
+    assert build_cache(spec, config).layers[0].q_group_size == fitted
+
+
 def test_quantized_backends_need_full_attention_layers_only():
     config = _config(layers=2, layer_types=["full_attention", "sliding_attention"], sliding_window=16)
-    with pytest.raises(ValueError, match="all full attention; this model also has sliding_attention layers"):
+    with pytest.raises(
+        UnsupportedModelError,
+        match="cannot store sliding_attention layers yet: .* 1 full_attention \\+ 1 sliding_attention layers\\. "
+        "backend=dynamic serves it",
+    ):
         CacheSpec("hqq").validate(config)
     assert CacheSpec("dynamic").validate(config).backend == "dynamic"
 

@@ -184,7 +184,7 @@ TABLE: list[tuple[str, str, Callable[[Env], Any], str]] = [
         "api",
         "quantized backend on a model with sliding-window layers",
         _sliding_model,
-        "needs a model whose layers are all full attention; this model also has sliding_attention layers",
+        "cannot store sliding_attention layers yet: transformers' QuantizedCache stores full_attention layers only",
     ),
     (
         "api",

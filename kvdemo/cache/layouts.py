@@ -27,13 +27,16 @@ def full_precision_bytes(opts, geo: KVGeometry, tokens, residual, element, nomin
     from kvdemo.cache.storage import capacity_bound
 
     held = capacity_bound(tokens) if opts.get("storage") == "growing" and not nominal else tokens
-    return geo.values_per_token * element * held
+    # a sliding layer keeps its window, as transformers builds it under either storage
+    return element * sum(
+        layer.values_per_token * layer.tokens_held(held if layer.window is None else tokens) for layer in geo.per_layer
+    )
 
 
 def fp8_bytes(opts, geo: KVGeometry, tokens, residual, element, nominal) -> float:
     """One byte per value (float8_e4m3) plus one float32 scale per layer and tensor (transformers'
     `Fp8QuantizedLayer`; kvdemo's de-quantization, `kvdemo.cache.fp8`, holds nothing more)."""
-    return geo.values_per_token * tokens + 2 * geo.layers * 4
+    return geo.values_per_token * tokens + 2 * len(geo.kv_layers) * 4
 
 
 def group_bytes(stored_bits: dict[int, float]) -> Callable[..., float]:
@@ -71,13 +74,14 @@ def group_bytes(stored_bits: dict[int, float]) -> Callable[..., float]:
     return formula
 
 
-def quanto_group_problem(nbits: int, group: int, axis: int, geo: KVGeometry) -> str | None:
-    """optimum-quanto: axis 0 groups along head_dim; axis -1 groups along batch x heads x tokens, so one
-    token must already fill whole groups."""
+def quanto_group_problem(nbits: int, group: int, axis: int, heads: int, width: int) -> str | None:
+    """optimum-quanto, for a stored tensor of `heads` heads of `width` values per token (num_key_value_heads and
+    head_dim; a latent's 1 and kv_lora_rank): axis 0 groups along the width; axis -1 groups along batch x heads x
+    tokens, so one token must already fill whole groups."""
     if axis == 0:
-        return f"q_group_size={group} must divide head_dim={geo.head_dim}" if geo.head_dim % group else None
-    if geo.kv_heads % group:
-        return f"q_group_size={group} with axis -1 must divide num_key_value_heads={geo.kv_heads}"
+        return f"q_group_size={group} must divide head_dim={width}" if width % group else None
+    if heads % group:
+        return f"q_group_size={group} with axis -1 must divide num_key_value_heads={heads}"
     return None
 
 
@@ -86,18 +90,19 @@ HQQ_VALUES_PER_PACK = {1: 8, 2: 4, 3: 1, 4: 2, 8: 1}
 2x4bit in a uint8; 3-bit values go 10 to an int32 and 8-bit ones are stored as they are)."""
 
 
-def hqq_group_problem(nbits: int, group: int, axis: int, geo: KVGeometry) -> str | None:
-    """hqq: the group must fit head_dim (axis 0) or heads x head_dim (axis 1) in whole packs."""
+def hqq_group_problem(nbits: int, group: int, axis: int, heads: int, width: int) -> str | None:
+    """hqq, for a stored tensor of `heads` heads of `width` values per token: the group must fit the width
+    (axis 0) or heads x width (axis 1) in whole packs."""
     pack = HQQ_VALUES_PER_PACK[nbits]
     if axis == 0:
-        if geo.head_dim % group:
-            return f"q_group_size={group} must divide head_dim={geo.head_dim}"
+        if width % group:
+            return f"q_group_size={group} must divide head_dim={width}"
         if group % pack:
             return f"hqq packs {pack} {nbits}-bit values together, so q_group_size must be a multiple of {pack}"
         return None
     if nbits == 3:
         return "hqq's 3-bit packing along axis 1 breaks on some token counts; use axis 0 for 3 bits"
-    width = geo.kv_heads * geo.head_dim
+    width = heads * width
     if width % group or (width // group) % pack:
         return (
             f"with axis 1, num_key_value_heads x head_dim / q_group_size = {width}/{group} must be a whole "

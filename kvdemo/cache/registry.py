@@ -124,8 +124,9 @@ BytesFormula = Callable[[SpecOptions, "KVGeometry", int, int, int, bool], float]
 `estimate_kv_bytes`): `options` resolved, `residual_tokens` already capped at what the residual can hold."""
 CacheMaker = Callable[[str, SpecOptions, "PreTrainedConfig"], "Cache"]
 """`make(backend_name, options, model_config) -> Cache`: options as a spec gives them (`CacheSpec.given()`)."""
-GroupRule = Callable[[int, int, int, "KVGeometry"], "str | None"]
-"""`rule(nbits, q_group_size, axis, geometry) -> why it cannot run, or None` for one tensor (keys or values)."""
+GroupRule = Callable[[int, int, int, int, int], "str | None"]
+"""`rule(nbits, q_group_size, axis, heads, width) -> why it cannot run, or None` for one stored tensor (keys or
+values) of `heads` heads of `width` values per token (`KVGeometry.shapes`)."""
 
 
 @dataclass(frozen=True)

@@ -185,21 +185,26 @@ class CacheSpec:
         return dataclasses.replace(self, **changes)
 
     def validate(self, model_config: PreTrainedConfig | None = None) -> CacheSpec:
-        """Check this spec against the registry and, when given, the model's shapes.
+        """Check this spec against the registry and, when given, the model's layers and shapes.
 
         Args:
-            model_config: the model's config; gives num_key_value_heads, head_dim and the layer types.
+            model_config: the model's config; gives the layer kinds, each layer's num_key_value_heads and
+                head_dim (or a latent's widths: `kvdemo.cache.geometry.kv_geometry`).
 
         Returns:
-            self, so that `spec.validate(cfg)` can be chained.
+            The spec, so that `spec = spec.validate(cfg)` can be chained: with a model, the spec fitted to it
+            (`fit`: a q_group_size left unset whose default does not fit the model's stored widths is set to one
+            that does); without, self.
 
         Raises:
+            UnsupportedModelError (a ValueError): the backend cannot serve the model's kind of layers
+                (`kvdemo.cache.layer_kinds.serving_problem`: the message names them and what would work).
             ValueError: naming the option, the value given and the values allowed: an unknown backend, an
                 option the backend does not take (fp8 and dynamic take none), a value outside the registry's
                 choices, a q_group_size that does not fit head_dim or the backend's bit packing, a
-                residual_length < 1, `rotation=hadamard` on a head_dim that is not a power of two, a quantized
-                backend on a model whose layers are not all full attention, or a `plan` that does not parse, is
-                given with nbits, nbits_value or rotation, or does not give one of the backend's bits per layer.
+                residual_length < 1, `rotation=hadamard` on a head_dim without a power-of-two block of 8 or more,
+                or a `plan` that does not parse, is given with nbits, nbits_value or rotation, or does not give
+                one of the backend's bits per layer.
             ImportError: the backend's package is not installed; the message gives the pip command.
         """
         info = self.info
@@ -239,30 +244,55 @@ class CacheSpec:
             )
         if not info.installed():
             raise ImportError(f"the {self.backend} backend needs the {info.module} package: {info.pip}")
-        if model_config is not None:
-            self._validate_on_model(model_config)
-        return self
+        if model_config is None:
+            return self
+        fitted = self.fit(model_config)
+        fitted._validate_on_model(model_config)
+        return fitted
+
+    def fit(self, model_config: PreTrainedConfig) -> CacheSpec:
+        """This spec with its defaults fitted to the model: where `q_group_size` is unset and the backend's default
+        (64, transformers') does not fit every stored width (head_dim 80, 96; an MLA latent), the largest power of
+        two below the default that fits the keys and values of every layer (32 for head_dim 96, 16 for 80), else
+        the largest size below the default that fits, else the smallest that fits; unchanged where the default
+        fits, the option is given, the backend has no q_group_size, or nothing fits (then `validate` says why)."""
+        info = self.info
+        if info.group_rule is None or self.q_group_size is not None or self.backend not in BACKENDS:
+            return self
+        try:
+            if not self._group_problem(model_config):
+                return self
+            sizes = allowed_group_sizes(self, model_config)
+        except (ValueError, LookupError):  # a spec that does not validate (bits no packing knows): `validate` says why
+            return self
+        both = sorted(set(sizes["axis_key"]) & set(sizes["axis_value"]))
+        if not both:
+            return self
+        default = int(info.options["q_group_size"].default)
+        below = [size for size in both if size <= default]
+        powers = [size for size in below if size & (size - 1) == 0]  # 32 rather than 48 for head_dim 96
+        return self.replace(q_group_size=(powers or below or both)[-1 if powers or below else 0])
+
+    def _group_problem(self, model_config: PreTrainedConfig) -> tuple[str, int, str, int, str] | None:
+        """The first stored tensor whose group rule refuses this spec's q_group_size (`groups.first_problem`)."""
+        from kvdemo.cache.groups import first_problem
+
+        return first_problem(self.info.group_rule, self.resolved(), model_config)
 
     def _validate_on_model(self, model_config: PreTrainedConfig) -> None:
-        """`validate`'s checks against the model's shapes: full-attention layers for a quantized backend, the
-        plan's layer count and bits, a head_dim a rotation takes, and the group rule of each tensor's bits.
+        """`validate`'s checks against the model: its layer kinds (`layer_kinds.serving_problem`), the plan's layer
+        count and bits, a head_dim a rotation takes, and the group rule of each stored tensor's bits and shape.
 
         Raises:
-            ValueError: see `validate`."""
+            UnsupportedModelError, ValueError: see `validate`."""
         info = self.info
-        from transformers.cache_utils import get_layer_types_and_kwargs
-
         from kvdemo.cache.geometry import kv_geometry
+        from kvdemo.cache.layer_kinds import UnsupportedModelError, serving_problem
         from kvdemo.cache.rotation import rotation_problem
 
-        if info.quantized:
-            layer_types, _ = get_layer_types_and_kwargs(model_config.get_text_config(decoder=True))
-            others = sorted(set(layer_types) - {"full_attention"})
-            if others:
-                raise ValueError(
-                    f"backend={self.backend} needs a model whose layers are all full attention; this model also has "
-                    f"{', '.join(others)} layers. Use backend=dynamic with it"
-                )
+        problem = serving_problem(self.backend, info.quantized, model_config)
+        if problem:
+            raise UnsupportedModelError(problem)
         if self.plan:
             problem = plan_problem(
                 parse_plan(self.plan),
@@ -272,35 +302,22 @@ class CacheSpec:
             if problem:
                 raise ValueError(problem)
         if any(rotation != "none" for rotation in _rotations(self)):
-            problem = rotation_problem(kv_geometry(model_config).head_dim)
-            if problem:
-                raise ValueError(problem)
-        if info.group_rule is not None:
-            opts, geo = self.resolved(), kv_geometry(model_config)
-            for axis_name, axis, bits_name, bits in _tensors(opts):
-                problem = info.group_rule(bits, opts["q_group_size"], axis, geo)
+            geo = kv_geometry(model_config)
+            for _, width in geo.shapes("keys") + geo.shapes("values"):
+                problem = rotation_problem(width)
                 if problem:
-                    fits = allowed_group_sizes(self.replace(q_group_size=None), model_config)
-                    if not fits[axis_name]:  # no group size fits these bits on this axis: bits or axis must change
-                        raise ValueError(f"{bits_name}={bits} with {axis_name}={axis}: {problem}")
-                    both = sorted(set.intersection(*(set(sizes) for sizes in fits.values())))  # keys' and values' alike
-                    hint = f"; allowed here: {', '.join(map(str, both))}" if both else ""
-                    raise ValueError(f"q_group_size={opts['q_group_size']} ({axis_name}={axis}): {problem}{hint}")
-
-
-def _tensors(opts: SpecOptions) -> list[tuple[str, int, str, int]]:
-    """(axis option, axis, bits option, bits) of the keys, then of the values, from resolved options: each tensor's
-    group rule is checked with its own axis and bits (`nbits`, `nbits_value`); with a plan, once for every bits the
-    plan gives the keys, then the values."""
-    if opts.get("plan"):
-        layers = parse_plan(opts["plan"])
-        return [("axis_key", opts["axis_key"], "nbits", b) for b in sorted({p.nbits for p in layers})] + [
-            ("axis_value", opts["axis_value"], "nbits_value", b) for b in sorted({p.nbits_value for p in layers})
-        ]
-    return [
-        ("axis_key", opts["axis_key"], "nbits", opts["nbits"]),
-        ("axis_value", opts["axis_value"], "nbits_value", opts.get("nbits_value", opts["nbits"])),
-    ]
+                    raise ValueError(problem)
+        if info.group_rule is not None:
+            found = self._group_problem(model_config)
+            if found:
+                axis_name, axis, bits_name, bits, problem = found
+                fits = allowed_group_sizes(self.replace(q_group_size=None), model_config)
+                if not fits[axis_name]:  # no group size fits these bits on this axis: bits or axis must change
+                    raise ValueError(f"{bits_name}={bits} with {axis_name}={axis}: {problem}")
+                both = sorted(set.intersection(*(set(sizes) for sizes in fits.values())))  # keys' and values' alike
+                hint = f"; allowed here: {', '.join(map(str, both))}" if both else ""
+                q_group_size = self.resolved()["q_group_size"]
+                raise ValueError(f"q_group_size={q_group_size} ({axis_name}={axis}): {problem}{hint}")
 
 
 def _rotations(spec: CacheSpec) -> list[str]:
@@ -317,22 +334,12 @@ def _is_text_option(name: str) -> bool:
 
 
 def allowed_group_sizes(spec: CacheSpec, model_config: PreTrainedConfig) -> dict[str, list[int]]:
-    """The q_group_size values that run with `spec`'s backend, nbits and axes on this model, per axis option.
+    """The q_group_size values that run with `spec`'s backend, nbits and axes on this model, per axis option
+    (`kvdemo.cache.groups.sizes_that_fit`): {"axis_key": [...], "axis_value": [...]}, ascending; empty lists for
+    backends without q_group_size."""
+    from kvdemo.cache.groups import sizes_that_fit
 
-    Returns:
-        {"axis_key": [...], "axis_value": [...]}, ascending; empty lists for backends without q_group_size.
-    """
-    from kvdemo.cache.geometry import kv_geometry
-
-    rule = spec.info.group_rule
-    if rule is None:
-        return {"axis_key": [], "axis_value": []}
-    opts, geo = spec.resolved(), kv_geometry(model_config)
-    candidates = range(1, geo.kv_heads * geo.head_dim + 1)
-    fits: dict[str, list[int]] = {}
-    for name, axis, _, bits in _tensors(opts):  # a plan's several bits per tensor: the sizes that fit them all
-        fits[name] = [g for g in fits.get(name, candidates) if rule(bits, g, axis, geo) is None]
-    return fits
+    return sizes_that_fit(spec.info.group_rule, spec.resolved(), model_config)
 
 
 def estimate_kv_bytes(
@@ -366,7 +373,7 @@ def estimate_kv_bytes(
     """
     from kvdemo.cache.geometry import element_size, kv_geometry
 
-    spec.validate(model_config)
+    spec = spec.validate(model_config)
     opts = spec.resolved()
     residual = max(min(residual_tokens, opts["residual_length"], tokens), 0) if "residual_length" in opts else 0
     geo = kv_geometry(model_config)
@@ -383,5 +390,5 @@ def build_cache(spec: CacheSpec, model_config: PreTrainedConfig) -> Cache:
     Raises:
         ValueError, ImportError: see `CacheSpec.validate`.
     """
-    spec.validate(model_config)
+    spec = spec.validate(model_config)
     return spec.info.empty_cache(spec.given(), model_config)

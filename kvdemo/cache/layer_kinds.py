@@ -1,0 +1,124 @@
+"""What kvdemo does with each kind of cache layer, by transformers' layer type: the one place that maps
+`config.layer_types` (as `transformers.cache_utils.get_layer_types_and_kwargs` reads them, KV-shared and MLP-only
+layers turned into `dummy`) to what a backend may do with a layer, what the snapshot keeps of it, and what the
+geometry counts. The spec's checks (`kvdemo.cache.spec`), the geometry (`kvdemo.cache.geometry`) and the snapshot
+(`kvdemo.cache.snapshot`) read it.
+
+- `full_attention`: keys and values that grow with the context; every backend.
+- `sliding_attention`, `chunked_attention`: keys and values of the last `sliding_window` tokens
+  (`DynamicSlidingWindowLayer`); `dynamic` only (transformers' `QuantizedCache` raises on them).
+- `linear_attention`, `conv`: a fixed-size conv and recurrent state written in place (Mamba, gated DeltaNet,
+  LFM2's short convolutions): no keys, no values; `dynamic` only, the snapshot clones the states.
+- `hybrid`, `hybrid_sliding`: one layer with both (Falcon-H1); `dynamic` only.
+- `dummy`: a layer that holds nothing (KV shared with an earlier layer, Gemma 3n/4; or no attention).
+
+Latent caches (Multi-head Latent Attention: DeepSeek-V2/V3, MiniCPM3, Kimi, GLM-4 MoE Lite, Mistral 4) are
+`full_attention` layers whose stored tensors are not the attention's keys and values: the model caches a
+compressed latent (`[batch, 1, tokens, kv_lora_rank]`) and the rotary part of the key
+(`[batch, 1, tokens, qk_rope_head_dim]`) and up-projects them after `cache.update` (`expand_kv`). `is_latent`
+names them; their layers are read whole at every step and any rotation is undone before the up-projection
+(`kvdemo.cache.flush.quantized_cache`), never block-wise or on the query side.
+
+Everything a backend cannot serve raises `UnsupportedModelError` (a `ValueError`) when the session is built,
+before any forward pass, naming the model's layer kinds and what would work.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+
+
+class UnsupportedModelError(ValueError):
+    """A spec that cannot be served on this model's kind of layers, raised before the prefill: the message names
+    the layer kinds and what would work. A `ValueError`, so every caller that reports bad input reports it."""
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """What kvdemo does with one of transformers' layer types.
+
+    Attributes:
+        name: transformers' layer type (`full_attention`, `sliding_attention`, ...).
+        holds_kv: the layer caches keys and values (`layer.keys`, `layer.values`).
+        in_place_state: the layer holds conv or recurrent states written in place (cloned by the snapshot).
+        sliding: the keys and values are the last `sliding_window` tokens only.
+        quantizable: a quantized backend (`QuantizedCache`) may store this layer.
+    """
+
+    name: str
+    holds_kv: bool
+    in_place_state: bool = False
+    sliding: bool = False
+    quantizable: bool = False
+
+
+LAYER_KINDS: dict[str, LayerKind] = {
+    "full_attention": LayerKind("full_attention", holds_kv=True, quantizable=True),
+    "sliding_attention": LayerKind("sliding_attention", holds_kv=True, sliding=True),
+    "chunked_attention": LayerKind("chunked_attention", holds_kv=True, sliding=True),
+    "linear_attention": LayerKind("linear_attention", holds_kv=False, in_place_state=True),
+    "conv": LayerKind("conv", holds_kv=False, in_place_state=True),
+    "hybrid": LayerKind("hybrid", holds_kv=True, in_place_state=True),
+    "hybrid_sliding": LayerKind("hybrid_sliding", holds_kv=True, in_place_state=True, sliding=True),
+    "dummy": LayerKind("dummy", holds_kv=False),
+}
+"""transformers' layer types that kvdemo knows, by name; any other is refused on every backend."""
+
+
+STATE_ATTRIBUTES = ("conv_states", "recurrent_states")
+"""The attributes that hold a layer's in-place states (transformers' `LinearAttentionCacheLayerMixin`): state index
+-> tensor or None. The snapshot clones them; the telemetry counts them."""
+
+
+def layer_types(model_config: PreTrainedConfig) -> list[str]:
+    """The decoder's layer types, one per layer, as transformers builds a `DynamicCache` from them
+    (`get_layer_types_and_kwargs`: KV-shared and MLP-only layers are `dummy`)."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    return list(get_layer_types_and_kwargs(model_config.get_text_config(decoder=True))[0])
+
+
+def is_latent(model_config: PreTrainedConfig) -> bool:
+    """Whether the model caches a compressed latent instead of its attention's keys and values (MLA: its text
+    config has `kv_lora_rank`; see the module docstring)."""
+    return getattr(model_config.get_text_config(decoder=True), "kv_lora_rank", None) is not None
+
+
+def kinds_text(types: Sequence[str]) -> str:
+    """The layer kinds of a model in a few words, e.g. `3 sliding_attention + 1 full_attention layers`."""
+    counts = Counter(types)
+    return " + ".join(f"{n} {name}" for name, n in counts.items()) + " layers"
+
+
+def serving_problem(backend: str, quantized: bool, model_config: PreTrainedConfig) -> str | None:
+    """Why `backend` cannot serve this model's layers, with what would work, or None.
+
+    Args:
+        backend: the backend's name (for the message).
+        quantized: whether it is a quantized backend (`Backend.quantized`).
+        model_config: the model's config.
+    """
+    types = layer_types(model_config)
+    unknown = sorted(set(types) - set(LAYER_KINDS))
+    if unknown:
+        return (
+            f"this model has {kinds_text(types)}; kvdemo does not know how to save and restore "
+            f"{', '.join(unknown)} layers, so no backend can serve it. Use a model whose layers are "
+            f"{', '.join(LAYER_KINDS)}"
+        )
+    if not any(LAYER_KINDS[t].holds_kv for t in types):
+        return f"this model has {kinds_text(types)}: no layer caches keys and values, so there is no KV cache to show"
+    if quantized:
+        kept = sorted({t for t in types if not LAYER_KINDS[t].quantizable})
+        if kept:
+            return (
+                f"backend={backend} cannot store {', '.join(kept)} layers yet: transformers' QuantizedCache stores "
+                f"full_attention layers only, and this model has {kinds_text(types)}. backend=dynamic serves it"
+            )
+    return None
