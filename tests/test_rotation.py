@@ -20,6 +20,7 @@ from kvdemo.cache.rotation import (
     RotatedHQQLayer,
     RotatedQuantoLayer,
     hadamard,
+    hadamard_block,
     rotation_problem,
 )
 from kvdemo.cache.spec import build_cache
@@ -34,10 +35,24 @@ def test_the_hadamard_matrix_is_symmetric_orthonormal_and_flat():
         assert torch.allclose(matrix @ matrix, torch.eye(size), atol=1e-6)
         assert torch.allclose(matrix.abs(), torch.full((size, size), size**-0.5))  # every channel spread evenly
     assert hadamard(64, torch.float16).dtype == torch.float16
-    for size in (0, 48, 96):
-        with pytest.raises(ValueError, match=f"head_dim to be a power of two \\(this model's is {size}\\)"):
-            hadamard(size)
+    with pytest.raises(ValueError, match="a Hadamard matrix needs a size >= 1, not 0"):
+        hadamard(0)
     assert rotation_problem(64) is None
+
+
+@pytest.mark.parametrize("size, block", [(96, 32), (80, 16), (192, 64), (48, 16)])
+def test_a_head_dim_that_is_not_a_power_of_two_is_rotated_block_by_block(size, block):
+    """96 = 3 x 32: the block-diagonal matrix of three H_32, still symmetric and orthonormal (H @ H = I); each
+    channel spread evenly over its block and nowhere else."""
+    assert hadamard_block(size) == block and rotation_problem(size) is None
+    matrix = hadamard(size)
+    assert torch.equal(matrix, matrix.T)
+    assert torch.allclose(matrix @ matrix, torch.eye(size), atol=1e-6)
+    blocks = torch.block_diag(*[torch.ones(block, block)] * (size // block)).bool()
+    assert torch.allclose(matrix.abs()[blocks], torch.full((size * block,), block**-0.5))
+    assert not matrix[~blocks].any()
+    for refused in (0, 12, 36, 99):  # blocks of 4 or less spread nothing worth a rotation
+        assert "needs head_dim to be a multiple of 8" in str(rotation_problem(refused))
 
 
 def _keys_with_outlier_channels(tokens: int = 256, head_dim: int = 64) -> torch.Tensor:
@@ -78,8 +93,9 @@ def _config(head_dim: int) -> LlamaConfig:
 
 def test_rotation_is_refused_where_it_cannot_run():
     assert CacheSpec.parse("quanto:4,rotation=hadamard").validate(_config(64)).rotation == "hadamard"
-    with pytest.raises(ValueError, match="needs head_dim to be a power of two \\(this model's is 48\\)"):
-        CacheSpec.parse("hqq:4,rotation=hadamard,q_group_size=16").validate(_config(48))
+    assert CacheSpec.parse("hqq:4,rotation=hadamard,q_group_size=16").validate(_config(48)).q_group_size == 16
+    with pytest.raises(ValueError, match="needs head_dim to be a multiple of 8 \\(this model's is 36"):
+        CacheSpec.parse("hqq:4,rotation=hadamard,q_group_size=4").validate(_config(36))
     with pytest.raises(ValueError, match="rotation='givens' is not allowed for quanto; allowed: none, hadamard"):
         CacheSpec.parse("quanto:4,rotation=givens")
     for backend in ("dynamic", "fp8"):

@@ -47,34 +47,57 @@ else:
     LibraryLayer = object
 
 
+MIN_HADAMARD_BLOCK = 8
+"""The smallest Hadamard block a rotation takes: a head_dim whose largest power-of-two divisor is below it (an odd
+one, 4 x an odd one) is refused, since a rotation within blocks of 2 or 4 channels barely spreads an outlier."""
+
+
+def hadamard_block(head_dim: int) -> int:
+    """The size of the Hadamard blocks that rotate a `head_dim`: head_dim itself when it is a power of two, else the
+    largest power of two that divides it (32 for 96 = 3 x 32, 16 for 80 = 5 x 16, 64 for 192 = 3 x 64)."""
+    return head_dim & -head_dim if head_dim > 0 else 0
+
+
 def rotation_problem(head_dim: int) -> str | None:
-    """Why `rotation=hadamard` cannot run for this head_dim (a Sylvester Hadamard matrix needs a power of two),
-    or None."""
-    if head_dim < 1 or head_dim & (head_dim - 1):
-        return f"rotation=hadamard needs head_dim to be a power of two (this model's is {head_dim}); use rotation=none"
+    """Why `rotation=hadamard` cannot run for this head_dim (its power-of-two block, `hadamard_block`, is below
+    `MIN_HADAMARD_BLOCK`), or None."""
+    if hadamard_block(head_dim) < MIN_HADAMARD_BLOCK:
+        return (
+            f"rotation=hadamard needs head_dim to be a multiple of {MIN_HADAMARD_BLOCK} (this model's is {head_dim}: "
+            "its largest power-of-two block is too small to spread an outlier); use rotation=none"
+        )
     return None
 
 
 @lru_cache(maxsize=16)
 def hadamard(size: int, dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.Tensor:
-    """The orthonormal Hadamard matrix of `size` (a power of two), [size, size]: Sylvester's construction
-    H_2n = [[H_n, H_n], [H_n, -H_n]] from H_1 = [1], divided by sqrt(size). Symmetric and orthonormal: H @ H = I.
-    Built in float64, then cast to `dtype` on `device` (cached: read-only, never modify it).
+    """The orthonormal Hadamard matrix of `size`, [size, size]: for a power of two, Sylvester's construction
+    H_2n = [[H_n, H_n], [H_n, -H_n]] from H_1 = [1], divided by sqrt(size); for any other size, the block-diagonal
+    matrix of size / b such matrices of size b = `hadamard_block(size)` (3 x H_32 for 96). Both are symmetric and
+    orthonormal: H @ H = I. The block-diagonal one spreads an outlier channel over the b channels of its block only
+    (QuaRot's and llama.cpp's rotations need a power-of-two head_dim; this is the fallback for the others, e.g.
+    Phi-3's 96): a group along head_dim whose range one channel sets shrinks less than under a full H, by how much
+    depends on how the outliers fall into blocks. Built in float64, then cast to `dtype` on `device` (cached:
+    read-only, never modify it).
 
     Raises:
-        ValueError: `size` is not a power of two (`rotation_problem`).
+        ValueError: `size` < 1. (A spec's rotation is refused earlier, by `rotation_problem`, where the block is
+            below `MIN_HADAMARD_BLOCK`.)
     """
-    problem = rotation_problem(size)
-    if problem:
-        raise ValueError(problem)
+    if size < 1:
+        raise ValueError(f"a Hadamard matrix needs a size >= 1, not {size}")
+    block = hadamard_block(size)
     matrix = torch.ones(1, 1, dtype=torch.float64)
-    while matrix.shape[0] < size:
+    while matrix.shape[0] < block:
         matrix = torch.cat([torch.cat([matrix, matrix], dim=1), torch.cat([matrix, -matrix], dim=1)], dim=0)
-    return (matrix / size**0.5).to(dtype=dtype, device=device)
+    matrix = matrix / block**0.5
+    if block < size:
+        matrix = torch.block_diag(*[matrix] * (size // block))
+    return matrix.to(dtype=dtype, device=device)
 
 
 def rotate(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor @ H` along its last axis (head_dim, a power of two), in its own dtype and device: the same shape.
+    """`tensor @ H` along its last axis (head_dim; `hadamard` of its size), in its own dtype and device: the same shape.
     H is its own inverse, so `rotate` also rotates back."""
     return tensor @ hadamard(tensor.shape[-1], tensor.dtype, str(tensor.device))
 
