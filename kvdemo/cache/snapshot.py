@@ -27,8 +27,19 @@ the old ones, so the objects the snapshot holds are never changed while an answe
   capacity): the same length is kept, and the same slicing assignment sets the layer's length back without a
   copy; its decode steps write only after the post-prefill length, so the prefix's bytes are never changed.
 
-Layers that write in place (`StaticLayer` and its kin, linear-attention states) cannot be restored
-this way and are refused with `TypeError` instead of being silently mis-restored.
+- Layers with conv or recurrent states (transformers' `LinearAttentionLayer` and the hybrids that hold both:
+  Mamba, gated DeltaNet, LFM2's convolutions, Falcon-H1): those states have a fixed size (a few KB to MB per
+  layer, whatever the context) and transformers writes them in place (`copy_`), so no shallow copy can restore
+  them. `take` clones them (what the snapshot holds: `telemetry.kv_memory` counts it) and `restore` copies the
+  clones back into the same tensors; a hybrid layer's keys and values are restored by their own rule below.
+  These states are not the KV cache: invariant 3's "no copy of the KV cache" is about the keys and values.
+- Layers that hold nothing (`DummyLayer`: a layer that reads another layer's KV cache, Gemma 3n/4, or has no
+  attention) are skipped.
+
+A layer is recognised by what it does, checked in this order: in-place states, then its keys and values (a
+sliding window, a quantized store, a length). A layer that writes its keys and values in place (`StaticLayer` and
+its kin) or is of a kind not known here is refused with `TypeError` instead of being silently mis-restored; the
+spec's checks refuse such models before the prefill (`kvdemo.cache.layer_kinds`).
 """
 
 from __future__ import annotations
@@ -40,17 +51,21 @@ import torch
 from transformers.cache_utils import (
     BaseQuantizedLayer,
     Cache,
+    DummyLayer,
     DynamicLayer,
     DynamicSlidingWindowLayer,
     StaticLayer,
 )
 
+from kvdemo.cache.layer_kinds import STATE_ATTRIBUTES
 from kvdemo.cache.storage import GrowingLayer
 
 _LENGTH_LAYERS = (DynamicLayer, GrowingLayer)
 """The layer types restored by moving their length back: transformers' `DynamicLayer` (a view of the longer
 tensor) and `kvdemo.cache.storage.GrowingLayer` (it writes in place but never at positions below the post-prefill
 length, so setting the length back is exact: docs/DESIGN.md, invariant 3, the in-place clause)."""
+
+_STATE_FLAGS = ("has_previous_state", "is_conv_states_initialized", "is_recurrent_states_initialized")
 
 
 @dataclass(frozen=True)
@@ -59,11 +74,15 @@ class LayerSnapshot:
 
     Attributes:
         attributes: `vars(layer).copy()` for layers restored by writing their attributes back, else None.
-        length: for a plain `DynamicLayer`, its sequence length in tokens; else None.
+        length: for a plain `DynamicLayer` (or a hybrid's full-attention part), its sequence length in tokens;
+            else None.
+        states: for a layer with in-place states, {attribute: {state index: a clone}} and its flags
+            ({flag: {state index: value}}); else None. A layer with none of the three holds nothing.
     """
 
     attributes: dict[str, Any] | None
     length: int | None
+    states: dict[str, dict[int, Any]] | None = None
 
 
 @dataclass(frozen=True)
@@ -74,17 +93,61 @@ class CacheSnapshot:
     seq_length: int
 
 
-def _check_layer(index: int, layer: object) -> None:
+def has_states(layer: object) -> bool:
+    """Whether `layer` holds conv or recurrent states written in place (`STATE_ATTRIBUTES`)."""
+    return any(isinstance(getattr(layer, name, None), dict) for name in STATE_ATTRIBUTES)
+
+
+def _saved_states(layer: object) -> dict[str, dict[int, Any]]:
+    """Clones of the layer's in-place states, and its flags."""
+    saved: dict[str, dict[int, Any]] = {}
+    for name in STATE_ATTRIBUTES:
+        states = getattr(layer, name, None) or {}
+        saved[name] = {i: t.clone() for i, t in states.items() if isinstance(t, torch.Tensor)}
+    for name in _STATE_FLAGS:
+        saved[name] = dict(getattr(layer, name, None) or {})
+    return saved
+
+
+def _restore_states(layer: object, saved: dict[str, dict[int, Any]]) -> None:
+    """Copy the clones back into the layer's own state tensors (the same objects, as transformers keeps them),
+    or put a clone in where the layer has none of that shape."""
+    for name in STATE_ATTRIBUTES:
+        states = getattr(layer, name)
+        for index, clone in saved[name].items():
+            live = states.get(index)
+            if isinstance(live, torch.Tensor) and live.shape == clone.shape:
+                live.copy_(clone)
+            else:
+                states[index] = clone.clone()
+    for name in _STATE_FLAGS:
+        if name in saved and isinstance(getattr(layer, name, None), dict):
+            getattr(layer, name).update(saved[name])
+
+
+def _kv_rule(index: int, layer: object) -> str:
+    """How the layer's keys and values are restored: `attributes` (a sliding window, a quantized store),
+    `length`, or `none` (a layer with states only, or one that holds nothing).
+
+    Raises:
+        TypeError: the layer writes its keys and values in place, or is of a kind not known to assign new tensors."""
     if isinstance(layer, StaticLayer):
         raise TypeError(
             f"layer {index} is a {type(layer).__name__}, which writes new tokens into its tensors in place, so a "
             "shallow snapshot cannot restore it; use a DynamicCache or a QuantizedCache"
         )
-    if type(layer) in _LENGTH_LAYERS or isinstance(layer, (BaseQuantizedLayer, DynamicSlidingWindowLayer)):
-        return
+    if isinstance(layer, DummyLayer) or (has_states(layer) and not isinstance(layer, DynamicLayer)):
+        return "none"
+    if getattr(layer, "is_sliding", False) and isinstance(layer, DynamicSlidingWindowLayer):
+        return "attributes"
+    if isinstance(layer, BaseQuantizedLayer):
+        return "attributes"
+    if type(layer) in _LENGTH_LAYERS or (has_states(layer) and isinstance(layer, DynamicLayer)):
+        return "length"
     raise TypeError(
         f"layer {index} is a {type(layer).__name__}; kvdemo can only snapshot layers that assign new tensors on "
-        "update (DynamicLayer, DynamicSlidingWindowLayer and the QuantizedCache layers)"
+        "update (DynamicLayer, DynamicSlidingWindowLayer and the QuantizedCache layers), in-place recurrent states "
+        "and layers that hold nothing"
     )
 
 
@@ -100,8 +163,8 @@ def _compact_window(layer: DynamicSlidingWindowLayer) -> None:
 
 
 def take(cache: Cache) -> CacheSnapshot:
-    """Save the state of every layer of `cache`, copying no tensor (a sliding-window layer's view of the
-    prefill is first compacted to its window: see the module docstring).
+    """Save the state of every layer of `cache`, copying no KV tensor (a sliding-window layer's view of the
+    prefill is first compacted to its window, and in-place recurrent states are cloned: see the module docstring).
 
     Args:
         cache: a `DynamicCache` or `QuantizedCache` after the prefill.
@@ -110,26 +173,30 @@ def take(cache: Cache) -> CacheSnapshot:
         The snapshot to give to `restore`.
 
     Raises:
-        TypeError: a layer writes into its tensors in place (e.g. `StaticLayer`) or is of a type not known
+        TypeError: a layer writes its keys and values in place (e.g. `StaticLayer`) or is of a type not known
             to assign new tensors on update.
     """
     saved = []
     for index, layer in enumerate(cache.layers):
-        _check_layer(index, layer)
-        if type(layer) in _LENGTH_LAYERS:
-            saved.append(LayerSnapshot(attributes=None, length=cast(DynamicLayer, layer).get_seq_length()))
-        else:
+        rule = _kv_rule(index, layer)
+        states = _saved_states(layer) if has_states(layer) else None
+        if rule == "length":
+            saved.append(LayerSnapshot(None, cast(DynamicLayer, layer).get_seq_length(), states))
+        elif rule == "attributes":
             if isinstance(layer, DynamicSlidingWindowLayer) and not getattr(layer, "record_past", False):
                 _compact_window(layer)
-            saved.append(LayerSnapshot(attributes=vars(layer).copy(), length=None))
+            saved.append(LayerSnapshot(vars(layer).copy(), None, states))
+        else:
+            saved.append(LayerSnapshot(None, None, states))
     return CacheSnapshot(layers=tuple(saved), seq_length=cache.get_seq_length())
 
 
 def restore(cache: Cache, snapshot: CacheSnapshot) -> None:
-    """Put `cache` back to the state saved in `snapshot`, copying no tensor.
+    """Put `cache` back to the state saved in `snapshot`, copying no KV tensor.
 
     Quantized and sliding-window layers get their saved attributes back (attributes added since are
-    dropped); plain `DynamicLayer`s are sliced back to their saved length (a view).
+    dropped); plain `DynamicLayer`s are sliced back to their saved length (a view); in-place states get their
+    saved values copied back; a layer that holds nothing is left as it is.
 
     Raises:
         ValueError: the snapshot was taken from a cache with another number of layers, or a
@@ -145,15 +212,20 @@ def restore(cache: Cache, snapshot: CacheSnapshot) -> None:
             state = vars(layer)
             state.clear()
             state.update(saved.attributes)
-            continue
-        # `take` kept only the length: the layer's type is one of `_LENGTH_LAYERS`
-        layer, length = cast(DynamicLayer, layer), cast(int, saved.length)
-        if layer.get_seq_length() < length:
-            raise ValueError(
-                f"layer {index} holds {layer.get_seq_length()} tokens, fewer than the {saved.length} saved; "
-                "the snapshot was taken from another cache"
-            )
-        if layer.get_seq_length() != length:
-            assert layer.keys is not None and layer.values is not None  # it holds more tokens than saved
-            layer.keys = layer.keys[..., :length, :]
-            layer.values = layer.values[..., :length, :]
+        elif saved.length is not None:
+            _restore_length(index, cast(DynamicLayer, layer), saved.length)
+        if saved.states is not None:
+            _restore_states(layer, saved.states)
+
+
+def _restore_length(index: int, layer: DynamicLayer, length: int) -> None:
+    """Slice a length-restored layer's keys and values back to `length` tokens (a view)."""
+    if layer.get_seq_length() < length:
+        raise ValueError(
+            f"layer {index} holds {layer.get_seq_length()} tokens, fewer than the {length} saved; "
+            "the snapshot was taken from another cache"
+        )
+    if layer.get_seq_length() != length:
+        assert layer.keys is not None and layer.values is not None  # it holds more tokens than saved
+        layer.keys = layer.keys[..., :length, :]
+        layer.values = layer.values[..., :length, :]

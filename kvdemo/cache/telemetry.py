@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, QuantizedLayer
 
+from kvdemo.cache.layer_kinds import STATE_ATTRIBUTES
+
 if TYPE_CHECKING:
     from kvdemo.cache.snapshot import CacheSnapshot
 
@@ -47,9 +49,13 @@ class LayerMemory:
         residual_bytes: full-precision keys and values held (bytes): a quantized layer's residual, or all of
             a `DynamicLayer`.
         residual_tokens: tokens held in full precision (for a `DynamicLayer`, all of them).
-        seq_length: tokens the layer holds in all (`get_seq_length()`).
+        seq_length: tokens the layer has seen (`get_seq_length()`; a sliding layer's count goes on past its
+            window; 0 for a layer without keys and values).
         snapshot_bytes: bytes of the storages that the layer's snapshot keeps alive and the cache does not hold
-            (0 without a snapshot, and right after the prefill or a restore, when both hold the same tensors).
+            (0 without a snapshot, and right after the prefill or a restore, when both hold the same tensors; a
+            layer's cloned recurrent states are always counted: `kvdemo.cache.snapshot`).
+        state_bytes: the layer's conv and recurrent states (linear-attention and SSM layers; bytes), a fixed size
+            whatever the context.
     """
 
     quantized_bytes: int
@@ -57,16 +63,17 @@ class LayerMemory:
     residual_tokens: int
     seq_length: int
     snapshot_bytes: int = 0
+    state_bytes: int = 0
 
     @property
     def cache_bytes(self) -> int:
-        """quantized_bytes + residual_bytes: what the cache layer itself holds."""
-        return self.quantized_bytes + self.residual_bytes
+        """quantized_bytes + residual_bytes + state_bytes: what the cache layer itself holds."""
+        return self.quantized_bytes + self.residual_bytes + self.state_bytes
 
     @property
     def total_bytes(self) -> int:
         """cache_bytes + snapshot_bytes: everything held for this layer."""
-        return self.quantized_bytes + self.residual_bytes + self.snapshot_bytes
+        return self.cache_bytes + self.snapshot_bytes
 
 
 @dataclass(frozen=True)
@@ -99,21 +106,26 @@ class MemoryReport:
         """Sum of the layers' snapshot bytes: what the snapshot keeps alive beside the cache."""
         return sum(layer.snapshot_bytes for layer in self.layers)
 
+    @functools.cached_property
+    def state_bytes(self) -> int:
+        """Sum of the layers' conv and recurrent states (bytes)."""
+        return sum(layer.state_bytes for layer in self.layers)
+
     @property
     def cache_bytes(self) -> int:
-        """quantized_bytes + residual_bytes: what the cache itself holds (bytes)."""
-        return self.quantized_bytes + self.residual_bytes
+        """quantized_bytes + residual_bytes + state_bytes: what the cache itself holds (bytes)."""
+        return self.quantized_bytes + self.residual_bytes + self.state_bytes
 
     @property
     def total_bytes(self) -> int:
         """Everything held for the cache (bytes): cache_bytes + snapshot_bytes. The figure to show: it never
         under-reports (without a snapshot it equals cache_bytes)."""
-        return self.quantized_bytes + self.residual_bytes + self.snapshot_bytes
+        return self.cache_bytes + self.snapshot_bytes
 
     @property
     def seq_length(self) -> int:
-        """Tokens in the cache (layer 0's length, as `Cache.get_seq_length()`)."""
-        return self.layers[0].seq_length if self.layers else 0
+        """Tokens in the cache (the longest layer's count, as `Cache.get_seq_length()` of an attention layer)."""
+        return max((layer.seq_length for layer in self.layers), default=0)
 
     def to_dict(self, per_layer: bool = False) -> dict[str, Any]:
         """Totals as a JSON-ready dict; with `per_layer`, the layers too."""
@@ -124,6 +136,8 @@ class MemoryReport:
             "snapshot_bytes": self.snapshot_bytes,
             "seq_length": self.seq_length,
         }
+        if self.state_bytes:
+            out["state_bytes"] = self.state_bytes
         if self.device_allocated_bytes is not None:
             out["device_allocated_bytes"] = self.device_allocated_bytes
         if per_layer:
@@ -258,18 +272,22 @@ def kv_memory(cache: Cache, snapshot: CacheSnapshot | None = None) -> MemoryRepo
     for layer in cache.layers:
         quantized = _bytes(tuple(getattr(layer, name, None) for name in _QUANTIZED_ATTRIBUTES), seen, devices)
         keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        holds_kv = isinstance(keys, torch.Tensor) and hasattr(layer, "get_seq_length")  # not a DummyLayer's None
         layers.append(
             LayerMemory(
                 quantized_bytes=quantized,
                 residual_bytes=_bytes((keys, values), seen, devices),
                 residual_tokens=_tokens(keys),
-                seq_length=cast(CacheLayerMixin, layer).get_seq_length(),  # an attention layer, as kvdemo builds
+                seq_length=cast(CacheLayerMixin, layer).get_seq_length() if holds_kv else 0,
+                state_bytes=_bytes(tuple(getattr(layer, name, None) for name in STATE_ATTRIBUTES), seen, devices),
             )
         )
     if snapshot is not None:
         for index, saved in enumerate(snapshot.layers):
             attributes = saved.attributes or {}
+            states = saved.states or {}
             held = _bytes(tuple(attributes.get(name) for name in _KV_ATTRIBUTES), seen)
+            held += _bytes(tuple(states.get(name) for name in STATE_ATTRIBUTES), seen)
             if held:
                 layers[index] = dataclasses.replace(layers[index], snapshot_bytes=held)
     cuda = sorted((d for d in devices if d.type == "cuda"), key=str)
