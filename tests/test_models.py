@@ -22,6 +22,8 @@ def test_embedded_model_loads_once_with_its_shape(embedded):
         "name": "HuggingFaceTB/SmolLM2-135M-Instruct (embedded GGUF Q4_1)",
         "parameters": 134_515_008,
         "layers": 30,
+        "layer_kinds": "30 full_attention layers",
+        "latent": False,
         "kv_heads": 3,
         "head_dim": 64,
         "max_context_tokens": 8192,

@@ -271,13 +271,14 @@ def test_kvdemo_calls_transformers_without_deprecation(tiny, spec, caplog):
 # ---- the model's dtype ------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny_bf16(tiny):
-    """The tiny model's own weights in bfloat16 (a copy: `tiny` stays float32 for the other tests)."""
+@pytest.fixture(scope="module", params=[torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+def tiny_half(tiny, request):
+    """The tiny model's own weights in bfloat16, then float16 (a copy: `tiny` stays float32 for the other tests)."""
     import copy
     import dataclasses
 
-    return dataclasses.replace(tiny, model=copy.deepcopy(tiny.model).to(torch.bfloat16), dtype=torch.bfloat16)
+    dtype = request.param
+    return dataclasses.replace(tiny, model=copy.deepcopy(tiny.model).to(dtype), dtype=dtype)
 
 
 @pytest.mark.parametrize(
@@ -291,21 +292,22 @@ def tiny_bf16(tiny):
         "fp8",
     ],
 )
-def test_a_bfloat16_model_answers_scores_and_restores_on_every_backend(tiny_bf16, text):
-    """A bfloat16 model decodes through every read path (block-wise reads merge their parts in float32 and cast
-    back), its answers flush and are restored, each equals a fresh session's, and scoring an answer gives its own
-    greedy tokens back. Block-wise reads crashed in `o_proj` with "expected m1 and m2 to have the same dtype" before."""
+def test_a_half_precision_model_answers_scores_and_restores_on_every_backend(tiny_half, text):
+    """A bfloat16 or float16 model decodes through every read path (block-wise reads merge their parts in float32
+    and cast back), its answers flush and are restored, each equals a fresh session's, and scoring an answer gives
+    its own greedy tokens back. Block-wise reads crashed in `o_proj` with "expected m1 and m2 to have the same
+    dtype" before."""
     spec = CacheSpec.parse(text)
-    session = QASession(tiny_bf16, spec)
+    session = QASession(tiny_half, spec)
     context_tokens = session.prefill("The Normans were the people who gave their name to Normandy. Rollo led them.")
     context_tokens = context_tokens.context_tokens
     answer = session.ask("Who led the Normans?", max_new_tokens=9)
     assert answer.steps == 9 and session.cache_length == context_tokens
     assert spec.backend in ("dynamic", "fp8") or answer.flush_count > 0
-    assert all(layer.keys.dtype == torch.bfloat16 for layer in session.cache.layers if layer.keys.dim() == 4)
+    assert all(layer.keys.dtype == tiny_half.dtype for layer in session.cache.layers if layer.keys.dim() == 4)
     log_probs = session.score("Who led the Normans?", answer.token_ids)
     assert log_probs.dtype == torch.float32 and tuple(log_probs.argmax(-1).tolist()) == answer.token_ids
     assert session.cache_length == context_tokens
-    fresh = QASession(tiny_bf16, spec)
+    fresh = QASession(tiny_half, spec)
     fresh.prefill("The Normans were the people who gave their name to Normandy. Rollo led them.")
     assert fresh.ask("Who led the Normans?", max_new_tokens=9).token_ids == answer.token_ids

@@ -28,6 +28,7 @@ from transformers.cache_utils import HQQQuantizedLayer, QuantizedLayer, QuantoQu
 from kvdemo.cache.attention import uses_query_rotation
 from kvdemo.cache.blockwise import blockwise_layer
 from kvdemo.cache.dequantize import EXACT_LAYERS, ExactHQQLayer, ExactQuantoLayer
+from kvdemo.cache.layer_kinds import is_latent
 from kvdemo.cache.layer_plan import LayerPrecision
 from kvdemo.cache.policies import FLUSH_POLICIES, OPTIMIZE_CHOICES, ROTATIONS
 from kvdemo.cache.precision import value_precision_layer
@@ -194,8 +195,13 @@ def _checked(
         raise ValueError(f"rotation={rotation!r} is not a rotation; choose one of {', '.join(ROTATIONS)}")
     if optimize not in OPTIMIZE_CHOICES:
         raise ValueError(f"optimize={optimize!r} is not one of {', '.join(OPTIMIZE_CHOICES)}")
-    own_attention = uses_query_rotation(config)
+    # a latent (MLA) cache is up-projected between `update` and attention: attention never sees what the layer
+    # returned, so the layer must return the whole store in the model's basis (`kvdemo.cache.layer_kinds`)
+    latent = is_latent(config)
+    own_attention = uses_query_rotation(config) and not latent
     for name, wanted in (("rotate_query", rotate_query), ("blockwise", blockwise)):
+        if wanted and latent:
+            raise ValueError(f"{name} needs attention to read what the cache returns; this model up-projects a latent")
         if wanted and not own_attention:
             raise ValueError(f"{name} needs a model that attends through kvdemo_attention (attention.install)")
     return (own_attention if rotate_query is None else rotate_query), (
@@ -229,11 +235,12 @@ def quantized_cache(
         rotate_query: with a rotation, keep the layers in the rotated basis and let attention rotate the query
             (`kvdemo.cache.rotation.QueryRotationMixin`, needs `kvdemo.cache.attention.kvdemo_attention`), or
             rotate every read back (`RotationMixin`, any attention); None: the query side exactly when `config`
-            attends through `kvdemo_attention` (`kvdemo.cache.attention.install`).
+            attends through `kvdemo_attention` (`kvdemo.cache.attention.install`) and caches its keys and values
+            as attention reads them (not a latent: `kvdemo.cache.layer_kinds.is_latent`).
         plan: one `LayerPrecision` per layer, replacing `nbits`, `nbits_value`, `rotation` (left unset); None: alike.
         blockwise: decode steps attend to the store block by block (`kvdemo.cache.blockwise`, needs
             `kvdemo_attention`), or read it whole as transformers does (False); None: block-wise exactly when
-            `config` attends through `kvdemo_attention`.
+            `config` attends through `kvdemo_attention` and is not latent.
         options: the group-wise options (nbits, q_group_size, residual_length, axis_key, axis_value).
 
     Raises:
@@ -241,7 +248,8 @@ def quantized_cache(
             without a residual (fp8), an `nbits_value` the library's layer does not take (the library's message),
             or `optimize=false` on a layer that is not hqq's; `rotate_query=True` or `blockwise=True` for a
             config whose attention is not `kvdemo_attention`; a plan whose length is not the model's layer count,
-            or given with nbits, nbits_value or a rotation.
+            or given with nbits, nbits_value or a rotation; `rotate_query=True` or `blockwise=True` on a latent (MLA)
+            model.
 
     Example:
         >>> cache = quantized_cache("hqq", model.config, flush="append", rotation="hadamard", nbits=4, nbits_value=2)

@@ -53,7 +53,7 @@ def reference_kv(loaded_model: LoadedModel, token_ids: Sequence[int]) -> KV:
     cache = DynamicCache(config=loaded_model.config)
     ids = torch.tensor([list(token_ids)], device=loaded_model.device)
     with torch.no_grad():
-        loaded_model.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        loaded_model.forward(ids, cache)
     return full_precision_kv(cache)
 
 

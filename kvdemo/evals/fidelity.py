@@ -345,20 +345,15 @@ def perplexity(
     fed = len(continuation) - 1
     if kv_budget_bytes is not None:
         _check_budget(loaded_model, spec, len(context), fed, kv_budget_bytes)
-    model, device = loaded_model.model, loaded_model.device
+    device = loaded_model.device
     cache = build_cache(spec, loaded_model.config)
     nll, flush_steps, errors = [], [], []
     start = time.perf_counter()
     with torch.no_grad():
-        model(input_ids=torch.tensor([context], device=device), cache=cache, use_cache=True, logits_to_keep=1)
+        loaded_model.forward(torch.tensor([context], device=device), cache)
         prefill_error = None if reference is None else context_error(reference, cache)
         for step in range(fed):
-            logits = model(
-                input_ids=torch.tensor([[continuation[step]]], device=device),
-                cache=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            ).logits
+            logits = loaded_model.forward(torch.tensor([[continuation[step]]], device=device), cache)
             logprobs = torch.log_softmax(logits[0, -1].float(), dim=-1)
             nll.append(-float(logprobs[continuation[step + 1]]))
             if flushed_layers(cache):

@@ -36,6 +36,7 @@ from transformers.cache_utils import DynamicLayer
 
 from kvdemo.cache.attention import recording_queries, uses_query_rotation
 from kvdemo.cache.geometry import kv_geometry
+from kvdemo.cache.layer_kinds import UnsupportedModelError, is_latent
 from kvdemo.cache.layer_plan import PLAN, LayerPrecision, plan_text
 from kvdemo.cache.registry import BACKENDS, PLANNED
 from kvdemo.cache.spec import CacheSpec, build_cache, estimate_kv_bytes
@@ -204,6 +205,7 @@ def layer_errors(
         The `LayerErrors`.
 
     Raises:
+        UnsupportedModelError (a ValueError): a latent (MLA) model.
         ValueError: a model whose attention is not kvdemo's (eager, flash: its queries cannot be recorded), an empty
             context or one over the window, query_tokens < 1, a backend that takes no plan, or a base whose
             options fit no bits on this model.
@@ -214,8 +216,14 @@ def layer_errors(
             f"this model attends with {getattr(loaded_model.config, '_attn_implementation', '?')}. Load it with "
             "attn_implementation='sdpa'"
         )
-    base = plan_base(base)
+    if is_latent(loaded_model.config):
+        raise UnsupportedModelError(
+            "a per-layer plan compares each layer's attention over its keys and values, and this model caches a "
+            "compressed latent (MLA) that attention only sees up-projected; choose a uniform spec (e.g. quanto:4) "
+            "and compare it in the Compare tab"
+        )
     config = loaded_model.config
+    base = plan_base(base).fit(config)
     bits, rotations = _candidates(base, config)
     if not bits:
         raise ValueError(f"no nbits of {base.backend} fits {base.short_text} on this model; change q_group_size")

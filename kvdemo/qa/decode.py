@@ -46,7 +46,7 @@ def greedy_decode(
         for step in range(max_new_tokens):
             step_start = time.perf_counter()
             with torch.no_grad():
-                logits = loaded.model(input_ids=inputs, cache=cache, use_cache=True, logits_to_keep=1).logits
+                logits = loaded.forward(inputs, cache)
             token = int(logits[0, -1].argmax())
             now = time.perf_counter()
             token_ids.append(token)  # one per forward pass done: len(token_ids) is the steps
@@ -120,7 +120,7 @@ def teacher_forced(
     try:
         for token in answer_ids:
             with torch.no_grad():
-                logits = loaded.model(input_ids=inputs, cache=cache, use_cache=True, logits_to_keep=1).logits
+                logits = loaded.forward(inputs, cache)
             rows.append(torch.log_softmax(logits[0, -1].float(), dim=-1).cpu())
             if on_step is not None:
                 on_step(len(rows) - 1, cache)

@@ -108,18 +108,34 @@ class LoadedModel:
         """The model's config."""
         return self.model.config
 
-    def describe(self) -> dict[str, Any]:
-        """Name, parameter count, layers, KV heads, head_dim, max context (tokens), device and dtype."""
-        from kvdemo.cache.geometry import kv_shape
+    def forward(self, input_ids: torch.Tensor, cache: Any) -> torch.Tensor:
+        """One forward pass of `input_ids` ([1, new tokens], on `device`) over `cache`, which it extends: the
+        logits of the last position, [1, 1, vocab_size]. The positions are given (the cache's length onwards), as
+        `generate` gives them: transformers' Bamba counts from 0 when none are given (wrong over a filled cache)."""
+        layers = cache.layers  # no attention layer filled yet: nothing to count
+        filled = any(getattr(layer, "keys", None) is not None and hasattr(layer, "get_seq_length") for layer in layers)
+        past = cache.get_seq_length() if filled else 0
+        positions = torch.arange(past, past + input_ids.shape[-1], device=input_ids.device).unsqueeze(0)
+        out = self.model(input_ids=input_ids, cache=cache, position_ids=positions, use_cache=True, logits_to_keep=1)
+        return out.logits
 
-        kv_heads, head_dim = kv_shape(self.config)
-        text_config = self.config.get_text_config(decoder=True)
+    def describe(self) -> dict[str, Any]:
+        """Name, parameter count, layers and their kinds, KV heads and head_dim as the cache stores them (an int,
+        or the distinct values joined by ` / ` where layers differ, as Gemma 4's; a latent (MLA) model's stored
+        latent and rotary widths), max context (tokens), device and dtype."""
+        from kvdemo.cache.geometry import kv_geometry
+        from kvdemo.cache.layer_kinds import is_latent, kinds_text, layer_types
+
+        geo = kv_geometry(self.config)
+        heads, dims = ({shape[i] for shape in geo.shapes("keys")} for i in (0, 1))
         return {
             "name": self.name,
             "parameters": sum(p.numel() for p in self.model.parameters()),
-            "layers": text_config.num_hidden_layers,
-            "kv_heads": kv_heads,
-            "head_dim": head_dim,
+            "layers": geo.layers,
+            "layer_kinds": kinds_text(layer_types(self.config)),
+            "latent": is_latent(self.config),
+            "kv_heads": heads.pop() if len(heads) == 1 else " / ".join(map(str, sorted(heads))),
+            "head_dim": dims.pop() if len(dims) == 1 else " / ".join(map(str, sorted(dims))),
             "max_context_tokens": self.max_context_tokens,
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),

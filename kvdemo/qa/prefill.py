@@ -141,7 +141,7 @@ def run_prefill(
             raise PrefillStopped(f"the prefill was stopped after {start:,} of {total:,} tokens")
         chunk = torch.tensor([ids[start : start + chunk_tokens]], device=loaded.device)
         with torch.no_grad():  # positions follow from the cache's length, so each chunk continues the last
-            loaded.model(input_ids=chunk, cache=work, use_cache=True, logits_to_keep=1)
+            loaded.forward(chunk, work)
         if on_progress is not None:
             on_progress(min(start + chunk_tokens, total), total)
     if work is not cache:  # the quantized cache's first update: the whole context, as one forward pass gives it
