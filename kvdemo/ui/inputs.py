@@ -17,7 +17,7 @@ import gradio as gr
 
 from kvdemo import checks
 from kvdemo.cache.layer_plan import PLAN
-from kvdemo.cache.registry import BACKENDS, GROUP_OPTIONS
+from kvdemo.cache.registry import BACKENDS, GROUP_OPTIONS, Option
 from kvdemo.cache.spec import CacheSpec
 from kvdemo.qa.text import check_text
 from kvdemo.serve.server import MAX_CONTEXT_BYTES
@@ -72,7 +72,9 @@ def spec_from_inputs(backend: str, given: Mapping[str, Any]) -> CacheSpec:
     """A `CacheSpec` from the Ask tab's option fields, `given` keyed by the names of `GROUP_OPTIONS` (missing
     ones empty); options the backend does not take are ignored (they are hidden on the page), empty fields mean
     the backend's default. A text option (`flush`, `storage`) is kept as its word; the others must be whole
-    numbers.
+    numbers. A `q_group_size` at the registry's default (the field's starting value) is left unset, so that the
+    session fits it to the model (`CacheSpec.fit`: 32 on a head_dim of 96, where 64 would be refused) and its
+    status line says the size that ran.
 
     Example:
         >>> spec = spec_from_inputs("quanto", {"nbits": 2.0, "q_group_size": None, "storage": "growing"})
@@ -110,6 +112,8 @@ def spec_from_inputs(backend: str, given: Mapping[str, Any]) -> CacheSpec:
         except (TypeError, ValueError, OverflowError):
             raise ValueError(f"{name}={checks.shown(value)} must be a whole number") from None
         options[name] = int(number)
+    if options.get("q_group_size") == BACKENDS[backend].options.get("q_group_size", Option("", -1)).default:
+        del options["q_group_size"]  # the default: fitted to the model when the session is built
     return CacheSpec(backend, **options).validate()
 
 

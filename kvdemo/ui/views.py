@@ -81,10 +81,15 @@ def acknowledge_cancel(cancelled: bool, job: str) -> None:
 def model_status(loaded: LoadedModel) -> str:
     """The model's status line."""
     d = loaded.describe()
+    kinds = "" if d["layer_kinds"].endswith(" full_attention layers") else f" ({d['layer_kinds']})"
+    shape = (
+        f"latent cache (MLA): width {d['head_dim']} and a rotary part"
+        if d["latent"]
+        else f"{d['kv_heads']} KV heads · head_dim {d['head_dim']}"
+    )
     return (
-        f"**{d['name']}** · {d['parameters'] / 1e6:.0f} M parameters · {d['layers']} layers · "
-        f"{d['kv_heads']} KV heads · head_dim {d['head_dim']} · max context {d['max_context_tokens']:,} tokens · "
-        f"{d['device']} · {d['dtype']}"
+        f"**{d['name']}** · {d['parameters'] / 1e6:.0f} M parameters · {d['layers']} layers{kinds} · "
+        f"{shape} · max context {d['max_context_tokens']:,} tokens · {d['device']} · {d['dtype']}"
     )
 
 

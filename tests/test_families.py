@@ -1,0 +1,177 @@
+"""The model-family matrix (docs/DESIGN.md, invariants 1 and 2 on every family): one tiny random model per family
+(`tests.families.FAMILIES`, 4 layers, hidden 128, built from its own transformers config), each spec of
+`tests.families.SPECS`, on the Normans' first paragraph and two of its questions. A cell either runs and is right,
+or is refused before the prefill; none runs and is wrong, none crashes. docs/models.md shows the table.
+
+Cost: about 60 s on 2 idle cores (25 models of a few million weights built from their configs; each working cell
+prefills three sessions and scores two answers)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from kvdemo.cache import attention, flush
+from kvdemo.cache.layer_kinds import UnsupportedModelError
+from kvdemo.cache.spec import CacheSpec
+from kvdemo.qa.models import LoadedModel
+from kvdemo.qa.session import QASession
+from tests.families import FAMILIES, SPECS, family_config, markdown_table, verdict
+
+ANSWER_TOKENS = 6
+DYNAMIC_BOUND = 1e-4
+"""max |Δ log p| of `dynamic` against a cache-free forward pass of the same ids (float rounding: 1e-6 measured)."""
+READ_WHOLE_BOUND = 1e-3
+"""max |Δ log p| of a quantized backend against the same cache read whole (no block-wise read, any rotation undone
+on read): the same stored values, other float orders (invariant 6's bound for teacher-forced log-probabilities)."""
+
+
+def _tiny(family: str, tokenizer) -> LoadedModel:
+    config = family_config(family)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    return LoadedModel(model, tokenizer, family, None, 1024, torch.device("cpu"), torch.float32, frozenset({2}))
+
+
+def _session(loaded: LoadedModel, spec, context: str) -> QASession:
+    session = QASession(loaded, spec)
+    session.prefill(context, max_new_tokens=ANSWER_TOKENS)
+    return session
+
+
+def _cache_free(loaded: LoadedModel, prompt: list[int], answer: tuple[int, ...]) -> torch.Tensor:
+    """The log-probabilities of each answer token's position from one forward pass without a cache."""
+    ids = torch.tensor([prompt + list(answer)])
+    with torch.no_grad():
+        logits = loaded.model(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1 : -1]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_cell_is_right_or_refused_before_the_prefill(family, embedded, normans, monkeypatch):
+    loaded = _tiny(family, embedded.tokenizer)
+    context, questions = normans.paragraphs[0], [q.question for q in normans.questions[:2]]
+    for spec in SPECS:
+        reason = verdict(spec, loaded.config)
+        if reason is not None:
+            with pytest.raises(UnsupportedModelError, match="backend=dynamic serves it"):
+                QASession(loaded, spec)  # refused when the session is built: nothing ran
+            continue
+        session = _session(loaded, spec, context)
+        length = session.cache_length
+        answers = [session.ask(question, max_new_tokens=ANSWER_TOKENS) for question in questions]
+        assert all(a.steps == ANSWER_TOKENS for a in answers) and session.cache_length == length
+        fresh = _session(loaded, spec, context)
+        scores = []
+        for question, answer in zip(questions, answers):  # restored twice: the same as a fresh session's, Δ 0
+            scores.append(session.score(question, answer.token_ids))
+            assert torch.equal(scores[-1], fresh.score(question, answer.token_ids)), (family, spec.text)
+            assert session.cache_length == length
+        if spec.backend == "dynamic":
+            for question, answer, score in zip(questions, answers, scores):
+                reference = _cache_free(loaded, session.prompt_ids(question), answer.token_ids)
+                assert (score - reference).abs().max() < DYNAMIC_BOUND, (family, spec.text)
+            continue
+        with monkeypatch.context() as patch:  # the same cache read whole, rotated back on read
+            patch.setattr(flush, "uses_query_rotation", lambda config: False)
+            whole = _session(loaded, spec, context)
+            for question, answer, score in zip(questions, answers, scores):
+                gap = (score - whole.score(question, answer.token_ids)).abs().max()
+                assert gap < READ_WHOLE_BOUND, (family, spec.text, float(gap))
+
+
+@pytest.mark.parametrize("spec", [s for s in SPECS if s.backend != "dynamic"], ids=lambda s: s.text)
+def test_a_latent_cache_is_read_whole_at_every_decode_step(spec, embedded, normans, monkeypatch):
+    """MLA: the model up-projects what `cache.update` returns, so attention must receive every cached position at
+    every decode step (before, a block-wise read handed it the residual alone: 15-19 keys of 484-488)."""
+    loaded = _tiny("DeepSeek-V3 (MLA)", embedded.tokenizer)
+    session = _session(loaded, spec, normans.paragraphs[0])
+    seen: list[tuple[int, int]] = []
+    sdpa = attention.sdpa_attention_forward
+
+    def counting(module, query, key, value, mask, **kwargs):
+        seen.append((key.shape[-2], session.cache_length))
+        return sdpa(module, query, key, value, mask, **kwargs)
+
+    monkeypatch.setattr(attention, "sdpa_attention_forward", counting)
+    answer = session.ask(normans.questions[0].question, max_new_tokens=ANSWER_TOKENS)
+    assert answer.steps == ANSWER_TOKENS and len(seen) == 4 * ANSWER_TOKENS  # 4 layers, every call unmarked
+    assert all(keys == length for keys, length in seen), seen
+
+
+def test_the_docs_show_the_matrix():
+    """docs/models.md holds the table `tests.families.markdown_table` makes (`python -m tests.families`)."""
+    from pathlib import Path
+
+    assert markdown_table() in (Path(__file__).parent.parent / "docs" / "models.md").read_text()
+
+
+@pytest.mark.parametrize("text", ["dynamic", "quanto:4", "hqq:4", "fp8"])
+def test_deepseek_v3_bytes_from_the_formula_match_its_tensors(text):
+    """DeepSeek-V3's own shape (61 layers caching a 512-wide latent and a 64-wide rotary key, one "head" each):
+    the byte formula (`estimate_kv_bytes`, from the per-layer geometry) against the tensors a cache of it holds after
+    a 300-token prefill. The formula of num_key_value_heads x head_dim (61 x 2 x 128 x 64 values per token against
+    61 x (512 + 64)) was about 28 times too high."""
+    from transformers import AutoConfig
+
+    from kvdemo.cache.spec import CacheSpec, build_cache, estimate_kv_bytes
+    from kvdemo.cache.telemetry import kv_memory
+
+    config, tokens = AutoConfig.for_model("deepseek_v3"), 300
+    spec = CacheSpec.parse(text)
+    cache = build_cache(spec, config)
+    torch.manual_seed(0)
+    for layer in cache.layers:
+        layer.update(torch.randn(1, 1, tokens, 512), torch.randn(1, 1, tokens, 64))
+    held = kv_memory(cache).cache_bytes
+    estimate = estimate_kv_bytes(spec, config, tokens, torch.float32)
+    assert abs(estimate - held) <= 0.01 * held, (estimate, held)
+    assert text != "dynamic" or held == 61 * (512 + 64) * tokens * 4
+
+
+@pytest.mark.parametrize("family", ["Gemma 4", "Gemma 4 (KV sharing)", "Qwen3.5", "Falcon-H1", "DeepSeek-V3 (MLA)"])
+def test_full_precision_bytes_follow_each_layer(family, embedded, normans):
+    """Per-layer geometry: the full-precision formula (each layer's own heads and head_dim, a sliding layer its
+    window, a KV-shared or recurrent layer nothing) equals the keys and values a `dynamic` session holds; the
+    recurrent states are counted apart (`state_bytes`)."""
+    from kvdemo.cache.geometry import full_precision_bytes
+    from kvdemo.cache.spec import CacheSpec
+    from kvdemo.cache.telemetry import kv_memory
+
+    loaded = _tiny(family, embedded.tokenizer)
+    session = _session(loaded, CacheSpec("dynamic"), normans.paragraphs[0])
+    memory = kv_memory(session.cache)
+    assert memory.residual_bytes == full_precision_bytes(loaded.config, session.cache_length, torch.float32)
+    assert (memory.state_bytes > 0) == (family in ("Qwen3.5", "Falcon-H1"))
+    assert memory.seq_length == session.cache_length
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 192, 256])
+def test_every_default_spec_gives_a_first_result_on_any_common_head_dim(head_dim, embedded):
+    """The page's start spec (as its fields send it), the default comparison (CLI, MCP, page) and the planner's base:
+    none is refused on head_dim 80, 96 or 192 (q_group_size fitted, the rotated twins block-diagonal), and each
+    answers a first question."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvdemo.cache.catalogue import default_compare_specs
+    from kvdemo.evals.planner import plan_base
+    from kvdemo.ui.ask_widgets import START_SPEC
+    from kvdemo.ui.inputs import spec_from_inputs
+
+    config = LlamaConfig(
+        vocab_size=len(embedded.tokenizer), hidden_size=128, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=head_dim, max_position_embeddings=256,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    loaded = LoadedModel(
+        LlamaForCausalLM(config).eval(), embedded.tokenizer, "tiny", None, 256, torch.device("cpu"), torch.float32
+    )
+    page_start = spec_from_inputs(START_SPEC.backend, dict(START_SPEC.resolved()))
+    for spec in [page_start, *default_compare_specs(), plan_base(CacheSpec("quanto"))]:
+        session = QASession(loaded, spec)  # refused here if it did not fit
+        session.prefill("The Normans gave their name to Normandy, a region in France.", max_new_tokens=2)
+        answer = session.ask("Who gave their name to Normandy?", max_new_tokens=2)
+        assert answer.steps == 2 and session.cache_length == session.prefill_report.context_tokens
+        group = session.spec.resolved().get("q_group_size")
+        assert group is None or (head_dim % group == 0 and group == min(64, head_dim & -head_dim)), session.spec
