@@ -203,7 +203,11 @@ def _group_options(nbits: tuple[int, ...], axes: tuple[int, ...]) -> dict[str, O
             same_as="nbits",
         ),
         "q_group_size": Option(
-            "q_group_size", 64, minimum=1, help="values that share one scale and zero point (must fit head_dim)"
+            "q_group_size",
+            64,
+            minimum=1,
+            help="values that share one scale and zero point (must fit head_dim; left at 64 on a head_dim it does not "
+            "divide, the largest power of two that does)",
         ),
         "residual_length": Option(
             "residual_length", 128, minimum=1, help="tokens kept in full precision before a flush re-quantizes"
