@@ -175,3 +175,38 @@ def test_every_default_spec_gives_a_first_result_on_any_common_head_dim(head_dim
         assert answer.steps == 2 and session.cache_length == session.prefill_report.context_tokens
         group = session.spec.resolved().get("q_group_size")
         assert group is None or (head_dim % group == 0 and group == min(64, head_dim & -head_dim)), session.spec
+
+
+@pytest.mark.parametrize(
+    "model_type, options, refused, served",
+    [
+        ("rwkv", {}, "dynamic", None),  # its state lives outside transformers' cache: the cache holds 0 tokens
+        ("xlstm", {}, "dynamic", None),  # a cache class of its own (AttributeError on a DynamicCache)
+        ("recurrent_gemma", dict(attention_window_size=16, lru_width=128), "dynamic", None),  # states on its modules
+        ("minimax", dict(num_local_experts=2, num_experts_per_tok=1), "dynamic", None),  # a cache of its own
+        ("doge", {}, "quanto:4", "dynamic"),  # its mask follows the block-wise read's residual, not the cache
+        ("diffllama", {}, "quanto:4", "fp8"),  # keys changed between the cache and attention
+        ("jetmoe", {}, "hqq:4,rotation=hadamard", "dynamic"),
+    ],
+)
+def test_what_the_config_cannot_show_is_refused_by_the_probe(model_type, options, refused, served, embedded):
+    """Configs that look like full attention, whose models keep state outside the cache or change the keys and values
+    between the cache and attention: a few tokens run through the spec's cache when the session is built
+    (`kvdemo.qa.probe`) refuse them before the prefill, saying what would work (found by a helper breaking issue 40's
+    work: rwkv's answers ignored the context, recurrent_gemma's restores were 0.13 off, diffllama's quanto:4 answers
+    1.09 off in log p, all silently)."""
+    from transformers import AutoConfig
+
+    from tests.families import _BASE
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**_BASE, **options})).eval()
+    loaded = LoadedModel(model, embedded.tokenizer, model_type, None, 1024, torch.device("cpu"), torch.float32)
+    spec = CacheSpec.parse(refused)
+    assert verdict(spec, loaded.config) is None  # the config alone passes
+    advice = "backend=dynamic serves it" if served else "kvdemo cannot serve this model"
+    with pytest.raises(UnsupportedModelError, match=advice):
+        QASession(loaded, spec)
+    if served is not None:
+        session = _session(loaded, CacheSpec.parse(served), "The Normans gave their name to Normandy.")
+        assert session.ask("Who?", max_new_tokens=2).steps == 2

@@ -141,7 +141,7 @@ def test_the_option_reaches_the_command_line_and_the_page(capsys):
     assert not backend_option_updates("fp8")[GROUP_OPTIONS.index("flush")]["visible"]
     assert spec_from_inputs(
         "hqq", dict(nbits=4, q_group_size=64, residual_length=128, axis_key=0, axis_value=0, flush="append")
-    ) == CacheSpec("hqq", nbits=4, q_group_size=64, residual_length=128, axis_key=0, axis_value=0, flush="append")
+    ) == CacheSpec("hqq", nbits=4, residual_length=128, axis_key=0, axis_value=0, flush="append")  # 64: fitted
     assert spec_from_inputs("fp8", dict(nbits=None, flush="append")) == CacheSpec("fp8")
 
 

@@ -18,7 +18,9 @@ never appends in place to the list the snapshot holds, so restore stays exact an
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import cast
 
 import torch
@@ -42,6 +44,20 @@ from kvdemo.cache.rotation import (
     RotatedHQQLayer,
     RotatedQuantoLayer,
 )
+
+_READ_WHOLE: ContextVar[bool] = ContextVar("kvdemo_read_whole", default=False)
+
+
+@contextmanager
+def read_whole() -> Iterator[None]:
+    """Within it, the caches `quantized_cache` builds read their store whole at every decode step and undo a rotation
+    on read, as for a model that does not attend through `kvdemo_attention`: the same stored values, the reference
+    that kvdemo's block-wise read and query-side rotation are checked against (`kvdemo.qa.probe`)."""
+    token = _READ_WHOLE.set(True)
+    try:
+        yield
+    finally:
+        _READ_WHOLE.reset(token)
 
 
 class AppendFlushMixin(LibraryLayer):
@@ -198,7 +214,7 @@ def _checked(
     # a latent (MLA) cache is up-projected between `update` and attention: attention never sees what the layer
     # returned, so the layer must return the whole store in the model's basis (`kvdemo.cache.layer_kinds`)
     latent = is_latent(config)
-    own_attention = uses_query_rotation(config) and not latent
+    own_attention = uses_query_rotation(config) and not latent and not _READ_WHOLE.get()
     for name, wanted in (("rotate_query", rotate_query), ("blockwise", blockwise)):
         if wanted and latent:
             raise ValueError(f"{name} needs attention to read what the cache returns; this model up-projects a latent")

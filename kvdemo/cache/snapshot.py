@@ -188,7 +188,7 @@ def take(cache: Cache) -> CacheSnapshot:
             saved.append(LayerSnapshot(vars(layer).copy(), None, states))
         else:
             saved.append(LayerSnapshot(None, None, states))
-    lengths = [layer.get_seq_length() for layer in cache.layers if _kv_rule(0, layer) != "none"]
+    lengths = [cast(DynamicLayer, layer).get_seq_length() for layer in cache.layers if _kv_rule(0, layer) != "none"]
     return CacheSnapshot(layers=tuple(saved), seq_length=max(lengths, default=0))  # no attention layer: 0
 
 

@@ -44,6 +44,7 @@ from kvdemo.cache.telemetry import flushed_layers
 from kvdemo.evals.cache_error import KV, context_error
 from kvdemo.evals.metrics import kl_divergence
 from kvdemo.qa.models import LoadedModel
+from kvdemo.qa.probe import check_model
 from kvdemo.qa.prompt import PreparedContext
 from kvdemo.qa.session import QASession
 
@@ -339,6 +340,7 @@ def perplexity(
         >>> result.perplexity
     """
     spec = spec.validate(loaded_model.config)
+    check_model(loaded_model, spec)  # refused before anything runs where a few tokens show it would be wrong
     context, continuation = list(inputs.context_ids), list(inputs.continuation_ids)
     if reference is not None and reference[0][0].shape[-2] != len(context):
         raise ValueError(f"the reference holds {reference[0][0].shape[-2]} tokens, the context {len(context)}")

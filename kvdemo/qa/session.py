@@ -26,6 +26,7 @@ from kvdemo.qa.decode import greedy_decode, teacher_forced
 from kvdemo.qa.limits import DEFAULT_MAX_NEW_TOKENS, QUESTION_RESERVE_TOKENS
 from kvdemo.qa.models import LoadedModel
 from kvdemo.qa.prefill import PREFILL_CHUNK_TOKENS, ProgressCallback, check_rope, run_prefill
+from kvdemo.qa.probe import check_model
 from kvdemo.qa.prompt import PreparedContext, PreparedQuestion, PromptLayout, PromptSplit
 from kvdemo.qa.records import Answer, PrefillReport
 from kvdemo.qa.text import check_question, check_text
@@ -43,6 +44,8 @@ class QASession:
 
     Raises:
         ValueError, ImportError: the spec does not validate (see `CacheSpec.validate`), or a budget < 1.
+        UnsupportedModelError (a ValueError): the model's layers, or a few tokens run through the spec's cache
+            (`kvdemo.qa.probe.check_model`), show the spec cannot be served right on this model.
     """
 
     def __init__(self, loaded_model: LoadedModel, spec: CacheSpec | None = None, kv_budget_bytes: int | None = None):
@@ -50,6 +53,7 @@ class QASession:
             raise ValueError(f"kv_budget_bytes={kv_budget_bytes!r} must be >= 1 (or None for no limit)")
         self.loaded = loaded_model
         self.spec = (spec or CacheSpec()).validate(loaded_model.config)
+        check_model(loaded_model, self.spec)  # what the config cannot show: a few tokens, once per model and spec
         self.kv_budget_bytes = kv_budget_bytes
         self.cache: Cache | None = None
         self.context: str | None = None

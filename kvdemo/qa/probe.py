@@ -1,0 +1,126 @@
+"""A model-kind probe: a few tokens run through a spec's cache before the prefill, to refuse what the config alone
+cannot show wrong.
+
+Some models keep state that transformers' cache layers do not hold (RWKV, xLSTM, RecurrentGemma keep it on their
+modules; MiniMax builds a cache of its own), and some change the keys and values between `cache.update` and
+attention (DiffLlama, JetMoE, Doge), which kvdemo's block-wise read and query-side rotation cannot follow. Their
+configs look like any other. So, once per model and spec, `check_model` prefills `PROBE_TEXT`'s first tokens into a
+cache of the spec, decodes the last two, restores the cache and decodes them again, and checks:
+
+1. the cache holds every token fed (its length), before and after the restore;
+2. the two decodes give the same logits, bit for bit (the restore restored everything the model reads);
+3. for `dynamic`, the logits are those of one cache-free forward pass of the same tokens (within float rounding);
+4. for a quantized backend that kvdemo reads block-wise or rotates on the query side, the logits are those of the
+   same cache read whole (`kvdemo.cache.flush.read_whole`).
+
+Any failure, or any exception the model raises, is an `UnsupportedModelError` (a `ValueError`) when the session is
+built, before the prefill: the message says what failed and what would work. A probe costs three to five forward
+passes of a few tokens, once per (model, spec).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvdemo.cache import snapshot
+from kvdemo.cache.flush import read_whole
+from kvdemo.cache.layer_kinds import UnsupportedModelError
+from kvdemo.cache.spec import CacheSpec, build_cache
+from kvdemo.qa.models import LoadedModel
+
+PROBE_TEXT = "The Normans gave their name to Normandy, a region in the north of France."
+DECODED = 2
+"""Tokens the probe decodes one at a time after its prefill."""
+
+
+def _tolerance(loaded: LoadedModel, reference: torch.Tensor) -> float:
+    """Float rounding between two orders of the same arithmetic, in logits: 1e-3 of their scale in float32, 5e-2 in
+    half precision (invariant 6's kind of bound, loose enough for any real model's sums)."""
+    scale = max(1.0, float(reference.abs().max()))
+    return (1e-3 if loaded.dtype == torch.float32 else 5e-2) * scale
+
+
+def _length(cache) -> int:
+    """Tokens the cache's attention layers hold (0 where none holds any)."""
+    held = [
+        layer.get_seq_length()
+        for layer in cache.layers
+        if getattr(layer, "keys", None) is not None and hasattr(layer, "get_seq_length")
+    ]
+    return max(held, default=0)
+
+
+def _run(loaded: LoadedModel, spec: CacheSpec, ids: torch.Tensor) -> tuple[torch.Tensor, str | None]:
+    """Prefill, decode, restore, decode again on a new cache of `spec`: (the first decode's last logits, what went
+    wrong or None)."""
+    cache, split, total = build_cache(spec, loaded.config), ids.shape[-1] - DECODED, ids.shape[-1]
+    with torch.no_grad():
+        loaded.forward(ids[:, :split], cache)
+        saved = snapshot.take(cache)
+        first = [loaded.forward(ids[:, i : i + 1], cache) for i in range(split, total)][-1][0, -1].float()
+        if _length(cache) != total:
+            return (
+                first,
+                f"the cache holds {_length(cache)} of the {total} tokens fed: the model keeps its state elsewhere",
+            )
+        snapshot.restore(cache, saved)
+        again = [loaded.forward(ids[:, i : i + 1], cache) for i in range(split, total)][-1][0, -1].float()
+    if not torch.equal(first, again):
+        return first, "restoring the cache does not restore the model: it keeps state outside transformers' cache"
+    return first, None
+
+
+def _probe(loaded: LoadedModel, spec: CacheSpec) -> str | None:
+    """Why `spec` cannot be served right on this model, or None."""
+    ids = torch.tensor([loaded.tokenizer(PROBE_TEXT)["input_ids"][: 8 + DECODED]], device=loaded.device)
+    try:
+        logits, problem = _run(loaded, spec, ids)
+        if problem or not spec.info.quantized:
+            if problem is None:
+                with torch.no_grad():
+                    whole = loaded.model(input_ids=ids, use_cache=False).logits[0, -1].float()
+                gap = float((logits - whole).abs().max())
+                if gap > _tolerance(loaded, whole):
+                    problem = f"its cached forward pass differs from a cache-free one by {gap:.3g} in the logits"
+            return problem
+        with read_whole():
+            reference, _ = _run(loaded, spec, ids)
+    except Exception as error:  # the model's own failure, whatever its type: refused, never a traceback
+        return f"a {len(ids[0])}-token run on a {spec.text} cache failed: {type(error).__name__}: {error}"
+    gap = float((logits - reference).abs().max())
+    if gap > _tolerance(loaded, reference):
+        return (
+            f"the model changes the keys and values between the cache and attention (its logits over kvdemo's "
+            f"block-wise or rotated read differ by {gap:.3g} from the same cache read whole)"
+        )
+    return None
+
+
+def check_model(loaded: LoadedModel, spec: CacheSpec) -> None:
+    """Refuse `spec` on this model before the prefill where the probe (module docstring) shows it would be wrong;
+    checked once per model and spec (the result is kept on `loaded`).
+
+    Args:
+        loaded: the model.
+        spec: a spec validated on the model (`CacheSpec.validate(config)`).
+
+    Raises:
+        UnsupportedModelError (a ValueError): the message says what failed and what would work.
+    """
+    found: dict[str, str | None] = loaded.__dict__.setdefault("_probes", {})
+    if spec.text not in found:
+        found[spec.text] = _probe(loaded, spec)
+    problem = found[spec.text]
+    if problem is None:
+        return
+    works = "dynamic" if spec.backend != "dynamic" and _check_quietly(loaded, CacheSpec("dynamic")) else None
+    advice = f"backend={works} serves it" if works else "kvdemo cannot serve this model"
+    raise UnsupportedModelError(f"{spec.text} on {loaded.name}: {problem}. {advice}")
+
+
+def _check_quietly(loaded: LoadedModel, spec: CacheSpec) -> bool:
+    try:
+        check_model(loaded, spec)
+    except UnsupportedModelError:
+        return False
+    return True
