@@ -187,7 +187,7 @@ def test_group_sizes_that_do_not_fit_the_model_are_refused(spec, message):
     "spec, head_dim, fitted",
     [
         (CacheSpec("hqq", nbits=4, axis_value=1), 64, 32),  # 64 does not fit axis 1's 3 x 64 in 4-bit packs
-        (CacheSpec("quanto", axis_key=-1), 64, 1),  # the keys' axis -1 takes 1 or 3, the values' head_dim 1 of them
+        (CacheSpec("quanto", axis_key=-1), 64, None),  # axis -1 on 3 heads takes 1 or 3: refused, never fitted to 1
         (CacheSpec("hqq"), 96, 32),  # Phi-3's head_dim: 3 x 32
         (CacheSpec("quanto"), 80, 16),  # 80 = 5 x 16
         (CacheSpec("hqq"), 192, 64),  # the default fits: left unset
@@ -198,6 +198,10 @@ def test_an_unset_q_group_size_is_fitted_to_the_model(spec, head_dim, fitted):
     """A q_group_size left unset takes the backend's default (64) where it fits the stored widths, else the largest
     size below it that fits keys and values alike; the fitted spec says so in its text."""
     config = _config(head_dim=head_dim)
+    if fitted is None:
+        with pytest.raises(ValueError, match="q_group_size=64 \\(axis_key=-1\\): .* allowed here: 1"):
+            spec.validate(config)
+        return
     got = spec.validate(config)
     assert got.resolved()["q_group_size"] == fitted
     assert (got.q_group_size is None) == (fitted == 64)

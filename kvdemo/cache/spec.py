@@ -22,6 +22,10 @@ if TYPE_CHECKING:
     from transformers import PreTrainedConfig
     from transformers.cache_utils import Cache
 
+MIN_FITTED_GROUP = 8
+"""The smallest q_group_size `CacheSpec.fit` picks on its own: below it a group's scale and zero point outweigh its
+values (a 2-value group at 2 bits holds more than full precision), so the spec is refused with the sizes allowed."""
+
 MAX_OPTION_VALUE = 1 << 20
 """No option means anything above this (1,048,576 tokens or values); larger numbers are refused."""
 
@@ -254,7 +258,8 @@ class CacheSpec:
         """This spec with its defaults fitted to the model: where `q_group_size` is unset and the backend's default
         (64, transformers') does not fit every stored width (head_dim 80, 96; an MLA latent), the largest power of
         two below the default that fits the keys and values of every layer (32 for head_dim 96, 16 for 80), else
-        the largest size below the default that fits, else the smallest that fits; unchanged where the default
+        the largest size below the default that fits, else the smallest that fits (never below `MIN_FITTED_GROUP`);
+        unchanged where the default
         fits, the option is given, the backend has no q_group_size, or nothing fits (then `validate` says why)."""
         info = self.info
         if info.group_rule is None or self.q_group_size is not None or self.backend not in BACKENDS:
@@ -265,7 +270,8 @@ class CacheSpec:
             sizes = allowed_group_sizes(self, model_config)
         except (ValueError, LookupError):  # a spec that does not validate (bits no packing knows): `validate` says why
             return self
-        both = sorted(set(sizes["axis_key"]) & set(sizes["axis_value"]))
+        # groups of a few values would hold more scale than data (quanto axis -1 on 2 heads: 2): refused instead
+        both = sorted(size for size in set(sizes["axis_key"]) & set(sizes["axis_value"]) if size >= MIN_FITTED_GROUP)
         if not both:
             return self
         default = int(info.options["q_group_size"].default)
