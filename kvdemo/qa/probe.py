@@ -9,9 +9,10 @@ cache of the spec, decodes the last two, restores the cache and decodes them aga
 
 1. the cache holds every token fed (its length), before and after the restore;
 2. the two decodes give the same logits, bit for bit (the restore restored everything the model reads);
-3. for `dynamic`, the logits are those of one cache-free forward pass of the same tokens (within float rounding);
-4. for a quantized backend that kvdemo reads block-wise or rotates on the query side, the logits are those of the
-   same cache read whole (`kvdemo.cache.flush.read_whole`).
+3. for the full-precision backend, the logits are those of one cache-free forward pass of the same tokens (within
+   float rounding);
+4. for a quantized backend, the logits are those of the same cache read whole (`kvdemo.cache.flush.read_whole`: no
+   block-wise read, a rotation undone on read), within half of what quantization moves them from a cache-free pass.
 
 Any failure, or any exception the model raises, is an `UnsupportedModelError` (a `ValueError`) when the session is
 built, before the prefill: the message says what failed and what would work. A probe costs three to five forward
@@ -25,12 +26,16 @@ import torch
 from kvdemo.cache import snapshot
 from kvdemo.cache.flush import read_whole
 from kvdemo.cache.layer_kinds import UnsupportedModelError
+from kvdemo.cache.registry import BACKENDS
 from kvdemo.cache.spec import CacheSpec, build_cache
 from kvdemo.qa.models import LoadedModel
 
 PROBE_TEXT = "The Normans gave their name to Normandy, a region in the north of France."
 DECODED = 2
 """Tokens the probe decodes one at a time after its prefill."""
+QUANTIZATION_SHARE = 0.5
+"""How far kvdemo's read may move the logits from the same cache read whole, as a share of how far quantization
+moves them from a cache-free pass (DiffLlama: 1.3 against 0.04; the embedded model's hqq:2 rotated: 0.04, within)."""
 
 
 def _tolerance(loaded: LoadedModel, reference: torch.Tensor) -> float:
@@ -75,23 +80,27 @@ def _probe(loaded: LoadedModel, spec: CacheSpec) -> str | None:
     ids = torch.tensor([loaded.tokenizer(PROBE_TEXT)["input_ids"][: 8 + DECODED]], device=loaded.device)
     try:
         logits, problem = _run(loaded, spec, ids)
-        if problem or not spec.info.quantized:
-            if problem is None:
-                with torch.no_grad():
-                    whole = loaded.model(input_ids=ids, use_cache=False).logits[0, -1].float()
-                gap = float((logits - whole).abs().max())
-                if gap > _tolerance(loaded, whole):
-                    problem = f"its cached forward pass differs from a cache-free one by {gap:.3g} in the logits"
+        if problem:
             return problem
+        with torch.no_grad():
+            free = loaded.model(input_ids=ids, use_cache=False).logits[0, -1].float()
+        if not spec.info.quantized:
+            gap = float((logits - free).abs().max())
+            if gap > _tolerance(loaded, free):
+                return f"its cached forward pass differs from a cache-free one by {gap:.3g} in the logits"
+            return None
         with read_whole():
             reference, _ = _run(loaded, spec, ids)
     except Exception as error:  # the model's own failure, whatever its type: refused, never a traceback
         return f"a {len(ids[0])}-token run on a {spec.text} cache failed: {type(error).__name__}: {error}"
-    gap = float((logits - reference).abs().max())
-    if gap > _tolerance(loaded, reference):
+    # the two reads hold the same stored values; a value within rounding of a level's midpoint may still round the
+    # other way (invariant 6), so the bar is half of what quantization itself moves the logits, plus float rounding
+    gap, quantization = float((logits - reference).abs().max()), float((reference - free).abs().max())
+    if gap > _tolerance(loaded, reference) + QUANTIZATION_SHARE * quantization:
         return (
             f"the model changes the keys and values between the cache and attention (its logits over kvdemo's "
-            f"block-wise or rotated read differ by {gap:.3g} from the same cache read whole)"
+            f"block-wise or rotated read differ by {gap:.3g} from the same cache read whole, against "
+            f"{quantization:.3g} between that cache and a cache-free pass)"
         )
     return None
 
@@ -113,8 +122,9 @@ def check_model(loaded: LoadedModel, spec: CacheSpec) -> None:
     problem = found[spec.text]
     if problem is None:
         return
-    works = "dynamic" if spec.backend != "dynamic" and _check_quietly(loaded, CacheSpec("dynamic")) else None
-    advice = f"backend={works} serves it" if works else "kvdemo cannot serve this model"
+    baseline = CacheSpec(next(name for name, backend in BACKENDS.items() if not backend.quantized))
+    works = spec.info.quantized and _check_quietly(loaded, baseline)
+    advice = f"backend={baseline.backend} serves it" if works else "kvdemo cannot serve this model"
     raise UnsupportedModelError(f"{spec.text} on {loaded.name}: {problem}. {advice}")
 
 
