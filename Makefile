@@ -38,8 +38,8 @@ notebook: $(APP_STAMP)
 	$(VENV)/bin/jupyter lab $(LAB_ROOT) $(LAB_ARGS) notebooks/
 
 # two pytest-xdist workers, one test module each at a time (module-scoped fixtures made once), one torch thread each
-# (tests/conftest.py): pytest 689 s against 1,230 s in one process on 2 idle cores (2026-12-04). TEST_WORKERS=0 runs
-# one process (xdist's -n 0).
+# (tests/conftest.py): pytest 689 s against 1,230 s in one process on 2 idle cores (2026-12-04); 1,098 s since the
+# model-family matrix and the probe. TEST_WORKERS=0 runs one process (xdist's -n 0).
 TEST_WORKERS ?= 2
 WORKERS := -n $(TEST_WORKERS) --dist loadscope
 test: $(DEV_STAMP)
@@ -52,7 +52,7 @@ coverage: $(DEV_STAMP)
 		--cov-report=html:artifacts/coverage
 
 # the fast lane: the tests that load no model and start no process (`model`, `process`, `slow` skipped), < 1 min
-# (18 s on 2 idle cores, 2026-12-04; one process: two xdist workers took 20 s, their start-up outweighs the split)
+# (30 s on 2 idle cores, 2026-12-04; one process: two xdist workers took 20 s, their start-up outweighs the split)
 test-fast: $(DEV_STAMP)
 	GRADIO_ANALYTICS_ENABLED=False HF_HUB_OFFLINE=1 $(PY) -m pytest -m "not model and not process and not slow" -q
 

@@ -3,8 +3,9 @@
 `tests.families.SPECS`, on the Normans' first paragraph and two of its questions. A cell either runs and is right,
 or is refused before the prefill; none runs and is wrong, none crashes. docs/models.md shows the table.
 
-Cost: about 60 s on 2 idle cores (25 models of a few million weights built from their configs; each working cell
-prefills three sessions and scores two answers)."""
+Cost: 48 s in a pytest-xdist worker on 2 cores (the clean-clone CI run of 2026-12-04): 25 models of a few million
+weights built from their configs, each working cell prefilling three sessions and scoring two answers; the probe's
+seven model types; DeepSeek-V3's real shape on four backends."""
 
 from __future__ import annotations
 

@@ -1,7 +1,10 @@
 """The house's rules: no module over 400 lines and no function over 80 in kvdemo/, app.py and benchmarks/ (long
 modules and functions hide several concepts; cut them by concept); imports point down the package order of
 docs/DESIGN.md, read from every import (inside functions and under `if TYPE_CHECKING:` too), with no cycle; and
-every name is imported from the one module that defines it."""
+every name is imported from the one module that defines it.
+
+Cost: 10 s in a pytest-xdist worker on 2 cores (2026-12-04): it parses every module of kvdemo/, tests/ and the
+notebooks."""
 
 from __future__ import annotations
 
