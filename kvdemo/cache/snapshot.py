@@ -188,8 +188,18 @@ def take(cache: Cache) -> CacheSnapshot:
             saved.append(LayerSnapshot(vars(layer).copy(), None, states))
         else:
             saved.append(LayerSnapshot(None, None, states))
-    lengths = [cast(DynamicLayer, layer).get_seq_length() for layer in cache.layers if _kv_rule(0, layer) != "none"]
-    return CacheSnapshot(layers=tuple(saved), seq_length=max(lengths, default=0))  # no attention layer: 0
+    return CacheSnapshot(layers=tuple(saved), seq_length=attention_length(cache))
+
+
+def attention_length(cache: Cache) -> int:
+    """Tokens the cache has taken in, as its attention layers count them (`get_seq_length`: a sliding layer's count
+    goes on past its window); 0 while no attention layer holds keys (an empty cache, or recurrent layers only)."""
+    held = [
+        cast(DynamicLayer, layer).get_seq_length()
+        for layer in cache.layers
+        if getattr(layer, "keys", None) is not None and hasattr(layer, "get_seq_length")
+    ]
+    return max(held, default=0)
 
 
 def restore(cache: Cache, snapshot: CacheSnapshot) -> None:

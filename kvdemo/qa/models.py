@@ -112,9 +112,9 @@ class LoadedModel:
         """One forward pass of `input_ids` ([1, new tokens], on `device`) over `cache`, which it extends: the
         logits of the last position, [1, 1, vocab_size]. The positions are given (the cache's length onwards), as
         `generate` gives them: transformers' Bamba counts from 0 when none are given (wrong over a filled cache)."""
-        layers = cache.layers  # no attention layer filled yet: nothing to count
-        filled = any(getattr(layer, "keys", None) is not None and hasattr(layer, "get_seq_length") for layer in layers)
-        past = cache.get_seq_length() if filled else 0
+        from kvdemo.cache.snapshot import attention_length
+
+        past = attention_length(cache)
         positions = torch.arange(past, past + input_ids.shape[-1], device=input_ids.device).unsqueeze(0)
         out = self.model(input_ids=input_ids, cache=cache, position_ids=positions, use_cache=True, logits_to_keep=1)
         return out.logits

@@ -45,16 +45,6 @@ def _tolerance(loaded: LoadedModel, reference: torch.Tensor) -> float:
     return (1e-3 if loaded.dtype == torch.float32 else 5e-2) * scale
 
 
-def _length(cache) -> int:
-    """Tokens the cache's attention layers hold (0 where none holds any)."""
-    held = [
-        layer.get_seq_length()
-        for layer in cache.layers
-        if getattr(layer, "keys", None) is not None and hasattr(layer, "get_seq_length")
-    ]
-    return max(held, default=0)
-
-
 def _run(loaded: LoadedModel, spec: CacheSpec, ids: torch.Tensor) -> tuple[torch.Tensor, str | None]:
     """Prefill, decode, restore, decode again on a new cache of `spec`: (the first decode's last logits, what went
     wrong or None)."""
@@ -63,11 +53,9 @@ def _run(loaded: LoadedModel, spec: CacheSpec, ids: torch.Tensor) -> tuple[torch
         loaded.forward(ids[:, :split], cache)
         saved = snapshot.take(cache)
         first = [loaded.forward(ids[:, i : i + 1], cache) for i in range(split, total)][-1][0, -1].float()
-        if _length(cache) != total:
-            return (
-                first,
-                f"the cache holds {_length(cache)} of the {total} tokens fed: the model keeps its state elsewhere",
-            )
+        held = snapshot.attention_length(cache)
+        if held != total:
+            return first, f"the cache holds {held} of the {total} tokens fed: the model keeps its state elsewhere"
         snapshot.restore(cache, saved)
         again = [loaded.forward(ids[:, i : i + 1], cache) for i in range(split, total)][-1][0, -1].float()
     if not torch.equal(first, again):
