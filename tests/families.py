@@ -14,7 +14,8 @@ from typing import Any
 
 from transformers import AutoConfig, PreTrainedConfig
 
-from kvdemo.cache.layer_kinds import kinds_text, layer_types
+from kvdemo.cache.layer_kinds import kinds_text, layer_types, quantized_layers
+from kvdemo.cache.policies import SLIDING_CHOICES
 from kvdemo.cache.spec import CacheSpec
 
 VOCAB = 49152
@@ -131,8 +132,10 @@ SPECS = (
     CacheSpec("quanto", nbits=4),
     CacheSpec("hqq", nbits=4, rotation="hadamard"),
     CacheSpec("fp8"),
+    CacheSpec("quanto", nbits=4, sliding="quantize"),
 )
-"""One spec per backend of the registry (hqq rotated: a rotation must be undone where the model reads the cache)."""
+"""One spec per backend of the registry (hqq rotated: a rotation must be undone where the model reads the cache),
+and quanto with its sliding-window layers quantized too (`sliding=quantize`)."""
 
 
 def family_config(name: str) -> PreTrainedConfig:
@@ -156,16 +159,20 @@ def _short(reason: str) -> str:
 
 
 def markdown_table(configs: Callable[[str], PreTrainedConfig] = family_config) -> str:
-    """docs/models.md's table: one row per family (its layer kinds), one column per spec of `SPECS`."""
+    """docs/models.md's table: one row per family (its layer kinds, how many a quantized backend quantizes with
+    `sliding=keep` and with `sliding=quantize`), one column per spec of `SPECS`."""
     rows = [
-        "| family | layers | " + " | ".join(f"`{spec.text}`" for spec in SPECS) + " |",
-        "|---|---|" + "---|" * len(SPECS),
+        "| family | layers | quantized: sliding=keep, =quantize | "
+        + " | ".join(f"`{spec.text}`" for spec in SPECS)
+        + " |",
+        "|---|---|---|" + "---|" * len(SPECS),
     ]
     for name in FAMILIES:
         config = configs(name)
         cells = [verdict(spec, config) for spec in SPECS]
         shown = ["works" if reason is None else _short(reason) for reason in cells]
-        rows.append(f"| {name} | {kinds_text(layer_types(config))} | " + " | ".join(shown) + " |")
+        share = ", ".join(f"{len(quantized_layers(config, sliding))}" for sliding in SLIDING_CHOICES)
+        rows.append(f"| {name} | {kinds_text(layer_types(config))} | {share} | " + " | ".join(shown) + " |")
     return "\n".join(rows)
 
 

@@ -35,7 +35,7 @@ def test_registry_lists_the_four_backends_and_their_options():
     assert list(BACKENDS) == ["dynamic", "quanto", "hqq", "fp8"]
     assert BACKENDS["quanto"].options["nbits"].choices == (2, 4)
     assert BACKENDS["hqq"].options["nbits"].choices == (1, 2, 3, 4, 8)
-    assert BACKENDS["fp8"].options == {} and list(BACKENDS["dynamic"].options) == ["storage"]
+    assert list(BACKENDS["fp8"].options) == ["sliding"] and list(BACKENDS["dynamic"].options) == ["storage"]
     assert BACKENDS["dynamic"].options["storage"].choices == ("concat", "growing")
     assert BACKENDS["hqq"].options["residual_length"].default == 128
     assert BACKENDS["quanto"].pip == "pip install optimum-quanto==0.2.7"
@@ -60,16 +60,18 @@ def test_spec_defaults_and_label():
         "flush": "requantize",
         "rotation": "none",
         "optimize": "true",
+        "sliding": "keep",  # sliding-window layers at full precision (a text option at its default: not labelled)
     }
     assert spec.label == "hqq nbits=2 q_group_size=64 residual_length=4"
     assert spec.replace(rotation="hadamard").label == "hqq nbits=2 q_group_size=64 residual_length=4 rotation=hadamard"
-    assert CacheSpec("fp8").resolved() == {} and CacheSpec("fp8").label == "fp8"
+    assert CacheSpec("fp8").resolved() == {"sliding": "keep"} and CacheSpec("fp8").label == "fp8"
+    assert CacheSpec("fp8", sliding="quantize").label == "fp8 sliding=quantize"
     # nbits_value is shown only where it differs from nbits, so each text means one spec
     mixed = spec.replace(nbits=4, nbits_value=2)
     assert mixed.label == "hqq nbits=4 nbits_value=2 q_group_size=64 residual_length=4"
     assert mixed.short_text == "hqq:4,nbits_value=2,residual_length=4"
     assert CacheSpec.parse(mixed.full_text) == mixed.replace(q_group_size=64, axis_key=0, axis_value=0).replace(
-        flush="requantize", rotation="none", optimize="true"
+        flush="requantize", rotation="none", optimize="true", sliding="keep"
     )
     assert "nbits_value" not in spec.replace(nbits_value=2).full_text
     assert spec.replace(nbits_value=2).resolved() == spec.resolved()
@@ -124,7 +126,7 @@ def test_spec_syntax_errors_say_what_to_write(text, message):
         (CacheSpec("hqq", nbits=0), "nbits=0 is not allowed for hqq; allowed: 1, 2, 3, 4, 8"),
         (
             CacheSpec("fp8", nbits=4),
-            "nbits=4 is not an option of the fp8 backend (it takes no options); leave it unset",
+            "nbits=4 is not an option of the fp8 backend (it takes sliding); leave it unset",
         ),
         (CacheSpec("fp8", residual_length=8), "residual_length=8 is not an option of the fp8 backend"),
         (CacheSpec("dynamic", q_group_size=32), "q_group_size=32 is not an option of the dynamic backend"),
@@ -208,15 +210,20 @@ def test_an_unset_q_group_size_is_fitted_to_the_model(spec, head_dim, fitted):
     assert build_cache(spec, config).layers[0].q_group_size == fitted
 
 
-def test_quantized_backends_need_full_attention_layers_only():
-    config = _config(layers=2, layer_types=["full_attention", "sliding_attention"], sliding_window=16)
-    with pytest.raises(
-        UnsupportedModelError,
-        match="cannot store sliding_attention layers yet: .* 1 full_attention \\+ 1 sliding_attention layers\\. "
-        "backend=dynamic serves it",
-    ):
-        CacheSpec("hqq").validate(config)
-    assert CacheSpec("dynamic").validate(config).backend == "dynamic"
+def test_a_quantized_backend_that_would_quantize_nothing_is_refused_with_what_works():
+    mixed = _config(layers=2, layer_types=["full_attention", "sliding_attention"], sliding_window=16)
+    assert CacheSpec("hqq").validate(mixed).backend == "hqq"  # the full-attention layer quantized, the other kept
+    every_sliding = _config(layers=2, layer_types=["sliding_attention"] * 2, sliding_window=16)
+    for backend in ("quanto", "hqq", "fp8"):
+        with pytest.raises(
+            UnsupportedModelError,
+            match=f"backend={backend} would quantize nothing here: this model has 2 sliding_attention layers.*; "
+            "set sliding=quantize to quantize the sliding-window layers \\(llama.cpp's choice\\), or use "
+            "backend=dynamic",
+        ):
+            CacheSpec(backend).validate(every_sliding)
+        assert CacheSpec(backend, sliding="quantize").validate(every_sliding).sliding == "quantize"
+    assert CacheSpec("dynamic").validate(every_sliding).backend == "dynamic"
 
 
 def test_missing_backend_package_raises_import_error_with_pip_command(monkeypatch):

@@ -246,14 +246,15 @@ def test_session_store_is_bounded_and_frees_the_least_recently_used():
 
 def test_backend_options_shown_from_the_registry():
     *hqq, note = backend_option_updates("hqq")
-    assert [u["visible"] for u in hqq] == [True] * 6 + [False, True, True, True]  # every option but dynamic's storage
+    assert [u["visible"] for u in hqq] == [True] * 6 + [False, True, True, True, True]  # all but dynamic's storage
     assert hqq[0]["choices"] == [1, 2, 3, 4, 8] and hqq[3]["choices"] == [0, 1]
     *quanto, _ = backend_option_updates("quanto")
     assert quanto[0]["choices"] == [2, 4] and quanto[4]["choices"] == [0, -1]
     *fp8, note = backend_option_updates("fp8")
-    assert [u["visible"] for u in fp8] == [False] * 10 and "never flushes" in note
+    assert [u["visible"] for u in fp8] == [False] * 10 + [True] and "never flushes" in note  # sliding alone
+    assert fp8[10]["choices"] == ["keep", "quantize"] and fp8[10]["value"] == "keep"
     *dynamic, note = backend_option_updates("dynamic")
-    assert [u["visible"] for u in dynamic] == [False] * 6 + [True, False, False, False] and "storage=growing" in note
+    assert [u["visible"] for u in dynamic] == [False] * 6 + [True] + [False] * 4 and "storage=growing" in note
     assert dynamic[6]["choices"] == ["concat", "growing"] and dynamic[6]["value"] == "concat"
     assert hqq[7]["choices"] == ["none", "hadamard"] and hqq[7]["value"] == "none"  # rotation
     # nbits_value: first the empty field, "same as nbits" (the option unset), then the values' own bits
@@ -264,7 +265,7 @@ def test_backend_options_shown_from_the_registry():
 
 def test_switching_backend_keeps_the_values_the_new_backend_allows():
     *hqq, _ = backend_option_updates("hqq", 3, 32, 16, 1, 0)
-    assert [u.get("value") for u in hqq] == [3, 32, 16, 1, 0, "requantize", None, "none", "", "true"]  # as there
+    assert [u.get("value") for u in hqq] == [3, 32, 16, 1, 0, "requantize", None, "none", "", "true", "keep"]
     *quanto, _ = backend_option_updates("quanto", 3, 32, 16, 1, 0)
     assert [u.get("value") for u in quanto] == [
         4,
@@ -277,9 +278,10 @@ def test_switching_backend_keeps_the_values_the_new_backend_allows():
         "none",
         "",
         None,
+        "keep",
     ]  # nbits 3 and axis 1 are not quanto's: defaults; storage and optimize are hidden (not quanto's)
     *hqq, _ = backend_option_updates("hqq", None, None, 0, None, None)
-    assert [u.get("value") for u in hqq] == [4, 64, 128, 0, 0, "requantize", None, "none", "", "true"]
+    assert [u.get("value") for u in hqq] == [4, 64, 128, 0, 0, "requantize", None, "none", "", "true", "keep"]
     *dynamic, _ = backend_option_updates("dynamic", 4, 64, 128, 0, 0, "append", "growing")
     assert dynamic[6]["value"] == "growing" and not any(u["visible"] for i, u in enumerate(dynamic) if i != 6)
     # the values' bits kept where the backend takes them, hqq's 8 is not quanto's: back to "same as nbits"

@@ -29,10 +29,12 @@ from transformers.cache_utils import HQQQuantizedLayer, QuantizedLayer, QuantoQu
 
 from kvdemo.cache.attention import uses_query_rotation
 from kvdemo.cache.blockwise import blockwise_layer
+from kvdemo.cache.by_kind import library_cache, sliding_windows, with_kept_layers
 from kvdemo.cache.dequantize import EXACT_LAYERS, ExactHQQLayer, ExactQuantoLayer
-from kvdemo.cache.layer_kinds import is_latent
+from kvdemo.cache.fp8 import ExactFp8Layer
+from kvdemo.cache.layer_kinds import is_latent, quantized_layers
 from kvdemo.cache.layer_plan import LayerPrecision
-from kvdemo.cache.policies import FLUSH_POLICIES, OPTIMIZE_CHOICES, ROTATIONS
+from kvdemo.cache.policies import FLUSH_POLICIES, OPTIMIZE_CHOICES, ROTATIONS, SLIDING_CHOICES
 from kvdemo.cache.precision import value_precision_layer
 from kvdemo.cache.rotation import (
     QUERY_ROTATED_LAYERS,
@@ -44,6 +46,7 @@ from kvdemo.cache.rotation import (
     RotatedHQQLayer,
     RotatedQuantoLayer,
 )
+from kvdemo.cache.sliding import SlidingFp8Layer, sliding_layer
 
 _READ_WHOLE: ContextVar[bool] = ContextVar("kvdemo_read_whole", default=False)
 
@@ -191,7 +194,7 @@ def _per_layer(
     if nbits_value is not None or rotation != "none" or nbits_given:
         raise ValueError("a plan sets each layer's nbits, nbits_value and rotation; leave those out")
     if len(plan) != layers:
-        raise ValueError(f"the plan gives {len(plan)} layers and this model has {layers}")
+        raise ValueError(f"the plan gives {len(plan)} layers and this model has {layers} layers that are quantized")
     return plan
 
 
@@ -225,6 +228,42 @@ def _checked(
     )
 
 
+def _own_layer(
+    first: QuantizedLayer,
+    precision: LayerPrecision,
+    flush: str,
+    window: int | None,
+    rotate_query: bool,
+    blockwise: bool,
+):
+    """kvdemo's layer for one quantized layer of precision `precision` (a sliding one of `window` tokens), built
+    with the options of transformers' own layer `first`; None where transformers' own layer is that layer.
+
+    A sliding layer (`kvdemo.cache.sliding`) re-quantizes its window at a flush and reads it whole, rotated back on
+    read: no `append`, no block-wise read, no query-side rotation."""
+    library_class: type = type(first)
+    layer_class = _layer_class(
+        library_class,
+        flush if window is None else FLUSH_POLICIES[0],
+        precision.rotation,
+        rotate_query and window is None,
+        blockwise and window is None,
+    )
+    if not issubclass(layer_class, QuantizedLayer):  # fp8: per tensor, de-quantized by bit placement
+        return ExactFp8Layer() if window is None else SlidingFp8Layer(window)
+    extra: dict = {}
+    if precision.nbits_value != precision.nbits:
+        layer_class, extra = value_precision_layer(layer_class), {"nbits_value": precision.nbits_value}
+    if window is not None:
+        layer_class, extra = sliding_layer(layer_class), {**extra, "sliding_window": window}
+    if layer_class is library_class and precision.nbits == getattr(first, "nbits", 0):
+        return None  # transformers' own layer, as QuantizedCache built it
+    # the same options as transformers' own layers (built from the same keywords, so validated the same way)
+    kwargs = {name: getattr(first, name) for name in ("axis_key", "axis_value")}
+    kwargs.update(nbits=precision.nbits, q_group_size=first.q_group_size, residual_length=first.residual_length)
+    return layer_class(**kwargs, **extra)
+
+
 def quantized_cache(
     backend: str,
     config: PreTrainedConfig,
@@ -235,9 +274,12 @@ def quantized_cache(
     rotate_query: bool | None = None,
     plan: Sequence[LayerPrecision] | None = None,
     blockwise: bool | None = None,
+    sliding: str = SLIDING_CHOICES[0],
     **options,
 ) -> QuantizedCache:
-    """transformers' `QuantizedCache(backend, config, **options)`, with its layers given the flush policy `flush`,
+    """transformers' `QuantizedCache(backend, config, **options)` built layer by layer from the model's layer kinds
+    (`kvdemo.cache.by_kind`: the full-attention layers quantized, the others as `sliding` says and transformers
+    builds them), with its quantized layers given the flush policy `flush`,
     the rotation `rotation` (`kvdemo.cache.rotation`), the values' own precision `nbits_value`
     (`kvdemo.cache.precision`) and, for hqq, its optimiser switched by `optimize` (`kvdemo.cache.hqq_optimize`);
     or, with a `plan`, each layer its own nbits, nbits_value and rotation (`kvdemo.cache.layer_plan`).
@@ -253,10 +295,15 @@ def quantized_cache(
             rotate every read back (`RotationMixin`, any attention); None: the query side exactly when `config`
             attends through `kvdemo_attention` (`kvdemo.cache.attention.install`) and caches its keys and values
             as attention reads them (not a latent: `kvdemo.cache.layer_kinds.is_latent`).
-        plan: one `LayerPrecision` per layer, replacing `nbits`, `nbits_value`, `rotation` (left unset); None: alike.
+        plan: one `LayerPrecision` per quantized layer (`kvdemo.cache.layer_kinds.quantized_layers`), replacing
+            `nbits`, `nbits_value`, `rotation` (left unset); None: alike.
         blockwise: decode steps attend to the store block by block (`kvdemo.cache.blockwise`, needs
             `kvdemo_attention`), or read it whole as transformers does (False); None: block-wise exactly when
             `config` attends through `kvdemo_attention` and is not latent.
+        sliding: `keep` the sliding-window layers at full precision (transformers' `DynamicSlidingWindowLayer`) or
+            `quantize` them (`kvdemo.cache.sliding`: the window re-quantized at each flush, read whole, a rotation on
+            the read side). Linear-attention, conv, hybrid and KV-shared layers are always transformers' own
+            (`kvdemo.cache.by_kind`).
         options: the group-wise options (nbits, q_group_size, residual_length, axis_key, axis_value).
 
     Raises:
@@ -272,26 +319,15 @@ def quantized_cache(
         >>> cache = quantized_cache("quanto", model.config, plan=parse_plan("k4v2h*20+k2v2h*10"))
     """
     rotate_query, blockwise = _checked(config, flush, rotation, optimize, rotate_query, blockwise)
-    cache = QuantizedCache(backend, config, **options)
+    cache = library_cache(backend, config, **options)
     first = cast(QuantizedLayer, cache.layers[0])
-    plan = _per_layer(plan, first, len(cache.layers), nbits_value, rotation, "nbits" in options)
-    library_class: type = type(first)
-    layers: list[QuantizedLayer | None] = []
-    for precision in plan:
-        layer_class = _layer_class(library_class, flush, precision.rotation, rotate_query, blockwise)
-        extra = {}
-        if precision.nbits_value != precision.nbits:
-            if not issubclass(layer_class, QuantizedLayer):
-                raise ValueError(f"nbits_value needs a group-wise layer with nbits; {layer_class.__name__} has none")
-            layer_class, extra = value_precision_layer(layer_class), {"nbits_value": precision.nbits_value}
-        if layer_class is library_class and precision.nbits == getattr(first, "nbits", 0):
-            layers.append(None)  # transformers' own layer, as QuantizedCache built it
-            continue
-        # the same options as transformers' own layers (built from the same keywords, so validated the same way)
-        kwargs = {name: getattr(first, name) for name in ("axis_key", "axis_value")}
-        kwargs.update(nbits=precision.nbits, q_group_size=first.q_group_size, residual_length=first.residual_length)
-        layers.append(layer_class(**kwargs, **extra))
-    cache.layers = [own if layer is None else layer for own, layer in zip(cache.layers, layers)]
+    quantized, windows = quantized_layers(config, sliding), sliding_windows(config)
+    plan = _per_layer(plan, first, len(quantized), nbits_value, rotation, "nbits" in options)
+    layers: list = list(cache.layers)
+    for index, precision in zip(quantized, plan):
+        own = _own_layer(first, precision, flush, windows[index], rotate_query, blockwise)
+        layers[index] = layers[index] if own is None else own
+    cache.layers = layers
     if optimize == "false":
         from kvdemo.cache.hqq_optimize import MinMaxQuantizer
 
@@ -301,4 +337,4 @@ def quantized_cache(
 
         for layer in cache.layers:
             cast(HQQQuantizedLayer, layer).quantizer = MinMaxQuantizer  # the library's layer calls `self.quantizer`
-    return cache
+    return with_kept_layers(cache, config, sliding)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedConfig
 
-from kvdemo.cache.layer_kinds import LAYER_KINDS, is_latent, layer_types
+from kvdemo.cache.layer_kinds import KEEP, LAYER_KINDS, QUANTIZE, is_latent, layer_actions, layer_types
 
 
 @dataclass(frozen=True)
@@ -127,6 +127,16 @@ def kv_geometry(model_config: PreTrainedConfig) -> KVGeometry:
             _layer(kind, layer_config, extra.get("sliding_window"), latent)
             for kind, layer_config, extra in zip(layer_types(model_config), cfg.per_layer_config, kwargs)
         )
+    )
+
+
+def split_geometry(model_config: PreTrainedConfig, sliding: str) -> tuple[KVGeometry, KVGeometry]:
+    """(quantized, kept): the layers a quantized backend stores quantized and the layers it keeps at full precision
+    (`kvdemo.cache.layer_kinds.layer_actions` with the spec's `sliding`); layers that hold nothing in neither."""
+    geo, actions = kv_geometry(model_config), layer_actions(model_config, True, sliding)
+    return (
+        KVGeometry(tuple(layer for layer, action in zip(geo.per_layer, actions) if action == QUANTIZE)),
+        KVGeometry(tuple(layer for layer, action in zip(geo.per_layer, actions) if action == KEEP)),
     )
 
 

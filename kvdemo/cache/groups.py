@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvdemo.cache.layer_plan import parse_plan
+from kvdemo.cache.policies import SLIDING_CHOICES
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
@@ -30,10 +31,13 @@ def tensors(opts: SpecOptions) -> list[tuple[str, int, str, int]]:
     ]
 
 
-def _shapes(model_config: PreTrainedConfig, axis_name: str) -> list[tuple[int, int]]:
-    from kvdemo.cache.geometry import kv_geometry
+def _shapes(model_config: PreTrainedConfig, axis_name: str, opts: SpecOptions) -> list[tuple[int, int]]:
+    """The stored (heads, width) of the keys or the values over the layers the backend quantizes (a layer kept at
+    full precision has no groups: `kvdemo.cache.geometry.split_geometry`)."""
+    from kvdemo.cache.geometry import split_geometry
 
-    return kv_geometry(model_config).shapes("keys" if axis_name == "axis_key" else "values")
+    quantized, _ = split_geometry(model_config, str(opts.get("sliding", SLIDING_CHOICES[0])))
+    return quantized.shapes("keys" if axis_name == "axis_key" else "values")
 
 
 def first_problem(
@@ -44,7 +48,7 @@ def first_problem(
     if rule is None:
         return None
     for axis_name, axis, bits_name, bits in tensors(opts):
-        for heads, width in _shapes(model_config, axis_name):
+        for heads, width in _shapes(model_config, axis_name, opts):
             problem = rule(bits, opts["q_group_size"], axis, heads, width)
             if problem:
                 return axis_name, axis, bits_name, bits, problem
@@ -56,10 +60,10 @@ def sizes_that_fit(rule: GroupRule | None, opts: SpecOptions, model_config: PreT
     options' bits and axes, on every layer's stored shape: ascending lists, empty without a group rule."""
     if rule is None:
         return {"axis_key": [], "axis_value": []}
-    widest = max(h * w for name in ("axis_key", "axis_value") for h, w in _shapes(model_config, name))
+    widest = max(h * w for name in ("axis_key", "axis_value") for h, w in _shapes(model_config, name, opts))
     fits: dict[str, list[int]] = {}
     for name, axis, _, bits in tensors(opts):  # a plan's several bits per tensor: the sizes that fit them all
-        shapes = _shapes(model_config, name)
+        shapes = _shapes(model_config, name, opts)
         fits[name] = [
             g for g in fits.get(name, range(1, widest + 1)) if all(rule(bits, g, axis, h, w) is None for h, w in shapes)
         ]

@@ -1,16 +1,24 @@
 """What kvdemo does with each kind of cache layer, by transformers' layer type: the one place that maps
 `config.layer_types` (as `transformers.cache_utils.get_layer_types_and_kwargs` reads them, KV-shared and MLP-only
-layers turned into `dummy`) to what a backend may do with a layer, what the snapshot keeps of it, and what the
-geometry counts. The spec's checks (`kvdemo.cache.spec`), the geometry (`kvdemo.cache.geometry`) and the snapshot
-(`kvdemo.cache.snapshot`) read it.
+layers turned into `dummy`) to what a backend does with a layer (`LayerKind.action`: quantize it, keep it as
+transformers builds it, or hold nothing), what the snapshot keeps of it, and what the geometry counts. The spec's
+checks (`kvdemo.cache.spec`), the cache builder (`kvdemo.cache.by_kind`), the geometry (`kvdemo.cache.geometry`),
+the telemetry, the planner and the snapshot (`kvdemo.cache.snapshot`) read it.
 
-- `full_attention`: keys and values that grow with the context; every backend.
+- `full_attention`: keys and values that grow with the context; every backend stores them (quantized on the
+  quantized backends).
 - `sliding_attention`, `chunked_attention`: keys and values of the last `sliding_window` tokens
-  (`DynamicSlidingWindowLayer`); `dynamic` only (transformers' `QuantizedCache` raises on them).
+  (`DynamicSlidingWindowLayer`). A quantized backend keeps them at full precision as transformers builds them
+  (`sliding=keep`, the default: vLLM's `kv_cache_dtype_skip_layers=sliding_window`, mlx-lm's rotating cache), or
+  quantizes them too (`sliding=quantize`, llama.cpp's choice: `kvdemo.cache.sliding`).
 - `linear_attention`, `conv`: a fixed-size conv and recurrent state written in place (Mamba, gated DeltaNet,
-  LFM2's short convolutions): no keys, no values; `dynamic` only, the snapshot clones the states.
-- `hybrid`, `hybrid_sliding`: one layer with both (Falcon-H1); `dynamic` only.
+  LFM2's short convolutions): no keys, no values; kept as transformers builds them, the snapshot clones the states.
+- `hybrid`, `hybrid_sliding`: one layer with both (Falcon-H1); kept whole at full precision on every backend
+  (transformers' combined layer class holds the attention and the Mamba parts together).
 - `dummy`: a layer that holds nothing (KV shared with an earlier layer, Gemma 3n/4; or no attention).
+
+A quantized backend must quantize at least one layer: a spec that would quantize nothing (a model of sliding layers
+alone with `sliding=keep`, Falcon-H1's combined layers) is refused, never a full-precision cache labelled quantized.
 
 Latent caches (Multi-head Latent Attention: DeepSeek-V2/V3, MiniCPM3, Kimi, GLM-4 MoE Lite, Mistral 4) are
 `full_attention` layers whose stored tensors are not the attention's keys and values: the model caches a
@@ -30,8 +38,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvdemo.cache.policies import SLIDING_CHOICES
+
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
+
+QUANTIZE, KEEP, NOTHING = "quantize", "keep", "nothing"
+"""What a backend does with a layer (`LayerKind.action`)."""
 
 
 class UnsupportedModelError(ValueError):
@@ -48,7 +61,8 @@ class LayerKind:
         holds_kv: the layer caches keys and values (`layer.keys`, `layer.values`).
         in_place_state: the layer holds conv or recurrent states written in place (cloned by the snapshot).
         sliding: the keys and values are the last `sliding_window` tokens only.
-        quantizable: a quantized backend (`QuantizedCache`) may store this layer.
+        quantizable: a quantized backend stores this layer quantized (full attention; a sliding layer with
+            `sliding=quantize`, see `action`).
     """
 
     name: str
@@ -56,6 +70,20 @@ class LayerKind:
     in_place_state: bool = False
     sliding: bool = False
     quantizable: bool = False
+
+    def action(self, quantized: bool, sliding: str = SLIDING_CHOICES[0]) -> str:
+        """What a backend does with this layer: `QUANTIZE` (a quantized backend's layer), `KEEP` (transformers'
+        own dynamic layer, full precision) or `NOTHING` (a layer that holds nothing).
+
+        Args:
+            quantized: whether the backend quantizes (`Backend.quantized`).
+            sliding: the spec's `sliding` option (`kvdemo.cache.policies.SLIDING_CHOICES`).
+        """
+        if not self.holds_kv and not self.in_place_state:
+            return NOTHING
+        if quantized and (self.quantizable or (self.sliding and not self.in_place_state and sliding == "quantize")):
+            return QUANTIZE
+        return KEEP
 
 
 LAYER_KINDS: dict[str, LayerKind] = {
@@ -96,13 +124,28 @@ def kinds_text(types: Sequence[str]) -> str:
     return " + ".join(f"{n} {name}" for name, n in counts.items()) + " layers"
 
 
-def serving_problem(backend: str, quantized: bool, model_config: PreTrainedConfig) -> str | None:
+def layer_actions(model_config: PreTrainedConfig, quantized: bool, sliding: str = SLIDING_CHOICES[0]) -> list[str]:
+    """`LayerKind.action` of each decoder layer, in order (`QUANTIZE`, `KEEP`, `NOTHING`); a layer type kvdemo does
+    not know counts as `KEEP` (`serving_problem` refuses it first)."""
+    unknown = LayerKind("unknown", holds_kv=True)
+    return [LAYER_KINDS.get(kind, unknown).action(quantized, sliding) for kind in layer_types(model_config)]
+
+
+def quantized_layers(model_config: PreTrainedConfig, sliding: str = SLIDING_CHOICES[0]) -> list[int]:
+    """The indices of the layers a quantized backend stores quantized (a plan gives one entry to each)."""
+    return [i for i, action in enumerate(layer_actions(model_config, True, sliding)) if action == QUANTIZE]
+
+
+def serving_problem(
+    backend: str, quantized: bool, model_config: PreTrainedConfig, sliding: str = SLIDING_CHOICES[0]
+) -> str | None:
     """Why `backend` cannot serve this model's layers, with what would work, or None.
 
     Args:
         backend: the backend's name (for the message).
         quantized: whether it is a quantized backend (`Backend.quantized`).
         model_config: the model's config.
+        sliding: the spec's `sliding` option (`keep` or `quantize`).
     """
     types = layer_types(model_config)
     unknown = sorted(set(types) - set(LAYER_KINDS))
@@ -114,11 +157,16 @@ def serving_problem(backend: str, quantized: bool, model_config: PreTrainedConfi
         )
     if not any(LAYER_KINDS[t].holds_kv for t in types):
         return f"this model has {kinds_text(types)}: no layer caches keys and values, so there is no KV cache to show"
-    if quantized:
-        kept = sorted({t for t in types if not LAYER_KINDS[t].quantizable})
-        if kept:
-            return (
-                f"backend={backend} cannot store {', '.join(kept)} layers yet: transformers' QuantizedCache stores "
-                f"full_attention layers only, and this model has {kinds_text(types)}. backend=dynamic serves it"
-            )
+    if quantized and not quantized_layers(model_config, sliding):
+        slides = any(LAYER_KINDS[t].sliding and not LAYER_KINDS[t].in_place_state for t in types)
+        fix = (
+            "set sliding=quantize to quantize the sliding-window layers (llama.cpp's choice), or use backend=dynamic"
+            if slides and sliding != "quantize"
+            else "backend=dynamic serves it"
+        )
+        return (
+            f"backend={backend} would quantize nothing here: this model has {kinds_text(types)}, and kvdemo "
+            f"quantizes full_attention layers (sliding_attention ones with sliding=quantize) and keeps the others at "
+            f"full precision (hybrid attention-and-Mamba layers whole); {fix}"
+        )
     return None

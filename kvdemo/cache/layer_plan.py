@@ -116,11 +116,16 @@ def canonical_plan(text: str) -> str:
 
 
 def plan_problem(layers: Sequence[LayerPrecision], model_layers: int, allowed_bits: Sequence[int]) -> str | None:
-    """Why a plan cannot run on a model with `model_layers` layers and a backend taking `allowed_bits`, or None.
+    """Why a plan cannot run on a model with `model_layers` quantized layers (`kvdemo.cache.layer_kinds
+    .quantized_layers`: a plan gives bits only to the layers that take them) and a backend taking `allowed_bits`,
+    or None.
 
     The message says what to change: the layer count the model has, or the bits the backend takes."""
     if len(layers) != model_layers:
-        return f"the plan gives {len(layers)} layers and this model has {model_layers}; give one entry per layer"
+        return (
+            f"the plan gives {len(layers)} layers and this model has {model_layers} layers that are quantized; give "
+            "one entry per quantized layer (full_attention layers, and sliding_attention ones with sliding=quantize)"
+        )
     for index, layer in enumerate(layers):
         for name, bits in (("nbits", layer.nbits), ("nbits_value", layer.nbits_value)):
             if bits not in allowed_bits:

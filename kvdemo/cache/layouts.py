@@ -34,19 +34,21 @@ def full_precision_bytes(opts, geo: KVGeometry, tokens, residual, element, nomin
 
 
 def fp8_bytes(opts, geo: KVGeometry, tokens, residual, element, nominal) -> float:
-    """One byte per value (float8_e4m3) plus one float32 scale per layer and tensor (transformers'
-    `Fp8QuantizedLayer`; kvdemo's de-quantization, `kvdemo.cache.fp8`, holds nothing more)."""
-    return geo.values_per_token * tokens + 2 * len(geo.kv_layers) * 4
+    """One byte per value held (float8_e4m3; a sliding layer its window, `kvdemo.cache.sliding`) plus one float32
+    scale per layer and tensor (transformers' `Fp8QuantizedLayer`; kvdemo's de-quantization, `kvdemo.cache.fp8`,
+    holds nothing more). `geo`: the quantized layers."""
+    return geo.values_held(tokens) + 2 * len(geo.kv_layers) * 4
 
 
 def group_bytes(stored_bits: dict[int, float]) -> Callable[..., float]:
     """Group-wise affine quantization with a full-precision residual: `residual` tokens in the model's dtype,
     the others at nbits per key value and nbits_value per value value (`stored_bits[n]` where the packing pads)
-    plus a scale and a zero point in the model's dtype per group of q_group_size values. Keys and values are half
-    of the values per token each (V / 2 = layers x kv_heads x head_dim). Source: x ~ scale * (q - zero) per group
+    plus a scale and a zero point in the model's dtype per group of q_group_size values, summed over the quantized
+    layers of `geo` (each its own key and value widths: a latent's differ). Source: x ~ scale * (q - zero) per group
     (HQQ, Badri and Shaji 2023; optimum-quanto) with KIVI's full-precision residual (Liu et al. 2024), whose
     keys and values take their bits apart (its `k_bits`, `v_bits`). With a per-layer `plan`
-    (`kvdemo.cache.layer_plan`) each layer's share (V / layers) takes that layer's bits; the scales are the same.
+    (`kvdemo.cache.layer_plan`) each quantized layer takes its own bits; the scales are the same. A sliding layer
+    quantized (`sliding=quantize`) holds at most its window in its store.
 
     The same for both flush policies: with `flush=append` the store is a list of blocks (the prefill's, then one
     per flush), each with its own scales and zero points, so no group spans a block's boundary. Every grouping
@@ -58,18 +60,22 @@ def group_bytes(stored_bits: dict[int, float]) -> Callable[..., float]:
     def stored(bits: int, nominal: bool) -> float:
         return bits if nominal else stored_bits.get(bits, bits)
 
-    def layer_bits(opts, nominal) -> list[tuple[float, float]]:
-        """(key bits, value bits) per layer as stored: one pair for every layer alike, or the plan's, layer by
-        layer (each layer holds the same share of the values per token)."""
+    def layer_bits(opts, nominal, layers: int) -> list[tuple[float, float]]:
+        """(key bits, value bits) per quantized layer as stored: the same pair for every layer, or the plan's."""
         if opts.get(PLAN):
             return [(stored(p.nbits, nominal), stored(p.nbits_value, nominal)) for p in parse_plan(opts[PLAN])]
-        return [(stored(opts["nbits"], nominal), stored(opts.get("nbits_value", opts["nbits"]), nominal))]
+        return [(stored(opts["nbits"], nominal), stored(opts.get("nbits_value", opts["nbits"]), nominal))] * layers
 
     def formula(opts, geo: KVGeometry, tokens, residual, element, nominal) -> float:
-        values, bits = geo.values_per_token, layer_bits(opts, nominal)
-        scales = 2 * element * values / opts["q_group_size"]  # a scale and a zero point per group
-        per_token = sum(values / 2 / len(bits) * (k + v) / 8 for k, v in bits) + scales
-        return per_token * (tokens - residual) + values * element * residual
+        total = 0.0
+        for layer, (key_bits, value_bits) in zip(geo.per_layer, layer_bits(opts, nominal, geo.layers)):
+            keys, values = layer.key_heads * layer.key_dim, layer.value_heads * layer.value_dim
+            per_token = (keys * key_bits + values * value_bits) / 8 + 2 * element * (keys + values) / opts[
+                "q_group_size"
+            ]
+            # a sliding layer's store holds its window at most (`kvdemo.cache.sliding`); the residual beside it
+            total += per_token * layer.tokens_held(tokens - residual) + (keys + values) * element * residual
+        return total
 
     return formula
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 from kvdemo.cache.layer_plan import PLAN, canonical_plan, parse_plan
 from kvdemo.cache.layer_plan import SYNTAX as PLAN_SYNTAX
 from kvdemo.cache.layouts import fp8_bytes, full_precision_bytes, group_bytes, hqq_group_problem, quanto_group_problem
-from kvdemo.cache.policies import FLUSH_POLICIES, OPTIMIZE_CHOICES, ROTATIONS, STORAGE_POLICIES
+from kvdemo.cache.policies import FLUSH_POLICIES, OPTIMIZE_CHOICES, ROTATIONS, SLIDING_CHOICES, STORAGE_POLICIES
 
 # Reading the registry loads neither torch nor transformers (the command line's `--help` reads it): the modules
 # that build a cache are imported by the functions that build one.
@@ -41,6 +41,7 @@ GROUP_OPTIONS = (
     "rotation",
     "nbits_value",
     "optimize",
+    "sliding",
 )
 """Every option a backend may take that the Ask tab shows as a field, in the order the page and the command line show
 them (one added later goes last: the page state a browser keeps lists the values in this order)."""
@@ -68,6 +69,7 @@ class SpecOptions(TypedDict, total=False):
     storage: str
     rotation: str
     optimize: str
+    sliding: str
     plan: str
 
 
@@ -90,6 +92,9 @@ class Option:
         canonical: for a text option written in a syntax of its own rather than chosen from `choices` (`plan`), the
             function that checks a text and gives its one canonical form (raises ValueError saying what to change);
             `syntax` describes that syntax in one line.
+        acts_on: the layer kinds the option changes, where it does not act on full-attention layers (`sliding`:
+            sliding_attention, chunked_attention); empty for the others. `kvdemo.cache.catalogue.all_specs` leaves
+            such an option at its default (on the test models it changes nothing); the model-family matrix runs it.
     """
 
     name: str
@@ -100,6 +105,7 @@ class Option:
     same_as: str | None = None
     canonical: Callable[[str], str] | None = None
     syntax: str = ""
+    acts_on: tuple[str, ...] = ()
 
     @property
     def is_text(self) -> bool:
@@ -137,11 +143,12 @@ class Backend:
         name: the name a spec uses (`dynamic`, `quanto`, `hqq`, `fp8`).
         summary: one line for the page, `--help` and the README: what stores the cache.
         behaviour: one line on its residual and flushes, for the page.
-        quantized: True for the `QuantizedCache` backends; those need a model whose layers are all full attention.
+        quantized: True for the `QuantizedCache` backends; they quantize the layers `kvdemo.cache.layer_kinds` says
+            they take (full attention; sliding with `sliding=quantize`) and keep the others at full precision.
         make_cache: `make_cache(name, options, model_config) -> Cache`, the empty cache of validated options (the
             backend's `name`, the options a spec sets: `CacheSpec.given()`), called by `Backend.empty_cache`.
         kv_bytes: its `BytesFormula`.
-        options: the options it takes, by name (only `storage` for `dynamic`, none for `fp8`).
+        options: the options it takes, by name (only `storage` for `dynamic`, only `sliding` for `fp8`).
         group_rule: its `GroupRule` for q_group_size, or None when it takes no q_group_size.
         compare_nbits: the nbits it is compared at by default (`(None,)`: the backend as it is; `()`: not at all),
             each at every `rotation` it takes (`kvdemo.cache.catalogue.default_compare_specs`).
@@ -183,6 +190,17 @@ class Backend:
         """Its options with allowed values and defaults, e.g. `nbits 2|4 (default 4), ...`; `none` without."""
         text = ", ".join(f"{n} {o.allowed_text()} (default {o.default_text})" for n, o in self.options.items())
         return text or "none"
+
+
+SLIDING_OPTION = Option(
+    "sliding",
+    SLIDING_CHOICES[0],
+    choices=SLIDING_CHOICES,
+    help="sliding-window layers: keep them at full precision as transformers builds them (vLLM, mlx-lm), or quantize "
+    "them too, forgetting tokens past the window (llama.cpp)",
+    acts_on=("sliding_attention", "chunked_attention"),
+)
+"""The quantized backends' `sliding` option (`kvdemo.cache.policies.SLIDING_CHOICES`, `kvdemo.cache.layer_kinds`)."""
 
 
 def _group_options(nbits: tuple[int, ...], axes: tuple[int, ...]) -> dict[str, Option]:
@@ -227,6 +245,7 @@ def _group_options(nbits: tuple[int, ...], axes: tuple[int, ...]) -> dict[str, O
             help="hadamard: keys and values rotated along head_dim before quantizing, the query rotated to match "
             "(QuaRot, llama.cpp); none: as transformers",
         ),
+        "sliding": SLIDING_OPTION,
         PLAN: Option(
             PLAN,
             "",
@@ -249,15 +268,11 @@ def _dynamic_cache(name: str, options: SpecOptions, config: PreTrainedConfig) ->
 
 
 def _fp8_cache(name: str, options: Mapping[str, Any], config: PreTrainedConfig) -> Cache:
-    """transformers' `QuantizedCache("fp8", config)` whose layers de-quantize by bit placement
-    (`kvdemo.cache.fp8.ExactFp8Layer`: the same bits, the same store)."""
-    from transformers import QuantizedCache
+    """transformers' `QuantizedCache("fp8", config)` built by layer kind (`kvdemo.cache.flush.quantized_cache`),
+    whose layers de-quantize by bit placement (`kvdemo.cache.fp8.ExactFp8Layer`: the same bits, the same store)."""
+    from kvdemo.cache.flush import quantized_cache
 
-    from kvdemo.cache.fp8 import ExactFp8Layer
-
-    cache = QuantizedCache(name, config, **options)
-    cache.layers = [ExactFp8Layer() for _ in cache.layers]
-    return cache
+    return quantized_cache(name, config, sliding=str(options.get("sliding", SLIDING_CHOICES[0])))
 
 
 def _residual_cache(name: str, options: Mapping[str, Any], config: PreTrainedConfig) -> Cache:
@@ -271,9 +286,10 @@ def _residual_cache(name: str, options: Mapping[str, Any], config: PreTrainedCon
     flush, rotation = str(options.pop("flush", FLUSH_POLICIES[0])), str(options.pop("rotation", ROTATIONS[0]))
     nbits_value = options.pop("nbits_value", None)
     optimize = str(options.pop("optimize", OPTIMIZE_CHOICES[0]))
+    sliding = str(options.pop("sliding", SLIDING_CHOICES[0]))
     plan = parse_plan(str(options.pop(PLAN))) if options.get(PLAN) else None
     return quantized_cache(
-        name, config, flush, rotation, nbits_value=nbits_value, optimize=optimize, plan=plan, **options
+        name, config, flush, rotation, nbits_value=nbits_value, optimize=optimize, plan=plan, sliding=sliding, **options
     )
 
 
@@ -334,6 +350,7 @@ BACKENDS: dict[str, Backend] = {
         quantized=True,
         make_cache=_fp8_cache,
         kv_bytes=fp8_bytes,
+        options={"sliding": SLIDING_OPTION},
     ),
 }
 

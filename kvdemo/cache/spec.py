@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from kvdemo.cache.layer_plan import PLAN, canonical_plan, parse_plan, plan_problem
+from kvdemo.cache.policies import SLIDING_CHOICES
 from kvdemo.cache.registry import BACKENDS, PLANNED, SPEC_OPTIONS, Backend, SpecOptions
 from kvdemo.checks import shown
 
@@ -42,7 +43,8 @@ class CacheSpec:
             (`concat`, `growing`: `kvdemo.cache.storage`); rotation: `hadamard` rotates keys and values before
             quantizing (`kvdemo.cache.rotation`), `none` does not; nbits_value: bits per quantized value of the
             values alone (`kvdemo.cache.precision`; None: nbits, as transformers); optimize: hqq's optimiser of
-            zero points on (`true`, hqq's default) or off (`false`: `kvdemo.cache.hqq_optimize`); plan: each
+            zero points on (`true`, hqq's default) or off (`false`: `kvdemo.cache.hqq_optimize`); sliding: `keep`
+            the sliding-window layers at full precision or `quantize` them (`kvdemo.cache.layer_kinds`); plan: each
             layer's nbits, nbits_value and rotation (`kvdemo.cache.layer_plan`, e.g. `k4v2h*12+k2v2h*18`; set, it
             replaces those three options, which stay unset). Which backend takes which, and the values allowed,
             are in its registry entry (`Backend.options`).
@@ -64,6 +66,7 @@ class CacheSpec:
     rotation: str | None = None
     nbits_value: int | None = None
     optimize: str | None = None
+    sliding: str | None = None
     plan: str | None = None
 
     def __post_init__(self) -> None:
@@ -176,7 +179,7 @@ class CacheSpec:
                 raise ValueError(f"spec {text!r}: {name} is given twice")
             options[name] = value
         for name, value in options.items():
-            if _is_text_option(name):
+            if any(b.options[name].is_text for b in BACKENDS.values() if name in b.options):  # words
                 options[name] = value.lower()
                 continue
             if not re.fullmatch(r"-?[0-9]+", value):
@@ -204,7 +207,7 @@ class CacheSpec:
             UnsupportedModelError (a ValueError): the backend cannot serve the model's kind of layers
                 (`kvdemo.cache.layer_kinds.serving_problem`: the message names them and what would work).
             ValueError: naming the option, the value given and the values allowed: an unknown backend, an
-                option the backend does not take (fp8 and dynamic take none), a value outside the registry's
+                option the backend does not take, a value outside the registry's
                 choices, a q_group_size that does not fit head_dim or the backend's bit packing, a
                 residual_length < 1, `rotation=hadamard` on a head_dim without a power-of-two block of 8 or more,
                 or a `plan` that does not parse, is given with nbits, nbits_value or rotation, or does not give
@@ -259,8 +262,7 @@ class CacheSpec:
         (64, transformers') does not fit every stored width (head_dim 80, 96; an MLA latent), the largest power of
         two below the default that fits the keys and values of every layer (32 for head_dim 96, 16 for 80), else
         the largest size below the default that fits, else the smallest that fits (never below `MIN_FITTED_GROUP`);
-        unchanged where the default
-        fits, the option is given, the backend has no q_group_size, or nothing fits (then `validate` says why)."""
+        unchanged where the default fits, the option is given, the backend has no q_group_size, or nothing fits."""
         info = self.info
         if info.group_rule is None or self.q_group_size is not None or self.backend not in BACKENDS:
             return self
@@ -293,16 +295,17 @@ class CacheSpec:
             UnsupportedModelError, ValueError: see `validate`."""
         info = self.info
         from kvdemo.cache.geometry import kv_geometry
-        from kvdemo.cache.layer_kinds import UnsupportedModelError, serving_problem
+        from kvdemo.cache.layer_kinds import UnsupportedModelError, quantized_layers, serving_problem
         from kvdemo.cache.rotation import rotation_problem
 
-        problem = serving_problem(self.backend, info.quantized, model_config)
+        sliding = str(self.resolved().get("sliding", SLIDING_CHOICES[0]))
+        problem = serving_problem(self.backend, info.quantized, model_config, sliding)
         if problem:
             raise UnsupportedModelError(problem)
         if self.plan:
             problem = plan_problem(
                 parse_plan(self.plan),
-                kv_geometry(model_config).layers,
+                len(quantized_layers(model_config, sliding)),
                 cast("tuple[int, ...]", info.options["nbits"].choices),
             )
             if problem:
@@ -334,11 +337,6 @@ def _rotations(spec: CacheSpec) -> list[str]:
     return [str(spec.resolved().get("rotation", "none"))]
 
 
-def _is_text_option(name: str) -> bool:
-    """Whether the option `name` takes words (`flush`, `storage`) rather than integers, in any registry backend."""
-    return any(b.options[name].is_text for b in BACKENDS.values() if name in b.options)
-
-
 def allowed_group_sizes(spec: CacheSpec, model_config: PreTrainedConfig) -> dict[str, list[int]]:
     """The q_group_size values that run with `spec`'s backend, nbits and axes on this model, per axis option
     (`kvdemo.cache.groups.sizes_that_fit`): {"axis_key": [...], "axis_value": [...]}, ascending; empty lists for
@@ -363,7 +361,8 @@ def estimate_kv_bytes(
     per token and e = the dtype's element size: `dynamic` V x e per token; `fp8` V x 1 byte per token plus a
     float32 scale per layer and tensor; `quanto`, `hqq`: r = min(residual_tokens, residual_length, tokens)
     tokens at V x e, the others at V x nbits / 8 plus a scale and a zero point of e bytes per q_group_size
-    values. Checked against `telemetry.kv_memory` for every backend and nbits in `tests/test_budget.py`.
+    values; the layers a quantized backend keeps (`kvdemo.cache.layer_kinds`) as `dynamic`'s. Checked against
+    `telemetry.kv_memory` for every backend and nbits in `tests/test_budget.py`.
 
     Args:
         tokens: all tokens in the cache (the cache length).
@@ -377,18 +376,21 @@ def estimate_kv_bytes(
     Raises:
         ValueError, ImportError: see `CacheSpec.validate`.
     """
-    from kvdemo.cache.geometry import element_size, kv_geometry
+    from kvdemo.cache.geometry import KVGeometry, element_size, kv_geometry, split_geometry
 
     spec = spec.validate(model_config)
     opts = spec.resolved()
     residual = max(min(residual_tokens, opts["residual_length"], tokens), 0) if "residual_length" in opts else 0
-    geo = kv_geometry(model_config)
-    return int(spec.info.kv_bytes(opts, geo, tokens, residual, element_size(dtype), nominal_bits))
+    element, geo, kept = element_size(dtype), kv_geometry(model_config), KVGeometry(())
+    if spec.info.quantized:  # the layers it keeps at full precision count as `dynamic`'s
+        geo, kept = split_geometry(model_config, str(opts.get("sliding", SLIDING_CHOICES[0])))
+    return int(
+        spec.info.kv_bytes(opts, geo, tokens, residual, element, nominal_bits) + element * kept.values_held(tokens)
+    )
 
 
 def build_cache(spec: CacheSpec, model_config: PreTrainedConfig) -> Cache:
-    """Validate `spec` and build its empty transformers cache for a model (the backend's `Backend.empty_cache`):
-    `DynamicCache(config=...)` for `dynamic`, `QuantizedCache(backend, config, **options)` for the others.
+    """Validate `spec` and build its empty transformers cache for a model (the backend's `Backend.empty_cache`).
 
     Example:
         >>> cache = build_cache(CacheSpec.parse("hqq:4"), model.config)

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, QuantizedLayer
+from transformers.cache_utils import BaseQuantizedLayer, Cache, CacheLayerMixin, QuantizedLayer
 
 from kvdemo.cache.layer_kinds import STATE_ATTRIBUTES
 
@@ -37,6 +37,22 @@ if TYPE_CHECKING:
 _QUANTIZED_ATTRIBUTES = ("_quantized_keys", "_quantized_values")
 """The layer attributes that hold a quantized store: the keys' and the values'."""
 _KV_ATTRIBUTES = (*_QUANTIZED_ATTRIBUTES, "keys", "values")
+
+LAYER_GROUPS = ("quantized", "sliding", "full", "state")
+"""What holds a cache's bytes (`MemoryReport.bytes_by_kind`): the quantized layers, the full-precision sliding-window
+layers, the full-precision layers that keep every token, and the conv and recurrent states."""
+
+
+def holder(layer: object) -> str:
+    """What holds a cache layer's keys and values: `quantized` (a quantized backend's layer), `sliding` (a
+    full-precision sliding-window layer), `full` (a full-precision layer keeping every token), `none`."""
+    if isinstance(layer, BaseQuantizedLayer):
+        return "quantized"
+    if getattr(layer, "keys", None) is None:  # a DummyLayer, states alone, or not filled yet
+        return "none"
+    return "sliding" if getattr(layer, "is_sliding", False) else "full"
+
+
 """The layer attributes that hold the KV cache's tensors (a quantized store, then the full-precision tensors)."""
 
 
@@ -56,6 +72,9 @@ class LayerMemory:
             layer's cloned recurrent states are always counted: `kvdemo.cache.snapshot`).
         state_bytes: the layer's conv and recurrent states (linear-attention and SSM layers; bytes), a fixed size
             whatever the context.
+        kind: what holds its keys and values (`LAYER_GROUPS`): `quantized` (a quantized backend's layer, full or
+            sliding), `sliding` (a full-precision sliding-window layer, which stops growing at its window), `full`
+            (a full-precision layer that keeps every token), or `none` (states alone, or nothing).
     """
 
     quantized_bytes: int
@@ -64,6 +83,12 @@ class LayerMemory:
     seq_length: int
     snapshot_bytes: int = 0
     state_bytes: int = 0
+    kind: str = "full"
+
+    @property
+    def kv_bytes(self) -> int:
+        """quantized_bytes + residual_bytes: the layer's keys and values (bytes)."""
+        return self.quantized_bytes + self.residual_bytes
 
     @property
     def cache_bytes(self) -> int:
@@ -122,6 +147,19 @@ class MemoryReport:
         under-reports (without a snapshot it equals cache_bytes)."""
         return self.cache_bytes + self.snapshot_bytes
 
+    def bytes_by_kind(self) -> dict[str, int]:
+        """What the cache holds by what holds it (bytes, snapshot not included): `quantized` (the layers the backend
+        stores, their residual included: what it shrinks), `sliding` (full-precision sliding-window layers: they
+        stop growing at their window), `full` (full-precision layers that keep every token), `state` (conv and
+        recurrent states: a fixed size). Every key, 0 where the model has none, so that they add up to
+        `cache_bytes`."""
+        out = dict.fromkeys(LAYER_GROUPS, 0)
+        for layer in self.layers:
+            if layer.kind in out:
+                out[layer.kind] += layer.kv_bytes
+            out["state"] += layer.state_bytes
+        return out
+
     @property
     def seq_length(self) -> int:
         """Tokens in the cache (the longest layer's count, as `Cache.get_seq_length()` of an attention layer)."""
@@ -138,6 +176,8 @@ class MemoryReport:
         }
         if self.state_bytes:
             out["state_bytes"] = self.state_bytes
+        if any(layer.kind not in ("quantized", "full") for layer in self.layers):  # a model of several kinds
+            out["bytes_by_kind"] = self.bytes_by_kind()
         if self.device_allocated_bytes is not None:
             out["device_allocated_bytes"] = self.device_allocated_bytes
         if per_layer:
@@ -280,6 +320,7 @@ def kv_memory(cache: Cache, snapshot: CacheSnapshot | None = None) -> MemoryRepo
                 residual_tokens=_tokens(keys),
                 seq_length=cast(CacheLayerMixin, layer).get_seq_length() if holds_kv else 0,
                 state_bytes=_bytes(tuple(getattr(layer, name, None) for name in STATE_ATTRIBUTES), seen, devices),
+                kind=holder(layer),
             )
         )
     if snapshot is not None:

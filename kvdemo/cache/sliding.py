@@ -1,0 +1,130 @@
+"""Quantized sliding-window layers (`sliding=quantize`): a quantized backend's own layer that keeps only the last
+`sliding_window - 1` tokens, exactly as transformers' `DynamicSlidingWindowLayer` does, so attention sees the same
+tokens under the same mask (`get_mask_sizes` is the sliding layer's own).
+
+- Residual backends (quanto, hqq; `SlidingQuantizedMixin`): the store holds at most the window's last
+  `sliding_window - 1` tokens, quantized at the prefill and at each flush by the library's own `_quantize`; new tokens
+  wait in the full-precision residual, as in transformers' `QuantizedLayer`. An update returns the last
+  `sliding_window - 1` cached tokens (de-quantized store, then residual) and the new ones: what the sliding layer
+  returns. At a flush the window is re-quantized (a window is small: 511 tokens on Gemma 3), so `flush=append` does
+  not apply to these layers. Between flushes the store may still hold up to `residual_length - 1` tokens that have
+  left the window (never returned to attention): held bytes are at most (window + residual_length - 1) tokens.
+- fp8 (`SlidingFp8Layer`): transformers' per-tensor scale frozen at the first update; each step appends the new
+  codes and keeps the last `sliding_window - 1` (a compact copy, so no longer storage stays pinned).
+
+Both assign new tensors at every update, so the snapshot's `vars(layer).copy()` restores them exactly
+(`kvdemo.cache.snapshot`). Pattern: llama.cpp quantizes its sliding-window (SWA) KV cache with the same
+`-ctk`/`-ctv` types as the full one (`llama-kv-cache-iswa`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvdemo.cache.fp8 import ExactFp8Layer
+from kvdemo.cache.rotation import LibraryLayer
+
+
+class SlidingWindowMask:
+    """The sliding-window mask sizes and length of transformers' `DynamicSlidingWindowLayer`, for a quantized
+    layer that counts `cumulative_length` tokens and keeps `sliding_window - 1` of them."""
+
+    is_sliding = True
+    sliding_window: int
+    cumulative_length: int
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """(kv_length, kv_offset) of the mask, as `DynamicSlidingWindowLayer.get_mask_sizes`."""
+        kv_offset = max(self.cumulative_length - self.sliding_window + 1, 0)
+        if self.cumulative_length >= self.sliding_window:
+            return self.sliding_window - 1 + query_length, kv_offset
+        return self.cumulative_length + query_length, kv_offset
+
+    def get_max_length(self) -> int:
+        """The most tokens attention reads from this layer (its window)."""
+        return self.sliding_window
+
+
+class SlidingQuantizedMixin(SlidingWindowMask, LibraryLayer):
+    """`sliding=quantize` for a transformers `QuantizedLayer` subclass (and kvdemo's rotation and value-precision
+    layers): see the module docstring. Built with `sliding_window` beside the library's own options."""
+
+    def __init__(self, *, sliding_window: int, **options) -> None:
+        super().__init__(**options)
+        self.sliding_window = sliding_window
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """transformers' `QuantizedLayer.update` over the window.
+
+        Args:
+            key_states, value_states: the new tokens, [batch, kv_heads, new tokens, head_dim].
+
+        Returns:
+            (keys, values) to attend to: the last `sliding_window - 1` cached tokens and the new ones, as
+            `DynamicSlidingWindowLayer.update` returns them (the prefill's first chunk: the new states as given).
+        """
+        keep = self.sliding_window - 1
+        self.cumulative_length += key_states.shape[-2]
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            self._quantized_keys = self._quantize(key_states[..., -keep:, :].contiguous(), axis=self.axis_key)
+            self._quantized_values = self._quantize(value_states[..., -keep:, :].contiguous(), axis=self.axis_value)
+            return key_states, value_states
+        assert self.keys is not None and self.values is not None  # set by the first update
+        residual = self.keys.shape[-2] if self.keys.dim() == 4 else 0
+        visible = keep + key_states.shape[-2]
+        keys = torch.cat([self._dequantize(self._quantized_keys), self.keys, key_states], dim=-2)[..., -visible:, :]
+        values = torch.cat([self._dequantize(self._quantized_values), self.values, value_states], dim=-2)
+        values = values[..., -visible:, :]
+        if residual + key_states.shape[-2] >= self.residual_length:  # a flush: the window quantized anew
+            self._quantized_keys = self._quantize(keys[..., -keep:, :].contiguous(), axis=self.axis_key)
+            self._quantized_values = self._quantize(values[..., -keep:, :].contiguous(), axis=self.axis_value)
+            self.keys = torch.tensor([], dtype=key_states.dtype, device=key_states.device)
+            self.values = torch.tensor([], dtype=key_states.dtype, device=key_states.device)
+        else:
+            self.keys = torch.cat([self.keys, key_states], dim=-2)
+            self.values = torch.cat([self.values, value_states], dim=-2)
+        return keys, values
+
+
+_SLIDING_LAYERS: dict[type, type] = {}
+
+
+def sliding_layer(layer_class: type) -> type:
+    """`layer_class` (a `QuantizedLayer` subclass) with `SlidingQuantizedMixin` in front, built once per class
+    (e.g. `SlidingRotatedQuantoLayer`): a subclass of `layer_class`."""
+    if layer_class not in _SLIDING_LAYERS:
+        name = "Sliding" + layer_class.__name__
+        _SLIDING_LAYERS[layer_class] = type(name, (SlidingQuantizedMixin, layer_class), {"__module__": __name__})
+    return _SLIDING_LAYERS[layer_class]
+
+
+class SlidingFp8Layer(SlidingWindowMask, ExactFp8Layer):
+    """transformers' `Fp8QuantizedLayer` (de-quantizing by bit placement, `kvdemo.cache.fp8`) over the window."""
+
+    def __init__(self, sliding_window: int) -> None:
+        super().__init__()
+        self.sliding_window = sliding_window
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """transformers' fp8 update (scale frozen at the first update, new codes appended) keeping the last
+        `sliding_window - 1` codes; returns what `DynamicSlidingWindowLayer.update` returns, de-quantized (the
+        prefill's first chunk: the new states as given)."""
+        keep = self.sliding_window - 1
+        first = not self.is_initialized
+        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        stores = []
+        for store in (self._quantized_keys, self._quantized_values):
+            codes, scale = store
+            if codes.shape[-2] > keep:
+                codes = codes[..., -keep:, :].clone()  # compact: the longer codes are not pinned
+            stores.append((codes, scale))
+        self._quantized_keys, self._quantized_values = stores
+        if first:
+            return keys, values
+        visible = keep + key_states.shape[-2]
+        return keys[..., -visible:, :], values[..., -visible:, :]
