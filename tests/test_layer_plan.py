@@ -75,7 +75,8 @@ def test_a_bad_plan_gets_the_registry_message(text, message):
     [
         (
             "quanto,plan=k4v4*3",
-            "the plan gives 3 layers and this model has 4 layers that are quantized; give one entry per quantized layer",
+            "the plan gives 3 layers and this model has 4 layers that are quantized; give one entry per quantized "
+            "layer",
         ),
         ("quanto,plan=k4v4*3+k3v4", r"layer 3 \(k3v4\) asks nbits=3; this backend takes 2, 4"),
         ("hqq,plan=k4v16*4", "asks nbits_value=16; this backend takes 1, 2, 3, 4, 8"),

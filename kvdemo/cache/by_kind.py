@@ -25,7 +25,8 @@ def library_cache(backend: str, config: PreTrainedConfig, **options) -> Quantize
     Raises:
         ValueError: the library's own refusal of an option (fp8 with a group-wise option, an unknown backend)."""
     layers = len(get_layer_types_and_kwargs(config.get_text_config(decoder=True))[0])
-    stand_in = PreTrainedConfig(num_hidden_layers=layers)
+    stand_in = PreTrainedConfig()
+    stand_in.num_hidden_layers = layers
     stand_in.layer_types = ["full_attention"] * layers
     return QuantizedCache(backend, stand_in, **options)
 

@@ -70,9 +70,8 @@ def group_bytes(stored_bits: dict[int, float]) -> Callable[..., float]:
         total = 0.0
         for layer, (key_bits, value_bits) in zip(geo.per_layer, layer_bits(opts, nominal, geo.layers)):
             keys, values = layer.key_heads * layer.key_dim, layer.value_heads * layer.value_dim
-            per_token = (keys * key_bits + values * value_bits) / 8 + 2 * element * (keys + values) / opts[
-                "q_group_size"
-            ]
+            scales = 2 * element * (keys + values) / opts["q_group_size"]  # a scale and a zero point per group
+            per_token = (keys * key_bits + values * value_bits) / 8 + scales
             # a sliding layer's store holds its window at most (`kvdemo.cache.sliding`); the residual beside it
             total += per_token * layer.tokens_held(tokens - residual) + (keys + values) * element * residual
         return total

@@ -212,8 +212,7 @@ class CacheSpec:
                 residual_length < 1, `rotation=hadamard` on a head_dim without a power-of-two block of 8 or more,
                 or a `plan` that does not parse, is given with nbits, nbits_value or rotation, or does not give
                 one of the backend's bits per layer.
-            ImportError: the backend's package is not installed; the message gives the pip command.
-        """
+            ImportError: the backend's package is not installed; the message gives the pip command."""
         info = self.info
         for name, value in self.given().items():
             if name not in info.options:
@@ -384,9 +383,8 @@ def estimate_kv_bytes(
     element, geo, kept = element_size(dtype), kv_geometry(model_config), KVGeometry(())
     if spec.info.quantized:  # the layers it keeps at full precision count as `dynamic`'s
         geo, kept = split_geometry(model_config, str(opts.get("sliding", SLIDING_CHOICES[0])))
-    return int(
-        spec.info.kv_bytes(opts, geo, tokens, residual, element, nominal_bits) + element * kept.values_held(tokens)
-    )
+    kept_bytes = element * kept.values_held(tokens)
+    return int(spec.info.kv_bytes(opts, geo, tokens, residual, element, nominal_bits) + kept_bytes)
 
 
 def build_cache(spec: CacheSpec, model_config: PreTrainedConfig) -> Cache:
