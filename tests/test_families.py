@@ -14,17 +14,20 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
+from transformers.cache_utils import BaseQuantizedLayer
 
 from kvdemo.cache import attention, flush
-from kvdemo.cache.layer_kinds import UnsupportedModelError, quantized_layers
+from kvdemo.cache.layer_kinds import STATE_ATTRIBUTES, UnsupportedModelError, quantized_layers
 from kvdemo.cache.spec import CacheSpec, build_cache
 from kvdemo.qa.models import LoadedModel
 from kvdemo.qa.session import QASession
 from tests.families import FAMILIES, SPECS, family_config, markdown_table, verdict
 
 ANSWER_TOKENS = 6
-DYNAMIC_BOUND = 1e-4
-"""max |Δ log p| of `dynamic` against a cache-free forward pass of the same ids (float rounding: 1e-6 measured)."""
+DYNAMIC_BOUND = 5e-4
+"""max |Δ log p| of `dynamic` against a cache-free forward pass of the same ids, prefilled in chunks: float rounding,
+1e-6 measured on attention layers, 2e-4 on Jamba, whose Mamba state is carried from chunk to chunk (a sequential
+scan against the cache-free pass's single scan)."""
 READ_WHOLE_BOUND = 1e-3
 """max |Δ log p| of a quantized backend against the same cache read whole (no block-wise read, any rotation undone
 on read): the same stored values, other float orders (invariant 6's bound for teacher-forced log-probabilities)."""
@@ -37,9 +40,32 @@ def _tiny(family: str, tokenizer) -> LoadedModel:
     return LoadedModel(model, tokenizer, family, None, 1024, torch.device("cpu"), torch.float32, frozenset({2}))
 
 
-def _session(loaded: LoadedModel, spec, context: str) -> QASession:
+CHUNK_TOKENS = 64
+"""The prefill's chunk in the matrix: the context (about 150 tokens, windows of 16) is prefilled in several chunks,
+so a quantized cache is filled from a full-precision one layer by layer (`kvdemo.qa.prefill.hand_over`)."""
+
+
+def _filled_like_dynamic(session: QASession, dynamic: QASession) -> None:
+    """After the prefill (or a restore) every layer of a quantized session has seen the context's tokens, and every
+    layer its backend keeps at full precision holds `dynamic`'s tensors bit for bit (the same chunks through the
+    same transformers layers): its window, its conv and recurrent states."""
+    for index, (layer, reference) in enumerate(zip(session.cache.layers, dynamic.cache.layers)):
+        if getattr(reference, "keys", None) is not None:
+            assert layer.get_seq_length() == reference.get_seq_length(), index
+        if isinstance(layer, BaseQuantizedLayer):
+            continue
+        for name in ("keys", "values", *STATE_ATTRIBUTES):
+            mine, theirs = getattr(layer, name, None), getattr(reference, name, None)
+            if isinstance(theirs, dict):
+                assert mine.keys() == theirs.keys(), (index, name)
+                assert all(torch.equal(mine[k], theirs[k]) for k in theirs if theirs[k] is not None), (index, name)
+            elif isinstance(theirs, torch.Tensor):
+                assert torch.equal(mine, theirs), (index, name)
+
+
+def _session(loaded: LoadedModel, spec, context: str, chunk_tokens: int = CHUNK_TOKENS) -> QASession:
     session = QASession(loaded, spec)
-    session.prefill(context, max_new_tokens=ANSWER_TOKENS)
+    session.prefill(context, max_new_tokens=ANSWER_TOKENS, chunk_tokens=chunk_tokens)
     return session
 
 
@@ -67,6 +93,10 @@ def test_every_cell_is_right_or_refused_before_the_prefill(family, embedded, nor
             assert built == [type(layer) for layer in build_cache(spec.replace(sliding=None), loaded.config).layers]
             continue
         session = _session(loaded, spec, context)
+        if spec.backend == "dynamic":
+            dynamic = session
+        else:
+            _filled_like_dynamic(session, dynamic)
         length = session.cache_length
         answers = [session.ask(question, max_new_tokens=ANSWER_TOKENS) for question in questions]
         assert all(a.steps == ANSWER_TOKENS for a in answers) and session.cache_length == length

@@ -79,7 +79,7 @@ def test_prefill_then_ask_streams_and_restores(handlers, tiny):
     assert held == pytest.approx([e.memory.total_bytes / 2**20 for e in events])  # the snapshot counted
     assert residual["title"] == "Residual fill (layer 0): flushes at residual_length=4" and residual["y_lim"][0] == 0
     fill = plotted(residual)
-    assert fill[fill["series"] == "residual (layer 0)"]["residual tokens"].tolist() == [
+    assert fill[fill["series"] == "residual (first quantized layer)"]["residual tokens"].tolist() == [
         e.memory.layers[0].residual_tokens for e in events
     ]
     assert fill[fill["series"] == "residual_length"]["residual tokens"].tolist() == [4.0] * len(events)

@@ -26,10 +26,25 @@ residual); everything held for it, the post-prefill state the snapshot keeps ali
 never under-reports); and what a `DynamicCache` in the model's dtype would hold."""
 
 
-def memory_series(has_quantized_store: bool, has_residual: bool) -> tuple[str, ...]:
+KEPT_SERIES = "kept layers (full precision)"
+"""The memory chart's series for what a quantized backend keeps at full precision on a model of several layer kinds
+(sliding-window layers with `sliding=keep`, conv and recurrent states, combined layers: `kvdemo.cache.layer_kinds`):
+flat once a sliding layer holds its window, while the quantized layers grow with the context."""
+
+
+def memory_series(has_quantized_store: bool, has_residual: bool, has_kept: bool = False) -> tuple[str, ...]:
     """The memory series that exist for a backend: a quantized store only for the quantized backends, and as
-    a line apart from the cache only where a residual sits beside it."""
-    return tuple(name for name in MEMORY_SERIES if name != MEMORY_SERIES[0] or (has_quantized_store and has_residual))
+    a line apart from the cache only where a residual sits beside it; the kept layers where a quantized backend
+    keeps some (`has_kept`: the first event's `kept_bytes` is not 0)."""
+    series = tuple(name for name in MEMORY_SERIES if name != MEMORY_SERIES[0] or (has_quantized_store and has_residual))
+    return (*series, KEPT_SERIES) if has_kept and has_quantized_store else series
+
+
+def kept_bytes(event: StepEvent) -> int:
+    """Bytes of the cache held by layers the backend does not quantize: sliding and full-precision layers and
+    states (`MemoryReport.bytes_by_kind`), 0 where every layer is quantized or none is."""
+    kinds = event.memory.bytes_by_kind()
+    return event.memory.cache_bytes - kinds["quantized"] if kinds["quantized"] else 0
 
 
 def memory_frame(events: Sequence[StepEvent], series: Sequence[str] = MEMORY_SERIES) -> pd.DataFrame:
@@ -46,17 +61,29 @@ def memory_frame(events: Sequence[StepEvent], series: Sequence[str] = MEMORY_SER
         MEMORY_SERIES[1]: lambda e: e.memory.cache_bytes,
         MEMORY_SERIES[2]: lambda e: e.memory.total_bytes,
         MEMORY_SERIES[3]: lambda e: e.full_precision_bytes,
+        KEPT_SERIES: kept_bytes,
     }
     rows = [(e.step, name, values[name](e) / MIB) for e in events for name in series]
     return typed_frame(rows, {"step": "int64", "series": "string", "MiB": "float64"})
 
 
-def residual_frame(events: Sequence[StepEvent], layer: int = 0) -> pd.DataFrame:
+def residual_layer(events: Sequence[StepEvent]) -> int:
+    """The layer whose residual the charts follow: the first quantized one (`LayerMemory.kind`; Gemma 3's first
+    full-attention layer is its 6th), 0 where none is."""
+    layers = events[0].memory.layers if events else ()
+    return next((index for index, layer in enumerate(layers) if layer.kind == "quantized"), 0)
+
+
+def residual_frame(events: Sequence[StepEvent], layer: int | None = None) -> pd.DataFrame:
     """The residual's fill level over decode steps (a sawtooth for quanto and hqq; 0 for fp8).
 
+    Args:
+        layer: the layer to follow; None: `residual_layer(events)`, the first quantized one.
+
     Returns:
-        Columns `step` (int) and `residual tokens` (int) of one layer (every layer fills alike).
+        Columns `step` (int) and `residual tokens` (int) of one layer (every quantized layer fills alike).
     """
+    layer = residual_layer(events) if layer is None else layer
     return typed_frame(
         [(e.step, e.memory.layers[layer].residual_tokens) for e in events if e.memory.layers],
         {"step": "int64", "residual tokens": "int64"},
@@ -145,17 +172,19 @@ def answers_frame(records: Iterable[Mapping[str, Any]]) -> pd.DataFrame:
 
 
 def memory_figure(events: Sequence[StepEvent], title: str = "KV cache memory") -> Figure:
-    """Quantized and residual bytes stacked over decode steps, with the full-precision equivalent as a line."""
-    frame = memory_frame(events).pivot(index="step", columns="series", values="MiB")
+    """Quantized store, residual, kept layers (full-precision layers of other kinds beside the quantized ones:
+    sliding windows, states) and snapshot bytes stacked over decode steps, with the full-precision equivalent as a
+    line."""
+    frame = memory_frame(events, (*MEMORY_SERIES, KEPT_SERIES)).pivot(index="step", columns="series", values="MiB")
     fig = Figure(figsize=(7, 3.2), layout="constrained")
     ax = fig.add_subplot()
     if not frame.empty:
-        quantized = frame[MEMORY_SERIES[0]]
-        residual = frame[MEMORY_SERIES[1]] - quantized
+        quantized, kept = frame[MEMORY_SERIES[0]], frame[KEPT_SERIES]
+        residual = frame[MEMORY_SERIES[1]] - quantized - kept
         snapshot = frame[MEMORY_SERIES[2]] - frame[MEMORY_SERIES[1]]
-        ax.stackplot(
-            frame.index, quantized, residual, snapshot, labels=["quantized", "residual", "snapshot"], alpha=0.8
-        )
+        parts, labels = [quantized, residual, kept, snapshot], ["quantized", "residual", KEPT_SERIES, "snapshot"]
+        shown = [i for i, part in enumerate(parts) if i != 2 or part.any()]  # the kept layers where there are some
+        ax.stackplot(frame.index, *[parts[i] for i in shown], labels=[labels[i] for i in shown], alpha=0.8)
         ax.plot(frame.index, frame[MEMORY_SERIES[3]], color="black", linestyle="--", label="full precision")
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")  # outside: it hides no line
     ax.set(xlabel="decode step", ylabel="MiB", title=title)
@@ -164,12 +193,15 @@ def memory_figure(events: Sequence[StepEvent], title: str = "KV cache memory") -
 
 
 def flush_figure(events: Sequence[StepEvent], title: str = "Residual fill and flushes") -> Figure:
-    """The residual's fill level (layer 0) over decode steps, with a mark at every step where layers flushed."""
+    """The residual's fill level (the first quantized layer) over decode steps, with a mark at every step where
+    layers flushed."""
     fill = residual_frame(events)
     flushes = flush_frame(events)
     fig = Figure(figsize=(7, 3.2), layout="constrained")
     ax = fig.add_subplot()
-    ax.step(fill["step"], fill["residual tokens"], where="post", label="residual tokens (layer 0)")
+    ax.step(
+        fill["step"], fill["residual tokens"], where="post", label=f"residual tokens (layer {residual_layer(events)})"
+    )
     if not flushes.empty:
         steps = sorted(set(flushes["step"]))
         ax.scatter(steps, [0] * len(steps), marker="v", color="red", zorder=3, label="flush (all layers)")
@@ -181,7 +213,8 @@ def flush_figure(events: Sequence[StepEvent], title: str = "Residual fill and fl
 def residual_comparison_figure(
     runs: Mapping[str, Sequence[StepEvent]], title: str = "Residual fill by residual_length"
 ) -> Figure:
-    """The residual's fill (layer 0) over decode steps for several runs, one line each (the sawtooths side by side).
+    """The residual's fill (the first quantized layer) over decode steps for several runs, one line each (the
+    sawtooths side by side).
 
     Args:
         runs: label (e.g. `residual_length=8`) -> the run's step events.

@@ -33,7 +33,7 @@ from typing import cast
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import BaseQuantizedLayer, Cache, DynamicLayer
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kvdemo.qa.models import LoadedModel
@@ -103,6 +103,21 @@ class PrefillStopped(Exception):
     """The prefill was stopped between two chunks (Stop, or a new prefill); the cache it was building is dropped."""
 
 
+def hand_over(cache: Cache, index: int, layer: DynamicLayer) -> None:
+    """Give layer `index` of the quantized `cache` what the full-precision prefill put in `layer`, the same layer of
+    a `DynamicCache(config=...)`: a quantized layer takes its keys and values in one update (a sliding layer's are its
+    window, and it is told how many tokens the context held, for its mask), and a layer the backend keeps at full
+    precision (`kvdemo.cache.layer_kinds`: sliding with `sliding=keep`, linear attention, conv, hybrid, KV-shared)
+    is that very layer, with its window, its conv and recurrent states and its token count."""
+    if not isinstance(cache.layers[index], BaseQuantizedLayer):  # the same class `DynamicCache(config)` builds
+        cache.layers[index] = layer
+        return
+    assert layer.keys is not None and layer.values is not None
+    cache.update(layer.keys, layer.values, index)
+    target = cast(BaseQuantizedLayer, cache.layers[index])
+    target.cumulative_length = layer.get_seq_length()  # a sliding window's keys are fewer than the tokens seen
+
+
 def run_prefill(
     loaded: LoadedModel,
     cache: Cache,
@@ -151,7 +166,6 @@ def run_prefill(
         for index, layer in enumerate(layers):
             if stop is not None and stop.is_set():
                 raise PrefillStopped(f"the prefill was stopped while quantizing layer {index + 1} of {len(layers)}")
-            assert layer.keys is not None and layer.values is not None
-            cache.update(layer.keys, layer.values, index)
+            hand_over(cache, index, layer)
             if on_quantize is not None:
                 on_quantize(index + 1, len(layers))

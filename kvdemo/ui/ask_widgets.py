@@ -10,7 +10,7 @@ import gradio as gr
 
 from kvdemo.cache.registry import BACKENDS, GROUP_OPTIONS
 from kvdemo.cache.spec import CacheSpec
-from kvdemo.charts.steps import MEMORY_SERIES, answers_frame
+from kvdemo.charts.steps import KEPT_SERIES, MEMORY_SERIES, answers_frame
 from kvdemo.qa.limits import DEFAULT_MAX_NEW_TOKENS
 from kvdemo.serve.secret import browser_state_secret
 from kvdemo.ui import option_fields, views
@@ -168,7 +168,7 @@ class AskWidgets:
             height=230,
             x_lim=[0, views.MIN_STEPS_SHOWN],
             y_lim=[0, 1],
-            color_map=dict(zip(MEMORY_SERIES, ("#1f77b4", "#ff7f0e", "#d62728", "#7f7f7f"))),
+            color_map=dict(zip((*MEMORY_SERIES, KEPT_SERIES), ("#1f77b4", "#ff7f0e", "#d62728", "#7f7f7f", "#2ca02c"))),
         )
         w["residual_plot"] = gr.LinePlot(
             views.residual_data([], START_SPEC),

@@ -12,6 +12,7 @@ from typing import cast
 
 import gradio as gr
 
+from kvdemo.qa.packaged import offered_models
 from kvdemo.serve.server import App
 from kvdemo.ui import views
 from kvdemo.ui.ask_tab import AskTab
@@ -56,9 +57,16 @@ class ModelBar:
                 self.line = gr.Markdown("Loading the model…")
             with gr.Column(scale=2):
                 with gr.Row():
-                    self.source = gr.Textbox(
+                    # the models installed here (the start-up one; Gemma 3 270M after `make gemma`), or any typed
+                    offered = [(model.label, model.source) for model in offered_models()]
+                    offered[0] = ("the start-up model", "")
+                    self.source = gr.Dropdown(
+                        choices=offered,
+                        value="",
                         label="Model",
-                        placeholder="Hub id, folder or .gguf (empty: embedded)",
+                        info="Hub id, folder or .gguf, or one installed here",
+                        allow_custom_value=True,
+                        filterable=True,
                         scale=3,
                     )
                     self.button = gr.Button("Load", scale=1)

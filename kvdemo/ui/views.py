@@ -18,9 +18,11 @@ from kvdemo.charts.reports import comparison_display_frame, kv_error_figure, spe
 from kvdemo.charts.steps import (
     answers_frame,
     flush_timing,
+    kept_bytes,
     memory_frame,
     memory_series,
     residual_frame,
+    residual_layer,
     step_time_figure,
 )
 from kvdemo.compare.records import ComparisonReport
@@ -303,20 +305,21 @@ def memory_chart(events: list, spec: CacheSpec) -> dict[str, Any]:
     return gr.update(value=frame, title=title, x_lim=_steps(frame), y_lim=[0, _headroom(frame["MiB"])])
 
 
-RESIDUAL_SERIES = ("residual (layer 0)", "residual_length")
-"""The residual chart's series: the fill of layer 0's residual in tokens, and the `residual_length` at which it
-flushes (a level line)."""
+RESIDUAL_SERIES = ("residual (first quantized layer)", "residual_length")
+"""The residual chart's series: the fill of the first quantized layer's residual in tokens
+(`charts.residual_layer`), and the `residual_length` at which it flushes (a level line)."""
 
 
 def memory_data(events: list, spec: CacheSpec) -> Any:
     """The memory chart's data (`charts.memory_frame`): `spec`'s series, each in the legend."""
-    series = memory_series(spec.info.quantized, spec.info.has_residual)
+    series = memory_series(spec.info.quantized, spec.info.has_residual, bool(events) and kept_bytes(events[0]) > 0)
     return with_every_series(memory_frame(events, series), "series", series)
 
 
 def residual_data(events: list, spec: CacheSpec) -> Any:
-    """The residual chart's data: layer 0's fill (`charts.residual_frame`, as floats) and, for a backend with a
-    residual, the `residual_length` level at every step (`RESIDUAL_SERIES`), each series in the legend."""
+    """The residual chart's data: the first quantized layer's fill (`charts.residual_frame`, as floats) and, for a
+    backend with a residual, the `residual_length` level at every step (`RESIDUAL_SERIES`), each series in the
+    legend."""
     fill = residual_frame(events if spec.info.has_residual else []).astype({"residual tokens": "float64"})
     frame = fill.assign(series=RESIDUAL_SERIES[0])
     if not spec.info.has_residual:
@@ -326,15 +329,15 @@ def residual_data(events: list, spec: CacheSpec) -> Any:
 
 
 def residual_chart(events: list, spec: CacheSpec) -> dict[str, Any]:
-    """The residual chart's update (a `gr.update` dict, as `memory_chart`) for `spec`: its fill (layer 0) under
-    the `residual_length` line, on a y-axis from 0, or, for a backend that keeps no residual, an empty chart whose
-    title says so. Never `value=None`: Gradio then draws an empty box without the title."""
+    """The residual chart's update (a `gr.update` dict, as `memory_chart`) for `spec`: its fill (the first quantized
+    layer) under the `residual_length` line, on a y-axis from 0, or, for a backend that keeps no residual, an empty
+    chart whose title says so. Never `value=None`: Gradio then draws an empty box without the title."""
     frame = residual_data(events, spec)
     if not spec.info.has_residual:
         title = f"Residual fill: {spec.backend} keeps no residual (nothing to show)"
         return gr.update(value=frame, title=title, x_lim=_steps(frame), y_lim=[0, 1])
     limit = spec.resolved()["residual_length"]
-    title = f"Residual fill (layer 0): flushes at residual_length={limit:,}"
+    title = f"Residual fill (layer {residual_layer(events)}): flushes at residual_length={limit:,}"
     return gr.update(value=frame, title=title, x_lim=_steps(frame), y_lim=[0, limit * 1.1])
 
 
