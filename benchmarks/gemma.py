@@ -8,7 +8,7 @@ the KL is measured teacher-forced on `dynamic`'s own answers (`QASession.score`)
 two answers leave the cache at its post-prefill length and its log-probabilities scored again after them are equal
 bit for bit to the ones scored before (Δ 0).
 
-    .venv/bin/python benchmarks/gemma.py            # about 10 minutes on 2 cores
+    .venv/bin/python benchmarks/gemma.py            # about 25 minutes on 2 idle cores
     .venv/bin/python benchmarks/gemma.py --tokens 2048
 """
 
@@ -29,7 +29,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 SPECS = (
     "dynamic",
     "quanto:4",
-    "hqq:4",
     "hqq:4,rotation=hadamard",
     "fp8",
     "quanto:4,sliding=quantize",

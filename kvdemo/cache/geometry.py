@@ -140,6 +140,31 @@ def split_geometry(model_config: PreTrainedConfig, sliding: str) -> tuple[KVGeom
     )
 
 
+SHARE_TOKENS = (2048, 8192, 32768)
+"""The context lengths at which `kinds_summary` gives the share a quantized backend shrinks (tokens)."""
+
+
+def kinds_summary(model_config: PreTrainedConfig) -> dict[str, object]:
+    """What a quantized backend does with the model's cache, by layer kind (`describe()`, the status line, the
+    command line): `quantized` and `kept` (layer kinds and counts, `sliding=keep`), the window of the kept sliding
+    layers (tokens, None without), and `quantized_share`: {tokens: the share of a full-precision cache's values
+    held at that context by the layers the backend quantizes} at `SHARE_TOKENS` (a sliding layer stops growing at
+    its window, so the share grows with the context; 1.0 for a model of full-attention layers alone)."""
+    from kvdemo.cache.layer_kinds import kinds_text
+
+    quantized, kept = split_geometry(model_config, "keep")
+    geo = kv_geometry(model_config)
+    windows = sorted({layer.window for layer in kept.per_layer if layer.window is not None})
+    return {
+        "quantized": kinds_text([layer.kind for layer in quantized.per_layer]) if quantized.layers else "none",
+        "kept": kinds_text([layer.kind for layer in kept.per_layer]) if kept.layers else "none",
+        "window_tokens": windows[-1] if windows else None,
+        "quantized_share": {
+            tokens: round(quantized.values_held(tokens) / max(geo.values_held(tokens), 1), 4) for tokens in SHARE_TOKENS
+        },
+    }
+
+
 def kv_shape(model_config: PreTrainedConfig) -> tuple[int, int]:
     """(num_key_value_heads, head_dim) of the keys the model's layers store (the largest where layers differ)."""
     geo = kv_geometry(model_config)

@@ -161,6 +161,14 @@ class MemoryReport:
         return out
 
     @property
+    def kept_bytes(self) -> int:
+        """What a quantized cache keeps at full precision beside its quantized layers (bytes): the layers of other
+        kinds (sliding windows, `sliding=keep`) and the conv and recurrent states; 0 where no layer is quantized
+        (`dynamic`) or every layer is."""
+        kinds = self.bytes_by_kind()
+        return self.cache_bytes - kinds["quantized"] if kinds["quantized"] else 0
+
+    @property
     def seq_length(self) -> int:
         """Tokens in the cache (the longest layer's count, as `Cache.get_seq_length()` of an attention layer)."""
         return max((layer.seq_length for layer in self.layers), default=0)

@@ -86,6 +86,7 @@ def speed_frame(frame: pd.DataFrame) -> pd.DataFrame:
 DISPLAY_COLUMNS: tuple[tuple[str, str, str, int], ...] = (
     ("", "spec", "spec text", -1),
     ("memory", "KV MiB", "KV bytes", 2),
+    ("memory", "kept MiB", "kept bytes", 2),
     ("memory", "bytes/token", "bytes/token", 0),
     ("memory", "× dynamic", "ratio to dynamic", 3),
     ("memory", "restored", "restored", -1),
@@ -111,6 +112,7 @@ DISPLAY_COLUMNS: tuple[tuple[str, str, str, int], ...] = (
 DISPLAY_HELP: dict[str, str] = {
     "spec": "the backend and the options set (backend[:nbits][,option=value])",
     "KV MiB": "the KV cache after the prefill (MiB, measured from the tensors held)",
+    "kept MiB": "of it, the layers a quantized backend keeps at full precision (sliding windows, recurrent states)",
     "bytes/token": "KV bytes per context token",
     "× dynamic": "KV bytes / dynamic's (the full-precision cache)",
     "restored": "after every answer the cache was back at the context's length",
@@ -157,7 +159,7 @@ def comparison_display_frame(frame: pd.DataFrame, grouped: bool = False) -> pd.D
     for group, header, source, digits in DISPLAY_COLUMNS:
         if source not in frame:
             continue
-        values = frame[source] / MIB if source == "KV bytes" else frame[source]
+        values = frame[source] / MIB if source in ("KV bytes", "kept bytes") else frame[source]
         if values.isna().all() and len(values):
             continue
         if digits >= 0:

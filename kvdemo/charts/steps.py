@@ -35,16 +35,9 @@ flat once a sliding layer holds its window, while the quantized layers grow with
 def memory_series(has_quantized_store: bool, has_residual: bool, has_kept: bool = False) -> tuple[str, ...]:
     """The memory series that exist for a backend: a quantized store only for the quantized backends, and as
     a line apart from the cache only where a residual sits beside it; the kept layers where a quantized backend
-    keeps some (`has_kept`: the first event's `kept_bytes` is not 0)."""
+    keeps some (`has_kept`: the first event's `MemoryReport.kept_bytes` is not 0)."""
     series = tuple(name for name in MEMORY_SERIES if name != MEMORY_SERIES[0] or (has_quantized_store and has_residual))
     return (*series, KEPT_SERIES) if has_kept and has_quantized_store else series
-
-
-def kept_bytes(event: StepEvent) -> int:
-    """Bytes of the cache held by layers the backend does not quantize: sliding and full-precision layers and
-    states (`MemoryReport.bytes_by_kind`), 0 where every layer is quantized or none is."""
-    kinds = event.memory.bytes_by_kind()
-    return event.memory.cache_bytes - kinds["quantized"] if kinds["quantized"] else 0
 
 
 def memory_frame(events: Sequence[StepEvent], series: Sequence[str] = MEMORY_SERIES) -> pd.DataFrame:
@@ -61,7 +54,7 @@ def memory_frame(events: Sequence[StepEvent], series: Sequence[str] = MEMORY_SER
         MEMORY_SERIES[1]: lambda e: e.memory.cache_bytes,
         MEMORY_SERIES[2]: lambda e: e.memory.total_bytes,
         MEMORY_SERIES[3]: lambda e: e.full_precision_bytes,
-        KEPT_SERIES: kept_bytes,
+        KEPT_SERIES: lambda e: e.memory.kept_bytes,
     }
     rows = [(e.step, name, values[name](e) / MIB) for e in events for name in series]
     return typed_frame(rows, {"step": "int64", "series": "string", "MiB": "float64"})

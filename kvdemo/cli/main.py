@@ -347,6 +347,7 @@ def run_ask(args: argparse.Namespace) -> dict[str, Any]:
         "full_precision_bytes": report.full_precision_bytes,
         "bytes_per_token": round(report.bytes_per_token, 2),
         "ratio_to_full_precision": round(report.ratio_to_full_precision, 4),
+        "bytes_by_kind": report.memory.bytes_by_kind(),
         "answers": answers,
     }
 

@@ -188,6 +188,7 @@ def _spec_result(
         kv_bytes=prefill.kv_bytes,
         quantized_bytes=memory.quantized_bytes,
         residual_bytes=memory.residual_bytes,
+        kept_bytes=memory.kept_bytes,
         bytes_per_token=prefill.bytes_per_token,
         ratio_to_dynamic=prefill.kv_bytes / (dynamic_kv_bytes or prefill.kv_bytes),
         prefill_seconds=prefill.seconds,

@@ -106,6 +106,9 @@ class SpecResult:
         backend: the backend; nbits: its bits per value (None for `dynamic` and `fp8`); options: every option the
             backend takes, defaults filled in (`CacheSpec.resolved`).
         kv_bytes, quantized_bytes, residual_bytes: the cache after the prefill (bytes, `kv_memory`).
+        kept_bytes: of kv_bytes, what a quantized backend keeps at full precision on a model of several layer kinds
+            (sliding windows, conv and recurrent states: `MemoryReport.kept_bytes`); 0 where it quantizes every layer,
+            and for `dynamic`.
         bytes_per_token: kv_bytes / context_tokens.
         ratio_to_dynamic: kv_bytes / `dynamic`'s kv_bytes (the cache in the model's dtype).
         prefill_seconds: the prefill's wall time.
@@ -145,6 +148,7 @@ class SpecResult:
     drift: float | None
     drift_flushes: int
     perplexity: PerplexityResult | None = None
+    kept_bytes: int = 0
 
 
 def _mean(values: list[float]) -> float:
@@ -194,6 +198,7 @@ class ComparisonReport:
         "backend",
         *SPEC_OPTIONS,  # nbits first, then the other options in the registry's order
         "KV bytes",
+        "kept bytes",
         "bytes/token",
         "ratio to dynamic",
         "identical to dynamic",
@@ -253,6 +258,7 @@ class ComparisonReport:
                     "nbits": r.nbits,
                     **{name: r.options.get(name) for name in SPEC_OPTIONS if name != "nbits"},
                     "KV bytes": r.kv_bytes,
+                    "kept bytes": r.kept_bytes or None,  # no column where nothing is kept
                     "bytes/token": round(r.bytes_per_token, 1),
                     "ratio to dynamic": round(r.ratio_to_dynamic, 4),
                     "identical to dynamic": _mean([float(q.identical_to_dynamic) for q in qs]),

@@ -120,10 +120,9 @@ class LoadedModel:
         return out.logits
 
     def describe(self) -> dict[str, Any]:
-        """Name, parameter count, layers and their kinds, KV heads and head_dim as the cache stores them (an int,
-        or the distinct values joined by ` / ` where layers differ, as Gemma 4's; a latent (MLA) model's stored
-        latent and rotary widths), max context (tokens), device and dtype."""
-        from kvdemo.cache.geometry import kv_geometry
+        """Name, parameters, layers and kinds (`cache_by_kind`: `geometry.kinds_summary`), KV heads and head_dim as
+        stored (`a / b` where layers differ; MLA: latent widths), max context (tokens), device and dtype."""
+        from kvdemo.cache.geometry import kinds_summary, kv_geometry
         from kvdemo.cache.layer_kinds import is_latent, kinds_text, layer_types
 
         geo = kv_geometry(self.config)
@@ -134,6 +133,7 @@ class LoadedModel:
             "layers": geo.layers,
             "layer_kinds": kinds_text(layer_types(self.config)),
             "latent": is_latent(self.config),
+            "cache_by_kind": kinds_summary(self.config),
             "kv_heads": heads.pop() if len(heads) == 1 else " / ".join(map(str, sorted(heads))),
             "head_dim": dims.pop() if len(dims) == 1 else " / ".join(map(str, sorted(dims))),
             "max_context_tokens": self.max_context_tokens,

@@ -18,7 +18,6 @@ from kvdemo.charts.reports import comparison_display_frame, kv_error_figure, spe
 from kvdemo.charts.steps import (
     answers_frame,
     flush_timing,
-    kept_bytes,
     memory_frame,
     memory_series,
     residual_frame,
@@ -83,7 +82,11 @@ def acknowledge_cancel(cancelled: bool, job: str) -> None:
 def model_status(loaded: LoadedModel) -> str:
     """The model's status line."""
     d = loaded.describe()
-    kinds = "" if d["layer_kinds"].endswith(" full_attention layers") else f" ({d['layer_kinds']})"
+    kinds = "" if d["layer_kinds"] == f"{d['layers']} full_attention layers" else f" ({d['layer_kinds']})"
+    by_kind = d["cache_by_kind"]
+    if by_kind["kept"] != "none" and by_kind["quantized"] != "none":  # what a quantized backend shrinks, by context
+        shares = ", ".join(f"{share:.0%} at {tokens:,}" for tokens, share in by_kind["quantized_share"].items())
+        kinds += f" · a quantized backend shrinks its {by_kind['quantized']} ({shares} tokens of a full cache)"
     shape = (
         f"latent cache (MLA): width {d['head_dim']} and a rotary part"
         if d["latent"]
@@ -312,7 +315,9 @@ RESIDUAL_SERIES = ("residual (first quantized layer)", "residual_length")
 
 def memory_data(events: list, spec: CacheSpec) -> Any:
     """The memory chart's data (`charts.memory_frame`): `spec`'s series, each in the legend."""
-    series = memory_series(spec.info.quantized, spec.info.has_residual, bool(events) and kept_bytes(events[0]) > 0)
+    series = memory_series(
+        spec.info.quantized, spec.info.has_residual, bool(events) and events[0].memory.kept_bytes > 0
+    )
     return with_every_series(memory_frame(events, series), "series", series)
 
 
