@@ -3,7 +3,7 @@ measured side by side in one process and written to `artifacts/bench/decode.json
 figures.
 
 1. Per store: one layer's key store of 2,048 tokens ([1, 3, 2,048, 64]) de-quantized by the library's own
-   `_dequantize` and in place (`kvdemo.cache.dequantize`), medians of interleaved repeats, `torch.equal` checked.
+   `_dequantize` and in place (`kvdemo.cache.layers.dequantize`), medians of interleaved repeats, `torch.equal` checked.
 2. Per decode step on the embedded model at 2,048 and 8,000 tokens (the Normans article's keys and values tiled,
    as `benchmarks/flush.py` fills them): `dynamic`; each quantized spec as transformers builds it (`before`: its own
    `QuantizedCache` layers, the whole store de-quantized by the library and joined at every step), in place but
@@ -14,7 +14,7 @@ figures.
 3. The same greedy answers: each shipped example's context and its first `--questions` questions (2), 32 new
    tokens, greedy, on `before` and `after` caches of every spec: the token ids compared.
 
-fp8 is measured beside them (kvdemo's layer, `kvdemo.cache.fp8`: the whole store de-quantized by bit placement;
+fp8 is measured beside them (kvdemo's layer, `kvdemo.cache.layers.fp8`: the whole store de-quantized by bit placement;
 `benchmarks/fp8.py` compares it with transformers' layer and the table it replaced).
 
     .venv/bin/python benchmarks/decode.py            # about 6 minutes of steps, then 10 of greedy answers (2 cores)
@@ -45,8 +45,8 @@ from transformers import QuantizedCache  # noqa: E402
 from transformers.cache_utils import HQQQuantizedLayer, QuantoQuantizedLayer  # noqa: E402
 
 from kvdemo import CacheSpec, QASession, load_model  # noqa: E402
-from kvdemo.cache.dequantize import ExactHQQLayer, ExactQuantoLayer  # noqa: E402
-from kvdemo.cache.flush import AppendFlushMixin, quantized_cache  # noqa: E402
+from kvdemo.cache.layers.dequantize import ExactHQQLayer, ExactQuantoLayer  # noqa: E402
+from kvdemo.cache.layers.flush import AppendFlushMixin, quantized_cache  # noqa: E402
 from kvdemo.cache.spec import build_cache  # noqa: E402
 from kvdemo.cache.speedlimit import probe_bandwidth, speed_limit  # noqa: E402
 from kvdemo.evals.cases import example_path, load_case  # noqa: E402

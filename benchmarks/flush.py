@@ -2,9 +2,9 @@
 `run_all.py`), printed as ratios and written to `artifacts/bench/flush.json`.
 
 1. flush step / normal step, for quanto:4 and hqq:4 (residual_length 128) with `flush=requantize` (transformers)
-   and `flush=append` (`kvdemo.cache.flush`), and hqq:4 with its optimiser off (`optimize=false`,
-   `kvdemo.cache.hqq_optimize`) under both, at 1,024, 2,048, 4,096 and 7,680 context tokens. Each round fills every
-   cache's residual to residual_length - 1 with one untimed forward pass, then times the flush step and
+   and `flush=append` (`kvdemo.cache.layers.flush`), and hqq:4 with its optimiser off (`optimize=false`,
+   `kvdemo.cache.layers.hqq_optimize`) under both, at 1,024, 2,048, 4,096 and 7,680 context tokens. Each round fills
+   every cache's residual to residual_length - 1 with one untimed forward pass, then times the flush step and
    `--normal` steps after it; the caches take turns within a round (interleaved), and the medians are compared.
    The context's keys and values are the embedded model's on the Normans article (2,048 real tokens, tiled
    beyond that: a step's time depends on the shapes, not on the values; fidelity is measured on real text).
@@ -212,12 +212,12 @@ def profile_step(loaded, kv, length: int, steps: int = 3) -> dict[str, dict[str,
 
 
 def fp8_exact(kv, rounds: int = 20) -> dict[str, Any]:
-    """fp8's exact de-quantization by bit placement (the fp8 backend's own, `kvdemo.cache.fp8.ExactFp8Layer`: the
+    """fp8's exact de-quantization by bit placement (the fp8 backend's own, `kvdemo.cache.layers.fp8.ExactFp8Layer`: the
     same bits as `q.float() * scale`), measured against transformers' own on one layer's keys of 2,048 tokens;
     `benchmarks/fp8.py` measures it per decode step."""
     from transformers.cache_utils import Fp8QuantizedLayer
 
-    from kvdemo.cache.fp8 import ExactFp8Layer
+    from kvdemo.cache.layers.fp8 import ExactFp8Layer
 
     layer, exact_layer = Fp8QuantizedLayer(), ExactFp8Layer()
     keys = kv[0][0].contiguous()

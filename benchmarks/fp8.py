@@ -1,4 +1,4 @@
-"""The `fp8` backend's de-quantization by bit placement (`kvdemo/cache/fp8.py`) against transformers' own
+"""The `fp8` backend's de-quantization by bit placement (`kvdemo/cache/layers/fp8.py`) against transformers' own
 `Fp8QuantizedLayer` and against the 256-entry table kvdemo used before it (2026-12-02 to 12-03; defined here as
 `TableFp8Layer`), measured side by side in one process and written to `artifacts/bench/fp8.json` with the load
 average beside the figures.

@@ -1,4 +1,4 @@
-"""Separate key and value precision (`nbits_value`, `kvdemo/cache/precision.py`): which of keys and values a bit
+"""Separate key and value precision (`nbits_value`, `kvdemo/cache/layers/precision.py`): which of keys and values a bit
 buys most for, measured on the shipped articles and written to `artifacts/bench/precision.json` with the load
 average beside the figures.
 

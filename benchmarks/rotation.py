@@ -10,7 +10,7 @@
    Bytes per token are the registry's formula (`estimate_kv_bytes`), equal off and on.
 2. The rotation's cost per decode step: median step time of quanto:4 and hqq:4, off and on, at the context's
    length and 4x it (the same keys and values tiled), interleaved in rounds. On, both ways
-   (`kvdemo.cache.rotation`): the query side (the new token's key and value, the query and the output rotated:
+   (`kvdemo.cache.layers.rotation`): the query side (the new token's key and value, the query and the output rotated:
    O(head_dim^2) per new token, what `rotation=hadamard` builds) and the read side (the whole store rotated back
    after every de-quantization: one [tokens, head_dim] x [head_dim, head_dim] product per layer and tensor).
 
@@ -42,7 +42,7 @@ from flush import fill, filled, forward, log  # noqa: E402  (benchmarks/flush.py
 from transformers import DynamicCache  # noqa: E402
 
 from kvdemo import CacheSpec, load_model  # noqa: E402
-from kvdemo.cache.flush import quantized_cache  # noqa: E402
+from kvdemo.cache.layers.flush import quantized_cache  # noqa: E402
 from kvdemo.cache.spec import estimate_kv_bytes  # noqa: E402
 from kvdemo.evals.cases import example_path, load_case  # noqa: E402
 from kvdemo.evals.fidelity import kl_statistics, perplexity_inputs  # noqa: E402
@@ -98,13 +98,14 @@ def fidelity(loaded, example: str, tokens: int, compared: list[CacheSpec] | None
 
 
 READ_SIDE = " (read side)"
-"""The suffix of a rotated spec's name built rotating on read (`kvdemo.cache.rotation.RotationMixin`)."""
+"""The suffix of a rotated spec's name built rotating on read (`kvdemo.cache.layers.rotation.RotationMixin`)."""
 
 
 def step_cost(loaded, rounds: int) -> dict:
     """Median decode-step seconds of quanto:4 and hqq:4, rotation off and on, at the Normans example's length and
     4x it (interleaved). Rotated, both ways: the query side (what `rotation=hadamard` builds for the embedded model,
-    `kvdemo.cache.attention`) and the read side (`name + READ_SIDE`: the whole store rotated back at every step)."""
+    `kvdemo.cache.layers.attention`) and the read side (`name + READ_SIDE`: the whole store rotated back at every
+    step)."""
     stem, paragraphs = EXAMPLES["Normans"]
     ids = perplexity_inputs(loaded, load_case(example_path(stem)).select(paragraphs).context, 8, None).context_ids
     prefill = DynamicCache(config=loaded.config)

@@ -5,7 +5,7 @@
 2. products: the effective GB/s of the model's matrix-vector products (every `nn.Linear` once, on one token:
    the weight bytes over the time), interleaved with a copy of the same thread count, at torch's threads and at 1.
 3. step ÷ floor: a `dynamic` decode step (bare loop: forward + argmax) on the Normans context (paragraphs 0-11)
-   with transformers' `DynamicLayer` (`dynamic`, `storage=concat`) and with `kvdemo.cache.storage.GrowingLayer`
+   with transformers' `DynamicLayer` (`dynamic`, `storage=concat`) and with `kvdemo.cache.layers.storage.GrowingLayer`
    (`storage=growing`), against the floor
    (`kvdemo.cache.speedlimit.speed_limit`: weights + KV bytes over the copy bandwidth).
 4. context sweep: the same step at 1k, 2k, 4k and 8k tokens of context (SQuAD articles joined), both layers in

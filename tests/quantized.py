@@ -17,7 +17,7 @@ import math
 import torch
 
 from kvdemo import CacheSpec
-from kvdemo.cache.rotation import hadamard
+from kvdemo.cache.layers.rotation import hadamard
 
 FLOAT_ATOL = 1e-4
 """Full-precision keys, values and de-quantized values that did not change level: equal within this (measured:
@@ -54,7 +54,7 @@ def quantization_step(spec: CacheSpec, reference: torch.Tensor) -> float:
 
 
 def levels(spec: CacheSpec, store: torch.Tensor) -> torch.Tensor:
-    """A de-quantized store read in the model's basis (`kvdemo.cache.rotation.to_model_basis`) in the domain its
+    """A de-quantized store read in the model's basis (`kvdemo.cache.layers.rotation.to_model_basis`) in the domain its
     quantization levels lie on: as it is, or for `rotation=hadamard` rotated again by H (H @ H = I). There one
     value moved by a level stays one value; rotated back it would move every value of its
     token by step / sqrt(head_dim)."""

@@ -12,8 +12,8 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, QuantizedC
 from transformers.cache_utils import Fp8QuantizedLayer, HQQQuantizedLayer, QuantoQuantizedLayer
 
 from kvdemo import BACKENDS, CacheSpec, build_cache
-from kvdemo.cache.dequantize import ExactHQQLayer, ExactQuantoLayer
 from kvdemo.cache.layer_kinds import UnsupportedModelError
+from kvdemo.cache.layers.dequantize import ExactHQQLayer, ExactQuantoLayer
 from kvdemo.cache.spec import allowed_group_sizes
 
 

@@ -1,4 +1,4 @@
-"""Block-wise reads (`kvdemo.cache.blockwise`): the merge by log-sum-exp is attention over the joined blocks, a
+"""Block-wise reads (`kvdemo.cache.layers.blockwise`): the merge by log-sum-exp is attention over the joined blocks, a
 block-wise layer keeps the same state as transformers' layer at every step, and kvdemo's attention falls back to the
 whole store for a call the block-wise path does not take. No model."""
 
@@ -9,11 +9,11 @@ import torch
 from transformers import LlamaConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from kvdemo.cache.attention import kvdemo_attention
-from kvdemo.cache.blockwise import BLOCKS_MARK, StoreBlocks, attend_blockwise, blocks_of, blockwise_layer
-from kvdemo.cache.dequantize import ExactHQQLayer, ExactQuantoLayer
-from kvdemo.cache.flush import AppendHQQLayer, quantized_cache
-from kvdemo.cache.rotation import ROTATED_MARK, QueryRotatedQuantoLayer, rotate
+from kvdemo.cache.layers.attention import kvdemo_attention
+from kvdemo.cache.layers.blockwise import BLOCKS_MARK, StoreBlocks, attend_blockwise, blocks_of, blockwise_layer
+from kvdemo.cache.layers.dequantize import ExactHQQLayer, ExactQuantoLayer
+from kvdemo.cache.layers.flush import AppendHQQLayer, quantized_cache
+from kvdemo.cache.layers.rotation import ROTATED_MARK, QueryRotatedQuantoLayer, rotate
 
 
 class _Attention(torch.nn.Module):

@@ -1,6 +1,6 @@
-"""`kvdemo.cache.storage.GrowingLayer`: the same logits as transformers' `DynamicLayer`, in-place appends into storage
-that grows geometrically, a restore that only moves the length back (the prefix never written after the prefill),
-and memory accounting that counts the spare capacity."""
+"""`kvdemo.cache.layers.storage.GrowingLayer`: the same logits as transformers' `DynamicLayer`, in-place appends into
+storage that grows geometrically, a restore that only moves the length back (the prefix never written after the
+prefill), and memory accounting that counts the spare capacity."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ from transformers.cache_utils import DynamicLayer
 from kvdemo import CacheSpec, QASession, kv_memory
 from kvdemo.cache import snapshot
 from kvdemo.cache.budget import KVBudgetError
-from kvdemo.cache.spec import build_cache, estimate_kv_bytes
-from kvdemo.cache.storage import (
+from kvdemo.cache.layers.storage import (
     GROWTH,
     MIN_HEADROOM,
     GrowingLayer,
@@ -21,6 +20,7 @@ from kvdemo.cache.storage import (
     growing_dynamic_cache,
     grown_capacity,
 )
+from kvdemo.cache.spec import build_cache, estimate_kv_bytes
 from kvdemo.cli.main import build_parser
 from kvdemo.ui.inputs import spec_from_inputs
 from tests.test_snapshot import held_bytes

@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig
 
-from kvdemo.cache.flush import quantized_cache
+from kvdemo.cache.layers.flush import quantized_cache
+from kvdemo.cache.layers.rotation import hadamard
 from kvdemo.cache.registry import BACKENDS
-from kvdemo.cache.rotation import hadamard
 from kvdemo.charts.rotation import channel_max_figure, group_span_figure
 from kvdemo.evals.channel_spread import channel_max, group_spans, spread
 

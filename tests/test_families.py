@@ -16,8 +16,8 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.cache_utils import BaseQuantizedLayer
 
-from kvdemo.cache import attention, flush
 from kvdemo.cache.layer_kinds import STATE_ATTRIBUTES, UnsupportedModelError, quantized_layers
+from kvdemo.cache.layers import attention, flush
 from kvdemo.cache.spec import CacheSpec, build_cache
 from kvdemo.qa.models import LoadedModel
 from kvdemo.qa.session import QASession

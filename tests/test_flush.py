@@ -1,6 +1,6 @@
-"""The flush policies (`kvdemo.cache.flush`): `append` quantizes only the residual block at a flush, with the layer's
-own quantizer, and keeps a list of blocks; the snapshot restores it exactly; transformers' `requantize` stays the
-default."""
+"""The flush policies (`kvdemo.cache.layers.flush`): `append` quantizes only the residual block at a flush, with the
+layer's own quantizer, and keeps a list of blocks; the snapshot restores it exactly; transformers' `requantize` stays
+the default."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from transformers.cache_utils import HQQQuantizedLayer
 
 from kvdemo import CacheSpec, QASession
 from kvdemo.cache import snapshot
-from kvdemo.cache.blockwise import blockwise_layer
-from kvdemo.cache.dequantize import ExactHQQLayer, ExactQuantoLayer
-from kvdemo.cache.flush import AppendFlushMixin, AppendHQQLayer, AppendQuantoLayer, quantized_cache
+from kvdemo.cache.layers.blockwise import blockwise_layer
+from kvdemo.cache.layers.dequantize import ExactHQQLayer, ExactQuantoLayer
+from kvdemo.cache.layers.flush import AppendFlushMixin, AppendHQQLayer, AppendQuantoLayer, quantized_cache
 from kvdemo.cache.spec import build_cache
 from kvdemo.cache.telemetry import kv_memory
 

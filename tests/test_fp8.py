@@ -1,4 +1,4 @@
-"""The `fp8` backend's de-quantization by bit placement (`kvdemo.cache.fp8`): the same bits as transformers' own
+"""The `fp8` backend's de-quantization by bit placement (`kvdemo.cache.layers.fp8`): the same bits as transformers' own
 `Fp8QuantizedLayer._dequantize`, for every code at every kind of scale and on decode steps; NaN codes read the
 library's way; the bytes the library's."""
 
@@ -10,7 +10,7 @@ from transformers import PretrainedConfig, QuantizedCache
 from transformers.cache_utils import Fp8QuantizedLayer
 
 from kvdemo import CacheSpec, QASession
-from kvdemo.cache.fp8 import ExactFp8Layer, dequantize_e4m3, has_nan_codes
+from kvdemo.cache.layers.fp8 import ExactFp8Layer, dequantize_e4m3, has_nan_codes
 from kvdemo.cache.snapshot import restore, take
 from kvdemo.cache.spec import estimate_kv_bytes
 

@@ -1,4 +1,4 @@
-"""hqq's `optimize` option (`kvdemo.cache.hqq_optimize`): `optimize=false` stores exactly what hqq's own
+"""hqq's `optimize` option (`kvdemo.cache.layers.hqq_optimize`): `optimize=false` stores exactly what hqq's own
 `Quantizer.quantize(..., optimize=False)` makes, with every flush policy, rotation and value precision; `true` stays
 transformers' layer; the bytes do not change; bad values and other backends are refused with what to change."""
 
@@ -10,9 +10,9 @@ from hqq.core.quantize import Quantizer
 from transformers import LlamaConfig
 
 from kvdemo import CacheSpec
-from kvdemo.cache.dequantize import ExactHQQLayer
-from kvdemo.cache.flush import quantized_cache
-from kvdemo.cache.hqq_optimize import MinMaxQuantizer
+from kvdemo.cache.layers.dequantize import ExactHQQLayer
+from kvdemo.cache.layers.flush import quantized_cache
+from kvdemo.cache.layers.hqq_optimize import MinMaxQuantizer
 from kvdemo.cache.spec import build_cache, estimate_kv_bytes
 from kvdemo.cache.telemetry import kv_memory
 from tests.helpers import filled_layer

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from kvdemo import CacheSpec, QASession
-from kvdemo.cache.attention import recording_queries
 from kvdemo.cache.layer_plan import LayerPrecision, parse_plan
+from kvdemo.cache.layers.attention import recording_queries
 from kvdemo.cache.spec import estimate_kv_bytes
 from kvdemo.cache.telemetry import kv_memory
 from kvdemo.compare.run import compare

@@ -1,4 +1,4 @@
-"""Separate key and value precision (`nbits_value`, `kvdemo.cache.precision`): the keys stored exactly as
+"""Separate key and value precision (`nbits_value`, `kvdemo.cache.layers.precision`): the keys stored exactly as
 transformers' layer at `nbits` stores them, the values exactly as its layer at `nbits_value` does, with every flush
 policy and rotation; the bytes counted apart; each tensor's group rule checked with its own bits; bad values
 refused with the registry's message."""

@@ -12,7 +12,7 @@ from transformers import DynamicCache, Phi3Config, Phi3ForCausalLM
 from transformers.cache_utils import Cache
 
 from kvdemo import CacheSpec, QASession
-from kvdemo.cache.rotation import to_model_basis
+from kvdemo.cache.layers.rotation import to_model_basis
 from kvdemo.cache.spec import build_cache, estimate_kv_bytes
 from kvdemo.qa.models import LoadedModel
 from kvdemo.qa.prefill import PrefillStopped, rope_changes, run_prefill

@@ -1,7 +1,7 @@
-"""kvdemo.cache.rotation and kvdemo.cache.attention: the Hadamard matrix, rotated layers that store the library's own
-quantization of the rotated keys and values (rotated back on read, or kept in the rotated basis for kvdemo's
-attention function, which rotates the query), what rotation buys on keys with outlier channels, and its refusals.
-The restore and fresh-run invariants of the rotated specs run in tests/test_invariants.py (`all_specs`)."""
+"""kvdemo.cache.layers.rotation and kvdemo.cache.layers.attention: the Hadamard matrix, rotated layers that store the
+library's own quantization of the rotated keys and values (rotated back on read, or kept in the rotated basis for
+kvdemo's attention function, which rotates the query), what rotation buys on keys with outlier channels, and its
+refusals. The restore and fresh-run invariants of the rotated specs run in tests/test_invariants.py (`all_specs`)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from transformers import LlamaConfig
 from transformers.cache_utils import HQQQuantizedLayer, QuantoQuantizedLayer
 
 from kvdemo import CacheSpec, QASession
-from kvdemo.cache.attention import ATTENTION, install, uses_query_rotation
-from kvdemo.cache.blockwise import blockwise_layer
-from kvdemo.cache.flush import AppendQueryRotatedHQQLayer, AppendRotatedHQQLayer, quantized_cache
-from kvdemo.cache.rotation import (
+from kvdemo.cache.layers.attention import ATTENTION, install, uses_query_rotation
+from kvdemo.cache.layers.blockwise import blockwise_layer
+from kvdemo.cache.layers.flush import AppendQueryRotatedHQQLayer, AppendRotatedHQQLayer, quantized_cache
+from kvdemo.cache.layers.rotation import (
     ROTATED_MARK,
     QueryRotatedQuantoLayer,
     RotatedHQQLayer,
@@ -120,7 +120,7 @@ def _logits(loaded, cache, ids: list[int]) -> torch.Tensor:
 
 def test_kvdemos_attention_gives_sdpas_own_bits_for_an_unrotated_cache(embedded):
     """Without a rotation kvdemo's attention is sdpa's, bit for bit, for a cache read whole; a quantized cache read
-    block-wise (the default under kvdemo's attention, `kvdemo.cache.blockwise`) agrees to float rounding."""
+    block-wise (the default under kvdemo's attention, `kvdemo.cache.layers.blockwise`) agrees to float rounding."""
     tiny = make_tiny(embedded.tokenizer, seed=3)  # its own model: the attention is switched below
     assert tiny.config._attn_implementation == ATTENTION
     ids = embedded.tokenizer("The Normans held Rouen. Rollo led them, and Normandy was named after them.")["input_ids"]

@@ -1,4 +1,4 @@
-"""Quantized sliding-window layers (`kvdemo.cache.sliding`, `sliding=quantize`) against transformers'
+"""Quantized sliding-window layers (`kvdemo.cache.layers.sliding`, `sliding=quantize`) against transformers'
 `DynamicSlidingWindowLayer`: the same tokens returned to attention at every update, under the same mask sizes, and the
 store never holding more than the window; and the bytes by layer kind of mixed models against their tensors.
 
@@ -12,9 +12,9 @@ from transformers import AutoModelForCausalLM
 from transformers.cache_utils import DynamicSlidingWindowLayer, QuantizedLayer
 
 from kvdemo.cache import snapshot
-from kvdemo.cache.fp8 import ExactFp8Layer
 from kvdemo.cache.geometry import split_geometry
-from kvdemo.cache.sliding import SlidingFp8Layer, sliding_layer
+from kvdemo.cache.layers.fp8 import ExactFp8Layer
+from kvdemo.cache.layers.sliding import SlidingFp8Layer, sliding_layer
 from kvdemo.cache.spec import CacheSpec, build_cache, estimate_kv_bytes
 from kvdemo.cache.telemetry import kv_memory
 from tests.families import family_config

@@ -61,7 +61,7 @@ def test_spare_room_is_held_not_read(small):
     (shown on the page, outside the floor). transformers' concat layer right after the prefill reads all it holds;
     after an answer its restored keys and values are views of the last step's larger tensors (the next step's
     torch.cat replaces them): that rest is held, not read."""
-    from kvdemo.cache.storage import grown_capacity
+    from kvdemo.cache.layers.storage import grown_capacity
 
     context = "The Normans were the people who in the 10th and 11th centuries gave their name to Normandy. " * 3
     per_token = 2 * 2 * 2 * 64 * 4  # keys and values x 2 layers x 2 KV heads x 64 values x float32
@@ -118,7 +118,7 @@ def test_the_rotation_costs_flops_not_bytes(small):
     assert f"the rotation adds {rotated.rotation_flops / 1e6:,.1f} MFLOP per step, the same bytes" in line
     assert "rotation" not in views.speed_limit_line(plain, None)
     # the read side: every stored token's key and value per KV head (the prefill is all in the store)
-    from kvdemo.cache.flush import quantized_cache
+    from kvdemo.cache.layers.flush import quantized_cache
     from kvdemo.cache.speedlimit import rotation_flops
 
     read = quantized_cache("quanto", small.config, rotation="hadamard", rotate_query=False, residual_length=8)

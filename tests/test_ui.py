@@ -12,9 +12,9 @@ import gradio as gr
 import pytest
 
 from kvdemo import CacheSpec, QASession
+from kvdemo.cache.layers.storage import GrowingLayer
 from kvdemo.cache.registry import GROUP_OPTIONS
 from kvdemo.cache.spec import estimate_kv_bytes
-from kvdemo.cache.storage import GrowingLayer
 from kvdemo.charts.steps import MEMORY_SERIES
 from kvdemo.compare.run import compare
 from kvdemo.serve.server import App

@@ -1,7 +1,8 @@
-"""The KV cache itself, with no model run and no session: the one registry of backends (`registry`), a backend
-and its options (`spec`), how `dynamic` stores its tensors (`storage`), the flush policies (`flush`), rotated keys
-and values (`rotation`) with the attention function that rotates the query (`attention`), the words of those
-options (`policies`), the geometry read from a model's config (`geometry`), taking and restoring the post-prefill
-state (`snapshot`), the real memory and flushes read from a cache (`telemetry`), the out-of-memory guard (`budget`)
-and a decode step's speed limit (`speedlimit`). It imports from no other kvdemo package but `kvdemo.checks`
-(docs/DESIGN.md, "The package order")."""
+"""The KV cache itself, with no model run and no session: the one registry of backends (`registry`, the specs it
+offers in `catalogue`), a backend and its options (`spec`, with its q_group_size rules in `groups`, its byte formulas
+in `layouts`, a per-layer `layer_plan` and the words of the text options in `policies`), what each kind of model
+layer gets (`layer_kinds`) and what it stores (`geometry`), taking and restoring the post-prefill state
+(`snapshot`), the real memory and flushes read from a cache (`telemetry`), the out-of-memory guard (`budget`), a
+decode step's speed limit (`speedlimit`) and the backends' one-off warm-up (`warmup`); the cache layers themselves
+are in `kvdemo.cache.layers`. It imports from no other kvdemo package but `kvdemo.checks` (docs/DESIGN.md, "The
+package order")."""

@@ -2,7 +2,7 @@
 `config.layer_types` (as `transformers.cache_utils.get_layer_types_and_kwargs` reads them, KV-shared and MLP-only
 layers turned into `dummy`) to what a backend does with a layer (`LayerKind.action`: quantize it, keep it as
 transformers builds it, or hold nothing), what the snapshot keeps of it, and what the geometry counts. The spec's
-checks (`kvdemo.cache.spec`), the cache builder (`kvdemo.cache.by_kind`), the geometry (`kvdemo.cache.geometry`),
+checks (`kvdemo.cache.spec`), the cache builder (`kvdemo.cache.layers.by_kind`), the geometry (`kvdemo.cache.geometry`),
 the telemetry, the planner and the snapshot (`kvdemo.cache.snapshot`) read it.
 
 - `full_attention`: keys and values that grow with the context; every backend stores them (quantized on the
@@ -10,7 +10,7 @@ the telemetry, the planner and the snapshot (`kvdemo.cache.snapshot`) read it.
 - `sliding_attention`, `chunked_attention`: keys and values of the last `sliding_window` tokens
   (`DynamicSlidingWindowLayer`). A quantized backend keeps them at full precision as transformers builds them
   (`sliding=keep`, the default: vLLM's `kv_cache_dtype_skip_layers=sliding_window`, mlx-lm's rotating cache), or
-  quantizes them too (`sliding=quantize`, llama.cpp's choice: `kvdemo.cache.sliding`).
+  quantizes them too (`sliding=quantize`, llama.cpp's choice: `kvdemo.cache.layers.sliding`).
 - `linear_attention`, `conv`: a fixed-size conv and recurrent state written in place (Mamba, gated DeltaNet,
   LFM2's short convolutions): no keys, no values; kept as transformers builds them, the snapshot clones the states.
 - `hybrid`, `hybrid_sliding`: one layer with both (Falcon-H1); kept whole at full precision on every backend
@@ -25,7 +25,7 @@ Latent caches (Multi-head Latent Attention: DeepSeek-V2/V3, MiniCPM3, Kimi, GLM-
 compressed latent (`[batch, 1, tokens, kv_lora_rank]`) and the rotary part of the key
 (`[batch, 1, tokens, qk_rope_head_dim]`) and up-projects them after `cache.update` (`expand_kv`). `is_latent`
 names them; their layers are read whole at every step and any rotation is undone before the up-projection
-(`kvdemo.cache.flush.quantized_cache`), never block-wise or on the query side.
+(`kvdemo.cache.layers.flush.quantized_cache`), never block-wise or on the query side.
 
 Everything a backend cannot serve raises `UnsupportedModelError` (a `ValueError`) when the session is built,
 before any forward pass, naming the model's layer kinds and what would work.

@@ -3,7 +3,7 @@ as the `plan` option of a spec (`quanto,plan=k4v2h*12+k2v2h*18`).
 
 Why: layers do not suffer alike from a quantized KV cache, so one precision for every layer spends bits where
 they buy little. A plan gives each layer its own `nbits` (keys), `nbits_value` (values) and `rotation`, each taken
-by the library's own layer for that layer (`kvdemo.cache.flush.quantized_cache`); `kvdemo.evals.planner` chooses
+by the library's own layer for that layer (`kvdemo.cache.layers.flush.quantized_cache`); `kvdemo.evals.planner` chooses
 one from the error measured on the user's own text under a byte budget. Pattern: per-layer mixed KV precision
 (KVTuner, Li et al. 2025, arXiv:2502.04420; llama.cpp's `--cache-type-k`/`--cache-type-v` taken per tensor).
 

@@ -21,10 +21,10 @@ if TYPE_CHECKING:
 
 
 def full_precision_bytes(opts, geo: KVGeometry, tokens, residual, element, nominal) -> float:
-    """Every value in the model's dtype; with `storage=growing` (`kvdemo.cache.storage.GrowingLayer`) the buffers'
-    whole capacity, at most `capacity_bound(tokens)` tokens (an upper bound, reached right after a one-pass
+    """Every value in the model's dtype; with `storage=growing` (`kvdemo.cache.layers.storage.GrowingLayer`) the
+    buffers' whole capacity, at most `capacity_bound(tokens)` tokens (an upper bound, reached right after a one-pass
     prefill; up to max(256 tokens, 12.5 %) above the tokens held). `nominal` counts the tokens held only."""
-    from kvdemo.cache.storage import capacity_bound
+    from kvdemo.cache.layers.storage import capacity_bound
 
     held = capacity_bound(tokens) if opts.get("storage") == "growing" and not nominal else tokens
     # a sliding layer keeps its window, as transformers builds it under either storage
@@ -34,8 +34,8 @@ def full_precision_bytes(opts, geo: KVGeometry, tokens, residual, element, nomin
 
 
 def fp8_bytes(opts, geo: KVGeometry, tokens, residual, element, nominal) -> float:
-    """One byte per value held (float8_e4m3; a sliding layer its window, `kvdemo.cache.sliding`) plus one float32
-    scale per layer and tensor (transformers' `Fp8QuantizedLayer`; kvdemo's de-quantization, `kvdemo.cache.fp8`,
+    """One byte per value held (float8_e4m3; a sliding layer its window, `kvdemo.cache.layers.sliding`) plus one float32
+    scale per layer and tensor (transformers' `Fp8QuantizedLayer`; kvdemo's de-quantization, `kvdemo.cache.layers.fp8`,
     holds nothing more). `geo`: the quantized layers."""
     return geo.values_held(tokens) + 2 * len(geo.kv_layers) * 4
 
@@ -72,7 +72,7 @@ def group_bytes(stored_bits: dict[int, float]) -> Callable[..., float]:
             keys, values = layer.key_heads * layer.key_dim, layer.value_heads * layer.value_dim
             scales = 2 * element * (keys + values) / opts["q_group_size"]  # a scale and a zero point per group
             per_token = (keys * key_bits + values * value_bits) / 8 + scales
-            # a sliding layer's store holds its window at most (`kvdemo.cache.sliding`); the residual beside it
+            # a sliding layer's store holds its window at most (`kvdemo.cache.layers.sliding`); the residual beside it
             total += per_token * layer.tokens_held(tokens - residual) + (keys + values) * element * residual
         return total
 

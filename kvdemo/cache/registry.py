@@ -79,8 +79,8 @@ class Option:
 
     Attributes:
         name: the transformers keyword (`nbits`, `q_group_size`, `residual_length`, `axis_key`, `axis_value`), or
-            kvdemo's `flush` (the flush policy, `kvdemo.cache.flush`) or `storage` (how `dynamic` grows its tensors,
-            `kvdemo.cache.storage`).
+            kvdemo's `flush` (the flush policy, `kvdemo.cache.layers.flush`) or `storage` (how `dynamic` grows its
+            tensors, `kvdemo.cache.layers.storage`).
         default: the value transformers uses when the option is left unset.
         choices: the allowed values (integers, or words for a text option such as `flush`), or None where any
             integer >= `minimum` is allowed (then model-dependent rules may narrow it, see `CacheSpec.validate`).
@@ -262,25 +262,26 @@ _OPTIMIZE_HELP = "true: hqq's optimiser refines the zero points (as transformers
 
 def _dynamic_cache(name: str, options: SpecOptions, config: PreTrainedConfig) -> Cache:
     """transformers' `DynamicCache(config=config)`, or its `GrowingLayer` form with `storage=growing`."""
-    from kvdemo.cache.storage import dynamic_cache
+    from kvdemo.cache.layers.storage import dynamic_cache
 
     return dynamic_cache(config, str(options.get("storage", STORAGE_POLICIES[0])))
 
 
 def _fp8_cache(name: str, options: Mapping[str, Any], config: PreTrainedConfig) -> Cache:
-    """transformers' `QuantizedCache("fp8", config)` built by layer kind (`kvdemo.cache.flush.quantized_cache`),
-    whose layers de-quantize by bit placement (`kvdemo.cache.fp8.ExactFp8Layer`: the same bits, the same store)."""
-    from kvdemo.cache.flush import quantized_cache
+    """transformers' `QuantizedCache("fp8", config)` built by layer kind (`kvdemo.cache.layers.flush.quantized_cache`),
+    whose layers de-quantize by bit placement (`kvdemo.cache.layers.fp8.ExactFp8Layer`: the same bits, the same
+    store)."""
+    from kvdemo.cache.layers.flush import quantized_cache
 
     return quantized_cache(name, config, sliding=str(options.get("sliding", SLIDING_CHOICES[0])))
 
 
 def _residual_cache(name: str, options: Mapping[str, Any], config: PreTrainedConfig) -> Cache:
     """`QuantizedCache(name, config, **options)` whose layers flush by the `flush` option's policy and rotate by
-    the `rotation` option, or take each its own precision from the `plan` (`kvdemo.cache.flush.quantized_cache`:
+    the `rotation` option, or take each its own precision from the `plan` (`kvdemo.cache.layers.flush.quantized_cache`:
     for `requantize` and `none`, transformers' own layers de-quantizing in place with the same bits,
-    `kvdemo.cache.dequantize`), read block-wise under kvdemo's attention (`kvdemo.cache.blockwise`)."""
-    from kvdemo.cache.flush import quantized_cache
+    `kvdemo.cache.layers.dequantize`), read block-wise under kvdemo's attention (`kvdemo.cache.layers.blockwise`)."""
+    from kvdemo.cache.layers.flush import quantized_cache
 
     options = dict(options)
     flush, rotation = str(options.pop("flush", FLUSH_POLICIES[0])), str(options.pop("rotation", ROTATIONS[0]))

@@ -23,7 +23,7 @@ the old ones, so the objects the snapshot holds are never changed while an answe
   restore slices the keys and values back to it: `keys[..., :length, :]`, a view, exact and copy-free.
   Until the next decode step replaces it, that view keeps the longer storage alive;
   `telemetry.kv_memory` counts it as held.
-- `kvdemo.cache.storage.GrowingLayer`s (a `DynamicLayer` that writes new tokens in place into storage with spare
+- `kvdemo.cache.layers.storage.GrowingLayer`s (a `DynamicLayer` that writes new tokens in place into storage with spare
   capacity): the same length is kept, and the same slicing assignment sets the layer's length back without a
   copy; its decode steps write only after the post-prefill length, so the prefix's bytes are never changed.
 
@@ -58,11 +58,11 @@ from transformers.cache_utils import (
 )
 
 from kvdemo.cache.layer_kinds import STATE_ATTRIBUTES
-from kvdemo.cache.storage import GrowingLayer
+from kvdemo.cache.layers.storage import GrowingLayer
 
 _LENGTH_LAYERS = (DynamicLayer, GrowingLayer)
 """The layer types restored by moving their length back: transformers' `DynamicLayer` (a view of the longer
-tensor) and `kvdemo.cache.storage.GrowingLayer` (it writes in place but never at positions below the post-prefill
+tensor) and `kvdemo.cache.layers.storage.GrowingLayer` (it writes in place but never at positions below the post-prefill
 length, so setting the length back is exact: docs/DESIGN.md, invariant 3, the in-place clause)."""
 
 _STATE_FLAGS = ("has_previous_state", "is_conv_states_initialized", "is_recurrent_states_initialized")

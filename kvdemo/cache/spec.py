@@ -39,11 +39,11 @@ class CacheSpec:
         backend: a name in `BACKENDS`.
         nbits: bits per quantized value; q_group_size: values per scale/zero-point group; residual_length:
             full-precision tokens held before a flush (>= 1); axis_key, axis_value: grouping axes; flush: the
-            flush policy (`requantize`, `append`: `kvdemo.cache.flush`); storage: how `dynamic` stores its tensors
-            (`concat`, `growing`: `kvdemo.cache.storage`); rotation: `hadamard` rotates keys and values before
-            quantizing (`kvdemo.cache.rotation`), `none` does not; nbits_value: bits per quantized value of the
-            values alone (`kvdemo.cache.precision`; None: nbits, as transformers); optimize: hqq's optimiser of
-            zero points on (`true`, hqq's default) or off (`false`: `kvdemo.cache.hqq_optimize`); sliding: `keep`
+            flush policy (`requantize`, `append`: `kvdemo.cache.layers.flush`); storage: how `dynamic` stores tensors
+            (`concat`, `growing`: `kvdemo.cache.layers.storage`); rotation: `hadamard` rotates keys and values before
+            quantizing (`kvdemo.cache.layers.rotation`), `none` does not; nbits_value: bits per quantized value of the
+            values alone (`kvdemo.cache.layers.precision`; None: nbits, as transformers); optimize: hqq's optimiser of
+            zero points on (`true`, hqq's default) or off (`false`: `kvdemo.cache.layers.hqq_optimize`); sliding: `keep`
             the sliding-window layers at full precision or `quantize` them (`kvdemo.cache.layer_kinds`); plan: each
             layer's nbits, nbits_value and rotation (`kvdemo.cache.layer_plan`, e.g. `k4v2h*12+k2v2h*18`; set, it
             replaces those three options, which stay unset). Which backend takes which, and the values allowed,
@@ -295,7 +295,7 @@ class CacheSpec:
         info = self.info
         from kvdemo.cache.geometry import kv_geometry
         from kvdemo.cache.layer_kinds import UnsupportedModelError, quantized_layers, serving_problem
-        from kvdemo.cache.rotation import rotation_problem
+        from kvdemo.cache.layers.rotation import rotation_problem
 
         sliding = str(self.resolved().get("sliding", SLIDING_CHOICES[0]))
         problem = serving_problem(self.backend, info.quantized, model_config, sliding)

@@ -12,8 +12,8 @@ of the same model and cache can beat (the roofline model, Williams, Waterman and
 - KV bytes: what attention reads of the live cache: the quantized store with its scales and zero points (as
   `kvdemo.cache.telemetry.kv_memory` counts it) and the full-precision keys and values of the tokens held (a quantized
   layer's residual, all of a dynamic layer: tokens x the model's per-token bytes). Storage held beyond those
-  tokens (`storage=growing`'s spare room, `kvdemo.cache.storage`; a view not yet replaced after a restore) is memory,
-  not read: `SpeedLimit.unread_bytes`, outside the floor;
+  tokens (`storage=growing`'s spare room, `kvdemo.cache.layers.storage`; a view not yet replaced after a restore) is
+  memory, not read: `SpeedLimit.unread_bytes`, outside the floor;
 - bandwidth: `probe_bandwidth`, a large tensor copy timed once per process (STREAM's "copy" kernel,
   McCalpin 1995: bytes read + bytes written over the best time).
 
@@ -100,12 +100,12 @@ class SpeedLimit:
         dequantized_bytes: bytes of full-precision keys and values a step of a quantized cache makes by
             de-quantizing its whole store in every layer (every stored token at each step, no copy kept between
             steps: joined whole by transformers' `QuantizedLayer.update` and the fp8 layer, block by block by
-            `kvdemo.cache.blockwise`; `benchmarks/flush.py` and `benchmarks/decode.py` measure the time); 0 for
+            `kvdemo.cache.layers.blockwise`; `benchmarks/flush.py` and `benchmarks/decode.py` measure the time); 0 for
             `dynamic`. Not in the floor: a cache that attends to its quantized store
             directly would not write them.
         rotation_flops: floating-point operations a step of a rotated cache (`rotation=hadamard`) adds, each a
             [head_dim] x [head_dim, head_dim] product of 2 x head_dim^2 flops: on the query side
-            (`kvdemo.cache.rotation.QueryRotationMixin`) the new token's key and value per KV head and its query
+            (`kvdemo.cache.layers.rotation.QueryRotationMixin`) the new token's key and value per KV head and its query
             and attention output per query head, in every layer; on the read side (`RotationMixin`) every stored
             token's key and value per KV head in every layer. 0 without a rotation. Bytes are unchanged.
         rotation_side: `query` or `read` (the rotated layers' way), "" without a rotation.
@@ -204,7 +204,7 @@ def rotation_flops(model_config, cache: Cache, memory: MemoryReport | None = Non
     (the store of `kv_memory`'s layer: held tokens - residual), each product 2 x head_dim^2 flops; and the side
     (`query`, `read`; "" for a cache without rotated layers). `memory`: `kv_memory(cache)` when the caller has it
     (None reads it)."""
-    from kvdemo.cache.rotation import QueryRotationMixin, RotationMixin
+    from kvdemo.cache.layers.rotation import QueryRotationMixin, RotationMixin
 
     geo = kv_geometry(model_config)
     query_heads = int(model_config.get_text_config(decoder=True).num_attention_heads)

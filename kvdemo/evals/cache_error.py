@@ -15,7 +15,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import BaseQuantizedLayer, Cache, DynamicLayer
 
-from kvdemo.cache.rotation import to_model_basis
+from kvdemo.cache.layers.rotation import to_model_basis
 from kvdemo.qa.models import LoadedModel
 
 KV = tuple[tuple[torch.Tensor, torch.Tensor], ...]
@@ -61,7 +61,7 @@ def dequantized_kv(cache: Cache, tokens: int | None = None) -> KV:
     """The keys and values the model reads from `cache` (nothing in it changes): for a quantized layer the
     backend's own de-quantization of its store (`layer._dequantize`, as `QuantizedLayer.update` calls it) followed
     by the full-precision residual, in the model's basis (a query-side rotated layer's rotated back,
-    `kvdemo.cache.rotation.to_model_basis`); for a `DynamicLayer` its tensors.
+    `kvdemo.cache.layers.rotation.to_model_basis`); for a `DynamicLayer` its tensors.
 
     Args:
         tokens: keep only the first `tokens` positions (e.g. the context's); None keeps all.

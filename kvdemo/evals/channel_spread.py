@@ -5,7 +5,7 @@ group's grid as the library itself stored it (`group_spans`).
 A group-wise quantizer gives each group one grid of 2**nbits levels from its smallest to its largest value. When
 a few channels carry large values for every token (the keys' outlier channels: the rotary pairs of low
 frequency), every group that holds one of them gets a wide grid, and the other channels of the group fall on a
-few levels. The rotation (`kvdemo.cache.rotation.rotate`, x @ H) spreads each channel over all head_dim channels,
+few levels. The rotation (`kvdemo.cache.layers.rotation.rotate`, x @ H) spreads each channel over all head_dim channels,
 so the channels' maxima even out and a group's span shrinks towards the typical magnitude. Pattern: QuaRot
 (Ashkboos et al. 2024, arXiv:2404.00456, its figure 1: per-channel activation magnitudes before and after a
 Hadamard rotation); KIVI (Liu et al. 2024, arXiv:2402.02750, section 3: the keys' outlier channels).
@@ -19,7 +19,7 @@ from typing import cast
 import torch
 from transformers.cache_utils import BaseQuantizedLayer, Cache
 
-from kvdemo.cache.rotation import rotate
+from kvdemo.cache.layers.rotation import rotate
 from kvdemo.evals.cache_error import KV
 
 TENSORS = ("keys", "values")
@@ -47,7 +47,7 @@ def channel_max(kv: KV, layer: int, tensor: str = "keys", rotated: bool = False)
 
     Raises:
         IndexError: no such layer. ValueError: `tensor` is neither keys nor values; rotated with a head_dim that
-        is not a power of two (`kvdemo.cache.rotation.hadamard`).
+        is not a power of two (`kvdemo.cache.layers.rotation.hadamard`).
     """
     x = kv[layer][_which(tensor)].double()
     if rotated:
@@ -87,7 +87,7 @@ def group_spans(cache: Cache, layer: int, tensor: str = "keys") -> torch.Tensor:
     store = (entry._quantized_keys, entry._quantized_values)[which]
     if store is None:
         raise ValueError(f"layer {layer} has no quantized store yet; prefill the cache first")
-    # `flush=append` keeps a list of blocks, each what the library's `_quantize` returned (`kvdemo.cache.flush`)
+    # `flush=append` keeps a list of blocks, each what the library's `_quantize` returned (`kvdemo.cache.layers.flush`)
     return torch.cat([_block_spans(block, layer, entry) for block in (store if isinstance(store, list) else [store])])
 
 

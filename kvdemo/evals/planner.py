@@ -2,7 +2,7 @@
 values get more bits, and which are rotated (`kvdemo.cache.layer_plan` writes the result as a spec's `plan`).
 
 The measure (`layer_errors`): one full-precision prefill of the context through the model, which also records the
-last `query_tokens` queries of every layer (`kvdemo.cache.attention.recording_queries`). Then, for every
+last `query_tokens` queries of every layer (`kvdemo.cache.layers.attention.recording_queries`). Then, for every
 candidate precision the backend takes (each nbits, each rotation), the context's keys and values are quantized by
 the library's own layers (the cache a spec of that precision builds: its prefill update, as a real prefill does)
 and read back in the model's basis (`cache_error.layer_kv`), one layer at a time. A layer's error for a candidate
@@ -34,10 +34,10 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicLayer
 
-from kvdemo.cache.attention import recording_queries, uses_query_rotation
 from kvdemo.cache.geometry import kv_geometry
 from kvdemo.cache.layer_kinds import UnsupportedModelError, is_latent
 from kvdemo.cache.layer_plan import PLAN, LayerPrecision, plan_text
+from kvdemo.cache.layers.attention import recording_queries, uses_query_rotation
 from kvdemo.cache.registry import BACKENDS, PLANNED
 from kvdemo.cache.spec import CacheSpec, build_cache, estimate_kv_bytes
 from kvdemo.evals.cache_error import layer_kv, reference_kv

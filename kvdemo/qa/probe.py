@@ -11,8 +11,8 @@ cache of the spec, decodes the last two, restores the cache and decodes them aga
 2. the two decodes give the same logits, bit for bit (the restore restored everything the model reads);
 3. for the full-precision backend, the logits are those of one cache-free forward pass of the same tokens (within
    float rounding);
-4. for a quantized backend, the logits are those of the same cache read whole (`kvdemo.cache.flush.read_whole`: no
-   block-wise read, a rotation undone on read), within half of what quantization moves them from a cache-free pass.
+4. for a quantized backend, the logits are those of the same cache read whole (`kvdemo.cache.layers.flush.read_whole`:
+   no block-wise read, a rotation undone on read), within half of what quantization moves them from a cache-free pass.
 
 Any failure, or any exception the model raises, is an `UnsupportedModelError` (a `ValueError`) when the session is
 built, before the prefill: the message says what failed and what would work. A probe costs three to five forward
@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 
 from kvdemo.cache import snapshot
-from kvdemo.cache.flush import read_whole
 from kvdemo.cache.layer_kinds import UnsupportedModelError
+from kvdemo.cache.layers.flush import read_whole
 from kvdemo.cache.registry import BACKENDS
 from kvdemo.cache.spec import CacheSpec, build_cache
 from kvdemo.qa.models import LoadedModel

@@ -7,7 +7,7 @@ whole store de-quantized (one float tensor of every stored token) and copied onc
 by attention. Here a decode step's `update` (one new token, no flush) only appends the token to the residual and
 returns the residual (the "tail", [batch, kv_heads, residual tokens, head_dim]) with a mark (`BLOCKS_MARK`, a
 Python attribute on the returned key tensor) that names the store's blocks and the layer's own `_dequantize`.
-`kvdemo.cache.attention.kvdemo_attention` sees the mark and calls `attend_blockwise`: for each block, the
+`kvdemo.cache.layers.attention.kvdemo_attention` sees the mark and calls `attend_blockwise`: for each block, the
 library's de-quantization of that block alone (quanto's, hqq's, through any kvdemo rotation or value precision
 layered on it), then torch's CPU flash-attention kernel (`aten._scaled_dot_product_flash_attention_for_cpu`,
 what `scaled_dot_product_attention` runs on CPU), which also returns each query's log-sum-exp of its scores;
@@ -22,9 +22,10 @@ path). The store is what the flush policy makes it: one block (`flush=requantize
 prefill's block and one per flush (`flush=append`).
 
 Every other step takes the layer's own `update` unchanged (the prefill, a question's tokens, a flush step, a
-pending beam reorder), and so does any model whose attention is not kvdemo's (`kvdemo.cache.flush.quantized_cache`
-adds the mixin only where the config attends through `kvdemo_attention`). The snapshot (`kvdemo.cache.snapshot`)
-is unchanged: `update` assigns new tensors, as transformers' does.
+pending beam reorder), and so does any model whose attention is not kvdemo's
+(`kvdemo.cache.layers.flush.quantized_cache` adds the mixin only where the config attends through
+`kvdemo_attention`). The snapshot (`kvdemo.cache.snapshot`) is unchanged: `update` assigns new tensors, as
+transformers' does.
 
 Pattern: Flash-Decoding's split-KV decode (Dao, Haziza, Massa, Sizov 2023, "Flash-Decoding for long-context
 inference"): attention over blocks of the KV cache, each with its log-sum-exp, reduced at the end; FlashAttention's
@@ -40,11 +41,11 @@ from functools import cache
 import torch
 from transformers.cache_utils import QuantizedLayer
 
-from kvdemo.cache.rotation import LibraryLayer, QueryRotationMixin, mark_rotated, rotate
+from kvdemo.cache.layers.rotation import LibraryLayer, QueryRotationMixin, mark_rotated, rotate
 
 BLOCKS_MARK = "_kvdemo_blocks"
 """The attribute `BlockwiseReadMixin.update` sets on the key tensor it returns (a `StoreBlocks`); read by
-`kvdemo.cache.attention.kvdemo_attention`."""
+`kvdemo.cache.layers.attention.kvdemo_attention`."""
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
@@ -80,7 +81,7 @@ def blocks_of(keys: torch.Tensor) -> StoreBlocks | None:
 class BlockwiseReadMixin(LibraryLayer):
     """Block-wise decode reads for a transformers `QuantizedLayer` subclass (or kvdemo's flush, rotation and value
     precision layers): see the module docstring. Only for a model that attends through
-    `kvdemo.cache.attention.kvdemo_attention`; `kvdemo.cache.flush.quantized_cache` checks that."""
+    `kvdemo.cache.layers.attention.kvdemo_attention`; `kvdemo.cache.layers.flush.quantized_cache` checks that."""
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs

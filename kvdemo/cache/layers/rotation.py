@@ -14,7 +14,7 @@ a quantized KV cache (ggml-org/llama.cpp#21038), ik_llama.cpp's `-khad`/`-vhad`.
 Two ways, the same arithmetic in exact terms (`benchmarks/rotation.py` measures both per decode step):
 
 - **query side** (`QueryRotationMixin`, what `rotation=hadamard` builds when the model attends through
-  `kvdemo.cache.attention.kvdemo_attention`): the layer rotates each new token's key and value once, on entry,
+  `kvdemo.cache.layers.attention.kvdemo_attention`): the layer rotates each new token's key and value once, on entry,
   and keeps everything (store and residual) in the rotated basis; attention rotates the query and rotates its
   output back. O(new tokens x head_dim^2) per layer and step.
 - **read side** (`RotationMixin`, for a model whose attention is not kvdemo's, e.g. `eager`): the library
@@ -31,12 +31,12 @@ from typing import TYPE_CHECKING
 import torch
 from transformers.cache_utils import HQQQuantizedLayer, QuantizedLayer, QuantoQuantizedLayer
 
-from kvdemo.cache.dequantize import ExactHQQLayer, ExactQuantoLayer
+from kvdemo.cache.layers.dequantize import ExactHQQLayer, ExactQuantoLayer
 
 if TYPE_CHECKING:
 
     class LibraryLayer(QuantizedLayer):
-        """What a mixin here or in `kvdemo.cache.flush` is mixed into, as the type checker sees it: a
+        """What a mixin here or in `kvdemo.cache.layers.flush` is mixed into, as the type checker sees it: a
         `QuantizedLayer` whose `_quantize` and `_dequantize` are the library's own (quanto's, hqq's)."""
 
         def _quantize(self, tensor, axis): ...
@@ -104,7 +104,7 @@ def rotate(tensor: torch.Tensor) -> torch.Tensor:
 
 ROTATED_MARK = "_kvdemo_rotated"
 """The attribute a query-side rotated layer sets (True) on the key tensor its `update` returns; read by
-`kvdemo.cache.attention.kvdemo_attention`."""
+`kvdemo.cache.layers.attention.kvdemo_attention`."""
 
 
 def mark_rotated(keys: torch.Tensor) -> torch.Tensor:
@@ -135,7 +135,7 @@ class QueryRotationMixin(LibraryLayer):
     the store (the library's quantization of rotated tensors, its `_quantize` and `_dequantize` untouched) and the
     residual are in the rotated basis, and so are the keys and values returned, which carry the mark
     (`mark_rotated`) that makes `kvdemo_attention` rotate the query and the output.
-    Only for a model that attends through `kvdemo_attention`; `kvdemo.cache.flush.quantized_cache` checks that.
+    Only for a model that attends through `kvdemo_attention`; `kvdemo.cache.layers.flush.quantized_cache` checks that.
 
     Attributes:
         rotated_basis: True: the stored keys and values are `x @ H` (`to_model_basis` turns them back).

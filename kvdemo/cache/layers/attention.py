@@ -1,7 +1,7 @@
 """kvdemo's attention function: transformers' `sdpa_attention_forward`, plus the query side of a rotated cache and
 the block-wise read of a quantized store.
 
-A cache layer that stores its keys and values in the rotated basis (`kvdemo.cache.rotation.QueryRotationMixin`:
+A cache layer that stores its keys and values in the rotated basis (`kvdemo.cache.layers.rotation.QueryRotationMixin`:
 it rotates each new token once, K' = K @ H, V' = V @ H, H the orthonormal Hadamard matrix, H @ H = I) hands
 attention K' and V' with a mark (`ROTATED_MARK`, a Python attribute on the key tensor). For marked keys this
 function attends with the query rotated and rotates the output back:
@@ -10,8 +10,8 @@ function attends with the query rotated and rotates the output back:
 
 so attention's scores and output are those of the unrotated keys and values in exact arithmetic, at a cost of
 O(new tokens x head_dim^2) per layer and step (the query and the output), not O(cached tokens x head_dim^2) (the
-read-side rotation of `kvdemo.cache.rotation.RotationMixin`, which rotates the whole de-quantized store back at
-every step). Keys marked by a block-wise layer (`kvdemo.cache.blockwise.BLOCKS_MARK`: quanto and hqq at a decode
+read-side rotation of `kvdemo.cache.layers.rotation.RotationMixin`, which rotates the whole de-quantized store back at
+every step). Keys marked by a block-wise layer (`kvdemo.cache.layers.blockwise.BLOCKS_MARK`: quanto and hqq at a decode
 step) are the residual, and the mark names the quantized store's blocks: `attend_blockwise` attends to each block as
 the layer de-quantizes it and merges the parts by log-sum-exp; a call it does not take (a mask, several new tokens,
 another device than the CPU) reads the whole store joined, as transformers' layer returns it. Unmarked keys (every
@@ -39,8 +39,8 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from kvdemo.cache.blockwise import attend_blockwise, blocks_of
-from kvdemo.cache.rotation import ROTATED_MARK, rotate
+from kvdemo.cache.layers.blockwise import attend_blockwise, blocks_of
+from kvdemo.cache.layers.rotation import ROTATED_MARK, rotate
 
 ATTENTION = "kvdemo_sdpa"
 """The name kvdemo's attention function is registered under (`config._attn_implementation` of an installed model)."""
@@ -55,9 +55,9 @@ def kvdemo_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """transformers' `sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)`; for keys marked
-    by `kvdemo.cache.rotation.mark_rotated` (key and value in the rotated basis), with `query @ H`, and the output
-    multiplied by H; for keys marked by a block-wise layer, over the store's blocks and the residual
-    (`kvdemo.cache.blockwise.attend_blockwise`).
+    by `kvdemo.cache.layers.rotation.mark_rotated` (key and value in the rotated basis), with `query @ H`, and the
+    output multiplied by H; for keys marked by a block-wise layer, over the store's blocks and the residual
+    (`kvdemo.cache.layers.blockwise.attend_blockwise`).
 
     Args:
         query: [batch, heads, new tokens, head_dim]; key, value: [batch, kv_heads, tokens, head_dim] (for

@@ -1,5 +1,5 @@
 """A quantized backend's cache built layer by layer from the model's layer kinds (`kvdemo.cache.layer_kinds`):
-the layers the backend quantizes get its layer (`kvdemo.cache.flush.quantized_cache` chooses which), every other
+the layers the backend quantizes get its layer (`kvdemo.cache.layers.flush.quantized_cache` chooses which), every other
 layer is the one transformers' `DynamicCache(config=...)` builds for its type (a `DynamicSlidingWindowLayer`, a
 `LinearAttentionLayer` with its conv and recurrent states, a combined attention-and-Mamba layer, a `DummyLayer`).
 

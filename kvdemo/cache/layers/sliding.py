@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from kvdemo.cache.fp8 import ExactFp8Layer
-from kvdemo.cache.rotation import LibraryLayer
+from kvdemo.cache.layers.fp8 import ExactFp8Layer
+from kvdemo.cache.layers.rotation import LibraryLayer
 
 
 class SlidingWindowMask:
@@ -102,7 +102,7 @@ def sliding_layer(layer_class: type) -> type:
 
 
 class SlidingFp8Layer(SlidingWindowMask, ExactFp8Layer):
-    """transformers' `Fp8QuantizedLayer` (de-quantizing by bit placement, `kvdemo.cache.fp8`) over the window."""
+    """transformers' `Fp8QuantizedLayer` (de-quantizing by bit placement, `kvdemo.cache.layers.fp8`) over the window."""
 
     def __init__(self, sliding_window: int) -> None:
         super().__init__()

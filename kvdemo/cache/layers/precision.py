@@ -26,7 +26,7 @@ from functools import cache
 
 from transformers.cache_utils import QuantizedLayer
 
-from kvdemo.cache.rotation import LibraryLayer
+from kvdemo.cache.layers.rotation import LibraryLayer
 
 PRECISION_ATTRIBUTES = ("nbits", "qtype")
 """The attributes through which transformers' quantized layers hand their precision to the library: `nbits`

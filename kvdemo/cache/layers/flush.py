@@ -27,16 +27,15 @@ import torch
 from transformers import PreTrainedConfig, QuantizedCache
 from transformers.cache_utils import HQQQuantizedLayer, QuantizedLayer, QuantoQuantizedLayer
 
-from kvdemo.cache.attention import uses_query_rotation
-from kvdemo.cache.blockwise import blockwise_layer
-from kvdemo.cache.by_kind import library_cache, sliding_windows, with_kept_layers
-from kvdemo.cache.dequantize import EXACT_LAYERS, ExactHQQLayer, ExactQuantoLayer
-from kvdemo.cache.fp8 import ExactFp8Layer
 from kvdemo.cache.layer_kinds import is_latent, quantized_layers
 from kvdemo.cache.layer_plan import LayerPrecision
-from kvdemo.cache.policies import FLUSH_POLICIES, OPTIMIZE_CHOICES, ROTATIONS, SLIDING_CHOICES
-from kvdemo.cache.precision import value_precision_layer
-from kvdemo.cache.rotation import (
+from kvdemo.cache.layers.attention import uses_query_rotation
+from kvdemo.cache.layers.blockwise import blockwise_layer
+from kvdemo.cache.layers.by_kind import library_cache, sliding_windows, with_kept_layers
+from kvdemo.cache.layers.dequantize import EXACT_LAYERS, ExactHQQLayer, ExactQuantoLayer
+from kvdemo.cache.layers.fp8 import ExactFp8Layer
+from kvdemo.cache.layers.precision import value_precision_layer
+from kvdemo.cache.layers.rotation import (
     QUERY_ROTATED_LAYERS,
     ROTATED_LAYERS,
     LibraryLayer,
@@ -46,7 +45,8 @@ from kvdemo.cache.rotation import (
     RotatedHQQLayer,
     RotatedQuantoLayer,
 )
-from kvdemo.cache.sliding import SlidingFp8Layer, sliding_layer
+from kvdemo.cache.layers.sliding import SlidingFp8Layer, sliding_layer
+from kvdemo.cache.policies import FLUSH_POLICIES, OPTIMIZE_CHOICES, ROTATIONS, SLIDING_CHOICES
 
 _READ_WHOLE: ContextVar[bool] = ContextVar("kvdemo_read_whole", default=False)
 
@@ -125,8 +125,8 @@ class AppendHQQLayer(AppendFlushMixin, ExactHQQLayer):
 
 
 class AppendRotatedQuantoLayer(AppendFlushMixin, RotatedQuantoLayer):
-    """`RotatedQuantoLayer` (`kvdemo.cache.rotation`) with the `append` flush policy: each block is stored rotated
-    and read back un-rotated (the mixin's `super()._dequantize` is the rotated layer's)."""
+    """`RotatedQuantoLayer` (`kvdemo.cache.layers.rotation`) with the `append` flush policy: each block is stored
+    rotated and read back un-rotated (the mixin's `super()._dequantize` is the rotated layer's)."""
 
 
 class AppendRotatedHQQLayer(AppendFlushMixin, RotatedHQQLayer):
@@ -155,9 +155,9 @@ APPEND_LAYERS: dict[type, type[QuantizedLayer]] = {
 
 def _layer_class(library_class: type, flush: str, rotation: str, rotate_query: bool, blockwise: bool) -> type:
     """The layer class for one layer: transformers' own `library_class` (`QuantoQuantizedLayer`,
-    `HQQQuantizedLayer`, or another backend's) de-quantizing in place (`kvdemo.cache.dequantize`), rotated by
+    `HQQQuantizedLayer`, or another backend's) de-quantizing in place (`kvdemo.cache.layers.dequantize`), rotated by
     `rotation` (query or read side) and with the `flush` policy, read block-wise at decode steps if `blockwise`
-    (`kvdemo.cache.blockwise`; residual layers only).
+    (`kvdemo.cache.layers.blockwise`; residual layers only).
 
     Raises:
         ValueError: a rotation or `append` on a layer without a residual (fp8)."""
@@ -239,8 +239,8 @@ def _own_layer(
     """kvdemo's layer for one quantized layer of precision `precision` (a sliding one of `window` tokens), built
     with the options of transformers' own layer `first`; None where transformers' own layer is that layer.
 
-    A sliding layer (`kvdemo.cache.sliding`) re-quantizes its window at a flush and reads it whole, rotated back on
-    read: no `append`, no block-wise read, no query-side rotation."""
+    A sliding layer (`kvdemo.cache.layers.sliding`) re-quantizes its window at a flush and reads it whole, rotated back
+    on read: no `append`, no block-wise read, no query-side rotation."""
     library_class: type = type(first)
     layer_class = _layer_class(
         library_class,
@@ -278,10 +278,11 @@ def quantized_cache(
     **options,
 ) -> QuantizedCache:
     """transformers' `QuantizedCache(backend, config, **options)` built layer by layer from the model's layer kinds
-    (`kvdemo.cache.by_kind`: the full-attention layers quantized, the others as `sliding` says and transformers
+    (`kvdemo.cache.layers.by_kind`: the full-attention layers quantized, the others as `sliding` says and transformers
     builds them), with its quantized layers given the flush policy `flush`,
-    the rotation `rotation` (`kvdemo.cache.rotation`), the values' own precision `nbits_value`
-    (`kvdemo.cache.precision`) and, for hqq, its optimiser switched by `optimize` (`kvdemo.cache.hqq_optimize`);
+    the rotation `rotation` (`kvdemo.cache.layers.rotation`), the values' own precision `nbits_value`
+    (`kvdemo.cache.layers.precision`) and, for hqq, its optimiser switched by `optimize`
+    (`kvdemo.cache.layers.hqq_optimize`);
     or, with a `plan`, each layer its own nbits, nbits_value and rotation (`kvdemo.cache.layer_plan`).
 
     Args:
@@ -291,19 +292,20 @@ def quantized_cache(
         nbits_value: bits per quantized value of the values; None (or nbits): nbits, as transformers.
         optimize: one of `OPTIMIZE_CHOICES`; `false` (hqq only) quantizes by min-max rounding alone.
         rotate_query: with a rotation, keep the layers in the rotated basis and let attention rotate the query
-            (`kvdemo.cache.rotation.QueryRotationMixin`, needs `kvdemo.cache.attention.kvdemo_attention`), or
+            (`kvdemo.cache.layers.rotation.QueryRotationMixin`, needs
+            `kvdemo.cache.layers.attention.kvdemo_attention`), or
             rotate every read back (`RotationMixin`, any attention); None: the query side exactly when `config`
-            attends through `kvdemo_attention` (`kvdemo.cache.attention.install`) and caches its keys and values
+            attends through `kvdemo_attention` (`kvdemo.cache.layers.attention.install`) and caches its keys and values
             as attention reads them (not a latent: `kvdemo.cache.layer_kinds.is_latent`).
         plan: one `LayerPrecision` per quantized layer (`kvdemo.cache.layer_kinds.quantized_layers`), replacing
             `nbits`, `nbits_value`, `rotation` (left unset); None: alike.
-        blockwise: decode steps attend to the store block by block (`kvdemo.cache.blockwise`, needs
+        blockwise: decode steps attend to the store block by block (`kvdemo.cache.layers.blockwise`, needs
             `kvdemo_attention`), or read it whole as transformers does (False); None: block-wise exactly when
             `config` attends through `kvdemo_attention` and is not latent.
         sliding: `keep` the sliding-window layers at full precision (transformers' `DynamicSlidingWindowLayer`) or
-            `quantize` them (`kvdemo.cache.sliding`: the window re-quantized at each flush, read whole, a rotation on
-            the read side). Linear-attention, conv, hybrid and KV-shared layers are always transformers' own
-            (`kvdemo.cache.by_kind`).
+            `quantize` them (`kvdemo.cache.layers.sliding`: the window re-quantized at each flush, read whole, a
+            rotation on the read side). Linear-attention, conv, hybrid and KV-shared layers are always transformers' own
+            (`kvdemo.cache.layers.by_kind`).
         options: the group-wise options (nbits, q_group_size, residual_length, axis_key, axis_value).
 
     Raises:
@@ -329,7 +331,7 @@ def quantized_cache(
         layers[index] = layers[index] if own is None else own
     cache.layers = layers
     if optimize == "false":
-        from kvdemo.cache.hqq_optimize import MinMaxQuantizer
+        from kvdemo.cache.layers.hqq_optimize import MinMaxQuantizer
 
         if not isinstance(cache.layers[0], HQQQuantizedLayer):
             name = type(cache.layers[0]).__name__

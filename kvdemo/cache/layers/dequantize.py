@@ -1,7 +1,7 @@
 """quanto's and hqq's de-quantization with the same bits, in place: one float tensor per store instead of three.
 
 At every decode step a quantized layer de-quantizes its whole store (or, read block-wise, each block:
-`kvdemo.cache.blockwise`). The libraries' own code allocates a new float tensor at each element-wise operation:
+`kvdemo.cache.layers.blockwise`). The libraries' own code allocates a new float tensor at each element-wise operation:
 
 - optimum-quanto (`QBitsDequantizer.forward`): `dqt = scale * unpack(data)` (uint8 promoted to float inside the
   product), then `dqt -= shift`, then `ungroup`; behind an autograd `Function` on a tensor subclass.
@@ -19,7 +19,7 @@ float qtype, hqq's unpacked or mixed-dtype store) takes the library's own path.
 Measured (`benchmarks/decode.py`, 2026-12-03): one warm key store of 2,048 tokens ([1, 3, 2,048, 64]) quanto
 0.65 -> 0.55 ms, hqq 0.46 -> 0.50 ms (no faster alone); in whole decode steps (30 layers, cold stores) the in-place
 path takes 0.06-0.22 of a `dynamic` step off. Pattern: the in-place form of the libraries' own formulas, as
-kvdemo's fp8 layer (`kvdemo.cache.fp8`) replaces transformers' fp8 de-quantization with the same bits.
+kvdemo's fp8 layer (`kvdemo.cache.layers.fp8`) replaces transformers' fp8 de-quantization with the same bits.
 """
 
 from __future__ import annotations
