@@ -16,7 +16,13 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.cache_utils import BaseQuantizedLayer
 
-from kvdemo.cache.layer_kinds import STATE_ATTRIBUTES, UnsupportedModelError, quantized_layers
+from kvdemo.cache.layer_kinds import (
+    LAYER_KINDS,
+    STATE_ATTRIBUTES,
+    UnsupportedModelError,
+    layer_types,
+    quantized_layers,
+)
 from kvdemo.cache.layers import attention, flush
 from kvdemo.cache.spec import CacheSpec, build_cache
 from kvdemo.qa.models import LoadedModel
@@ -24,10 +30,11 @@ from kvdemo.qa.session import QASession
 from tests.families import FAMILIES, SPECS, family_config, markdown_table, verdict
 
 ANSWER_TOKENS = 6
-DYNAMIC_BOUND = 5e-4
-"""max |Δ log p| of `dynamic` against a cache-free forward pass of the same ids, prefilled in chunks: float rounding,
-1e-6 measured on attention layers, 2e-4 on Jamba, whose Mamba state is carried from chunk to chunk (a sequential
-scan against the cache-free pass's single scan)."""
+DYNAMIC_BOUND = 1e-4
+"""max |Δ log p| of `dynamic` against a cache-free forward pass of the same ids (float rounding: 1e-6 measured)."""
+RECURRENT_BOUND = 5e-4
+"""The same for a model with conv or recurrent states prefilled in chunks: 2e-4 measured on Jamba, whose Mamba state
+is carried from chunk to chunk (a scan per chunk against the cache-free pass's single scan)."""
 READ_WHOLE_BOUND = 1e-3
 """max |Δ log p| of a quantized backend against the same cache read whole (no block-wise read, any rotation undone
 on read): the same stored values, other float orders (invariant 6's bound for teacher-forced log-probabilities)."""
@@ -109,7 +116,8 @@ def test_every_cell_is_right_or_refused_before_the_prefill(family, embedded, nor
         if spec.backend == "dynamic":
             for question, answer, score in zip(questions, answers, scores):
                 reference = _cache_free(loaded, session.prompt_ids(question), answer.token_ids)
-                assert (score - reference).abs().max() < DYNAMIC_BOUND, (family, spec.text)
+                recurrent = any(LAYER_KINDS[kind].in_place_state for kind in layer_types(loaded.config))
+                assert (score - reference).abs().max() < (RECURRENT_BOUND if recurrent else DYNAMIC_BOUND), family
             continue
         with monkeypatch.context() as patch:  # the same cache read whole, rotated back on read
             patch.setattr(flush, "uses_query_rotation", lambda config: False)
