@@ -2,7 +2,7 @@
 `DynamicSlidingWindowLayer`: the same tokens returned to attention at every update, under the same mask sizes, and the
 store never holding more than the window; and the bytes by layer kind of mixed models against their tensors.
 
-Cost: about 5 s (tiny tensors; five 4-layer random models, one prefill and a few decode steps each)."""
+Cost: about 10 s (tiny tensors; six 4-layer random models, one prefill and a few decode steps each)."""
 
 from __future__ import annotations
 
@@ -105,3 +105,25 @@ def test_bytes_by_layer_kind_match_the_tensors(family):
         formula = estimate_kv_bytes(spec, config, 45, torch.float32, residual_tokens=residual)
         assert formula - 4 * kept.values_held(45) == kinds["quantized"], (family, text)
         assert kinds["sliding"] == 0 or spec.sliding != "quantize"  # quantized sliding layers count as quantized
+
+
+def test_a_plan_gives_bits_to_the_quantized_layers_only_and_the_planner_refuses_kept_ones(embedded):
+    """Gemma 3's tiny model (3 sliding + 1 full-attention layers): a hand-written plan has one entry per quantized
+    layer (1 with `sliding=keep`, 4 with `sliding=quantize`); the planner, which plans every layer, refuses it
+    before any work and says what to write instead."""
+    from kvdemo.evals.planner import plan_layers
+    from kvdemo.qa.models import LoadedModel
+
+    config = family_config("Gemma 3")
+    one = build_cache(CacheSpec.parse("quanto,plan=k4v2").validate(config), config)
+    quantized = [layer for layer in one.layers if isinstance(layer, QuantizedLayer)]
+    assert len(quantized) == 1 and quantized[0].nbits == 4 and quantized[0].nbits_value == 2
+    four = build_cache(CacheSpec.parse("quanto,sliding=quantize,plan=k2v2*3+k4v4").validate(config), config)
+    assert [layer.nbits for layer in four.layers] == [2, 2, 2, 4] and four.layers[0].is_sliding
+    with pytest.raises(ValueError, match="the plan gives 4 layers and this model has 1 layers that are quantized"):
+        CacheSpec.parse("quanto,plan=k4v2*4").validate(config)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    loaded = LoadedModel(model, embedded.tokenizer, "Gemma 3", None, 1024, torch.device("cpu"), torch.float32, frozenset())
+    with pytest.raises(ValueError, match=r"keeps its sliding_attention layers at full precision\. Write a plan by hand"):
+        plan_layers(loaded, list(range(3, 40)), CacheSpec("quanto"), 5000)

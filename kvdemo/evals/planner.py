@@ -35,7 +35,15 @@ import torch.nn.functional as F
 from transformers.cache_utils import DynamicLayer
 
 from kvdemo.cache.geometry import kv_geometry
-from kvdemo.cache.layer_kinds import UnsupportedModelError, is_latent
+from kvdemo.cache.layer_kinds import (
+    QUANTIZE,
+    UnsupportedModelError,
+    is_latent,
+    kinds_text,
+    layer_actions,
+    layer_types,
+    quantized_layers,
+)
 from kvdemo.cache.layer_plan import PLAN, LayerPrecision, plan_text
 from kvdemo.cache.layers.attention import recording_queries, uses_query_rotation
 from kvdemo.cache.registry import BACKENDS, PLANNED
@@ -205,7 +213,8 @@ def layer_errors(
         The `LayerErrors`.
 
     Raises:
-        UnsupportedModelError (a ValueError): a latent (MLA) model.
+        UnsupportedModelError (a ValueError): a latent (MLA) model, or one with layers a quantized backend does not
+            quantize (sliding-window, recurrent, KV-shared: `kvdemo.cache.layer_kinds`).
         ValueError: a model whose attention is not kvdemo's (eager, flash: its queries cannot be recorded), an empty
             context or one over the window, query_tokens < 1, a backend that takes no plan, or a base whose
             options fit no bits on this model.
@@ -223,6 +232,16 @@ def layer_errors(
             "and compare it in the Compare tab"
         )
     config = loaded_model.config
+    actions = zip(layer_types(config), layer_actions(config, True))
+    kept = sorted({kind for kind, action in actions if action != QUANTIZE})
+    if kept:  # a plan has one entry per quantized layer, and a budget per token means nothing to a fixed window
+        raise UnsupportedModelError(
+            f"the per-layer planner plans models whose every layer is quantized; this model has "
+            f"{kinds_text(layer_types(config))}, and a quantized backend keeps its {', '.join(kept)} layers at full "
+            f"precision. Write a plan by hand, one entry per quantized layer "
+            f"({len(quantized_layers(config))} here, e.g. quanto,plan=k4v2*{len(quantized_layers(config))}), or "
+            "compare uniform specs in the Compare tab"
+        )
     base = plan_base(base).fit(config)
     bits, rotations = _candidates(base, config)
     if not bits:
