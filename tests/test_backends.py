@@ -12,9 +12,9 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, QuantizedC
 from transformers.cache_utils import Fp8QuantizedLayer, HQQQuantizedLayer, QuantoQuantizedLayer
 
 from kvdemo import BACKENDS, CacheSpec, build_cache
+from kvdemo.cache.groups import allowed_group_sizes
 from kvdemo.cache.layer_kinds import UnsupportedModelError
 from kvdemo.cache.layers.dequantize import ExactHQQLayer, ExactQuantoLayer
-from kvdemo.cache.spec import allowed_group_sizes
 
 
 def _config(kv_heads=3, head_dim=64, layers=1, **extra) -> LlamaConfig:
@@ -71,7 +71,7 @@ def test_spec_defaults_and_label():
     assert mixed.label == "hqq nbits=4 nbits_value=2 q_group_size=64 residual_length=4"
     assert mixed.short_text == "hqq:4,nbits_value=2,residual_length=4"
     assert CacheSpec.parse(mixed.full_text) == mixed.replace(q_group_size=64, axis_key=0, axis_value=0).replace(
-        flush="requantize", rotation="none", optimize="true", sliding="keep"
+        flush="requantize", rotation="none", optimize="true"
     )
     assert "nbits_value" not in spec.replace(nbits_value=2).full_text
     assert spec.replace(nbits_value=2).resolved() == spec.resolved()

@@ -67,10 +67,10 @@ def _sliding_model(env: Env) -> None:
         num_attention_heads=4,
         num_key_value_heads=2,
         hidden_size=128,
-        layer_types=["full_attention", "sliding_attention"],
+        layer_types=["sliding_attention", "sliding_attention"],
         sliding_window=16,
     )
-    CacheSpec("quanto").validate(config)
+    CacheSpec("quanto").validate(config)  # sliding=keep would quantize nothing
 
 
 def _ask_while_running(env: Env) -> list:
@@ -148,7 +148,7 @@ TABLE: list[tuple[str, str, Callable[[Env], Any], str]] = [
         "api",
         "option a backend does not take",
         lambda e: QASession(e.tiny, CacheSpec("fp8", residual_length=8)),
-        "residual_length=8 is not an option of the fp8 backend (it takes no options); leave it unset",
+        "residual_length=8 is not an option of the fp8 backend (it takes sliding); leave it unset",
     ),
     (
         "api",
@@ -182,9 +182,9 @@ TABLE: list[tuple[str, str, Callable[[Env], Any], str]] = [
     ),
     (
         "api",
-        "quantized backend on a model with sliding-window layers",
+        "quantized backend on a model whose every layer is sliding-window, sliding=keep",
         _sliding_model,
-        "cannot store sliding_attention layers yet: transformers' QuantizedCache stores full_attention layers only",
+        "backend=quanto would quantize nothing here: this model has 2 sliding_attention layers",
     ),
     (
         "api",

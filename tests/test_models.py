@@ -24,6 +24,12 @@ def test_embedded_model_loads_once_with_its_shape(embedded):
         "layers": 30,
         "layer_kinds": "30 full_attention layers",
         "latent": False,
+        "cache_by_kind": {  # every layer quantized by a quantized backend: all of the cache, at every length
+            "quantized": "30 full_attention layers",
+            "kept": "none",
+            "window_tokens": None,
+            "quantized_share": {2048: 1.0, 8192: 1.0, 32768: 1.0},
+        },
         "kv_heads": 3,
         "head_dim": 64,
         "max_context_tokens": 8192,

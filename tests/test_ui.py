@@ -746,6 +746,7 @@ def test_the_page_fields_leave_bad_numbers_to_the_project_checks(handlers):
         "rotation",
         "nbits_value",
         "optimize",
+        "sliding",
     }
     for field_ in options:
         assert field_.preprocess(-1) == -1 and field_.preprocess("Growing") == "Growing", field_.label

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedConfig
 
     from kvdemo.cache.registry import GroupRule, SpecOptions
+    from kvdemo.cache.spec import CacheSpec
 
 
 def tensors(opts: SpecOptions) -> list[tuple[str, int, str, int]]:
@@ -68,3 +69,10 @@ def sizes_that_fit(rule: GroupRule | None, opts: SpecOptions, model_config: PreT
             g for g in fits.get(name, range(1, widest + 1)) if all(rule(bits, g, axis, h, w) is None for h, w in shapes)
         ]
     return fits
+
+
+def allowed_group_sizes(spec: CacheSpec, model_config: PreTrainedConfig) -> dict[str, list[int]]:
+    """The q_group_size values that run with `spec`'s backend, nbits and axes on this model, per axis option
+    (`sizes_that_fit`): {"axis_key": [...], "axis_value": [...]}, ascending; empty lists for backends without
+    q_group_size."""
+    return sizes_that_fit(spec.info.group_rule, spec.resolved(), model_config)

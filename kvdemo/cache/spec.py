@@ -143,10 +143,12 @@ class CacheSpec:
     def full_text(self) -> str:
         """The spec in `CacheSpec.parse`'s syntax with every option resolved, so that it means one thing
         wherever it is shown: `hqq:4,q_group_size=64,residual_length=16,axis_key=0,axis_value=0`, `fp8`
-        (`nbits_value` only where it differs from nbits: unset, it means nbits, so the text means one thing)."""
+        (`nbits_value` only where it differs from nbits, `sliding` only where it is not `keep`: either default means
+        what the text without it means)."""
         defaults, options, resolved = self._defaults(), self.info.options, self.resolved()
         head = f"{self.backend}:{resolved.pop('nbits')}" if "nbits" in resolved else str(self.backend)
-        shown = [f"{k}={v}" for k, v in resolved.items() if not (options[k].same_as and v == defaults[k])]
+        quiet = [k for k, v in resolved.items() if (options[k].same_as or options[k].acts_on) and v == defaults[k]]
+        shown = [f"{k}={v}" for k, v in resolved.items() if k not in quiet]
         return ",".join([head] + shown)
 
     @classmethod
@@ -268,6 +270,8 @@ class CacheSpec:
         try:
             if not self._group_problem(model_config):
                 return self
+            from kvdemo.cache.groups import allowed_group_sizes
+
             sizes = allowed_group_sizes(self, model_config)
         except (ValueError, LookupError):  # a spec that does not validate (bits no packing knows): `validate` says why
             return self
@@ -294,6 +298,7 @@ class CacheSpec:
             UnsupportedModelError, ValueError: see `validate`."""
         info = self.info
         from kvdemo.cache.geometry import kv_geometry
+        from kvdemo.cache.groups import allowed_group_sizes
         from kvdemo.cache.layer_kinds import UnsupportedModelError, quantized_layers, serving_problem
         from kvdemo.cache.layers.rotation import rotation_problem
 
@@ -334,15 +339,6 @@ def _rotations(spec: CacheSpec) -> list[str]:
     if spec.plan:
         return [layer.rotation for layer in parse_plan(spec.plan)]
     return [str(spec.resolved().get("rotation", "none"))]
-
-
-def allowed_group_sizes(spec: CacheSpec, model_config: PreTrainedConfig) -> dict[str, list[int]]:
-    """The q_group_size values that run with `spec`'s backend, nbits and axes on this model, per axis option
-    (`kvdemo.cache.groups.sizes_that_fit`): {"axis_key": [...], "axis_value": [...]}, ascending; empty lists for
-    backends without q_group_size."""
-    from kvdemo.cache.groups import sizes_that_fit
-
-    return sizes_that_fit(spec.info.group_rule, spec.resolved(), model_config)
 
 
 def estimate_kv_bytes(

@@ -35,15 +35,7 @@ import torch.nn.functional as F
 from transformers.cache_utils import DynamicLayer
 
 from kvdemo.cache.geometry import kv_geometry
-from kvdemo.cache.layer_kinds import (
-    QUANTIZE,
-    UnsupportedModelError,
-    is_latent,
-    kinds_text,
-    layer_actions,
-    layer_types,
-    quantized_layers,
-)
+from kvdemo.cache.layer_kinds import UnsupportedModelError, planning_problem
 from kvdemo.cache.layer_plan import PLAN, LayerPrecision, plan_text
 from kvdemo.cache.layers.attention import recording_queries, uses_query_rotation
 from kvdemo.cache.registry import BACKENDS, PLANNED
@@ -225,23 +217,10 @@ def layer_errors(
             f"this model attends with {getattr(loaded_model.config, '_attn_implementation', '?')}. Load it with "
             "attn_implementation='sdpa'"
         )
-    if is_latent(loaded_model.config):
-        raise UnsupportedModelError(
-            "a per-layer plan compares each layer's attention over its keys and values, and this model caches a "
-            "compressed latent (MLA) that attention only sees up-projected; choose a uniform spec (e.g. quanto:4) "
-            "and compare it in the Compare tab"
-        )
     config = loaded_model.config
-    actions = zip(layer_types(config), layer_actions(config, True))
-    kept = sorted({kind for kind, action in actions if action != QUANTIZE})
-    if kept:  # a plan has one entry per quantized layer, and a budget per token means nothing to a fixed window
-        raise UnsupportedModelError(
-            f"the per-layer planner plans models whose every layer is quantized; this model has "
-            f"{kinds_text(layer_types(config))}, and a quantized backend keeps its {', '.join(kept)} layers at full "
-            f"precision. Write a plan by hand, one entry per quantized layer "
-            f"({len(quantized_layers(config))} here, e.g. quanto,plan=k4v2*{len(quantized_layers(config))}), or "
-            "compare uniform specs in the Compare tab"
-        )
+    problem = planning_problem(config)
+    if problem:
+        raise UnsupportedModelError(problem)
     base = plan_base(base).fit(config)
     bits, rotations = _candidates(base, config)
     if not bits:

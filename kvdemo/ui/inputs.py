@@ -72,7 +72,8 @@ def spec_from_inputs(backend: str, given: Mapping[str, Any]) -> CacheSpec:
     """A `CacheSpec` from the Ask tab's option fields, `given` keyed by the names of `GROUP_OPTIONS` (missing
     ones empty); options the backend does not take are ignored (they are hidden on the page), empty fields mean
     the backend's default. A text option (`flush`, `storage`) is kept as its word; the others must be whole
-    numbers. A `q_group_size` at the registry's default (the field's starting value) is left unset, so that the
+    numbers. An option that acts on other layer kinds only (`sliding`) at its default is left unset, as on the
+    command line. A `q_group_size` at the registry's default (the field's starting value) is left unset, so that the
     session fits it to the model (`CacheSpec.fit`: 32 on a head_dim of 96, where 64 would be refused) and its
     status line says the size that ran.
 
@@ -98,7 +99,9 @@ def spec_from_inputs(backend: str, given: Mapping[str, Any]) -> CacheSpec:
         if value is None or value == "":
             continue
         if option.is_text:
-            options[name] = str(value).strip().lower()  # as `CacheSpec.parse` reads it
+            word = str(value).strip().lower()  # as `CacheSpec.parse` reads it
+            if not (option.acts_on and word == option.default):  # `sliding=keep` unless asked: the spec as before
+                options[name] = word
             continue
         if isinstance(value, numbers.Integral) and not isinstance(value, bool):
             options[name] = int(value)  # exact, also past a float's 53 bits

@@ -42,10 +42,12 @@ class ModelBar:
             return refusal(error, "the page (no model)")
 
     def load(self, model_source: str, progress=gr.Progress()) -> str:
-        """Load a model (a Hub id, a local folder or a .gguf file; empty: the start-up model) for everyone. A
-        refusal keeps the current model and says so under its status line."""
-        progress(0, desc=f"Loading {model_source.strip() if model_source else 'the start-up model'}…")
+        """Load a model (a Hub id, a local folder or a .gguf file, typed or chosen among the installed ones; empty:
+        the start-up model) for everyone. A refusal keeps the current model and says so under its status line."""
         try:
+            if model_source is not None and not isinstance(model_source, str):  # the API can send any JSON
+                raise ValueError("the model must be text: a Hub id, a local folder or a .gguf file")
+            progress(0, desc=f"Loading {model_source.strip() if model_source else 'the start-up model'}…")
             return views.model_status(self.app.load(model_source))
         except ValueError as error:
             current = views.model_status(self.app.loaded) if self.app.loaded is not None else "No model is loaded."
