@@ -5,7 +5,7 @@ widths (`kvdemo.cache.geometry.KVGeometry.shapes`: Gemma 4's layers differ; an M
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from kvdemo.cache.layer_plan import parse_plan
 from kvdemo.cache.policies import SLIDING_CHOICES
@@ -13,8 +13,16 @@ from kvdemo.cache.policies import SLIDING_CHOICES
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
 
-    from kvdemo.cache.registry import GroupRule, SpecOptions
-    from kvdemo.cache.spec import CacheSpec
+    from kvdemo.cache.registry import Backend, GroupRule, SpecOptions
+
+
+class _Spec(Protocol):
+    """What `allowed_group_sizes` reads of a `kvdemo.cache.spec.CacheSpec` (which imports this module)."""
+
+    @property
+    def info(self) -> Backend: ...
+
+    def resolved(self) -> SpecOptions: ...
 
 
 def tensors(opts: SpecOptions) -> list[tuple[str, int, str, int]]:
@@ -71,7 +79,7 @@ def sizes_that_fit(rule: GroupRule | None, opts: SpecOptions, model_config: PreT
     return fits
 
 
-def allowed_group_sizes(spec: CacheSpec, model_config: PreTrainedConfig) -> dict[str, list[int]]:
+def allowed_group_sizes(spec: _Spec, model_config: PreTrainedConfig) -> dict[str, list[int]]:
     """The q_group_size values that run with `spec`'s backend, nbits and axes on this model, per axis option
     (`sizes_that_fit`): {"axis_key": [...], "axis_value": [...]}, ascending; empty lists for backends without
     q_group_size."""
