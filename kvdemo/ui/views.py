@@ -127,7 +127,8 @@ def answer_stats(qa: QASession, first_token_seconds: float | None, events: list 
         f"question pass {a.question_seconds:,.2f} s ({a.question_tokens:,} tokens, {a.question_flushes:,} flushes)",
         f"decode {a.decode_tokens_per_second:,.1f} tokens/s" if len(a.token_ids) > 1 else "no decode step",
         f"{a.flush_count - a.question_flushes:,} flushes in decode steps, "
-        f"{a.flush_count:,} in all ({a.flush_count // max(len(a.flushes), 1):,} per layer)",
+        # per layer that flushes: the quantized ones (a sliding window kept at full precision never flushes)
+        f"{a.flush_count:,} in all ({a.flush_count // max(sum(1 for f in a.flushes if f), 1):,} per layer)",
     ]
     if events:
         steps, flush_s, other_s = flush_timing(events)
