@@ -47,7 +47,7 @@ notebook: $(APP_STAMP)
 
 # two pytest-xdist workers, one test module each at a time (module-scoped fixtures made once), one torch thread each
 # (tests/conftest.py): pytest 689 s against 1,230 s in one process on 2 idle cores (2026-12-04); 1,098 s since the
-# model-family matrix and the probe. TEST_WORKERS=0 runs one process (xdist's -n 0).
+# model-family matrix and the probe; 1,038-1,301 s since the layer kinds (CONTRIBUTING.md). TEST_WORKERS=0 runs one process (xdist's -n 0).
 TEST_WORKERS ?= 2
 WORKERS := -n $(TEST_WORKERS) --dist loadscope
 test: $(DEV_STAMP)
