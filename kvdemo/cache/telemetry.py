@@ -152,7 +152,12 @@ class MemoryReport:
         stores, their residual included: what it shrinks), `sliding` (full-precision sliding-window layers: they
         stop growing at their window), `full` (full-precision layers that keep every token), `state` (conv and
         recurrent states: a fixed size). Every key, 0 where the model has none, so that they add up to
-        `cache_bytes`."""
+        `cache_bytes`. A copy of `_by_kind`, summed once per report."""
+        return dict(self._by_kind)
+
+    @functools.cached_property
+    def _by_kind(self) -> dict[str, int]:
+        """`bytes_by_kind`, computed once: the memory chart reads every event's report at every streamed step."""
         out = dict.fromkeys(LAYER_GROUPS, 0)
         for layer in self.layers:
             if layer.kind in out:
@@ -160,13 +165,13 @@ class MemoryReport:
             out["state"] += layer.state_bytes
         return out
 
-    @property
+    @functools.cached_property
     def kept_bytes(self) -> int:
         """What a quantized cache keeps at full precision beside its quantized layers (bytes): the layers of other
         kinds (sliding windows, `sliding=keep`) and the conv and recurrent states; 0 where no layer is quantized
         (`dynamic`) or every layer is."""
-        kinds = self.bytes_by_kind()
-        return self.cache_bytes - kinds["quantized"] if kinds["quantized"] else 0
+        quantized = self._by_kind["quantized"]
+        return self.cache_bytes - quantized if quantized else 0
 
     @property
     def seq_length(self) -> int:
