@@ -15,7 +15,8 @@ def all_specs() -> list[CacheSpec]:
     choice of a text option (`storage=growing`, `flush=append`) at the default nbits, and the default nbits with
     the values one step lower (`quanto:4,nbits_value=2`, `hqq:4,nbits_value=3`): what the tests' matrix runs and
     the Compare tab offers. No per-layer `plan` (one is written for one model's layer count) and no option that acts
-    on other layer kinds only (`sliding=quantize`: the model-family matrix runs it, `tests/families.py`).
+    on other layer kinds only (`sliding=quantize`: the model-family matrix runs it, `tests/families.py`) or that is
+    not in the matrix (`protect`, `Option.in_matrix`).
 
     Example:
         >>> [s.text for s in all_specs()][:5]
@@ -29,8 +30,9 @@ def all_specs() -> list[CacheSpec]:
         default_nbits = cast("int", nbits.default) if nbits else None
         specs += [CacheSpec(name, nbits=n) for n in nbits_choices]
         for option in info.options.values():
-            if option.canonical is not None or option.acts_on:
-                continue  # a plan is made for one model's layers; `sliding` changes nothing on full attention
+            if option.canonical is not None or option.acts_on or not option.in_matrix:
+                continue  # a plan is made for one model's layers; `sliding` changes nothing on full attention;
+                # `protect` keeps layers as `dynamic` does (its own tests)
             if option.is_text:
                 assert option.choices is not None  # a text option lists its words
                 specs += [

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 from kvdemo.cache.layer_plan import parse_plan
-from kvdemo.cache.policies import SLIDING_CHOICES
+from kvdemo.cache.policies import PROTECT_CHOICES, SLIDING_CHOICES
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
@@ -45,7 +45,9 @@ def _shapes(model_config: PreTrainedConfig, axis_name: str, opts: SpecOptions) -
     full precision has no groups: `kvdemo.cache.geometry.split_geometry`)."""
     from kvdemo.cache.geometry import split_geometry
 
-    quantized, _ = split_geometry(model_config, str(opts.get("sliding", SLIDING_CHOICES[0])))
+    quantized, _ = split_geometry(
+        model_config, str(opts.get("sliding", SLIDING_CHOICES[0])), str(opts.get("protect", PROTECT_CHOICES[0]))
+    )
     return quantized.shapes("keys" if axis_name == "axis_key" else "values")
 
 

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvdemo.cache.policies import SLIDING_CHOICES
+from kvdemo.cache.policies import PROTECT_CHOICES, SLIDING_CHOICES, parse_protect
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
@@ -124,20 +124,39 @@ def kinds_text(types: Sequence[str]) -> str:
     return " + ".join(f"{n} {name}" for name, n in counts.items()) + " layers"
 
 
-def layer_actions(model_config: PreTrainedConfig, quantized: bool, sliding: str = SLIDING_CHOICES[0]) -> list[str]:
+def layer_actions(
+    model_config: PreTrainedConfig,
+    quantized: bool,
+    sliding: str = SLIDING_CHOICES[0],
+    protect: str = PROTECT_CHOICES[0],
+) -> list[str]:
     """`LayerKind.action` of each decoder layer, in order (`QUANTIZE`, `KEEP`, `NOTHING`); a layer type kvdemo does
-    not know counts as `KEEP` (`serving_problem` refuses it first)."""
+    not know counts as `KEEP` (`serving_problem` refuses it first). With `protect` (`first:last`,
+    `kvdemo.cache.policies.PROTECT_CHOICES`) the first `first` and last `last` of the layers a quantized backend would
+    quantize are kept at full precision instead (vLLM's boundary protection)."""
     unknown = LayerKind("unknown", holds_kv=True)
-    return [LAYER_KINDS.get(kind, unknown).action(quantized, sliding) for kind in layer_types(model_config)]
+    actions = [LAYER_KINDS.get(kind, unknown).action(quantized, sliding) for kind in layer_types(model_config)]
+    first, last = parse_protect(protect)
+    chosen = [i for i, action in enumerate(actions) if action == QUANTIZE]
+    for index in chosen[:first] + chosen[len(chosen) - last :] if last else chosen[:first]:
+        actions[index] = KEEP
+    return actions
 
 
-def quantized_layers(model_config: PreTrainedConfig, sliding: str = SLIDING_CHOICES[0]) -> list[int]:
+def quantized_layers(
+    model_config: PreTrainedConfig, sliding: str = SLIDING_CHOICES[0], protect: str = PROTECT_CHOICES[0]
+) -> list[int]:
     """The indices of the layers a quantized backend stores quantized (a plan gives one entry to each)."""
-    return [i for i, action in enumerate(layer_actions(model_config, True, sliding)) if action == QUANTIZE]
+    actions = layer_actions(model_config, True, sliding, protect)
+    return [i for i, action in enumerate(actions) if action == QUANTIZE]
 
 
 def serving_problem(
-    backend: str, quantized: bool, model_config: PreTrainedConfig, sliding: str = SLIDING_CHOICES[0]
+    backend: str,
+    quantized: bool,
+    model_config: PreTrainedConfig,
+    sliding: str = SLIDING_CHOICES[0],
+    protect: str = PROTECT_CHOICES[0],
 ) -> str | None:
     """Why `backend` cannot serve this model's layers, with what would work, or None.
 
@@ -146,6 +165,7 @@ def serving_problem(
         quantized: whether it is a quantized backend (`Backend.quantized`).
         model_config: the model's config.
         sliding: the spec's `sliding` option (`keep` or `quantize`).
+        protect: the spec's `protect` option (`first:last`); protecting every quantized layer is refused.
     """
     types = layer_types(model_config)
     unknown = sorted(set(types) - set(LAYER_KINDS))
@@ -168,6 +188,14 @@ def serving_problem(
             f"backend={backend} would quantize nothing here: this model has {kinds_text(types)}, and kvdemo "
             f"quantizes full_attention layers (sliding_attention ones with sliding=quantize) and keeps the others at "
             f"full precision (hybrid attention-and-Mamba layers whole); {fix}"
+        )
+    if quantized and not quantized_layers(model_config, sliding, protect):
+        count = len(quantized_layers(model_config, sliding))
+        most = next((c for c in reversed(PROTECT_CHOICES) if quantized_layers(model_config, sliding, c)), "0:0")
+        return (
+            f"protect={protect} keeps the first and last layers of the {count} layers {backend} quantizes on this "
+            f"model at full precision, so it would quantize nothing; set protect={most} or lower (protect=0:0 "
+            "protects none)"
         )
     return None
 

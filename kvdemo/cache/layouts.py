@@ -36,8 +36,51 @@ def full_precision_bytes(opts, geo: KVGeometry, tokens, residual, element, nomin
 def fp8_bytes(opts, geo: KVGeometry, tokens, residual, element, nominal) -> float:
     """One byte per value held (float8_e4m3; a sliding layer its window, `kvdemo.cache.layers.sliding`) plus one float32
     scale per layer and tensor (transformers' `Fp8QuantizedLayer`; kvdemo's de-quantization, `kvdemo.cache.layers.fp8`,
-    holds nothing more). `geo`: the quantized layers."""
-    return geo.values_held(tokens) + 2 * len(geo.kv_layers) * 4
+    holds nothing more), or with `scale=per_token_head` one float32 scale per token held, head and tensor
+    (`kvdemo.cache.layers.fp8.PerTokenHeadFp8Layer`). `geo`: the quantized layers."""
+    if opts.get("scale", "per_tensor") == "per_tensor":
+        return geo.values_held(tokens) + 2 * len(geo.kv_layers) * 4
+    scales = sum(4 * (layer.key_heads + layer.value_heads) * layer.tokens_held(tokens) for layer in geo.per_layer)
+    return geo.values_held(tokens) + scales
+
+
+TURBOQUANT_FP8_KEYS = 8
+"""turboquant's nbits of float8 keys with a float32 scale per token and head (vLLM's `k8v4`)."""
+
+
+def turboquant_bytes(opts, geo: KVGeometry, tokens, residual, element, nominal) -> float:
+    """kvdemo's TurboQuant layout (`kvdemo.cache.layers.turboquant`, vLLM's `TurboQuantConfig.key_packed_size` and
+    `value_packed_size`), per quantized layer, token and head: keys head_dim x nbits / 8 bytes of packed Lloyd-Max
+    codes and a float16 norm (nbits 8: head_dim float8 codes and a float32 scale); values head_dim x nbits_value / 8
+    bytes and a float16 scale and zero point; `residual` tokens in the model's dtype. Codes are packed densely (3 bits
+    take 3), so `nominal` changes nothing. A sliding layer quantized holds at most its window in its store."""
+    key_bits, value_bits = opts["nbits"], opts.get("nbits_value", opts["nbits"])
+    key_extra = 4 if key_bits == TURBOQUANT_FP8_KEYS else 2
+    total = 0.0
+    for layer in geo.per_layer:
+        keys = layer.key_heads * (layer.key_dim * key_bits / 8 + key_extra)
+        values = layer.value_heads * (layer.value_dim * value_bits / 8 + 4)
+        full = (layer.key_heads * layer.key_dim + layer.value_heads * layer.value_dim) * element
+        total += (keys + values) * layer.tokens_held(tokens - residual) + full * residual
+    return total
+
+
+def turboquant_width_problem(opts, tensor: str, width: int) -> str | None:
+    """Why turboquant cannot store `tensor` (`keys` or `values`) of `width` values per head and token, or None: codes
+    are packed eight at a time (a width a multiple of 8, but for 8-bit codes), and rotated keys need a Hadamard block of
+    8 or more (`kvdemo.cache.layers.rotation.rotation_problem`)."""
+    bits = opts["nbits"] if tensor == "keys" else opts.get("nbits_value", opts["nbits"])
+    if bits == TURBOQUANT_FP8_KEYS:
+        return None
+    if tensor == "keys":
+        from kvdemo.cache.layers.rotation import rotation_problem  # torch: only once a model is given
+
+        problem = rotation_problem(width)
+        if problem:
+            return "turboquant rotates its keys: " + problem.replace("use rotation=none", "use nbits=8 (fp8 keys)")
+    if width % 8:
+        return f"turboquant packs {bits}-bit codes eight at a time, so head_dim must be a multiple of 8, not {width}"
+    return None
 
 
 def group_bytes(stored_bits: dict[int, float]) -> Callable[..., float]:

@@ -1,7 +1,9 @@
 """The words of the cache options that take words: the flush policies of the residual backends
 (`kvdemo.cache.layers.flush`), `dynamic`'s storage policies (`kvdemo.cache.layers.storage`), the rotations
 (`kvdemo.cache.layers.rotation`), hqq's `optimize` switch (`kvdemo.cache.layers.hqq_optimize`) and what a quantized
-backend does with sliding-window layers (`kvdemo.cache.layer_kinds`, `kvdemo.cache.layers.sliding`).
+backend does with sliding-window layers (`kvdemo.cache.layer_kinds`, `kvdemo.cache.layers.sliding`), the edge layers a
+quantized backend protects (`protect`), fp8's scales (`kvdemo.cache.layers.fp8`) and TurboQuant's norm correction
+(`kvdemo.cache.layers.turboquant`).
 
 Plain tuples that import nothing, so that the registry, and with it the command line's `--help`, reads the
 allowed values without loading torch or transformers (which the modules that implement the policies need)."""
@@ -24,3 +26,25 @@ SLIDING_CHOICES = ("keep", "quantize")
 builds it (`DynamicSlidingWindowLayer`; vLLM's `kv_cache_dtype_skip_layers=sliding_window`, mlx-lm's rotating cache;
 the default), or `quantize` it like the full-attention layers, forgetting the tokens past its window
 (`kvdemo.cache.layers.sliding`; llama.cpp builds both caches with the same `-ctk`/`-ctv` types)."""
+
+PROTECT_CHOICES = ("0:0", "1:1", "2:2", "3:3", "4:4")
+"""The `protect` option of the quantized backends, `first:last`: how many of the layers a backend quantizes, counted
+from the first and from the last, it keeps at full precision instead (`kvdemo.cache.layer_kinds.layer_actions`). vLLM's
+TurboQuant keeps the first 2 and last 2 attention layers of dense models ("without it GSM8K drops ~30 points on
+Qwen3-4B", `TurboQuantConfig.get_boundary_skip_layers`); off (`0:0`) by default but on the TurboQuant presets."""
+
+FP8_SCALES = ("per_tensor", "per_token_head")
+"""fp8's `scale` option: transformers' one scale per tensor frozen at the first update (the default), or one scale per
+token and KV head (vLLM's per-token-head dynamic KV scales, #38378; `kvdemo.cache.layers.fp8.PerTokenHeadFp8Layer`)."""
+
+NORM_CORRECTION_CHOICES = ("false", "true")
+"""TurboQuant's `norm_correction`: store each key's norm as it is (the paper), or divided by its code's norm so the
+de-quantized key keeps the key's norm (vLLM's `_nc` presets)."""
+
+
+def parse_protect(protect: str) -> tuple[int, int]:
+    """`first:last` (a `PROTECT_CHOICES` word) as two integers. Raises ValueError: not two integers >= 0."""
+    first, sep, last = str(protect).partition(":")
+    if not sep or not first.isdigit() or not last.isdigit():
+        raise ValueError(f"protect={protect!r} must be first:last, e.g. 2:2")
+    return int(first), int(last)

@@ -19,8 +19,25 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 from kvdemo.cache.layer_plan import PLAN, canonical_plan, parse_plan
 from kvdemo.cache.layer_plan import SYNTAX as PLAN_SYNTAX
-from kvdemo.cache.layouts import fp8_bytes, full_precision_bytes, group_bytes, hqq_group_problem, quanto_group_problem
-from kvdemo.cache.policies import FLUSH_POLICIES, OPTIMIZE_CHOICES, ROTATIONS, SLIDING_CHOICES, STORAGE_POLICIES
+from kvdemo.cache.layouts import (
+    fp8_bytes,
+    full_precision_bytes,
+    group_bytes,
+    hqq_group_problem,
+    quanto_group_problem,
+    turboquant_bytes,
+    turboquant_width_problem,
+)
+from kvdemo.cache.policies import (
+    FLUSH_POLICIES,
+    FP8_SCALES,
+    NORM_CORRECTION_CHOICES,
+    OPTIMIZE_CHOICES,
+    PROTECT_CHOICES,
+    ROTATIONS,
+    SLIDING_CHOICES,
+    STORAGE_POLICIES,
+)
 
 # Reading the registry loads neither torch nor transformers (the command line's `--help` reads it): the modules
 # that build a cache are imported by the functions that build one.
@@ -42,6 +59,9 @@ GROUP_OPTIONS = (
     "nbits_value",
     "optimize",
     "sliding",
+    "protect",
+    "scale",
+    "norm_correction",
 )
 """Every option a backend may take that the Ask tab shows as a field, in the order the page and the command line show
 them (one added later goes last: the page state a browser keeps lists the values in this order)."""
@@ -70,6 +90,9 @@ class SpecOptions(TypedDict, total=False):
     rotation: str
     optimize: str
     sliding: str
+    protect: str
+    scale: str
+    norm_correction: str
     plan: str
 
 
@@ -95,6 +118,12 @@ class Option:
         acts_on: the layer kinds the option changes, where it does not act on full-attention layers (`sliding`:
             sliding_attention, chunked_attention); empty for the others. `kvdemo.cache.catalogue.all_specs` leaves
             such an option at its default (on the test models it changes nothing); the model-family matrix runs it.
+        in_matrix: False for an option `all_specs` leaves at its default because it changes which layers are
+            quantized rather than how (`protect`: each of its values keeps layers as `dynamic` keeps them; its own
+            tests run it on every backend, `tests/test_protect.py`).
+        quiet: True for an option added after specs were written without it (`sliding`, `protect`, `scale`,
+            `norm_correction`): at its default, `CacheSpec.full_text` and the page's spec leave it out, so a text
+            without it keeps meaning what it meant.
     """
 
     name: str
@@ -106,6 +135,8 @@ class Option:
     canonical: Callable[[str], str] | None = None
     syntax: str = ""
     acts_on: tuple[str, ...] = ()
+    in_matrix: bool = True
+    quiet: bool = False
 
     @property
     def is_text(self) -> bool:
@@ -130,6 +161,10 @@ BytesFormula = Callable[[SpecOptions, "KVGeometry", int, int, int, bool], float]
 `estimate_kv_bytes`): `options` resolved, `residual_tokens` already capped at what the residual can hold."""
 CacheMaker = Callable[[str, SpecOptions, "PreTrainedConfig"], "Cache"]
 """`make(backend_name, options, model_config) -> Cache`: options as a spec gives them (`CacheSpec.given()`)."""
+WidthRule = Callable[[SpecOptions, str, int], "str | None"]
+"""`rule(options, tensor, width) -> why it cannot run, or None` for one stored tensor (`keys` or `values`) of `width`
+values per head and token, for a backend whose layout needs more of a width than a group size (TurboQuant's rotation
+and dense packing)."""
 GroupRule = Callable[[int, int, int, int, int], "str | None"]
 """`rule(nbits, q_group_size, axis, heads, width) -> why it cannot run, or None` for one stored tensor (keys or
 values) of `heads` heads of `width` values per token (`KVGeometry.shapes`)."""
@@ -153,6 +188,9 @@ class Backend:
         compare_nbits: the nbits it is compared at by default (`(None,)`: the backend as it is; `()`: not at all),
             each at every `rotation` it takes (`kvdemo.cache.catalogue.default_compare_specs`).
         module: the Python module it needs, or None; pip: the command that installs it.
+        width_rule: its `WidthRule`, or None where any width is stored.
+        presets: named option sets a spec may give after the colon instead of nbits (`turboquant:k8v4`: vLLM's
+            `kv_cache_dtype` presets), name -> {option: value}; `CacheSpec.parse` expands them.
     """
 
     name: str
@@ -166,6 +204,8 @@ class Backend:
     compare_nbits: tuple[int | None, ...] = (None,)
     module: str | None = None
     pip: str | None = None
+    width_rule: WidthRule | None = None
+    presets: dict[str, dict[str, int | str]] = field(default_factory=dict)
 
     @property
     def has_residual(self) -> bool:
@@ -199,8 +239,20 @@ SLIDING_OPTION = Option(
     help="sliding-window layers: keep them at full precision as transformers builds them (vLLM, mlx-lm), or quantize "
     "them too, forgetting tokens past the window (llama.cpp)",
     acts_on=("sliding_attention", "chunked_attention"),
+    quiet=True,
 )
 """The quantized backends' `sliding` option (`kvdemo.cache.policies.SLIDING_CHOICES`, `kvdemo.cache.layer_kinds`)."""
+
+PROTECT_OPTION = Option(
+    "protect",
+    PROTECT_CHOICES[0],
+    choices=PROTECT_CHOICES,
+    help="first:last: keep that many of the first and of the last quantized layers at full precision (vLLM keeps 2:2 "
+    "under its TurboQuant presets)",
+    in_matrix=False,
+    quiet=True,
+)
+"""The quantized backends' `protect` option (`kvdemo.cache.policies.PROTECT_CHOICES`, `kvdemo.cache.layer_kinds`)."""
 
 
 def _group_options(nbits: tuple[int, ...], axes: tuple[int, ...]) -> dict[str, Option]:
@@ -246,6 +298,7 @@ def _group_options(nbits: tuple[int, ...], axes: tuple[int, ...]) -> dict[str, O
             "(QuaRot, llama.cpp); none: as transformers",
         ),
         "sliding": SLIDING_OPTION,
+        "protect": PROTECT_OPTION,
         PLAN: Option(
             PLAN,
             "",
@@ -273,7 +326,20 @@ def _fp8_cache(name: str, options: Mapping[str, Any], config: PreTrainedConfig) 
     store)."""
     from kvdemo.cache.layers.flush import quantized_cache
 
-    return quantized_cache(name, config, sliding=str(options.get("sliding", SLIDING_CHOICES[0])))
+    return quantized_cache(
+        name,
+        config,
+        sliding=str(options.get("sliding", SLIDING_CHOICES[0])),
+        protect=str(options.get("protect", PROTECT_CHOICES[0])),
+        scale=str(options.get("scale", FP8_SCALES[0])),
+    )
+
+
+def _turboquant_cache(name: str, options: Mapping[str, Any], config: PreTrainedConfig) -> Cache:
+    """kvdemo's TurboQuant cache (`kvdemo.cache.layers.turboquant.turboquant_cache`) of the options a spec sets."""
+    from kvdemo.cache.layers.turboquant import turboquant_cache
+
+    return turboquant_cache(config, **options)
 
 
 def _residual_cache(name: str, options: Mapping[str, Any], config: PreTrainedConfig) -> Cache:
@@ -288,10 +354,68 @@ def _residual_cache(name: str, options: Mapping[str, Any], config: PreTrainedCon
     nbits_value = options.pop("nbits_value", None)
     optimize = str(options.pop("optimize", OPTIMIZE_CHOICES[0]))
     sliding = str(options.pop("sliding", SLIDING_CHOICES[0]))
+    protect = str(options.pop("protect", PROTECT_CHOICES[0]))
     plan = parse_plan(str(options.pop(PLAN))) if options.get(PLAN) else None
     return quantized_cache(
-        name, config, flush, rotation, nbits_value=nbits_value, optimize=optimize, plan=plan, sliding=sliding, **options
+        name,
+        config,
+        flush,
+        rotation,
+        nbits_value=nbits_value,
+        optimize=optimize,
+        plan=plan,
+        sliding=sliding,
+        protect=protect,
+        **options,
     )
+
+
+TURBOQUANT_PRESETS: dict[str, dict[str, int | str]] = {
+    "k8v4": {"nbits": 8, "nbits_value": 4, "protect": "2:2"},
+    "4bit_nc": {"nbits": 4, "nbits_value": 4, "norm_correction": "true", "protect": "2:2"},
+    "k3v4_nc": {"nbits": 3, "nbits_value": 4, "norm_correction": "true", "protect": "2:2"},
+    "3bit_nc": {"nbits": 3, "nbits_value": 3, "norm_correction": "true", "protect": "2:2"},
+}
+"""vLLM's TurboQuant `kv_cache_dtype` presets (`turboquant_<name>`, vLLM's `TQ_PRESETS`), as turboquant options:
+`k8v4` fp8 keys and 4-bit values (vLLM: 2.6x smaller, perplexity +1.17 %); `4bit_nc` 4-bit keys and values with norm
+correction (3.8x, +2.71 %); `k3v4_nc` 3-bit keys, 4-bit values (~3.5x, +10.63 %); `3bit_nc` 3-bit keys and values
+(4.9x, +20.59 %). Each keeps the first 2 and last 2 quantized layers at full precision, as vLLM does on dense models
+(its figures are vLLM's on its models; kvdemo measures its own, docs/turboquant.md)."""
+
+
+def _turboquant_options() -> dict[str, Option]:
+    """The turboquant backend's options: bits of keys and values, the residual and its flush, the norm correction, and
+    the layer options of every quantized backend."""
+    bits = (2, 3, 4, 8)
+    group = _group_options(nbits=bits, axes=(0,))
+    flush = group["flush"]
+    return {
+        "nbits": Option(
+            "nbits",
+            4,
+            choices=bits,
+            help="the keys' bits per coordinate: a Lloyd-Max code of the rotated key (8: float8 keys with a scale per "
+            "token and head, not rotated)",
+        ),
+        "nbits_value": Option(
+            "nbits_value",
+            4,
+            choices=bits,
+            help="the values' bits: uniform codes with a float16 scale and zero per token and head; unset: nbits",
+            same_as="nbits",
+        ),
+        "residual_length": group["residual_length"],
+        "flush": Option("flush", FLUSH_POLICIES[1], choices=FLUSH_POLICIES, help=flush.help),
+        "norm_correction": Option(
+            "norm_correction",
+            NORM_CORRECTION_CHOICES[0],
+            choices=NORM_CORRECTION_CHOICES,
+            help="true: store each key's norm over its code's, so a de-quantized key keeps its norm (vLLM's _nc)",
+            quiet=True,
+        ),
+        "sliding": SLIDING_OPTION,
+        "protect": PROTECT_OPTION,
+    }
 
 
 BACKENDS: dict[str, Backend] = {
@@ -346,12 +470,39 @@ BACKENDS: dict[str, Backend] = {
     ),
     "fp8": Backend(
         "fp8",
-        "QuantizedCache(backend='fp8'): float8_e4m3 per tensor, scale frozen at the first update, no residual",
-        "It appends every new token with the scale frozen at the prefill: no residual, never flushes.",
+        "QuantizedCache(backend='fp8'): float8_e4m3, one scale per tensor frozen at the first update (or one per "
+        "token and head), no residual",
+        "It appends every new token, with the scale frozen at the prefill (scale=per_tensor) or its own scales "
+        "(scale=per_token_head): no residual, never flushes.",
         quantized=True,
         make_cache=_fp8_cache,
         kv_bytes=fp8_bytes,
-        options={"sliding": SLIDING_OPTION},
+        options={
+            "sliding": SLIDING_OPTION,
+            "protect": PROTECT_OPTION,
+            "scale": Option(
+                "scale",
+                FP8_SCALES[0],
+                choices=FP8_SCALES,
+                help="per_tensor: one scale per layer and tensor, frozen at the prefill (transformers'); "
+                "per_token_head: one float32 scale per token and KV head (vLLM's dynamic per-token-head scales)",
+                quiet=True,
+            ),
+        },
+    ),
+    "turboquant": Backend(
+        "turboquant",
+        "kvdemo's TurboQuant (arXiv:2504.19874, as vLLM serves it): keys randomly rotated, Lloyd-Max codes and a norm; "
+        "values uniform per token and head; a full-precision residual",
+        "New tokens wait in the full-precision residual; at residual_length the residual block is coded and appended "
+        "(flush=append, vLLM's) or the whole layer is coded again (flush=requantize).",
+        quantized=True,
+        make_cache=_turboquant_cache,
+        kv_bytes=turboquant_bytes,
+        options=_turboquant_options(),
+        compare_nbits=(4,),
+        width_rule=turboquant_width_problem,
+        presets=TURBOQUANT_PRESETS,
     ),
 }
 

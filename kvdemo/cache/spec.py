@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from kvdemo.cache.layer_plan import PLAN, canonical_plan, parse_plan, plan_problem
-from kvdemo.cache.policies import SLIDING_CHOICES
+from kvdemo.cache.policies import PROTECT_CHOICES, SLIDING_CHOICES
 from kvdemo.cache.registry import BACKENDS, PLANNED, SPEC_OPTIONS, Backend, SpecOptions
 from kvdemo.checks import shown
 
@@ -26,6 +26,10 @@ if TYPE_CHECKING:
 MIN_FITTED_GROUP = 8
 """The smallest q_group_size `CacheSpec.fit` picks on its own: below it a group's scale and zero point outweigh its
 values (a 2-value group at 2 bits holds more than full precision), so the spec is refused with the sizes allowed."""
+
+PRESET_BITS = ("nbits", "nbits_value")
+"""The options a preset is named by (`turboquant:k8v4`): a spec that gives a preset cannot give them too; its other
+options (e.g. `protect`) may be changed beside it."""
 
 MAX_OPTION_VALUE = 1 << 20
 """No option means anything above this (1,048,576 tokens or values); larger numbers are refused."""
@@ -44,7 +48,10 @@ class CacheSpec:
             quantizing (`kvdemo.cache.layers.rotation`), `none` does not; nbits_value: bits per quantized value of the
             values alone (`kvdemo.cache.layers.precision`; None: nbits, as transformers); optimize: hqq's optimiser of
             zero points on (`true`, hqq's default) or off (`false`: `kvdemo.cache.layers.hqq_optimize`); sliding: `keep`
-            the sliding-window layers at full precision or `quantize` them (`kvdemo.cache.layer_kinds`); plan: each
+            the sliding-window layers at full precision or `quantize` them (`kvdemo.cache.layer_kinds`); protect:
+            `first:last` quantized layers kept at full precision (`kvdemo.cache.policies.PROTECT_CHOICES`); scale: fp8's
+            scales per tensor or per token and head (`kvdemo.cache.layers.fp8`); norm_correction: TurboQuant's
+            (`kvdemo.cache.layers.turboquant`); plan: each
             layer's nbits, nbits_value and rotation (`kvdemo.cache.layer_plan`, e.g. `k4v2h*12+k2v2h*18`; set, it
             replaces those three options, which stay unset). Which backend takes which, and the values allowed,
             are in its registry entry (`Backend.options`).
@@ -67,6 +74,9 @@ class CacheSpec:
     nbits_value: int | None = None
     optimize: str | None = None
     sliding: str | None = None
+    protect: str | None = None
+    scale: str | None = None
+    norm_correction: str | None = None
     plan: str | None = None
 
     def __post_init__(self) -> None:
@@ -147,28 +157,34 @@ class CacheSpec:
         what the text without it means)."""
         defaults, options, resolved = self._defaults(), self.info.options, self.resolved()
         head = f"{self.backend}:{resolved.pop('nbits')}" if "nbits" in resolved else str(self.backend)
-        quiet = [k for k, v in resolved.items() if (options[k].same_as or options[k].acts_on) and v == defaults[k]]
+        quiet = [k for k, v in resolved.items() if (options[k].same_as or options[k].quiet) and v == defaults[k]]
         shown = [f"{k}={v}" for k, v in resolved.items() if k not in quiet]
         return ",".join([head] + shown)
 
     @classmethod
     def parse(cls, text: str) -> CacheSpec:
         """A spec from `backend[:nbits][,option=value...]`, e.g. `dynamic`, `fp8`, `hqq:4`,
-        `quanto:2,q_group_size=32,residual_length=16,axis_key=-1`. Options are `GROUP_OPTIONS`; unset ones
-        take the backend's defaults. The result is checked against the registry (`validate`, no model).
+        `quanto:2,q_group_size=32,residual_length=16,axis_key=-1`, or `backend:preset[,option=value...]` for a
+        backend with presets (`Backend.presets`: `turboquant:k8v4`, also written `turboquant:turboquant_k8v4` as vLLM
+        names it), which sets the preset's options. Options are `GROUP_OPTIONS`; unset ones take the backend's
+        defaults. The result is checked against the registry (`validate`, no model).
 
         Raises:
-            ValueError: malformed text, an unknown backend or option, a non-integer value, or a value the
-                registry refuses (the message says which and what is allowed).
+            ValueError: malformed text, an unknown backend or option, a non-integer value, an unknown preset or an
+                option a preset sets given beside it, or a value the registry refuses (the message says which and
+                what is allowed).
         """
         if not isinstance(text, str) or not text.strip():
             raise ValueError("an empty spec; write backend[:nbits][,option=value...], e.g. hqq:4 or dynamic")
         head, *pairs = [part.strip() for part in text.strip().split(",")]
         backend, _, nbits = head.partition(":")
         options: dict[str, Any] = {}
-        if nbits.strip():
+        preset = None
+        if nbits.strip() and not re.fullmatch(r"-?[0-9]+", nbits.strip()):
+            preset = cls._preset(text, backend.strip().lower(), nbits.strip())
+        if preset is None and nbits.strip():
             options["nbits"] = nbits.strip()
-        elif ":" in head:
+        elif ":" in head and not nbits.strip():
             raise ValueError(f"spec {text!r}: give the nbits after the colon, e.g. hqq:4")
         for pair in pairs:
             name, sep, value = (p.strip() for p in pair.partition("="))
@@ -187,7 +203,31 @@ class CacheSpec:
             if not re.fullmatch(r"-?[0-9]+", value):
                 raise ValueError(f"spec {text!r}: {name}={value!r} must be an integer")
             options[name] = int(value)
+        if preset is not None:  # the options given beside it change the preset's, but for the bits it is named by
+            clash = [name for name in PRESET_BITS if name in options]
+            if clash:
+                sets = ", ".join(f"{name}={value}" for name, value in preset.items())
+                raise ValueError(
+                    f"spec {text!r}: the preset {nbits.strip()} sets {sets}; leave {', '.join(clash)} out, or give "
+                    "nbits instead of the preset"
+                )
+            options = {**preset, **options}
         return cls(backend.strip().lower(), **options).validate()
+
+    @staticmethod
+    def _preset(text: str, backend: str, word: str) -> dict[str, int | str] | None:
+        """The options of preset `word` of `backend` (a word after the colon), or None where the backend has no
+        presets (then `word` is read as nbits). Raises ValueError: a word that is not one of its presets."""
+        presets = BACKENDS[backend].presets if backend in BACKENDS else {}
+        if not presets:
+            return None
+        name = word.lower().removeprefix(f"{backend}_")
+        if name not in presets:
+            raise ValueError(
+                f"spec {text!r}: {word!r} is neither nbits nor a preset of {backend}; presets: {', '.join(presets)} "
+                f"(e.g. {backend}:{next(iter(presets))}), or give nbits, e.g. {backend}:4"
+            )
+        return presets[name]
 
     def replace(self, **changes: Any) -> CacheSpec:
         """A copy with some fields changed."""
@@ -303,13 +343,14 @@ class CacheSpec:
         from kvdemo.cache.layers.rotation import rotation_problem
 
         sliding = str(self.resolved().get("sliding", SLIDING_CHOICES[0]))
-        problem = serving_problem(self.backend, info.quantized, model_config, sliding)
+        protect = str(self.resolved().get("protect", PROTECT_CHOICES[0]))
+        problem = serving_problem(self.backend, info.quantized, model_config, sliding, protect)
         if problem:
             raise UnsupportedModelError(problem)
         if self.plan:
             problem = plan_problem(
                 parse_plan(self.plan),
-                len(quantized_layers(model_config, sliding)),
+                len(quantized_layers(model_config, sliding, protect)),
                 cast("tuple[int, ...]", info.options["nbits"].choices),
             )
             if problem:
@@ -320,6 +361,15 @@ class CacheSpec:
                 problem = rotation_problem(width)
                 if problem:
                     raise ValueError(problem)
+        if info.width_rule is not None:
+            from kvdemo.cache.geometry import split_geometry
+
+            quantized, _ = split_geometry(model_config, sliding, protect)
+            for tensor in ("keys", "values"):
+                for _, width in quantized.shapes(tensor):
+                    problem = info.width_rule(self.resolved(), tensor, width)
+                    if problem:
+                        raise ValueError(problem)
         if info.group_rule is not None:
             found = self._group_problem(model_config)
             if found:
@@ -378,7 +428,9 @@ def estimate_kv_bytes(
     residual = max(min(residual_tokens, opts["residual_length"], tokens), 0) if "residual_length" in opts else 0
     element, geo, kept = element_size(dtype), kv_geometry(model_config), KVGeometry(())
     if spec.info.quantized:  # the layers it keeps at full precision count as `dynamic`'s
-        geo, kept = split_geometry(model_config, str(opts.get("sliding", SLIDING_CHOICES[0])))
+        geo, kept = split_geometry(
+            model_config, str(opts.get("sliding", SLIDING_CHOICES[0])), str(opts.get("protect", PROTECT_CHOICES[0]))
+        )
     kept_bytes = element * kept.values_held(tokens)
     return int(spec.info.kv_bytes(opts, geo, tokens, residual, element, nominal_bits) + kept_bytes)
 

@@ -98,7 +98,7 @@ def layer_kv(layer) -> tuple[torch.Tensor, torch.Tensor]:
         assert layer.values is not None  # set with the keys
         keys = torch.cat([keys, layer.keys.to(keys.dtype)], dim=-2)
         values = torch.cat([values, layer.values.to(values.dtype)], dim=-2)
-    return to_model_basis(layer, keys), to_model_basis(layer, values)  # a query-side rotation
+    return to_model_basis(layer, keys), to_model_basis(layer, values, values=True)  # a query-side rotation
 
 
 @dataclass(frozen=True)

@@ -100,7 +100,7 @@ def spec_from_inputs(backend: str, given: Mapping[str, Any]) -> CacheSpec:
             continue
         if option.is_text:
             word = str(value).strip().lower()  # as `CacheSpec.parse` reads it
-            if not (option.acts_on and word == option.default):  # `sliding=keep` unless asked: the spec as before
+            if not (option.quiet and word == option.default):  # `sliding=keep` unless asked: the spec as before
                 options[name] = word
             continue
         if isinstance(value, numbers.Integral) and not isinstance(value, bool):

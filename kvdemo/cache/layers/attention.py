@@ -40,7 +40,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvdemo.cache.layers.blockwise import attend_blockwise, blocks_of
-from kvdemo.cache.layers.rotation import ROTATED_MARK, rotate
+from kvdemo.cache.layers.rotation import ROTATED_MARK, QueryRotation
 
 ATTENTION = "kvdemo_sdpa"
 """The name kvdemo's attention function is registered under (`config._attn_implementation` of an installed model)."""
@@ -55,8 +55,10 @@ def kvdemo_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """transformers' `sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)`; for keys marked
-    by `kvdemo.cache.layers.rotation.mark_rotated` (key and value in the rotated basis), with `query @ H`, and the
-    output multiplied by H; for keys marked by a block-wise layer, over the store's blocks and the residual
+    by `kvdemo.cache.layers.rotation.mark_rotated` (keys, and values unless the mark says otherwise, in the
+    rotated basis), with the query rotated the same way (`QueryRotation.forward`: `query @ H`, or TurboQuant's
+    `(query D) @ H`) and the output rotated back where the values were rotated; for keys marked by a block-wise
+    layer, over the store's blocks and the residual
     (`kvdemo.cache.layers.blockwise.attend_blockwise`).
 
     Args:
@@ -69,9 +71,9 @@ def kvdemo_attention(
     recorder = _RECORDER.get()
     if recorder is not None:  # `recording_queries` in this thread: keep the query, in the model's basis
         recorder.add(module, query, kwargs.get("scaling"))
-    rotated = getattr(key, ROTATED_MARK, False)
-    if rotated:
-        query = rotate(query)
+    rotation: QueryRotation | None = getattr(key, ROTATED_MARK, None)
+    if rotation is not None:
+        query = rotation.forward(query)
     blocks = blocks_of(key)
     if blocks is not None and _blockwise_call(query, attention_mask, kwargs):
         output, weights = attend_blockwise(query, key, value, blocks, kwargs.get("scaling")), None
@@ -79,7 +81,7 @@ def kvdemo_attention(
         if blocks is not None:  # a call the block-wise path does not take: the whole store, as transformers'
             key, value = blocks.materialized(key, value)
         output, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    return (rotate(output) if rotated else output), weights
+    return (rotation.back(output) if rotation is not None and rotation.values else output), weights
 
 
 def _blockwise_call(query: torch.Tensor, attention_mask: torch.Tensor | None, kwargs: dict) -> bool:

@@ -41,7 +41,7 @@ from functools import cache
 import torch
 from transformers.cache_utils import QuantizedLayer
 
-from kvdemo.cache.layers.rotation import LibraryLayer, QueryRotationMixin, mark_rotated, rotate
+from kvdemo.cache.layers.rotation import LibraryLayer, QueryRotationMixin, mark_rotated
 
 BLOCKS_MARK = "_kvdemo_blocks"
 """The attribute `BlockwiseReadMixin.update` sets on the key tensor it returns (a `StoreBlocks`); read by
@@ -97,7 +97,7 @@ class BlockwiseReadMixin(LibraryLayer):
             return super().update(key_states, value_states, *args, **kwargs)
         rotated = isinstance(self, QueryRotationMixin)  # its update is behind this one: rotate the token here
         if rotated:
-            key_states, value_states = rotate(key_states), rotate(value_states)
+            key_states, value_states = self.rotate_new(key_states, value_states)
         self.cumulative_length += 1
         # new tensors, as transformers' update assigns them (a snapshot holds the old ones)
         self.keys = torch.cat([self.keys, key_states], dim=-2)
@@ -110,7 +110,7 @@ class BlockwiseReadMixin(LibraryLayer):
         )
         keys = self.keys.view(self.keys.shape)  # a new tensor object: the mark never sticks to the stored residual
         setattr(keys, BLOCKS_MARK, blocks)
-        return (mark_rotated(keys) if rotated else keys), self.values
+        return (mark_rotated(keys, self.query_rotation) if rotated else keys), self.values
 
 
 @cache

@@ -12,10 +12,14 @@ full-attention layers of hybrid models only (vLLM's `kv_cache_dtype_skip_layers=
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 from transformers import PreTrainedConfig, QuantizedCache
-from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, get_layer_types_and_kwargs
+from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
 
 from kvdemo.cache.layer_kinds import QUANTIZE, layer_actions
+
+CacheT = TypeVar("CacheT", bound=Cache)
 
 
 def library_cache(backend: str, config: PreTrainedConfig, **options) -> QuantizedCache:
@@ -38,12 +42,12 @@ def sliding_windows(config: PreTrainedConfig) -> list[int | None]:
     return [extra.get("sliding_window") for extra in kwargs]
 
 
-def with_kept_layers(cache: QuantizedCache, config: PreTrainedConfig, sliding: str) -> QuantizedCache:
-    """`cache` with every layer the backend does not quantize (`LayerKind.action` is not `QUANTIZE`) replaced by
-    transformers' own dynamic layer for its type, built with the same arguments as `DynamicCache(config=...)`
-    builds it."""
+def with_kept_layers(cache: CacheT, config: PreTrainedConfig, sliding: str, protect: str = "0:0") -> CacheT:
+    """`cache` with every layer the backend does not quantize (`LayerKind.action` is not `QUANTIZE`; a layer its
+    `protect` keeps) replaced by transformers' own dynamic layer for its type, built with the same arguments as
+    `DynamicCache(config=...)` builds it."""
     types, kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
-    actions = layer_actions(config, True, sliding)
+    actions = layer_actions(config, True, sliding, protect)
     cache.layers = [
         layer if action == QUANTIZE else DYNAMIC_LAYER_TYPE_MAPPING[kind](**extra)
         for layer, action, kind, extra in zip(cache.layers, actions, types, kwargs)

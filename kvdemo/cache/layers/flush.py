@@ -33,7 +33,7 @@ from kvdemo.cache.layers.attention import uses_query_rotation
 from kvdemo.cache.layers.blockwise import blockwise_layer
 from kvdemo.cache.layers.by_kind import library_cache, sliding_windows, with_kept_layers
 from kvdemo.cache.layers.dequantize import EXACT_LAYERS, ExactHQQLayer, ExactQuantoLayer
-from kvdemo.cache.layers.fp8 import ExactFp8Layer
+from kvdemo.cache.layers.fp8 import ExactFp8Layer, PerTokenHeadFp8Layer
 from kvdemo.cache.layers.precision import value_precision_layer
 from kvdemo.cache.layers.rotation import (
     QUERY_ROTATED_LAYERS,
@@ -45,8 +45,15 @@ from kvdemo.cache.layers.rotation import (
     RotatedHQQLayer,
     RotatedQuantoLayer,
 )
-from kvdemo.cache.layers.sliding import SlidingFp8Layer, sliding_layer
-from kvdemo.cache.policies import FLUSH_POLICIES, OPTIMIZE_CHOICES, ROTATIONS, SLIDING_CHOICES
+from kvdemo.cache.layers.sliding import SlidingFp8Layer, SlidingPerTokenHeadFp8Layer, sliding_layer
+from kvdemo.cache.policies import (
+    FLUSH_POLICIES,
+    FP8_SCALES,
+    OPTIMIZE_CHOICES,
+    PROTECT_CHOICES,
+    ROTATIONS,
+    SLIDING_CHOICES,
+)
 
 _READ_WHOLE: ContextVar[bool] = ContextVar("kvdemo_read_whole", default=False)
 
@@ -198,6 +205,14 @@ def _per_layer(
     return plan
 
 
+def attends_through_kvdemo(config: PreTrainedConfig) -> bool:
+    """Whether a cache built now for `config` may hand attention what `kvdemo_attention` reads (keys in a rotated
+    basis, a store to read block by block): the model attends through it, caches its attention's keys and values (a
+    latent, MLA, is up-projected between `update` and attention, so its layers must return the whole store in the
+    model's basis: `kvdemo.cache.layer_kinds`), and no `read_whole` block is open."""
+    return uses_query_rotation(config) and not is_latent(config) and not _READ_WHOLE.get()
+
+
 def _checked(
     config: PreTrainedConfig,
     flush: str,
@@ -214,10 +229,7 @@ def _checked(
         raise ValueError(f"rotation={rotation!r} is not a rotation; choose one of {', '.join(ROTATIONS)}")
     if optimize not in OPTIMIZE_CHOICES:
         raise ValueError(f"optimize={optimize!r} is not one of {', '.join(OPTIMIZE_CHOICES)}")
-    # a latent (MLA) cache is up-projected between `update` and attention: attention never sees what the layer
-    # returned, so the layer must return the whole store in the model's basis (`kvdemo.cache.layer_kinds`)
-    latent = is_latent(config)
-    own_attention = uses_query_rotation(config) and not latent and not _READ_WHOLE.get()
+    latent, own_attention = is_latent(config), attends_through_kvdemo(config)
     for name, wanted in (("rotate_query", rotate_query), ("blockwise", blockwise)):
         if wanted and latent:
             raise ValueError(f"{name} needs attention to read what the cache returns; this model up-projects a latent")
@@ -235,9 +247,11 @@ def _own_layer(
     window: int | None,
     rotate_query: bool,
     blockwise: bool,
+    scale: str = FP8_SCALES[0],
 ):
     """kvdemo's layer for one quantized layer of precision `precision` (a sliding one of `window` tokens), built
-    with the options of transformers' own layer `first`; None where transformers' own layer is that layer.
+    with the options of transformers' own layer `first` (fp8's with `scale`); None where transformers' own layer is
+    that layer.
 
     A sliding layer (`kvdemo.cache.layers.sliding`) re-quantizes its window at a flush and reads it whole, rotated back
     on read: no `append`, no block-wise read, no query-side rotation."""
@@ -249,8 +263,10 @@ def _own_layer(
         rotate_query and window is None,
         blockwise and window is None,
     )
-    if not issubclass(layer_class, QuantizedLayer):  # fp8: per tensor, de-quantized by bit placement
-        return ExactFp8Layer() if window is None else SlidingFp8Layer(window)
+    if not issubclass(layer_class, QuantizedLayer):  # fp8, de-quantized by bit placement
+        if scale == FP8_SCALES[0]:  # per tensor
+            return ExactFp8Layer() if window is None else SlidingFp8Layer(window)
+        return PerTokenHeadFp8Layer() if window is None else SlidingPerTokenHeadFp8Layer(window)
     extra: dict = {}
     if precision.nbits_value != precision.nbits:
         layer_class, extra = value_precision_layer(layer_class), {"nbits_value": precision.nbits_value}
@@ -275,6 +291,8 @@ def quantized_cache(
     plan: Sequence[LayerPrecision] | None = None,
     blockwise: bool | None = None,
     sliding: str = SLIDING_CHOICES[0],
+    protect: str = PROTECT_CHOICES[0],
+    scale: str = FP8_SCALES[0],
     **options,
 ) -> QuantizedCache:
     """transformers' `QuantizedCache(backend, config, **options)` built layer by layer from the model's layer kinds
@@ -306,6 +324,9 @@ def quantized_cache(
             `quantize` them (`kvdemo.cache.layers.sliding`: the window re-quantized at each flush, read whole, a
             rotation on the read side). Linear-attention, conv, hybrid and KV-shared layers are always transformers' own
             (`kvdemo.cache.layers.by_kind`).
+        protect: `first:last` quantized layers kept at full precision (`kvdemo.cache.layer_kinds.layer_actions`).
+        scale: fp8's scales, one per tensor (transformers') or per token and head
+            (`kvdemo.cache.layers.fp8.PerTokenHeadFp8Layer`).
         options: the group-wise options (nbits, q_group_size, residual_length, axis_key, axis_value).
 
     Raises:
@@ -323,11 +344,11 @@ def quantized_cache(
     rotate_query, blockwise = _checked(config, flush, rotation, optimize, rotate_query, blockwise)
     cache = library_cache(backend, config, **options)
     first = cast(QuantizedLayer, cache.layers[0])
-    quantized, windows = quantized_layers(config, sliding), sliding_windows(config)
+    quantized, windows = quantized_layers(config, sliding, protect), sliding_windows(config)
     plan = _per_layer(plan, first, len(quantized), nbits_value, rotation, "nbits" in options)
     layers: list = list(cache.layers)
     for index, precision in zip(quantized, plan):
-        own = _own_layer(first, precision, flush, windows[index], rotate_query, blockwise)
+        own = _own_layer(first, precision, flush, windows[index], rotate_query, blockwise, scale)
         layers[index] = layers[index] if own is None else own
     cache.layers = layers
     if optimize == "false":
@@ -339,4 +360,4 @@ def quantized_cache(
 
         for layer in cache.layers:
             cast(HQQQuantizedLayer, layer).quantizer = MinMaxQuantizer  # the library's layer calls `self.quantizer`
-    return with_kept_layers(cache, config, sliding)
+    return with_kept_layers(cache, config, sliding, protect)

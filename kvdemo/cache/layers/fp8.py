@@ -89,3 +89,66 @@ class ExactFp8Layer(Fp8QuantizedLayer):
         if self._nan_codes or not torch.isfinite(scale * E4M3_TO_FLOAT32_FACTOR):
             return super()._dequantize(qtensor)
         return dequantize_e4m3(quant_tensor, scale, self.keys.dtype)
+
+
+def quantize_per_token_head(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float8_e4m3 codes of `tensor` with one scale per token and head: amax over head_dim / 448, as vLLM's
+    per-token-head dynamic KV scales (vLLM #38378) and transformers' own per-tensor formula
+    (`Fp8QuantizedLayer._quantize`) applied to each vector.
+
+    Args:
+        tensor: [batch, kv_heads, tokens, head_dim], any float dtype.
+
+    Returns:
+        (codes [batch, kv_heads, tokens, head_dim] float8_e4m3fn, scales [batch, kv_heads, tokens, 1] float32): 1 byte
+        per value and 4 bytes per token and head.
+    """
+    fp8_max = torch.finfo(Fp8QuantizedLayer.fp8_dtype).max
+    scale = (tensor.abs().amax(dim=-1, keepdim=True).float() / fp8_max).clamp(min=torch.finfo(torch.float32).tiny)
+    return (tensor.float() / scale).to(Fp8QuantizedLayer.fp8_dtype), scale
+
+
+def dequantize_per_token_head(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`(codes.float() * scale).to(dtype)` with a scale per token and head ([..., tokens, 1], float32), bit for bit:
+    by bit placement (`dequantize_e4m3`) unless a code is NaN or a scale overflows `2^120 * scale`."""
+    if has_nan_codes(codes) or not bool(torch.isfinite(scale * E4M3_TO_FLOAT32_FACTOR).all()):
+        return (codes.float() * scale).to(dtype)
+    return dequantize_e4m3(codes, scale, dtype)
+
+
+class PerTokenHeadFp8Layer(ExactFp8Layer):
+    """`fp8,scale=per_token_head`: transformers' fp8 layer with a scale per token and KV head instead of one per tensor
+    frozen at the first update (the finer variant transformers' `Fp8QuantizedLayer` docstring leaves room for). Every
+    update quantizes its new tokens with their own scales and appends codes and scales (new tensors, so the snapshot's
+    `vars(layer).copy()` restores it); no residual, never flushes. An outlier token no longer sets the step of every
+    other token, and a later token larger than the prefill's largest is not clipped at 448 x the frozen scale.
+
+    The store is `(codes [batch, kv_heads, tokens, head_dim] float8_e4m3fn, scales [batch, kv_heads, tokens, 1]
+    float32)` for the keys and for the values: 1 byte per value plus 4 bytes per token and head, which the byte formula
+    (`kvdemo.cache.layouts.fp8_bytes`) counts.
+    """
+
+    def _quantize(self, tensor, scale=None):
+        """`quantize_per_token_head(tensor)`; a `scale` passed in (transformers' frozen one) is not used."""
+        return quantize_per_token_head(tensor)
+
+    def _dequantize(self, qtensor):
+        """The store de-quantized, [batch, kv_heads, tokens, head_dim] of the model's dtype."""
+        codes, scale = qtensor
+        return dequantize_per_token_head(codes, scale, self.keys.dtype)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the new tokens ([batch, kv_heads, new tokens, head_dim]) quantized with their own scales; returns
+        every stored token de-quantized (the prefill: the new states as given), as transformers' fp8 update does."""
+        self.cumulative_length += key_states.shape[-2]
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            return key_states, value_states
+        stores = []
+        for store, states in ((self._quantized_keys, key_states), (self._quantized_values, value_states)):
+            codes, scale = quantize_per_token_head(states)
+            stores.append((torch.cat([store[0], codes], dim=-2), torch.cat([store[1], scale], dim=-2)))
+        self._quantized_keys, self._quantized_values = stores
+        return self._dequantize(self._quantized_keys), self._dequantize(self._quantized_values)

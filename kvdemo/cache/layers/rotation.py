@@ -25,6 +25,7 @@ Two ways, the same arithmetic in exact terms (`benchmarks/rotation.py` measures 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
@@ -102,15 +103,63 @@ def rotate(tensor: torch.Tensor) -> torch.Tensor:
     return tensor @ hadamard(tensor.shape[-1], tensor.dtype, str(tensor.device))
 
 
+ROTATION_SEED = 42
+"""The seed of the random signs of a signed rotation (`random_signs`; vLLM's TurboQuant seed): one sign vector per
+head_dim, the same in every layer, session and process."""
+
+
+@lru_cache(maxsize=16)
+def random_signs(size: int, dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.Tensor:
+    """[size] random +-1 drawn from `ROTATION_SEED` (a CPU generator, so the same on every machine), in `dtype` on
+    `device` (cached: read-only). D in the signed rotation x -> (x D) H (`QueryRotation`)."""
+    generator = torch.Generator().manual_seed(ROTATION_SEED)
+    signs = torch.randint(0, 2, (size,), generator=generator, dtype=torch.int64) * 2 - 1
+    return signs.to(dtype=dtype, device=device)
+
+
+@dataclass(frozen=True)
+class QueryRotation:
+    """How a query-side rotated layer's keys (and values) are rotated, as the mark on its keys tells
+    `kvdemo.cache.layers.attention.kvdemo_attention`: x -> x H (`rotation=hadamard`, keys and values), or the
+    randomized Hadamard transform x -> (x D) H with D the diagonal of `random_signs` (TurboQuant's keys,
+    `kvdemo.cache.layers.turboquant`; the signs before H make the rotated coordinates of any vector random, as a
+    random rotation does: a Hadamard row itself would come out as one spike). Both are orthonormal, so attention
+    rotates the query the same way and sees the same scores.
+
+    Attributes:
+        signed: the random signs D come first.
+        values: the values are rotated too (the output is then rotated back).
+    """
+
+    signed: bool = False
+    values: bool = True
+
+    def forward(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` [..., head_dim] in the rotated basis: (x D) H, or x H unsigned."""
+        if self.signed:
+            tensor = tensor * random_signs(tensor.shape[-1], tensor.dtype, str(tensor.device))
+        return rotate(tensor)
+
+    def back(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`forward` undone: (y H) D, or y H unsigned (H H = I, D D = I)."""
+        tensor = rotate(tensor)
+        if self.signed:
+            tensor = tensor * random_signs(tensor.shape[-1], tensor.dtype, str(tensor.device))
+        return tensor
+
+
+HADAMARD = QueryRotation()
+"""`rotation=hadamard`'s query-side rotation: keys and values times H."""
+
 ROTATED_MARK = "_kvdemo_rotated"
-"""The attribute a query-side rotated layer sets (True) on the key tensor its `update` returns; read by
+"""The attribute a query-side rotated layer sets (a `QueryRotation`) on the key tensor its `update` returns; read by
 `kvdemo.cache.layers.attention.kvdemo_attention`."""
 
 
-def mark_rotated(keys: torch.Tensor) -> torch.Tensor:
-    """`keys` ([batch, kv_heads, tokens, head_dim], in the rotated basis) marked for `kvdemo_attention`: the same
+def mark_rotated(keys: torch.Tensor, rotation: QueryRotation = HADAMARD) -> torch.Tensor:
+    """`keys` ([batch, kv_heads, tokens, head_dim], in `rotation`'s basis) marked for `kvdemo_attention`: the same
     tensor object, returned."""
-    setattr(keys, ROTATED_MARK, True)
+    setattr(keys, ROTATED_MARK, rotation)
     return keys
 
 
@@ -131,31 +180,39 @@ class RotationMixin(LibraryLayer):
 
 class QueryRotationMixin(LibraryLayer):
     """`rotation=hadamard` on the query side, for a transformers `QuantizedLayer` subclass (or kvdemo's `append`
-    layers): `update` rotates the new keys and values once (`rotate`) and hands them to the layer's own update, so
+    layers): `update` rotates the new keys and values once (`rotate_new`) and hands them to the layer's own update, so
     the store (the library's quantization of rotated tensors, its `_quantize` and `_dequantize` untouched) and the
     residual are in the rotated basis, and so are the keys and values returned, which carry the mark
     (`mark_rotated`) that makes `kvdemo_attention` rotate the query and the output.
     Only for a model that attends through `kvdemo_attention`; `kvdemo.cache.layers.flush.quantized_cache` checks that.
 
     Attributes:
-        rotated_basis: True: the stored keys and values are `x @ H` (`to_model_basis` turns them back).
+        query_rotation: the `QueryRotation` (`HADAMARD`: keys and values times H; `to_model_basis` turns them back).
     """
 
-    rotated_basis = True
+    query_rotation: QueryRotation = HADAMARD
+
+    def rotate_new(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """New keys and values ([batch, kv_heads, new tokens, head_dim]) in the layer's rotated basis."""
+        rotation = self.query_rotation
+        return rotation.forward(key_states), (rotation.forward(value_states) if rotation.values else value_states)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's own update of `rotate(key_states)`, `rotate(value_states)` ([batch, kv_heads, new tokens,
+        """The layer's own update of the new keys and values rotated (`rotate_new`, [batch, kv_heads, new tokens,
         head_dim]); returns its (keys, values) in the rotated basis, the keys marked."""
-        keys, values = super().update(rotate(key_states), rotate(value_states), *args, **kwargs)
-        return mark_rotated(keys), values
+        keys, values = super().update(*self.rotate_new(key_states, value_states), *args, **kwargs)
+        return mark_rotated(keys, self.query_rotation), values
 
 
-def to_model_basis(layer, tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` (keys or values read from `layer`'s store or residual, [..., head_dim]) in the model's basis:
-    rotated back if the layer keeps the rotated basis (`QueryRotationMixin`), else as it is."""
-    return rotate(tensor) if getattr(layer, "rotated_basis", False) else tensor
+def to_model_basis(layer, tensor: torch.Tensor, values: bool = False) -> torch.Tensor:
+    """`tensor` (keys, or with `values` the values, read from `layer`'s store or residual, [..., head_dim]) in the
+    model's basis: rotated back if the layer keeps it in a rotated basis (`QueryRotationMixin`), else as it is."""
+    rotation = getattr(layer, "query_rotation", None)
+    if rotation is None or (values and not rotation.values):
+        return tensor
+    return rotation.back(tensor)
 
 
 class RotatedQuantoLayer(RotationMixin, ExactQuantoLayer):

@@ -10,7 +10,8 @@ tokens under the same mask (`get_mask_sizes` is the sliding layer's own).
   not apply to these layers. Between flushes the store may still hold up to `residual_length - 1` tokens that have
   left the window (never returned to attention): held bytes are at most (window + residual_length - 1) tokens.
 - fp8 (`SlidingFp8Layer`): transformers' per-tensor scale frozen at the first update; each step appends the new
-  codes and keeps the last `sliding_window - 1` (a compact copy, so no longer storage stays pinned).
+  codes and keeps the last `sliding_window - 1` (a compact copy, so no longer storage stays pinned); with
+  `scale=per_token_head` (`SlidingPerTokenHeadFp8Layer`) each kept token keeps its own scales.
 
 Both assign new tensors at every update, so the snapshot's `vars(layer).copy()` restores them exactly
 (`kvdemo.cache.snapshot`). Pattern: llama.cpp quantizes its sliding-window (SWA) KV cache with the same
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from kvdemo.cache.layers.fp8 import ExactFp8Layer
+from kvdemo.cache.layers.fp8 import ExactFp8Layer, PerTokenHeadFp8Layer
 from kvdemo.cache.layers.rotation import LibraryLayer
 
 
@@ -122,9 +123,16 @@ class SlidingFp8Layer(SlidingWindowMask, ExactFp8Layer):
             codes, scale = store
             if codes.shape[-2] > keep:
                 codes = codes[..., -keep:, :].clone()  # compact: the longer codes are not pinned
+                if scale.dim() == codes.dim():  # a scale per token and head: kept with its tokens
+                    scale = scale[..., -keep:, :].clone()
             stores.append((codes, scale))
         self._quantized_keys, self._quantized_values = stores
         if first:
             return keys, values
         visible = keep + key_states.shape[-2]
         return keys[..., -visible:, :], values[..., -visible:, :]
+
+
+class SlidingPerTokenHeadFp8Layer(SlidingFp8Layer, PerTokenHeadFp8Layer):
+    """`fp8,scale=per_token_head` over the window (`kvdemo.cache.layers.fp8.PerTokenHeadFp8Layer`): the last
+    `sliding_window - 1` codes kept with their scales."""

@@ -1,0 +1,164 @@
+"""Lloyd-Max scalar codes for the coordinates of a randomly rotated unit vector, and the bit packing of their codes:
+the quantizer of TurboQuant's keys (`kvdemo.cache.layers.turboquant`).
+
+TurboQuant (Zandieh, Daliri, Hadian, Mirrokni, "TurboQuant: Online Vector Quantization with Near-optimal Distortion
+Rate", arXiv:2504.19874, ICLR 2026, Algorithm 1, `TurboQuant_mse`): rotate a unit vector x of dimension d at random,
+so that each coordinate of y = R x follows one known distribution whatever x was, then round every coordinate to the
+nearest centroid of the optimal scalar (Lloyd-Max) code for that distribution; store the centroid indices, b bits a
+coordinate. Its Lemma 1 gives the distribution of one coordinate of a uniform random unit vector in d dimensions:
+
+    f_d(x) = Gamma(d/2) / (sqrt(pi) Gamma((d-1)/2)) (1 - x^2)^((d-3)/2),   -1 <= x <= 1,
+
+which tends to the Gaussian N(0, 1/d) as d grows. kvdemo solves the code for the exact marginal f_d of the model's
+head_dim (`exact_marginal`), not for its Gaussian limit: the two differ little at head_dim 64 to 256, but the exact
+one costs nothing more (the code is solved once per head_dim and bits, in milliseconds), needs no argument about when
+d is "large enough", and is the distribution the paper's Theorem 1 is stated for. `gaussian` gives the limit, with
+which the test checks the textbook Lloyd-Max values: for N(0, 1) at 2 bits, centroids +-0.4528 and +-1.510, and the
+distortion per vector d x E[(y_i - c(y_i))^2] = 0.3634, 0.1175, 0.03454, 0.009497 at 1, 2, 3, 4 bits (Max 1960;
+the paper rounds them to 0.36, 0.117, 0.03, 0.009).
+
+The solver is Lloyd's algorithm (Lloyd 1982; Max 1960): boundaries halfway between neighbouring centroids, each
+centroid the mean of the density over its cell, repeated until no centroid moves; the integrals are sums over a fine
+grid (cumulative sums, so each iteration costs only the centroids' count). Pattern: vLLM's
+`quantization/turboquant/centroids.py`, which solves it for N(0, 1/d) with trapezoid sums.
+
+Codes are packed eight at a time into `bits` bytes (`pack_codes`), so b-bit codes take exactly b bits each, 3 bits
+included (llama.cpp's and vLLM's dense packing), for any head_dim that is a multiple of 8.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+CODE_BITS = (1, 2, 3, 4)
+"""The widths `pack_codes` packs eight codes at a time into (8-bit codes are stored as they are, one byte each)."""
+
+_GRID = 400_001
+"""Points of the grid the code's integrals are summed over (spacing 5e-6 of the support for the exact marginal)."""
+
+
+@dataclass(frozen=True)
+class LloydMaxCode:
+    """An optimal scalar code of `2**bits` levels for one density.
+
+    Attributes:
+        bits: bits per coordinate (1 to 4).
+        centroids: [2**bits] float64, increasing: the value each code index stands for.
+        boundaries: [2**bits - 1] float64: a coordinate between boundaries[i-1] and boundaries[i] takes index i.
+        distortion: E[(y - c(y))^2] for one coordinate y of the density (the mean squared error per coordinate).
+    """
+
+    bits: int
+    centroids: torch.Tensor
+    boundaries: torch.Tensor
+    distortion: float
+
+    def encode(self, values: torch.Tensor) -> torch.Tensor:
+        """The index of the nearest centroid of each value (any shape, any float dtype): uint8 of the same shape."""
+        return torch.bucketize(values, self.boundaries.to(values.dtype)).to(torch.uint8)
+
+    def decode(self, codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The centroid of each code (an integer tensor of any shape): `dtype`, the same shape."""
+        return self.centroids.to(dtype)[codes.long()]
+
+
+def _solve(grid: torch.Tensor, density: torch.Tensor, bits: int, iterations: int = 10_000) -> LloydMaxCode:
+    """Lloyd's algorithm on a density sampled on `grid` (float64, increasing; the density need not be normalised)."""
+    weight = density / density.sum()
+    mass, moment, square = weight.cumsum(0), (weight * grid).cumsum(0), (weight * grid * grid).cumsum(0)
+
+    def cell_sums(cumulative: torch.Tensor, cuts: torch.Tensor) -> torch.Tensor:
+        totals = torch.cat([cumulative.new_zeros(1), cumulative[cuts - 1], cumulative[-1:]])
+        return totals[1:] - totals[:-1]
+
+    levels = 2**bits
+    std = math.sqrt(float(square[-1]) - float(moment[-1]) ** 2)
+    centroids = torch.linspace(-2.5 * std, 2.5 * std, levels, dtype=torch.float64) + float(moment[-1])
+    for _ in range(iterations):
+        boundaries = (centroids[1:] + centroids[:-1]) / 2
+        cuts = torch.searchsorted(grid, boundaries)
+        masses = cell_sums(mass, cuts)
+        updated = torch.where(masses > 0, cell_sums(moment, cuts) / masses.clamp_min(1e-300), centroids)
+        moved = float((updated - centroids).abs().max())
+        centroids = updated
+        if moved < 1e-13 * std:
+            break
+    boundaries = (centroids[1:] + centroids[:-1]) / 2
+    cuts = torch.searchsorted(grid, boundaries)
+    masses = cell_sums(mass, cuts)
+    # E[(y - c)^2] per cell = E[y^2] - 2 c E[y] + c^2 P, summed
+    distortion = float(
+        (cell_sums(square, cuts) - 2 * centroids * cell_sums(moment, cuts) + centroids**2 * masses).sum()
+    )
+    return LloydMaxCode(bits, centroids, boundaries, distortion)
+
+
+def _checked_bits(bits: int) -> None:
+    if bits not in CODE_BITS:
+        raise ValueError(f"a Lloyd-Max code here has {', '.join(map(str, CODE_BITS))} bits per coordinate, not {bits}")
+
+
+@lru_cache(maxsize=64)
+def exact_marginal(dimension: int, bits: int) -> LloydMaxCode:
+    """The Lloyd-Max code of `bits` bits for one coordinate of a uniform random unit vector in `dimension`
+    dimensions (the density f_d of the module docstring: TurboQuant's Lemma 1), solved once and cached.
+
+    Raises:
+        ValueError: `dimension` < 3 (f_d is a density for d >= 2, and flat or peaked at the ends below 3) or
+            `bits` outside `CODE_BITS`.
+    """
+    _checked_bits(bits)
+    if dimension < 3:
+        raise ValueError(f"the exact marginal needs a dimension of 3 or more, not {dimension}")
+    grid = torch.linspace(-1.0, 1.0, _GRID, dtype=torch.float64)
+    density = torch.exp((dimension - 3) / 2 * torch.log1p(-grid * grid).clamp_min(-1e300))
+    density[0] = density[-1] = 0.0 if dimension > 3 else 1.0
+    return _solve(grid, density, bits)
+
+
+@lru_cache(maxsize=16)
+def gaussian(bits: int, variance: float = 1.0) -> LloydMaxCode:
+    """The Lloyd-Max code of `bits` bits for N(0, variance) (the exact marginal's limit, N(0, 1/d); the textbook
+    values of the module docstring for variance 1). Raises ValueError: `bits` outside `CODE_BITS`."""
+    _checked_bits(bits)
+    std = math.sqrt(variance)
+    grid = torch.linspace(-12 * std, 12 * std, _GRID, dtype=torch.float64)
+    return _solve(grid, torch.exp(-grid * grid / (2 * variance)), bits)
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes of `bits` bits (uint8, last axis a multiple of 8 long) packed densely: eight codes in `bits` bytes.
+
+    Args:
+        codes: [..., n] uint8, each below 2**bits; n a multiple of 8 (8-bit codes: any n, returned as they are).
+        bits: 1 to 4, or 8.
+
+    Returns:
+        [..., n * bits / 8] uint8, a new contiguous tensor.
+
+    Raises:
+        ValueError: another width, or n not a multiple of 8.
+    """
+    if bits == 8:
+        return codes.contiguous()
+    _checked_bits(bits)
+    if codes.shape[-1] % 8:
+        raise ValueError(f"codes are packed eight at a time; the last axis has {codes.shape[-1]}")
+    groups = codes.reshape(*codes.shape[:-1], -1, 8).to(torch.int64)
+    word = (groups << (torch.arange(8) * bits)).sum(-1, keepdim=True)  # 8 x bits <= 32 bits of an int64
+    packed = (word >> (torch.arange(bits) * 8)) & 0xFF
+    return packed.to(torch.uint8).reshape(*codes.shape[:-1], -1)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """`pack_codes` undone: [..., n * bits / 8] uint8 -> [..., n] int64 codes (ready to index a table)."""
+    if bits == 8:
+        return packed.long()
+    groups = packed.reshape(*packed.shape[:-1], -1, bits).to(torch.int64)
+    word = (groups << (torch.arange(bits) * 8)).sum(-1, keepdim=True)
+    codes = (word >> (torch.arange(8) * bits)) & ((1 << bits) - 1)
+    return codes.reshape(*packed.shape[:-1], -1)
