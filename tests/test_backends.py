@@ -31,15 +31,19 @@ def _config(kv_heads=3, head_dim=64, layers=1, **extra) -> LlamaConfig:
     )
 
 
-def test_registry_lists_the_four_backends_and_their_options():
-    assert list(BACKENDS) == ["dynamic", "quanto", "hqq", "fp8"]
+def test_registry_lists_the_five_backends_and_their_options():
+    assert list(BACKENDS) == ["dynamic", "quanto", "hqq", "fp8", "turboquant"]
     assert BACKENDS["quanto"].options["nbits"].choices == (2, 4)
     assert BACKENDS["hqq"].options["nbits"].choices == (1, 2, 3, 4, 8)
-    assert list(BACKENDS["fp8"].options) == ["sliding"] and list(BACKENDS["dynamic"].options) == ["storage"]
+    assert BACKENDS["turboquant"].options["nbits"].choices == (2, 3, 4, 8)
+    assert list(BACKENDS["fp8"].options) == ["sliding", "protect", "scale"]
+    assert list(BACKENDS["dynamic"].options) == ["storage"]
     assert BACKENDS["dynamic"].options["storage"].choices == ("concat", "growing")
     assert BACKENDS["hqq"].options["residual_length"].default == 128
+    assert BACKENDS["turboquant"].options["flush"].default == "append"  # vLLM codes each token once
     assert BACKENDS["quanto"].pip == "pip install optimum-quanto==0.2.7"
-    assert [b.has_residual for b in BACKENDS.values()] == [False, True, True, False]
+    assert [b.has_residual for b in BACKENDS.values()] == [False, True, True, False, True]
+    assert all("protect" in b.options for b in BACKENDS.values() if b.quantized)
 
 
 def test_numpy_integers_are_integers():
@@ -61,10 +65,13 @@ def test_spec_defaults_and_label():
         "rotation": "none",
         "optimize": "true",
         "sliding": "keep",  # sliding-window layers at full precision (a text option at its default: not labelled)
+        "protect": "0:0",  # no edge layer kept at full precision
     }
     assert spec.label == "hqq nbits=2 q_group_size=64 residual_length=4"
     assert spec.replace(rotation="hadamard").label == "hqq nbits=2 q_group_size=64 residual_length=4 rotation=hadamard"
-    assert CacheSpec("fp8").resolved() == {"sliding": "keep"} and CacheSpec("fp8").label == "fp8"
+    assert CacheSpec("fp8").resolved() == {"sliding": "keep", "protect": "0:0", "scale": "per_tensor"}
+    assert CacheSpec("fp8").label == "fp8" and CacheSpec("fp8").full_text == "fp8"  # quiet options at their defaults
+    assert CacheSpec("fp8", scale="per_token_head").full_text == "fp8,scale=per_token_head"
     assert CacheSpec("fp8", sliding="quantize").label == "fp8 sliding=quantize"
     # nbits_value is shown only where it differs from nbits, so each text means one spec
     mixed = spec.replace(nbits=4, nbits_value=2)
@@ -120,13 +127,13 @@ def test_spec_syntax_errors_say_what_to_write(text, message):
 @pytest.mark.parametrize(
     "spec, message",
     [
-        (CacheSpec("int8"), "backend='int8' is not a backend; choose one of dynamic, quanto, hqq, fp8"),
+        (CacheSpec("int8"), "backend='int8' is not a backend; choose one of dynamic, quanto, hqq, fp8, turboquant"),
         (CacheSpec("quanto", nbits=3), "nbits=3 is not allowed for quanto; allowed: 2, 4"),
         (CacheSpec("hqq", nbits=5), "nbits=5 is not allowed for hqq; allowed: 1, 2, 3, 4, 8"),
         (CacheSpec("hqq", nbits=0), "nbits=0 is not allowed for hqq; allowed: 1, 2, 3, 4, 8"),
         (
             CacheSpec("fp8", nbits=4),
-            "nbits=4 is not an option of the fp8 backend (it takes sliding); leave it unset",
+            "nbits=4 is not an option of the fp8 backend (it takes sliding, protect, scale); leave it unset",
         ),
         (CacheSpec("fp8", residual_length=8), "residual_length=8 is not an option of the fp8 backend"),
         (CacheSpec("dynamic", q_group_size=32), "q_group_size=32 is not an option of the dynamic backend"),

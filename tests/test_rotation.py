@@ -15,6 +15,7 @@ from kvdemo.cache.layers.attention import ATTENTION, install, uses_query_rotatio
 from kvdemo.cache.layers.blockwise import blockwise_layer
 from kvdemo.cache.layers.flush import AppendQueryRotatedHQQLayer, AppendRotatedHQQLayer, quantized_cache
 from kvdemo.cache.layers.rotation import (
+    HADAMARD,
     ROTATED_MARK,
     QueryRotatedQuantoLayer,
     RotatedHQQLayer,
@@ -165,7 +166,7 @@ def test_the_query_side_rotation_attends_as_the_read_side_one(tiny, embedded, te
         assert keys.shape == read_keys.shape and torch.allclose(keys, read_keys, atol=1e-4)
         assert torch.allclose(values, read_values, atol=1e-4)
     returned, _ = query_side.layers[0].update(torch.randn(1, 2, 1, 64), torch.randn(1, 2, 1, 64))
-    assert getattr(returned, ROTATED_MARK) is True  # what makes kvdemo's attention rotate the query
+    assert getattr(returned, ROTATED_MARK) is HADAMARD  # what makes kvdemo's attention rotate the query
 
 
 def test_a_model_whose_attention_is_not_sdpa_keeps_it_and_rotates_on_read(embedded):

@@ -11,9 +11,10 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
-from kvdemo.cache.layer_plan import PLAN, canonical_plan, parse_plan, plan_problem
+from kvdemo.cache.layer_plan import PLAN, canonical_plan
+from kvdemo.cache.options import PLANNED, SPEC_OPTIONS, SpecOptions
 from kvdemo.cache.policies import PROTECT_CHOICES, SLIDING_CHOICES
-from kvdemo.cache.registry import BACKENDS, PLANNED, SPEC_OPTIONS, Backend, SpecOptions
+from kvdemo.cache.registry import BACKENDS, Backend
 from kvdemo.checks import shown
 
 # A spec is parsed, shown and checked against the registry without torch or transformers (the command line's
@@ -294,8 +295,10 @@ class CacheSpec:
             raise ImportError(f"the {self.backend} backend needs the {info.module} package: {info.pip}")
         if model_config is None:
             return self
+        from kvdemo.cache.model_checks import check_on_model
+
         fitted = self.fit(model_config)
-        fitted._validate_on_model(model_config)
+        check_on_model(fitted, model_config)
         return fitted
 
     def fit(self, model_config: PreTrainedConfig) -> CacheSpec:
@@ -329,66 +332,6 @@ class CacheSpec:
         from kvdemo.cache.groups import first_problem
 
         return first_problem(self.info.group_rule, self.resolved(), model_config)
-
-    def _validate_on_model(self, model_config: PreTrainedConfig) -> None:
-        """`validate`'s checks against the model: its layer kinds (`layer_kinds.serving_problem`), the plan's layer
-        count and bits, a head_dim a rotation takes, and the group rule of each stored tensor's bits and shape.
-
-        Raises:
-            UnsupportedModelError, ValueError: see `validate`."""
-        info = self.info
-        from kvdemo.cache.geometry import kv_geometry
-        from kvdemo.cache.groups import allowed_group_sizes
-        from kvdemo.cache.layer_kinds import UnsupportedModelError, quantized_layers, serving_problem
-        from kvdemo.cache.layers.rotation import rotation_problem
-
-        sliding = str(self.resolved().get("sliding", SLIDING_CHOICES[0]))
-        protect = str(self.resolved().get("protect", PROTECT_CHOICES[0]))
-        problem = serving_problem(self.backend, info.quantized, model_config, sliding, protect)
-        if problem:
-            raise UnsupportedModelError(problem)
-        if self.plan:
-            problem = plan_problem(
-                parse_plan(self.plan),
-                len(quantized_layers(model_config, sliding, protect)),
-                cast("tuple[int, ...]", info.options["nbits"].choices),
-            )
-            if problem:
-                raise ValueError(problem)
-        if any(rotation != "none" for rotation in _rotations(self)):
-            geo = kv_geometry(model_config)
-            for _, width in geo.shapes("keys") + geo.shapes("values"):
-                problem = rotation_problem(width)
-                if problem:
-                    raise ValueError(problem)
-        if info.width_rule is not None:
-            from kvdemo.cache.geometry import split_geometry
-
-            quantized, _ = split_geometry(model_config, sliding, protect)
-            for tensor in ("keys", "values"):
-                for _, width in quantized.shapes(tensor):
-                    problem = info.width_rule(self.resolved(), tensor, width)
-                    if problem:
-                        raise ValueError(problem)
-        if info.group_rule is not None:
-            found = self._group_problem(model_config)
-            if found:
-                axis_name, axis, bits_name, bits, problem = found
-                fits = allowed_group_sizes(self.replace(q_group_size=None), model_config)
-                if not fits[axis_name]:  # no group size fits these bits on this axis: bits or axis must change
-                    raise ValueError(f"{bits_name}={bits} with {axis_name}={axis}: {problem}")
-                both = sorted(set.intersection(*(set(sizes) for sizes in fits.values())))  # keys' and values' alike
-                hint = f"; allowed here: {', '.join(map(str, both))}" if both else ""
-                q_group_size = self.resolved()["q_group_size"]
-                raise ValueError(f"q_group_size={q_group_size} ({axis_name}={axis}): {problem}{hint}")
-
-
-def _rotations(spec: CacheSpec) -> list[str]:
-    """The rotations a spec's layers take: its `rotation` option, or each of its plan's layers' (none where the
-    backend takes no rotation)."""
-    if spec.plan:
-        return [layer.rotation for layer in parse_plan(spec.plan)]
-    return [str(spec.resolved().get("rotation", "none"))]
 
 
 def estimate_kv_bytes(

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from kvdemo import checks
 from kvdemo.cache.catalogue import default_compare_specs
-from kvdemo.cache.registry import BACKENDS, SPEC_OPTIONS, option_choices_text
+from kvdemo.cache.options import SPEC_OPTIONS
+from kvdemo.cache.registry import BACKENDS, option_choices_text
 from kvdemo.cache.spec import CacheSpec
 from kvdemo.needle import inputs as needle
 from kvdemo.qa.limits import DEFAULT_MAX_NEW_TOKENS

@@ -38,7 +38,8 @@ from kvdemo.cache.geometry import kv_geometry
 from kvdemo.cache.layer_kinds import UnsupportedModelError, planning_problem
 from kvdemo.cache.layer_plan import PLAN, LayerPrecision, plan_text
 from kvdemo.cache.layers.attention import recording_queries, uses_query_rotation
-from kvdemo.cache.registry import BACKENDS, PLANNED
+from kvdemo.cache.options import PLANNED
+from kvdemo.cache.registry import BACKENDS
 from kvdemo.cache.spec import CacheSpec, build_cache, estimate_kv_bytes
 from kvdemo.evals.cache_error import layer_kv, reference_kv
 from kvdemo.qa.models import LoadedModel

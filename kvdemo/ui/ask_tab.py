@@ -14,7 +14,7 @@ from typing import Any
 import gradio as gr
 
 from kvdemo import checks
-from kvdemo.cache.registry import GROUP_OPTIONS
+from kvdemo.cache.options import GROUP_OPTIONS
 from kvdemo.cache.speedlimit import speed_limit
 from kvdemo.qa.prefill import PrefillStopped
 from kvdemo.qa.session import QASession

@@ -8,7 +8,8 @@ from typing import Any, NamedTuple, cast
 
 import gradio as gr
 
-from kvdemo.cache.registry import BACKENDS, GROUP_OPTIONS
+from kvdemo.cache.options import GROUP_OPTIONS
+from kvdemo.cache.registry import BACKENDS
 from kvdemo.cache.spec import CacheSpec
 from kvdemo.charts.steps import KEPT_SERIES, MEMORY_SERIES, answers_frame
 from kvdemo.qa.limits import DEFAULT_MAX_NEW_TOKENS

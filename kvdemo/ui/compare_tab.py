@@ -11,7 +11,8 @@ from typing import Any, NamedTuple
 import gradio as gr
 
 from kvdemo.cache.catalogue import all_specs, default_compare_specs
-from kvdemo.cache.registry import BACKENDS, SPEC_OPTIONS
+from kvdemo.cache.options import SPEC_OPTIONS
+from kvdemo.cache.registry import BACKENDS
 from kvdemo.charts.reports import DISPLAY_HELP
 from kvdemo.compare.records import ComparisonCancelled, ComparisonReport
 from kvdemo.compare.run import compare

@@ -17,7 +17,8 @@ import gradio as gr
 
 from kvdemo import checks
 from kvdemo.cache.layer_plan import PLAN
-from kvdemo.cache.registry import BACKENDS, GROUP_OPTIONS, Option
+from kvdemo.cache.options import GROUP_OPTIONS, Option
+from kvdemo.cache.registry import BACKENDS
 from kvdemo.cache.spec import CacheSpec
 from kvdemo.qa.text import check_text
 from kvdemo.serve.server import MAX_CONTEXT_BYTES

@@ -7,7 +7,8 @@ from typing import Any
 
 import gradio as gr
 
-from kvdemo.cache.registry import BACKENDS, GROUP_OPTIONS, Option
+from kvdemo.cache.options import GROUP_OPTIONS, Option
+from kvdemo.cache.registry import BACKENDS
 
 
 def field_choices(option: Option) -> list[Any]:

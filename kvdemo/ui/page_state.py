@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvdemo.cache.registry import BACKENDS, GROUP_OPTIONS
+from kvdemo.cache.options import GROUP_OPTIONS
+from kvdemo.cache.registry import BACKENDS
 from kvdemo.cache.spec import CacheSpec
 from kvdemo.serve.store import UserSession
 from kvdemo.ui import views

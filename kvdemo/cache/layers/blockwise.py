@@ -95,8 +95,9 @@ class BlockwiseReadMixin(LibraryLayer):
         residual = self.keys.shape[-2] if self.keys.dim() == 4 else 0
         if self._pending_beam_idx is not None or key_states.shape[-2] != 1 or residual + 1 >= self.residual_length:
             return super().update(key_states, value_states, *args, **kwargs)
-        rotated = isinstance(self, QueryRotationMixin)  # its update is behind this one: rotate the token here
-        if rotated:
+        rotation = None
+        if isinstance(self, QueryRotationMixin):  # its update is behind this one: rotate the token here
+            rotation = self.query_rotation
             key_states, value_states = self.rotate_new(key_states, value_states)
         self.cumulative_length += 1
         # new tensors, as transformers' update assigns them (a snapshot holds the old ones)
@@ -110,7 +111,7 @@ class BlockwiseReadMixin(LibraryLayer):
         )
         keys = self.keys.view(self.keys.shape)  # a new tensor object: the mark never sticks to the stored residual
         setattr(keys, BLOCKS_MARK, blocks)
-        return (mark_rotated(keys, self.query_rotation) if rotated else keys), self.values
+        return (mark_rotated(keys, rotation) if rotation is not None else keys), self.values
 
 
 @cache

@@ -297,11 +297,10 @@ def quantized_cache(
 ) -> QuantizedCache:
     """transformers' `QuantizedCache(backend, config, **options)` built layer by layer from the model's layer kinds
     (`kvdemo.cache.layers.by_kind`: the full-attention layers quantized, the others as `sliding` says and transformers
-    builds them), with its quantized layers given the flush policy `flush`,
-    the rotation `rotation` (`kvdemo.cache.layers.rotation`), the values' own precision `nbits_value`
-    (`kvdemo.cache.layers.precision`) and, for hqq, its optimiser switched by `optimize`
-    (`kvdemo.cache.layers.hqq_optimize`);
-    or, with a `plan`, each layer its own nbits, nbits_value and rotation (`kvdemo.cache.layer_plan`).
+    builds them), with its quantized layers given the flush policy `flush`, the rotation `rotation`
+    (`kvdemo.cache.layers.rotation`), the values' own precision `nbits_value` (`kvdemo.cache.layers.precision`) and,
+    for hqq, its optimiser switched by `optimize` (`kvdemo.cache.layers.hqq_optimize`); or, with a `plan`, each layer
+    its own nbits, nbits_value and rotation (`kvdemo.cache.layer_plan`).
 
     Args:
         backend: `quanto` or `hqq` for `append`, a rotation, `nbits_value` or a plan; any `QuantizedCache` one else.

@@ -67,7 +67,9 @@ class LloydMaxCode:
 
 
 def _solve(grid: torch.Tensor, density: torch.Tensor, bits: int, iterations: int = 10_000) -> LloydMaxCode:
-    """Lloyd's algorithm on a density sampled on `grid` (float64, increasing; the density need not be normalised)."""
+    """Lloyd's algorithm on a density symmetric about 0 sampled on `grid` (float64, increasing, symmetric; the density
+    need not be normalised). Each step's centroids are made exactly symmetric (c_i = -c_{n-1-i}), as the optimal code
+    of a symmetric density is, so that grid rounding does not tilt them."""
     weight = density / density.sum()
     mass, moment, square = weight.cumsum(0), (weight * grid).cumsum(0), (weight * grid * grid).cumsum(0)
 
@@ -83,6 +85,7 @@ def _solve(grid: torch.Tensor, density: torch.Tensor, bits: int, iterations: int
         cuts = torch.searchsorted(grid, boundaries)
         masses = cell_sums(mass, cuts)
         updated = torch.where(masses > 0, cell_sums(moment, cuts) / masses.clamp_min(1e-300), centroids)
+        updated = (updated - updated.flip(0)) / 2
         moved = float((updated - centroids).abs().max())
         centroids = updated
         if moved < 1e-13 * std:

@@ -33,7 +33,7 @@ show it.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 from transformers import PreTrainedConfig
@@ -201,7 +201,7 @@ def _layer_class(nbits: int, flush: str, window: int | None, own_attention: bool
         layer_class: type[TurboQuantLayer] = AppendQueryTurboQuantLayer if query else AppendTurboQuantLayer
     else:
         layer_class = QueryTurboQuantLayer if query else TurboQuantLayer
-    return blockwise_layer(layer_class) if own_attention else layer_class
+    return cast("type[TurboQuantLayer]", blockwise_layer(layer_class)) if own_attention else layer_class
 
 
 def turboquant_cache(
@@ -234,7 +234,7 @@ def turboquant_cache(
         raise ValueError(f"flush={flush!r}, norm_correction={norm_correction!r}: one is not an allowed word")
     own_attention, windows = attends_through_kvdemo(config), sliding_windows(config)
     layers: list = [None] * len(windows)
-    options = dict(nbits=nbits, nbits_value=nbits_value, residual_length=residual_length)
+    options: dict[str, Any] = dict(nbits=nbits, nbits_value=nbits_value, residual_length=residual_length)
     for index in quantized_layers(config, sliding, protect):
         window = windows[index]
         layer_class = _layer_class(nbits, flush, window, own_attention)
