@@ -17,7 +17,9 @@ import math
 import torch
 
 from kvdemo import CacheSpec
+from kvdemo.cache.layers.lloyd_max import exact_marginal
 from kvdemo.cache.layers.rotation import hadamard
+from kvdemo.cache.layers.turboquant import KEY_ROTATION
 
 FLOAT_ATOL = 1e-4
 """Full-precision keys, values and de-quantized values that did not change level: equal within this (measured:
@@ -34,30 +36,45 @@ FP8_MANTISSA_BITS = 3
 """float8_e4m3fn keeps 3 mantissa bits: between 2^e and 2^(e+1) its levels are 2^(e-3) apart."""
 
 
-def quantization_step(spec: CacheSpec, reference: torch.Tensor) -> float:
+def quantization_step(spec: CacheSpec, reference: torch.Tensor, what: str = "keys") -> float:
     """The widest distance between two neighbouring levels a store of `reference` can have (an upper bound).
 
     Args:
         spec: the cache's spec; `nbits` for the group-wise backends, fp8's format otherwise.
-        reference: a de-quantized store, any shape.
+        reference: a de-quantized store, any shape, in the domain of `levels`.
+        what: a name of the store that says whether it holds values (`... values ...`) or keys.
 
     Returns:
-        group-wise (quanto, hqq): (max - min) / (2^nbits - 1) of the whole tensor, which no group's step exceeds
-        (a group's range lies within the tensor's; x ~ scale * (q - zero) with scale = range / (2^nbits - 1)).
-        fp8: the spacing of float8_e4m3 at the largest magnitude, 2^(floor(log2 max|x|) - 3).
+        group-wise (quanto, hqq) and turboquant's values: (max - min) / (2^nbits - 1) of the whole tensor, which no
+        group's step exceeds (a group's range lies within the tensor's; x ~ scale * (q - zero) with scale = range /
+        (2^nbits - 1)). fp8 and turboquant's 8-bit keys: the spacing of float8_e4m3 at the largest magnitude,
+        2^(floor(log2 max|x|) - 3). turboquant's keys: the code's widest gap between centroids times the largest
+        vector norm (a coordinate is centroid x norm).
     """
-    if spec.backend == "fp8":
+    values = "values" in what
+    opts = spec.resolved()
+    nbits = int(opts.get("nbits_value", opts.get("nbits", 0)) if values else opts.get("nbits", 0))
+    if spec.backend == "fp8" or (spec.backend == "turboquant" and not values and nbits == 8):
         top = float(reference.abs().max())
         return 2.0 ** (math.floor(math.log2(top)) - FP8_MANTISSA_BITS) if top > 0 else 0.0
-    nbits = int(spec.resolved()["nbits"])
+    if spec.backend == "turboquant" and not values:
+        centroids = exact_marginal(reference.shape[-1], nbits).centroids
+        gap = float((centroids[1:] - centroids[:-1]).max())
+        return gap * float(reference.norm(dim=-1).max())
+    if spec.backend != "turboquant":
+        nbits = int(opts["nbits"])  # the group-wise backends' bound as before: the keys' bits
     return float(reference.max() - reference.min()) / (2**nbits - 1)
 
 
-def levels(spec: CacheSpec, store: torch.Tensor) -> torch.Tensor:
+def levels(spec: CacheSpec, store: torch.Tensor, what: str = "keys") -> torch.Tensor:
     """A de-quantized store read in the model's basis (`kvdemo.cache.layers.rotation.to_model_basis`) in the domain its
     quantization levels lie on: as it is, or for `rotation=hadamard` rotated again by H (H @ H = I). There one
     value moved by a level stays one value; rotated back it would move every value of its
-    token by step / sqrt(head_dim)."""
+    token by step / sqrt(head_dim). turboquant's keys (not its 8-bit ones) lie on their levels after its signed
+    rotation (`KEY_ROTATION`); its values are not rotated. `what` names the store (`... values ...` or keys)."""
+    if spec.backend == "turboquant":
+        rotated = "values" not in what and spec.resolved()["nbits"] != 8
+        return KEY_ROTATION.forward(store) if rotated else store
     if spec.resolved().get("rotation", "none") == "none":
         return store
     return store @ hadamard(store.shape[-1], store.dtype)

@@ -39,7 +39,8 @@ def _stores(cache) -> list[tuple[str, torch.Tensor, bool]]:
     for index, layer in enumerate(cache.layers):
         if getattr(layer, "_quantized_keys", None) is not None:
             for what, store in (("keys", layer._quantized_keys), ("values", layer._quantized_values)):
-                out += [(f"layer {index} {what} store", to_model_basis(layer, layer._dequantize(store)), True)]
+                store = to_model_basis(layer, layer._dequantize(store), values=what == "values")
+                out += [(f"layer {index} {what} store", store, True)]
         out += [(f"layer {index} keys", layer.keys, False), (f"layer {index} values", layer.values, False)]
     return out
 
@@ -96,8 +97,8 @@ def test_a_chunked_prefill_builds_the_cache_of_one_forward_pass(tiny, spec, monk
                 assert a.shape == b.shape and a.shape[-2] == n and torch.allclose(a, b, atol=FLOAT_ATOL)
     for (name, a, is_store), (_, b, _) in zip(_stores(chunked.cache), _stores(one.cache)):
         if is_store:
-            a, b = levels(spec, a), levels(spec, b)
-            assert_within_one_step(a, b, quantization_step(spec, b), name)
+            a, b = levels(spec, a, name), levels(spec, b, name)
+            assert_within_one_step(a, b, quantization_step(spec, b, name), name)
         else:
             assert a.shape == b.shape and torch.allclose(a, b, atol=FLOAT_ATOL), name
     question = "Where did the Normans hold council?"
@@ -159,13 +160,13 @@ def test_the_store_tolerance_holds_when_the_inputs_move_by_a_float_rounding(tiny
             layer.update(k, v)
             stores.append(
                 tuple(
-                    to_model_basis(layer, layer._dequantize(q))
-                    for q in (layer._quantized_keys, layer._quantized_values)
+                    to_model_basis(layer, layer._dequantize(q), values=index == 1)
+                    for index, q in enumerate((layer._quantized_keys, layer._quantized_values))
                 )
             )
         for what, a, b in zip(("keys", "values"), stores[1], stores[0]):
-            a, b = levels(spec, a), levels(spec, b)
-            assert_within_one_step(a, b, quantization_step(spec, b), f"{spec.text} {what}")
+            a, b = levels(spec, a, what), levels(spec, b, what)
+            assert_within_one_step(a, b, quantization_step(spec, b, what), f"{spec.text} {what}")
             flipped += int(((a - b).abs() > FLOAT_ATOL).sum())
     assert flipped > 0  # the case the tolerance is for does happen
 

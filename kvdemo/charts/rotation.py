@@ -64,3 +64,36 @@ def group_span_figure(spans: Mapping[str, torch.Tensor], title: str = "Span of e
         ax.legend(fontsize=7)
     fig.suptitle(title + " (dashed: the median)")
     return fig
+
+
+def code_fit_figure(
+    before: torch.Tensor,
+    after: torch.Tensor,
+    centroids: torch.Tensor,
+    density: tuple[torch.Tensor, torch.Tensor],
+    title: str = "One fixed code for every coordinate",
+) -> Figure:
+    """TurboQuant's "why" (`kvdemo.cache.layers.turboquant`): the histogram of the coordinates of unit key vectors as
+    the model writes them (`before`) and rotated by (x D) H (`after`), each a flat tensor of coordinates times
+    sqrt(head_dim) so that N(0, 1) is the scale; the density the code was solved for (`density`: (x, f(x)) on that
+    scale), and the code's centroids (`centroids`, the same scale) as vertical lines. Two panels, one per histogram.
+
+    Raises:
+        ValueError: an empty histogram.
+    """
+    if before.numel() == 0 or after.numel() == 0:
+        raise ValueError("no coordinates to draw; give the unit keys' coordinates before and after the rotation")
+    fig = Figure(figsize=(10, 3.6), layout="constrained")
+    axes = fig.subplots(1, 2, sharey=True)
+    limit = float(max(4.0, centroids.abs().max() * 1.3))
+    for ax, (values, name) in zip(axes, ((before, "as the model writes them"), (after, "rotated: (k D) H"))):
+        clipped = values.clamp(-limit, limit).numpy()
+        ax.hist(clipped, bins=120, range=(-limit, limit), density=True, color="#8fb3d9", label="key coordinates")
+        ax.plot(density[0].numpy(), density[1].numpy(), color="black", linewidth=1.2, label="what the code expects")
+        for index, centroid in enumerate(centroids.tolist()):
+            ax.axvline(centroid, color="#d95f02", linewidth=0.8, label="the code's centroids" if index == 0 else None)
+        ax.set(title=name, xlabel="coordinate x sqrt(head_dim) of a unit key", xlim=(-limit, limit))
+    axes[0].set(ylabel="density")
+    axes[1].legend(fontsize=7, loc="upper right")
+    fig.suptitle(title)
+    return fig
