@@ -133,9 +133,10 @@ SPECS = (
     CacheSpec("hqq", nbits=4, rotation="hadamard"),
     CacheSpec("fp8"),
     CacheSpec("quanto", nbits=4, sliding="quantize"),
+    CacheSpec("turboquant", nbits=4),
 )
-"""One spec per backend of the registry (hqq rotated: a rotation must be undone where the model reads the cache),
-and quanto with its sliding-window layers quantized too (`sliding=quantize`)."""
+"""One spec per backend of the registry (hqq rotated: a rotation must be undone where the model reads the cache;
+turboquant's keys are always rotated), and quanto with its sliding-window layers quantized too (`sliding=quantize`)."""
 
 
 def family_config(name: str) -> PreTrainedConfig:

@@ -311,7 +311,9 @@ BACKENDS: dict[str, Backend] = {
         "turboquant",
         "kvdemo's TurboQuant (arXiv:2504.19874, as vLLM serves it): keys randomly rotated, Lloyd-Max codes and a norm; "
         "values uniform per token and head; a full-precision residual",
-        "New tokens wait in the full-precision residual; at residual_length the residual block is coded and appended "
+        "Why one fixed code fits: the random rotation spreads a key's outlier channels over all its coordinates, so "
+        "every coordinate of every key follows one known distribution, and the code is the optimal one for it. New "
+        "tokens wait in the full-precision residual; at residual_length the residual block is coded and appended "
         "(flush=append, vLLM's) or the whole layer is coded again (flush=requantize).",
         quantized=True,
         make_cache=_turboquant_cache,

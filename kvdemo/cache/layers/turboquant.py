@@ -33,6 +33,7 @@ show it.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any, NamedTuple, cast
 
 import torch
@@ -44,7 +45,7 @@ from kvdemo.cache.layers.blockwise import blockwise_layer
 from kvdemo.cache.layers.by_kind import sliding_windows, with_kept_layers
 from kvdemo.cache.layers.flush import AppendFlushMixin, attends_through_kvdemo
 from kvdemo.cache.layers.fp8 import dequantize_per_token_head, quantize_per_token_head
-from kvdemo.cache.layers.lloyd_max import exact_marginal, pack_codes, unpack_codes
+from kvdemo.cache.layers.lloyd_max import decode_packed, exact_marginal, pack_codes
 from kvdemo.cache.layers.precision import ValueAxis
 from kvdemo.cache.layers.rotation import QueryRotation, QueryRotationMixin
 from kvdemo.cache.layers.sliding import sliding_layer
@@ -104,8 +105,9 @@ def quantize_keys(rotated: torch.Tensor, bits: int, norm_correction: bool = Fals
 
 def dequantize_keys(store: TurboKeys, bits: int, dtype: torch.dtype) -> torch.Tensor:
     """`quantize_keys` undone, in the rotated basis: centroid x norm, [batch, kv_heads, tokens, head_dim] of `dtype`."""
-    indices = unpack_codes(store.codes, bits)
-    return exact_marginal(indices.shape[-1], bits).decode(indices, dtype).mul_(store.norms.to(dtype))
+    dimension = store.codes.shape[-1] * 8 // bits
+    keys = decode_packed(store.codes, bits, exact_marginal(dimension, bits).centroids, dtype)
+    return keys.mul_(store.norms.to(dtype))
 
 
 def quantize_uniform(tensor: torch.Tensor, bits: int) -> UniformValues:
@@ -123,8 +125,14 @@ def quantize_uniform(tensor: torch.Tensor, bits: int) -> UniformValues:
 
 def dequantize_uniform(store: UniformValues, bits: int, dtype: torch.dtype) -> torch.Tensor:
     """`quantize_uniform` undone: [batch, kv_heads, tokens, head_dim] of `dtype`."""
-    values = unpack_codes(store.codes, bits).to(dtype)
+    values = decode_packed(store.codes, bits, _uniform_levels(bits), dtype)
     return values.mul_(store.scale.to(dtype)).add_(store.zero.to(dtype))
+
+
+@lru_cache(maxsize=8)
+def _uniform_levels(bits: int) -> torch.Tensor:
+    """0 .. 2^bits - 1: the value of each uniform code (cached, read-only)."""
+    return torch.arange(2**bits, dtype=torch.float64)
 
 
 class TurboQuantLayer(QuantizedLayer):
