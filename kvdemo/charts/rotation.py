@@ -85,7 +85,7 @@ def code_fit_figure(
         raise ValueError("no coordinates to draw; give the unit keys' coordinates before and after the rotation")
     fig = Figure(figsize=(10, 3.6), layout="constrained")
     axes = fig.subplots(1, 2, sharey=True)
-    limit = float(max(4.0, centroids.abs().max() * 1.3))
+    limit = max(4.0, float(centroids.abs().max()) * 1.3)
     for ax, (values, name) in zip(axes, ((before, "as the model writes them"), (after, "rotated: (k D) H"))):
         clipped = values.clamp(-limit, limit).numpy()
         ax.hist(clipped, bins=120, range=(-limit, limit), density=True, color="#8fb3d9", label="key coordinates")
