@@ -181,8 +181,10 @@ def rehearse(work: Path, port: int, timeout: float) -> dict:
     t = lap("checkout", t)
     _run([space_python(), "-m", "venv", str(venv)], 300)
     python = str(venv / "bin" / "python")
+    # --no-compile: pip's byte-compiling of every installed module (torch, transformers, Gradio) is half the install
+    # (126-140 s with it, 59 s without, 2026-12-04) and proves nothing here: Python compiles what the app imports
     _run(
-        [python, "-m", "pip", "install", "--quiet", "-r", str(space / "requirements.txt")],
+        [python, "-m", "pip", "install", "--quiet", "--no-compile", "-r", str(space / "requirements.txt")],
         max(timeout - (t - started), 60),
         cwd=space,
     )
