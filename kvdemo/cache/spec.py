@@ -202,7 +202,9 @@ class CacheSpec:
                 options[name] = value.lower()
                 continue
             if not re.fullmatch(r"-?[0-9]+", value):
-                raise ValueError(f"spec {text!r}: {name}={value!r} must be an integer")
+                with_presets = [f"{b.name} ({', '.join(b.presets)})" for b in BACKENDS.values() if b.presets]
+                hint = f"; only these backends take presets: {'; '.join(with_presets)}" if name == "nbits" else ""
+                raise ValueError(f"spec {text!r}: {name}={value!r} must be an integer{hint}")
             options[name] = int(value)
         if preset is not None:  # the options given beside it change the preset's, but for the bits it is named by
             clash = [name for name in PRESET_BITS if name in options]

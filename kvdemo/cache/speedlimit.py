@@ -200,7 +200,8 @@ def speed_limit(model: PreTrainedModel, cache: Cache, bandwidth: float | None = 
 
 def rotation_flops(model_config, cache: Cache, memory: MemoryReport | None = None) -> tuple[int, str]:
     """The flops a decode step (one new token) of `cache` spends rotating (`SpeedLimit.rotation_flops`): per layer,
-    (2 x query heads + 2 x KV heads) products on the query side, 2 x stored tokens x KV heads on the read side
+    (2 x query heads + 2 x KV heads) products on the query side (half of them for TurboQuant's, whose values are not
+    rotated), 2 x stored tokens x KV heads on the read side
     (the store of `kv_memory`'s layer: held tokens - residual), each product 2 x head_dim^2 flops; and the side
     (`query`, `read`; "" for a cache without rotated layers). `memory`: `kv_memory(cache)` when the caller has it
     (None reads it)."""
@@ -211,8 +212,9 @@ def rotation_flops(model_config, cache: Cache, memory: MemoryReport | None = Non
     product = 2 * geo.head_dim**2
     flops, side = 0, ""
     for layer, stats in zip(cache.layers, (memory or kv_memory(cache)).layers):
-        if isinstance(layer, QueryRotationMixin):
-            flops, side = flops + (2 * query_heads + 2 * geo.kv_heads) * product, side or "query"
+        if isinstance(layer, QueryRotationMixin):  # the query and key, and the output and value where both rotate
+            both = 2 if layer.query_rotation.values else 1
+            flops, side = flops + both * (query_heads + geo.kv_heads) * product, side or "query"
         elif isinstance(layer, RotationMixin):
             flops, side = (
                 flops + 2 * (stats.seq_length - stats.residual_tokens) * geo.kv_heads * product,

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvdemo import checks
 from kvdemo.cache.catalogue import default_compare_specs
-from kvdemo.cache.options import SPEC_OPTIONS
+from kvdemo.cache.options import GROUP_OPTIONS, SPEC_OPTIONS
 from kvdemo.cache.registry import BACKENDS, option_choices_text
 from kvdemo.cache.spec import CacheSpec
 from kvdemo.needle import inputs as needle
@@ -29,6 +29,16 @@ if TYPE_CHECKING:
 
     from kvdemo.compare.records import ComparisonReport
     from kvdemo.needle.records import NeedleGrid
+
+
+def _preset_help() -> str:
+    """The presets' line of the spec syntax, from the registry: `--spec turboquant:k8v4 (presets: ...)`."""
+    named = [(name, list(backend.presets)) for name, backend in BACKENDS.items() if backend.presets]
+    if not named:
+        return ""
+    examples = " ".join(f"--spec {name}:{presets[0]}" for name, presets in named)
+    listed = "; ".join(f"{name}: {', '.join(presets)}" for name, presets in named)
+    return f"{examples} (a preset, vLLM's names: {listed})"
 
 
 def _backend_help() -> str:
@@ -56,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _context_arguments(ask)
     ask.add_argument("--backend", default="dynamic", choices=list(BACKENDS), help="KV cache backend (default dynamic)")
+    ask.add_argument(
+        "--preset", help=f"a preset of the backend, its options (the ones given beside it change it); {_preset_help()}"
+    )
     for name in SPEC_OPTIONS:  # each option's help and allowed values from the registry
         option = next(b.options[name] for b in BACKENDS.values() if name in b.options)
         kind = str.lower if option.is_text else int  # a word (flush) or a whole number
@@ -89,10 +102,11 @@ def _compare_parser(sub: Any) -> None:
         "gold answers (an unanswerable question counts right only when the answer says the text does not say);\n"
         "prefill seconds, decode tokens/s, seconds of the decode steps that flushed; cache length after restore.\n"
         "The table is the short one (MiB, ratios; columns without values left out); --json gives everything.\n\n"
-        "Spec syntax: backend[:nbits][,option=value...] with options q_group_size, residual_length, axis_key,\n"
-        "axis_value, flush, rotation, nbits_value, optimize (unset ones take the defaults below), e.g.\n"
+        "Spec syntax: backend[:nbits][,option=value...] or backend:preset[,option=value...] with the options\n"
+        f"{', '.join(GROUP_OPTIONS[1:])} (unset ones take the defaults below), e.g.\n"
         "  --spec dynamic --spec hqq:4 --spec quanto:2,q_group_size=32,residual_length=16 --spec fp8\n"
         "  --spec quanto:4,nbits_value=2 (keys at 4 bits, values at 2)\n"
+        f"  {_preset_help()}\n"
         "  --spec quanto,plan=k4v2h*20+k2v2h*10 (a per-layer plan: each layer's key and value bits, h rotated)\n"
         "--plan-budget BYTES chooses one on this context within BYTES per token, compared beside the best uniform one\n"
         f"Default specs: {' '.join(s.text for s in default_compare_specs())}\n\nBackends:\n" + _backend_help(),
@@ -324,7 +338,11 @@ def run_ask(args: argparse.Namespace) -> dict[str, Any]:
     from kvdemo.qa.models import load_model
     from kvdemo.qa.session import QASession
 
-    spec = CacheSpec(args.backend, **{name: getattr(args, name) for name in SPEC_OPTIONS})
+    given = ",".join(f"{name}={getattr(args, name)}" for name in SPEC_OPTIONS if getattr(args, name) is not None)
+    if args.preset:  # written as a spec, so that the preset is read as `compare --spec` reads it
+        spec = CacheSpec.parse(",".join(filter(None, [f"{args.backend}:{args.preset}", given])))
+    else:
+        spec = CacheSpec(args.backend, **{name: getattr(args, name) for name in SPEC_OPTIONS})
     spec.validate()  # options against the registry before the model loads
     checks.max_new_tokens(args.max_new_tokens)
     case, questions = _case_questions(args)
