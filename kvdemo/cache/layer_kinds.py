@@ -192,10 +192,11 @@ def serving_problem(
     if quantized and not quantized_layers(model_config, sliding, protect):
         count = len(quantized_layers(model_config, sliding))
         most = next((c for c in reversed(PROTECT_CHOICES) if quantized_layers(model_config, sliding, c)), "0:0")
+        lower = f"set protect={most} or lower" if most != PROTECT_CHOICES[0] else f"set protect={most}"
         return (
             f"protect={protect} keeps the first and last layers of the {count} layers {backend} quantizes on this "
-            f"model at full precision, so it would quantize nothing; set protect={most} or lower (protect=0:0 "
-            "protects none)"
+            f"model at full precision, so it would quantize nothing; {lower} (protect=0:0 protects none; written "
+            "beside a preset, backend:preset,protect=..., it replaces the preset's)"
         )
     return None
 

@@ -65,6 +65,17 @@ def turboquant_bytes(opts, geo: KVGeometry, tokens, residual, element, nominal) 
     return total
 
 
+def turboquant_combination_problem(opts) -> str | None:
+    """Why turboquant's resolved options cannot go together, or None: the norm correction acts on the Lloyd-Max keys
+    (nbits 2 to 4); 8-bit keys are float8 with their own scale and have no code to correct."""
+    if opts.get("norm_correction") == "true" and opts["nbits"] == TURBOQUANT_FP8_KEYS:
+        return (
+            "norm_correction=true corrects the norm of Lloyd-Max coded keys (nbits 2 to 4); with nbits=8 the keys are "
+            "float8 with a scale per token and head, so leave norm_correction out or choose nbits 2 to 4"
+        )
+    return None
+
+
 def turboquant_width_problem(opts, tensor: str, width: int) -> str | None:
     """Why turboquant cannot store `tensor` (`keys` or `values`) of `width` values per head and token, or None: codes
     are packed eight at a time (a width a multiple of 8, but for 8-bit codes), and rotated keys need a Hadamard block of

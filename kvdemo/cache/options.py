@@ -176,7 +176,7 @@ def group_options(nbits: tuple[int, ...], axes: tuple[int, ...]) -> dict[str, Op
             "divide, the largest power of two that does)",
         ),
         "residual_length": Option(
-            "residual_length", 128, minimum=1, help="tokens kept in full precision before a flush re-quantizes"
+            "residual_length", 128, minimum=1, help="tokens kept in full precision before a flush quantizes them"
         ),
         "axis_key": Option("axis_key", 0, choices=axes, help="axis along which keys are grouped"),
         "axis_value": Option("axis_value", 0, choices=axes, help="axis along which values are grouped"),

@@ -25,6 +25,7 @@ from kvdemo.cache.layouts import (
     hqq_group_problem,
     quanto_group_problem,
     turboquant_bytes,
+    turboquant_combination_problem,
     turboquant_width_problem,
 )
 from kvdemo.cache.options import (
@@ -89,6 +90,8 @@ class Backend:
         width_rule: its `WidthRule`, or None where any width is stored.
         presets: named option sets a spec may give after the colon instead of nbits (`turboquant:k8v4`: vLLM's
             `kv_cache_dtype` presets), name -> {option: value}; `CacheSpec.parse` expands them.
+        combination_rule: `rule(resolved options) -> why they cannot go together, or None`, for options that are
+            each allowed but not together (turboquant's norm correction at nbits 8); None where any go together.
     """
 
     name: str
@@ -104,6 +107,7 @@ class Backend:
     pip: str | None = None
     width_rule: WidthRule | None = None
     presets: dict[str, dict[str, int | str]] = field(default_factory=dict)
+    combination_rule: Callable[[SpecOptions], str | None] | None = None
 
     @property
     def has_residual(self) -> bool:
@@ -301,7 +305,7 @@ BACKENDS: dict[str, Backend] = {
                 "scale",
                 FP8_SCALES[0],
                 choices=FP8_SCALES,
-                help="per_tensor: one scale per layer and tensor, frozen at the prefill (transformers'); "
+                help="per_tensor: one scale per layer and tensor, frozen at the first update (transformers'); "
                 "per_token_head: one float32 scale per token and KV head (vLLM's dynamic per-token-head scales)",
                 quiet=True,
             ),
@@ -322,6 +326,7 @@ BACKENDS: dict[str, Backend] = {
         compare_nbits=(4,),
         width_rule=turboquant_width_problem,
         presets=TURBOQUANT_PRESETS,
+        combination_rule=turboquant_combination_problem,
     ),
 }
 

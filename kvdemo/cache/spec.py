@@ -293,6 +293,9 @@ class CacheSpec:
                 f"{', '.join(planned)} and plan are both given; the plan sets each layer's nbits, nbits_value and "
                 "rotation, so leave them out (e.g. quanto,plan=k4v2h*30)"
             )
+        problem = info.combination_rule(self.resolved()) if info.combination_rule else None
+        if problem:
+            raise ValueError(problem)
         if not info.installed():
             raise ImportError(f"the {self.backend} backend needs the {info.module} package: {info.pip}")
         if model_config is None:
