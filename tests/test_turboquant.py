@@ -173,11 +173,25 @@ def test_the_presets_are_vllms():
         ("turboquant:4,nbits_value=1", "nbits_value=1 is not allowed for turboquant; allowed: 2, 3, 4, 8"),
         ("turboquant:4,norm_correction=yes", "norm_correction='yes' is not allowed for turboquant; allowed: false, tr"),
         ("turboquant:4,q_group_size=32", "q_group_size=32 is not an option of the turboquant backend"),
+        ("turboquant:k8v4,norm_correction=true", "norm_correction=true corrects the norm of Lloyd-Max coded keys"),
+        ("hqq:k8v4", "nbits='k8v4' must be an integer; only these backends take presets: turboquant"),
     ],
 )
 def test_bad_specs_are_refused_with_what_is_allowed(text, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         CacheSpec.parse(text)
+
+
+def test_the_command_line_takes_a_preset_and_refuses_one_it_does_not_know(capsys, tmp_path):
+    from kvdemo.cli.main import main
+
+    context = tmp_path / "context.txt"
+    context.write_text("The Normans held Rouen.", encoding="utf-8")
+    ask = ["ask", "--context-file", str(context), "--question", "Who?", "--max-new-tokens", "2", "--json"]
+    assert main([*ask, "--backend", "turboquant", "--preset", "k9v4"]) == 2  # before the model loads
+    assert "'k9v4' is neither nbits nor a preset of turboquant; presets: k8v4" in capsys.readouterr().err
+    assert main([*ask, "--backend", "turboquant", "--preset", "k8v4", "--nbits", "4"]) == 2
+    assert "the preset k8v4 sets nbits=8, nbits_value=4, protect=2:2; leave nbits out" in capsys.readouterr().err
 
 
 def test_a_head_dim_the_rotation_or_the_packing_cannot_take_is_refused_before_the_prefill(embedded):
