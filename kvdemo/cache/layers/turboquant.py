@@ -33,7 +33,6 @@ show it.
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Any, NamedTuple, cast
 
 import torch
@@ -45,7 +44,7 @@ from kvdemo.cache.layers.blockwise import blockwise_layer
 from kvdemo.cache.layers.by_kind import sliding_windows, with_kept_layers
 from kvdemo.cache.layers.flush import AppendFlushMixin, attends_through_kvdemo
 from kvdemo.cache.layers.fp8 import dequantize_per_token_head, quantize_per_token_head
-from kvdemo.cache.layers.lloyd_max import decode_packed, exact_marginal, pack_codes
+from kvdemo.cache.layers.lloyd_max import decode_integers, decode_packed, exact_marginal, pack_codes
 from kvdemo.cache.layers.precision import ValueAxis
 from kvdemo.cache.layers.rotation import QueryRotation, QueryRotationMixin
 from kvdemo.cache.layers.sliding import sliding_layer
@@ -125,14 +124,8 @@ def quantize_uniform(tensor: torch.Tensor, bits: int) -> UniformValues:
 
 def dequantize_uniform(store: UniformValues, bits: int, dtype: torch.dtype) -> torch.Tensor:
     """`quantize_uniform` undone: [batch, kv_heads, tokens, head_dim] of `dtype`."""
-    values = decode_packed(store.codes, bits, _uniform_levels(bits), dtype)
+    values = decode_integers(store.codes, bits, dtype)
     return values.mul_(store.scale.to(dtype)).add_(store.zero.to(dtype))
-
-
-@lru_cache(maxsize=8)
-def _uniform_levels(bits: int) -> torch.Tensor:
-    """0 .. 2^bits - 1: the value of each uniform code (cached, read-only)."""
-    return torch.arange(2**bits, dtype=torch.float64)
 
 
 class TurboQuantLayer(QuantizedLayer):
