@@ -338,6 +338,25 @@ def option_choices_text(option: str) -> str:
     )
 
 
+def presets_help() -> str:
+    """The presets' line of the command line's spec syntax: `--spec turboquant:k8v4 (a preset, vLLM's names: ...)`;
+    empty where no backend has presets."""
+    named = [(name, list(backend.presets)) for name, backend in BACKENDS.items() if backend.presets]
+    if not named:
+        return ""
+    examples = " ".join(f"--spec {name}:{presets[0]}" for name, presets in named)
+    listed = "; ".join(f"{name}: {', '.join(presets)}" for name, presets in named)
+    return f"{examples} (a preset, vLLM's names: {listed})"
+
+
+def backends_help() -> str:
+    """Every backend's summary and options, for `--help`."""
+    return "\n".join(
+        f"  {b.name}: {b.summary}" + (f"\n      options: {b.options_text()}" if b.options else "")
+        for b in BACKENDS.values()
+    )
+
+
 def markdown_table() -> str:
     """The README's backend table (a test checks the README holds exactly this)."""
     rows = ["| backend | what stores the cache | options (allowed values, default) |", "|---|---|---|"]

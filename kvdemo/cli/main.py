@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from kvdemo import checks
 from kvdemo.cache.catalogue import default_compare_specs
 from kvdemo.cache.options import GROUP_OPTIONS, SPEC_OPTIONS
-from kvdemo.cache.registry import BACKENDS, option_choices_text
+from kvdemo.cache.registry import BACKENDS, backends_help, option_choices_text, presets_help
 from kvdemo.cache.spec import CacheSpec
 from kvdemo.needle import inputs as needle
 from kvdemo.qa.limits import DEFAULT_MAX_NEW_TOKENS
@@ -29,24 +29,6 @@ if TYPE_CHECKING:
 
     from kvdemo.compare.records import ComparisonReport
     from kvdemo.needle.records import NeedleGrid
-
-
-def _preset_help() -> str:
-    """The presets' line of the spec syntax, from the registry: `--spec turboquant:k8v4 (presets: ...)`."""
-    named = [(name, list(backend.presets)) for name, backend in BACKENDS.items() if backend.presets]
-    if not named:
-        return ""
-    examples = " ".join(f"--spec {name}:{presets[0]}" for name, presets in named)
-    listed = "; ".join(f"{name}: {', '.join(presets)}" for name, presets in named)
-    return f"{examples} (a preset, vLLM's names: {listed})"
-
-
-def _backend_help() -> str:
-    """Every backend's summary and options, from the registry."""
-    return "\n".join(
-        f"  {b.name}: {b.summary}" + (f"\n      options: {b.options_text()}" if b.options else "")
-        for b in BACKENDS.values()
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,12 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Prefill the context once into the chosen KV cache, then answer each question on top of it;\n"
         "after every answer the cache is restored to its post-prefill state (cache_length_after).\n\n"
-        "Backends (options left unset take the default shown):\n" + _backend_help(),
+        "Backends (options left unset take the default shown):\n" + backends_help(),
     )
     _context_arguments(ask)
     ask.add_argument("--backend", default="dynamic", choices=list(BACKENDS), help="KV cache backend (default dynamic)")
     ask.add_argument(
-        "--preset", help=f"a preset of the backend, its options (the ones given beside it change it); {_preset_help()}"
+        "--preset", help=f"a preset of the backend, its options (the ones given beside it change it); {presets_help()}"
     )
     for name in SPEC_OPTIONS:  # each option's help and allowed values from the registry
         option = next(b.options[name] for b in BACKENDS.values() if name in b.options)
@@ -106,10 +88,10 @@ def _compare_parser(sub: Any) -> None:
         f"{', '.join(GROUP_OPTIONS[1:])} (unset ones take the defaults below), e.g.\n"
         "  --spec dynamic --spec hqq:4 --spec quanto:2,q_group_size=32,residual_length=16 --spec fp8\n"
         "  --spec quanto:4,nbits_value=2 (keys at 4 bits, values at 2)\n"
-        f"  {_preset_help()}\n"
+        f"  {presets_help()}\n"
         "  --spec quanto,plan=k4v2h*20+k2v2h*10 (a per-layer plan: each layer's key and value bits, h rotated)\n"
         "--plan-budget BYTES chooses one on this context within BYTES per token, compared beside the best uniform one\n"
-        f"Default specs: {' '.join(s.text for s in default_compare_specs())}\n\nBackends:\n" + _backend_help(),
+        f"Default specs: {' '.join(s.text for s in default_compare_specs())}\n\nBackends:\n" + backends_help(),
     )
     _context_arguments(compare)
     compare.add_argument(
