@@ -4,7 +4,7 @@ presets, its refusals, and its fidelity on text the project has never seen again
 fresh-run equality and the bytes of every turboquant spec run in the matrices (`all_specs`: tests/test_invariants.py,
 tests/test_budget.py; the model families: tests/test_families.py).
 
-Cost: about 15 s (the embedded model's comparison 8-10 s)."""
+Cost: about 20 s (the embedded model's comparison 8-10 s, the sliding and latent families 4 s)."""
 
 from __future__ import annotations
 
@@ -240,3 +240,27 @@ def test_turboquant_4_is_closer_to_full_precision_than_quanto_4_at_the_same_byte
     turbo, quanto = kl["turboquant:4,residual_length=16"], kl["quanto:4,residual_length=16"]
     assert size["turboquant:4,residual_length=16"] <= 1.02 * size["quanto:4,residual_length=16"], size
     assert turbo < quanto, kl
+
+
+@pytest.mark.parametrize("family", ["Gemma 3", "DeepSeek-V3 (MLA)"])
+def test_quantized_windows_and_latents_restore_and_count_their_bytes(embedded, family):
+    """turboquant's sliding-window layer (`sliding=quantize`: the window coded anew at each flush, read whole) and
+    fp8's per-token-head window, on a model of sliding and full layers and on a latent (MLA) one: answers equal a
+    fresh run's and the same question asked again (restored), and the bytes are the formula's."""
+    from transformers import AutoModelForCausalLM
+
+    from kvdemo.qa.models import LoadedModel
+    from tests.families import family_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(family_config(family)).eval()
+    loaded = LoadedModel(model, embedded.tokenizer, family, None, 1024, torch.device("cpu"), torch.float32)
+    context = "The Normans were the people who gave their name to Normandy, a region in France. Rollo led them. " * 8
+    for text in ("turboquant:4,sliding=quantize,residual_length=8", "fp8,scale=per_token_head,sliding=quantize"):
+        spec = CacheSpec.parse(text)
+        session, fresh = QASession(loaded, spec), QASession(loaded, spec)
+        report = session.prefill(context)
+        fresh.prefill(context)
+        first = session.ask("Who led them?", 12).token_ids
+        assert session.ask("Who led them?", 12).token_ids == first == fresh.ask("Who led them?", 12).token_ids
+        assert report.kv_bytes == estimate_kv_bytes(spec, loaded.config, report.context_tokens, loaded.dtype), text
