@@ -148,7 +148,7 @@ TABLE: list[tuple[str, str, Callable[[Env], Any], str]] = [
         "api",
         "option a backend does not take",
         lambda e: QASession(e.tiny, CacheSpec("fp8", residual_length=8)),
-        "residual_length=8 is not an option of the fp8 backend (it takes sliding); leave it unset",
+        "residual_length=8 is not an option of the fp8 backend (it takes sliding, protect, scale); leave it unset",
     ),
     (
         "api",

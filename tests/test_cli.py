@@ -60,6 +60,7 @@ def test_ask_json_on_the_normans_case(embedded, capsys):
         "rotation": "none",
         "optimize": "true",
         "sliding": "keep",  # sliding-window layers (none here) at full precision
+        "protect": "0:0",  # no edge layer kept at full precision
     }
     tokens = result["context_tokens"]
     assert 1300 < tokens < 1400
