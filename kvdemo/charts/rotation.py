@@ -76,7 +76,8 @@ def code_fit_figure(
     """TurboQuant's "why" (`kvdemo.cache.layers.turboquant`): the histogram of the coordinates of unit key vectors as
     the model writes them (`before`) and rotated by (x D) H (`after`), each a flat tensor of coordinates times
     sqrt(head_dim) so that N(0, 1) is the scale; the density the code was solved for (`density`: (x, f(x)) on that
-    scale), and the code's centroids (`centroids`, the same scale) as vertical lines. Two panels, one per histogram.
+    scale), and the code's centroids (`centroids`, the same scale) as vertical lines. Two panels, one per histogram;
+    coordinates beyond the axis (the outliers) are drawn in its end bins, as the left panel's title says.
 
     Raises:
         ValueError: an empty histogram.
@@ -86,7 +87,8 @@ def code_fit_figure(
     fig = Figure(figsize=(10, 3.6), layout="constrained")
     axes = fig.subplots(1, 2, sharey=True)
     limit = max(4.0, float(centroids.abs().max()) * 1.3)
-    for ax, (values, name) in zip(axes, ((before, "as the model writes them"), (after, "rotated: (k D) H"))):
+    panels = ((before, f"as the model writes them (beyond ±{limit:.0f}: at the ends)"), (after, "rotated: (k D) H"))
+    for ax, (values, name) in zip(axes, panels):
         clipped = values.clamp(-limit, limit).numpy()
         ax.hist(clipped, bins=120, range=(-limit, limit), density=True, color="#8fb3d9", label="key coordinates")
         ax.plot(density[0].numpy(), density[1].numpy(), color="black", linewidth=1.2, label="what the code expects")
