@@ -91,6 +91,12 @@ def test_per_token_head_scales_are_the_librarys_arithmetic_per_token():
             )
             assert torch.equal(scale[:, head : head + 1, token : token + 1].squeeze(), expected_scale)
     assert torch.equal(dequantize_per_token_head(codes, scale, torch.float32), (codes.float() * scale))
+    assert not layer._nan_codes  # checked where the codes were made: reads take bit placement
+    nan = keys[..., :1, :].clone()
+    nan[..., 5] = float("nan")
+    returned, _ = layer.update(nan, nan)
+    assert layer._nan_codes and returned[..., -1, 5].isnan().all()  # the library's arithmetic reads it
+    assert torch.equal(returned[..., :9, :], dequantize_per_token_head(codes, scale, torch.float32))
 
 
 def test_per_token_head_scales_do_not_clip_a_later_outlier():

@@ -108,10 +108,19 @@ def quantize_per_token_head(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return (tensor.float() / scale).to(Fp8QuantizedLayer.fp8_dtype), scale
 
 
-def dequantize_per_token_head(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def placeable(codes: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether `dequantize_e4m3` gives the library's bits for these codes and scales (any shapes that broadcast): no
+    NaN code, and `2^120 * scale` finite. Checked once where codes are made, so that no read scans the store."""
+    return not has_nan_codes(codes) and bool(torch.isfinite(scale * E4M3_TO_FLOAT32_FACTOR).all())
+
+
+def dequantize_per_token_head(
+    codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, by_bits: bool = True
+) -> torch.Tensor:
     """`(codes.float() * scale).to(dtype)` with a scale per token and head ([..., tokens, 1], float32), bit for bit:
-    by bit placement (`dequantize_e4m3`) unless a code is NaN or a scale overflows `2^120 * scale`."""
-    if has_nan_codes(codes) or not bool(torch.isfinite(scale * E4M3_TO_FLOAT32_FACTOR).all()):
+    by bit placement (`dequantize_e4m3`) where `by_bits` (every code and scale of the store was `placeable` when it was
+    made), else by the library's arithmetic."""
+    if not by_bits:
         return (codes.float() * scale).to(dtype)
     return dequantize_e4m3(codes, scale, dtype)
 
@@ -129,13 +138,17 @@ class PerTokenHeadFp8Layer(ExactFp8Layer):
     """
 
     def _quantize(self, tensor, scale=None):
-        """`quantize_per_token_head(tensor)`; a `scale` passed in (transformers' frozen one) is not used."""
-        return quantize_per_token_head(tensor)
+        """`quantize_per_token_head(tensor)`; a `scale` passed in (transformers' frozen one) is not used. Notes codes
+        or scales that bit placement cannot read (`placeable`) in `_nan_codes`, as `ExactFp8Layer` notes NaN codes."""
+        codes, scale = quantize_per_token_head(tensor)
+        if not self._nan_codes and not placeable(codes, scale):
+            self._nan_codes = True
+        return codes, scale
 
     def _dequantize(self, qtensor):
         """The store de-quantized, [batch, kv_heads, tokens, head_dim] of the model's dtype."""
         codes, scale = qtensor
-        return dequantize_per_token_head(codes, scale, self.keys.dtype)
+        return dequantize_per_token_head(codes, scale, self.keys.dtype, by_bits=not self._nan_codes)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
@@ -148,7 +161,7 @@ class PerTokenHeadFp8Layer(ExactFp8Layer):
             return key_states, value_states
         stores = []
         for store, states in ((self._quantized_keys, key_states), (self._quantized_values, value_states)):
-            codes, scale = quantize_per_token_head(states)
+            codes, scale = self._quantize(states)
             stores.append((torch.cat([store[0], codes], dim=-2), torch.cat([store[1], scale], dim=-2)))
         self._quantized_keys, self._quantized_values = stores
         return self._dequantize(self._quantized_keys), self._dequantize(self._quantized_values)

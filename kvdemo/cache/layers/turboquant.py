@@ -43,7 +43,7 @@ from kvdemo.cache.layer_kinds import quantized_layers
 from kvdemo.cache.layers.blockwise import blockwise_layer
 from kvdemo.cache.layers.by_kind import sliding_windows, with_kept_layers
 from kvdemo.cache.layers.flush import AppendFlushMixin, attends_through_kvdemo
-from kvdemo.cache.layers.fp8 import dequantize_per_token_head, quantize_per_token_head
+from kvdemo.cache.layers.fp8 import dequantize_per_token_head, placeable, quantize_per_token_head
 from kvdemo.cache.layers.lloyd_max import decode_integers, decode_packed, exact_marginal, pack_codes
 from kvdemo.cache.layers.precision import ValueAxis
 from kvdemo.cache.layers.rotation import QueryRotation, QueryRotationMixin
@@ -142,6 +142,10 @@ class TurboQuantLayer(QuantizedLayer):
     rotated_store = False
     """The keys reach `_quantize` rotated already (the query side) and `_dequantize` leaves them rotated."""
 
+    _nan_codes = False
+    """fp8 keys only: whether the store may hold codes or scales bit placement cannot read (`fp8.placeable`; an
+    attribute, so the snapshot's restore puts it back with the store it describes)."""
+
     def __init__(
         self, nbits: int = 4, nbits_value: int | None = None, residual_length: int = 128, norm_correction: bool = False
     ) -> None:
@@ -156,7 +160,10 @@ class TurboQuantLayer(QuantizedLayer):
         if isinstance(axis, ValueAxis):
             return quantize_uniform(tensor, self.nbits_value)
         if self.nbits == FP8_KEY_BITS:
-            return quantize_per_token_head(tensor)
+            codes, scale = quantize_per_token_head(tensor)
+            if not self._nan_codes and not placeable(codes, scale):
+                self._nan_codes = True
+            return codes, scale
         rotated = tensor if self.rotated_store else KEY_ROTATION.forward(tensor.float())
         return quantize_keys(rotated, self.nbits, self.norm_correction)
 
@@ -166,7 +173,7 @@ class TurboQuantLayer(QuantizedLayer):
         if isinstance(q_tensor, UniformValues):
             return dequantize_uniform(q_tensor, self.nbits_value, dtype)
         if not isinstance(q_tensor, TurboKeys):  # fp8 keys: (codes, scales)
-            return dequantize_per_token_head(q_tensor[0], q_tensor[1], dtype)
+            return dequantize_per_token_head(q_tensor[0], q_tensor[1], dtype, by_bits=not self._nan_codes)
         keys = dequantize_keys(q_tensor, self.nbits, dtype)
         return keys if self.rotated_store else KEY_ROTATION.back(keys)
 
