@@ -17,6 +17,7 @@ from transformers import AutoConfig, PreTrainedConfig
 from kvdemo.cache.layer_kinds import kinds_text, layer_types, quantized_layers
 from kvdemo.cache.policies import SLIDING_CHOICES
 from kvdemo.cache.spec import CacheSpec
+from kvdemo.qa.models import LoadedModel
 
 VOCAB = 49152
 """The embedded tokenizer's vocabulary (SmolLM2)."""
@@ -143,6 +144,16 @@ def family_config(name: str) -> PreTrainedConfig:
     """The tiny config of family `name`."""
     model_type, extra = FAMILIES[name]
     return AutoConfig.for_model(model_type, **{**_BASE, **extra})
+
+
+def tiny_family(name: str, tokenizer) -> LoadedModel:
+    """The random model of family `name` (`family_config`, seed 0) as a `LoadedModel` with the embedded tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(family_config(name)).eval()
+    return LoadedModel(model, tokenizer, name, None, 1024, torch.device("cpu"), torch.float32, frozenset({2}))
 
 
 def verdict(spec: CacheSpec, config: PreTrainedConfig) -> str | None:

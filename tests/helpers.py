@@ -154,3 +154,9 @@ def plot_title(update) -> str:
                 return title
         raise AssertionError("an encoded plot that is not one of the empty step-time charts")
     return update["title"] if isinstance(update, dict) else update.title
+
+
+def logits_through(loaded: LoadedModel, cache, ids: list[int]) -> torch.Tensor:
+    """The model's logits [len(ids), vocab] for `ids` fed through `cache` in one forward pass (no gradients)."""
+    with torch.no_grad():
+        return loaded.model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True).logits[0]

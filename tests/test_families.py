@@ -27,7 +27,7 @@ from kvdemo.cache.layers import attention, flush
 from kvdemo.cache.spec import CacheSpec, build_cache
 from kvdemo.qa.models import LoadedModel
 from kvdemo.qa.session import QASession
-from tests.families import FAMILIES, SPECS, family_config, markdown_table, verdict
+from tests.families import FAMILIES, SPECS, markdown_table, tiny_family, verdict
 
 ANSWER_TOKENS = 6
 DYNAMIC_BOUND = 1e-4
@@ -38,13 +38,6 @@ is carried from chunk to chunk (a scan per chunk against the cache-free pass's s
 READ_WHOLE_BOUND = 1e-3
 """max |Δ log p| of a quantized backend against the same cache read whole (no block-wise read, any rotation undone
 on read): the same stored values, other float orders (invariant 6's bound for teacher-forced log-probabilities)."""
-
-
-def _tiny(family: str, tokenizer) -> LoadedModel:
-    config = family_config(family)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    return LoadedModel(model, tokenizer, family, None, 1024, torch.device("cpu"), torch.float32, frozenset({2}))
 
 
 CHUNK_TOKENS = 64
@@ -86,7 +79,7 @@ def _cache_free(loaded: LoadedModel, prompt: list[int], answer: tuple[int, ...])
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_every_cell_is_right_or_refused_before_the_prefill(family, embedded, normans, monkeypatch):
-    loaded = _tiny(family, embedded.tokenizer)
+    loaded = tiny_family(family, embedded.tokenizer)
     context, questions = normans.paragraphs[0], [q.question for q in normans.questions[:2]]
     for spec in SPECS:
         reason = verdict(spec, loaded.config)
@@ -131,7 +124,7 @@ def test_every_cell_is_right_or_refused_before_the_prefill(family, embedded, nor
 def test_a_latent_cache_is_read_whole_at_every_decode_step(spec, embedded, normans, monkeypatch):
     """MLA: the model up-projects what `cache.update` returns, so attention must receive every cached position at
     every decode step (before, a block-wise read handed it the residual alone: 15-19 keys of 484-488)."""
-    loaded = _tiny("DeepSeek-V3 (MLA)", embedded.tokenizer)
+    loaded = tiny_family("DeepSeek-V3 (MLA)", embedded.tokenizer)
     session = _session(loaded, spec, normans.paragraphs[0])
     seen: list[tuple[int, int]] = []
     sdpa = attention.sdpa_attention_forward
@@ -185,7 +178,7 @@ def test_full_precision_bytes_follow_each_layer(family, embedded, normans):
     from kvdemo.cache.spec import CacheSpec
     from kvdemo.cache.telemetry import kv_memory
 
-    loaded = _tiny(family, embedded.tokenizer)
+    loaded = tiny_family(family, embedded.tokenizer)
     session = _session(loaded, CacheSpec("dynamic"), normans.paragraphs[0])
     memory = kv_memory(session.cache)
     assert memory.residual_bytes == full_precision_bytes(loaded.config, session.cache_length, torch.float32)

@@ -26,7 +26,7 @@ from kvdemo.cache.layers.rotation import (
 )
 from kvdemo.cache.spec import build_cache
 from kvdemo.evals.cache_error import dequantized_kv
-from tests.helpers import make_tiny
+from tests.helpers import logits_through, make_tiny
 
 
 def test_the_hadamard_matrix_is_symmetric_orthonormal_and_flat():
@@ -114,11 +114,6 @@ def test_rotation_with_the_append_flush_builds_both_layers(tiny):
     assert all(type(layer) is blockwise_layer(AppendRotatedHQQLayer) for layer in read_side.layers)
 
 
-def _logits(loaded, cache, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return loaded.model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True).logits[0]
-
-
 def test_kvdemos_attention_gives_sdpas_own_bits_for_an_unrotated_cache(embedded):
     """Without a rotation kvdemo's attention is sdpa's, bit for bit, for a cache read whole; a quantized cache read
     block-wise (the default under kvdemo's attention, `kvdemo.cache.layers.blockwise`) agrees to float rounding."""
@@ -133,8 +128,8 @@ def test_kvdemos_attention_gives_sdpas_own_bits_for_an_unrotated_cache(embedded)
         if implementation == ATTENTION:
             caches["whole"] = quantized_cache("quanto", tiny.config, blockwise=False, nbits=4, residual_length=4)
         for text, cache in caches.items():
-            prefill = _logits(tiny, cache, ids[:-6])
-            steps = [_logits(tiny, cache, [token]) for token in ids[-6:]]  # decode steps, one flush (residual 4)
+            prefill = logits_through(tiny, cache, ids[:-6])
+            steps = [logits_through(tiny, cache, [token]) for token in ids[-6:]]  # decode steps, one flush (residual 4)
             outputs[implementation, text] = torch.cat([prefill, *steps])
     for text in ("dynamic", "fp8"):
         assert torch.equal(outputs[ATTENTION, text], outputs["sdpa", text]), text
@@ -156,9 +151,9 @@ def test_the_query_side_rotation_attends_as_the_read_side_one(tiny, embedded, te
     assert isinstance(query_side.layers[0], QueryRotatedQuantoLayer) == text.startswith("quanto")
     ids = embedded.tokenizer("The Normans held Rouen. Rollo led them, and Normandy was named after them.")["input_ids"]
     for cache in (query_side, read_side):
-        _logits(tiny, cache, ids[:-5])
+        logits_through(tiny, cache, ids[:-5])
     for token in ids[-5:]:  # a flush at the third step (residual 3)
-        query_logits, read_logits = _logits(tiny, query_side, [token]), _logits(tiny, read_side, [token])
+        query_logits, read_logits = logits_through(tiny, query_side, [token]), logits_through(tiny, read_side, [token])
         assert torch.allclose(query_logits, read_logits, atol=1e-4), float((query_logits - read_logits).abs().max())
     assert query_side.layers[0]._quantized_keys is not None
     for (keys, values), (read_keys, read_values) in zip(dequantized_kv(query_side), dequantized_kv(read_side)):

@@ -29,7 +29,7 @@ from kvdemo.cache.layers.turboquant import (
 )
 from kvdemo.cache.spec import build_cache, estimate_kv_bytes
 from kvdemo.evals.cache_error import dequantized_kv
-from tests.helpers import make_tiny
+from tests.helpers import logits_through, make_tiny
 
 GAUSSIAN_MSE = {1: 0.3634, 2: 0.1175, 3: 0.03454, 4: 0.009497}
 """Lloyd-Max's distortion for N(0, 1) at 1 to 4 bits (Max 1960): TurboQuant's D_mse per unit vector as d grows
@@ -124,11 +124,6 @@ def test_the_store_holds_codes_and_norms_only(tiny):
     assert values.codes.shape == (1, 2, 37, 16) and values.scale.dtype == values.zero.dtype == torch.float16
 
 
-def _logits(loaded, cache, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return loaded.model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True).logits[0]
-
-
 @pytest.mark.parametrize("text", ["turboquant:4,residual_length=3", "turboquant:3,residual_length=3,flush=requantize"])
 def test_the_query_side_attends_as_the_cache_read_whole(tiny, embedded, text):
     """The query side (keys kept rotated, the query rotated by the same signed Hadamard transform, the store read
@@ -141,9 +136,9 @@ def test_the_query_side_attends_as_the_cache_read_whole(tiny, embedded, text):
     assert isinstance(whole.layers[0], TurboQuantLayer) and not isinstance(whole.layers[0], QueryRotationMixin)
     ids = embedded.tokenizer("The Normans held Rouen. Rollo led them, and Normandy was named after them.")["input_ids"]
     for cache in (query_side, whole):
-        _logits(tiny, cache, ids[:-5])
+        logits_through(tiny, cache, ids[:-5])
     for token in ids[-5:]:
-        query_logits, whole_logits = _logits(tiny, query_side, [token]), _logits(tiny, whole, [token])
+        query_logits, whole_logits = logits_through(tiny, query_side, [token]), logits_through(tiny, whole, [token])
         assert torch.allclose(query_logits, whole_logits, atol=1e-4), float((query_logits - whole_logits).abs().max())
     for (keys, values), (whole_keys, whole_values) in zip(dequantized_kv(query_side), dequantized_kv(whole)):
         assert torch.allclose(keys, whole_keys, atol=1e-4) and torch.allclose(values, whole_values, atol=1e-5)
@@ -247,14 +242,9 @@ def test_quantized_windows_and_latents_restore_and_count_their_bytes(embedded, f
     """turboquant's sliding-window layer (`sliding=quantize`: the window coded anew at each flush, read whole) and
     fp8's per-token-head window, on a model of sliding and full layers and on a latent (MLA) one: answers equal a
     fresh run's and the same question asked again (restored), and the bytes are the formula's."""
-    from transformers import AutoModelForCausalLM
+    from tests.families import tiny_family
 
-    from kvdemo.qa.models import LoadedModel
-    from tests.families import family_config
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(family_config(family)).eval()
-    loaded = LoadedModel(model, embedded.tokenizer, family, None, 1024, torch.device("cpu"), torch.float32)
+    loaded = tiny_family(family, embedded.tokenizer)
     context = "The Normans were the people who gave their name to Normandy, a region in France. Rollo led them. " * 8
     for text in ("turboquant:4,sliding=quantize,residual_length=8", "fp8,scale=per_token_head,sliding=quantize"):
         spec = CacheSpec.parse(text)
