@@ -31,10 +31,11 @@ def filled_layer(spec: CacheSpec, config, keys: torch.Tensor, values: torch.Tens
 
 
 def make_tiny(tokenizer, *, kv_heads: int = 2, head_dim: int = 64, layers: int = 2, seed: int = 0) -> LoadedModel:
-    """A random Llama with the given KV shape and the embedded tokenizer (vocab 49,152), float32 on CPU."""
+    """A random Llama with the given KV shape and the embedded tokenizer (vocab 49,152), float32 on CPU; hidden size
+    128, or 64 x kv_heads where 128 does not split into 2 x kv_heads attention heads."""
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=128,
+        hidden_size=128 if 128 % (2 * kv_heads) == 0 else 64 * kv_heads,
         intermediate_size=256,
         num_hidden_layers=layers,
         num_attention_heads=kv_heads * 2,

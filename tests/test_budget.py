@@ -8,8 +8,9 @@ import torch
 
 from kvdemo import CacheSpec, QASession
 from kvdemo.cache.budget import KVBudgetError
+from kvdemo.cache.layouts import store_blocks
 from kvdemo.cache.spec import estimate_kv_bytes
-from tests.helpers import ALL_SPECS, spec_id
+from tests.helpers import ALL_SPECS, make_tiny, spec_id
 
 CONTEXT = " ".join(["The Normans were the people who gave their name to Normandy, a region in France."] * 12)
 
@@ -19,26 +20,71 @@ def test_estimate_matches_the_bytes_held_after_prefill_and_during_an_answer(tiny
     session = QASession(tiny, spec.replace(residual_length=8) if spec.info.has_residual else spec)
     report = session.prefill(CONTEXT)
     estimate = estimate_kv_bytes(session.spec, tiny.config, report.context_tokens, torch.float32)
-    assert estimate == pytest.approx(report.kv_bytes, rel=0.02)
+    assert estimate == report.kv_bytes
     # mid-answer, with tokens in the residual: the worst case the guard plans for
     stream = session.stream("Who?", 6)
     for event in stream:
-        held = event.memory
+        held, steps = event.memory, event.step
     residual = held.layers[0].residual_tokens
-    expected = estimate_kv_bytes(session.spec, tiny.config, held.seq_length, torch.float32, residual)
+    blocks = None
+    if spec.info.has_residual:  # the question's pass, then one token a decode step, flushed as the layers flush
+        opts = session.spec.resolved()
+        question = held.seq_length - report.context_tokens - steps
+        blocks, in_residual = store_blocks(
+            opts.get("flush", "requantize"), opts["residual_length"], report.context_tokens, [question] + [1] * steps
+        )
+        assert in_residual == residual
+    expected = estimate_kv_bytes(session.spec, tiny.config, held.seq_length, torch.float32, residual, blocks=blocks)
     if spec.resolved().get("storage") == "growing":  # the room grown at the prefill: the estimate is its bound
         assert (
             estimate_kv_bytes(spec, tiny.config, held.seq_length, torch.float32, nominal_bits=True) < held.cache_bytes
         )
         assert held.cache_bytes <= expected
     else:
-        assert expected == pytest.approx(held.cache_bytes, rel=0.03)  # the cache itself
+        assert expected == held.cache_bytes  # the cache itself, to the byte
     # the guard plans for all that is held, the post-prefill store the snapshot keeps after a flush included
     reserve = held.seq_length - report.context_tokens
     assert held.total_bytes <= session.estimate_kv_bytes(report.context_tokens, reserve) * 1.03
     if held.snapshot_bytes:  # the cache's estimate alone would plan for less than is held
         cache_only = estimate_kv_bytes(session.spec, tiny.config, held.seq_length, torch.float32, reserve)
         assert cache_only < held.total_bytes
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "quanto:4,flush=append,residual_length=1",
+        "quanto:2,flush=append,residual_length=1",
+        "quanto:4,residual_length=4,axis_key=-1,axis_value=-1,q_group_size=3",
+        "hqq:3,flush=append,residual_length=1,q_group_size=32",
+    ],
+)
+def test_estimate_counts_each_blocks_packing_to_the_byte(embedded, text):
+    """3 KV heads: quanto packs 2 (4-bit) or 4 (2-bit) rows a byte, so a one-token block of 3 rows pads a row, and
+    with axis -1 a group of 3 pads to 4 rows; hqq packs 3-bit codes ten to an int32 (a group of 32 takes 40)."""
+    three_heads = make_tiny(embedded.tokenizer, kv_heads=3)
+    session = QASession(three_heads, CacheSpec.parse(text))
+    context_tokens = session.prefill(CONTEXT).context_tokens
+    opts = session.spec.resolved()
+    for event in session.stream("Who?", 5):
+        held, steps = event.memory, event.step
+        updates = [held.seq_length - context_tokens - steps] + [1] * steps
+        blocks, residual = store_blocks(opts["flush"], opts["residual_length"], context_tokens, updates)
+        assert residual == held.layers[0].residual_tokens
+        estimate = estimate_kv_bytes(
+            session.spec, three_heads.config, held.seq_length, torch.float32, residual, blocks=blocks
+        )
+        assert estimate == held.cache_bytes
+        # one block of the same tokens pads no more, and the textbook nbits not at all
+        whole = estimate_kv_bytes(session.spec, three_heads.config, held.seq_length, torch.float32, residual)
+        nominal = estimate_kv_bytes(
+            session.spec, three_heads.config, held.seq_length, torch.float32, residual, nominal_bits=True
+        )
+        assert nominal <= whole <= estimate
+    assert nominal < estimate  # each case pads
+    assert len(blocks) > 2 if opts["flush"] == "append" else len(blocks) == 1
+    # the guard plans for at least what was held
+    assert session.estimate_kv_bytes(context_tokens, held.seq_length - context_tokens) >= held.total_bytes
 
 
 def test_prefill_over_the_budget_is_refused_and_the_session_kept(tiny):

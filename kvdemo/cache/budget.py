@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedConfig
 
+from kvdemo.cache.policies import FLUSH_POLICIES
 from kvdemo.cache.spec import CacheSpec, estimate_kv_bytes
 
 
@@ -28,14 +29,24 @@ def held_bytes_estimate(
     """The bytes held for a cache of `spec` with `context_tokens` prefilled and `reserve_tokens` more decoded (a
     question and its answer): the peak that `telemetry.kv_memory(cache, snapshot)` can report.
 
-    - the cache: `spec.estimate_kv_bytes` with the reserve in the residual as far as it reaches;
+    - the cache: `spec.estimate_kv_bytes` with the reserve in the residual as far as it reaches, and with
+      `flush=append` the rest in blocks of residual_length (the most blocks it can take, each padded on its own);
     - plus what the snapshot keeps alive meanwhile: for a quantized backend the post-prefill store (less the
       per-layer constants it shares with the cache: fp8's scales), once the
       cache replaces it: fp8 at the first decode step (`torch.cat` builds a new store), a residual backend at
       its first flush, which comes when `reserve_tokens >= residual_length` (the residual is empty after the
       prefill). `dynamic` keeps only lengths.
     """
-    held = estimate_kv_bytes(spec, config, context_tokens + reserve_tokens, dtype, residual_tokens=reserve_tokens)
+    opts, blocks = spec.resolved(), None
+    if opts.get("flush") == FLUSH_POLICIES[1]:
+        # the most blocks the reserve can flush: the residual full, the rest in blocks of residual_length
+        # (a flush takes at least that many), each padded on its own (`kvdemo.cache.layouts.group_bytes`)
+        length = opts["residual_length"]
+        stored = reserve_tokens - min(reserve_tokens, length)
+        blocks = [context_tokens] + [length] * (stored // length) + ([stored % length] if stored % length else [])
+    held = estimate_kv_bytes(
+        spec, config, context_tokens + reserve_tokens, dtype, residual_tokens=reserve_tokens, blocks=blocks
+    )
     info = spec.info
     flushes = not info.has_residual or reserve_tokens >= spec.resolved()["residual_length"]
     if info.quantized and reserve_tokens > 0 and flushes:

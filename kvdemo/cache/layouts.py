@@ -11,16 +11,17 @@ byte formulas are checked against the real tensors (`kvdemo.cache.telemetry.kv_m
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from kvdemo.cache.layer_plan import PLAN, parse_plan
+from kvdemo.cache.policies import FLUSH_POLICIES
 
 if TYPE_CHECKING:
     from kvdemo.cache.geometry import KVGeometry
 
 
-def full_precision_bytes(opts, geo: KVGeometry, tokens, residual, element, nominal) -> float:
+def full_precision_bytes(opts, geo: KVGeometry, tokens, residual, element, nominal, blocks=None) -> float:
     """Every value in the model's dtype; with `storage=growing` (`kvdemo.cache.layers.storage.GrowingLayer`) the
     buffers' whole capacity, at most `capacity_bound(tokens)` tokens (an upper bound, reached right after a one-pass
     prefill; up to max(256 tokens, 12.5 %) above the tokens held). `nominal` counts the tokens held only."""
@@ -33,7 +34,7 @@ def full_precision_bytes(opts, geo: KVGeometry, tokens, residual, element, nomin
     )
 
 
-def fp8_bytes(opts, geo: KVGeometry, tokens, residual, element, nominal) -> float:
+def fp8_bytes(opts, geo: KVGeometry, tokens, residual, element, nominal, blocks=None) -> float:
     """One byte per value held (float8_e4m3; a sliding layer its window, `kvdemo.cache.layers.sliding`) plus one float32
     scale per layer and tensor (transformers' `Fp8QuantizedLayer`; kvdemo's de-quantization, `kvdemo.cache.layers.fp8`,
     holds nothing more), or with `scale=per_token_head` one float32 scale per token held, head and tensor
@@ -48,12 +49,13 @@ TURBOQUANT_FP8_KEYS = 8
 """turboquant's nbits of float8 keys with a float32 scale per token and head (vLLM's `k8v4`)."""
 
 
-def turboquant_bytes(opts, geo: KVGeometry, tokens, residual, element, nominal) -> float:
+def turboquant_bytes(opts, geo: KVGeometry, tokens, residual, element, nominal, blocks=None) -> float:
     """kvdemo's TurboQuant layout (`kvdemo.cache.layers.turboquant`, vLLM's `TurboQuantConfig.key_packed_size` and
     `value_packed_size`), per quantized layer, token and head: keys head_dim x nbits / 8 bytes of packed Lloyd-Max
     codes and a float16 norm (nbits 8: head_dim float8 codes and a float32 scale); values head_dim x nbits_value / 8
     bytes and a float16 scale and zero point; `residual` tokens in the model's dtype. Codes are packed densely (3 bits
-    take 3), so `nominal` changes nothing. A sliding layer quantized holds at most its window in its store."""
+    take 3), so `nominal` changes nothing, and nothing pads per block (`blocks` is ignored). A sliding layer quantized
+    holds at most its window in its store."""
     key_bits, value_bits = opts["nbits"], opts.get("nbits_value", opts["nbits"])
     key_extra = 4 if key_bits == TURBOQUANT_FP8_KEYS else 2
     total = 0.0
@@ -94,40 +96,97 @@ def turboquant_width_problem(opts, tensor: str, width: int) -> str | None:
     return None
 
 
-def group_bytes(stored_bits: dict[int, float]) -> Callable[..., float]:
-    """Group-wise affine quantization with a full-precision residual: `residual` tokens in the model's dtype,
-    the others at nbits per key value and nbits_value per value value (`stored_bits[n]` where the packing pads)
-    plus a scale and a zero point in the model's dtype per group of q_group_size values, summed over the quantized
-    layers of `geo` (each its own key and value widths: a latent's differ). Source: x ~ scale * (q - zero) per group
-    (HQQ, Badri and Shaji 2023; optimum-quanto) with KIVI's full-precision residual (Liu et al. 2024), whose
-    keys and values take their bits apart (its `k_bits`, `v_bits`). With a per-layer `plan`
+def quanto_packed_bytes(bits: int, axis: int, group: int, values: int) -> int:
+    """Bytes of optimum-quanto's codes for one stored block of `values` values (one layer's keys or values, batch x
+    heads x tokens x width): quanto groups them into a [values / group, group] matrix (axis 0) or a
+    [group, values / group] one (axis -1) and packs 8 // nbits codes of its first dimension into one uint8, padding
+    that dimension up (optimum.quanto.tensor.packed.pack_weights, 0.2.7; measured: a one-token block of 3 heads at
+    4 bits holds 4 rows, not 3). Scales and zero points are counted apart."""
+    rows, cols = (values // group, group) if axis == 0 else (group, values // group)
+    per_byte = 8 // bits
+    return -(-rows // per_byte) * cols
+
+
+HQQ_PACKS = {1: (8, 1), 2: (4, 1), 3: (10, 4), 4: (2, 1), 8: (1, 1)}
+"""nbits -> (codes per pack, bytes per pack) of hqq 0.2.8's bit packing (hqq.core.bitpack: 8x1bit, 4x2bit, 2x4bit in
+a uint8, 10x3bit in an int32; 8-bit codes as they are)."""
+
+
+def hqq_packed_bytes(bits: int, axis: int, group: int, values: int) -> int:
+    """Bytes of hqq's codes for one stored block of `values` values: hqq groups them into a [group, values / group]
+    matrix (axis 0) or a [values / group, group] one (axis 1) and packs `HQQ_PACKS` codes of its first
+    dimension together, padding it up (hqq.core.bitpack, 0.2.8: 3-bit codes go ten to an int32, so a group of 64
+    takes 7 int32 per column: 3.5 bits a value; a group of 32, 4 int32: 4 bits a value). The group rules
+    (`hqq_group_problem`) keep the other widths whole."""
+    rows, cols = (group, values // group) if axis == 0 else (values // group, group)
+    codes, nbytes = HQQ_PACKS[bits]
+    return -(-rows // codes) * nbytes * cols
+
+
+def store_blocks(
+    flush: str, residual_length: int, prefill_tokens: int, updates: Sequence[int]
+) -> tuple[list[int], int]:
+    """The blocks (tokens each) of a residual backend's store and the tokens left in its residual after a prefill of
+    `prefill_tokens` (one block) and then `updates` (the tokens of each later forward pass: a question's, then one per
+    decode step). A pass flushes when the residual and its new tokens reach `residual_length` (transformers'
+    `QuantizedLayer.update`, kept by kvdemo's `AppendFlushMixin`): `requantize` quantizes the whole layer again into
+    one block, `append` adds the residual and the new tokens as one more block (`kvdemo.cache.layers.flush`).
+
+    Example:
+        >>> store_blocks("append", 1, 250, [7, 1, 1])
+        ([250, 7, 1, 1], 0)
+    """
+    blocks, residual = [prefill_tokens], 0
+    for new in updates:
+        if residual + new < residual_length:
+            residual += new
+        elif flush == FLUSH_POLICIES[1]:
+            blocks, residual = [*blocks, residual + new], 0
+        else:
+            blocks, residual = [sum(blocks) + residual + new], 0
+    return blocks, residual
+
+
+PackedBytes = Callable[[int, int, int, int], int]
+"""`packed(nbits, axis, q_group_size, values) -> bytes` of a library's codes for one stored block."""
+
+
+def group_bytes(packed: PackedBytes) -> Callable[..., float]:
+    """Group-wise affine quantization with a full-precision residual: `residual` tokens in the model's dtype, the
+    others in the store's blocks, each block's keys and values packed as the library packs them (`packed`, e.g.
+    `quanto_packed_bytes`) plus a scale and a zero point in the model's dtype per group of q_group_size values, summed
+    over the quantized layers of `geo` (each its own key and value widths: a latent's differ). Source:
+    x ~ scale * (q - zero) per group (HQQ, Badri and Shaji 2023; optimum-quanto) with KIVI's full-precision residual
+    (Liu et al. 2024), whose keys and values take their bits apart (its `k_bits`, `v_bits`). With a per-layer `plan`
     (`kvdemo.cache.layer_plan`) each quantized layer takes its own bits; the scales are the same. A sliding layer
-    quantized (`sliding=quantize`) holds at most its window in its store.
+    quantized (`sliding=quantize`) holds at most its window in its store, as one block.
 
-    The same for both flush policies: with `flush=append` the store is a list of blocks (the prefill's, then one
-    per flush), each with its own scales and zero points, so no group spans a block's boundary. Every grouping
-    these backends allow splits one token's values (kv_heads x head_dim) into whole groups (the group rules), so
-    a block of any number of tokens holds whole groups and the split adds no group and no byte (measured: the
-    same bytes as `requantize`, `tests/test_flush.py`). A group size that did not divide one token's values
-    would add up to one partial group per block and tensor."""
+    `blocks` are the token counts of the store's blocks: with `flush=requantize` one (the default, tokens - residual),
+    with `flush=append` the prefill's, then one per flush (`kvdemo.cache.layers.flush`). Every grouping these backends
+    allow splits one token's values into whole groups (the group rules), so the scales do not depend on the blocks;
+    the packing does: each block pads its packed dimension up on its own, so that a store of one-token blocks holds
+    more than one block of the same tokens (quanto, 3 KV heads, 4 bits: 4 rows a token, not 3). With `nominal` the
+    codes count nbits a value exactly, with no padding (the textbook figure)."""
 
-    def stored(bits: int, nominal: bool) -> float:
-        return bits if nominal else stored_bits.get(bits, bits)
-
-    def layer_bits(opts, nominal, layers: int) -> list[tuple[float, float]]:
-        """(key bits, value bits) per quantized layer as stored: the same pair for every layer, or the plan's."""
+    def layer_bits(opts, layers: int) -> list[tuple[int, int]]:
+        """(key bits, value bits) per quantized layer: the same pair for every layer, or the plan's."""
         if opts.get(PLAN):
-            return [(stored(p.nbits, nominal), stored(p.nbits_value, nominal)) for p in parse_plan(opts[PLAN])]
-        return [(stored(opts["nbits"], nominal), stored(opts.get("nbits_value", opts["nbits"]), nominal))] * layers
+            return [(p.nbits, p.nbits_value) for p in parse_plan(opts[PLAN])]
+        return [(opts["nbits"], opts.get("nbits_value", opts["nbits"]))] * layers
 
-    def formula(opts, geo: KVGeometry, tokens, residual, element, nominal) -> float:
+    def formula(opts, geo: KVGeometry, tokens, residual, element, nominal, blocks=None) -> float:
+        group = opts["q_group_size"]
+        stored = [tokens - residual] if blocks is None else list(blocks)
         total = 0.0
-        for layer, (key_bits, value_bits) in zip(geo.per_layer, layer_bits(opts, nominal, geo.layers)):
-            keys, values = layer.key_heads * layer.key_dim, layer.value_heads * layer.value_dim
-            scales = 2 * element * (keys + values) / opts["q_group_size"]  # a scale and a zero point per group
-            per_token = (keys * key_bits + values * value_bits) / 8 + scales
-            # a sliding layer's store holds its window at most (`kvdemo.cache.layers.sliding`); the residual beside it
-            total += per_token * layer.tokens_held(tokens - residual) + (keys + values) * element * residual
+        for layer, bits in zip(geo.per_layer, layer_bits(opts, geo.layers)):
+            held = stored if layer.window is None else [layer.tokens_held(tokens - residual)]
+            for heads, width, nbits, axis in (
+                (layer.key_heads, layer.key_dim, bits[0], opts.get("axis_key", 0)),
+                (layer.value_heads, layer.value_dim, bits[1], opts.get("axis_value", 0)),
+            ):
+                values = [heads * width * block for block in held if block]
+                codes = sum(v * nbits / 8 if nominal else packed(nbits, axis, group, v) for v in values)
+                total += codes + 2 * element * sum(values) / group + heads * width * element * residual
         return total
 
     return formula

@@ -13,7 +13,7 @@ its store out).
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +23,9 @@ from kvdemo.cache.layouts import (
     full_precision_bytes,
     group_bytes,
     hqq_group_problem,
+    hqq_packed_bytes,
     quanto_group_problem,
+    quanto_packed_bytes,
     turboquant_bytes,
     turboquant_combination_problem,
     turboquant_width_problem,
@@ -55,9 +57,10 @@ if TYPE_CHECKING:
 
     from kvdemo.cache.geometry import KVGeometry
 
-BytesFormula = Callable[[SpecOptions, "KVGeometry", int, int, int, bool], float]
-"""`formula(options, geometry, tokens, residual_tokens, element_bytes, nominal_bits) -> bytes` (see
-`estimate_kv_bytes`): `options` resolved, `residual_tokens` already capped at what the residual can hold."""
+BytesFormula = Callable[[SpecOptions, "KVGeometry", int, int, int, bool, "Sequence[int] | None"], float]
+"""`formula(options, geometry, tokens, residual_tokens, element_bytes, nominal_bits, blocks) -> bytes` (see
+`estimate_kv_bytes`): `options` resolved, `residual_tokens` already capped at what the residual can hold, `blocks`
+the store's blocks in tokens (None: one block; only a layout that pads per block reads them)."""
 CacheMaker = Callable[[str, SpecOptions, "PreTrainedConfig"], "Cache"]
 """`make(backend_name, options, model_config) -> Cache`: options as a spec gives them (`CacheSpec.given()`)."""
 WidthRule = Callable[[SpecOptions, str, int], "str | None"]
@@ -264,7 +267,7 @@ BACKENDS: dict[str, Backend] = {
         "(flush=requantize, transformers') or only the residual block is quantized and appended (flush=append).",
         quantized=True,
         make_cache=_residual_cache,
-        kv_bytes=group_bytes({}),
+        kv_bytes=group_bytes(quanto_packed_bytes),
         options=group_options(nbits=(2, 4), axes=(0, -1)),
         group_rule=quanto_group_problem,
         compare_nbits=(4,),  # the Compare tab starts with seven specs: one per backend, and the rotated twins
@@ -278,8 +281,7 @@ BACKENDS: dict[str, Backend] = {
         "(flush=requantize, transformers') or only the residual block is quantized and appended (flush=append).",
         quantized=True,
         make_cache=_residual_cache,
-        # hqq 0.2.8 packs 3-bit values ten to an int32 with padding: 5,040 bytes per 11,520 values (measured)
-        kv_bytes=group_bytes({3: 3.5}),
+        kv_bytes=group_bytes(hqq_packed_bytes),
         options={
             **group_options(nbits=(1, 2, 3, 4, 8), axes=(0, 1)),
             "optimize": Option("optimize", OPTIMIZE_CHOICES[0], choices=OPTIMIZE_CHOICES, help=OPTIMIZE_HELP),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -345,42 +346,45 @@ def estimate_kv_bytes(
     tokens: int,
     dtype: torch.dtype,
     residual_tokens: int = 0,
+    *,
     nominal_bits: bool = False,
+    blocks: Sequence[int] | None = None,
 ) -> int:
     """The bytes a cache of `spec` holds with `tokens` tokens in it, from the model's shape, before anything
     runs (the out-of-memory guard of `QASession`, and the theoretical figure of `benchmarks/run_all.py`).
 
-    The formula is the backend's own (`Backend.kv_bytes`); with V = 2 x layers x kv_heads x head_dim values
-    per token and e = the dtype's element size: `dynamic` V x e per token; `fp8` V x 1 byte per token plus a
-    float32 scale per layer and tensor; `quanto`, `hqq`: r = min(residual_tokens, residual_length, tokens)
-    tokens at V x e, the others at V x nbits / 8 plus a scale and a zero point of e bytes per q_group_size
-    values; the layers a quantized backend keeps (`kvdemo.cache.layer_kinds`) as `dynamic`'s. Checked against
-    `telemetry.kv_memory` for every backend and nbits in `tests/test_budget.py`.
+    The formula is the backend's own (`Backend.kv_bytes`, `kvdemo.cache.layouts`: each gives its sources); the
+    layers a quantized backend keeps (`kvdemo.cache.layer_kinds`) count as `dynamic`'s. Equal to the bytes of
+    `telemetry.kv_memory` for every backend and option, block by block (`tests/test_budget.py`).
 
     Args:
         tokens: all tokens in the cache (the cache length).
         dtype: the model's dtype (the residual's and the scales' element type).
         residual_tokens: how many of them sit in the full-precision residual (ignored without a residual).
         nominal_bits: count nbits exactly, ignoring the packing's padding (the textbook formula).
+        blocks: the tokens of each block of the store, summing to `tokens` less the residual (`layouts.store_blocks`);
+            None: one block, as after a prefill or with `flush=requantize`. Read where the packing pads per block.
 
     Returns:
         Bytes (int).
 
     Raises:
-        ValueError, ImportError: see `CacheSpec.validate`.
+        ValueError, ImportError: see `CacheSpec.validate`; ValueError: `blocks` do not sum to the stored tokens.
     """
     from kvdemo.cache.geometry import KVGeometry, element_size, kv_geometry, split_geometry
 
     spec = spec.validate(model_config)
     opts = spec.resolved()
     residual = max(min(residual_tokens, opts["residual_length"], tokens), 0) if "residual_length" in opts else 0
+    if blocks is not None and sum(blocks) != tokens - residual:
+        raise ValueError(f"blocks {list(blocks)} must sum to the {tokens - residual} tokens outside the residual")
     element, geo, kept = element_size(dtype), kv_geometry(model_config), KVGeometry(())
     if spec.info.quantized:  # the layers it keeps at full precision count as `dynamic`'s
         geo, kept = split_geometry(
             model_config, str(opts.get("sliding", SLIDING_CHOICES[0])), str(opts.get("protect", PROTECT_CHOICES[0]))
         )
     kept_bytes = element * kept.values_held(tokens)
-    return int(spec.info.kv_bytes(opts, geo, tokens, residual, element, nominal_bits) + kept_bytes)
+    return int(spec.info.kv_bytes(opts, geo, tokens, residual, element, nominal_bits, blocks) + kept_bytes)
 
 
 def build_cache(spec: CacheSpec, model_config: PreTrainedConfig) -> Cache:
