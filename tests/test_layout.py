@@ -65,7 +65,7 @@ PACKAGE_ORDER: tuple[tuple[str, ...], ...] = (
     ("kvdemo.charts",),
     ("kvdemo.qa",),
     ("kvdemo.cache",),
-    ("kvdemo.checks", "kvdemo.quiet"),
+    ("kvdemo.checks", "kvdemo.paths", "kvdemo.quiet"),
 )
 """docs/DESIGN.md, "The package order": a module may import its own package and the packages on the floors below
 its own, never one beside it or above. `kvdemo` (the public face, `kvdemo/__init__.py`) is read from outside only."""

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvdemo import CacheSpec, QASession, load_model
+from kvdemo import CacheSpec, QASession, load_model, paths
 from kvdemo.qa import models
 from tests.helpers import make_tiny
 
@@ -118,13 +118,13 @@ def fresh_loads(monkeypatch, tmp_path):
 
 def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("KVDEMO_CACHE_DIR", str(tmp_path / "k"))
-    assert models.cache_dir() == tmp_path / "k"
+    assert paths.cache_dir() == tmp_path / "k"
     monkeypatch.setenv("KVDEMO_CACHE_DIR", "")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert models.cache_dir() == tmp_path / "xdg" / "kvdemo"
+    assert paths.cache_dir() == tmp_path / "xdg" / "kvdemo"
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert models.cache_dir() == tmp_path / "home" / ".cache" / "kvdemo"
+    assert paths.cache_dir() == tmp_path / "home" / ".cache" / "kvdemo"
 
 
 @pytest.mark.model  # converts and loads the embedded GGUF twice, in a fresh cache folder

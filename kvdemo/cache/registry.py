@@ -166,6 +166,15 @@ def _turboquant_cache(name: str, options: Mapping[str, Any], config: PreTrainedC
     return turboquant_cache(config, **options)
 
 
+def _quanto_cache(name: str, options: Mapping[str, Any], config: PreTrainedConfig) -> Cache:
+    """`_residual_cache`, once optimum-quanto's extension is pointed at its one build per machine
+    (`kvdemo.cache.quanto_build`: compiled by the first process, only loaded by the others)."""
+    from kvdemo.cache.quanto_build import share_quanto_build
+
+    share_quanto_build()
+    return _residual_cache(name, options, config)
+
+
 def _residual_cache(name: str, options: Mapping[str, Any], config: PreTrainedConfig) -> Cache:
     """`QuantizedCache(name, config, **options)` whose layers flush by the `flush` option's policy and rotate by
     the `rotation` option, or take each its own precision from the `plan` (`kvdemo.cache.layers.flush.quantized_cache`:
@@ -266,7 +275,7 @@ BACKENDS: dict[str, Backend] = {
         "New tokens wait in the full-precision residual; at residual_length the whole layer is re-quantized "
         "(flush=requantize, transformers') or only the residual block is quantized and appended (flush=append).",
         quantized=True,
-        make_cache=_residual_cache,
+        make_cache=_quanto_cache,
         kv_bytes=group_bytes(quanto_packed_bytes),
         options=group_options(nbits=(2, 4), axes=(0, -1)),
         group_rule=quanto_group_problem,

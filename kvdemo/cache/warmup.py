@@ -13,8 +13,8 @@ from kvdemo.cache.spec import CacheSpec, build_cache
 def warm_up(backends: tuple[str, ...] | None = None) -> dict[str, float]:
     """Run one prefill-sized update and one decode-step update through each installed quantized backend's
     own cache layer, on random tensors of shape [1, 1, 8, 64], so that one-time work happens now: optimum-quanto
-    compiles its C++ extension on its first de-quantize in a fresh install (23-35 s on 2 cores, written into
-    site-packages, needs g++ and ninja). `make` runs this once after installing.
+    compiles its C++ extension on its first de-quantize on a machine (23-45 s on 2 cores, written into the kvdemo
+    cache folder by `kvdemo.cache.quanto_build`, needs g++ and ninja). `make` runs this once after installing.
 
     Returns:
         Seconds spent per backend.

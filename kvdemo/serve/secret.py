@@ -7,7 +7,7 @@ restarts often) cannot read what the browser kept, and the page comes back empty
 
 1. `$KVDEMO_STATE_SECRET` when set and not empty (on a Space: a secret in the Space's settings, since a Space's
    disk is new at every restart);
-2. else the file `browser-state-secret` in the kvdemo cache folder (`kvdemo.qa.models.cache_dir`), created on
+2. else the file `browser-state-secret` in the kvdemo cache folder (`kvdemo.paths.cache_dir`), created on
    first use with 32 random bytes (`secrets.token_urlsafe`), readable by its owner only (mode 0600), in a folder
    created with mode 0700; never in the repository;
 3. else, when that folder cannot be written (a read-only home), a new secret for this process, as Gradio does,
@@ -21,7 +21,7 @@ import os
 import secrets
 from pathlib import Path
 
-from kvdemo.qa.models import cache_dir
+from kvdemo.paths import cache_dir
 
 SECRET_FILE = "browser-state-secret"
 ENV = "KVDEMO_STATE_SECRET"
