@@ -15,7 +15,8 @@ from transformers import DynamicCache
 
 from kvdemo import CacheSpec, QASession
 from kvdemo.qa.prompt import MAX_BACKTRACK, PromptLayout
-from tests.helpers import make_tiny
+from kvdemo.ui.views import prefill_summary
+from tests.helpers import logits_through, make_tiny
 
 CONTEXTS = {
     "reported case": "Hi.\n",
@@ -96,7 +97,8 @@ def test_the_reported_case_reads_the_templates_newline_tokens(embedded):
     ],
 )
 def test_the_ids_the_model_reads_equal_the_template_ids(tiny, context, monkeypatch):
-    """Captured at the model's forward: the prefill's input, then the question's."""
+    """Captured at the model's forward: the prefill's input, then the question's (the session is made first: its
+    model check's forward passes, `kvdemo.qa.probe`, are not the prompt's)."""
     fed = []
     forward = tiny.model.forward
 
@@ -104,8 +106,8 @@ def test_the_ids_the_model_reads_equal_the_template_ids(tiny, context, monkeypat
         fed.append(kwargs["input_ids"][0].tolist())
         return forward(*args, **kwargs)
 
-    monkeypatch.setattr(tiny.model, "forward", recording_forward)
     session = QASession(tiny, CacheSpec())
+    monkeypatch.setattr(tiny.model, "forward", recording_forward)
     report = session.prefill(context)
     assert report.prompt_matches_template and report.prompt_note is None
     prefilled = fed[0]
@@ -191,3 +193,67 @@ def test_embedded_answer_equals_a_plain_greedy_run_on_the_template_ids(embedded,
     session.prefill(context)
     assert session.prompt_ids(question) == expected_ids
     assert list(session.ask(question, 8).token_ids) == greedy
+
+
+DATED_TEMPLATE = (
+    "<|im_start|>system\nCutting Knowledge Date: December 2023\nToday Date: {{ strftime_now('%d %b %Y') }}<|im_end|>\n"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""Llama 3.1's way of writing today's date before the user's text (`strftime_now("%d %b %Y")`)."""
+
+
+class FakeClock:
+    """Returns each of `moments` in turn (the last one from then on) and counts its reads."""
+
+    def __init__(self, *moments):
+        self.moments, self.reads = list(moments), 0
+
+    def __call__(self):
+        self.reads += 1
+        return self.moments[min(self.reads, len(self.moments)) - 1]
+
+
+def test_one_template_date_per_session_across_midnight(embedded):
+    """A prefill at 23:59:58 on 31 Dec and a question at 00:00:05: the question reads the prefill's date, as the
+    prefix did, and the report says which; a split check across midnight reads the clock once."""
+    from datetime import datetime
+
+    tokenizer = copy.deepcopy(embedded.tokenizer)
+    tokenizer.chat_template = DATED_TEMPLATE
+    tiny = make_tiny(tokenizer)
+    before, after = datetime(2026, 12, 31, 23, 59, 58), datetime(2027, 1, 1, 0, 0, 5)
+    session = QASession(tiny, CacheSpec())
+    session.layout.clock = clock = FakeClock(before, after)
+    context = "Rollo led the Normans.\n"
+    report = session.prefill(context)
+    assert clock.reads == 1 and report.prompt_matches_template and report.template_clock == before
+    assert "31 Dec 2026" in report.clock_note and "another day" in report.clock_note
+    assert report.clock_note in prefill_summary(session)  # the page says so under the prefill's summary
+    prefill_ids = session.layout.reference_ids(context, "Who led them?", before)
+    new_day_ids = session.layout.reference_ids(context, "Who led them?", after)
+    assert tokenizer.decode(new_day_ids).count("01 Jan 2027") == 1 and prefill_ids != new_day_ids
+    assert session.prompt_ids("Who led them?") == prefill_ids  # after midnight: still the prefill's date
+    # teacher-forced: the log-probs through the prefilled cache equal a cache-free pass over the prefill date's ids
+    answer = session.ask("Who led them?", 4)
+    forced = prefill_ids + list(answer.token_ids)
+    full = torch.log_softmax(logits_through(tiny, DynamicCache(), forced), -1)
+    assert session.cache.get_seq_length() == report.context_tokens  # restored after the answer
+    cache_ids = forced[report.context_tokens :]
+    through = torch.log_softmax(logits_through(tiny, session.cache, cache_ids), -1)
+    torch.testing.assert_close(through, full[report.context_tokens :], rtol=1e-4, atol=1e-4)
+    session.cache.crop(-len(cache_ids))
+    # a fresh session after midnight reads the new date, and says so
+    fresh = QASession(tiny, CacheSpec())
+    fresh.layout.clock = FakeClock(after)
+    assert "01 Jan 2027" in fresh.prefill(context).clock_note
+    assert fresh.prompt_ids("Who led them?") == new_day_ids
+    # midnight inside the split's own probes: the clock is read once, so the check still matches
+    session.layout.clock = late = FakeClock(datetime(2027, 1, 1, 23, 59, 59, 999999), datetime(2027, 1, 2))
+    assert session.prefill(context).prompt_matches_template and late.reads == 1
+
+
+def test_a_template_without_a_clock_reports_none(embedded):
+    session = QASession(make_tiny(embedded.tokenizer), CacheSpec())
+    report = session.prefill("Rollo led the Normans.\n")
+    assert report.template_clock is None and report.clock_note is None and not session.layout.reads_clock

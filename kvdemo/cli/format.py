@@ -60,6 +60,13 @@ def format_summary(result: dict[str, Any]) -> str:
     kinds = result.get("bytes_by_kind") or {}
     if any(held for kind, held in kinds.items() if kind != "quantized") and kinds.get("quantized"):
         lines.append("  by what holds it: " + ", ".join(f"{kind} {held:,} bytes" for kind, held in kinds.items()))
+    if result.get("prompt_note"):
+        lines.append(f"  prompt check: {result['prompt_note']}")
+    if result.get("template_clock"):
+        lines.append(
+            f"  the chat template writes the date: every question reads the prefill's, {result['template_clock']}"
+            " (a prefill on another day reads that day's)"
+        )
     for i, a in enumerate(result["answers"], 1):
         lines += [
             "",

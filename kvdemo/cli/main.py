@@ -349,6 +349,9 @@ def run_ask(args: argparse.Namespace) -> dict[str, Any]:
         "bytes_per_token": round(report.bytes_per_token, 2),
         "ratio_to_full_precision": round(report.ratio_to_full_precision, 4),
         "bytes_by_kind": report.memory.bytes_by_kind(),
+        "prompt_matches_template": report.prompt_matches_template,
+        "prompt_note": report.prompt_note,
+        "template_clock": report.template_clock and report.template_clock.isoformat(timespec="seconds"),
         "answers": answers,
     }
 

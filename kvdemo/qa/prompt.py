@@ -27,14 +27,25 @@ Tokens are encoded in pieces as transformers' `encode_marked_chat` does for `san
 cut at the user's control-token look-alikes, each look-alike is encoded as plain text on its own, the rest with
 the template's control tokens parsed, and a piece that does not start the prompt is encoded after a newline that
 is then removed (`_encode_chat_piece`: so that a SentencePiece tokenizer adds no prefix space mid-prompt).
+
+The template's clock. Some templates write today's date before the user's text (Llama 3.1-3.3 and Granite:
+`strftime_now("%d %b %Y")`). A split reads the clock once (`PromptLayout.clock`) and renders the whole split, its
+probes and every question later fed on it at that moment (`PromptSplit.clock`, `template_clock`), so a session's
+questions all read the date its prefill read, even after midnight; a fresh session on another day reads another date.
 """
 
 from __future__ import annotations
 
 import inspect
 import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
+
+from transformers.utils import chat_template_utils
 
 CHAT_SEPARATOR = "\n\n"
 """Between the context and the question inside the one user message of a chat template."""
@@ -59,6 +70,40 @@ starting with one of the tokenizer's control tokens, as text, is added per token
 
 _MARK = "\ue000KVDEMO_CONTENT\ue000"
 
+_PINNED: ContextVar[datetime | None] = ContextVar("kvdemo_template_clock", default=None)
+
+
+class _TemplateClock(datetime):
+    """transformers' chat-template global `strftime_now(format)` is `datetime.now().strftime(format)` with the
+    `datetime` of `transformers.utils.chat_template_utils` (5.24-5.25; a template cannot be handed a function: its
+    arguments are made plain data). This class stands there: `now()` is the moment `template_clock` pins in this
+    thread or task, else the real one."""
+
+    @classmethod
+    def now(cls, tz=None):  # type: ignore[override]
+        pinned = _PINNED.get()
+        return pinned if pinned is not None else datetime.now(tz)
+
+
+chat_template_utils.datetime = _TemplateClock  # type: ignore[attr-defined,misc]
+
+
+@contextmanager
+def template_clock(moment: datetime | None) -> Iterator[None]:
+    """Within it, in this thread or task, chat templates read `moment` as now (`strftime_now`); None: the real
+    clock."""
+    token = _PINNED.set(moment)
+    try:
+        yield
+    finally:
+        _PINNED.reset(token)
+
+
+def reads_clock(template: Any) -> bool:
+    """Whether a chat template (a string, or a dict of named templates) writes the time (`strftime_now`)."""
+    texts = template.values() if isinstance(template, dict) else [template or ""]
+    return any("strftime_now" in str(text) for text in texts)
+
 
 @dataclass(frozen=True)
 class PromptSplit:
@@ -70,12 +115,15 @@ class PromptSplit:
             whatever else the tokenizer joins with the separator); usually "" or whitespace.
         matches_template: the prefix + question part equalled the reference ids for every probe question.
         note: why not, when `matches_template` is False (for the prefill report); None otherwise.
+        clock: the moment the chat template read as now for this split and reads for every question on it; None
+            where the template reads no clock.
     """
 
     prefix: tuple[int, ...]
     tail: str
     matches_template: bool
     note: str | None = None
+    clock: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -120,6 +168,7 @@ class PromptLayout:
 
     Args:
         tokenizer: a transformers tokenizer; its `chat_template` decides the layout.
+        clock: the time source a split reads once where the template writes the time (tests pass a fake one).
 
     Example:
         >>> layout = PromptLayout(tokenizer)
@@ -128,16 +177,18 @@ class PromptLayout:
         True
     """
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, clock: Callable[[], datetime] = datetime.now):
         self.tokenizer = tokenizer
+        self.clock = clock
         self.chat = bool(getattr(tokenizer, "chat_template", None))
+        self.reads_clock = self.chat and reads_clock(tokenizer.chat_template)
         self.bos: tuple[int, ...]
+        self._frames: dict[datetime | None, tuple[str, str]] = {}
         if self.chat:
-            rendered = self._render(_MARK)
-            self.before, self.after = rendered.split(_MARK)
             self.separator, self.bos = CHAT_SEPARATOR, ()
         else:
-            self.before, self.after, self.separator = "", PLAIN_SEPARATOR, PLAIN_SEPARATOR
+            self._frames[None] = ("", PLAIN_SEPARATOR)
+            self.separator = PLAIN_SEPARATOR
             bos = getattr(tokenizer, "bos_token_id", None)
             self.bos = (bos,) if bos is not None else ()
         self._sanitize = (
@@ -159,6 +210,16 @@ class PromptLayout:
             [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
         )
 
+    def frame(self, moment: datetime | None = None) -> tuple[str, str]:
+        """The template's text before and after the user's message (`before`, `after`), rendered with the clock at
+        `moment` (None: the template reads no clock; the plain layout: "" and its newline)."""
+        moment = moment if self.reads_clock else None
+        if moment not in self._frames:
+            with template_clock(moment):
+                before, after = self._render(_MARK).split(_MARK)
+            self._frames = {**dict(list(self._frames.items())[-3:]), moment: (before, after)}  # a few dates at most
+        return self._frames[moment]
+
     def _control_tokens(self) -> list[str]:
         """Added tokens that user text must not produce: the special ones, and the added tokens the chat
         template writes (transformers' `_get_control_tokens` rule)."""
@@ -171,32 +232,36 @@ class PromptLayout:
         ]
 
     # ---- ids ---------------------------------------------------------------------------------------
-    def reference_ids(self, context: str, question: str) -> list[int]:
+    def reference_ids(self, context: str, question: str, moment: datetime | None = None) -> list[int]:
         """The ids the model should read for `question` on `context`: the chat template's own
-        (`apply_chat_template(..., tokenize=True, add_generation_prompt=True, sanitize_control_tokens=True)`),
-        or BOS + the plain layout's text without a template."""
+        (`apply_chat_template(..., tokenize=True, add_generation_prompt=True, sanitize_control_tokens=True)`), its
+        clock at `moment` (None: the real clock), or BOS + the plain layout's text without a template."""
         if not self.chat:
-            return list(self.bos) + self._encode([(self.content(context, question) + self.after, True)])
+            return list(self.bos) + self._encode([(self.content(context, question) + self.frame()[1], True)])
         kwargs = {"sanitize_control_tokens": True} if self._sanitize else {}
-        return list(
-            self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": self.content(context, question)}],
-                tokenize=True,
-                add_generation_prompt=True,
-                return_dict=False,
-                **kwargs,
+        with template_clock(moment):
+            return list(
+                self.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": self.content(context, question)}],
+                    tokenize=True,
+                    add_generation_prompt=True,
+                    return_dict=False,
+                    **kwargs,
+                )
             )
-        )
 
-    def prefix_ids(self, head: str) -> list[int]:
-        """The ids of the template's opening (or BOS) followed by `head`, the context's part before the cut."""
-        return list(self.bos) + self._encode([(self.before, False), (head, True)])
+    def prefix_ids(self, head: str, moment: datetime | None = None) -> list[int]:
+        """The ids of the template's opening at `moment` (or BOS) followed by `head`, the context's part before the
+        cut."""
+        return list(self.bos) + self._encode([(self.frame(moment)[0], False), (head, True)])
 
     def question_ids(self, split: PromptSplit, question: str) -> list[int]:
         """The ids fed for `question` on top of a prefill of `split`: `split.tail + separator + question.strip()`
-        and the rest of the template (the end of the user turn, the assistant turn's opening)."""
+        and the rest of the template (the end of the user turn, the assistant turn's opening), its clock at the
+        split's (`split.clock`)."""
         return self._encode(
-            [(split.tail + self.separator + question.strip(), True), (self.after, False)], starts_prompt=False
+            [(split.tail + self.separator + question.strip(), True), (self.frame(split.clock)[1], False)],
+            starts_prompt=False,
         )
 
     def _encode(self, parts: list[tuple[str, bool]], starts_prompt: bool = True) -> list[int]:
@@ -244,14 +309,15 @@ class PromptLayout:
             `reference_ids(context, q)` for every probe question.
         """
         end = len(context.rstrip())
-        first = self.prefix_ids(context[:end])
+        moment = self.clock() if self.reads_clock else None  # read once: the split and its questions at one date
+        first = self.prefix_ids(context[:end], moment)
         if max_prefix_tokens is not None and len(first) > max_prefix_tokens:
-            return PromptSplit(tuple(first), context[end:], False, "not checked: the context is too long")
+            return PromptSplit(tuple(first), context[end:], False, "not checked: the context is too long", moment)
         probes = PROBE_QUESTIONS + self._control_probe
-        references = [(q, self.reference_ids(context, q)) for q in probes]
+        references = [(q, self.reference_ids(context, q, moment)) for q in probes]
         for cut in range(end, max(end - MAX_BACKTRACK, 0) - 1, -1):
-            prefix = first if cut == end else self.prefix_ids(context[:cut])
-            candidate = PromptSplit(tuple(prefix), context[cut:], True)
+            prefix = first if cut == end else self.prefix_ids(context[:cut], moment)
+            candidate = PromptSplit(tuple(prefix), context[cut:], True, clock=moment)
             if all(
                 ref[: len(prefix)] == prefix and prefix + self.question_ids(candidate, q) == ref
                 for q, ref in references
@@ -262,4 +328,4 @@ class PromptLayout:
             f"{MAX_BACKTRACK} characters that every question keeps), or the chat template changes the user's text: "
             "for some questions the ids the model reads differ from the chat template's"
         )
-        return PromptSplit(tuple(first), context[end:], False, note)
+        return PromptSplit(tuple(first), context[end:], False, note, moment)

@@ -4,6 +4,7 @@ Plain data, JSON-ready through `to_dict`; the page, the command line and compare
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from kvdemo.cache.telemetry import MemoryReport
@@ -23,6 +24,9 @@ class PrefillReport:
             questions, `kvdemo.qa.prompt.PROBE_QUESTIONS`); False when this tokenizer merges the context's end with
             the question or its template changes the user's text, with `prompt_note` saying so.
         prompt_note: why the ids differ from the template's; None when they do not.
+        template_clock: where the chat template writes the time (Llama 3.1's date), the moment it read at this
+            prefill and reads for every question of the session (`kvdemo.qa.prompt.PromptSplit.clock`); None where
+            it writes none.
     """
 
     context_tokens: int
@@ -31,6 +35,19 @@ class PrefillReport:
     full_precision_bytes: int
     prompt_matches_template: bool = True
     prompt_note: str | None = None
+    template_clock: datetime | None = None
+
+    @property
+    def clock_note(self) -> str | None:
+        """A line for the page and the command line where the template writes the date: which date every question
+        of this session reads, and that today's may differ; None where it writes none."""
+        if self.template_clock is None:
+            return None
+        return (
+            f"The chat template writes the date: every question of this session reads its prefill's, "
+            f"{self.template_clock:%d %b %Y} ({self.template_clock:%H:%M:%S}); a fresh prefill on another day reads "
+            "that day's"
+        )
 
     @property
     def kv_bytes(self) -> int:

@@ -233,6 +233,7 @@ class QASession:
             full_precision_bytes=full_precision_bytes(self.loaded.config, len(split.prefix), self.loaded.dtype),
             prompt_matches_template=split.matches_template,
             prompt_note=split.note,
+            template_clock=split.clock,
         )
         return self.prefill_report
 

@@ -99,14 +99,16 @@ def model_status(loaded: LoadedModel) -> str:
 
 
 def prefill_summary(qa: QASession) -> str:
-    """The summary shown after a prefill."""
+    """The summary shown after a prefill, and below it what the prompt check found (`PrefillReport.prompt_note`)
+    and which date the chat template writes (`PrefillReport.clock_note`), where either applies."""
     r = qa.prefill_report
     assert r is not None  # shown after a prefill
+    notes = [f"\n\n{note}." for note in (r.prompt_note and f"Prompt check: {r.prompt_note}", r.clock_note) if note]
     return (
         f"Prefilled **{r.context_tokens:,} tokens** in {r.seconds:.2f} s with **{qa.spec.label}** · "
         f"KV cache {r.kv_bytes / 2**20:.2f} MiB ({r.bytes_per_token:,.0f} bytes/token) · "
         f"**{r.ratio_to_full_precision:.3f}×** full precision ({r.full_precision_bytes / 2**20:.2f} MiB)"
-    )
+    ) + "".join(notes)
 
 
 def prefilled_tokens(qa: QASession) -> int:
