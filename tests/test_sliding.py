@@ -91,12 +91,12 @@ def test_bytes_by_layer_kind_match_the_tensors(family):
             continue
         cache = build_cache(spec, config)
         with torch.no_grad():
-            model(ids[:, :40], past_key_values=cache, use_cache=True)
+            model(ids[:, :40], cache=cache, use_cache=True)
             snapshot.take(cache)  # as the session does: a sliding window compacted to its tokens
             report = kv_memory(cache)
             assert estimate_kv_bytes(spec, config, 40, torch.float32) == report.cache_bytes - report.state_bytes
             for position in range(40, 45):
-                model(ids[:, position : position + 1], past_key_values=cache, position_ids=torch.tensor([[position]]))
+                model(ids[:, position : position + 1], cache=cache, position_ids=torch.tensor([[position]]))
         report = kv_memory(cache)
         kinds = report.bytes_by_kind()
         assert sum(kinds.values()) == report.cache_bytes and kinds["quantized"] > 0, (family, text)

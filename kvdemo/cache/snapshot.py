@@ -66,6 +66,10 @@ tensor) and `kvdemo.cache.layers.storage.GrowingLayer` (it writes in place but n
 length, so setting the length back is exact: docs/DESIGN.md, invariant 3, the in-place clause)."""
 
 _STATE_FLAGS = ("has_previous_state", "is_conv_states_initialized", "is_recurrent_states_initialized")
+_STATE_COUNTERS = ("cumulative_length_linear",)
+"""Token counts a layer with states keeps in a tensor it changes in place (`add_`, `sub_`: transformers 5.25's
+`LinearAttentionLayer`, whose `get_seq_length` a hybrid cache's first layer answers with): cloned and copied back
+with the states, or the restored cache would count the answer's tokens and place the next question after them."""
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,10 @@ def _saved_states(layer: object) -> dict[str, dict[int, Any]]:
         saved[name] = {i: t.clone() for i, t in states.items() if isinstance(t, torch.Tensor)}
     for name in _STATE_FLAGS:
         saved[name] = dict(getattr(layer, name, None) or {})
+    for name in _STATE_COUNTERS:
+        counter = getattr(layer, name, None)
+        if isinstance(counter, torch.Tensor):
+            saved[name] = {0: counter.clone()}
     return saved
 
 
@@ -123,6 +131,9 @@ def _restore_states(layer: object, saved: dict[str, dict[int, Any]]) -> None:
     for name in _STATE_FLAGS:
         if name in saved and isinstance(getattr(layer, name, None), dict):
             getattr(layer, name).update(saved[name])
+    for name in _STATE_COUNTERS:
+        if name in saved:
+            getattr(layer, name).copy_(saved[name][0])
 
 
 def _kv_rule(index: int, layer: object) -> str:

@@ -331,7 +331,7 @@ def kv_memory(cache: Cache, snapshot: CacheSnapshot | None = None) -> MemoryRepo
                 quantized_bytes=quantized,
                 residual_bytes=_bytes((keys, values), seen, devices),
                 residual_tokens=_tokens(keys),
-                seq_length=cast(CacheLayerMixin, layer).get_seq_length() if holds_kv else 0,
+                seq_length=int(cast(CacheLayerMixin, layer).get_seq_length()) if holds_kv else 0,
                 state_bytes=_bytes(tuple(getattr(layer, name, None) for name in STATE_ATTRIBUTES), seen, devices),
                 kind=holder(layer),
             )

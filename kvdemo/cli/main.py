@@ -331,13 +331,10 @@ def run_ask(args: argparse.Namespace) -> dict[str, Any]:
     loaded = load_model(args.model, device=args.device)
     session = QASession(loaded, spec)
     report = session.prefill(case.context, max_new_tokens=args.max_new_tokens)
-    answers = []
-    for question in questions:
-        answer = session.ask(question, max_new_tokens=args.max_new_tokens).to_dict()
-        gold = case.gold_for(question)
-        if gold is not None:
-            answer["gold_answers"] = list(gold)
-        answers.append(answer)
+    answers = [session.ask(question, max_new_tokens=args.max_new_tokens).to_dict() for question in questions]
+    for question, answer in zip(questions, answers):
+        if case.gold_for(question) is not None:
+            answer["gold_answers"] = list(case.gold_for(question))
     return {
         "model": loaded.name,
         "backend": spec.backend,

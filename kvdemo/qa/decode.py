@@ -56,7 +56,7 @@ def greedy_decode(
             if step == 0:
                 question_seconds, question_flushes = now - step_start, len(flushed)
             text.push(token)
-            cache_length = cache.get_seq_length()
+            cache_length = int(cache.get_seq_length())  # transformers 5.25's linear layers count in a tensor
             finish_reason = "eos" if token in loaded.eos_token_ids else "max_new_tokens"
             yield StepEvent(
                 step=step,
@@ -92,7 +92,7 @@ def greedy_decode(
                 steps=len(token_ids),
                 flushes=tuple(flushes),
                 seconds=time.perf_counter() - start,
-                cache_length_after=cache.get_seq_length(),
+                cache_length_after=int(cache.get_seq_length()),
                 finish_reason=finish_reason,
                 question_tokens=len(q_ids),
                 question_seconds=question_seconds,

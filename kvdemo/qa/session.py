@@ -153,7 +153,7 @@ class QASession:
     @property
     def cache_length(self) -> int:
         """Tokens in the cache now (0 before a prefill)."""
-        return self.cache.get_seq_length() if self.cache is not None else 0
+        return int(self.cache.get_seq_length()) if self.cache is not None else 0
 
     def prefill(
         self,
@@ -213,16 +213,8 @@ class QASession:
         self._stop.clear()
         cache = build_cache(self.spec, self.loaded.config)
         start = time.perf_counter()
-        run_prefill(
-            self.loaded,
-            cache,
-            split.prefix,
-            self.spec.info.quantized,
-            chunk_tokens,
-            on_progress,
-            self._stop,
-            on_quantize,
-        )
+        quantized = self.spec.info.quantized
+        run_prefill(self.loaded, cache, split.prefix, quantized, chunk_tokens, on_progress, self._stop, on_quantize)
         saved = snapshot.take(cache)
         seconds = time.perf_counter() - start
         self.cache, self._snapshot, self._split, self.context = cache, saved, split, context
