@@ -45,6 +45,9 @@ class Cancelled(Exception):
 PERPLEXITY_STEPS_PER_UNIT = 32
 """Decode steps of a perplexity feed counted as one unit of `compare`'s progress."""
 
+TOKEN_BLOCK = 8
+"""Decode steps of an answer or a teacher-forced score between two notes (`on_note`): a long answer's progress."""
+
 
 def perplexity_units(tokens: int) -> int:
     """Progress units of one perplexity feed of `tokens` decode steps (0 without one)."""
@@ -65,7 +68,8 @@ class ComparisonRun:
         on_step: called with a description after the prefill, after each answer and each score, and every
             `PERPLEXITY_STEPS_PER_UNIT` decode steps of the perplexity feed.
         on_note: called with a description of the work now running, without a unit done: after each chunk of a
-            prefill ("hqq:4: prefilling 512 of 1,341 tokens") and each layer its quantizer has taken.
+            prefill ("hqq:4: prefilling 512 of 1,341 tokens"), each layer its quantizer has taken, and every
+            `TOKEN_BLOCK` decode steps of an answer or a score ("hqq:4: answering 1/2, 24 tokens").
         kv_budget_bytes: each session's out-of-memory guard (`QASession`), also applied to the perplexity's cache.
         perplexity_inputs: from `fidelity.perplexity_inputs`; None: no perplexity.
     """
@@ -228,6 +232,8 @@ def _answer_all(run: ComparisonRun, session: QASession, spec: CacheSpec) -> tupl
                 if event.is_flush_step:
                     steps, seconds = steps + 1, seconds + event.seconds
                 run.check_cancel()
+                if (event.step + 1) % TOKEN_BLOCK == 0:
+                    run.note(f"{spec.text}: answering {len(answers) + 1}/{len(run.questions)}, {event.step + 1} tokens")
         finally:
             stream.close()
         answers.append(session.history[-1])
@@ -255,10 +261,12 @@ def _score_all(
         run.check_cancel()
         errors: list[float] = []
 
-        def after_step(_: int, cache, errors=errors) -> None:
+        def after_step(row: int, cache, errors=errors, i=i) -> None:
             if flushed_layers(cache):
                 errors.append(cache_error.context_error(reference_kv, cache))
             run.check_cancel()
+            if (row + 1) % TOKEN_BLOCK == 0:
+                run.note(f"{spec.text}: scoring {i + 1}/{len(run.questions)}, {row + 1} tokens")
 
         logprobs = session.score(question, ref_ids[i], on_step=after_step)
         if reference is None:

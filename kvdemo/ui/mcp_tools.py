@@ -9,6 +9,10 @@ own session in `App.sessions` (key `mcp:<session>`), so that several MCP clients
 empty, the request's `session_hash` is the key (one session for every MCP client that gives none, and each
 `gradio_client.Client` calling the endpoints directly gets its own).
 
+Progress and leaving (`kvdemo.ui.mcp_calls`): each tool's `gr.Progress`, fed by its work's own callbacks about once a
+second, reaches a client that gave a progress token; a tool whose client leaves stops after its current prefill
+chunk or decode step, which frees its queue slot.
+
 Example:
     >>> with gr.Blocks() as demo:
     ...     McpTools(app).register()
@@ -35,14 +39,13 @@ from kvdemo.compare.records import ComparisonCancelled, ComparisonReport, json_r
 from kvdemo.compare.run import compare
 from kvdemo.evals.cases import gold_answers_for
 from kvdemo.qa.limits import DEFAULT_MAX_NEW_TOKENS
-from kvdemo.qa.models import LoadedModel
-from kvdemo.qa.prompt import PreparedContext
 from kvdemo.qa.session import QASession
 from kvdemo.serve.server import App
 from kvdemo.serve.store import UserSession
 from kvdemo.ui import views
 from kvdemo.ui.ask_widgets import START_SPEC
 from kvdemo.ui.inputs import compare_inputs, user_errors
+from kvdemo.ui.mcp_calls import CALLS, ProgressRelay, after, hook
 
 TOOLS = ("prefill_context", "ask_question", "compare_backends")
 """The MCP tools, by endpoint name (`api_name`). The needle grid's tool joins here (a method of `McpTools`
@@ -53,27 +56,14 @@ _SESSION_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 MCP_ANSWER_SECONDS = 30.0
 """The most seconds one `ask_question` call decodes: then the answer ends after its current decode step, as Stop
-ends it (finish_reason "stopped", the cache restored, the queue slot freed). A bound, because an MCP client's
-cancel (`notifications/cancelled`, or a dropped connection) never reaches the tool: Gradio's MCP bridge runs the
-tool as a job of its own HTTP loopback client and neither forwards the cancel nor cancels that job (gradio 6.31,
-`gradio/mcp.py` `call_tool`; as jlowin/fastmcp#4354 and #1305 report for other servers)."""
+ends it (finish_reason "stopped", the cache restored, the queue slot freed). A bound, because not every way a
+client gives up reaches the tool: a closed connection does (`kvdemo.ui.mcp_calls`), but Gradio serves streamable
+HTTP statelessly, so a `notifications/cancelled` sent there comes in a request of its own that the MCP SDK cannot
+match to the call (a client that gives up and keeps its connection open)."""
 
 MCP_COMPARE_SECONDS = 300.0
 """The most seconds one `compare_backends` call runs: then it stops after the current prefill chunk or decode step,
 as Cancel does, and returns the specs finished so far with a note (same reason as `MCP_ANSWER_SECONDS`)."""
-
-
-def _after(seconds: float, bound: threading.Event, stop: Callable[[], None]) -> threading.Timer:
-    """In `seconds`, unless the returned timer is cancelled first (a daemon thread): `bound.set()`, then `stop()`."""
-
-    def reached() -> None:
-        bound.set()
-        stop()
-
-    timer = threading.Timer(seconds, reached)
-    timer.daemon = True
-    timer.start()
-    return timer
 
 
 def _json(value: Any) -> str:
@@ -125,7 +115,8 @@ class McpTools:
         self, context: str, spec: str = START_SPEC.text, session: str = "", request: gr.Request | None = None
     ) -> str:
         """Prefill a text once into a new KV cache of the chosen backend, so that ask_question can answer
-        questions about it; replaces this session's context.
+        questions about it; replaces this session's context. About 5 s per 1,000 tokens on 2 CPU cores with the
+        embedded 135M model; progress every 256 tokens (at most a few seconds apart).
 
         Args:
             context: the text the questions will be about (plain text, up to the model's window less 128 tokens)
@@ -133,7 +124,9 @@ class McpTools:
             session: your session's name (letters, digits, _ . -), the same for ask_question; empty: a shared one
 
         Returns:
-            JSON: spec, context_tokens, prefill_seconds, kv_bytes, bytes_per_token, ratio_to_full_precision, model
+            JSON: spec, context_tokens, prefill_seconds, kv_bytes, bytes_per_token, ratio_to_full_precision, model,
+            prompt_note (why the prompt differs from the chat template's, or null), template_clock_note (the date a
+            dated template writes for every question of this session, or null)
         """
         if not isinstance(spec, str):
             raise ValueError("spec must be a text like hqq:4,residual_length=16")
@@ -143,9 +136,18 @@ class McpTools:
         user = self.app.sessions.get(key)
         if user.qa is not None:
             user.qa.request_stop()
+        relay = ProgressRelay()
         with user.lock:
             qa = QASession(loaded, parsed, kv_budget_bytes=self.app.kv_budget_bytes)
-            report = self.app.prefill(key, qa, context)
+            with CALLS.watching(request, qa.request_stop) as gone:
+
+                def on_progress(done: int, total: int, what: str = "prefilling {:,} of {:,} tokens") -> None:
+                    relay(done, total, what.format(done, total))
+                    if gone():  # it left before `prefill` cleared the stop flag: stop before the next chunk
+                        qa.request_stop()
+
+                on_quantize = lambda done, total: on_progress(done, total, "quantizing the cache: layer {} of {}")
+                report = self.app.prefill(key, qa, context, on_progress=on_progress, on_quantize=on_quantize)
             user.qa, user.chat, user.events = qa, [], []
             self.app.sessions.forget_freed(key)
         return _json(
@@ -157,6 +159,8 @@ class McpTools:
                 "bytes_per_token": round(report.bytes_per_token, 1),
                 "ratio_to_full_precision": round(report.ratio_to_full_precision, 4),
                 "model": loaded.name,
+                "prompt_note": report.prompt_note,
+                "template_clock_note": report.clock_note,
             }
         )
 
@@ -169,8 +173,10 @@ class McpTools:
         request: gr.Request | None = None,
     ) -> str:
         """Answer a question about the text prefilled by prefill_context (greedy decoding); afterwards the KV
-        cache is restored exactly to the prefilled context. One call decodes for at most 30 seconds: a longer
-        answer ends there (finish_reason "stopped", with a note); cancelling the call does not stop it sooner.
+        cache is restored exactly to the prefilled context. About 6-13 tokens per second on 2 CPU cores with the
+        embedded 135M model (fewer after a longer text); progress about every second. One call decodes for
+        at most 30 seconds: a longer answer ends there (finish_reason "stopped", with a note); closing the
+        connection stops it sooner.
 
         Args:
             question: the question about the prefilled text
@@ -187,7 +193,7 @@ class McpTools:
         if not user.lock.acquire(blocking=False):
             raise ValueError("An answer or a prefill is already running in this session; wait for it to end")
         try:
-            with user.answering() as began:
+            with user.answering() as began, CALLS.watching(request, user.interrupt):  # Stop, when the client leaves
                 return self._answer(user, key, question, max_new_tokens, began)
         finally:
             self.app.sessions.touch(user)
@@ -204,14 +210,16 @@ class McpTools:
             raise ValueError("The model changed since your prefill; call prefill_context again")
         stream = qa.stream(self.app.reserve_answer(key, qa, question, max_new_tokens))
         began(qa)  # the Ask tab's Stop, pressed for this session before the stream began, applies now
-        first_token = None
+        first_token, relay = None, ProgressRelay()
         bound = threading.Event()
-        timer = _after(MCP_ANSWER_SECONDS, bound, qa.request_stop)
+        timer = after(MCP_ANSWER_SECONDS, bound, qa.request_stop)
         try:
             with closing(stream):
+                relay(0, max_new_tokens, "answering: the question's forward pass")
                 for event in stream:
                     if first_token is None:
                         first_token = event.elapsed
+                    relay(event.step + 1, max_new_tokens, "answering: tokens decoded")
         except Exception as error:  # a fault inside a decode step: the session has restored the cache
             steps = qa.history[-1].steps if qa.history else 0
             raise ValueError(
@@ -254,9 +262,12 @@ class McpTools:
         request: gr.Request | None = None,
     ) -> str:
         """Compare KV cache backends on one text: each spec prefills it in a fresh cache and answers the
-        questions; gives memory, agreement with dynamic (identical answers, KL divergence) and speed. Minutes on
-        a CPU; one comparison runs at a time on the server. One call runs for at most 300 seconds: it then
-        returns the specs finished so far, with a note; cancelling the call does not stop it sooner.
+        questions; gives memory, agreement with dynamic (identical answers, KL divergence) and speed. About 10 s
+        per spec and question at 32 tokens on 2 CPU cores with the embedded 135M model and a 775-token text (the
+        default 7 specs, 2 questions: 2.5 minutes), more with more tokens or a longer text. Progress about every
+        second (per spec, prefill chunk, answer, 8 tokens), at most 10 s apart: let it reset your timeout. One
+        comparison runs at a time on the server. One call runs for at most 300 seconds: it then returns the specs
+        finished so far, with a note; closing the connection stops it within a second.
 
         Args:
             questions: the questions, asked in turn on the text (1-20)
@@ -290,7 +301,9 @@ class McpTools:
             golds = gold_answers_for(context, questions)
             prepared = self.app.prepare(loaded, context)  # tokenized once for the reservation and every spec
             with self.app.comparison(key, loaded, prepared, parsed, max_new_tokens):
-                report, note = self._bounded_compare(loaded, prepared, questions, parsed, max_new_tokens, golds, cancel)
+                with CALLS.watching(request, cancel.set) as gone:
+                    work = (loaded, prepared, questions, parsed, max_new_tokens, golds)
+                    report, note = self._bounded_compare(work, cancel, gone, ProgressRelay())
             rows = json_ready(report.to_frame().to_dict(orient="records"), nan=None)
             for row, result in zip(rows, report.results):
                 row["answers"] = [q.answer for q in result.questions]
@@ -305,36 +318,23 @@ class McpTools:
             )
 
     def _bounded_compare(
-        self,
-        loaded: LoadedModel,
-        prepared: PreparedContext,
-        questions: list[str],
-        specs: list[CacheSpec],
-        max_new_tokens: int,
-        golds: list[tuple[str, ...]] | None,
-        cancel: threading.Event,
+        self, work: tuple, cancel: threading.Event, gone: Callable[[], str | None], relay: ProgressRelay
     ) -> tuple[ComparisonReport, str]:
-        """`compare_backends`' run: `compare` stopped by `cancel`, which `MCP_COMPARE_SECONDS` sets; returns the
-        report (the specs finished, when stopped) and a note saying why it stopped ("" when it did not).
+        """`compare_backends`' run of `compare(*work)` (the model, the prepared context, the questions, the specs,
+        max_new_tokens, the gold answers), stopped by `cancel`, which `MCP_COMPARE_SECONDS` sets, and which the
+        call's MCP client sets when it leaves (`gone()` says why); its progress to `relay`. Returns the report (the
+        specs finished, when stopped) and a note saying why it stopped ("" when it did not).
 
         Raises:
             ValueError, ImportError: bad input, or a fault inside a decode step (every session it used restored).
         """
         bound = threading.Event()
-        timer = _after(MCP_COMPARE_SECONDS, bound, cancel.set)
+        timer = after(MCP_COMPARE_SECONDS, bound, cancel.set)
         try:
-            report = compare(
-                loaded,
-                prepared,
-                questions,
-                specs,
-                max_new_tokens,
-                golds,
-                cancel=cancel,
-                kv_budget_bytes=self.app.kv_budget_bytes,
-            )
-            return report, ""
-        except ComparisonCancelled as cancelled:  # the bound passed, or the session was freed meanwhile
+            return compare(*work, cancel=cancel, on_progress=relay, kv_budget_bytes=self.app.kv_budget_bytes), ""
+        except ComparisonCancelled as cancelled:  # the bound passed, the client left, or the session was freed
+            if gone() is not None:
+                return cancelled.report, f"stopped: the MCP client left ({gone()}); the finished specs follow"
             if bound.is_set():
                 return cancelled.report, (
                     f"stopped at this tool's bound of {MCP_COMPARE_SECONDS:g} s per call; the finished specs follow "
@@ -360,13 +360,14 @@ class McpTools:
 
 
 def serve_only_tools(demo: gr.Blocks) -> list[str]:
-    """After `demo.launch(mcp_server=True, ...)`: make `TOOLS` the MCP server's only tools. Gradio makes every
-    public endpoint a tool; the tabs' endpoints return page updates (charts, chat) and stay what they are, API
-    endpoints for `gradio_client`, but are no MCP tools. Returns the tool names served (a Space prefixes them
-    with its name).
+    """After `demo.launch(mcp_server=True, ...)`: make `TOOLS` the MCP server's only tools, and hook its bridge so
+    that a tool stops when its caller leaves (`kvdemo.ui.mcp_calls.hook`). Gradio makes every public endpoint a
+    tool; the tabs' endpoints return page updates (charts, chat) and stay what they are, API endpoints for
+    `gradio_client`, but are no MCP tools. Returns the tool names served (a Space prefixes them with its name).
 
     Raises:
-        RuntimeError: the MCP server did not start (Gradio's message, e.g. the `mcp` package is missing).
+        RuntimeError: the MCP server did not start (Gradio's message, e.g. the `mcp` package is missing), or its
+            bridge is not Gradio 6.31's (`hook`).
     """
     server = getattr(demo, "mcp_server_obj", None)
     if server is None:
@@ -374,6 +375,7 @@ def serve_only_tools(demo: gr.Blocks) -> list[str]:
             getattr(demo, "mcp_error", None)
             or "the MCP server is not running; launch with mcp_server=True (pip install 'gradio[mcp]')"
         )
+    hook(server)  # each call's tool hears when its client leaves
     endpoints = {f"/{name}" for name in TOOLS}
     server.tool_to_endpoint = {tool: ep for tool, ep in server.tool_to_endpoint.items() if ep in endpoints}
     return sorted(server.tool_to_endpoint)

@@ -143,8 +143,9 @@ def test_compare_over_the_sse_transport(mcp_app, tiny, normans):
 
 
 def test_one_call_runs_no_longer_than_its_stated_bound(mcp_app, tiny, monkeypatch):
-    """Issue 23, item 1: an MCP client's cancel never reaches a Gradio tool (its bridge runs the tool as a job of
-    its own loopback client), so each call is bounded instead, as its description says: an answer past
+    """Issue 23, item 1: a streamable HTTP client that sends `notifications/cancelled` and keeps its connection
+    never reaches a Gradio tool (the stateless transport cannot match it to the call; a client that leaves does:
+    `kvdemo.ui.mcp_calls`), so each call is bounded too, as its description says: an answer past
     `MCP_ANSWER_SECONDS` ends after its current decode step (stopped, the cache restored, the next call served),
     a comparison past `MCP_COMPARE_SECONDS` returns the specs finished so far. Bounds of 0.3 s here."""
     from kvdemo.ui import mcp_tools
