@@ -21,7 +21,7 @@ from kvdemo.evals.fidelity import PerplexityInputs
 from kvdemo.evals.metrics import common_prefix, score_against_gold
 from kvdemo.qa.models import LoadedModel
 from kvdemo.qa.prompt import PreparedContext
-from kvdemo.qa.records import PrefillReport
+from kvdemo.qa.records import Answer, PrefillReport
 from kvdemo.qa.session import QASession
 
 
@@ -223,7 +223,9 @@ def _reference_kv(
 
 def _answer_all(run: ComparisonRun, session: QASession, spec: CacheSpec) -> tuple[list, list[int], list[float]]:
     """Every question answered in turn: the answers, and per answer its flush steps and their seconds."""
-    answers, flush_steps, flush_seconds = [], [], []
+    answers: list[Answer] = []
+    flush_steps: list[int] = []
+    flush_seconds: list[float] = []
     for question in run.questions:
         stream = session.stream(question, run.max_new_tokens)
         steps, seconds = 0, 0.0

@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
@@ -302,7 +303,7 @@ class McpTools:
             prepared = self.app.prepare(loaded, context)  # tokenized once for the reservation and every spec
             with self.app.comparison(key, loaded, prepared, parsed, max_new_tokens):
                 with CALLS.watching(request, cancel.set) as gone:
-                    work = (loaded, prepared, questions, parsed, max_new_tokens, golds)
+                    work = functools.partial(compare, loaded, prepared, questions, parsed, max_new_tokens, golds)
                     report, note = self._bounded_compare(work, cancel, gone, ProgressRelay())
             rows = json_ready(report.to_frame().to_dict(orient="records"), nan=None)
             for row, result in zip(rows, report.results):
@@ -318,10 +319,14 @@ class McpTools:
             )
 
     def _bounded_compare(
-        self, work: tuple, cancel: threading.Event, gone: Callable[[], str | None], relay: ProgressRelay
+        self,
+        work: Callable[..., ComparisonReport],
+        cancel: threading.Event,
+        gone: Callable[[], str | None],
+        relay: ProgressRelay,
     ) -> tuple[ComparisonReport, str]:
-        """`compare_backends`' run of `compare(*work)` (the model, the prepared context, the questions, the specs,
-        max_new_tokens, the gold answers), stopped by `cancel`, which `MCP_COMPARE_SECONDS` sets, and which the
+        """`compare_backends`' run of `work`, `compare` given the model, the prepared context, the questions, the
+        specs, max_new_tokens and the gold answers, stopped by `cancel`, which `MCP_COMPARE_SECONDS` sets, and which the
         call's MCP client sets when it leaves (`gone()` says why); its progress to `relay`. Returns the report (the
         specs finished, when stopped) and a note saying why it stopped ("" when it did not).
 
@@ -331,7 +336,7 @@ class McpTools:
         bound = threading.Event()
         timer = after(MCP_COMPARE_SECONDS, bound, cancel.set)
         try:
-            return compare(*work, cancel=cancel, on_progress=relay, kv_budget_bytes=self.app.kv_budget_bytes), ""
+            return work(cancel=cancel, on_progress=relay, kv_budget_bytes=self.app.kv_budget_bytes), ""
         except ComparisonCancelled as cancelled:  # the bound passed, the client left, or the session was freed
             if gone() is not None:
                 return cancelled.report, f"stopped: the MCP client left ({gone()}); the finished specs follow"
