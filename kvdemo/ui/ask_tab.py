@@ -5,7 +5,6 @@ names are the widgets' names."""
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import closing
@@ -20,7 +19,7 @@ from kvdemo.qa.prefill import PrefillStopped
 from kvdemo.qa.session import QASession
 from kvdemo.serve.server import App
 from kvdemo.serve.store import UserSession, request_key
-from kvdemo.ui import option_fields, page_state, views
+from kvdemo.ui import context_box, option_fields, page_state, views
 from kvdemo.ui.ask_widgets import AnswerView, AskWidgets, PrefillView
 from kvdemo.ui.examples import example, suggested_questions
 from kvdemo.ui.inputs import page_event, read_upload, refusal, spec_from_inputs
@@ -285,7 +284,8 @@ class AskTab(AskWidgets):
         says what differs, and `UserSession.page_shows` records the page so that `ask` refuses Enter in the question
         box (which the disabled button does not stop). Once the page matches again, a refusal beside Ask gives way
         to the last answer's line (`UserSession.answer_line`). The page calls it through `page_event` (without
-        progress: it runs outside the queue, before any queued answer)."""
+        progress: it runs outside the queue, before any queued answer), with a large Context box's fingerprint in
+        place of its text (`context_box.sync_js`, compared by `page_state.same_context`)."""
         user = self.app.sessions.peek_request(request)
         try:
             spec = spec_from_inputs(backend, options)
@@ -315,9 +315,10 @@ class AskTab(AskWidgets):
     def example_questions(self, context: str, request: gr.Request) -> Any:
         """The example-questions list for the Context box's text: the questions asked so far on it, or a shipped
         example's own questions; hidden for any other text, so that it never offers Normans' questions about
-        another article."""
+        another article. `context`: the box's text, or a large one's fingerprint (`context_box.wire`)."""
         user = self.app.sessions.peek_request(request)
-        held = user.qa if user is not None and user.qa is not None and user.qa.context == context else None
+        qa = user.qa if user is not None else None
+        held = qa if qa is not None and page_state.same_context(context, qa.context) else None
         questions = suggested_questions(held, context)
         return gr.Dataset(samples=[[q] for q in questions], visible=bool(questions))
 
@@ -333,29 +334,20 @@ class AskTab(AskWidgets):
         state_inputs = [w["context"], w["backend"], *fields]
         gate = {
             "fn": page_event(self.gate, progress=False),
-            "inputs": state_inputs,
+            "inputs": [w["context_sent"], w["backend"], *fields],  # the box as sent: a large one's fingerprint
             "outputs": [w["prefill_info"], w["notice"], w["ask_button"], w["stats"]],
             **private,
         }
         stop_state = {"fn": self.stop_state, "outputs": w["stop_button"], **private}
-        remember = {"fn": page_state.remember, "inputs": state_inputs, "outputs": w["saved"], **private}
         w["backend"].change(
             option_fields.backend_option_updates,
             inputs=[w["backend"], *fields],
             outputs=[*fields, w["backend_note"]],
             **private,
         ).then(**gate)
-        for field_ in [w["context"], *fields]:
+        for field_ in fields:
             field_.change(**gate)
-        for field_ in state_inputs:
-            field_.change(**remember)
-        demo.load(page_state.restore, inputs=w["saved"], outputs=state_inputs, **private)
-        # typing or pasting into the box makes it no longer the uploaded file's text: the file name goes
-        w["context"].input(lambda: None, outputs=w["upload"], **private)
-        w["upload"].upload(self.upload, inputs=w["upload"], outputs=[w["context"], w["notice"]], api_name="read_upload")
-        w["context"].change(self.example_questions, inputs=w["context"], outputs=w["example_questions"], **private)
-        for name, button in w["examples"].items():
-            button.click(functools.partial(self.load_example, name), outputs=w["context"], **private)
+        context_box.wire(self, demo, state_inputs, gate)  # the box: its gate, questions, kept copy, upload, examples
         w["example_questions"].click(
             lambda sample: sample[0], inputs=w["example_questions"], outputs=w["question"], **private
         )

@@ -80,6 +80,9 @@ class AskWidgets:
             with gr.Column(scale=3):
                 gr.Markdown("### Context")
                 w["context"] = gr.Textbox(label="context", lines=10, max_lines=18, placeholder="Paste a long text…")
+                w["context_note"] = gr.Markdown("")  # a large context: what a reload keeps (`context_box`)
+                # what the server's gate sees of the box: its text, or a large one's fingerprint (`context_box`)
+                w["context_sent"] = gr.Textbox("", visible=False)
                 with gr.Row():
                     w["upload"] = gr.File(
                         label="or upload .txt / .md (≤ 2 MiB, UTF-8)",
