@@ -1,7 +1,8 @@
 """Bad input at every door (issue 23, item 6): every API name of the page (gradio_client), the same endpoints over
 raw HTTP with malformed bodies, and every MCP tool (the `mcp` client) get random and hostile payloads: wrong types,
 huge and negative numbers, NaN and infinity, nested JSON, surrogates and control characters, very long strings,
-missing fields. Every reply must be a clear refusal (the app's message) or a right answer, never a crash (a
+missing fields, and spec texts at the edges of every backend's options (TurboQuant's presets and bits, `protect`,
+fp8's `scale`). Every reply must be a clear refusal (the app's message) or a right answer, never a crash (a
 handler's exception that Gradio can only report as its generic error); the server stays up, and a session
 prefilled before the storm answers exactly as before. The counts go to artifacts/every_door.json.
 
@@ -82,6 +83,13 @@ HOSTILE = [
     "Who led the Normans?",
     ["dynamic", 3, None],
     ["hqq:9", "quanto:4,residual_length=-1"],
+    "turboquant:k8v4",
+    "turboquant:9,norm_correction=maybe",
+    "turboquant:k3v4_nc,nbits=4",
+    "turboquant:turboquant_4bit_nc,protect=9:9",
+    "fp8,scale=per_token_head,protect=1:1",
+    "quanto:4,protect=-1:2,flush=append,residual_length=1",
+    ["turboquant:k8v4", "hqq:k8v4", "fp8,scale=per_token"],
 ]
 """Values a client may send for any field: each endpoint's fields are filled from these at random."""
 
