@@ -52,7 +52,7 @@ from kvdemo.cache.speedlimit import probe_bandwidth  # noqa: E402
 from kvdemo.evals.cases import example_path, load_case  # noqa: E402
 from kvdemo.qa.models import embedded_gguf_path  # noqa: E402
 
-KVDEMO_SPECS = ("dynamic", "quanto:4", "hqq:4", "fp8")
+KVDEMO_SPECS = ("dynamic", "quanto:4", "hqq:4", "fp8", "turboquant:4")
 LLAMA_KV_TYPES = ("f16", "q8_0", "q4_0")
 QUANTIZED_PATTERNS = ("quanto", "hqq", "fp8")
 REFERENCE = "kvdemo dynamic"
@@ -66,6 +66,7 @@ PAIRS = (
     ("kvdemo fp8", "llama.cpp q8_0 KV"),
     ("kvdemo quanto:4", "llama.cpp q4_0 KV"),
     ("kvdemo hqq:4", "llama.cpp q4_0 KV"),
+    ("kvdemo turboquant:4", "llama.cpp q4_0 KV"),
 )
 """(kvdemo system, peer): the ratios printed."""
 
