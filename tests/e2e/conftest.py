@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import shutil
 import socket
 
 import gradio as gr
 import pytest
+from playwright.sync_api import sync_playwright
 
 from kvdemo.serve.server import App
 from kvdemo.ui import build_demo
@@ -55,3 +57,14 @@ def mcp_app(tiny):
     demo.close()
     for key in list(app.sessions._sessions):  # what the module's clients left: freed, so no later test sees it
         app.sessions.free(key, "the test module ended")
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Debian's chromium driven by Playwright, one per test module (the browser tests' pages open in it)."""
+    chromium = shutil.which("chromium")
+    assert chromium, "Debian's chromium is needed: apt-get install chromium (the Makefile's test set-up does it)"
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=chromium)
+        yield browser
+        browser.close()

@@ -14,12 +14,11 @@ requests while typing, `kvdemo.ui.context_box`).
 from __future__ import annotations
 
 import re
-import shutil
 import time
 from pathlib import Path
 
 import pytest
-from playwright.sync_api import Page, expect, sync_playwright
+from playwright.sync_api import Page, expect
 
 from kvdemo.evals.cases import example_path, load_case
 from kvdemo.serve.server import App
@@ -61,16 +60,6 @@ def served(embedded):
     app.prefill = recorded
     yield url, prefilled
     demo.close()
-
-
-@pytest.fixture(scope="module")
-def browser():
-    chromium = shutil.which("chromium")
-    assert chromium, "Debian's chromium is needed: apt-get install chromium (the Makefile's test set-up does it)"
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=chromium)
-        yield browser
-        browser.close()
 
 
 @pytest.fixture()

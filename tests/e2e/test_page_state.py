@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import logging
 import re
-import shutil
 from pathlib import Path
 
 import pytest
-from playwright.sync_api import Page, expect, sync_playwright
+from playwright.sync_api import Page, expect
 
 from kvdemo.evals.cases import example_path, load_case
 from kvdemo.qa.prefill import PREFILL_CHUNK_TOKENS
@@ -29,16 +28,6 @@ ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts" / "state"
 LONGER_THAN_A_TOAST_MS = 12_000
 """How long a refusal must stay on the page: Gradio's toasts vanish after about 10 s."""
 PROGRESS = re.compile(r"Prefilling: ([\d,]+) of ([\d,]+) tokens")
-
-
-@pytest.fixture(scope="module")
-def browser():
-    chromium = shutil.which("chromium")
-    assert chromium, "Debian's chromium is needed: apt-get install chromium (the Makefile's test set-up does it)"
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=chromium)
-        yield browser
-        browser.close()
 
 
 @pytest.fixture()
