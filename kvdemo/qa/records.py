@@ -27,6 +27,10 @@ class PrefillReport:
         template_clock: where the chat template writes the time (Llama 3.1's date), the moment it read at this
             prefill and reads for every question of the session (`kvdemo.qa.prompt.PromptSplit.clock`); None where
             it writes none.
+        opened_from: the session file this prefill was opened from (`kvdemo.qa.session_file.open_session`), whose
+            load `seconds` then measures; None for a prefill run here.
+        prefill_seconds: the wall time of the prefill itself (seconds): `seconds`, or for an opened file the time
+            the prefill that wrote it took.
     """
 
     context_tokens: int
@@ -36,6 +40,8 @@ class PrefillReport:
     prompt_matches_template: bool = True
     prompt_note: str | None = None
     template_clock: datetime | None = None
+    opened_from: str | None = None
+    prefill_seconds: float | None = None
 
     @property
     def clock_note(self) -> str | None:

@@ -144,6 +144,16 @@ class QASession:
         """
         return list(self._prefilled()[2].prefix) + self.question_ids(question)
 
+    @property
+    def split(self) -> PromptSplit:
+        """The prefill's split (its ids, tail and clock). Raises ValueError before a prefill."""
+        return self._prefilled()[2]
+
+    @property
+    def streaming(self) -> bool:
+        """Whether an answer is open: streaming, or not yet closed (the cache is not the post-prefill one)."""
+        return self._active is not None
+
     def _prefilled(self) -> tuple[Cache, snapshot.CacheSnapshot, PromptSplit]:
         if self.cache is None or self._snapshot is None or self._split is None:  # set and cleared together
             raise ValueError("prefill a context before asking a question")
@@ -215,19 +225,31 @@ class QASession:
         start = time.perf_counter()
         quantized = self.spec.info.quantized
         run_prefill(self.loaded, cache, split.prefix, quantized, chunk_tokens, on_progress, self._stop, on_quantize)
+        return self._install(cache, split, context, start)
+
+    def _install(
+        self, cache: Cache, split: PromptSplit, context: str, start: float, opened: tuple[str, float] | None = None
+    ) -> PrefillReport:
         saved = snapshot.take(cache)
         seconds = time.perf_counter() - start
         self.cache, self._snapshot, self._split, self.context = cache, saved, split, context
-        self.prefill_report = PrefillReport(
-            context_tokens=len(split.prefix),
-            seconds=seconds,
-            memory=kv_memory(cache, saved),
-            full_precision_bytes=full_precision_bytes(self.loaded.config, len(split.prefix), self.loaded.dtype),
-            prompt_matches_template=split.matches_template,
-            prompt_note=split.note,
-            template_clock=split.clock,
-        )
-        return self.prefill_report
+        self.prefill_report = report = PrefillReport(
+            len(split.prefix), seconds, kv_memory(cache, saved),
+            full_precision_bytes(self.loaded.config, len(split.prefix), self.loaded.dtype), split.matches_template,
+            split.note, split.clock, *(opened or (None, seconds)),
+        )  # fmt: skip
+        return report
+
+    def adopt(
+        self, cache: Cache, split: PromptSplit, context: str, start: float, opened: tuple[str, float]
+    ) -> PrefillReport:
+        """Take `cache`, prefilled elsewhere with `split.prefix` over `context` (a session file: `open_session`,
+        from `start`), as this session's prefill; `opened`: (the file's name, its prefill's seconds). Raises
+        ValueError, KVBudgetError: with a question and `DEFAULT_MAX_NEW_TOKENS` it does not fit the window or budget."""
+        self.check_prefill(len(split.prefix), QUESTION_RESERVE_TOKENS + DEFAULT_MAX_NEW_TOKENS)
+        self._close_active()
+        self.history = []
+        return self._install(cache, split, context, start, opened)
 
     def check_prefill(self, context_tokens: int, reserve_tokens: int) -> None:
         """Whether a prefill of `context_tokens` tokens, keeping `reserve_tokens` for a question and its answer,

@@ -104,8 +104,14 @@ def prefill_summary(qa: QASession) -> str:
     r = qa.prefill_report
     assert r is not None  # shown after a prefill
     notes = [f"\n\n{note}." for note in (r.prompt_note and f"Prompt check: {r.prompt_note}", r.clock_note) if note]
+    done = f"Prefilled **{r.context_tokens:,} tokens** in {r.seconds:.2f} s"
+    if r.opened_from is not None:
+        done = (
+            f"Opened **{r.context_tokens:,} prefilled tokens** from the session file `{r.opened_from}` in "
+            f"{r.seconds:.2f} s (its prefill took {r.prefill_seconds or 0:.2f} s)"
+        )
     return (
-        f"Prefilled **{r.context_tokens:,} tokens** in {r.seconds:.2f} s with **{qa.spec.label}** · "
+        f"{done} with **{qa.spec.label}** · "
         f"KV cache {r.kv_bytes / 2**20:.2f} MiB ({r.bytes_per_token:,.0f} bytes/token) · "
         f"**{r.ratio_to_full_precision:.3f}×** full precision ({r.full_precision_bytes / 2**20:.2f} MiB)"
     ) + "".join(notes)

@@ -1,0 +1,291 @@
+"""A prefilled session saved to one file and opened again, exactly: prefill once, come back later (llama.cpp's
+`--prompt-cache` and slot save/restore, LMCache's stored KV), and the file a ZeroGPU job hands on.
+
+The file is safetensors (no pickle: opening it runs no code): the cache's plain tensors
+(`kvdemo.cache.serialize.cache_state`), the context's ids as the tensor `context_ids` (int64, [tokens]), and in the
+header's metadata a JSON manifest under `kvdemo.session`: the format, the kvdemo and transformers versions, the spec,
+the model's identity (`model_identity`), the context text and its split (`kvdemo.qa.prompt.PromptSplit`: the ids'
+tail, the template's clock), the prefill's seconds and the cache's manifest. `kvdemo.digest` holds the SHA-256 of
+that manifest and of every tensor's name, dtype, shape and bytes.
+
+Opening (`open_session`) refuses, with `SessionFileError` (a `ValueError`) and before anything is loaded into a
+session: a file that is not a session file or is truncated, one of another format, kvdemo or transformers version,
+one made with another model (name, dtype, config or weights) or another spec than asked, and one whose bytes do not
+match its digest (changed or damaged). The digest proves integrity, not authorship: whoever rewrites a file can
+rewrite its digest; that yields wrong numbers at worst, never code run, and the cache's structure is still checked
+against the spec's (`load_cache_state`).
+
+Figures: `benchmarks/session_file.py` measures saving and opening beside the prefill (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvdemo.cache.serialize import CacheFileError, cache_state, load_cache_state
+from kvdemo.cache.spec import CacheSpec, build_cache
+from kvdemo.qa.models import LoadedModel
+from kvdemo.qa.prompt import PromptSplit
+from kvdemo.qa.session import QASession
+
+FORMAT = 1
+"""The session file's format (the cache's has its own: `kvdemo.cache.serialize.FORMAT`)."""
+SUFFIX = ".kvsession"
+"""The file name's suffix the page and the command line give a session file (a safetensors file)."""
+_MANIFEST, _DIGEST, _IDS = "kvdemo.session", "kvdemo.digest", "context_ids"
+_WEIGHT_SAMPLES = 16
+"""Values read from each weight tensor (evenly strided) for the model's fingerprint."""
+
+
+class SessionFileError(ValueError):
+    """A session file cannot be opened here: the message says why and what to do (prefill again, or load the model
+    or choose the spec it was made with)."""
+
+
+def versions() -> dict[str, str]:
+    """The versions a session file must match: kvdemo's and transformers' (whose cache layers it holds). kvdemo's
+    comes from its installed metadata, else (a checkout run in place, as a Space runs it) from `pyproject.toml`."""
+    try:
+        kvdemo = metadata.version("kvdemo")
+    except metadata.PackageNotFoundError:
+        found = re.search(r'^version = "([^"]+)"', (Path(__file__).parents[2] / "pyproject.toml").read_text(), re.M)
+        kvdemo = found.group(1) if found else "unknown"
+    return {"kvdemo": kvdemo, "transformers": metadata.version("transformers")}
+
+
+def model_identity(loaded: LoadedModel) -> dict[str, Any]:
+    """What makes two loaded models the same for a saved cache: the name, the dtype, a SHA-256 of the config (without
+    its path and version fields), of the tokenizer's vocabulary size and chat template, and of a sample of every
+    weight (`_WEIGHT_SAMPLES` evenly strided values per tensor, with its name and shape: a fine-tuned twin differs).
+    Reads a few values per tensor (milliseconds, also on a GPU)."""
+    config = {k: v for k, v in loaded.config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
+    weights = hashlib.sha256()
+    with torch.no_grad():
+        for name, tensor in loaded.model.state_dict().items():
+            flat = tensor.reshape(-1)
+            sample = flat[:: max(1, flat.numel() // _WEIGHT_SAMPLES)][:_WEIGHT_SAMPLES]
+            weights.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
+            weights.update(sample.detach().float().cpu().numpy().tobytes())
+    template = getattr(loaded.tokenizer, "chat_template", None)
+    tokenizer = f"{len(loaded.tokenizer)}|{json.dumps(template, sort_keys=True)}"
+    return {
+        "name": loaded.name,
+        "dtype": str(loaded.dtype).removeprefix("torch."),
+        "config": hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest(),
+        "tokenizer": hashlib.sha256(tokenizer.encode()).hexdigest(),
+        "weights": weights.hexdigest(),
+    }
+
+
+def _digest(manifest_text: str, tensors: dict[str, torch.Tensor]) -> str:
+    """SHA-256 of the manifest's text and of every tensor's name, dtype, shape and bytes, in name order."""
+    digest = hashlib.sha256(manifest_text.encode())
+    for name in sorted(tensors):
+        tensor = tensors[name].detach().contiguous().cpu()
+        digest.update(f"|{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().data)
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class SavedSession:
+    """A session file written by `save_session`: its path, its size (bytes) and the time writing it took (seconds)."""
+
+    path: Path
+    bytes: int
+    seconds: float
+
+
+def save_session(session: QASession, path: str | os.PathLike[str]) -> SavedSession:
+    """Write `session`'s prefilled context and cache to `path` (written beside it, then renamed: never half a file).
+
+    Args:
+        session: a prefilled session with no answer streaming (its cache is the post-prefill one).
+        path: where to write; `SUFFIX` is the usual suffix; the folder must exist.
+
+    Returns:
+        The path, the file's bytes and the seconds it took.
+
+    Raises:
+        ValueError: the session holds no prefill, or an answer is streaming (save after it ends).
+        TypeError: a layer holds a tensor layout kvdemo cannot write (`kvdemo.cache.serialize`).
+    """
+    if session.cache is None or session.prefill_report is None or session.context is None:
+        raise ValueError("prefill a context before saving the session")
+    if session.streaming:
+        raise ValueError("an answer is streaming; save the session after it ends")
+    start = time.perf_counter()
+    split, report = session.split, session.prefill_report
+    tensors, cache_manifest = cache_state(session.cache)
+    tensors[_IDS] = torch.tensor(split.prefix, dtype=torch.int64)
+    manifest = {
+        "format": FORMAT,
+        "versions": versions(),
+        "spec": session.spec.text,
+        "model": model_identity(session.loaded),
+        "context": session.context,
+        "split": {
+            "tail": split.tail,
+            "matches_template": split.matches_template,
+            "note": split.note,
+            "clock": split.clock.isoformat() if split.clock else None,
+        },
+        "prefill_seconds": report.prefill_seconds if report.prefill_seconds is not None else report.seconds,
+        "cache": cache_manifest,
+    }
+    text = json.dumps(manifest, sort_keys=True)
+    target = Path(path)
+    partial = target.with_name(target.name + ".part")
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(partial), metadata={_MANIFEST: text, _DIGEST: _digest(text, tensors)})
+    os.replace(partial, target)
+    return SavedSession(target, target.stat().st_size, time.perf_counter() - start)
+
+
+def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The manifest of a session file, read from its header alone (no tensor is read).
+
+    Raises:
+        SessionFileError: the file is missing, is not a safetensors file, is truncated, or holds no kvdemo session.
+    """
+    return _open_header(Path(path))[0]
+
+
+def _open_header(path: Path) -> tuple[dict[str, Any], str]:
+    from safetensors import safe_open
+
+    if not path.is_file():
+        raise SessionFileError(f"{path} is not a file; give the path of a session file ({SUFFIX})")
+    try:
+        with safe_open(str(path), framework="pt") as file:
+            header = file.metadata() or {}
+    except Exception as error:  # safetensors raises its own SafetensorError, or OSError
+        raise SessionFileError(
+            f"{path.name} is not a session file, or it is truncated ({path.stat().st_size:,} bytes): {error}"
+        ) from None
+    if _MANIFEST not in header or _DIGEST not in header:
+        raise SessionFileError(f"{path.name} is a safetensors file but holds no kvdemo session")
+    try:
+        manifest = json.loads(header[_MANIFEST])
+    except ValueError:
+        raise SessionFileError(f"{path.name}'s session manifest is not JSON: the file was changed or damaged") from None
+    return manifest, header[_DIGEST]
+
+
+def check_fits(manifest: dict[str, Any], loaded: LoadedModel, spec: CacheSpec | None) -> CacheSpec:
+    """The spec a session file holds, once its format, versions, model and spec fit this model and the asked spec.
+
+    Args:
+        spec: the spec asked for; None takes the file's.
+
+    Raises:
+        SessionFileError: another format, kvdemo or transformers version, model or spec made it (the message says
+            which, and what would open it).
+    """
+    if manifest.get("format") != FORMAT:
+        raise SessionFileError(f"the file is in session format {manifest.get('format')!r}; this kvdemo reads {FORMAT}")
+    mine, theirs = versions(), manifest.get("versions") or {}
+    for name, version in mine.items():
+        if theirs.get(name) != version:
+            raise SessionFileError(
+                f"the file was written by {name} {theirs.get(name)}; this is {name} {version}, whose cache layers may "
+                "differ: prefill the context again (and save it anew)"
+            )
+    model, identity = manifest.get("model") or {}, model_identity(loaded)
+    for field in ("name", "dtype", "config", "tokenizer", "weights"):
+        if model.get(field) != identity[field]:
+            what = f"{model.get('name')} in {model.get('dtype')}"
+            raise SessionFileError(
+                f"the file was made with {what}, not this model ({identity['name']} in {identity['dtype']}; they "
+                f"differ in their {field}): load that model to open it, or prefill the context again"
+            )
+    saved = CacheSpec.parse(str(manifest.get("spec")))
+    if spec is not None and spec.validate(loaded.config).text != saved.validate(loaded.config).text:
+        raise SessionFileError(
+            f"the file holds a `{saved.text}` cache, not `{spec.text}`: choose `{saved.text}` to open it, or prefill "
+            "the context again with this spec"
+        )
+    return saved
+
+
+def open_session(
+    loaded: LoadedModel,
+    path: str | os.PathLike[str],
+    spec: CacheSpec | None = None,
+    kv_budget_bytes: int | None = None,
+    session: QASession | None = None,
+) -> QASession:
+    """Open a session file: a session whose cache is the saved post-prefill cache, tensor for tensor, on the model's
+    device (one copy from the file), so its answers equal a fresh single-question run's.
+
+    Example:
+        >>> save_session(session, "normans.kvsession")
+        >>> again = open_session(load_model(), "normans.kvsession")
+        >>> again.ask("In what country is Normandy located?").text == session.ask(...).text
+        True
+
+    Args:
+        loaded: the model the file was made with.
+        path: the file.
+        spec: the spec expected; None takes the file's.
+        kv_budget_bytes: as for `QASession`.
+        session: a session of this model and the file's spec to open the file into (replacing its prefill); None
+            builds a new one.
+
+    Returns:
+        The session, prefilled; `prefill_report.opened_from` names the file and `seconds` is the load's time.
+
+    Raises:
+        SessionFileError: see `check_fits`, `read_manifest`; or the bytes do not match the digest (changed or
+            damaged), or the cache's structure not the spec's. Raised before anything is loaded into `session`.
+        ValueError, KVBudgetError: the context does not fit the window or the budget (`QASession.adopt`).
+    """
+    start, path = time.perf_counter(), Path(path)
+    manifest, digest = _open_header(path)
+    saved_spec = check_fits(manifest, loaded, spec)
+    if session is None:
+        session = QASession(loaded, saved_spec, kv_budget_bytes)
+    elif session.loaded is not loaded or session.spec.text != saved_spec.validate(loaded.config).text:
+        raise SessionFileError(f"this session serves `{session.spec.text}`; the file holds `{saved_spec.text}`")
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as file:
+            tensors = {name: file.get_tensor(name) for name in file.keys()}  # noqa: SIM118 (not a dict)
+    except Exception as error:
+        raise SessionFileError(f"{path.name} cannot be read whole: {error}") from None
+    text = json.dumps(manifest, sort_keys=True)
+    if _IDS not in tensors or _digest(text, tensors) != digest:
+        raise SessionFileError(
+            f"{path.name}'s contents do not match its digest: it was changed or damaged after it was written; "
+            "prefill the context again"
+        )
+    ids = tensors.pop(_IDS)
+    split_fields = manifest["split"]
+    clock = split_fields.get("clock")
+    split = PromptSplit(
+        tuple(int(i) for i in ids.tolist()),
+        str(split_fields["tail"]),
+        bool(split_fields["matches_template"]),
+        split_fields.get("note"),
+        datetime.fromisoformat(clock) if clock else None,
+    )
+    cache = build_cache(session.spec, loaded.config)
+    try:
+        load_cache_state(cache, manifest["cache"], tensors.__getitem__, loaded.device)
+    except (CacheFileError, KeyError) as error:
+        raise SessionFileError(f"{path.name}'s cache does not fit `{session.spec.text}` here: {error}") from None
+    session.adopt(cache, split, str(manifest["context"]), start, (path.name, float(manifest["prefill_seconds"])))
+    return session

@@ -1,0 +1,201 @@
+"""Session files (`kvdemo.qa.session_file`): a prefilled session saved and opened again answers exactly as a fresh
+single-question run, on every spec of the matrix, two per-layer plans and every model kind (sliding-window, linear
+attention, Mamba hybrid, latent MLA, bfloat16); bad, truncated, tampered and foreign files are refused before
+anything is loaded into the session, which keeps its own prefill.
+
+Cost: about 15 s in one process (tiny models; every spec prefills twice, saves once and opens once)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import struct
+from importlib import metadata
+
+import pytest
+import torch
+
+from kvdemo.cache.catalogue import all_specs
+from kvdemo.cache.spec import CacheSpec
+from kvdemo.qa import session_file
+from kvdemo.qa.session import QASession
+from kvdemo.qa.session_file import SessionFileError, open_session, read_manifest, save_session
+from tests.families import SPECS as FAMILY_SPECS
+from tests.families import tiny_family, verdict
+from tests.helpers import make_tiny
+
+CONTEXT = (
+    "The Normans were the people who in the 10th and 11th centuries gave their name to Normandy, a region in "
+    "France. They were descended from Norse raiders and pirates from Denmark, Iceland and Norway. "
+) * 3
+QUESTIONS = ("In what country is Normandy located?", "Who were the Normans descended from?")
+ANSWER_TOKENS = 6
+PLANNED = [CacheSpec.parse("quanto,plan=k4v2h+k2v4"), CacheSpec.parse("hqq,plan=k8v3+k2v4h,flush=append")]
+KINDS = ("Gemma 3", "Qwen3.5", "Falcon-H1", "DeepSeek-V3 (MLA)")
+
+
+def _prefilled(loaded, spec) -> QASession:
+    session = QASession(loaded, spec)
+    session.prefill(CONTEXT, max_new_tokens=ANSWER_TOKENS, chunk_tokens=64)
+    return session
+
+
+def _round_trip(loaded, spec, path) -> None:
+    """Answers and teacher-forced log-probs after save and open equal a fresh run's, exactly; the opened cache is
+    the post-prefill cache after each answer."""
+    fresh = [_prefilled(loaded, spec).ask(q, ANSWER_TOKENS) for q in QUESTIONS]
+    reference = _prefilled(loaded, spec)
+    expected = reference.score(QUESTIONS[0], fresh[1].token_ids)
+    saved = save_session(reference, path)
+    assert saved.bytes == path.stat().st_size > 0
+    opened = open_session(loaded, path)
+    assert opened.spec.text == reference.spec.text
+    assert opened.prefill_report.opened_from == path.name
+    assert opened.prefill_report.context_tokens == reference.prefill_report.context_tokens
+    assert opened.prefill_report.kv_bytes == reference.prefill_report.kv_bytes
+    assert opened.prompt_ids(QUESTIONS[1]) == reference.prompt_ids(QUESTIONS[1])
+    for question, answer in zip(QUESTIONS, fresh):
+        again = opened.ask(question, ANSWER_TOKENS)
+        assert again.token_ids == answer.token_ids, (spec.text, question)
+        assert opened.cache_length == reference.prefill_report.context_tokens
+    assert torch.equal(opened.score(QUESTIONS[0], fresh[1].token_ids), expected), spec.text
+
+
+@pytest.fixture(scope="module")
+def small(embedded):
+    return make_tiny(embedded.tokenizer)
+
+
+@pytest.mark.parametrize("spec", [*all_specs(), *PLANNED], ids=lambda s: s.text)
+def test_round_trip_on_every_spec(small, spec, tmp_path):
+    _round_trip(small, spec, tmp_path / "s.kvsession")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_round_trip_on_every_model_kind(small, kind, tmp_path):
+    loaded = tiny_family(kind, small.tokenizer)
+    served = [spec for spec in FAMILY_SPECS if verdict(spec, loaded.config) is None]
+    assert served and served[0].backend == "dynamic", kind  # Falcon-H1 (hybrid layers): dynamic only
+    for spec in served:
+        _round_trip(loaded, spec, tmp_path / "s.kvsession")
+
+
+def test_round_trip_in_bfloat16(small, tmp_path):
+    half = dataclasses.replace(small, model=copy.deepcopy(small.model).to(torch.bfloat16), dtype=torch.bfloat16)
+    for spec in (CacheSpec("dynamic"), CacheSpec.parse("quanto:4"), CacheSpec.parse("turboquant:4")):
+        _round_trip(half, spec, tmp_path / "s.kvsession")
+
+
+@pytest.fixture(scope="module")
+def written(small, tmp_path_factory):
+    """A session file of `hqq:4` on the small model, and its session."""
+    session = _prefilled(small, CacheSpec.parse("hqq:4"))
+    path = tmp_path_factory.mktemp("files") / "hqq.kvsession"
+    save_session(session, path)
+    return path, session
+
+
+@pytest.fixture
+def held(small):
+    """A session of `hqq:4` holding another prefill: a refused file must leave it as it was."""
+    session = QASession(small, CacheSpec.parse("hqq:4"))
+    session.prefill("Paris is the capital of France.", max_new_tokens=ANSWER_TOKENS)
+    return session
+
+
+def _refused(small, path, held, match, **kwargs) -> None:
+    before = (held.cache, held.context, held.prefill_report, held.cache_length)
+    with pytest.raises(SessionFileError, match=match):
+        open_session(small, path, session=held, **kwargs)
+    assert (held.cache, held.context, held.prefill_report, held.cache_length) == before
+    assert held.ask("What is the capital?", 3).cache_length_after == before[3]
+
+
+def _header_length(path) -> int:
+    return struct.unpack("<Q", path.read_bytes()[:8])[0]
+
+
+def test_a_truncated_file_is_refused(small, written, held, tmp_path):
+    data = written[0].read_bytes()
+    for keep in (len(data) - 100, 8 + _header_length(written[0]) + 10, 200, 5, 0):
+        cut = tmp_path / "cut.kvsession"
+        cut.write_bytes(data[:keep])
+        _refused(small, cut, held, "not a session file, or it is truncated")
+
+
+def test_changed_bytes_are_refused(small, written, held, tmp_path):
+    data = bytearray(written[0].read_bytes())
+    data[-1] ^= 0x01  # one bit of the last tensor's bytes
+    changed = tmp_path / "bit.kvsession"
+    changed.write_bytes(bytes(data))
+    _refused(small, changed, held, "do not match its digest: it was changed or damaged")
+
+
+def test_a_changed_manifest_is_refused(small, written, held, tmp_path):
+    data = written[0].read_bytes()
+    n = _header_length(written[0])
+    header = json.loads(data[8 : 8 + n])
+    manifest = json.loads(header["__metadata__"][session_file._MANIFEST])
+    manifest["context"] = manifest["context"].replace("Normandy", "Brittany")
+    header["__metadata__"][session_file._MANIFEST] = json.dumps(manifest, sort_keys=True)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    changed = tmp_path / "manifest.kvsession"
+    changed.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + n :])
+    assert read_manifest(changed)["context"].count("Brittany") == 3  # still a well-formed file
+    _refused(small, changed, held, "do not match its digest")
+
+
+def test_files_that_are_no_session_are_refused(small, held, tmp_path):
+    text = tmp_path / "notes.kvsession"
+    text.write_text("not a session")
+    _refused(small, text, held, "not a session file")
+    _refused(small, tmp_path / "missing.kvsession", held, "is not a file")
+    from safetensors.torch import save_file
+
+    plain = tmp_path / "plain.safetensors"
+    save_file({"x": torch.zeros(2)}, str(plain))
+    _refused(small, plain, held, "holds no kvdemo session")
+
+
+def test_another_model_spec_or_version_is_refused(small, written, held, monkeypatch):
+    other = make_tiny(small.tokenizer, seed=1)  # the same config, other weights
+    with pytest.raises(SessionFileError, match="differ in their weights"):
+        open_session(other, written[0])
+    renamed = dataclasses.replace(small, name="Another model")
+    with pytest.raises(SessionFileError, match="load that model to open it"):
+        open_session(renamed, written[0])
+    _refused(
+        small,
+        written[0],
+        held,
+        r"holds a `hqq:4` cache, not `quanto:4`: choose `hqq:4`",
+        spec=CacheSpec("quanto", nbits=4),
+    )
+    monkeypatch.setattr(session_file, "versions", lambda: {"kvdemo": "9.9", "transformers": "5.25.0"})
+    _refused(small, written[0], held, f"written by kvdemo {metadata.version('kvdemo')}; this is kvdemo 9.9")
+
+
+def test_a_session_of_another_spec_is_not_opened_into(small, written):
+    other = QASession(small, CacheSpec("dynamic"))
+    with pytest.raises(SessionFileError, match="this session serves `dynamic`; the file holds `hqq:4`"):
+        open_session(small, written[0], session=other)
+    assert other.cache is None
+
+
+def test_saving_needs_a_prefill_and_no_open_answer(small, written, tmp_path):
+    with pytest.raises(ValueError, match="prefill a context before saving"):
+        save_session(QASession(small, CacheSpec("dynamic")), tmp_path / "none.kvsession")
+    session = written[1]
+    stream = session.stream(QUESTIONS[0], ANSWER_TOKENS)
+    next(stream)
+    with pytest.raises(ValueError, match="an answer is streaming"):
+        save_session(session, tmp_path / "mid.kvsession")
+    stream.close()
+    assert not (tmp_path / "mid.kvsession").exists() and not list(tmp_path.glob("*.part"))
+    save_session(session, tmp_path / "after.kvsession")
+    assert (
+        open_session(small, tmp_path / "after.kvsession").ask(QUESTIONS[0], 3).token_ids
+        == session.ask(QUESTIONS[0], 3).token_ids
+    )
