@@ -98,6 +98,34 @@ def test_summary_with_questions_from_the_case(embedded, capsys):
     assert out.count(f"cache length after restore = {tokens} (context {tokens})") == 2
 
 
+def test_ask_saves_a_session_and_opens_it_without_a_prefill(embedded, capsys, tmp_path):
+    path = str(tmp_path / "normans.kvsession")
+    ask = ["ask", "--question", "In what country is Normandy located?", "--max-new-tokens", "6", "--json"]
+    first = ["--context-file", NORMANS, "--paragraphs", "0", "--backend", "quanto", "--nbits", "4"]
+    assert main([*ask, *first, "--save-session", path]) == 0
+    made = json.loads(capsys.readouterr().out)
+    assert made["session_saved"]["file"] == path and made["session_saved"]["bytes"] > made["kv_bytes"]
+    assert made["session_opened"] is None
+    assert main([*ask, "--session", path]) == 0
+    opened = json.loads(capsys.readouterr().out)
+    assert opened["session_opened"]["file"] == path and opened["session_saved"] is None
+    assert opened["options"] == made["options"] and opened["context_tokens"] == made["context_tokens"]
+    assert opened["prefill_seconds"] == made["prefill_seconds"]  # the prefill that made the file
+    assert [a["token_ids"] for a in opened["answers"]] == [a["token_ids"] for a in made["answers"]]
+    assert main([*ask[:-1], "--session", path]) == 0
+    assert f"opened from {path} in " in capsys.readouterr().out
+    for args, message in (
+        (["--session", path, "--backend", "hqq"], "holds a `quanto:4` cache, not `hqq`: choose `quanto:4`"),
+        (["--session", path, *first[:2]], "give --context-file to prefill, or --session"),
+        ([], "give --context-file (the text to prefill) or --session"),
+        (["--session", str(tmp_path / "none.kvsession")], "is not a file"),
+        (["--session", NORMANS], "is not a session file, or it is truncated"),
+        (["--session", path, "--questions-from-case", "1"], "give --question with --session"),
+    ):
+        assert main([*ask, *args]) == 2, args
+        assert message in capsys.readouterr().err, args
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -54,6 +54,16 @@ def format_summary(result: dict[str, Any]) -> str:
         f"model: {result['model']}",
         f"backend: {result['backend']} {opts}".rstrip(),
         f"prefill: {result['context_tokens']} tokens in {result['prefill_seconds']:.2f} s",
+        *(
+            [f"  opened from {opened['file']} in {opened['load_seconds']:.2f} s, no prefill run"]
+            if (opened := result.get("session_opened"))
+            else []
+        ),
+        *(
+            [f"  saved to {saved['file']} ({saved['bytes']:,} bytes, {saved['seconds']:.2f} s)"]
+            if (saved := result.get("session_saved"))
+            else []
+        ),
         f"KV cache: {result['kv_bytes']:,} bytes ({result['bytes_per_token']:.0f} bytes/token), "
         f"{result['ratio_to_full_precision']:.3f} x full precision ({result['full_precision_bytes']:,} bytes)",
     ]

@@ -19,6 +19,7 @@ from kvdemo.cache.catalogue import default_compare_specs
 from kvdemo.cache.options import GROUP_OPTIONS, SPEC_OPTIONS
 from kvdemo.cache.registry import BACKENDS, backends_help, option_choices_text, presets_help
 from kvdemo.cache.spec import CacheSpec
+from kvdemo.cli.ask import case_questions, run_ask
 from kvdemo.needle import inputs as needle
 from kvdemo.qa.limits import DEFAULT_MAX_NEW_TOKENS
 
@@ -46,8 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
         "after every answer the cache is restored to its post-prefill state (cache_length_after).\n\n"
         "Backends (options left unset take the default shown):\n" + backends_help(),
     )
-    _context_arguments(ask)
-    ask.add_argument("--backend", default="dynamic", choices=list(BACKENDS), help="KV cache backend (default dynamic)")
+    _context_arguments(ask, required=False)
+    ask.add_argument(
+        "--backend", choices=list(BACKENDS), help="KV cache backend (default dynamic; with --session the file's)"
+    )
     ask.add_argument(
         "--preset", help=f"a preset of the backend, its options (the ones given beside it change it); {presets_help()}"
     )
@@ -61,6 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--model", help="a Hub id, a local folder or a .gguf file (default: the embedded SmolLM2-135M)")
     ask.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     ask.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
+    ask.add_argument(
+        "--save-session", metavar="PATH", help="after the prefill, save the session to PATH (a .kvsession file)"
+    )
+    ask.add_argument(
+        "--session",
+        metavar="PATH",
+        help="open a saved session instead of prefilling: its context, spec and model (--model and the spec's "
+        "options, when given, must be the file's)",
+    )
     _progress_arguments(ask)
     _compare_parser(sub)
     _needle_parser(sub)
@@ -182,11 +194,12 @@ def _progress_arguments(parser: argparse.ArgumentParser) -> None:
     bars.add_argument("--progress", action="store_true", help="progress bars on stderr also with --json")
 
 
-def _context_arguments(parser: argparse.ArgumentParser) -> None:
+def _context_arguments(parser: argparse.ArgumentParser, required: bool = True) -> None:
     parser.add_argument(
         "--context-file",
-        required=True,
-        help="a UTF-8 text file, or a SQuAD case file (JSON with 'paragraphs', e.g. kvdemo/data/cases/normans.json)",
+        required=required,
+        help="a UTF-8 text file, or a SQuAD case file (JSON with 'paragraphs', e.g. kvdemo/data/cases/normans.json)"
+        + ("" if required else "; or give --session"),
     )
     parser.add_argument("--paragraphs", help="case files: paragraphs to use, e.g. 0-7 or 0,2,5-7 (default: all)")
     parser.add_argument("--question", action="append", default=[], help="a question (repeat for several)")
@@ -196,32 +209,6 @@ def _context_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="case files: also ask the first N answerable questions about the chosen paragraphs",
     )
-
-
-def _case_questions(args: argparse.Namespace) -> tuple[Any, list[str]]:
-    """The case (cut to --paragraphs) and the questions from --question and --questions-from-case (and, for
-    compare, --unanswerable-from-case). Raises ValueError for a missing or bad choice, or a question that is blank or
-    has a broken character (an argument that is not UTF-8 reaches Python as an unpaired surrogate: `check_question`),
-    before any model loads."""
-    from kvdemo.evals.cases import load_case
-    from kvdemo.qa.text import check_question
-
-    questions = [check_question(q, f"--question number {i}") for i, q in enumerate(args.question, 1)]
-    case = load_case(args.context_file).select(args.paragraphs)
-    for flag, count, picked in (
-        ("--questions-from-case", args.questions_from_case, lambda n: case.answerable(n)),
-        ("--unanswerable-from-case", getattr(args, "unanswerable_from_case", None), lambda n: case.unanswerable(n)),
-    ):
-        if count is None:
-            continue
-        if count < 1:
-            raise ValueError(f"{flag} must be >= 1")
-        if not case.questions:
-            raise ValueError(f"{args.context_file} has no questions; {flag} needs a case file")
-        questions += [q.question for q in picked(count)]
-    if not questions:
-        raise ValueError("no question: give --question (repeatable) or --questions-from-case N")
-    return case, questions
 
 
 def run_compare(args: argparse.Namespace) -> ComparisonReport:
@@ -238,7 +225,7 @@ def run_compare(args: argparse.Namespace) -> ComparisonReport:
     checks.max_new_tokens(args.max_new_tokens)
     if args.perplexity_tokens < 0:
         raise ValueError(f"--perplexity-tokens {args.perplexity_tokens}: it must be >= 0 (0: no perplexity)")
-    case, questions = _case_questions(args)
+    case, questions = case_questions(args)
     golds = [case.gold_for(q) for q in questions]
     gold_answers = None if any(g is None for g in golds) else [list(g) for g in golds]
     loaded = load_model(args.model, device=args.device)
@@ -309,48 +296,6 @@ class _ProgressBar:
     def __exit__(self, *exc: Any) -> None:
         if self.bar is not None:
             self.bar.close()
-
-
-def run_ask(args: argparse.Namespace) -> dict[str, Any]:
-    """Run the `ask` command and return its JSON-ready result.
-
-    Raises:
-        ValueError, ImportError, OSError: bad input; the message says what to change.
-    """
-    from kvdemo.qa.models import load_model
-    from kvdemo.qa.session import QASession
-
-    given = ",".join(f"{name}={getattr(args, name)}" for name in SPEC_OPTIONS if getattr(args, name) is not None)
-    if args.preset:  # written as a spec, so that the preset is read as `compare --spec` reads it
-        spec = CacheSpec.parse(",".join(filter(None, [f"{args.backend}:{args.preset}", given])))
-    else:
-        spec = CacheSpec(args.backend, **{name: getattr(args, name) for name in SPEC_OPTIONS})
-    spec.validate()  # options against the registry before the model loads
-    checks.max_new_tokens(args.max_new_tokens)
-    case, questions = _case_questions(args)
-    loaded = load_model(args.model, device=args.device)
-    session = QASession(loaded, spec)
-    report = session.prefill(case.context, max_new_tokens=args.max_new_tokens)
-    answers = [session.ask(question, max_new_tokens=args.max_new_tokens).to_dict() for question in questions]
-    for question, answer in zip(questions, answers):
-        if case.gold_for(question) is not None:
-            answer["gold_answers"] = list(case.gold_for(question))
-    return {
-        "model": loaded.name,
-        "backend": spec.backend,
-        "options": spec.resolved(),
-        "context_tokens": report.context_tokens,
-        "prefill_seconds": round(report.seconds, 4),
-        "kv_bytes": report.kv_bytes,
-        "full_precision_bytes": report.full_precision_bytes,
-        "bytes_per_token": round(report.bytes_per_token, 2),
-        "ratio_to_full_precision": round(report.ratio_to_full_precision, 4),
-        "bytes_by_kind": report.memory.bytes_by_kind(),
-        "prompt_matches_template": report.prompt_matches_template,
-        "prompt_note": report.prompt_note,
-        "template_clock": report.template_clock and report.template_clock.isoformat(timespec="seconds"),
-        "answers": answers,
-    }
 
 
 def main(argv: list[str] | None = None) -> int:
