@@ -2,7 +2,8 @@
 
 Settings come from the command line or the environment (the command line wins):
 KVDEMO_HOST / GRADIO_SERVER_NAME, KVDEMO_PORT / GRADIO_SERVER_PORT, KVDEMO_MODEL, KVDEMO_CONCURRENCY,
-KVDEMO_MAX_SESSIONS, KVDEMO_IDLE_MINUTES, KVDEMO_KV_BUDGET_MIB, KVDEMO_SERVER_KV_BUDGET_MIB, KVDEMO_QUEUE_SIZE,
+KVDEMO_MAX_SESSIONS, KVDEMO_IDLE_MINUTES, KVDEMO_KV_BUDGET_MIB, KVDEMO_SERVER_KV_BUDGET_MIB, KVDEMO_SESSION_FILES_MIB,
+KVDEMO_MAX_UPLOAD_MIB, KVDEMO_QUEUE_SIZE,
 KVDEMO_PUBLIC, KVDEMO_ALLOW_LOCAL_PATHS, KVDEMO_MCP. `python app.py --help` lists them.
 
 On a Hugging Face Space (the `SPACE_ID` variable is set) the defaults become what the Space expects and can
@@ -101,6 +102,21 @@ def _limit_arguments(parser: argparse.ArgumentParser, env: Callable[..., Any], s
         "KVDEMO_SERVER_KV_BUDGET_MIB; default 4096; 0 = no limit)",
     )
     parser.add_argument(
+        "--session-files-mib",
+        type=float,
+        default=env("KVDEMO_SESSION_FILES_MIB", "2048"),
+        help="each prefill is saved as a session file in the kvdemo cache folder's sessions/, and the same context, "
+        "model and spec is opened from it instead of prefilled again, after a restart too; the folder is kept "
+        "within this bound, least recently used first (MiB; env KVDEMO_SESSION_FILES_MIB; default 2048; 0 = off)",
+    )
+    parser.add_argument(
+        "--max-upload-mib",
+        type=float,
+        default=env("KVDEMO_MAX_UPLOAD_MIB", "512"),
+        help="largest file the page accepts: a session file to open (a context file is refused above 2 MiB anyway) "
+        "(MiB; env KVDEMO_MAX_UPLOAD_MIB; default 512)",
+    )
+    parser.add_argument(
         "--queue-size",
         type=int,
         default=env("KVDEMO_QUEUE_SIZE", "64"),
@@ -141,8 +157,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.idle_minutes < 0 or args.kv_budget_mib < 0:
         parser.error("--idle-minutes and --kv-budget-mib must be >= 0 (0 turns them off)")
-    if args.server_kv_budget_mib < 0 or args.queue_size < 0:
-        parser.error("--server-kv-budget-mib and --queue-size must be >= 0 (0 turns them off)")
+    if args.server_kv_budget_mib < 0 or args.queue_size < 0 or args.session_files_mib < 0:
+        parser.error("--server-kv-budget-mib, --session-files-mib and --queue-size must be >= 0 (0 turns them off)")
+    if args.max_upload_mib < 2:
+        parser.error("--max-upload-mib must be >= 2 (a context file may be 2 MiB)")
     if args.public and args.model and not args.allow_local_paths and not _is_hub_id(args.model):
         parser.error(
             f"--public serves the embedded model or a Hub id; {args.model!r} is a local path "
@@ -172,8 +190,11 @@ def main(argv: list[str] | None = None) -> None:
     """Parse the settings, start loading the model in the background, and serve the page."""
     args = parse_args(argv)
     log_to_stdout()
+    from kvdemo.paths import cache_dir
+    from kvdemo.serve.session_files import SessionFiles
     from kvdemo.ui import App, build_demo
 
+    files = int(args.session_files_mib * 2**20)
     app = App(
         model_source=args.model,
         max_sessions=args.max_sessions,
@@ -182,6 +203,7 @@ def main(argv: list[str] | None = None) -> None:
         allow_local_paths=not args.public or args.allow_local_paths,
         public=args.public,
         server_kv_budget_bytes=int(args.server_kv_budget_mib * 2**20) or None,
+        session_files=SessionFiles(cache_dir() / "sessions", files) if files else None,
     )
     app.start_loading()
     app.start_sweeper()
@@ -194,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
         server_name=args.host,
         server_port=args.port,
         ssr_mode=False,
-        max_file_size="2mb",
+        max_file_size=int(args.max_upload_mib * 2**20),
         show_error=True,
         mcp_server=args.mcp,
         prevent_thread_lock=True,

@@ -1,5 +1,5 @@
-"""app.py's load and MCP settings (`--server-kv-budget-mib`, `--queue-size`, `--mcp` and their environment
-variables) and that `main` hands them to the app, the queue and `launch`."""
+"""app.py's load, session-file and MCP settings (`--server-kv-budget-mib`, `--queue-size`, `--session-files-mib`,
+`--max-upload-mib`, `--mcp` and their environment variables) and that `main` hands them to the app, the queue and `launch`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,14 @@ import pytest
 
 import app as app_module
 
-SETTINGS = ("SPACE_ID", "KVDEMO_SERVER_KV_BUDGET_MIB", "KVDEMO_QUEUE_SIZE", "KVDEMO_MCP")
+SETTINGS = (
+    "SPACE_ID",
+    "KVDEMO_SERVER_KV_BUDGET_MIB",
+    "KVDEMO_QUEUE_SIZE",
+    "KVDEMO_MCP",
+    "KVDEMO_SESSION_FILES_MIB",
+    "KVDEMO_MAX_UPLOAD_MIB",
+)
 
 
 @pytest.fixture
@@ -20,6 +27,7 @@ def env(monkeypatch):
 def test_defaults_the_environment_and_the_command_line(env):
     args = app_module.parse_args([])
     assert (args.server_kv_budget_mib, args.queue_size, args.mcp) == (4096.0, 64, False)
+    assert (args.session_files_mib, args.max_upload_mib) == (2048.0, 512.0)
     env.setenv("KVDEMO_SERVER_KV_BUDGET_MIB", "512")
     env.setenv("KVDEMO_QUEUE_SIZE", "8")
     env.setenv("KVDEMO_MCP", "yes")
@@ -32,8 +40,18 @@ def test_defaults_the_environment_and_the_command_line(env):
 @pytest.mark.parametrize(
     "variables, argv, message",
     [
-        ({}, ["--queue-size", "-1"], "--server-kv-budget-mib and --queue-size must be >= 0 (0 turns them off)"),
-        ({"KVDEMO_SERVER_KV_BUDGET_MIB": "-5"}, [], "--server-kv-budget-mib and --queue-size must be >= 0"),
+        (
+            {},
+            ["--queue-size", "-1"],
+            "--server-kv-budget-mib, --session-files-mib and --queue-size must be >= 0 (0 turns",
+        ),
+        ({"KVDEMO_SERVER_KV_BUDGET_MIB": "-5"}, [], "--server-kv-budget-mib, --session-files-mib and --queue-size"),
+        (
+            {"KVDEMO_SESSION_FILES_MIB": "-1"},
+            [],
+            "--session-files-mib and --queue-size must be >= 0 (0 turns them off)",
+        ),
+        ({}, ["--max-upload-mib", "1"], "--max-upload-mib must be >= 2 (a context file may be 2 MiB)"),
         ({"KVDEMO_QUEUE_SIZE": "lots"}, [], "argument --queue-size: invalid int value: 'lots'"),
         ({"KVDEMO_SERVER_KV_BUDGET_MIB": "4 GiB"}, [], "argument --server-kv-budget-mib: invalid float value: '4 GiB'"),
     ],
@@ -99,9 +117,14 @@ def test_main_hands_the_settings_to_the_app_the_queue_and_launch(fake_page):
     assert calls["queue"] == {"default_concurrency_limit": 1, "max_size": 16}
     assert calls["launch"]["mcp_server"] is False and calls["block_thread"]
     assert calls["launch"]["state_session_capacity"] == 4 * 32  # Gradio's per-session state, bounded like ours
+    assert calls["launch"]["max_file_size"] == 512 * 2**20  # a session file to open; a context is checked at 2 MiB
+    files = fake_page["app"]["session_files"]
+    assert files.max_bytes == 2048 * 2**20 and files.folder.name == "sessions"
     app_module.main(["--server-kv-budget-mib", "0", "--queue-size", "0", "--concurrency", "1"])
     assert fake_page["app"]["server_kv_budget_bytes"] is None
     assert fake_page["demo"].calls["queue"] == {"default_concurrency_limit": 1, "max_size": None}
+    app_module.main(["--session-files-mib", "0", "--max-upload-mib", "64", "--concurrency", "1"])
+    assert fake_page["app"]["session_files"] is None and fake_page["demo"].calls["launch"]["max_file_size"] == 64 << 20
 
 
 def test_an_mcp_server_that_does_not_start_stops_the_app_with_gradios_message(fake_page):

@@ -137,6 +137,7 @@ def save_session(session: QASession, path: str | os.PathLike[str]) -> SavedSessi
         "spec": session.spec.text,
         "model": model_identity(session.loaded),
         "context": session.context,
+        "context_tokens": len(split.prefix),
         "split": {
             "tail": split.tail,
             "matches_template": split.matches_template,

@@ -10,6 +10,7 @@ the user are `ValueError`s, turned into `gr.Error` by the page in one place.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -22,7 +23,9 @@ from kvdemo.qa.models import LoadedModel, is_hub_id, load_model
 from kvdemo.qa.prompt import PreparedContext, PreparedQuestion
 from kvdemo.qa.records import PrefillReport
 from kvdemo.qa.session import QASession
+from kvdemo.qa.session_file import check_fits, open_session, read_manifest
 from kvdemo.serve.accounting import KVAccount, prefill_tokens, session_kv_bytes
+from kvdemo.serve.session_files import SessionFiles
 from kvdemo.serve.store import SessionStore
 
 _log = logging.getLogger(__name__)
@@ -51,6 +54,7 @@ class App:
             would end every other user's session).
         server_kv_budget_bytes: the server-wide KV budget (`KVAccount`): every session's cache and snapshot,
             every prefill in progress and every running comparison together (bytes; None: no limit).
+        session_files: where prefills are saved and opened again instead of run (`SessionFiles`); None: no files.
 
     Attributes:
         kv: the `KVAccount`; a freed session's cache is released from it (`SessionStore.on_free`).
@@ -66,6 +70,7 @@ class App:
         allow_local_paths: bool = True,
         public: bool = False,
         server_kv_budget_bytes: int | None = None,
+        session_files: SessionFiles | None = None,
     ):
         self.model_source = model_source
         self.loader = loader
@@ -74,6 +79,7 @@ class App:
         self.kv_budget_bytes = kv_budget_bytes
         self.allow_local_paths = allow_local_paths
         self.public = public
+        self.session_files = session_files
         self.loaded: LoadedModel | None = None
         self.load_error: str | None = None
         self._ready = threading.Event()
@@ -194,7 +200,7 @@ class App:
             f"a {qa.spec.label} KV cache for {tokens:,} context tokens + {reserve} for a question and its answer",
         )
         try:
-            report = qa.prefill(context, max_new_tokens, on_progress=on_progress, on_quantize=on_quantize)
+            report = self._prefill_or_open(qa, context, max_new_tokens, on_progress, on_quantize)
         except BaseException:
             self.kv.release(holder)
             raise
@@ -202,6 +208,51 @@ class App:
         if key not in self.sessions:  # freed (its tab closed) while prefilling: nothing will hold this cache
             self.kv.release(f"cache:{key}")
         return report
+
+    def _prefill_or_open(
+        self,
+        qa: QASession,
+        context: str | PreparedContext,
+        max_new_tokens: int,
+        on_progress: Callable[[int, int], None] | None,
+        on_quantize: Callable[[int, int], None] | None,
+    ) -> PrefillReport:
+        """`qa.prefill`, or the session file of the same context, model and spec when `session_files` holds one (and
+        the prefill saved there when it does not)."""
+        files = self.session_files
+        if files is None or not isinstance(context, PreparedContext):
+            return qa.prefill(context, max_new_tokens, on_progress=on_progress, on_quantize=on_quantize)
+        opened = files.open(qa, context)
+        if opened is not None:
+            return opened
+        report = qa.prefill(context, max_new_tokens, on_progress=on_progress, on_quantize=on_quantize)
+        files.save(qa, context)
+        return report
+
+    def open_file(self, key: str, path: str | os.PathLike[str]) -> QASession:
+        """A new session of the model served here holding the session file at `path` (`open_session`), its cache
+        reserved within the server-wide KV budget as a prefill's is (`prefill`).
+
+        Raises:
+            SessionFileError (a ValueError): the file cannot be opened here (the message says why); nothing ran.
+            ValueError, KVBudgetError, ServerKVBudgetError: as for `prefill`.
+        """
+        loaded = self.wait_for_model()
+        manifest = read_manifest(path)
+        qa = QASession(loaded, check_fits(manifest, loaded, None), kv_budget_bytes=self.kv_budget_bytes)
+        tokens, reserve = int(manifest.get("context_tokens") or 0), QUESTION_RESERVE_TOKENS + DEFAULT_MAX_NEW_TOKENS
+        qa.check_prefill(tokens, reserve)
+        holder = f"prefill:{key}"
+        self.kv.reserve(holder, session_kv_bytes(qa.spec, loaded, tokens, reserve), f"a {qa.spec.label} session file")
+        try:
+            open_session(loaded, path, qa.spec, session=qa)
+        except BaseException:
+            self.kv.release(holder)
+            raise
+        self.kv.transfer(holder, f"cache:{key}")
+        if key not in self.sessions:
+            self.kv.release(f"cache:{key}")
+        return qa
 
     def reserve_answer(self, key: str, qa: QASession, question: str, max_new_tokens: int) -> PreparedQuestion:
         """Before `qa.stream(question, max_new_tokens)`: grow the session's reservation `cache:<key>` to cover

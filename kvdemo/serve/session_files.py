@@ -1,0 +1,95 @@
+"""The server's folder of session files (`kvdemo.qa.session_file`): every prefill the page runs is saved, and a prefill
+of the same context with the same model and spec opens the file instead of running again, after a restart of the app
+too (llama.cpp's `--prompt-cache`, per context). The folder is kept within a byte bound, the least recently used
+files removed first. A file that cannot be opened (another kvdemo version, damaged) is removed and the prefill runs.
+
+A file's name is the SHA-256 of what makes the cache: the versions, the model's identity, the spec's full text and the
+context's prefilled ids, tail and text (the chat template's date is in the ids, so a prefill on another day of a
+template that writes the date does not open yesterday's file).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+
+from kvdemo.qa.prompt import PreparedContext
+from kvdemo.qa.records import PrefillReport
+from kvdemo.qa.session import QASession
+from kvdemo.qa.session_file import SUFFIX, SessionFileError, model_identity, open_session, save_session, versions
+
+_log = logging.getLogger(__name__)
+
+
+class SessionFiles:
+    """A folder of session files within `max_bytes`.
+
+    Args:
+        folder: where the files are kept (made when first written).
+        max_bytes: the most bytes the folder's files may hold together (bytes, >= 1); a file larger than this alone
+            is not kept.
+
+    Raises:
+        ValueError: max_bytes < 1.
+    """
+
+    def __init__(self, folder: str | os.PathLike[str], max_bytes: int):
+        if max_bytes < 1:
+            raise ValueError(f"max_bytes={max_bytes!r} must be >= 1")
+        self.folder, self.max_bytes = Path(folder), max_bytes
+
+    def path(self, qa: QASession, prepared: PreparedContext) -> Path:
+        """The file that holds (or would hold) `prepared` prefilled by `qa`'s model and spec."""
+        split = prepared.split
+        made_of = json.dumps(
+            [versions(), model_identity(qa.loaded), qa.spec.full_text, list(split.prefix), split.tail, prepared.text],
+            sort_keys=True,
+        )
+        return self.folder / (hashlib.sha256(made_of.encode("utf-8", "surrogatepass")).hexdigest()[:32] + SUFFIX)
+
+    def open(self, qa: QASession, prepared: PreparedContext) -> PrefillReport | None:
+        """Open the file of `prepared` into `qa` when there is one; None when there is none or it cannot be opened
+        (it is then removed). Raises what `QASession.adopt` raises (the window, the budget)."""
+        path = self.path(qa, prepared)
+        if not path.is_file():
+            return None
+        try:
+            open_session(qa.loaded, path, qa.spec, session=qa)
+        except SessionFileError as error:
+            _log.warning("removing the session file %s: %s", path.name, error)
+            path.unlink(missing_ok=True)
+            return None
+        os.utime(path)  # recently used: trimmed last
+        return qa.prefill_report
+
+    def save(self, qa: QASession, prepared: PreparedContext) -> Path | None:
+        """Write `qa`'s prefill of `prepared` to its file, then trim the folder to `max_bytes`; the path, or None when
+        it could not be written (logged: a full disk never fails the prefill) or is larger than the bound alone."""
+        path = self.path(qa, prepared)
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            save_session(qa, path)
+        except (OSError, TypeError, ValueError) as error:
+            _log.warning("could not save the session file %s: %s", path.name, error)
+            return None
+        self.trim()
+        return path if path.exists() else None
+
+    def files(self) -> list[Path]:
+        """The folder's session files, least recently used first."""
+        if not self.folder.is_dir():
+            return []
+        return sorted(self.folder.glob("*" + SUFFIX), key=lambda p: p.stat().st_mtime)
+
+    def trim(self) -> None:
+        """Remove the least recently used files until the rest hold at most `max_bytes`."""
+        files = self.files()
+        total = sum(p.stat().st_size for p in files)
+        for path in files:
+            if total <= self.max_bytes:
+                break
+            total -= path.stat().st_size
+            path.unlink(missing_ok=True)
