@@ -19,7 +19,7 @@ from kvdemo.qa.prefill import PrefillStopped
 from kvdemo.qa.session import QASession
 from kvdemo.serve.server import App
 from kvdemo.serve.store import UserSession, request_key
-from kvdemo.ui import context_box, option_fields, page_state, views
+from kvdemo.ui import context_box, option_fields, page_state, session_box, views
 from kvdemo.ui.ask_widgets import AnswerView, AskWidgets, PrefillView
 from kvdemo.ui.examples import example, suggested_questions
 from kvdemo.ui.inputs import page_event, read_upload, refusal, spec_from_inputs
@@ -381,6 +381,7 @@ class AskTab(AskWidgets):
                 **model_work,
             ).then(**gate).then(**stop_state)
         w["stop_button"].click(self.stop, api_name="stop", queue=False)
+        session_box.wire(self.app, w)
 
 
 def _speed_line(qa: QASession, events: list | None = None) -> str:

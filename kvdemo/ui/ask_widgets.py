@@ -93,6 +93,15 @@ class AskWidgets:
                     with gr.Column():
                         w["examples"] = {name: gr.Button(f"Example: {name}", size="sm") for name in EXAMPLES}
                 w["prefill_button"] = gr.Button("Prefill", variant="primary")
+                with gr.Accordion("Session file: save this prefill, or open a saved one", open=False):
+                    # `session_box`: a download after Save session; an upload is opened instead of a prefill
+                    w["session_file"] = gr.File(
+                        label="session file (.kvsession): drop one here to open it without a prefill",
+                        file_types=[".kvsession"],
+                        type="filepath",
+                        height=110,
+                    )
+                    w["save_session"] = gr.Button("Save session", size="sm")
                 w["notice"] = gr.Markdown("")  # refusals, beside the button they refuse
                 w["prefill_info"] = gr.Markdown(
                     f"**spec** `{START_SPEC.full_text}` · nothing prefilled in this tab yet"

@@ -1,0 +1,121 @@
+"""The Ask tab's session file (`kvdemo.qa.session_file`): Save session writes this tab's prefilled context and cache to
+a file the browser downloads; a session file uploaded to the same box is opened instead of a prefill, and the page then
+shows its context and its spec (the Context box, the backend and the option fields), so the page shows what the cache
+holds. A file the page cannot show (a per-layer plan: no field holds one) or cannot open here (another model, spec
+or version, damaged) is refused beside Prefill and the tab's session keeps its cache."""
+
+from __future__ import annotations
+
+import logging
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import gradio as gr
+
+from kvdemo.cache.options import GROUP_OPTIONS
+from kvdemo.cache.registry import BACKENDS
+from kvdemo.cache.spec import CacheSpec
+from kvdemo.cache.speedlimit import speed_limit
+from kvdemo.qa.session import QASession
+from kvdemo.qa.session_file import SUFFIX, read_manifest, save_session
+from kvdemo.serve.server import App
+from kvdemo.serve.store import request_key
+from kvdemo.ui import option_fields, page_state, views
+from kvdemo.ui.ask_widgets import PrefillView
+from kvdemo.ui.inputs import refusal, spec_from_inputs
+
+_log = logging.getLogger(__name__)
+
+
+def spec_fields(spec: CacheSpec) -> tuple[str, list[Any]]:
+    """The backend and the option fields' values (`GROUP_OPTIONS` order) that show `spec` on the page.
+
+    Raises:
+        ValueError: the fields cannot show it (a per-layer plan); the message says where it can be opened.
+    """
+    options = BACKENDS[spec.backend].options
+    given = spec.given()
+    values = [
+        given.get(name, option_fields.field_start(options[name])) if name in options else None for name in GROUP_OPTIONS
+    ]
+    shown = spec_from_inputs(spec.backend, dict(zip(GROUP_OPTIONS, values)))
+    if shown.backend != spec.backend or shown.resolved() != spec.resolved() or spec.plan:
+        raise ValueError(
+            f"the page's option fields cannot show `{spec.text}`; open this file with the command line "
+            f"(python -m kvdemo ask --session FILE) or in Python (kvdemo.qa.session_file.open_session)"
+        )
+    return spec.backend, values
+
+
+def _file_name(qa: QASession) -> Path:
+    """A fresh temporary path named after the session's model, spec and tokens."""
+    assert qa.prefill_report is not None  # saved once prefilled
+    name = f"{qa.loaded.name.split('/')[-1]}-{qa.spec.text}-{qa.prefill_report.context_tokens}tokens"
+    return Path(tempfile.mkdtemp(prefix="kvdemo-session-")) / (re.sub(r"[^A-Za-z0-9_.=-]+", "_", name) + SUFFIX)
+
+
+def save(app: App, request: gr.Request) -> tuple[Any, Any]:
+    """(the session file box, notice): this tab's prefill written to a file to download, or a refusal."""
+    user = app.sessions.peek_request(request)
+    if user is None or user.qa is None:
+        return gr.skip(), refusal(ValueError("nothing is prefilled in this tab; press Prefill first"), "Save session")
+    with user.lock:  # after a running answer: the cache is then the post-prefill one
+        try:
+            saved = save_session(user.qa, _file_name(user.qa))
+        except (OSError, TypeError, ValueError) as error:
+            return gr.skip(), refusal(error, "Save session")
+    _log.info("saved a session file of %d bytes in %.2f s", saved.bytes, saved.seconds)
+    return str(saved.path), f"Saved {saved.bytes / 2**20:,.1f} MiB in {saved.seconds:.2f} s: download it above."
+
+
+def open_file(app: App, path: str | None, request: gr.Request) -> tuple[Any, ...]:
+    """(Context box, backend, the option fields, then `PrefillView`'s outputs) for an uploaded session file: the
+    file opened into this tab's session and the page set to its context and spec, or a refusal beside Prefill with
+    everything else as it was."""
+    keep = (gr.skip(),) * (2 + len(GROUP_OPTIONS))
+    if not path:
+        return (*keep, *PrefillView())
+    user = app.sessions.of_request(request)
+    user.interrupt()
+    try:
+        with user.lock:
+            backend, values = spec_fields(CacheSpec.parse(str(read_manifest(path).get("spec"))))
+            qa = app.open_file(request_key(request), path)
+            user.qa, user.chat, user.events, user.answer_line = qa, [], [], ""
+            user.page_shows = (qa.context or "", qa.spec)
+    except (ValueError, ImportError) as error:
+        held = user.qa is not None and page_state.page_differs(user) is None
+        return (*keep, *PrefillView.refused(refusal(error, "opening the session file"), held))
+    assert qa.cache is not None  # opened
+    view = PrefillView(
+        prefill_info=views.prefill_summary(qa),
+        chat=[],
+        stats="",
+        memory_plot=views.memory_chart([], qa.spec),
+        residual_plot=views.residual_chart([], qa.spec),
+        step_plot=views.step_times([]),
+        answers_table=views.answers_table(user.answers),
+        notice="",
+        ask_button=gr.update(interactive=True),
+        speed_limit=views.speed_limit_after(speed_limit(qa.loaded.model, qa.cache), []),
+    )
+    return (qa.context, backend, *values, *view)
+
+
+def wire(app: App, w: dict[str, Any]) -> None:
+    """Save session and the session file box's upload (`w`: the Ask tab's widgets by name), in the model's queue
+    group (after a running answer)."""
+    outputs = [w["context"], w["backend"], *(w[name] for name in GROUP_OPTIONS)]
+    outputs += [w[name] for name in PrefillView._fields]
+    private: dict[str, Any] = {"api_visibility": "private", "concurrency_id": "model"}
+
+    def saving(request: gr.Request) -> tuple[Any, Any]:
+        return save(app, request)
+
+    def opening(path: str | None, request: gr.Request) -> tuple[Any, ...]:
+        return open_file(app, path, request)
+
+    w["save_session"].click(saving, outputs=[w["session_file"], w["notice"]], **private)
+    w["session_file"].upload(opening, inputs=w["session_file"], outputs=outputs, **private)

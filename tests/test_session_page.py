@@ -1,0 +1,124 @@
+"""Session files on the page and the server: the server's folder of session files (`kvdemo.serve.session_files`: a
+prefill saved, the same prefill opened after a restart instead of run, a damaged file removed, the folder bounded) and
+the Ask tab's Save session and open (`kvdemo.ui.session_box`: the page set to the file's context and spec, refusals
+beside Prefill keeping the tab's cache).
+
+Cost: about 10 s (the tiny model)."""
+
+from __future__ import annotations
+
+import gradio as gr
+import pytest
+
+from kvdemo.cache.options import GROUP_OPTIONS
+from kvdemo.cache.spec import CacheSpec
+from kvdemo.qa.session import QASession
+from kvdemo.qa.session_file import save_session
+from kvdemo.serve.session_files import SessionFiles
+from kvdemo.ui import App, build_demo
+from tests.helpers import named_handlers
+
+CONTEXT = "The Normans were the people who gave their name to Normandy, a region in France. Rollo led them."
+QUESTION = "Who led the Normans?"
+HQQ = ("hqq", 4, 64, 4, 0, 0)
+
+
+def _page(tiny, folder=None):
+    app = App(loader=lambda source=None: tiny, session_files=SessionFiles(folder, 1 << 30) if folder else None)
+    app.start_loading()
+    demo = build_demo(app)
+    by_name = {getattr(f.fn, "__name__", ""): f.fn for f in demo.fns.values()}
+    return app, {**named_handlers(demo), "saving": by_name["saving"], "opening": by_name["opening"]}
+
+
+def _answer(fns, name):
+    return list(fns["ask"](QUESTION, 6, gr.Request(session_hash=name)))[-1].chat[-1]["content"]
+
+
+def test_a_restarted_app_opens_the_saved_prefill_instead_of_running_it(tiny, tmp_path):
+    app, fns = _page(tiny, tmp_path)
+    summary = fns["prefill"](CONTEXT, *HQQ, gr.Request(session_hash="a"))[0]
+    assert summary.startswith("Prefilled **")
+    (saved,) = app.session_files.files()
+    first = _answer(fns, "a")
+    again, fns = _page(tiny, tmp_path)  # a restart: a new App over the same folder
+    summary = fns["prefill"](CONTEXT, *HQQ, gr.Request(session_hash="b"))[0]
+    assert summary.startswith("Opened **") and f"from the session file `{saved.name}`" in summary
+    qa = again.sessions.get("b").qa
+    assert qa.prefill_report.opened_from == saved.name and again.kv.holders().get("cache:b", 0) > 0
+    assert _answer(fns, "b") == first
+    fresh = QASession(tiny, qa.spec)
+    fresh.prefill(CONTEXT)
+    assert fresh.ask(QUESTION, 6).token_ids == qa.history[-1].token_ids
+    other = fns["prefill"](CONTEXT, "quanto", 4, 64, 4, 0, 0, gr.Request(session_hash="b"))[0]
+    assert other.startswith("Prefilled **") and len(again.session_files.files()) == 2  # another spec: its own file
+
+
+def test_a_damaged_file_is_removed_and_the_prefill_runs(tiny, tmp_path):
+    app, fns = _page(tiny, tmp_path)
+    fns["prefill"](CONTEXT, *HQQ, gr.Request(session_hash="a"))
+    (saved,) = app.session_files.files()
+    size = saved.stat().st_size
+    saved.write_bytes(saved.read_bytes()[:-10])
+    summary = fns["prefill"](CONTEXT, *HQQ, gr.Request(session_hash="a"))[0]
+    assert summary.startswith("Prefilled **")
+    (written,) = app.session_files.files()
+    assert written.name == saved.name and written.stat().st_size == size  # written anew, whole
+
+
+def test_the_folder_keeps_the_most_recently_used_files_within_its_bound(tiny, tmp_path):
+    files = SessionFiles(tmp_path, 1 << 30)
+    sessions = []
+    for text in ("First text about Normandy.", "Second text about Paris.", "Third text about Rome."):
+        qa = QASession(tiny, CacheSpec("dynamic"))
+        qa.prefill(text)
+        sessions.append((qa, qa.prepare(text)))
+        files.save(qa, sessions[-1][1])
+    sizes = [p.stat().st_size for p in files.files()]
+    assert len(sizes) == 3
+    assert files.open(*sessions[0]) is not None  # used: now the most recent
+    files.max_bytes = sum(sizes) - 1
+    files.trim()
+    kept = files.files()
+    assert [p.name for p in kept] == [files.path(*sessions[2]).name, files.path(*sessions[0]).name]
+    with pytest.raises(ValueError, match="max_bytes=0 must be >= 1"):
+        SessionFiles(tmp_path, 0)
+
+
+def test_save_session_then_open_it_in_another_tab(tiny, tmp_path):
+    app, fns = _page(tiny)
+    request = gr.Request(session_hash="a")
+    path, notice = fns["saving"](request)
+    assert path is not None and notice.startswith("⚠ nothing is prefilled in this tab")
+    fns["prefill"](CONTEXT, *HQQ, request)
+    path, notice = fns["saving"](request)
+    assert path.endswith(".kvsession") and notice.startswith("Saved ") and "download it above" in notice
+    first = _answer(fns, "a")
+    context, backend, *rest = fns["opening"](path, gr.Request(session_hash="b"))
+    values, view = rest[: len(GROUP_OPTIONS)], rest[len(GROUP_OPTIONS) :]
+    assert context == CONTEXT and backend == "hqq" and values[:3] == [4, 64, 4]
+    assert view[0].startswith("Opened **") and view[-2]["interactive"] is True  # Ask enabled
+    gate = fns["gate"](context, backend, *values, gr.Request(session_hash="b"))
+    assert gate[2]["interactive"] is True  # the page shows what the cache holds
+    assert _answer(fns, "b") == first
+
+
+def test_files_the_page_cannot_open_are_refused_and_the_cache_stays(tiny, tmp_path):
+    app, fns = _page(tiny)
+    request = gr.Request(session_hash="a")
+    fns["prefill"](CONTEXT, *HQQ, request)
+    held = app.sessions.get("a").qa
+    planned = QASession(tiny, CacheSpec.parse("quanto,plan=k4v2+k2v2"))
+    planned.prefill(CONTEXT)
+    save_session(planned, tmp_path / "planned.kvsession")
+    (tmp_path / "text.kvsession").write_text("not a session")
+    for path, message in (
+        (tmp_path / "planned.kvsession", "the page's option fields cannot show `quanto,plan=k4v2+k2v2`"),
+        (tmp_path / "text.kvsession", "is not a session file, or it is truncated"),
+    ):
+        out = fns["opening"](str(path), request)
+        notice = out[2 + len(GROUP_OPTIONS) + 7]
+        assert notice.startswith("⚠ ") and message in notice, notice
+        assert out[0] == gr.skip() and app.sessions.get("a").qa is held
+    assert app.sessions.get("a").qa.context == CONTEXT
+    assert app.kv.holders().get("cache:a", 0) > 0
