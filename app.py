@@ -22,6 +22,13 @@ from typing import Any
 
 _log = logging.getLogger("kvdemo.app")
 
+ZERO_GPU = bool(os.environ.get("SPACES_ZERO_GPU"))
+"""A ZeroGPU Space (the platform sets SPACES_ZERO_GPU): `spaces` is imported before torch (it patches torch's CUDA),
+the model stays on the CPU in this process, and the GPU job (`kvdemo.serve.gpu_job`, `@spaces.GPU`) serves the
+`gpu_prefill` and `gpu_answer` endpoints (`kvdemo.ui.gpu_api`; docs/space.md)."""
+if ZERO_GPU:
+    import spaces  # type: ignore[import-not-found]  # noqa: F401
+
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 SPACE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -166,13 +173,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f"--public serves the embedded model or a Hub id; {args.model!r} is a local path "
             "(add --allow-local-paths to serve it anyway)"
         )
-    if args.concurrency is None:
+    if args.concurrency is None:  # on ZeroGPU the page runs on the CPU (CUDA only looks available here)
         import torch
 
-        args.concurrency = 2 if torch.cuda.is_available() else 1
+        args.concurrency = 2 if torch.cuda.is_available() and not ZERO_GPU else 1
     if args.concurrency < 1 or args.max_sessions < 1:
         parser.error("--concurrency and --max-sessions must be >= 1")
     return args
+
+
+def _cpu_loader(source: str | None = None) -> Any:
+    """`load_model(source)` on the CPU: on ZeroGPU the main process touches no CUDA; the job moves it to the GPU."""
+    from kvdemo.qa.models import load_model
+
+    return load_model(source, device="cpu")
 
 
 def log_to_stdout() -> None:
@@ -195,7 +209,9 @@ def main(argv: list[str] | None = None) -> None:
     from kvdemo.ui import App, build_demo
 
     files = int(args.session_files_mib * 2**20)
+    extra: dict[str, Any] = {"loader": _cpu_loader} if ZERO_GPU else {}
     app = App(
+        **extra,
         model_source=args.model,
         max_sessions=args.max_sessions,
         idle_seconds=args.idle_minutes * 60 or None,
@@ -208,6 +224,10 @@ def main(argv: list[str] | None = None) -> None:
     app.start_loading()
     app.start_sweeper()
     demo = build_demo(app)
+    if ZERO_GPU:
+        from kvdemo.ui.gpu_api import add_gpu_api
+
+        _log.info("ZeroGPU: the GPU job (@spaces.GPU) serves %s", ", ".join(add_gpu_api(demo, app)))
     demo.queue(default_concurrency_limit=args.concurrency, max_size=args.queue_size or None)
     _log.info("serving on http://%s:%s (model loading in the background)", args.host, args.port)
     # Gradio keeps each browser session's component updates (charts, chat) until it has seen this many newer

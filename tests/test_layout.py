@@ -150,13 +150,16 @@ def test_imports_point_one_way():
 
 def _defined(path: Path) -> set[str]:
     """The names a module defines at its top level (functions, classes, assignments; also inside a top-level
-    `if`, such as `if TYPE_CHECKING:` and its `else`), not those it imports."""
+    `if`, such as `if TYPE_CHECKING:` and its `else`, or a top-level `try`, such as an optional import's), not those it
+    imports."""
     names = set()
     nodes = list(ast.parse(path.read_text(encoding="utf-8")).body)
     while nodes:
         node = nodes.pop()
         if isinstance(node, ast.If):
             nodes += node.body + node.orelse
+        elif isinstance(node, ast.Try):
+            nodes += node.body + [n for h in node.handlers for n in h.body] + node.orelse + node.finalbody
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names.add(node.name)
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):

@@ -1,0 +1,171 @@
+"""What a GPU job's worker keeps between calls (`kvdemo.serve.gpu_job`): the model on the device, a few prefilled
+sessions warm, and quanto's unpacking on CUDA.
+
+- **Warm sessions** (`WarmSessions`, one per process: `WARM`): the sessions of the latest session files, least
+  recently used first out, bounded in KV bytes (`PrefillReport.kv_bytes`, the snapshot's included) and in number. A
+  session is found by its file's path and the file's state (modification time, size, inode): a file written again
+  (the same path, another prefill) is another key, so a warm session is never served for a file that has changed.
+  Nothing relies on a hit: a ZeroGPU worker may be replaced at any call, and a miss opens the file.
+- **The model on the device** (`device_model`): a model loaded on the CPU is moved to CUDA once per worker, when
+  CUDA is available there; `torch.cuda.is_available()` is asked only inside a job.
+- **quanto on CUDA** (`quanto_on_device`): optimum-quanto 0.2.7 de-quantizes a CUDA tensor with its CUDA extension
+  (`quanto_cuda`), which it JIT-builds with nvcc on first use (minutes, inside a GPU call whose duration is counted).
+  A build already in the kvdemo cache folder (`kvdemo.cache.quanto_build`) is loaded; else the extension's library
+  is replaced by quanto's own pure-torch unpacking (`pure_torch_unpack`, the same integers), unless
+  `KVDEMO_QUANTO_CUDA_BUILD=1` asks quanto to build it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvdemo.qa.models import LoadedModel
+from kvdemo.qa.session import QASession
+
+WARM_BYTES = int(float(os.environ.get("KVDEMO_WARM_SESSIONS_MIB") or 4096) * 2**20)
+"""KV bytes the warm sessions of one worker may hold together (env `KVDEMO_WARM_SESSIONS_MIB`, default 4096 MiB)."""
+WARM_SESSIONS = 8
+"""Warm sessions one worker keeps at most."""
+
+
+class WarmSessions:
+    """Prefilled sessions kept by session file, least recently used first out (module docstring).
+
+    Args:
+        max_bytes: KV bytes all sessions together may hold; a session larger than this alone is not kept.
+        max_sessions: sessions kept at most (>= 1).
+    """
+
+    def __init__(self, max_bytes: int = WARM_BYTES, max_sessions: int = WARM_SESSIONS):
+        self.max_bytes, self.max_sessions = max_bytes, max_sessions
+        self._held: OrderedDict[tuple[str, int, int, int], QASession] = OrderedDict()
+
+    @staticmethod
+    def key(path: Path) -> tuple[str, int, int, int]:
+        """The file's resolved path, modification time (ns), size (bytes) and inode.
+
+        Raises:
+            OSError: the file cannot be read (missing).
+        """
+        state = path.stat()
+        return str(path.resolve()), state.st_mtime_ns, state.st_size, state.st_ino
+
+    def _drop_path(self, name: str) -> None:
+        for key in [key for key in self._held if key[0] == name]:
+            del self._held[key]
+
+    def get(self, path: Path, loaded: LoadedModel) -> QASession | None:
+        """The warm session of the file at `path` as it is now, on `loaded`; None when there is none (a stale one,
+        of the file before it was written again, is dropped)."""
+        try:
+            key = self.key(path)
+        except OSError:
+            return None
+        session = self._held.get(key)
+        if session is None or session.loaded is not loaded or session.streaming:
+            self._drop_path(key[0])
+            return None
+        self._held.move_to_end(key)
+        return session
+
+    def put(self, path: Path, session: QASession) -> None:
+        """Keep `session` (prefilled from, or saved to, the file at `path`) as the most recently used, then drop the
+        least recently used until the bounds hold."""
+        key = self.key(path)
+        self._drop_path(key[0])
+        self._held[key] = session
+        while self._held and (len(self._held) > self.max_sessions or self.held_bytes > self.max_bytes):
+            self._held.popitem(last=False)
+
+    @property
+    def held_bytes(self) -> int:
+        """KV bytes the warm sessions hold (their prefill reports' `kv_bytes`)."""
+        return sum(s.prefill_report.kv_bytes for s in self._held.values() if s.prefill_report is not None)
+
+    def paths(self) -> list[str]:
+        """The warm sessions' files, least recently used first."""
+        return [key[0] for key in self._held]
+
+    def clear(self) -> None:
+        """Drop every warm session."""
+        self._held.clear()
+
+
+WARM = WarmSessions()
+"""This process's warm sessions (a ZeroGPU worker's, inherited empty or not by a fork, and then its own)."""
+
+_MOVED: list[tuple[LoadedModel, LoadedModel]] = []
+
+
+def device_model(loaded: LoadedModel) -> LoadedModel:
+    """`loaded` on CUDA where CUDA is available in this process (moved once, kept for the next jobs; the warm
+    sessions of another model are dropped), else `loaded` itself."""
+    if loaded.device.type == "cuda" or not torch.cuda.is_available():
+        return loaded
+    if _MOVED and _MOVED[0][0] is loaded:
+        return _MOVED[0][1]
+    device = torch.device("cuda")
+    moved = dataclasses.replace(loaded, model=loaded.model.to(device), device=device)
+    _MOVED[:] = [(loaded, moved)]
+    WARM.clear()
+    return moved
+
+
+def pure_torch_unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """optimum-quanto 0.2.7's default `quanto::unpack` (`optimum/quanto/library/unpack.py`), the same operations (that
+    module's `unpack` cannot be imported: `torch.library.impl`'s decorator leaves the name None, and the op dispatches
+    a CUDA tensor to the extension this stands in for):
+    each uint8 of `packed` ([n, ...]) holds 8 / `bits` values of `bits` bits; returns them as uint8,
+    [n x 8 / bits, ...], the lowest bits first. Runs on any device."""
+    unpacked = [(packed & (2 ** (bits * (i + 1)) - 1)) >> (bits * i) for i in range(8 // bits)]
+    return torch.cat(unpacked).to(torch.uint8)
+
+
+class PureTorchUnpack:
+    """Stands in for quanto's CUDA extension library: its `unpack` is `pure_torch_unpack`."""
+
+    unpack = staticmethod(pure_torch_unpack)
+
+
+FALLBACK_NOTE = (
+    "quanto: its CUDA extension is not built here (building it takes minutes of GPU time); quanto's pure-torch "
+    "unpacking runs instead (the same integers)"
+)
+
+
+def quanto_on_device(device: torch.device, extensions: Any = None) -> str | None:
+    """Probe quanto's CUDA extension on `device` (nothing on the CPU) and choose what unpacks quanto's stores there.
+
+    Args:
+        device: the job's device.
+        extensions: quanto's extension module (`optimum.quanto.library.extensions.extension`); None imports it.
+
+    Returns:
+        None on the CPU; else a line saying what runs: the built extension, `FALLBACK_NOTE`, quanto's default
+        unpacking (no CUDA extension registered), or that optimum-quanto is not installed.
+    """
+    if device.type != "cuda":
+        return None
+    if extensions is None:
+        try:
+            from optimum.quanto.library.extensions import extension  # type: ignore[import-untyped]
+        except ImportError:
+            return "optimum-quanto is not installed: the quanto backend is refused"
+        extensions = extension
+    if not extensions.is_extension_available("quanto_cuda"):
+        return "quanto: no CUDA extension is registered; quanto's default (pure-torch) unpacking runs"
+    from kvdemo.cache.quanto_build import share_quanto_build
+
+    share_quanto_build()  # loads a build already in the kvdemo cache folder
+    ext = extensions.get_extension("quanto_cuda")
+    if ext._lib is None and os.environ.get("KVDEMO_QUANTO_CUDA_BUILD") != "1":
+        ext._lib = PureTorchUnpack()
+    if ext._lib is None:
+        return "quanto: its CUDA extension is built on first use (KVDEMO_QUANTO_CUDA_BUILD=1; needs nvcc)"
+    return FALLBACK_NOTE if isinstance(ext._lib, PureTorchUnpack) else "quanto: its CUDA extension runs"
