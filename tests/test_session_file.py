@@ -199,3 +199,19 @@ def test_saving_needs_a_prefill_and_no_open_answer(small, written, tmp_path):
         open_session(small, tmp_path / "after.kvsession").ask(QUESTIONS[0], 3).token_ids
         == session.ask(QUESTIONS[0], 3).token_ids
     )
+
+
+def test_a_failed_write_leaves_no_file(written, tmp_path, monkeypatch):
+    import safetensors.torch
+
+    def full_disk(tensors, filename, metadata=None):
+        with open(filename, "wb") as file:
+            file.write(b"half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    with pytest.raises(OSError, match="No space left on device"):
+        save_session(written[1], tmp_path / "full.kvsession")
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(OSError):
+        save_session(written[1], tmp_path / "no" / "such" / "folder.kvsession")

@@ -122,6 +122,7 @@ def save_session(session: QASession, path: str | os.PathLike[str]) -> SavedSessi
     Raises:
         ValueError: the session holds no prefill, or an answer is streaming (save after it ends).
         TypeError: a layer holds a tensor layout kvdemo cannot write (`kvdemo.cache.serialize`).
+        OSError: the file cannot be written (a missing folder, a full disk); nothing is left at `path`.
     """
     if session.cache is None or session.prefill_report is None or session.context is None:
         raise ValueError("prefill a context before saving the session")
@@ -152,8 +153,12 @@ def save_session(session: QASession, path: str | os.PathLike[str]) -> SavedSessi
     partial = target.with_name(target.name + ".part")
     from safetensors.torch import save_file
 
-    save_file(tensors, str(partial), metadata={_MANIFEST: text, _DIGEST: _digest(text, tensors)})
-    os.replace(partial, target)
+    try:
+        save_file(tensors, str(partial), metadata={_MANIFEST: text, _DIGEST: _digest(text, tensors)})
+        os.replace(partial, target)
+    except BaseException:  # a full disk, a stop: no half file left behind
+        partial.unlink(missing_ok=True)
+        raise
     return SavedSession(target, target.stat().st_size, time.perf_counter() - start)
 
 
