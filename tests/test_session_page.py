@@ -28,7 +28,8 @@ def _page(tiny, folder=None):
     app.start_loading()
     demo = build_demo(app)
     by_name = {getattr(f.fn, "__name__", ""): f.fn for f in demo.fns.values()}
-    return app, {**named_handlers(demo), "saving": by_name["saving"], "opening": by_name["opening"]}
+    named = {name: by_name[name] for name in ("saving", "opening", "reopen")}
+    return app, {**named_handlers(demo), **named}
 
 
 def _answer(fns, name):
@@ -52,6 +53,27 @@ def test_a_restarted_app_opens_the_saved_prefill_instead_of_running_it(tiny, tmp
     assert fresh.ask(QUESTION, 6).token_ids == qa.history[-1].token_ids
     other = fns["prefill"](CONTEXT, "quanto", 4, 64, 4, 0, 0, gr.Request(session_hash="b"))[0]
     assert other.startswith("Prefilled **") and len(again.session_files.files()) == 2  # another spec: its own file
+
+
+def test_a_reload_reopens_the_kept_context_from_its_file(tiny, tmp_path):
+    """The page's load, after restoring the Context box and options the browser kept, opens their file."""
+    from kvdemo.ui.ask_widgets import PrefillView
+
+    app, fns = _page(tiny, tmp_path)
+    fns["prefill"](CONTEXT, *HQQ, gr.Request(session_hash="a"))
+    again, fns = _page(tiny, tmp_path)  # a restart, then a reload of the page
+    again.wait_for_model()
+    fields = dict(zip(("backend", *GROUP_OPTIONS), HQQ))
+    call = {"request": gr.Request(session_hash="b"), "progress": lambda *args, **kwargs: None}
+    view = PrefillView(*fns["reopen"](CONTEXT, **fields, **call))
+    assert view.prefill_info.startswith("Opened **") and view.ask_button["interactive"] is True
+    assert again.sessions.get("b").qa.prefill_report.opened_from == app.session_files.files()[0].name
+    assert fns["reopen"](CONTEXT, **fields, **call) == PrefillView()  # the tab holds a prefill: nothing changes
+    unchanged = PrefillView()
+    for context, backend in ((CONTEXT + " More.", "hqq"), (CONTEXT, "quanto"), ("", "hqq"), (CONTEXT, "no such")):
+        other = {**call, "request": gr.Request(session_hash=f"c{len(context)}{backend}")}
+        assert fns["reopen"](context, **{**fields, "backend": backend}, **other) == unchanged, (context, backend)
+    assert len(again.session_files.files()) == 1  # nothing was prefilled or saved
 
 
 def test_a_damaged_file_is_removed_and_the_prefill_runs(tiny, tmp_path):

@@ -347,7 +347,7 @@ class AskTab(AskWidgets):
         ).then(**gate)
         for field_ in fields:
             field_.change(**gate)
-        context_box.wire(self, demo, state_inputs, gate)  # the box: its gate, questions, kept copy, upload, examples
+        restored = context_box.wire(self, demo, state_inputs, gate)  # the box: gate, questions, kept copy, upload, ...
         w["example_questions"].click(
             lambda sample: sample[0], inputs=w["example_questions"], outputs=w["question"], **private
         )
@@ -382,6 +382,8 @@ class AskTab(AskWidgets):
             ).then(**gate).then(**stop_state)
         w["stop_button"].click(self.stop, api_name="stop", queue=False)
         session_box.wire(self.app, w)
+        reopen = page_event(session_box.reopener(self.app, self.prefill))
+        restored.then(reopen, inputs=state_inputs, outputs=[w[name] for name in PrefillView._fields], **model_work)
 
 
 def _speed_line(qa: QASession, events: list | None = None) -> str:

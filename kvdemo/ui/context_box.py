@@ -72,14 +72,14 @@ def sync_js(limit: int) -> str:
 }}"""
 
 
-def wire(tab: Any, demo: gr.Blocks, state_inputs: list[Any], gate: dict[str, Any]) -> None:
+def wire(tab: Any, demo: gr.Blocks, state_inputs: list[Any], gate: dict[str, Any]) -> Any:
     """The Context box's events. `tab`: the `AskTab` (its widgets `w` and the handlers `example_questions`, `upload`,
     `load_example`); `state_inputs`: the box, the backend and the option fields; `gate`: the keywords of the Ask
     tab's gate event (`AskTab.gate`, its first input `w["context_sent"]`). A change of the box runs `sync_js` in the
     browser, then one request chain: the gate, then the example questions. A change of the backend or an option
     writes the browser's copy in the browser (its gate is `AskTab.wire`'s). The page's load reads the copy back
     (`page_state.restore`); a keystroke clears the upload field in the browser; an upload or an example button
-    fills the box."""
+    fills the box. Returns the page load's event (`Dependency`), which later steps of a load follow (`.then`)."""
     w = tab.w
     private: dict[str, Any] = {"api_visibility": "private", "queue": False}
     box, sent, limit = w["context"], w["context_sent"], page_state.LARGE_CONTEXT_CHARS
@@ -93,7 +93,9 @@ def wire(tab: Any, demo: gr.Blocks, state_inputs: list[Any], gate: dict[str, Any
     # the events that write the box show their progress beside it: Gradio copies every component that ever showed a
     # progress (its whole value) at each status change of every request after, a 2 MB text several times a keystroke
     beside: dict[str, Any] = {"show_progress_on": w["context_note"], "show_progress": "hidden"}
-    demo.load(page_state.restore, inputs=w["saved"], outputs=[*state_inputs, w["context_note"]], **beside, **private)
+    restored = demo.load(
+        page_state.restore, inputs=w["saved"], outputs=[*state_inputs, w["context_note"]], **beside, **private
+    )
     w["upload"].upload(
         tab.upload, inputs=w["upload"], outputs=[box, w["notice"]], api_name="read_upload", show_progress_on=w["notice"]
     )
@@ -101,3 +103,4 @@ def wire(tab: Any, demo: gr.Blocks, state_inputs: list[Any], gate: dict[str, Any
         button.click(functools.partial(tab.load_example, name), outputs=box, **beside, **private)
     # typing or pasting into the box makes it no longer the uploaded file's text: the file name goes
     box.input(None, outputs=w["upload"], js="() => null", **private)
+    return restored

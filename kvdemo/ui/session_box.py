@@ -1,8 +1,10 @@
 """The Ask tab's session file (`kvdemo.qa.session_file`): Save session writes this tab's prefilled context and cache to
 a file the browser downloads; a session file uploaded to the same box is opened instead of a prefill, and the page then
 shows its context and its spec (the Context box, the backend and the option fields), so the page shows what the cache
-holds. A file the page cannot show (a per-layer plan: no field holds one) or cannot open here (another model, spec
-or version, damaged) is refused beside Prefill and the tab's session keeps its cache."""
+holds. After a reload, or an app restarted, the Context box and options the browser kept are reopened from the
+server's folder of session files where it holds their file (`reopen`). A file the page cannot show (a per-layer
+plan: no field holds one) or cannot open here (another model, spec or version, damaged) is refused beside Prefill and
+the tab's session keeps its cache."""
 
 from __future__ import annotations
 
@@ -102,6 +104,37 @@ def open_file(app: App, path: str | None, request: gr.Request) -> tuple[Any, ...
         speed_limit=views.speed_limit_after(speed_limit(qa.loaded.model, qa.cache), []),
     )
     return (qa.context, backend, *values, *view)
+
+
+def reopen(
+    app: App, prefill: Any, context: Any, backend: Any, options: dict[str, Any], request: Any, progress: Any
+) -> PrefillView:
+    """After the page's load has restored the Context box and the options the browser kept (`page_state.restore`):
+    when the server's folder of session files holds the file of that context, model and spec and this tab holds no
+    prefill, `prefill` (the Ask tab's, which then opens the file: `App.prefill`), so a reload or a restarted app
+    shows the last context prefilled without a new prefill; else a `PrefillView` that changes nothing."""
+    files, loaded, user = app.session_files, app.loaded, app.sessions.peek_request(request)
+    if files is None or loaded is None or not isinstance(context, str) or not context.strip():
+        return PrefillView()
+    if user is not None and user.qa is not None:
+        return PrefillView()
+    try:
+        qa = QASession(loaded, spec_from_inputs(backend, options), kv_budget_bytes=app.kv_budget_bytes)
+        if not files.path(qa, qa.prepare(context, max_tokens=loaded.max_context_tokens)).is_file():
+            return PrefillView()
+    except (ValueError, ImportError):  # what the page shows cannot be prefilled: Prefill will say why
+        return PrefillView()
+    return prefill(context, backend, options, request, progress)
+
+
+def reopener(app: App, prefill: Any) -> Any:
+    """`reopen` for `app` and the Ask tab's `prefill`, as `page_event` takes a handler (named `reopen`)."""
+
+    def reopen_saved(context: Any, backend: Any, options: dict[str, Any], request: Any, progress: Any) -> PrefillView:
+        return reopen(app, prefill, context, backend, options, request, progress)
+
+    reopen_saved.__name__ = reopen_saved.__qualname__ = "reopen"
+    return reopen_saved
 
 
 def wire(app: App, w: dict[str, Any]) -> None:
