@@ -201,6 +201,7 @@ def rehearse(work: Path, port: int, timeout: float) -> dict:
         HF_HUB_OFFLINE="1",
         GRADIO_ANALYTICS_ENABLED="False",
         KVDEMO_PORT=str(port),
+        KVDEMO_CACHE_DIR=str(work / "kvdemo-cache"),  # a Space's disk is new: its session files, its state secret
         PYTHONUNBUFFERED="1",
     )
     environment.pop("PYTHONPATH", None)
