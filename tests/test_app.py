@@ -1,5 +1,6 @@
 """app.py's load, session-file and MCP settings (`--server-kv-budget-mib`, `--queue-size`, `--session-files-mib`,
-`--max-upload-mib`, `--mcp` and their environment variables) and that `main` hands them to the app, the queue and `launch`."""
+`--max-upload-mib`, `--mcp` and their environment variables) and that `main` hands them to the app, the queue and
+`launch`."""
 
 from __future__ import annotations
 

@@ -119,7 +119,7 @@ def test_ask_saves_a_session_and_opens_it_without_a_prefill(embedded, capsys, tm
         (["--session", path, *first[:2]], "give --context-file to prefill, or --session"),
         ([], "give --context-file (the text to prefill) or --session"),
         (["--session", str(tmp_path / "none.kvsession")], "is not a file"),
-        (["--session", NORMANS], "is not a session file, or it is truncated"),
+        (["--session", NORMANS], "is not a session file, or it was cut short"),
         (["--session", path, "--questions-from-case", "1"], "give --question with --session"),
     ):
         assert main([*ask, *args]) == 2, args

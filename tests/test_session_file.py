@@ -121,7 +121,7 @@ def test_a_truncated_file_is_refused(small, written, held, tmp_path):
     for keep in (len(data) - 100, 8 + _header_length(written[0]) + 10, 200, 5, 0):
         cut = tmp_path / "cut.kvsession"
         cut.write_bytes(data[:keep])
-        _refused(small, cut, held, "not a session file, or it is truncated")
+        _refused(small, cut, held, "not a session file, or it was cut short")
 
 
 def test_changed_bytes_are_refused(small, written, held, tmp_path):

@@ -7,6 +7,8 @@ Cost: about 10 s (the tiny model)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import gradio as gr
 import pytest
 
@@ -14,8 +16,9 @@ from kvdemo.cache.options import GROUP_OPTIONS
 from kvdemo.cache.spec import CacheSpec
 from kvdemo.qa.session import QASession
 from kvdemo.qa.session_file import save_session
-from kvdemo.serve.session_files import SessionFiles
+from kvdemo.serve.session_files import SAVED_COPY, SessionFiles
 from kvdemo.ui import App, build_demo
+from kvdemo.ui.ask_widgets import PrefillView
 from tests.helpers import named_handlers
 
 CONTEXT = "The Normans were the people who gave their name to Normandy, a region in France. Rollo led them."
@@ -44,9 +47,9 @@ def test_a_restarted_app_opens_the_saved_prefill_instead_of_running_it(tiny, tmp
     first = _answer(fns, "a")
     again, fns = _page(tiny, tmp_path)  # a restart: a new App over the same folder
     summary = fns["prefill"](CONTEXT, *HQQ, gr.Request(session_hash="b"))[0]
-    assert summary.startswith("Opened **") and f"from the session file `{saved.name}`" in summary
+    assert summary.startswith("Opened **") and "from this server's saved copy of the same prefill in " in summary
     qa = again.sessions.get("b").qa
-    assert qa.prefill_report.opened_from == saved.name and again.kv.holders().get("cache:b", 0) > 0
+    assert qa.prefill_report.opened_from == SAVED_COPY and again.kv.holders().get("cache:b", 0) > 0
     assert _answer(fns, "b") == first
     fresh = QASession(tiny, qa.spec)
     fresh.prefill(CONTEXT)
@@ -57,8 +60,6 @@ def test_a_restarted_app_opens_the_saved_prefill_instead_of_running_it(tiny, tmp
 
 def test_a_reload_reopens_the_kept_context_from_its_file(tiny, tmp_path):
     """The page's load, after restoring the Context box and options the browser kept, opens their file."""
-    from kvdemo.ui.ask_widgets import PrefillView
-
     app, fns = _page(tiny, tmp_path)
     fns["prefill"](CONTEXT, *HQQ, gr.Request(session_hash="a"))
     again, fns = _page(tiny, tmp_path)  # a restart, then a reload of the page
@@ -67,7 +68,7 @@ def test_a_reload_reopens_the_kept_context_from_its_file(tiny, tmp_path):
     call = {"request": gr.Request(session_hash="b"), "progress": lambda *args, **kwargs: None}
     view = PrefillView(*fns["reopen"](CONTEXT, **fields, **call))
     assert view.prefill_info.startswith("Opened **") and view.ask_button["interactive"] is True
-    assert again.sessions.get("b").qa.prefill_report.opened_from == app.session_files.files()[0].name
+    assert again.sessions.get("b").qa.prefill_report.opened_from == SAVED_COPY
     assert fns["reopen"](CONTEXT, **fields, **call) == PrefillView()  # the tab holds a prefill: nothing changes
     unchanged = PrefillView()
     for context, backend in ((CONTEXT + " More.", "hqq"), (CONTEXT, "quanto"), ("", "hqq"), (CONTEXT, "no such")):
@@ -114,12 +115,16 @@ def test_save_session_then_open_it_in_another_tab(tiny, tmp_path):
     assert path is not None and notice.startswith("⚠ nothing is prefilled in this tab")
     fns["prefill"](CONTEXT, *HQQ, request)
     path, notice = fns["saving"](request)
-    assert path.endswith(".kvsession") and notice.startswith("Saved ") and "download it above" in notice
+    assert path.endswith(".kvsession") and "download it above" in notice
+    qa = app.sessions.get("a").qa
+    assert notice.startswith(f"Saved the cache's `{qa.spec.full_text}` over {qa.prefill_report.context_tokens} tokens")
+    assert qa.spec.full_text.startswith("hqq:4,q_group_size=64,residual_length=4,axis_key=0,axis_value=0,")
     first = _answer(fns, "a")
     context, backend, *rest = fns["opening"](path, gr.Request(session_hash="b"))
-    values, view = rest[: len(GROUP_OPTIONS)], rest[len(GROUP_OPTIONS) :]
+    values, view, box = rest[: len(GROUP_OPTIONS)], PrefillView(*rest[len(GROUP_OPTIONS) : -1]), rest[-1]
     assert context == CONTEXT and backend == "hqq" and values[:3] == [4, 64, 4]
-    assert view[0].startswith("Opened **") and view[-2]["interactive"] is True  # Ask enabled
+    assert view.prefill_info.startswith("Opened **") and view.ask_button["interactive"] is True
+    assert f"from the session file `{Path(path).name}`" in view.prefill_info and box == gr.skip()
     gate = fns["gate"](context, backend, *values, gr.Request(session_hash="b"))
     assert gate[2]["interactive"] is True  # the page shows what the cache holds
     assert _answer(fns, "b") == first
@@ -136,11 +141,12 @@ def test_files_the_page_cannot_open_are_refused_and_the_cache_stays(tiny, tmp_pa
     (tmp_path / "text.kvsession").write_text("not a session")
     for path, message in (
         (tmp_path / "planned.kvsession", "the page's option fields cannot show `quanto,plan=k4v2+k2v2`"),
-        (tmp_path / "text.kvsession", "is not a session file, or it is truncated"),
+        (tmp_path / "text.kvsession", "is not a session file, or it was cut short"),
     ):
         out = fns["opening"](str(path), request)
         notice = out[2 + len(GROUP_OPTIONS) + 7]
         assert notice.startswith("⚠ ") and message in notice, notice
         assert out[0] == gr.skip() and app.sessions.get("a").qa is held
+        assert out[-1] is None  # the refused file is taken out of the box
     assert app.sessions.get("a").qa.context == CONTEXT
     assert app.kv.holders().get("cache:a", 0) > 0

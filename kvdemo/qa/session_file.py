@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import time
@@ -38,6 +39,8 @@ from kvdemo.cache.spec import CacheSpec, build_cache
 from kvdemo.qa.models import LoadedModel
 from kvdemo.qa.prompt import PromptSplit
 from kvdemo.qa.session import QASession
+
+_log = logging.getLogger(__name__)
 
 FORMAT = 1
 """The session file's format (the cache's has its own: `kvdemo.cache.serialize.FORMAT`)."""
@@ -180,8 +183,10 @@ def _open_header(path: Path) -> tuple[dict[str, Any], str]:
         with safe_open(str(path), framework="pt") as file:
             header = file.metadata() or {}
     except Exception as error:  # safetensors raises its own SafetensorError, or OSError
+        _log.info("%s cannot be read as safetensors: %s", path.name, error)
         raise SessionFileError(
-            f"{path.name} is not a session file, or it is truncated ({path.stat().st_size:,} bytes): {error}"
+            f"{path.name} is not a session file, or it was cut short ({path.stat().st_size:,} bytes): choose the "
+            f"{SUFFIX} file that Save session or --save-session wrote"
         ) from None
     if _MANIFEST not in header or _DIGEST not in header:
         raise SessionFileError(f"{path.name} is a safetensors file but holds no kvdemo session")

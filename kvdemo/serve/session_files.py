@@ -10,6 +10,7 @@ template that writes the date does not open yesterday's file).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -22,6 +23,9 @@ from kvdemo.qa.session import QASession
 from kvdemo.qa.session_file import SUFFIX, SessionFileError, model_identity, open_session, save_session, versions
 
 _log = logging.getLogger(__name__)
+
+SAVED_COPY = "this server's saved copy of the same prefill"
+"""`PrefillReport.opened_from` of a prefill opened from the folder (whose file names are hashes: no use to a user)."""
 
 
 class SessionFiles:
@@ -63,6 +67,8 @@ class SessionFiles:
             path.unlink(missing_ok=True)
             return None
         os.utime(path)  # recently used: trimmed last
+        assert qa.prefill_report is not None  # opened above
+        qa.prefill_report = dataclasses.replace(qa.prefill_report, opened_from=SAVED_COPY)  # its name is a hash
         return qa.prefill_report
 
     def save(self, qa: QASession, prepared: PreparedContext) -> Path | None:

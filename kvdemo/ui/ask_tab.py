@@ -381,7 +381,7 @@ class AskTab(AskWidgets):
                 **model_work,
             ).then(**gate).then(**stop_state)
         w["stop_button"].click(self.stop, api_name="stop", queue=False)
-        session_box.wire(self.app, w)
+        session_box.wire(self.app, w, self.before_prefill, stop_state)
         reopen = page_event(session_box.reopener(self.app, self.prefill))
         restored.then(reopen, inputs=state_inputs, outputs=[w[name] for name in PrefillView._fields], **model_work)
 

@@ -69,16 +69,20 @@ def save(app: App, request: gr.Request) -> tuple[Any, Any]:
         except (OSError, TypeError, ValueError) as error:
             return gr.skip(), refusal(error, "Save session")
     _log.info("saved a session file of %d bytes in %.2f s", saved.bytes, saved.seconds)
-    return str(saved.path), f"Saved {saved.bytes / 2**20:,.1f} MiB in {saved.seconds:.2f} s: download it above."
+    tokens = user.qa.prefill_report.context_tokens if user.qa.prefill_report else 0
+    return str(saved.path), (
+        f"Saved the cache's `{user.qa.spec.full_text}` over {tokens:,} tokens ({saved.bytes / 2**20:,.2f} MiB in "
+        f"{saved.seconds:.2f} s): download it above."
+    )
 
 
 def open_file(app: App, path: str | None, request: gr.Request) -> tuple[Any, ...]:
-    """(Context box, backend, the option fields, then `PrefillView`'s outputs) for an uploaded session file: the
-    file opened into this tab's session and the page set to its context and spec, or a refusal beside Prefill with
-    everything else as it was."""
+    """(Context box, backend, the option fields, `PrefillView`'s outputs, the session file box) for an uploaded
+    session file: the file opened into this tab's session and the page set to its context and spec, or a refusal
+    beside Prefill with everything else as it was and the refused file taken out of the box."""
     keep = (gr.skip(),) * (2 + len(GROUP_OPTIONS))
     if not path:
-        return (*keep, *PrefillView())
+        return (*keep, *PrefillView(), gr.skip())
     user = app.sessions.of_request(request)
     user.interrupt()
     try:
@@ -89,7 +93,7 @@ def open_file(app: App, path: str | None, request: gr.Request) -> tuple[Any, ...
             user.page_shows = (qa.context or "", qa.spec)
     except (ValueError, ImportError) as error:
         held = user.qa is not None and page_state.page_differs(user) is None
-        return (*keep, *PrefillView.refused(refusal(error, "opening the session file"), held))
+        return (*keep, *PrefillView.refused(refusal(error, "opening the session file"), held), None)
     assert qa.cache is not None  # opened
     view = PrefillView(
         prefill_info=views.prefill_summary(qa),
@@ -103,7 +107,7 @@ def open_file(app: App, path: str | None, request: gr.Request) -> tuple[Any, ...
         ask_button=gr.update(interactive=True),
         speed_limit=views.speed_limit_after(speed_limit(qa.loaded.model, qa.cache), []),
     )
-    return (qa.context, backend, *values, *view)
+    return (qa.context, backend, *values, *view, gr.skip())
 
 
 def reopen(
@@ -137,11 +141,12 @@ def reopener(app: App, prefill: Any) -> Any:
     return reopen_saved
 
 
-def wire(app: App, w: dict[str, Any]) -> None:
+def wire(app: App, w: dict[str, Any], before: Any, after: dict[str, Any]) -> None:
     """Save session and the session file box's upload (`w`: the Ask tab's widgets by name), in the model's queue
-    group (after a running answer)."""
+    group. An upload first runs `before` outside the queue (the Ask tab's step before a prefill: this tab's running
+    answer or prefill stopped, Ask disabled) and `after` (the keywords of the Stop button's state event) at its end."""
     outputs = [w["context"], w["backend"], *(w[name] for name in GROUP_OPTIONS)]
-    outputs += [w[name] for name in PrefillView._fields]
+    outputs += [*(w[name] for name in PrefillView._fields), w["session_file"]]
     private: dict[str, Any] = {"api_visibility": "private", "concurrency_id": "model"}
 
     def saving(request: gr.Request) -> tuple[Any, Any]:
@@ -151,4 +156,7 @@ def wire(app: App, w: dict[str, Any]) -> None:
         return open_file(app, path, request)
 
     w["save_session"].click(saving, outputs=[w["session_file"], w["notice"]], **private)
-    w["session_file"].upload(opening, inputs=w["session_file"], outputs=outputs, **private)
+    upload = w["session_file"].upload(
+        before, outputs=[w["ask_button"], w["stop_button"]], api_visibility="private", queue=False
+    )
+    upload.then(opening, inputs=w["session_file"], outputs=outputs, **private).then(**after)

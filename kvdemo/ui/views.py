@@ -27,6 +27,7 @@ from kvdemo.charts.steps import (
 from kvdemo.compare.records import ComparisonReport
 from kvdemo.qa.models import LoadedModel
 from kvdemo.qa.session import QASession
+from kvdemo.serve.session_files import SAVED_COPY
 
 EXPLAINER = """
 **Prefill.** The model reads your whole context once and stores, for every layer, a *key* and a *value*
@@ -104,12 +105,11 @@ def prefill_summary(qa: QASession) -> str:
     r = qa.prefill_report
     assert r is not None  # shown after a prefill
     notes = [f"\n\n{note}." for note in (r.prompt_note and f"Prompt check: {r.prompt_note}", r.clock_note) if note]
-    done = f"Prefilled **{r.context_tokens:,} tokens** in {r.seconds:.2f} s"
-    if r.opened_from is not None:
-        done = (
-            f"Opened **{r.context_tokens:,} prefilled tokens** from the session file `{r.opened_from}` in "
-            f"{r.seconds:.2f} s (its prefill took {r.prefill_seconds or 0:.2f} s)"
-        )
+    source = r.opened_from if r.opened_from in (None, SAVED_COPY) else f"the session file `{r.opened_from}`"
+    done = f"Prefilled **{r.context_tokens:,} tokens** in {r.seconds:.2f} s" if source is None else (
+        f"Opened **{r.context_tokens:,} prefilled tokens** from {source} in {r.seconds:.2f} s (its prefill took "
+        f"{r.prefill_seconds or 0:.2f} s)"
+    )  # fmt: skip
     return (
         f"{done} with **{qa.spec.label}** · "
         f"KV cache {r.kv_bytes / 2**20:.2f} MiB ({r.bytes_per_token:,.0f} bytes/token) · "
