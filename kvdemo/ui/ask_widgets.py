@@ -93,7 +93,7 @@ class AskWidgets:
                     with gr.Column():
                         w["examples"] = {name: gr.Button(f"Example: {name}", size="sm") for name in EXAMPLES}
                 w["prefill_button"] = gr.Button("Prefill", variant="primary")
-                with gr.Accordion("Session file: save this prefill, or open a saved one", open=False):
+                with gr.Accordion("Session file: save this session, or open a saved one", open=False):
                     # `session_box`: a download after Save session; an upload is opened instead of a prefill
                     w["session_file"] = gr.File(
                         label="session file (.kvsession): drop one here to open it without a prefill",

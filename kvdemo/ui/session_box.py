@@ -79,7 +79,7 @@ def save(app: App, request: gr.Request) -> tuple[Any, Any]:
 def open_file(app: App, path: str | None, request: gr.Request) -> tuple[Any, ...]:
     """(Context box, backend, the option fields, `PrefillView`'s outputs, the session file box) for an uploaded
     session file: the file opened into this tab's session and the page set to its context and spec, or a refusal
-    beside Prefill with everything else as it was and the refused file taken out of the box."""
+    beside Prefill with everything else as it was; either way the box is emptied, ready for the next file."""
     keep = (gr.skip(),) * (2 + len(GROUP_OPTIONS))
     if not path:
         return (*keep, *PrefillView(), gr.skip())
@@ -107,7 +107,7 @@ def open_file(app: App, path: str | None, request: gr.Request) -> tuple[Any, ...
         ask_button=gr.update(interactive=True),
         speed_limit=views.speed_limit_after(speed_limit(qa.loaded.model, qa.cache), []),
     )
-    return (qa.context, backend, *values, *view, gr.skip())
+    return (qa.context, backend, *values, *view, None)  # the box emptied for the next file (the line names this one)
 
 
 def reopen(

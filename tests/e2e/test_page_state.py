@@ -2,7 +2,8 @@
 on SQuAD articles: a changed Context box disables Ask; a refusal stays beside its button and keeps the rest;
 a long prefill shows real progress and stops; a question shows at once; the residual chart says when a backend
 keeps none; a reload brings back the Context box and options and says that nothing is prefilled in the tab, also
-after the server restarted. Saves screenshots under artifacts/state/ (not committed).
+after the server restarted, where the server's session file reopens the prefill by itself; a session file dropped
+in the box opens, a bad one is refused. Saves screenshots under artifacts/state/ (not committed).
 
 Cost: 51 s for 7 tests in one process on 2 idle cores (2026-12-04, before two workers).
 """
@@ -16,10 +17,14 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import Page, expect
 
+from kvdemo.cache.spec import CacheSpec
 from kvdemo.evals.cases import example_path, load_case
 from kvdemo.qa.prefill import PREFILL_CHUNK_TOKENS
+from kvdemo.qa.session import QASession
+from kvdemo.qa.session_file import read_manifest, save_session
 from kvdemo.serve.secret import ENV, SECRET_FILE
 from kvdemo.serve.server import App
+from kvdemo.serve.session_files import SessionFiles
 from kvdemo.ui.ask_widgets import START_SPEC
 
 from .conftest import free_port, serve
@@ -329,13 +334,15 @@ def test_a_reload_keeps_the_context_and_options_and_says_nothing_is_prefilled(pa
 def test_what_the_browser_kept_survives_a_server_restart(browser, embedded, normans, tmp_path, monkeypatch):
     """gradio-app/gradio#10263: `gr.BrowserState` is encrypted with a secret that Gradio draws anew at every start,
     so a restarted server could not read what the browser kept. With the secret from `kvdemo.serve.secret` (here
-    the file in a fresh cache folder), a second server on the same port, built from scratch, reads it back."""
+    the file in a fresh cache folder), a second server on the same port, built from scratch, reads it back; and with
+    the server's folder of session files, the reload reopens the prefill without pressing Prefill (issue 44). A
+    session file dropped in the Ask tab's box opens in place of a prefill; a bad one is refused beside Prefill."""
     monkeypatch.delenv(ENV, raising=False)
     monkeypatch.setenv("KVDEMO_CACHE_DIR", str(tmp_path))
     port = free_port()
 
     def start():
-        app = App(loader=lambda source: embedded)
+        app = App(loader=lambda source: embedded, session_files=SessionFiles(tmp_path / "sessions", 1 << 30))
         demo, _ = serve(app, port)
         app.wait_for_model()
         return demo
@@ -347,10 +354,20 @@ def test_what_the_browser_kept_survives_a_server_restart(browser, embedded, norm
         page = tab.new_page()
         page.goto(f"http://127.0.0.1:{port}/")
         expect(page.get_by_text("135 M parameters")).to_be_visible(timeout=120_000)
-        _box(page).fill(context)
         page.get_by_label("residual_length", exact=True).fill("48")
         page.get_by_label("residual_length", exact=True).press("Tab")
-        expect(page.get_by_text(re.compile(r"spec quanto:4,q_group_size=64,residual_length=48")).first).to_be_visible()
+        tokens = _prefill(page, context)
+        page.get_by_role("button", name="Session file: save this session").click()
+        page.get_by_role("button", name="Save session").click()
+        expect(
+            page.get_by_text(re.compile(r"^Saved the cache's quanto:4,q_group_size=64,residual_length=48,"))
+        ).to_be_visible()
+        expect(page.get_by_role("cell", name=re.compile(rf"-{tokens}tokens\.kvsession"))).to_be_visible()
+        with page.expect_download() as download:
+            page.get_by_role("link", name=re.compile(r"KB|MB")).click()
+        saved = read_manifest(download.value.path())
+        assert saved["spec"].startswith("quanto:4,residual_length=48,") and saved["context_tokens"] == tokens
+        assert saved["context"] == context
         page.wait_for_timeout(1_000)  # the browser state is written after each change
         demo.close()  # the server goes away; the browser keeps its localStorage
         demo = start()  # a new server: a new page, new components, the secret read from the file
@@ -359,6 +376,33 @@ def test_what_the_browser_kept_survives_a_server_restart(browser, embedded, norm
         expect(_box(page)).to_have_value(context, timeout=30_000)
         expect(page.get_by_label("residual_length", exact=True)).to_have_value("48")
         assert (tmp_path / SECRET_FILE).is_file()
+        opened = page.get_by_text(f"Opened {tokens:,} prefilled tokens from this server's saved copy of the same")
+        expect(opened).to_be_visible(timeout=60_000)  # no Prefill pressed
+        expect(_ask_button(page)).to_be_enabled()
+        _shot(page, "8-reopened-after-restart")
+
+        other = normans.select("3").context
+        session = QASession(embedded, CacheSpec("dynamic"))
+        session.prefill(other)
+        save_session(session, tmp_path / "normans-3.kvsession")
+        page.get_by_role("button", name="Session file: save this session").click()
+        box = page.locator("div.block", has_text="session file (.kvsession)").last.locator("input[type=file]").first
+        box.set_input_files(str(tmp_path / "normans-3.kvsession"))
+        expect(
+            page.get_by_text(re.compile(r"^Opened [\d,]+ prefilled tokens from the session file normans-3"))
+        ).to_be_visible(timeout=60_000)
+        expect(_box(page)).to_have_value(other)
+        expect(page.get_by_label("dynamic", exact=True)).to_be_checked()
+        expect(_ask_button(page)).to_be_enabled()
+        question = "Who was the duke in the battle of Hastings?"
+        _ask(page, question, 8)
+        expect(page.locator('[data-testid="bot"]').last).to_have_text(session.ask(question, 8).text)
+        (tmp_path / "notes.kvsession").write_text("not a session")
+        box.set_input_files(str(tmp_path / "notes.kvsession"))
+        expect(page.get_by_text("⚠ notes.kvsession is not a session file, or it was cut short")).to_be_visible()
+        expect(_box(page)).to_have_value(other)  # the page keeps what the cache holds
+        expect(_ask_button(page)).to_be_enabled()
+        _shot(page, "9-session-file-refused")
     finally:
         tab.close()
         demo.close()
