@@ -111,20 +111,8 @@ class AskTab(AskWidgets):
         cleared = (
             " · the chat starts afresh on this context; the answers table keeps earlier answers" if user.answers else ""
         )
-        return PrefillView(
-            prefill_info=views.prefill_summary(qa) + cleared,
-            chat=[],
-            stats="",
-            memory_plot=views.memory_chart([], qa.spec),
-            residual_plot=views.residual_chart([], qa.spec),
-            step_plot=views.step_times([]),
-            answers_table=views.answers_table(user.answers),
-            notice="",
-            ask_button=gr.update(
-                interactive=page_state.page_differs(user) is None
-            ),  # options may have changed meanwhile
-            speed_limit=_speed_line(qa),  # the new cache's floor, not the last answer's line
-        )
+        # Ask as the page now stands: the options may have changed meanwhile
+        return PrefillView.prefilled(qa, user.answers, page_state.page_differs(user) is None, cleared)
 
     def _answerable_session(self, request: gr.Request | None, context: str | None) -> UserSession:
         """This tab's session with a prefilled cache of the page's context.

@@ -11,8 +11,10 @@ import gradio as gr
 from kvdemo.cache.options import GROUP_OPTIONS
 from kvdemo.cache.registry import BACKENDS
 from kvdemo.cache.spec import CacheSpec
+from kvdemo.cache.speedlimit import speed_limit
 from kvdemo.charts.steps import KEPT_SERIES, MEMORY_SERIES, answers_frame
 from kvdemo.qa.limits import DEFAULT_MAX_NEW_TOKENS
+from kvdemo.qa.session import QASession
 from kvdemo.serve.secret import browser_state_secret
 from kvdemo.ui import option_fields, views
 from kvdemo.ui.examples import EXAMPLES
@@ -40,6 +42,25 @@ class PrefillView(NamedTuple):
     notice: Any = views.KEEP
     ask_button: Any = views.KEEP
     speed_limit: Any = views.KEEP  # the new cache's floor (no step measured yet); a refusal keeps the line
+
+    @classmethod
+    def prefilled(cls, qa: QASession, answers: list, ask_enabled: bool, note: str = "") -> PrefillView:
+        """What a prefill, or a session file opened in its place, shows: the summary line (then `note`), an empty
+        chat and charts, the tab's answers table, Ask as `ask_enabled` says, and the new cache's speed floor (no step
+        measured yet)."""
+        assert qa.cache is not None  # prefilled
+        return cls(
+            prefill_info=views.prefill_summary(qa) + note,
+            chat=[],
+            stats="",
+            memory_plot=views.memory_chart([], qa.spec),
+            residual_plot=views.residual_chart([], qa.spec),
+            step_plot=views.step_times([]),
+            answers_table=views.answers_table(answers),
+            notice="",
+            ask_button=gr.update(interactive=ask_enabled),
+            speed_limit=views.speed_limit_after(speed_limit(qa.loaded.model, qa.cache), []),
+        )
 
     @classmethod
     def refused(cls, message: str, ask_enabled: bool | None) -> PrefillView:

@@ -19,12 +19,11 @@ import gradio as gr
 from kvdemo.cache.options import GROUP_OPTIONS
 from kvdemo.cache.registry import BACKENDS
 from kvdemo.cache.spec import CacheSpec
-from kvdemo.cache.speedlimit import speed_limit
 from kvdemo.qa.session import QASession
 from kvdemo.qa.session_file import SUFFIX, read_manifest, save_session
 from kvdemo.serve.server import App
 from kvdemo.serve.store import request_key
-from kvdemo.ui import option_fields, page_state, views
+from kvdemo.ui import option_fields, page_state
 from kvdemo.ui.ask_widgets import PrefillView
 from kvdemo.ui.inputs import refusal, spec_from_inputs
 
@@ -94,19 +93,7 @@ def open_file(app: App, path: str | None, request: gr.Request) -> tuple[Any, ...
     except (ValueError, ImportError) as error:
         held = user.qa is not None and page_state.page_differs(user) is None
         return (*keep, *PrefillView.refused(refusal(error, "opening the session file"), held), None)
-    assert qa.cache is not None  # opened
-    view = PrefillView(
-        prefill_info=views.prefill_summary(qa),
-        chat=[],
-        stats="",
-        memory_plot=views.memory_chart([], qa.spec),
-        residual_plot=views.residual_chart([], qa.spec),
-        step_plot=views.step_times([]),
-        answers_table=views.answers_table(user.answers),
-        notice="",
-        ask_button=gr.update(interactive=True),
-        speed_limit=views.speed_limit_after(speed_limit(qa.loaded.model, qa.cache), []),
-    )
+    view = PrefillView.prefilled(qa, user.answers, ask_enabled=True)  # the page is set to the file's below
     return (qa.context, backend, *values, *view, None)  # the box emptied for the next file (the line names this one)
 
 
