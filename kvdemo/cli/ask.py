@@ -77,13 +77,13 @@ def run_ask(args: argparse.Namespace) -> dict[str, Any]:
         ValueError, ImportError, OSError: bad input (a session file that cannot be opened here included:
             `kvdemo.qa.session_file.SessionFileError`); the message says what to change.
     """
+    spec = asked_spec(args)
+    checks.max_new_tokens(args.max_new_tokens)
+    case, questions = _questions(args)  # bad input refused before torch is imported (seconds on a cold start)
     from kvdemo.qa.models import load_model
     from kvdemo.qa.session import QASession
     from kvdemo.qa.session_file import open_session, read_manifest, save_session
 
-    spec = asked_spec(args)
-    checks.max_new_tokens(args.max_new_tokens)
-    case, questions = _questions(args)
     if args.session:
         model = args.model if args.model is not None else (read_manifest(args.session).get("model") or {}).get("source")
         loaded = load_model(model, device=args.device)
