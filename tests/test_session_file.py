@@ -3,7 +3,8 @@ single-question run, on every spec of the matrix, two per-layer plans and every 
 attention, Mamba hybrid, latent MLA, bfloat16); bad, truncated, tampered and foreign files are refused before
 anything is loaded into the session, which keeps its own prefill.
 
-Cost: about 15 s in one process (tiny models; every spec prefills twice, saves once and opens once)."""
+Cost: 20 s in a pytest-xdist worker (the clean-clone CI of 2026-12-05; tiny models: every spec prefills three
+sessions, saves once and opens once)."""
 
 from __future__ import annotations
 

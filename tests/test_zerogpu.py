@@ -6,7 +6,8 @@ comparison and the needle grid are one call each; a refused request comes back w
 its harness. What the harness cannot prove (CUDA, the real scheduler, quotas, timings) is in its docstring and in
 docs/space.md.
 
-Cost: about 7 s in one process (the tiny model; each policy forks 1 to 6 workers)."""
+Cost: 24 s in a pytest-xdist worker (the clean-clone CI of 2026-12-05; the tiny model; each policy forks 1 to 6
+workers; one subprocess imports the job under a stand-in `spaces`)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,8 @@ keeps none; a reload brings back the Context box and options and says that nothi
 after the server restarted, where the server's session file reopens the prefill by itself; a session file dropped
 in the box opens, a bad one is refused. Saves screenshots under artifacts/state/ (not committed).
 
-Cost: 51 s for 7 tests in one process on 2 idle cores (2026-12-04, before two workers).
+Cost: 84 s in a pytest-xdist worker (the clean-clone CI of 2026-12-05), the restart test with session files
+included.
 """
 
 from __future__ import annotations
