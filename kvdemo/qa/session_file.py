@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import re
+import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime
@@ -153,7 +154,8 @@ def save_session(session: QASession, path: str | os.PathLike[str]) -> SavedSessi
     }
     text = json.dumps(manifest, sort_keys=True)
     target = Path(path)
-    partial = target.with_name(target.name + ".part")
+    # a name of its own per writer: two prefills of one context at once must not write into one file
+    partial = target.with_name(f"{target.name}.{os.getpid()}-{threading.get_ident()}.part")
     from safetensors.torch import save_file
 
     try:
