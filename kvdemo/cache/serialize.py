@@ -5,10 +5,10 @@ and the manifest says where each one goes.
 Each layer's state is its attributes (`vars(layer)`, what `kvdemo.cache.snapshot` copies), walked recursively:
 - a plain tensor: one entry of the tensor dict, named by its path (`L3._quantized_keys.0._scale`);
 - a tensor subclass that flattens (`__tensor_flatten__`, PyTorch's protocol for subclasses): its inner tensors and
-  its metadata, rebuilt by the class's `__tensor_unflatten__`. Only the classes of `_SUBCLASSES` are rebuilt:
+  its metadata, rebuilt by the class's `__tensor_unflatten__`. Only the classes of `_subclasses()` are rebuilt:
   optimum-quanto's `WeightQBitsTensor` and `PackedTensor`, whose metadata are strings only (quanto's own
   serialization format); any other subclass (a CUDA kernel's layout, e.g. quanto's Marlin or AWQ packing) is refused;
-- lists, tuples, the named tuples of `_NAMED` (TurboQuant's codes), dicts, `torch.Size`, a dtype, plain numbers,
+- lists, tuples, the named tuples of `_named()` (TurboQuant's codes), dicts, `torch.Size`, a dtype, plain numbers,
   strings and None: written as JSON;
 - a device: the device the cache is opened on;
 - anything else (a quantizer, a qtype, an optimizer, an `int` subclass that marks an axis): not written. It is made

@@ -176,7 +176,8 @@ def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
     return _open_header(Path(path))[0]
 
 
-def _open_header(path: Path) -> tuple[dict[str, Any], str]:
+def _open_header(path: Path) -> tuple[dict[str, Any], str, str]:
+    """(the manifest, its text as written, the digest) from the file's header."""
     from safetensors import safe_open
 
     if not path.is_file():
@@ -196,7 +197,7 @@ def _open_header(path: Path) -> tuple[dict[str, Any], str]:
         manifest = json.loads(header[_MANIFEST])
     except ValueError:
         raise SessionFileError(f"{path.name}'s session manifest is not JSON: the file was changed or damaged") from None
-    return manifest, header[_DIGEST]
+    return manifest, header[_MANIFEST], header[_DIGEST]
 
 
 def check_fits(manifest: dict[str, Any], loaded: LoadedModel, spec: CacheSpec | None) -> CacheSpec:
@@ -241,6 +242,7 @@ def open_session(
     spec: CacheSpec | None = None,
     kv_budget_bytes: int | None = None,
     session: QASession | None = None,
+    shown_as: str | None = None,
 ) -> QASession:
     """Open a session file: a session whose cache is the saved post-prefill cache, tensor for tensor, on the model's
     device (one copy from the file), so its answers equal a fresh single-question run's.
@@ -258,9 +260,11 @@ def open_session(
         kv_budget_bytes: as for `QASession`.
         session: a session of this model and the file's spec to open the file into (replacing its prefill); None
             builds a new one.
+        shown_as: what `prefill_report.opened_from` calls the file; None: its name.
 
     Returns:
-        The session, prefilled; `prefill_report.opened_from` names the file and `seconds` is the load's time.
+        The session, prefilled; `prefill_report.opened_from` names the file (`shown_as`) and `seconds` is the load's
+        time.
 
     Raises:
         SessionFileError: see `check_fits`, `read_manifest`; or the bytes do not match the digest (changed or
@@ -268,7 +272,7 @@ def open_session(
         ValueError, KVBudgetError: the context does not fit the window or the budget (`QASession.adopt`).
     """
     start, path = time.perf_counter(), Path(path)
-    manifest, digest = _open_header(path)
+    manifest, text, digest = _open_header(path)
     saved_spec = check_fits(manifest, loaded, spec)
     if session is None:  # the spec's probe (`kvdemo.qa.probe`) is the session's making, not the load's: not timed
         made = time.perf_counter()
@@ -283,7 +287,6 @@ def open_session(
             tensors = {name: file.get_tensor(name) for name in file.keys()}  # noqa: SIM118 (not a dict)
     except Exception as error:
         raise SessionFileError(f"{path.name} cannot be read whole: {error}") from None
-    text = json.dumps(manifest, sort_keys=True)
     if _IDS not in tensors or _digest(text, tensors) != digest:
         raise SessionFileError(
             f"{path.name}'s contents do not match its digest: it was changed or damaged after it was written; "
@@ -304,5 +307,6 @@ def open_session(
         load_cache_state(cache, manifest["cache"], tensors.__getitem__, loaded.device)
     except (CacheFileError, KeyError) as error:
         raise SessionFileError(f"{path.name}'s cache does not fit `{session.spec.text}` here: {error}") from None
-    session.adopt(cache, split, str(manifest["context"]), start, (path.name, float(manifest["prefill_seconds"])))
+    opened = (shown_as or path.name, float(manifest["prefill_seconds"]))
+    session.adopt(cache, split, str(manifest["context"]), start, opened)
     return session

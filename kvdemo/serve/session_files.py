@@ -10,7 +10,6 @@ template that writes the date does not open yesterday's file).
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -61,14 +60,12 @@ class SessionFiles:
         if not path.is_file():
             return None
         try:
-            open_session(qa.loaded, path, qa.spec, session=qa)
+            open_session(qa.loaded, path, qa.spec, session=qa, shown_as=SAVED_COPY)  # its name is a hash
         except SessionFileError as error:
             _log.warning("removing the session file %s: %s", path.name, error)
             path.unlink(missing_ok=True)
             return None
         os.utime(path)  # recently used: trimmed last
-        assert qa.prefill_report is not None  # opened above
-        qa.prefill_report = dataclasses.replace(qa.prefill_report, opened_from=SAVED_COPY)  # its name is a hash
         return qa.prefill_report
 
     def save(self, qa: QASession, prepared: PreparedContext) -> Path | None:
