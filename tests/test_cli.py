@@ -363,7 +363,9 @@ def test_compare_plans_per_layer_within_a_budget(embedded, capsys):
     argv += ["--spec", "quanto:4", "--plan-budget", "5760", "--max-new-tokens", "2", "--no-progress"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    plan = re.search(r"per-layer plan: (quanto,plan=\S+): 5,760 bytes per token \(budget 5,760\)", out)
+    plan = re.search(
+        r"per-layer plan: (quanto,plan=\S+): 5,760 bytes per token at [0-9,]+ tokens \(budget 5,760\)", out
+    )
     assert plan is not None and plan.group(1) in out.splitlines()[4]  # the plan's row after dynamic and quanto:4
     layers = CacheSpec.parse(plan.group(1)).plan.split("+")
     assert sum(int(run.partition("*")[2] or 1) for run in layers) == 30  # one precision per layer of SmolLM2
@@ -489,7 +491,7 @@ def test_compare_perplexity_on_the_tail_of_a_text_file(embedded, capsys, tmp_pat
         (
             ["--plan-budget", "1000"],
             "error: a budget of 1,000 bytes per token is below the smallest quanto cache on "
-            "this model (4,320: every layer at the fewest bits); give 4,320 or more",
+            "this model at 192 context tokens (4,320: every layer at the fewest bits); give 4,320 or more",
         ),
         (["--plan-base", "fp8", "--plan-budget", "5000"], "error: backend=fp8 takes no per-layer plan; choose quanto"),
     ],

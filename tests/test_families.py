@@ -194,7 +194,7 @@ def test_every_default_spec_gives_a_first_result_on_any_common_head_dim(head_dim
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from kvdemo.cache.catalogue import default_compare_specs
-    from kvdemo.evals.planner import plan_base
+    from kvdemo.evals.plan_budget import plan_base
     from kvdemo.ui.ask_widgets import START_SPEC
     from kvdemo.ui.inputs import spec_from_inputs
 

@@ -11,6 +11,7 @@ kind on tiny models). Cost where installed: about 60 s on 2 cores (a converted c
 from __future__ import annotations
 
 import html
+import math
 import re
 from importlib.resources import files
 
@@ -66,3 +67,53 @@ def test_gemma3_answers_two_questions_with_exact_restore():
     alone = fresh.ask(QUESTIONS[1], max_new_tokens=ANSWER_TOKENS)
     assert alone.token_ids == answers[1].token_ids
     assert torch.equal(fresh.score(QUESTIONS[1], answers[1].token_ids), scores[1])
+
+
+def test_gemma3_through_every_door():
+    """Issue 52's check on the real model: the comparison of `quanto:4` (sliding windows kept), `quanto:4,
+    sliding=quantize` and `turboquant:4`, with the perplexity, a plan within a budget between the smallest and the
+    largest quanto cache, and the needle grid at one length. Each layer compared with what it holds: a kept window
+    exactly `dynamic`'s, a quantized one off by a 4-bit step; the plan within its budget; every cache restored."""
+    from kvdemo.compare.run import compare
+    from kvdemo.needle.grid import answer_tokens_needed, needle_grid
+    from kvdemo.qa.models import load_model
+
+    loaded = load_model(gemma3_path())
+    text = _terms_text()
+    start = text.index("Gemma Terms of Use", 200)
+    ids = loaded.tokenizer(text[start:], add_special_tokens=False)["input_ids"][:CONTEXT_TOKENS]
+    context = loaded.tokenizer.decode(ids)
+    specs = [CacheSpec.parse(t) for t in ("quanto:4", "quanto:4,sliding=quantize", "turboquant:4")]
+    from kvdemo.qa.session import QASession
+
+    tokens = len(QASession(loaded).context_ids(context))  # the prefill's tokens: the budget is per token at that length
+    low, high = (
+        estimate_kv_bytes(CacheSpec("quanto", nbits=b), loaded.config, tokens, loaded.dtype) / tokens for b in (2, 4)
+    )
+    budget = (low + high) / 2
+    report = compare(
+        loaded,
+        context,
+        QUESTIONS[:1],
+        specs,
+        max_new_tokens=8,
+        perplexity_tokens=16,
+        plans=[(CacheSpec("quanto"), budget)],
+    )
+    by_text = {r.spec_text: r for r in report.results}
+    kinds = [("window" if "sliding" in t else "all tokens") for t in loaded.config.layer_types]
+    for text_, result in by_text.items():
+        assert list(result.kv_error.reads) == kinds and result.restored, text_
+        assert math.isfinite(result.kl.mean_kld) and math.isfinite(result.perplexity.ratio_to_dynamic), text_
+        for layer, stored in enumerate(result.kv_error.quantized):
+            worst = max(result.kv_error.keys[layer] + result.kv_error.values[layer])
+            assert worst < (0.5 if stored else 1e-6), (text_, layer, worst)
+    assert sum(by_text["quanto:4"].kv_error.quantized) == 3
+    assert sum(by_text["quanto:4,sliding=quantize"].kv_error.quantized) == 18
+    plan = next(r for r in report.results if r.spec_text.startswith("quanto,plan="))
+    assert plan.bytes_per_token <= budget * 1.02  # the prefill's residual of its last tokens beside the plan's bytes
+    needed = answer_tokens_needed(loaded, [1024], [50.0], seed=0)
+    grid = needle_grid(loaded, ["dynamic", "quanto:4"], [1024], [50.0], seed=0, max_new_tokens=needed)
+    assert all(c.cache_length_after == 1024 and c.score <= 0 for c in grid.cells)
+    print({t: (round(r.kl.mean_kld, 4), round(r.kv_error.total, 4), r.kv_bytes) for t, r in by_text.items()})
+    print(report.plans, [(c.spec_text, c.hit, round(c.score, 2)) for c in grid.cells])

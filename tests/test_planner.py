@@ -40,8 +40,9 @@ def quanto_errors(tiny, ids):
     return layer_errors(tiny, ids, CacheSpec("quanto", q_group_size=32), query_tokens=16)
 
 
-def _bytes(tiny, spec: CacheSpec) -> float:
-    return estimate_kv_bytes(spec, tiny.config, 1 << 16, tiny.dtype) / (1 << 16)
+def _bytes(tiny, spec: CacheSpec, tokens: int) -> float:
+    """Bytes per context token of `spec`'s cache holding `tokens` quantized tokens (the registry's formula)."""
+    return estimate_kv_bytes(spec, tiny.config, tokens, tiny.dtype) / tokens
 
 
 def test_queries_are_recorded_per_layer_in_this_thread_only(tiny, ids):
@@ -95,10 +96,11 @@ def test_the_choice_is_the_least_error_within_the_budget(tiny, quanto_errors):
         assert plan.bytes_per_token <= budget + 1e-6
         assert plan.error == pytest.approx(_brute_force(quanto_errors, budget))
         assert plan.uniform is not None and plan.error <= plan.uniform_error + 1e-12
-        assert _bytes(tiny, plan.uniform) <= budget + 1e-6
+        tokens = quanto_errors.context_tokens
+        assert _bytes(tiny, plan.uniform, tokens) <= budget + 1e-6
         # the spec is the plan, and the byte formula of the spec is the plan's bytes
         assert parse_plan(plan.spec.plan) == plan.layers
-        assert _bytes(tiny, plan.spec) == pytest.approx(plan.bytes_per_token)
+        assert _bytes(tiny, plan.spec, tokens) == pytest.approx(plan.bytes_per_token)
     assert {(p.nbits, p.nbits_value) for p in choose_plan(quanto_errors, low).layers} == {(2, 2)}
     assert {(p.nbits, p.nbits_value) for p in choose_plan(quanto_errors, high).layers} == {(4, 4)}
 
@@ -106,7 +108,11 @@ def test_the_choice_is_the_least_error_within_the_budget(tiny, quanto_errors):
 @pytest.mark.parametrize(
     "budget, message",
     [
-        (100.0, r"below the smallest quanto cache on this model \([0-9,]+: every layer at the fewest bits\); give"),
+        (
+            100.0,
+            r"below the smallest quanto cache on this model at [0-9,]+ context tokens "
+            r"\([0-9,]+: every layer at the fewest bits\); give",
+        ),
         (-5, "must be a positive number of bytes per token"),
         (float("nan"), "must be a positive number of bytes per token"),
         ("5760", "must be a number of bytes per token"),
@@ -130,7 +136,7 @@ def test_a_base_without_a_plan_or_a_model_without_kvdemo_attention_is_refused(ti
 
 def test_hqq_plans_take_its_bits_and_the_plan_runs_in_a_session(tiny, ids):
     base = CacheSpec("hqq", q_group_size=32, residual_length=4)
-    budget = _bytes(tiny, CacheSpec("hqq", nbits=3, q_group_size=32))
+    budget = _bytes(tiny, CacheSpec("hqq", nbits=3, q_group_size=32), len(ids))
     plan = plan_layers(tiny, ids, base, budget, query_tokens=8)
     assert plan.spec.q_group_size == 32 and plan.spec.residual_length == 4 and plan.bytes_per_token <= budget
     session = QASession(tiny, plan.spec)
@@ -142,8 +148,8 @@ def test_hqq_plans_take_its_bits_and_the_plan_runs_in_a_session(tiny, ids):
     assert fresh.ask("Who was the Norse leader?", 6).token_ids == answer.token_ids
 
 
-def test_a_comparison_runs_the_plan_beside_the_best_uniform_spec(tiny):
-    budget = _bytes(tiny, CacheSpec("quanto", nbits=4, nbits_value=2))
+def test_a_comparison_runs_the_plan_beside_the_best_uniform_spec(tiny, ids):
+    budget = _bytes(tiny, CacheSpec("quanto", nbits=4, nbits_value=2), len(ids))
     seen = []
     report = compare(
         tiny,

@@ -107,10 +107,10 @@ def test_bytes_by_layer_kind_match_the_tensors(family):
         assert kinds["sliding"] == 0 or spec.sliding != "quantize"  # quantized sliding layers count as quantized
 
 
-def test_a_plan_gives_bits_to_the_quantized_layers_only_and_the_planner_refuses_kept_ones(embedded):
+def test_a_plan_gives_bits_to_the_quantized_layers_only_and_the_planner_plans_those(embedded):
     """Gemma 3's tiny model (3 sliding + 1 full-attention layers): a hand-written plan has one entry per quantized
-    layer (1 with `sliding=keep`, 4 with `sliding=quantize`); the planner, which plans every layer, refuses it
-    before any work and says what to write instead."""
+    layer (1 with `sliding=keep`, 4 with `sliding=quantize`); the planner plans those layers, with the kept windows'
+    bytes at the context's length counted in the budget (the registry's formula of the plan's own spec)."""
     from kvdemo.evals.planner import plan_layers
     from kvdemo.qa.models import LoadedModel
 
@@ -126,5 +126,15 @@ def test_a_plan_gives_bits_to_the_quantized_layers_only_and_the_planner_refuses_
     model = AutoModelForCausalLM.from_config(config).eval()
     cpu = torch.device("cpu")
     loaded = LoadedModel(model, embedded.tokenizer, "Gemma 3", None, 1024, cpu, torch.float32, frozenset())
-    with pytest.raises(ValueError, match=r"keeps its sliding_attention layers at full precision\. Write a plan"):
-        plan_layers(loaded, list(range(3, 40)), CacheSpec("quanto"), 5000)
+    ids = list(range(3, 40))  # 37 tokens, more than the window of 16
+    for sliding, planned in (("keep", [3]), ("quantize", [0, 1, 2, 3])):
+        base = CacheSpec("quanto", q_group_size=32, sliding=sliding)
+        uniform = estimate_kv_bytes(base.replace(nbits=4, nbits_value=2), config, len(ids), torch.float32) / len(ids)
+        plan = plan_layers(loaded, ids, base, uniform, query_tokens=8)
+        assert list(plan.errors.layer_indices) == planned and len(plan.layers) == len(planned)
+        assert plan.bytes_per_token <= uniform + 1e-6
+        spec_bytes = estimate_kv_bytes(plan.spec, config, len(ids), torch.float32) / len(ids)
+        assert plan.bytes_per_token == pytest.approx(spec_bytes)
+        kept = 3 * 15 * 2 * 2 * 32 * 4 / len(ids) if sliding == "keep" else 0.0  # three windows of 15 tokens
+        assert plan.errors.kept_bytes_per_token == pytest.approx(kept)
+        assert all(0 < plan.errors.keys[j][(2, "none")] for j in range(len(planned)))

@@ -489,7 +489,11 @@ def test_compare_tab_plans_per_layer_within_a_budget(handlers, tiny):
     status, table, *_ = fns["compare"](CONTEXT, ["fp8"], "", "Who?", 2, _request(), 0, "quanto", budget)
     planned = [text for text in table["spec"] if ",plan=" in text]
     assert len(planned) == 1 and planned[0].startswith("quanto,plan=k") and len(table) == 4  # and its uniform twin
-    assert f"Per-layer plan: `{planned[0]}: {budget:,.0f} bytes per token (budget {budget:,.0f})" in status
+    tokens = len(QASession(tiny).context_ids(CONTEXT))  # the budget is per token at the context's length
+    assert (
+        f"Per-layer plan: `{planned[0]}: {budget:,.0f} bytes per token at {tokens} tokens (budget {budget:,.0f})"
+        in (status)
+    )
     assert table["bytes/token"].iloc[2] <= budget + 1
 
 

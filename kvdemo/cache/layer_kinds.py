@@ -3,7 +3,7 @@
 layers turned into `dummy`) to what a backend does with a layer (`LayerKind.action`: quantize it, keep it as
 transformers builds it, or hold nothing), what the snapshot keeps of it, and what the geometry counts. The spec's
 checks (`kvdemo.cache.spec`), the cache builder (`kvdemo.cache.layers.by_kind`), the geometry (`kvdemo.cache.geometry`),
-the telemetry, the planner and the snapshot (`kvdemo.cache.snapshot`) read it.
+the telemetry, the planner (which plans the quantized layers only) and the snapshot (`kvdemo.cache.snapshot`) read it.
 
 - `full_attention`: keys and values that grow with the context; every backend stores them (quantized on the
   quantized backends).
@@ -199,26 +199,3 @@ def serving_problem(
             "beside a preset, backend:preset,protect=..., it replaces the preset's)"
         )
     return None
-
-
-def planning_problem(model_config: PreTrainedConfig) -> str | None:
-    """Why the per-layer planner (`kvdemo.evals.planner`) cannot plan this model, with what would work, or None: a
-    latent (MLA) cache, whose attention sees only the up-projection, or layers a quantized backend does not quantize
-    (a plan has one entry per quantized layer, and a budget per token means little beside fixed windows)."""
-    if is_latent(model_config):
-        return (
-            "a per-layer plan compares each layer's attention over its keys and values, and this model caches a "
-            "compressed latent (MLA) that attention only sees up-projected; choose a uniform spec (e.g. quanto:4) "
-            "and compare it in the Compare tab"
-        )
-    types = layer_types(model_config)
-    kept = sorted({kind for kind, action in zip(types, layer_actions(model_config, True)) if action != QUANTIZE})
-    if not kept:
-        return None
-    count = len(quantized_layers(model_config))
-    return (
-        f"the per-layer planner plans models whose every layer is quantized; this model has {kinds_text(types)}, "
-        f"and a quantized backend keeps its {', '.join(kept)} layers at full precision. Write a plan by hand, one "
-        f"entry per quantized layer ({count} here, e.g. quanto,plan=k4v2*{count}), or compare uniform specs in the "
-        "Compare tab"
-    )

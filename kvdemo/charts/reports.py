@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import matplotlib
 import pandas as pd
 from matplotlib.figure import Figure
 
@@ -186,9 +187,34 @@ def display_groups(display: pd.DataFrame) -> dict[str, list[str]]:
 
 
 # ---- where the error sits, and its drift ------------------------------------------------------------------------
+def _field(error: Any, name: str, default: Any = ()) -> Any:
+    return error.get(name, default) if isinstance(error, Mapping) else getattr(error, name, default)
+
+
 def _matrix(error: Any, which: str) -> list[list[float]]:
-    value = error[which] if isinstance(error, Mapping) else getattr(error, which)
-    return [list(map(float, row)) for row in value]
+    """[layers][kv_heads] of one tensor's error; a layer left out (an empty row) is a row of NaN."""
+    rows = [list(map(float, row)) for row in _field(error, which)]
+    heads = max((len(row) for row in rows), default=0)
+    return [row if row else [float("nan")] * heads for row in rows]
+
+
+def layer_labels(error: Any) -> list[str]:
+    """Per layer, what the KV error map shows of it: `quantized`, `kept` (full precision, as `dynamic` holds it),
+    `window` beside either for a sliding-window layer, `latent` on an MLA model, or why it is left out (`state`: conv
+    or recurrent states; `nothing`: a KV-shared or MLP-only layer; `window moved`)."""
+    reads, quantized = list(_field(error, "reads")), list(_field(error, "quantized"))
+    layers = len(_field(error, "keys"))
+    reads += ["all tokens"] * (layers - len(reads))  # a record without them: every layer compared whole
+    quantized += [True] * (layers - len(quantized))
+    latent = bool(_field(error, "latent", False))
+    labels = []
+    for read, stored in zip(reads, quantized):
+        if read not in ("all tokens", "window"):
+            labels.append(read)
+            continue
+        what = "quantized" if stored else "kept"
+        labels.append(f"{what} window" if read == "window" else f"{what} latent" if latent else what)
+    return labels
 
 
 def kv_error_frame(error: Any) -> pd.DataFrame:
@@ -199,45 +225,65 @@ def kv_error_frame(error: Any) -> pd.DataFrame:
 
     Returns:
         Columns `layer` (int), `KV head` (int), `tensor` (`keys` or `values`), `relative error` (float: ||X - X^|| /
-        ||X|| over the tokens and head_dim); layers x kv_heads x 2 rows.
+        ||X|| over the tokens and head_dim), `layer holds` (`layer_labels`); compared layers x kv_heads x 2 rows (a
+        layer left out has none).
     """
-    rows: list[tuple[int, int, str, float]] = []
+    labels = layer_labels(error)
+    rows: list[tuple[int, int, str, float, str]] = []
     for which in ("keys", "values"):
-        for layer, row in enumerate(_matrix(error, which)):
-            rows.extend((layer, head, which, value) for head, value in enumerate(row))
-    return typed_frame(rows, {"layer": "int64", "KV head": "int64", "tensor": "string", "relative error": "float64"})
+        for layer, row in enumerate(_field(error, which)):
+            rows.extend((layer, head, which, float(value), labels[layer]) for head, value in enumerate(row))
+    return typed_frame(
+        rows,
+        {
+            "layer": "int64",
+            "KV head": "int64",
+            "tensor": "string",
+            "relative error": "float64",
+            "layer holds": "string",
+        },
+    )
 
 
 def kv_error_figure(error: Any, title: str = "Relative KV error after the prefill") -> Figure:
     """Heatmaps of the relative error per layer (rows) and KV head (columns), keys and values side by side on one
-    colour scale, each cell labelled when there are few enough.
+    colour scale, each cell labelled when there are few enough; each row named by what the layer holds
+    (`layer_labels`). A layer kept at full precision is drawn grey and written `kept`, not as an error of 0; a layer
+    left out (states, nothing, a moved window) is drawn blank with the reason.
 
     Args:
         error: a `cache_error.KVError` or its dict.
     """
+    labels = layer_labels(error)
     keys, values = _matrix(error, "keys"), _matrix(error, "values")
     layers = len(keys)
-    fig = Figure(figsize=(7, max(3.0, 0.2 * layers + 1.2)), layout="constrained")
+    fig = Figure(figsize=(7.6, max(3.0, 0.2 * layers + 1.2)), layout="constrained")
     axes = fig.subplots(1, 2, sharey=True)
-    top = max([v for row in keys + values for v in row] + [1e-12])
+    shown = [v for matrix in (keys, values) for label, row in zip(labels, matrix) for v in row if "quantized" in label]
+    top = max([v for v in shown if v == v] + [1e-12])
     image = None
+    cmap = matplotlib.colormaps["viridis"].with_extremes(bad="0.85")
     for ax, matrix, name in zip(axes, (keys, values), ("keys: ||K - K^|| / ||K||", "values: ||V - V^|| / ||V||")):
-        image = ax.imshow(matrix, aspect="auto", cmap="viridis", vmin=0.0, vmax=top, interpolation="nearest")
+        masked = [row if "quantized" in label else [float("nan")] * len(row) for label, row in zip(labels, matrix)]
+        image = ax.imshow(masked, aspect="auto", cmap=cmap, vmin=0.0, vmax=top, interpolation="nearest")
         heads = len(matrix[0]) if matrix else 0
         ax.set(title=name, xlabel="KV head", xticks=range(heads))
         if layers * heads <= 200:
-            for layer, row in enumerate(matrix):
+            for layer, row in enumerate(masked):
                 for head, value in enumerate(row):
+                    quantized = "quantized" in labels[layer]
                     ax.text(
                         head,
                         layer,
-                        f"{value:.2f}",
+                        f"{value:.2f}" if quantized else labels[layer].replace(" window", "").replace(" latent", ""),
                         ha="center",
                         va="center",
                         fontsize=6,
-                        color="white" if value < 0.6 * top else "black",
+                        color="black" if not quantized or value >= 0.6 * top else "white",
                     )
     axes[0].set_ylabel("layer")
+    if layers <= 64:
+        axes[0].set_yticks(range(layers), [f"{i} {label}" for i, label in enumerate(labels)], fontsize=6)
     if image is not None:
         fig.colorbar(image, ax=list(axes), label="relative error", shrink=0.8)
     fig.suptitle(title)
@@ -259,7 +305,7 @@ def drift_runs(results: Sequence[Any]) -> dict[str, list[float]]:
             runs.append(r.perplexity.context_errors)
         longest = max(runs, key=len, default=())
         if longest:
-            out[r.spec_text] = [r.kv_error.total, *longest]
+            out[r.spec_text] = [r.kv_error.context_total, *longest]
     return out
 
 

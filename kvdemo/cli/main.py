@@ -119,7 +119,8 @@ def _compare_parser(sub: Any) -> None:
         action="append",
         default=[],
         metavar="BYTES",
-        help="also compare a per-layer plan chosen on this context within BYTES per quantized token (repeat for "
+        help="also compare a per-layer plan chosen on this context within BYTES per context token (at its length, "
+        "kept layers such as sliding windows included; repeat for "
         "several; e.g. 5760, quanto:4,nbits_value=2's bytes on the embedded model), and the best uniform spec within "
         "the same bytes",
     )

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from kvdemo.cache.layer_kinds import is_latent
 from kvdemo.cache.spec import CacheSpec
 from kvdemo.cache.telemetry import flushed_layers
 from kvdemo.compare.records import Departure, QuestionResult, SpecResult
@@ -27,13 +28,12 @@ from kvdemo.qa.session import QASession
 
 @dataclass(frozen=True)
 class Reference:
-    """What `dynamic`'s run gives the other specs: its answers and their teacher-forced log-probabilities (one
-    [n_i, vocab] tensor per question), its full-precision keys and values after the prefill (`cache_error.KV`), and
-    its perplexity (None without a perplexity run)."""
+    """What `dynamic`'s run gives the other specs: its answers, their teacher-forced log-probabilities ([n_i, vocab]
+    per question), its keys and values after the prefill (`cache_error.ReferenceKV`), its perplexity (or None)."""
 
     token_ids: tuple[tuple[int, ...], ...]
     logprobs: tuple[torch.Tensor, ...]
-    kv: cache_error.KV
+    kv: cache_error.ReferenceKV
     perplexity: float | None = None
 
 
@@ -144,7 +144,7 @@ def measure_spec(
     context_ids = session.context_ids(run.context)  # a PreparedContext is not tokenized again
     reference_kv = _reference_kv(run.loaded_model, session, context_ids, reference)
     assert session.cache is not None  # prefilled
-    kv_error = cache_error.kv_error(reference_kv, session.cache)
+    kv_error = cache_error.kv_error(reference_kv, session.cache, latent=is_latent(run.loaded_model.config))
     run.step(f"{spec.text}: prefilled {prefill.context_tokens} tokens")
     answers, flush_steps, flush_seconds = _answer_all(run, session, spec)
     ref_ids = reference.token_ids if reference is not None else tuple(a.token_ids for a in answers)
@@ -181,7 +181,7 @@ def _spec_result(
 ) -> SpecResult:
     """The `SpecResult` of one spec's run, from its prefill, answers, scores and perplexity."""
     memory = prefill.memory
-    drift, drift_flushes = cache_error.drift_ratio(kv_error.total, drift_runs)
+    drift, drift_flushes = cache_error.drift_ratio(kv_error.context_total, drift_runs)
     return SpecResult(
         spec=spec.label,
         spec_text=spec.text,
@@ -211,7 +211,7 @@ def _spec_result(
 
 def _reference_kv(
     loaded_model: LoadedModel, session: QASession, context_ids: list[int], reference: Reference | None
-) -> cache_error.KV:
+) -> cache_error.ReferenceKV:
     """The full-precision keys and values the cache's error is measured against (see `measure_spec`)."""
     if reference is not None:
         return reference.kv
@@ -252,7 +252,7 @@ def _score_all(
     answers: Sequence,
     ref_ids: Sequence[Sequence[int]],
     reference: Reference | None,
-    reference_kv: cache_error.KV,
+    reference_kv: cache_error.ReferenceKV,
 ) -> tuple[list[torch.Tensor], list, list[tuple[float, ...]], list[Departure | None]]:
     """The reference's answers (`ref_ids`) teacher-forced through this cache: the own log-probabilities (kept only
     for the reference run), each question's `PositionFidelity`, the context's error after each flush (the drift),
@@ -264,8 +264,8 @@ def _score_all(
         errors: list[float] = []
 
         def after_step(row: int, cache, errors=errors, i=i) -> None:
-            if flushed_layers(cache):
-                errors.append(cache_error.context_error(reference_kv, cache))
+            if flushed_layers(cache) and (error := cache_error.context_error(reference_kv, cache)) is not None:
+                errors.append(error)
             run.check_cancel()
             if (row + 1) % TOKEN_BLOCK == 0:
                 run.note(f"{spec.text}: scoring {i + 1}/{len(run.questions)}, {row + 1} tokens")
@@ -333,7 +333,7 @@ def _perplexity(
     spec: CacheSpec,
     perplexity_inputs: PerplexityInputs,
     context_ids: list[int],
-    reference_kv: cache_error.KV,
+    reference_kv: cache_error.ReferenceKV,
     reference: Reference | None,
 ) -> fidelity.PerplexityResult:
     """The perplexity feed on a fresh cache, with its ratio to the reference's perplexity."""
@@ -342,7 +342,7 @@ def _perplexity(
     same_tokens = context_ids[:tokens] == fed_context
     ppl_reference = None
     if same_tokens:  # the context's first tokens: the reference's first positions (attention is causal)
-        ppl_reference = tuple((k[..., :tokens, :], v[..., :tokens, :]) for k, v in reference_kv)
+        ppl_reference = reference_kv.prefix(tokens)
     fed = perplexity_inputs.tokens
 
     def after_feed(step: int) -> None:

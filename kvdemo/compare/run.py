@@ -38,7 +38,7 @@ from kvdemo import checks
 from kvdemo.cache.spec import CacheSpec
 from kvdemo.compare.measure import Cancelled, ComparisonRun, Reference, measure_spec, perplexity_units
 from kvdemo.compare.records import ComparisonCancelled, ComparisonReport, SpecResult
-from kvdemo.evals import fidelity, planner
+from kvdemo.evals import fidelity, plan_budget, planner
 from kvdemo.qa.models import LoadedModel
 from kvdemo.qa.prompt import PreparedContext
 from kvdemo.qa.session import QASession
@@ -85,7 +85,8 @@ def compare(
             (`fidelity.perplexity`); 0: none.
         continuation: the text after the context (e.g. `Case.continuation`); None: the last N + 1 tokens of the
             context are held out of the perplexity's prefill and fed instead (`fidelity.perplexity_inputs`).
-        plans: each (base spec, bytes per token): a per-layer plan chosen for this context within the budget
+        plans: each (base spec, bytes per context token at the context's length, the layers the spec keeps at full
+            precision included): a per-layer plan chosen for this context within the budget
             (`planner.plan_layers`) is compared, beside the best uniform spec within it; the report's `plans`.
 
     Returns:
@@ -113,7 +114,8 @@ def compare(
     inputs = None
     if perplexity_tokens:
         inputs = fidelity.perplexity_inputs(loaded_model, context, perplexity_tokens, continuation)
-    plans = [(planner.check_budget(loaded_model, base, budget), budget) for base, budget in plans]  # refused now
+    tokens = len(context.ids)  # the plans' budgets are per context token at the context's own length
+    plans = [(plan_budget.check_budget(loaded_model, base, budget, tokens), budget) for base, budget in plans]
     per_spec = 1 + 2 * len(questions) + perplexity_units(perplexity_tokens)
     progress = _Progress((len(ordered) + 2 * len(plans)) * per_spec + len(plans), on_progress)
     summaries = _plan_all(loaded_model, context, plans, ordered, progress, cancel, max_new_tokens)

@@ -46,10 +46,15 @@ def channel_max(kv: KV, layer: int, tensor: str = "keys", rotated: bool = False)
         [kv_heads, head_dim] float64 on the CPU, in the tensor's units.
 
     Raises:
-        IndexError: no such layer. ValueError: `tensor` is neither keys nor values; rotated with a head_dim that
-        is not a power of two (`kvdemo.cache.layers.rotation.hadamard`).
+        IndexError: no such layer. ValueError: the layer holds no keys and values; `tensor` is neither keys nor
+        values; rotated with a head_dim that is not a power of two (`kvdemo.cache.layers.rotation.hadamard`).
     """
-    x = kv[layer][_which(tensor)].double()
+    held = kv[layer]
+    if held is None:
+        raise ValueError(
+            f"layer {layer} holds no keys and values (conv or recurrent states, or nothing); choose another"
+        )
+    x = held[_which(tensor)].double()
     if rotated:
         x = rotate(x)
     return x.abs().amax(dim=(0, 2)).cpu()

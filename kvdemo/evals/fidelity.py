@@ -41,7 +41,7 @@ import torch
 from kvdemo.cache.budget import KVBudgetError
 from kvdemo.cache.spec import CacheSpec, build_cache, estimate_kv_bytes
 from kvdemo.cache.telemetry import flushed_layers
-from kvdemo.evals.cache_error import KV, context_error
+from kvdemo.evals.cache_error import KV, ReferenceKV, as_reference, context_error
 from kvdemo.evals.metrics import kl_divergence
 from kvdemo.qa.models import LoadedModel
 from kvdemo.qa.probe import check_model
@@ -311,7 +311,7 @@ def perplexity(
     loaded_model: LoadedModel,
     spec: CacheSpec,
     inputs: PerplexityInputs,
-    reference: KV | None = None,
+    reference: ReferenceKV | KV | None = None,
     on_step: Callable[[int], None] | None = None,
     kv_budget_bytes: int | None = None,
 ) -> PerplexityResult:
@@ -342,8 +342,10 @@ def perplexity(
     spec = spec.validate(loaded_model.config)
     check_model(loaded_model, spec)  # refused before anything runs where a few tokens show it would be wrong
     context, continuation = list(inputs.context_ids), list(inputs.continuation_ids)
-    if reference is not None and reference[0][0].shape[-2] != len(context):
-        raise ValueError(f"the reference holds {reference[0][0].shape[-2]} tokens, the context {len(context)}")
+    if reference is not None:
+        reference = as_reference(reference)
+        if reference.tokens != len(context):
+            raise ValueError(f"the reference holds {reference.tokens} tokens, the context {len(context)}")
     fed = len(continuation) - 1
     if kv_budget_bytes is not None:
         _check_budget(loaded_model, spec, len(context), fed, kv_budget_bytes)
@@ -360,8 +362,8 @@ def perplexity(
             nll.append(-float(logprobs[continuation[step + 1]]))
             if flushed_layers(cache):
                 flush_steps.append(step)
-                if reference is not None:
-                    errors.append(context_error(reference, cache))
+                if reference is not None and (error := context_error(reference, cache)) is not None:
+                    errors.append(error)
             if on_step is not None:
                 on_step(step)
     seconds = time.perf_counter() - start

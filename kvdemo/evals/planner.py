@@ -15,8 +15,18 @@ so the keys' and the values' errors are in the same units, what attention hands 
 error is not (a key error moves every score through the softmax; KIVI, Liu et al. 2024). A layer's error at
 (key bits, value bits, rotation) is its key error plus its value error.
 
+On every layer kind (`kvdemo.cache.layer_kinds`) the plan gives bits to the layers the spec quantizes and to no other:
+full-attention layers, sliding-window ones with `sliding=quantize` (their attention is measured over their window,
+with the window's mask), less those `protect` keeps. On a latent (MLA) model, whose attention sees the cached latent
+only up-projected, a layer's error is the relative squared error of the latent and the rotary key part it stores
+(e_K = ||K^ - K||^2 / ||K||^2 of the latent, e_V of the rotary part): the same units across its layers.
+
+The budget is in bytes per context token at a stated context length (by default the context's own): the layers the
+spec keeps at full precision (sliding windows, protected layers) count at that length, so that a window, whose
+bytes stop growing, weighs less at a longer context.
+
 The choice (`choose_plan`): the plan whose summed error over the layers is least among those whose bytes per token
-(the registry's byte formula, `estimate_kv_bytes`) fit the budget: a multiple-choice knapsack, solved exactly by
+(the registry's byte formula, layer by layer) fit the budget: a multiple-choice knapsack, solved exactly by
 dynamic programming over the bytes reached. Pattern: sensitivity-aware layer-wise mixed precision of the KV cache
 (KVTuner, Li et al. 2025, arXiv:2502.04420, which also measures each layer's attention-output error per
 precision); the sum of per-layer errors as the objective is its (and HAWQ's) additivity assumption, checked here
@@ -25,7 +35,6 @@ by the measured fidelity of the result against the uniform spec of the same byte
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
@@ -34,21 +43,20 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicLayer
 
-from kvdemo.cache.geometry import kv_geometry
-from kvdemo.cache.layer_kinds import UnsupportedModelError, planning_problem
-from kvdemo.cache.layer_plan import PLAN, LayerPrecision, plan_text
+from kvdemo.cache.layer_kinds import is_latent, quantized_layers
+from kvdemo.cache.layer_plan import LayerPrecision, plan_text
 from kvdemo.cache.layers.attention import recording_queries, uses_query_rotation
-from kvdemo.cache.options import PLANNED
-from kvdemo.cache.registry import BACKENDS
-from kvdemo.cache.spec import CacheSpec, build_cache, estimate_kv_bytes
+from kvdemo.cache.spec import CacheSpec, build_cache
 from kvdemo.evals.cache_error import layer_kv, reference_kv
+from kvdemo.evals.plan_budget import (
+    candidates,
+    check_budget,
+    checked_tokens,
+    layer_bytes_per_token,
+    plan_base,
+    refuse_budget,
+)
 from kvdemo.qa.models import LoadedModel
-
-MIN_PLAN_BITS = 2
-"""The fewest bits a plan gives a layer's keys or values. hqq's 1-bit stores err by more than their own norm (hqq:1:
-perplexity x 2,694 on the embedded model, docs/compare.md), beyond where one layer's attention error predicts the
-model's: with 1-bit candidates, hqq's plan at 5,760 bytes per token put layer 0 at 1 bit and lost to the uniform
-K2/V4 on the Normans example (mean KL 0.976 against 0.902); without them it wins (0.752; benchmarks/plan.py)."""
 
 QUERY_TOKENS = 64
 """Query positions per layer the error is measured over: the context's last ones (where a question's attention
@@ -57,43 +65,63 @@ starts from)."""
 
 @dataclass(frozen=True)
 class LayerErrors:
-    """Per layer, the relative attention-output error of each candidate precision of the keys and of the values.
+    """Per quantized layer, the relative error of each candidate precision of the keys and of the values.
 
     Attributes:
-        base: the spec whose other options (q_group_size, axes, residual_length, flush, optimize) every candidate
-            keeps, without nbits, nbits_value, rotation or plan.
-        keys, values: [layers] dicts (bits, rotation) -> relative squared error of the attention output (0 exact).
-        bytes_per_token: (key bits, value bits) -> bytes per quantized token of a uniform spec at those bits (the
-            registry's formula, the scales included).
-        tokens: the context's tokens; query_tokens: the query positions measured.
+        base: the spec whose other options (q_group_size, axes, residual_length, flush, optimize, sliding, protect)
+            every candidate keeps, without nbits, nbits_value, rotation or plan.
+        layer_indices: the model's index of each planned layer (the layers `base` quantizes), in order.
+        keys, values: per planned layer, dicts (bits, rotation) -> relative squared error of the attention output
+            (of the stored latent on an MLA model; 0 exact).
+        layer_bytes: per planned layer, (key bits, value bits) -> its bytes per context token at `context_tokens`
+            (the registry's formula for that layer alone, the scales included).
+        kept_bytes_per_token: the bytes per context token of the layers `base` keeps at full precision, at
+            `context_tokens` (0 on a model whose every layer is quantized).
+        context_tokens: the context length the bytes are stated at.
+        tokens: the context's tokens; query_tokens: the query positions measured (0 on an MLA model).
+        latent: the errors are the stored latent's (MLA), not attention outputs.
     """
 
     base: CacheSpec
+    layer_indices: tuple[int, ...]
     keys: tuple[dict[tuple[int, str], float], ...]
     values: tuple[dict[tuple[int, str], float], ...]
-    bytes_per_token: dict[tuple[int, int], float]
+    layer_bytes: tuple[dict[tuple[int, int], float], ...]
+    kept_bytes_per_token: float
+    context_tokens: int
     tokens: int
     query_tokens: int
+    latent: bool = False
 
     @property
     def layers(self) -> int:
+        """The planned (quantized) layers."""
         return len(self.keys)
 
+    @property
+    def bytes_per_token(self) -> dict[tuple[int, int], float]:
+        """(key bits, value bits) -> bytes per context token of the uniform spec at those bits (every planned layer
+        alike, the kept layers included), at `context_tokens`."""
+        pairs = self.layer_bytes[0] if self.layer_bytes else {}
+        return {pair: self.plan_bytes([LayerPrecision(*pair, "none")] * self.layers) for pair in pairs}
+
     def layer_error(self, layer: int, precision: LayerPrecision) -> float:
-        """The error of one layer at `precision`: its keys' error plus its values'."""
+        """The error of one planned layer at `precision`: its keys' error plus its values'."""
         return (
             self.keys[layer][(precision.nbits, precision.rotation)]
             + self.values[layer][(precision.nbits_value, precision.rotation)]
         )
 
     def plan_error(self, plan: Sequence[LayerPrecision]) -> float:
-        """The summed error of a plan (one precision per layer), the quantity `choose_plan` makes least."""
+        """The summed error of a plan (one precision per planned layer), the quantity `choose_plan` makes least."""
         return sum(self.layer_error(i, p) for i, p in enumerate(plan))
 
     def plan_bytes(self, plan: Sequence[LayerPrecision]) -> float:
-        """Bytes per quantized token of a plan: each layer's share of its precision's uniform bytes (the byte
-        formula is a sum over layers, so this is the plan's own formula, scales included)."""
-        return sum(self.bytes_per_token[(p.nbits, p.nbits_value)] for p in plan) / len(plan)
+        """Bytes per context token of a plan at `context_tokens`: the kept layers' and each planned layer's at its
+        precision (the byte formula is a sum over layers, so this is the plan's own formula, scales included)."""
+        return self.kept_bytes_per_token + sum(
+            self.layer_bytes[i][(p.nbits, p.nbits_value)] for i, p in enumerate(plan)
+        )
 
 
 @dataclass(frozen=True)
@@ -103,7 +131,8 @@ class LayerPlan:
     Attributes:
         spec: the base spec with the plan (`quanto,plan=k4v2h*12+...`), ready for a session or a comparison.
         layers: one `LayerPrecision` per layer.
-        budget_bytes_per_token: the budget asked for; bytes_per_token: the plan's (<= the budget).
+        budget_bytes_per_token: the budget asked for; bytes_per_token: the plan's (<= the budget), both per context
+            token at `errors.context_tokens`, the kept layers included.
         error: the plan's summed layer error; uniform_error: that of the best uniform precision (every layer alike,
             the best rotation) within the same budget, None where none fits.
         uniform: that uniform spec (`quanto:4,nbits_value=2,rotation=hadamard`), None where none fits.
@@ -126,53 +155,28 @@ class LayerPlan:
             if self.uniform is not None and self.uniform_error is not None
             else ""
         )
+        measure = "latent error" if self.errors.latent else "attention error"
         return (
-            f"{self.spec.text}: {self.bytes_per_token:,.0f} bytes per token (budget "
-            f"{self.budget_bytes_per_token:,.0f}), summed attention error {self.error:.4g}{uniform}"
+            f"{self.spec.text}: {self.bytes_per_token:,.0f} bytes per token at {self.errors.context_tokens:,} tokens "
+            f"(budget {self.budget_bytes_per_token:,.0f}), summed {measure} {self.error:.4g}{uniform}"
         )
 
 
-def plan_base(base: CacheSpec) -> CacheSpec:
-    """`base` without the options a plan sets (nbits, nbits_value, rotation) or a plan: what every candidate and the
-    chosen plan keep.
+def _attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, tokens: int, window: int | None
+) -> torch.Tensor:
+    """Attention of the context's last query positions over the keys a layer holds, causal (and within the sliding
+    window on a window layer): [batch, heads, queries, head_dim] in float64.
 
-    Raises:
-        ValueError: a backend that takes no plan (`dynamic`, `fp8`), or a spec the registry refuses."""
-    base = base.validate()
-    if PLAN not in base.info.options:
-        takes = ", ".join(name for name, b in BACKENDS.items() if PLAN in b.options)
-        raise ValueError(f"backend={base.backend} takes no per-layer plan; choose {takes}")
-    return base.replace(**{name: None for name in (*PLANNED, PLAN)})
-
-
-def _candidates(base: CacheSpec, config) -> tuple[list[int], list[str]]:
-    """The bits and rotations a plan of `base` may give a layer on this model: the backend's nbits from
-    `MIN_PLAN_BITS` whose group rule fits `base`'s q_group_size and axes for keys and values alike, and its rotations
-    (`none` alone where the head_dim takes no Hadamard matrix)."""
-    options = base.info.options
-    choices = [b for b in cast("tuple[int, ...]", options["nbits"].choices) if b >= MIN_PLAN_BITS]
-    bits = [b for b in choices if _runs(base.replace(nbits=b), config)]
-    rotations = [str(r) for r in cast("tuple[str, ...]", options["rotation"].choices)]
-    rotations = [r for r in rotations if _runs(base.replace(nbits=bits[0] if bits else None, rotation=r), config)]
-    return bits, rotations
-
-
-def _runs(spec: CacheSpec, config) -> bool:
-    try:
-        spec.validate(config)
-    except ValueError:
-        return False
-    return True
-
-
-def _attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Attention of the last query positions over every key, causal: [batch, heads, queries, head_dim] in float64.
-
-    query: [batch, heads, queries, head_dim] (the context's last positions); keys, values: [batch, kv_heads,
-    tokens, head_dim] (grouped-query heads shared as the model shares them)."""
-    queries, tokens = query.shape[-2], keys.shape[-2]
-    positions = torch.arange(tokens - queries, tokens).unsqueeze(-1)
-    mask = torch.arange(tokens).unsqueeze(0) <= positions  # [queries, tokens]
+    query: [batch, heads, queries, head_dim] (the context's last positions); keys, values: [batch, kv_heads, held,
+    head_dim], the context's last `held` tokens (all of them, or a window's; grouped-query heads shared as the model
+    shares them); tokens: the context's tokens; window: the layer's `sliding_window`, None on a full layer."""
+    queries, held = query.shape[-2], keys.shape[-2]
+    query_at = torch.arange(tokens - queries, tokens).unsqueeze(-1)  # absolute positions
+    key_at = torch.arange(tokens - held, tokens).unsqueeze(0)
+    mask = key_at <= query_at  # [queries, held]
+    if window is not None:
+        mask &= key_at > query_at - window
     groups = query.shape[1] // keys.shape[1]
     keys, values = (t.double().repeat_interleave(groups, dim=1) for t in (keys, values))
     return F.scaled_dot_product_attention(query.double(), keys, values, attn_mask=mask, scale=scaling)
@@ -187,69 +191,109 @@ def layer_errors(
     token_ids: Sequence[int],
     base: CacheSpec,
     query_tokens: int = QUERY_TOKENS,
+    context_tokens: int | None = None,
 ) -> LayerErrors:
-    """Measure every layer's attention-output error at every candidate precision of `base`'s backend on this
-    context (see the module docstring).
+    """Measure every quantized layer's error at every candidate precision of `base`'s backend on this context (see
+    the module docstring).
 
     Work: one full-precision prefill of `token_ids`, then per candidate (nbits x rotations: quanto 4, hqq 8) one
     quantization of the whole context's keys and values by the library's layers, and per layer and candidate two
-    attentions of `query_tokens` queries over the context.
+    attentions of `query_tokens` queries over the context (two norms on an MLA model).
 
     Args:
         loaded_model: a model that attends through kvdemo's attention function (every sdpa model `load_model`
-            gives), whose queries are recorded.
+            gives), whose queries are recorded; or a latent (MLA) model, whose latent is measured instead.
         token_ids: the context's ids as a prefill feeds them (`QASession.context_ids`).
-        base: the backend and the options every candidate keeps (`plan_base`).
+        base: the backend and the options every candidate keeps (`plan_base`; its `sliding` and `protect` choose
+            the layers planned).
         query_tokens: query positions per layer (the context's last ones).
+        context_tokens: the context length the bytes per token are stated at; None: len(token_ids).
 
     Returns:
         The `LayerErrors`.
 
     Raises:
-        UnsupportedModelError (a ValueError): a latent (MLA) model, or one with layers a quantized backend does not
-            quantize (sliding-window, recurrent, KV-shared: `kvdemo.cache.layer_kinds`).
+        UnsupportedModelError (a ValueError): `base` quantizes no layer of this model (the message says what would).
         ValueError: a model whose attention is not kvdemo's (eager, flash: its queries cannot be recorded), an empty
-            context or one over the window, query_tokens < 1, a backend that takes no plan, or a base whose
-            options fit no bits on this model.
+            context or one over the window, query_tokens < 1, context_tokens < 1, a backend that takes no plan, or a
+            base whose options fit no bits on this model.
     """
-    if not uses_query_rotation(loaded_model.config):
+    config = loaded_model.config
+    latent = is_latent(config)
+    if not latent and not uses_query_rotation(config):
         raise ValueError(
             "a per-layer plan measures attention with the model's own queries, through kvdemo's attention function; "
-            f"this model attends with {getattr(loaded_model.config, '_attn_implementation', '?')}. Load it with "
+            f"this model attends with {getattr(config, '_attn_implementation', '?')}. Load it with "
             "attn_implementation='sdpa'"
         )
-    config = loaded_model.config
-    problem = planning_problem(config)
-    if problem:
-        raise UnsupportedModelError(problem)
-    base = plan_base(base).fit(config)
-    bits, rotations = _candidates(base, config)
+    base = plan_base(base).fit(config).validate(config)  # refuses a base that quantizes nothing here
+    bits, rotations = candidates(base, config)
     if not bits:
         raise ValueError(f"no nbits of {base.backend} fits {base.short_text} on this model; change q_group_size")
+    planned = _planned_layers(base, config)
     with recording_queries(query_tokens) as record:
         reference = reference_kv(loaded_model, token_ids)
-    layers = kv_geometry(config).layers
-    exact = [_attention(record.queries[i], k, v, record.scaling[i]) for i, (k, v) in enumerate(reference)]
-    keys: list[dict[tuple[int, str], float]] = [{} for _ in range(layers)]
-    values: list[dict[tuple[int, str], float]] = [{} for _ in range(layers)]
+    tokens = len(token_ids)
+    windows, exact = _exact_outputs(reference, record, planned, tokens, config, latent)
+    keys: list[dict[tuple[int, str], float]] = [{} for _ in planned]
+    values: list[dict[tuple[int, str], float]] = [{} for _ in planned]
     for nbits in bits:
         for rotation in rotations:
             cache = build_cache(base.replace(nbits=nbits, rotation=rotation), config)
-            for i, (layer, (k, v)) in enumerate(zip(cast("list[DynamicLayer]", cache.layers), reference)):
+            for j, i in enumerate(planned):
+                layer = cast("DynamicLayer", cache.layers[i])
+                k, v = cast("tuple[torch.Tensor, torch.Tensor]", reference[i])
                 with torch.no_grad():
                     layer.update(k, v)  # the prefill's update: the library quantizes the whole context
                 k_hat, v_hat = layer_kv(layer)  # one layer de-quantized at a time: little memory held
                 cache.layers[i] = DynamicLayer()  # its store freed
-                q, scale = record.queries[i], record.scaling[i]
-                keys[i][(nbits, rotation)] = _relative(_attention(q, k_hat, v, scale), exact[i])
-                values[i][(nbits, rotation)] = _relative(_attention(q, k, v_hat, scale), exact[i])
-    dtype = loaded_model.dtype
-    per_token = {
-        (k, v): estimate_kv_bytes(base.replace(nbits=k, nbits_value=v), config, 1 << 16, dtype) / (1 << 16)
-        for k in bits
-        for v in bits
-    }
-    return LayerErrors(base, tuple(keys), tuple(values), per_token, len(token_ids), record.last)
+                if latent:
+                    keys[j][(nbits, rotation)] = _relative(k_hat.double(), k.double())
+                    values[j][(nbits, rotation)] = _relative(v_hat.double(), v.double())
+                    continue
+                q, scale, expected = record.queries[i], record.scaling[i], exact[j]
+                assert expected is not None  # measured above for every layer of a model that is not latent
+                keys[j][(nbits, rotation)] = _relative(_attention(q, k_hat, v, scale, tokens, windows[j]), expected)
+                values[j][(nbits, rotation)] = _relative(_attention(q, k, v_hat, scale, tokens, windows[j]), expected)
+    at = tokens if context_tokens is None else checked_tokens(context_tokens)
+    layer_bytes, kept = layer_bytes_per_token(base, bits, loaded_model, at)
+    return LayerErrors(
+        base,
+        tuple(planned),
+        tuple(keys),
+        tuple(values),
+        layer_bytes,
+        kept,
+        at,
+        tokens,
+        0 if latent else record.last,
+        latent,
+    )
+
+
+def _exact_outputs(
+    reference, record, planned: Sequence[int], tokens: int, config, latent: bool
+) -> tuple[list[int | None], list[torch.Tensor | None]]:
+    """Per planned layer, its sliding window where it holds one (None on a full layer), and the attention output of
+    the recorded queries over its full-precision keys and values (None on a latent model, measured on the latent)."""
+    window = getattr(config.get_text_config(decoder=True), "sliding_window", None)
+    windows: list[int | None] = []
+    exact: list[torch.Tensor | None] = []
+    for i in planned:
+        kv = reference[i]
+        assert kv is not None  # a quantized layer holds keys and values
+        windows.append(window if kv[0].shape[-2] < tokens else None)
+        if latent:
+            exact.append(None)
+            continue
+        exact.append(_attention(record.queries[i], kv[0], kv[1], record.scaling[i], tokens, windows[-1]))
+    return windows, exact
+
+
+def _planned_layers(base: CacheSpec, config) -> list[int]:
+    """The model's indices of the layers `base` quantizes (its `sliding` and `protect`)."""
+    opts = base.resolved()
+    return quantized_layers(config, str(opts.get("sliding", "keep")), str(opts.get("protect", "0:0")))
 
 
 def choose_plan(errors: LayerErrors, budget_bytes_per_token: float) -> LayerPlan:
@@ -258,8 +302,8 @@ def choose_plan(errors: LayerErrors, budget_bytes_per_token: float) -> LayerPlan
 
     Args:
         errors: from `layer_errors`.
-        budget_bytes_per_token: bytes per quantized token (the registry's formula, scales included: `quanto:4` is
-            7,200 on the embedded model, `quanto:2` 4,320).
+        budget_bytes_per_token: bytes per context token at `errors.context_tokens`, the kept layers included (the
+            registry's formula, scales included: `quanto:4` is 7,200 on the embedded model, `quanto:2` 4,320).
 
     Returns:
         The `LayerPlan`, with the best uniform spec within the same budget beside it.
@@ -268,7 +312,8 @@ def choose_plan(errors: LayerErrors, budget_bytes_per_token: float) -> LayerPlan
         ValueError: a budget that is not a positive number, or below the smallest cache (every layer at the fewest
             bits): the message gives that smallest figure.
     """
-    _check_budget(budget_bytes_per_token, min(errors.bytes_per_token.values()), errors.base.backend)
+    smallest = errors.kept_bytes_per_token + sum(min(per.values()) for per in errors.layer_bytes)
+    refuse_budget(budget_bytes_per_token, smallest, errors.base.backend, errors.context_tokens)
     # per layer, each (key bits, value bits) at its better rotation (a rotation costs no byte)
     options = []
     for layer in range(errors.layers):
@@ -282,10 +327,10 @@ def choose_plan(errors: LayerErrors, budget_bytes_per_token: float) -> LayerPlan
                 if (nbits, nbits_value) not in best or error < best[(nbits, nbits_value)][0]:
                     best[(nbits, nbits_value)] = (error, candidate)
         options.append(list(best.values()))
-    share = {key: value / errors.layers for key, value in errors.bytes_per_token.items()}
-    # states: bytes reached (rounded, to merge equal sums) -> (error, choices)
-    states: dict[float, tuple[float, tuple[LayerPrecision, ...]]] = {0.0: (0.0, ())}
-    for layer_options in options:
+    # states: bytes reached (rounded, to merge equal sums) -> (error, choices); the kept layers' bytes first
+    states: dict[float, tuple[float, tuple[LayerPrecision, ...]]] = {errors.kept_bytes_per_token: (0.0, ())}
+    for layer, layer_options in enumerate(options):
+        share = errors.layer_bytes[layer]
         nxt: dict[float, tuple[float, tuple[LayerPrecision, ...]]] = {}
         for spent, (error, chosen) in states.items():
             for option_error, precision in layer_options:
@@ -330,8 +375,13 @@ def plan_layers(
     base: CacheSpec,
     budget_bytes_per_token: float,
     query_tokens: int = QUERY_TOKENS,
+    context_tokens: int | None = None,
 ) -> LayerPlan:
     """`choose_plan(layer_errors(...), budget)`: a per-layer plan for this model and context within the budget.
+
+    Args:
+        budget_bytes_per_token: bytes per context token at `context_tokens` (None: the context's own length), the
+            layers the spec keeps at full precision included.
 
     Example:
         >>> ids = QASession(loaded).context_ids(case.context)
@@ -340,46 +390,9 @@ def plan_layers(
         >>> QASession(loaded, plan.spec).prefill(case.context)
 
     Raises:
-        ValueError: see `layer_errors` and `choose_plan` (the budget is checked first, against the backend's
-            smallest cache on this model, before the prefill).
+        ValueError: see `layer_errors` and `choose_plan` (the base and the budget are checked first, against the
+            backend's smallest cache on this model, before the prefill).
     """
-    base = check_budget(loaded_model, base, budget_bytes_per_token)  # before the prefill
-    return choose_plan(layer_errors(loaded_model, token_ids, base, query_tokens), budget_bytes_per_token)
-
-
-def check_budget(loaded_model: LoadedModel, base: CacheSpec, budget_bytes_per_token: float) -> CacheSpec:
-    """Check a plan's request before any work: the base takes a plan (`plan_base`) and the budget is a number of
-    bytes per token at least the backend's smallest cache on this model.
-
-    Returns:
-        `plan_base(base)`.
-
-    Raises:
-        ValueError: saying what to change (the smallest budget allowed, the backends that take a plan).
-    """
-    base = plan_base(base)
-    _check_budget(budget_bytes_per_token, _smallest_bytes(base, loaded_model), base.backend)
-    return base
-
-
-def _smallest_bytes(base: CacheSpec, loaded_model: LoadedModel) -> float:
-    """Bytes per quantized token of `base`'s backend with every layer at its fewest bits."""
-    bits, _ = _candidates(base, loaded_model.config)
-    if not bits:
-        return 0.0
-    fewest = base.replace(nbits=min(bits))
-    return estimate_kv_bytes(fewest, loaded_model.config, 1 << 16, loaded_model.dtype) / (1 << 16)
-
-
-def _check_budget(budget: float, smallest: float, backend: str) -> None:
-    """Refuse a budget that is not a positive number of bytes per token, or below `smallest` (the backend's cache
-    with every layer at its fewest bits), saying what to give."""
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
-        raise ValueError(f"budget={budget!r} must be a number of bytes per token")
-    if not math.isfinite(budget) or budget <= 0:
-        raise ValueError(f"budget={budget} must be a positive number of bytes per token")
-    if budget < smallest - 1e-6:
-        raise ValueError(
-            f"a budget of {budget:,.0f} bytes per token is below the smallest {backend} cache on this model "
-            f"({smallest:,.0f}: every layer at the fewest bits); give {math.ceil(smallest):,} or more"
-        )
+    at = len(token_ids) if context_tokens is None else context_tokens
+    base = check_budget(loaded_model, base, budget_bytes_per_token, at)  # before the prefill
+    return choose_plan(layer_errors(loaded_model, token_ids, base, query_tokens, at), budget_bytes_per_token)
