@@ -8,8 +8,8 @@ where the kind cannot be served, a refusal before any forward pass that names wh
 
 A new kind is one entry of `KINDS`, a new door one function in `DOORS`: the matrix is their product.
 
-Cost: about 40 s in one process on 2 cores (2026-12-05): eight models of a few million weights, a 150-token text,
-one question of 3 tokens, one server for the page's doors.
+Cost: about 100 s in one process on 2 busy cores (2026-12-05): 31 s for the library's doors (eight models of a few
+million weights, a 128-token text, one question of 3 tokens), 65-70 s for the page's (one server, 8 s a kind).
 """
 
 from __future__ import annotations

@@ -196,9 +196,8 @@ def layer_errors(
     """Measure every quantized layer's error at every candidate precision of `base`'s backend on this context (see
     the module docstring).
 
-    Work: one full-precision prefill of `token_ids`, then per candidate (nbits x rotations: quanto 4, hqq 8) one
-    quantization of the whole context's keys and values by the library's layers, and per layer and candidate two
-    attentions of `query_tokens` queries over the context (two norms on an MLA model).
+    Work: one full-precision prefill, then per candidate (nbits x rotations) one quantization of the context by the
+    library's layers and per layer two attentions of `query_tokens` queries (two norms on an MLA model).
 
     Args:
         loaded_model: a model that attends through kvdemo's attention function (every sdpa model `load_model`
@@ -213,10 +212,9 @@ def layer_errors(
         The `LayerErrors`.
 
     Raises:
-        UnsupportedModelError (a ValueError): `base` quantizes no layer of this model (the message says what would).
-        ValueError: a model whose attention is not kvdemo's (eager, flash: its queries cannot be recorded), an empty
-            context or one over the window, query_tokens < 1, context_tokens < 1, a backend that takes no plan, or a
-            base whose options fit no bits on this model.
+        ValueError: `base` quantizes nothing here (`UnsupportedModelError`, saying what would), attention that is
+            not kvdemo's (eager, flash), an empty context or one over the window, query_tokens or context_tokens < 1,
+            a backend that takes no plan, or options that fit no bits on this model.
     """
     config = loaded_model.config
     latent = is_latent(config)
@@ -257,18 +255,8 @@ def layer_errors(
                 values[j][(nbits, rotation)] = _relative(_attention(q, k, v_hat, scale, tokens, windows[j]), expected)
     at = tokens if context_tokens is None else checked_tokens(context_tokens)
     layer_bytes, kept = layer_bytes_per_token(base, bits, loaded_model, at)
-    return LayerErrors(
-        base,
-        tuple(planned),
-        tuple(keys),
-        tuple(values),
-        layer_bytes,
-        kept,
-        at,
-        tokens,
-        0 if latent else record.last,
-        latent,
-    )
+    measured = (tuple(planned), tuple(keys), tuple(values), layer_bytes, kept, at, tokens)
+    return LayerErrors(base, *measured, 0 if latent else record.last, latent)
 
 
 def _exact_outputs(
