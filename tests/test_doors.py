@@ -38,6 +38,8 @@ from kvdemo.qa.session import QASession
 from kvdemo.qa.session_file import open_session, save_session
 from tests.families import family_config, tiny_family
 
+pytestmark = pytest.mark.model  # loads tiny models through `_loaded`, not a model fixture
+
 CONTEXT = (
     "The Normans were the people who in the 10th and 11th centuries gave their name to Normandy, a region in France. "
     "They were descended from Norse raiders and pirates from Denmark, Iceland and Norway who, under their leader "
