@@ -47,6 +47,23 @@ def test_the_merge_is_attention_over_the_joined_blocks():
     assert torch.allclose(got.double(), reference, atol=1e-6)
 
 
+def test_blocks_whose_last_axis_is_strided_are_read_right():
+    """A block de-quantized along axis -1 has a last-axis stride > 1; torch's private CPU flash kernel, which skips
+    sdpa's layout checks, misread such blocks (issue 57, pytorch PR#187506): `attend_blockwise` hands it contiguous
+    ones, so the merge equals attention over the joined blocks for every layout."""
+    torch.manual_seed(0)
+    keys = [torch.randn(1, 2, 64, 20).transpose(-1, -2) * 3 for _ in range(2)]  # [1, 2, 20, 64], stride 20 last
+    values = [torch.randn(1, 2, 64, 20).transpose(-1, -2) for _ in range(2)]
+    assert keys[0].stride(-1) == 20
+    tail_keys, tail_values = torch.randn(1, 2, 3, 64), torch.randn(1, 2, 3, 64)
+    blocks = StoreBlocks(keys=keys, values=values, dequantize=lambda block: block)
+    query = torch.randn(1, 6, 1, 64)
+    got = attend_blockwise(query, tail_keys, tail_values, blocks, 0.125)
+    whole_keys, whole_values = _joined(blocks, tail_keys, tail_values)
+    expected, _ = sdpa_attention_forward(_Attention(), query, whole_keys, whole_values, None, scaling=0.125)
+    assert torch.allclose(got, expected, atol=1e-6)
+
+
 @pytest.mark.parametrize(
     "layer_class",
     [ExactQuantoLayer, ExactHQQLayer, AppendHQQLayer, QueryRotatedQuantoLayer],

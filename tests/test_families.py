@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.cache_utils import BaseQuantizedLayer
 
 from kvdemo.cache.layer_kinds import (
@@ -249,3 +249,42 @@ def test_what_the_config_cannot_show_is_refused_by_the_probe(model_type, options
     if served is not None:
         session = _session(loaded, CacheSpec.parse(served), "The Normans gave their name to Normandy.")
         assert session.ask("Who?", max_new_tokens=2).steps == 2
+
+
+def _llama(embedded, kv_heads: int = 2) -> LoadedModel:
+    from tests.families import _BASE
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("llama", **{**_BASE, "num_key_value_heads": kv_heads})
+    model = AutoModelForCausalLM.from_config(config).eval()
+    return LoadedModel(model, embedded.tokenizer, "llama", None, 1024, torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize(
+    "spec", ["quanto:4,axis_key=-1,q_group_size=1", "quanto:4,axis_value=-1,q_group_size=1", "hqq:4,axis_key=1"]
+)
+def test_axis_minus_one_stores_are_read_right(spec, embedded):
+    """Issue 57: a store de-quantized along the last axis has a last-axis stride > 1, which torch's private CPU flash
+    kernel misread (13.9 off in the logits), and the probe blamed the model. Now each block handed to the kernel is
+    contiguous: the spec is served, and its answers' teacher-forced log-probs equal the same cache read whole."""
+    from kvdemo.cache.layers.flush import read_whole
+
+    loaded = _llama(embedded)
+    context = "The Normans gave their name to Normandy, a region in France. Rollo led them. " * 4
+    session = _session(loaded, CacheSpec.parse(spec), context)  # the probe passes
+    answer = session.ask("Who led the Normans?", max_new_tokens=ANSWER_TOKENS)
+    blockwise = session.score("Who led the Normans?", answer.token_ids)
+    with read_whole():
+        whole = _session(loaded, CacheSpec.parse(spec), context).score("Who led the Normans?", answer.token_ids)
+    assert float((blockwise - whole).abs().max()) < READ_WHOLE_BOUND
+
+
+def test_a_wrong_blockwise_read_is_reported_as_kvdemos_bug_not_the_models(embedded, monkeypatch):
+    """Issue 57: a failure of kvdemo's own read against the same cache read whole is kvdemo's, and the probe says so;
+    a model that changes the keys (DiffLlama, above) is still refused as the model's behaviour."""
+    from kvdemo.cache.layers import blockwise
+
+    flash = blockwise._FLASH
+    monkeypatch.setattr(blockwise, "_FLASH", lambda q, k, v, scale=None: flash(q, k.flip(-2) * 3, v, scale=scale))
+    with pytest.raises(UnsupportedModelError, match="kvdemo's own block-wise read .* a kvdemo bug, not the model"):
+        QASession(_llama(embedded), CacheSpec.parse("quanto:4,residual_length=16"))

@@ -13,6 +13,10 @@ cache of the spec, decodes the last two, restores the cache and decodes them aga
    float rounding);
 4. for a quantized backend, the logits are those of the same cache read whole (`kvdemo.cache.layers.flush.read_whole`:
    no block-wise read, a rotation undone on read), within half of what quantization moves them from a cache-free pass.
+   Where they are not, the run is made once more with the block-wise marks kept but the blocks read whole
+   (`kvdemo.cache.layers.attention.materialized_blocks`): if that agrees with the read-whole cache, kvdemo's own
+   block-wise read is wrong, and the refusal says so (a kvdemo bug); if not, the model changes the keys and values
+   between the cache and attention.
 
 Any failure, or any exception the model raises, is an `UnsupportedModelError` (a `ValueError`) when the session is
 built, before the prefill: the message says what failed and what would work. A probe costs three to five forward
@@ -25,6 +29,7 @@ import torch
 
 from kvdemo.cache import snapshot
 from kvdemo.cache.layer_kinds import UnsupportedModelError
+from kvdemo.cache.layers.attention import materialized_blocks
 from kvdemo.cache.layers.flush import read_whole
 from kvdemo.cache.registry import BACKENDS
 from kvdemo.cache.spec import CacheSpec, build_cache
@@ -85,6 +90,14 @@ def _probe(loaded: LoadedModel, spec: CacheSpec) -> str | None:
     # other way (invariant 6), so the bar is half of what quantization itself moves the logits, plus float rounding
     gap, quantization = float((logits - reference).abs().max()), float((reference - free).abs().max())
     if gap > _tolerance(loaded, reference) + QUANTIZATION_SHARE * quantization:
+        with materialized_blocks():  # the marks kept, the blocks read whole: is it kvdemo's kernel or the model?
+            marked, _ = _run(loaded, spec, ids)
+        if float((marked - reference).abs().max()) <= _tolerance(loaded, reference):
+            return (
+                f"kvdemo's own block-wise read of this cache (torch's CPU flash kernel over the de-quantized blocks) "
+                f"differs by {gap:.3g} in the logits from the same blocks read whole, which agree with the cache read "
+                "whole: a kvdemo bug, not the model's behaviour (please report it with the spec)"
+            )
         return (
             f"the model changes the keys and values between the cache and attention (its logits over kvdemo's "
             f"block-wise or rotated read differ by {gap:.3g} from the same cache read whole, against "

@@ -75,7 +75,7 @@ def kvdemo_attention(
     if rotation is not None:
         query = rotation.forward(query)
     blocks = blocks_of(key)
-    if blocks is not None and _blockwise_call(query, attention_mask, kwargs):
+    if blocks is not None and _blockwise_call(query, attention_mask, kwargs) and not _MATERIALIZE.get():
         output, weights = attend_blockwise(query, key, value, blocks, kwargs.get("scaling")), None
     else:
         if blocks is not None:  # a call the block-wise path does not take: the whole store, as transformers'
@@ -119,6 +119,21 @@ class QueryRecord:
 
 
 _RECORDER: ContextVar[QueryRecord | None] = ContextVar("kvdemo_query_recorder", default=None)
+_MATERIALIZE: ContextVar[bool] = ContextVar("kvdemo_materialize_blocks", default=False)
+
+
+@contextmanager
+def materialized_blocks() -> Iterator[None]:
+    """Within it (in this thread), keys a block-wise layer marked are attended whole: every block de-quantized and
+    joined with the residual (`StoreBlocks.materialized`), then transformers' sdpa, instead of torch's flash kernel
+    block by block (`attend_blockwise`). The marks still travel from the cache to attention, so a model that keeps
+    them gives exactly the read-whole logits here: `kvdemo.qa.probe` uses it to tell kvdemo's own block-wise read
+    going wrong from a model that changes the keys between the cache and attention."""
+    token = _MATERIALIZE.set(True)
+    try:
+        yield
+    finally:
+        _MATERIALIZE.reset(token)
 
 
 @contextmanager

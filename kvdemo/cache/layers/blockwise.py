@@ -146,10 +146,13 @@ def attend_blockwise(
     grouped = query.reshape(batch, kv_heads, heads // kv_heads * tokens, head_dim)
     outputs, lses = [], []
     for key_block, value_block in zip(blocks.keys, blocks.values):
-        output, lse = _FLASH(grouped, blocks.dequantize(key_block), blocks.dequantize(value_block), scale=scaling)
+        # the private kernel skips sdpa's layout checks and misreads a last axis that is not contiguous (a block
+        # de-quantized along axis -1 has stride > 1 there; pytorch PR#187506): hand it contiguous blocks only
+        keys, values = blocks.dequantize(key_block).contiguous(), blocks.dequantize(value_block).contiguous()
+        output, lse = _FLASH(grouped, keys, values, scale=scaling)
         outputs.append(output)
         lses.append(lse)
-    output, lse = _FLASH(grouped, tail_keys, tail_values, scale=scaling)
+    output, lse = _FLASH(grouped, tail_keys.contiguous(), tail_values.contiguous(), scale=scaling)
     outputs.append(output)
     lses.append(lse)
     # the merge in float32, the kernel's log-sum-exp's dtype, cast back to the model's (bfloat16, float16) at the end
