@@ -242,5 +242,14 @@ def test_a_length_dependent_rope_is_prefilled_in_one_pass_and_never_mixed(embedd
     with pytest.raises(ValueError, match=r"Lower max_new_tokens so that the whole stays below 301 tokens"):
         session.ask("Who held Rouen?", max_new_tokens=64)
     assert session.cache_length == tokens  # the refusal left the cache as it was
+    # every door that feeds tokens refuses the switch as `ask` does (issue 57: `score` ran across it, 9.6e-3 off)
+    with pytest.raises(ValueError, match=r"Score a shorter answer so that the whole stays below 301 tokens"):
+        session.score("Who held Rouen?", [100] * 64)
+    assert session.cache_length == tokens
+    from kvdemo.evals.fidelity import perplexity, perplexity_inputs
+
+    inputs = perplexity_inputs(phi3, session.prepare(context), 310 - tokens, " The Normans held Rouen." * 40)
+    with pytest.raises(ValueError, match=r"Score fewer perplexity tokens so that the whole stays below 301 tokens"):
+        perplexity(phi3, CacheSpec("dynamic"), inputs)
     long_context = " ".join(["The Normans held Rouen."] * 80)  # past the switch: every factor is the long one
     assert QASession(phi3, CacheSpec("dynamic")).prefill(long_context).context_tokens > 301

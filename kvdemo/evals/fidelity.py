@@ -44,6 +44,7 @@ from kvdemo.cache.telemetry import flushed_layers
 from kvdemo.evals.cache_error import KV, ReferenceKV, as_reference, context_error
 from kvdemo.evals.metrics import kl_divergence
 from kvdemo.qa.models import LoadedModel
+from kvdemo.qa.prefill import check_rope
 from kvdemo.qa.probe import check_model
 from kvdemo.qa.prompt import PreparedContext
 from kvdemo.qa.session import QASession
@@ -347,6 +348,7 @@ def perplexity(
         if reference.tokens != len(context):
             raise ValueError(f"the reference holds {reference.tokens} tokens, the context {len(context)}")
     fed = len(continuation) - 1
+    check_rope(loaded_model, len(context), fed + 1, "Score fewer perplexity tokens")  # as every door that feeds tokens
     if kv_budget_bytes is not None:
         _check_budget(loaded_model, spec, len(context), fed, kv_budget_bytes)
     device = loaded_model.device

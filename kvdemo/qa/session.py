@@ -59,6 +59,7 @@ class QASession:
         self.context: str | None = None
         self.prefill_report: PrefillReport | None = None
         self.history: list[Answer] = []
+        self.reserve_tokens = QUESTION_RESERVE_TOKENS + DEFAULT_MAX_NEW_TOKENS  # kept free by the last prefill
         self._snapshot: snapshot.CacheSnapshot | None = None
         self.layout = PromptLayout(loaded_model.tokenizer)
         self._split: PromptSplit | None = None
@@ -219,7 +220,7 @@ class QASession:
         self.check_prefill(len(split.prefix), reserve_tokens)
         self._close_active()
         self.cache = self._snapshot = self._split = self.prefill_report = self.context = None
-        self.history = []
+        self.history, self.reserve_tokens = [], reserve_tokens
         self._stop.clear()
         cache = build_cache(self.spec, self.loaded.config)
         start = time.perf_counter()
@@ -241,14 +242,15 @@ class QASession:
         return report
 
     def adopt(
-        self, cache: Cache, split: PromptSplit, context: str, start: float, opened: tuple[str, float]
+        self, cache: Cache, split: PromptSplit, context: str, start: float, opened: tuple[str, float], reserve: int = 0
     ) -> PrefillReport:
         """Take `cache`, prefilled elsewhere with `split.prefix` over `context` (a session file: `open_session`,
-        from `start`), as this session's prefill; `opened`: (the file's name, its prefill's seconds). Raises
-        ValueError, KVBudgetError: with a question and `DEFAULT_MAX_NEW_TOKENS` it does not fit the window or budget."""
-        self.check_prefill(len(split.prefix), QUESTION_RESERVE_TOKENS + DEFAULT_MAX_NEW_TOKENS)
+        from `start`), as this session's prefill; `opened`: (the file's name, its prefill's seconds); `reserve`: the
+        prefill's `reserve_tokens` (0: the default's). Raises ValueError, KVBudgetError: it does not fit with it."""
+        reserve = reserve or QUESTION_RESERVE_TOKENS + DEFAULT_MAX_NEW_TOKENS
+        self.check_prefill(len(split.prefix), reserve)
         self._close_active()
-        self.history = []
+        self.history, self.reserve_tokens = [], reserve
         return self._install(cache, split, context, start, opened)
 
     def check_prefill(self, context_tokens: int, reserve_tokens: int) -> None:
@@ -370,7 +372,7 @@ class QASession:
             float32 log-probabilities on the CPU, shape [n, vocab_size].
 
         Raises:
-            ValueError: no prefill yet, an empty question or answer, or more tokens than the window holds.
+            ValueError: no prefill yet, an empty question or answer, too many tokens, or a RoPE switch (`check_rope`).
         """
         answer_ids = [int(t) for t in answer_ids]
         if not answer_ids:
@@ -383,6 +385,7 @@ class QASession:
                 f"context {context_tokens:,} + question {len(q_ids):,} + answer {len(answer_ids):,} tokens exceeds the "
                 f"model's {self.loaded.max_context_tokens:,}-token window"
             )
+        check_rope(loaded, context_tokens, len(q_ids) + len(answer_ids), "Score a shorter answer")
         self._close_active()
         return teacher_forced(loaded, cache, saved, q_ids, answer_ids, on_step)
 
