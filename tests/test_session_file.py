@@ -12,7 +12,6 @@ import copy
 import dataclasses
 import json
 import struct
-from importlib import metadata
 
 import pytest
 import torch
@@ -174,8 +173,63 @@ def test_another_model_spec_or_version_is_refused(small, written, held, monkeypa
         r"holds a `hqq:4` cache, not `quanto:4`: choose `hqq:4`",
         spec=CacheSpec("quanto", nbits=4),
     )
-    monkeypatch.setattr(session_file, "versions", lambda: {"kvdemo": "9.9", "transformers": "5.25.0"})
-    _refused(small, written[0], held, f"written by kvdemo {metadata.version('kvdemo')}; this is kvdemo 9.9")
+    ours = session_file.versions()
+    monkeypatch.setattr(session_file, "versions", lambda: {**ours, "transformers": "9.9.0"})
+    _refused(small, written[0], held, f"written with transformers {ours['transformers']}; this is transformers 9.9.0")
+    monkeypatch.setattr(session_file, "FORMAT", session_file.FORMAT + 1)
+    monkeypatch.setattr(session_file, "versions", lambda: ours)
+    _refused(small, written[0], held, f"session format {session_file.FORMAT - 1} .*reads format {session_file.FORMAT}")
+
+
+def test_another_kvdemo_release_of_the_same_format_opens_the_file(small, written, monkeypatch):
+    """An upgrade that keeps the layout keeps the files (issue 57: every file refused at each release before)."""
+    ours = session_file.versions()
+    monkeypatch.setattr(session_file, "versions", lambda: {**ours, "kvdemo": "99.0.0"})
+    opened = open_session(small, written[0])
+    assert opened.ask(QUESTIONS[0], ANSWER_TOKENS).token_ids == written[1].ask(QUESTIONS[0], ANSWER_TOKENS).token_ids
+
+
+def test_a_file_of_today_kept_as_a_fixture_still_opens(small, tmp_path):
+    """`tests/data/quanto4.kvsession`, written by this format's code on the small model (`make_tiny`, seed 0):
+    a later kvdemo of the same format must open it and answer as a fresh prefill of its context does."""
+    from pathlib import Path
+
+    fixture = Path(__file__).parent / "data" / "quanto4.kvsession"
+    manifest = read_manifest(fixture)
+    assert manifest["format"] == session_file.FORMAT and manifest["spec"] == "quanto:4"
+    opened = open_session(small, fixture)
+    fresh = QASession(small, CacheSpec.parse("quanto:4"))
+    fresh.prefill(manifest["context"], reserve_tokens=manifest["reserve_tokens"])
+    assert opened.ask(QUESTIONS[0], ANSWER_TOKENS).token_ids == fresh.ask(QUESTIONS[0], ANSWER_TOKENS).token_ids
+
+
+def test_another_tokenizer_is_refused_before_anything_loads(small, written, held):
+    """The same weights with the same tokenizer plus a `Lowercase` normalizer tokenize the stored context otherwise
+    (issue 57: it opened with no note and answered wrong)."""
+    from tokenizers import normalizers
+
+    tokenizer = copy.deepcopy(small.tokenizer)
+    tokenizer.backend_tokenizer.normalizer = normalizers.Lowercase()
+    assert tokenizer(CONTEXT)["input_ids"] != small.tokenizer(CONTEXT)["input_ids"]
+    lowered = dataclasses.replace(small, tokenizer=tokenizer)
+    held_here = QASession(lowered, CacheSpec.parse("hqq:4"))
+    held_here.prefill("Paris is the capital of France.", max_new_tokens=ANSWER_TOKENS)
+    _refused(lowered, written[0], held_here, "tokenized by another tokenizer than .* load the tokenizer it was made")
+
+
+def test_the_prefill_reserve_is_kept_and_checked_at_open(small, tmp_path):
+    """A prefill that kept 10 tokens free (`reserve_tokens=10`) opens with that reserve, not the default 128."""
+    session = QASession(small, CacheSpec.parse("quanto:4"))
+    window = small.max_context_tokens
+    reps = next(n for n in range(1, 200) if len(session.context_ids("Rollo led the Normans. " * n)) > window - 100)
+    long = "Rollo led the Normans. " * reps  # within 10 tokens of the window, not within 128
+    report = session.prefill(long, reserve_tokens=10)
+    assert report.context_tokens > small.max_context_tokens - 128  # the default reserve would refuse it
+    path = tmp_path / "near-the-window.kvsession"
+    save_session(session, path)
+    assert read_manifest(path)["reserve_tokens"] == 10
+    opened = open_session(small, path)
+    assert opened.reserve_tokens == 10 and opened.cache_length == report.context_tokens
 
 
 def test_a_session_of_another_spec_is_not_opened_into(small, written):
@@ -216,3 +270,22 @@ def test_a_failed_write_leaves_no_file(written, tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(OSError):
         save_session(written[1], tmp_path / "no" / "such" / "folder.kvsession")
+
+
+def write_fixture() -> None:
+    """Write `tests/data/quanto4.kvsession` (`python -m tests.test_session_file`): only when the session format
+    changes, with `FORMAT` raised."""
+    from pathlib import Path
+
+    from kvdemo.qa.models import load_model
+
+    small = make_tiny(load_model().tokenizer)
+    session = QASession(small, CacheSpec.parse("quanto:4"))
+    session.prefill("The Normans gave their name to Normandy, a region in France. Rollo led them.", max_new_tokens=16)
+    folder = Path(__file__).parent / "data"
+    folder.mkdir(exist_ok=True)
+    print(save_session(session, folder / "quanto4.kvsession"))
+
+
+if __name__ == "__main__":
+    write_fixture()

@@ -108,6 +108,31 @@ def test_the_folder_keeps_the_most_recently_used_files_within_its_bound(tiny, tm
         SessionFiles(tmp_path, 0)
 
 
+def test_the_folder_neither_follows_nor_opens_a_symlink(tiny, tmp_path):
+    """llama.cpp #26315's class: a symlink in the save folder must not make a save write outside it, nor a prefill
+    open a file the folder does not hold."""
+    outside, folder = tmp_path / "outside", tmp_path / "sessions"
+    outside.mkdir()
+    folder.mkdir()
+    files = SessionFiles(folder, 1 << 30)
+    qa = QASession(tiny, CacheSpec("dynamic"))
+    qa.prefill("Rollo led the Normans.")
+    prepared = qa.prepare("Rollo led the Normans.")
+    target = outside / "elsewhere.kvsession"
+    target.write_bytes(b"keep me")
+    files.path(qa, prepared).symlink_to(target)  # the file's own name is a link out of the folder
+    assert files.save(qa, prepared) is None and target.read_bytes() == b"keep me"
+    assert files.open(qa, prepared) is None and files.files() == []
+    files.trim()
+    assert target.read_bytes() == b"keep me"
+    linked = SessionFiles(tmp_path / "linked", 1 << 30)  # the folder itself a link
+    (tmp_path / "linked").symlink_to(outside, target_is_directory=True)
+    assert linked.save(qa, prepared) is None and sorted(p.name for p in outside.iterdir()) == ["elsewhere.kvsession"]
+    assert linked.files() == []
+    files.path(qa, prepared).unlink()  # the link alone; a real file is then written and opened
+    assert files.save(qa, prepared) == files.path(qa, prepared) and files.open(qa, prepared) is not None
+
+
 def test_save_session_then_open_it_in_another_tab(tiny, tmp_path):
     app, fns = _page(tiny)
     request = gr.Request(session_hash="a")

@@ -9,8 +9,9 @@ tail, the template's clock), the prefill's seconds and the cache's manifest. `kv
 that manifest and of every tensor's name, dtype, shape and bytes.
 
 Opening (`open_session`) refuses, with `SessionFileError` (a `ValueError`) and before anything is loaded into a
-session: a file that is not a session file or is truncated, one of another format, kvdemo or transformers version,
-one made with another model (name, dtype, config or weights) or another spec than asked, and one whose bytes do not
+session: a file that is not a session file or is truncated, one of another session format (`FORMAT`, not kvdemo's
+release) or transformers version, one made with another model (name, dtype, config, tokenizer or weights) or another
+spec than asked, and one whose bytes do not
 match its digest (changed or damaged). The digest proves integrity, not authorship: whoever rewrites a file can
 rewrite its digest; that yields wrong numbers at worst, never code run, and the cache's structure is still checked
 against the spec's (`load_cache_state`).
@@ -43,8 +44,10 @@ from kvdemo.qa.session import QASession
 
 _log = logging.getLogger(__name__)
 
-FORMAT = 1
-"""The session file's format (the cache's has its own: `kvdemo.cache.serialize.FORMAT`)."""
+FORMAT = 2
+"""The session file's format: its layout and the model identity it is bound to (the cache's layout has its own,
+`kvdemo.cache.serialize.FORMAT`). A file opens in any kvdemo of the same format and cache format: raise it when either
+changes (2: the whole tokenizer in the identity, the prefill's reserve kept), never for a kvdemo release alone."""
 SUFFIX = ".kvsession"
 """The file name's suffix the page and the command line give a session file (a safetensors file)."""
 _MANIFEST, _DIGEST, _IDS = "kvdemo.session", "kvdemo.digest", "context_ids"
@@ -70,10 +73,10 @@ def versions() -> dict[str, str]:
 
 def model_identity(loaded: LoadedModel) -> dict[str, Any]:
     """What makes two loaded models the same for a saved cache (and `source`, what `load_model` was given, to load it
-    again; not compared): the name, the dtype, a SHA-256 of the config (without
-    its path and version fields), of the tokenizer's vocabulary size and chat template, and of a sample of every
-    weight (`_WEIGHT_SAMPLES` evenly strided values per tensor, with its name and shape: a fine-tuned twin differs).
-    Reads a few values per tensor (milliseconds, also on a GPU)."""
+    again; not compared): the name, the dtype, a SHA-256 of the config (without its path and version fields), the
+    tokenizer's `tokenizer_fingerprint`, and a SHA-256 of a sample of every weight (`_WEIGHT_SAMPLES` evenly strided
+    values per tensor, with its name and shape: a fine-tuned twin differs). Reads a few values per tensor and the
+    tokenizer's serialized form (tens of milliseconds, also on a GPU)."""
     config = {k: v for k, v in loaded.config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
     weights = hashlib.sha256()
     with torch.no_grad():
@@ -82,16 +85,36 @@ def model_identity(loaded: LoadedModel) -> dict[str, Any]:
             sample = flat[:: max(1, flat.numel() // _WEIGHT_SAMPLES)][:_WEIGHT_SAMPLES]
             weights.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
             weights.update(sample.detach().float().cpu().numpy().tobytes())
-    template = getattr(loaded.tokenizer, "chat_template", None)
-    tokenizer = f"{len(loaded.tokenizer)}|{json.dumps(template, sort_keys=True)}"
     return {
         "name": loaded.name,
         "source": loaded.source,
         "dtype": str(loaded.dtype).removeprefix("torch."),
         "config": hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest(),
-        "tokenizer": hashlib.sha256(tokenizer.encode()).hexdigest(),
+        "tokenizer": tokenizer_fingerprint(loaded.tokenizer),
         "weights": weights.hexdigest(),
     }
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """SHA-256 of everything that maps a text to ids: a fast tokenizer's whole serialized form
+    (`backend_tokenizer.to_str()`: vocabulary, merges, normalizer, pre-tokenizer, post-processor, decoder, added
+    tokens), else its vocabulary and added tokens; with the special tokens and the chat template. A session file's
+    ids are the context tokenized by it: a tokenizer that differs anywhere (one `Lowercase` normalizer) gives other
+    ids for the same text and the next question, so it must not open the file (the class of mlx-lm PR#138: a prompt
+    cache keyed without its tokenizer)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        form = backend.to_str()
+    else:
+        form = json.dumps(sorted(tokenizer.get_vocab().items()))
+        form += json.dumps({str(k): str(v) for k, v in getattr(tokenizer, "added_tokens_decoder", {}).items()})
+    extras = {
+        "special": getattr(tokenizer, "special_tokens_map", {}),
+        "chat_template": getattr(tokenizer, "chat_template", None),
+    }
+    digest = hashlib.sha256(form.encode())
+    digest.update(json.dumps(extras, sort_keys=True, default=str).encode())
+    return digest.hexdigest()
 
 
 def _digest(manifest_text: str, tensors: dict[str, torch.Tensor]) -> str:
@@ -150,6 +173,7 @@ def save_session(session: QASession, path: str | os.PathLike[str]) -> SavedSessi
             "clock": split.clock.isoformat() if split.clock else None,
         },
         "prefill_seconds": report.prefill_seconds if report.prefill_seconds is not None else report.seconds,
+        "reserve_tokens": session.reserve_tokens,
         "cache": cache_manifest,
     }
     text = json.dumps(manifest, sort_keys=True)
@@ -207,19 +231,28 @@ def check_fits(manifest: dict[str, Any], loaded: LoadedModel, spec: CacheSpec | 
         spec: the spec asked for; None takes the file's.
 
     Raises:
-        SessionFileError: another format, kvdemo or transformers version, model or spec made it (the message says
-            which, and what would open it).
+        SessionFileError: another session format, transformers version, model (its name, dtype, config,
+            tokenizer or weights) or spec made it (the message says which, and what would open it).
     """
+    theirs = manifest.get("versions") or {}
     if manifest.get("format") != FORMAT:
-        raise SessionFileError(f"the file is in session format {manifest.get('format')!r}; this kvdemo reads {FORMAT}")
-    mine, theirs = versions(), manifest.get("versions") or {}
-    for name, version in mine.items():
-        if theirs.get(name) != version:
-            raise SessionFileError(
-                f"the file was written by {name} {theirs.get(name)}; this is {name} {version}, whose cache layers may "
-                "differ: prefill the context again (and save it anew)"
-            )
+        raise SessionFileError(
+            f"the file is in session format {manifest.get('format')!r} (written by kvdemo {theirs.get('kvdemo')}); "
+            f"this kvdemo {versions()['kvdemo']} reads format {FORMAT}: prefill the context again (and save it anew)"
+        )
+    transformers = versions()["transformers"]  # kvdemo's own version is not compared: FORMAT says the layout
+    if theirs.get("transformers") != transformers:
+        raise SessionFileError(
+            f"the file was written with transformers {theirs.get('transformers')}; this is transformers "
+            f"{transformers}, whose cache layers may differ: prefill the context again (and save it anew)"
+        )
     model, identity = manifest.get("model") or {}, model_identity(loaded)
+    if model.get("name") == identity["name"] and model.get("tokenizer") != identity["tokenizer"]:
+        raise SessionFileError(
+            f"the file's context was tokenized by another tokenizer than {identity['name']}'s here (its vocabulary, "
+            "normalizer or special tokens differ), so its ids would not match this model's questions: load the "
+            "tokenizer it was made with, or prefill the context again"
+        )
     for field in ("name", "dtype", "config", "tokenizer", "weights"):
         if model.get(field) != identity[field]:
             what = f"{model.get('name')} in {model.get('dtype')}"
@@ -308,5 +341,5 @@ def open_session(
     except (CacheFileError, KeyError) as error:
         raise SessionFileError(f"{path.name}'s cache does not fit `{session.spec.text}` here: {error}") from None
     opened = (shown_as or path.name, float(manifest["prefill_seconds"]))
-    session.adopt(cache, split, str(manifest["context"]), start, opened)
+    session.adopt(cache, split, str(manifest["context"]), start, opened, int(manifest.get("reserve_tokens", 0)))
     return session

@@ -3,7 +3,11 @@ of the same context with the same model and spec opens the file instead of runni
 too (llama.cpp's `--prompt-cache`, per context). The folder is kept within a byte bound, the least recently used
 files removed first. A file that cannot be opened (another kvdemo version, damaged) is removed and the prefill runs.
 
-A file's name is the SHA-256 of what makes the cache: the versions, the model's identity, the spec's full text and the
+The folder neither follows nor opens a symlink: a link in it (or the folder itself a link) is never read, written
+through or trimmed through (llama.cpp #26315: a symlink in the save folder made a save write outside it).
+
+A file's name is the SHA-256 of what makes the cache: the session format and transformers version, the model's
+identity, the spec's full text and the
 context's prefilled ids, tail and text (the chat template's date is in the ids, so a prefill on another day of a
 template that writes the date does not open yesterday's file).
 """
@@ -19,7 +23,15 @@ from pathlib import Path
 from kvdemo.qa.prompt import PreparedContext
 from kvdemo.qa.records import PrefillReport
 from kvdemo.qa.session import QASession
-from kvdemo.qa.session_file import SUFFIX, SessionFileError, model_identity, open_session, save_session, versions
+from kvdemo.qa.session_file import (
+    FORMAT,
+    SUFFIX,
+    SessionFileError,
+    model_identity,
+    open_session,
+    save_session,
+    versions,
+)
 
 _log = logging.getLogger(__name__)
 
@@ -48,7 +60,14 @@ class SessionFiles:
         """The file that holds (or would hold) `prepared` prefilled by `qa`'s model and spec."""
         split = prepared.split
         made_of = json.dumps(
-            [versions(), model_identity(qa.loaded), qa.spec.full_text, list(split.prefix), split.tail, prepared.text],
+            [
+                [FORMAT, versions()["transformers"]],  # not kvdemo's release: a file of the same format still opens
+                model_identity(qa.loaded),
+                qa.spec.full_text,
+                list(split.prefix),
+                split.tail,
+                prepared.text,
+            ],
             sort_keys=True,
         )
         return self.folder / (hashlib.sha256(made_of.encode("utf-8", "surrogatepass")).hexdigest()[:32] + SUFFIX)
@@ -57,7 +76,7 @@ class SessionFiles:
         """Open the file of `prepared` into `qa` when there is one; None when there is none or it cannot be opened
         (it is then removed). Raises what `QASession.adopt` raises (the window, the budget)."""
         path = self.path(qa, prepared)
-        if not path.is_file():
+        if self._linked(path) or not path.is_file():
             return None
         try:
             open_session(qa.loaded, path, qa.spec, session=qa, shown_as=SAVED_COPY)  # its name is a hash
@@ -72,6 +91,8 @@ class SessionFiles:
         """Write `qa`'s prefill of `prepared` to its file, then trim the folder to `max_bytes`; the path, or None when
         it could not be written (logged: a full disk never fails the prefill) or is larger than the bound alone."""
         path = self.path(qa, prepared)
+        if self._linked(path):
+            return None
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             save_session(qa, path)
@@ -81,11 +102,19 @@ class SessionFiles:
         self.trim()
         return path if path.exists() else None
 
+    def _linked(self, path: Path) -> bool:
+        """Whether the folder or `path` is a symlink (logged): then nothing is read or written there."""
+        link = next((p for p in (self.folder, path) if p.is_symlink()), None)
+        if link is not None:
+            _log.warning("not following the symlink %s in the session folder", link)
+        return link is not None
+
     def files(self) -> list[Path]:
-        """The folder's session files, least recently used first."""
-        if not self.folder.is_dir():
+        """The folder's session files, least recently used first (no symlink, and none in a linked folder)."""
+        if self.folder.is_symlink() or not self.folder.is_dir():
             return []
-        return sorted(self.folder.glob("*" + SUFFIX), key=lambda p: p.stat().st_mtime)
+        files = [p for p in self.folder.glob("*" + SUFFIX) if not p.is_symlink()]
+        return sorted(files, key=lambda p: p.stat().st_mtime)
 
     def trim(self) -> None:
         """Remove the least recently used files until the rest hold at most `max_bytes`."""
