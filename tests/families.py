@@ -54,16 +54,17 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "Qwen3-MoE": ("qwen3_moe", _MOE),
     "Mistral": ("mistral", dict(sliding_window=None)),
     "Mistral (window)": ("mistral", dict(sliding_window=16)),
-    "Phi-3 longrope": (
+    "Phi-3 longrope": (  # its switch at 64 tokens, below the matrix's context: prefilled in one pass, long factors
         "phi3",
         dict(
+            original_max_position_embeddings=64,  # the config's own field wins over rope_parameters' (else 4096)
             rope_parameters=dict(
                 rope_type="longrope",
                 short_factor=[1.0] * 16,
                 long_factor=[1.5] * 16,
-                original_max_position_embeddings=256,
+                original_max_position_embeddings=64,
                 rope_theta=10000.0,
-            )
+            ),
         ),
     ),
     "SmolLM3": ("smollm3", {}),

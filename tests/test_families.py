@@ -288,3 +288,14 @@ def test_a_wrong_blockwise_read_is_reported_as_kvdemos_bug_not_the_models(embedd
     monkeypatch.setattr(blockwise, "_FLASH", lambda q, k, v, scale=None: flash(q, k.flip(-2) * 3, v, scale=scale))
     with pytest.raises(UnsupportedModelError, match="kvdemo's own block-wise read .* a kvdemo bug, not the model"):
         QASession(_llama(embedded), CacheSpec.parse("quanto:4,residual_length=16"))
+
+
+def test_the_longrope_row_reaches_its_switch(embedded):
+    """Issue 57: the Phi-3 row's switch (64 tokens) lies inside the matrix's context, so its cells above prefill past
+    it (in one pass) and are checked against a cache-free pass there; transformers had replaced the row's 256 by 4096,
+    so it never got there."""
+    from kvdemo.qa.prefill import rope_changes
+
+    loaded = tiny_family("Phi-3 longrope", embedded.tokenizer)
+    assert loaded.config.original_max_position_embeddings == 64
+    assert rope_changes(loaded, 32, 100) == "longrope" and rope_changes(loaded, 65, 400) is None
