@@ -455,3 +455,40 @@ def test_answers_side_by_side_with_the_first_departure_from_dynamic(embedded):
         "first departure from dynamic": ["(the reference)", dep.describe(spec.text)],
     }
     assert json.loads(report.to_json())["results"][1]["questions"][0]["departure"]["position"] == at
+
+
+def test_each_spec_frees_its_cache_before_the_next_by_reference_counting(tiny, monkeypatch):
+    """A comparison and a needle grid free each spec's session and cache before the next one runs, with the cyclic
+    garbage collector off: no cycle holds a session, so no `gc.collect()` is needed (it cost 0.24 s a spec in a
+    process holding Gradio and the tests' models)."""
+    import gc
+    import weakref
+
+    from kvdemo.evals import fidelity as fidelity_module
+    from kvdemo.needle.grid import answer_tokens_needed, needle_grid
+    from kvdemo.qa import session as session_module
+
+    built: list = []
+
+    def recording(build):
+        def build_cache(spec, config):
+            assert sum(ref() is not None for ref in built) == 0, "an earlier cache is still alive"
+            cache = build(spec, config)
+            built.append(weakref.ref(cache))
+            return cache
+
+        return build_cache
+
+    for module in (session_module, fidelity_module):
+        monkeypatch.setattr(module, "build_cache", recording(module.build_cache))
+    gc.disable()
+    try:
+        specs = [CacheSpec.parse("hqq:4,residual_length=4"), CacheSpec("fp8")]
+        compare(tiny, "Rollo led the Normans. " * 10, ["Who led them?"], specs, 3, perplexity_tokens=4)
+        assert len(built) == 6 and all(ref() is None for ref in built)  # 3 specs x (session + perplexity)
+        built.clear()
+        needed = answer_tokens_needed(tiny, [96], [50.0], seed=0)
+        needle_grid(tiny, ["dynamic", "quanto:4"], [96], [50.0], seed=0, max_new_tokens=needed)
+        assert len(built) == 2 and all(ref() is None for ref in built)
+    finally:
+        gc.enable()

@@ -4,7 +4,6 @@ others. `kvdemo.compare.run` runs it over every spec; see there for what each fi
 
 from __future__ import annotations
 
-import gc
 import math
 import statistics
 import threading
@@ -149,8 +148,7 @@ def measure_spec(
     answers, flush_steps, flush_seconds = _answer_all(run, session, spec)
     ref_ids = reference.token_ids if reference is not None else tuple(a.token_ids for a in answers)
     own, parts, drift_runs, departures = _score_all(run, session, spec, answers, ref_ids, reference, reference_kv)
-    del session  # free this cache before the perplexity's
-    gc.collect()
+    del session  # this cache freed before the perplexity's (reference counting: no cycle holds a session)
     ppl = None
     if run.perplexity_inputs is not None:
         ppl = _perplexity(run, spec, run.perplexity_inputs, context_ids, reference_kv, reference)

@@ -30,7 +30,6 @@ only when it says that the text does not give the answer (`metrics.says_unanswer
 
 from __future__ import annotations
 
-import gc
 import threading
 from collections.abc import Callable, Sequence
 
@@ -185,14 +184,12 @@ def _measure_all(
     name = run.loaded_model.name
     for spec in ordered:
         progress.announce(f"{spec.text}: prefilling")
-        try:
+        try:  # each spec's session and cache are freed by reference counting when it returns (tests/test_compare.py)
             result, own = measure_spec(run, spec, reference, results[0].kv_bytes if results else None)
         except Cancelled:
             raise ComparisonCancelled(
                 ComparisonReport(name, run.max_new_tokens, tuple(results), source, plans)
             ) from None
-        finally:
-            gc.collect()
         if reference is None:
             reference = own
         results.append(result)

@@ -179,6 +179,10 @@ def after(seconds: float, bound: threading.Event, stop: Callable[[], None]) -> t
     return timer
 
 
+SETTLE_SECONDS = 0.2
+"""How long a relay's last update is given to reach the client before the tool returns (`ProgressRelay.settle`)."""
+
+
 class ProgressRelay:
     """A tool's progress, fed by its work's own callbacks as `relay(done, total, what)` (a unit of work done, a
     prefill chunk, a decode step) and forwarded at most once per `every` seconds, and always when `done == total`.
@@ -204,3 +208,11 @@ class ProgressRelay:
             return
         self._sent = now
         self.progress((done, total), desc=what, unit="steps")
+
+    def settle(self) -> None:
+        """Wait until the last update forwarded is `SETTLE_SECONDS` old before the tool returns: Gradio's queue sends
+        a pending update on its next pass (every 10 ms) and the loopback job drops one that arrives with the result,
+        so a comparison that ends right after its last unit would otherwise never tell "15 of 15"."""
+        wait = self._sent + SETTLE_SECONDS - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)

@@ -304,7 +304,9 @@ class McpTools:
             with self.app.comparison(key, loaded, prepared, parsed, max_new_tokens):
                 with CALLS.watching(request, cancel.set) as gone:
                     work = functools.partial(compare, loaded, prepared, questions, parsed, max_new_tokens, golds)
-                    report, note = self._bounded_compare(work, cancel, gone, ProgressRelay())
+                    relay = ProgressRelay()
+                    report, note = self._bounded_compare(work, cancel, gone, relay)
+                    relay.settle()  # its last unit told before the result
             rows = json_ready(report.to_frame().to_dict(orient="records"), nan=None)
             for row, result in zip(rows, report.results):
                 row["answers"] = [q.answer for q in result.questions]
