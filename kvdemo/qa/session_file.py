@@ -11,10 +11,9 @@ that manifest and of every tensor's name, dtype, shape and bytes.
 Opening (`open_session`) refuses, with `SessionFileError` (a `ValueError`) and before anything is loaded into a
 session: a file that is not a session file or is truncated, one of another session format (`FORMAT`, not kvdemo's
 release) or transformers version, one made with another model (name, dtype, config, tokenizer or weights) or another
-spec than asked, and one whose bytes do not
-match its digest (changed or damaged). The digest proves integrity, not authorship: whoever rewrites a file can
-rewrite its digest; that yields wrong numbers at worst, never code run, and the cache's structure is still checked
-against the spec's (`load_cache_state`).
+spec than asked, and one whose bytes do not match its digest (changed or damaged). The digest proves integrity, not
+authorship: whoever rewrites a file can rewrite its digest; that yields wrong numbers at worst, never code run, and
+the cache's structure is still checked against the spec's (`load_cache_state`).
 
 Figures: `benchmarks/session_file.py` measures saving and opening beside the prefill (docs/benchmarks.md).
 """

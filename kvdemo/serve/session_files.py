@@ -1,15 +1,14 @@
 """The server's folder of session files (`kvdemo.qa.session_file`): every prefill the page runs is saved, and a prefill
 of the same context with the same model and spec opens the file instead of running again, after a restart of the app
 too (llama.cpp's `--prompt-cache`, per context). The folder is kept within a byte bound, the least recently used
-files removed first. A file that cannot be opened (another kvdemo version, damaged) is removed and the prefill runs.
+files removed first. A file that cannot be opened (another session format, damaged) is removed and the prefill runs.
 
 The folder neither follows nor opens a symlink: a link in it (or the folder itself a link) is never read, written
 through or trimmed through (llama.cpp #26315: a symlink in the save folder made a save write outside it).
 
 A file's name is the SHA-256 of what makes the cache: the session format and transformers version, the model's
-identity, the spec's full text and the
-context's prefilled ids, tail and text (the chat template's date is in the ids, so a prefill on another day of a
-template that writes the date does not open yesterday's file).
+identity, the spec's full text and the context's prefilled ids, tail and text (the chat template's date is in the ids,
+so a prefill on another day of a template that writes the date does not open yesterday's file).
 """
 
 from __future__ import annotations
