@@ -198,15 +198,18 @@ class KVError:
     Attributes:
         keys, values: [layers][kv_heads]: ||K - K^||_F / ||K||_F over the tokens and head_dim of one layer and KV
             head (the same for values); 0 for a full-precision cache; an empty row for a layer left out (`reads`).
-        keys_total, values_total: the same over every compared layer and head at once (norms of the whole tensors).
+        keys_total, values_total: the same over the quantized layers and their heads at once (norms of the whole
+            tensors): the error of what the spec stores quantized, which kept layers (exact) would dilute; over every
+            compared layer where none is quantized (`dynamic`: 0).
         total: keys and values together: sqrt(sum ||K - K^||^2 + ||V - V^||^2) / sqrt(sum ||K||^2 + ||V||^2), over
-            every compared layer (kept ones included: the cache as the model reads it).
+            the same layers.
         tokens: the context's tokens.
         reads: per layer what was compared (`ALL_TOKENS`, `WINDOW`) or why it was left out (`MOVED`, `STATE`,
             `NOTHING`).
         quantized: per layer, whether the cache stores it quantized (else kept at full precision, or holding none).
-        context_total: `total` over the layers that hold every context token (`ALL_TOKENS`): the figure the drift
-            is measured on, since a window moves as an answer is decoded; None where no layer holds them all.
+        context_total: `total` over the quantized layers that hold every context token (`ALL_TOKENS`; all such
+            layers where none is quantized): the figure the drift is measured on, since a window moves as an answer
+            is decoded; None where no layer holds them all.
         latent: the layers hold a latent (MLA: the compressed latent and the rotary key part), compared as stored.
     """
 
@@ -294,8 +297,10 @@ def kv_error(reference: Sequence[LayerKV | None], cache: Cache, latent: bool = F
     rows_v: list[tuple[float, ...]] = []
     reads: list[str] = []
     quantized: list[bool] = []
-    sums = torch.zeros(4, dtype=torch.float64)  # key error, key norm, value error, value norm
-    context = torch.zeros(4, dtype=torch.float64)  # the same over the layers holding every context token
+    # key error, key norm, value error, value norm: over [every compared layer, the quantized ones] and the same
+    # over the layers holding every context token
+    sums = torch.zeros(2, 4, dtype=torch.float64)
+    context = torch.zeros(2, 4, dtype=torch.float64)
     for layer, reference_layer in zip(cache.layers, ref):
         read, expected, held = _read(layer, reference_layer, ref.tokens)
         reads.append(read)
@@ -311,13 +316,16 @@ def kv_error(reference: Sequence[LayerKV | None], cache: Cache, latent: bool = F
         rows_k.append(tuple(float(x) for x in (ek / nk).sqrt()))
         rows_v.append(tuple(float(x) for x in (ev / nv).sqrt()))
         part = torch.stack([ek.sum(), nk.sum(), ev.sum(), nv.sum()])
-        sums += part
+        rows = [0, 1] if quantized[-1] else [0]
+        sums[rows] += part
         if read == ALL_TOKENS:
-            context += part
+            context[rows] += part
     if not any(read in COMPARED for read in reads):
         raise ValueError(f"no layer of the cache holds the context's keys and values to compare (layers: {reads})")
-    err_k, norm_k, err_v, norm_v = (float(x) for x in sums)
-    c_err_k, c_norm_k, c_err_v, c_norm_v = (float(x) for x in context)
+    chosen = 1 if any(quantized[i] and reads[i] in COMPARED for i in range(len(reads))) else 0
+    err_k, norm_k, err_v, norm_v = (float(x) for x in sums[chosen])
+    chosen = 1 if context[1, 1] > 0 else 0
+    c_err_k, c_norm_k, c_err_v, c_norm_v = (float(x) for x in context[chosen])
     return KVError(
         keys=tuple(rows_k),
         values=tuple(rows_v),
