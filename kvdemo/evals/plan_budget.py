@@ -62,6 +62,7 @@ def _runs(spec: CacheSpec, config) -> bool:
 
 
 def checked_tokens(context_tokens: int) -> int:
+    """`context_tokens`, once it is a whole number of tokens >= 1 (else ValueError saying so)."""
     if isinstance(context_tokens, bool) or not isinstance(context_tokens, int) or context_tokens < 1:
         raise ValueError(f"context_tokens={context_tokens!r} must be a whole number of tokens, at least 1")
     return context_tokens

@@ -224,6 +224,7 @@ def layer_errors(
             f"this model attends with {getattr(config, '_attn_implementation', '?')}. Load it with "
             "attn_implementation='sdpa'"
         )
+    at = len(token_ids) if context_tokens is None else checked_tokens(context_tokens)  # refused before any work
     base = plan_base(base).fit(config).validate(config)  # refuses a base that quantizes nothing here
     bits, rotations = candidates(base, config)
     if not bits:
@@ -253,7 +254,6 @@ def layer_errors(
                 assert expected is not None  # measured above for every layer of a model that is not latent
                 keys[j][(nbits, rotation)] = _relative(_attention(q, k_hat, v, scale, tokens, windows[j]), expected)
                 values[j][(nbits, rotation)] = _relative(_attention(q, k, v_hat, scale, tokens, windows[j]), expected)
-    at = tokens if context_tokens is None else checked_tokens(context_tokens)
     layer_bytes, kept = layer_bytes_per_token(base, bits, loaded_model, at)
     measured = (tuple(planned), tuple(keys), tuple(values), layer_bytes, kept, at, tokens)
     return LayerErrors(base, *measured, 0 if latent else record.last, latent)
