@@ -61,6 +61,10 @@ FLUSH_SPECS = {
     f"hqq:4,flush={p},optimize=false": CacheSpec("hqq", nbits=4, residual_length=RESIDUAL, flush=p, optimize="false")
     for p in POLICIES
 }
+HQQ_OWN = "hqq:4,flush=append,hqq's solver"
+"""hqq:4,flush=append with hqq's own torch solver (`hqq.core.quantize.Quantizer`) in place of kvdemo's fused one
+(`kvdemo.cache.layers.hqq_optimize.ProximalQuantizer`): the same iterations, the before and after of issue 57."""
+FLUSH_SPECS[HQQ_OWN] = FLUSH_SPECS["hqq:4,flush=append"]
 OTHER_SPECS = {"dynamic": CacheSpec("dynamic"), "fp8": CacheSpec("fp8")}
 FILLER = 1000  # a token id fed to fill the residuals (timing does not depend on it)
 
@@ -92,10 +96,17 @@ def base_kv(loaded, tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 
-def filled(spec: CacheSpec, loaded, kv, length: int):
+def filled(spec: CacheSpec, loaded, kv, length: int, name: str = ""):
     """A cache of `spec` holding `length` tokens: `kv` tiled along the tokens, given in one update per layer (the
-    prefill's first update, as `kvdemo.qa.prefill.run_prefill` gives the whole context)."""
-    return fill(build_cache(spec, loaded.config), kv, length)
+    prefill's first update, as `kvdemo.qa.prefill.run_prefill` gives the whole context). `name` `HQQ_OWN`: its
+    hqq layers quantize with hqq's own solver."""
+    cache = build_cache(spec, loaded.config)
+    if name == HQQ_OWN:
+        from hqq.core.quantize import Quantizer
+
+        for layer in cache.layers:
+            layer.quantizer = Quantizer
+    return fill(cache, kv, length)
 
 
 def fill(cache, kv, length: int):
@@ -120,7 +131,7 @@ def step_timings(loaded, kv, lengths: list[int], rounds: int, normal: int) -> di
     specs = {**OTHER_SPECS, **FLUSH_SPECS}
     for length in lengths:
         log(f"steps at {length:,} tokens")
-        caches = {name: filled(spec, loaded, kv, length) for name, spec in specs.items()}
+        caches = {name: filled(spec, loaded, kv, length, name) for name, spec in specs.items()}
         flush = {name: [] for name in FLUSH_SPECS}
         steps = {name: [] for name in specs}
         names = list(specs)
@@ -256,7 +267,7 @@ def fidelity(loaded, tokens: int) -> dict[str, Any]:
     logprobs = {}
     for name, spec in specs.items():
         log(f"fidelity {name}")
-        cache = filled(spec, loaded, kv, len(inputs.context_ids))
+        cache = filled(spec, loaded, kv, len(inputs.context_ids), name)
         rows = [torch.log_softmax(forward(loaded, cache, [t]).float(), dim=-1) for t in fed]
         logprobs[name] = torch.stack(rows)
     out = {"tokens": tokens, "context_tokens": len(inputs.context_ids), "residual_length": 16}
@@ -311,15 +322,15 @@ def print_steps(results, steps, rounds) -> None:
     results["steps"] = steps
     lengths = list(steps)
     print(f"\n1. flush step / normal step (residual_length {RESIDUAL}; medians of {rounds} rounds, interleaved)")
-    print(f"{'context tokens':>15}" + "".join(f"{n:>36}" for n in FLUSH_SPECS))
+    print(f"{'context tokens':>15}" + "".join(f"{n:>38}" for n in FLUSH_SPECS))
     for length, row in results["steps"].items():
         cells = "".join(f"{row[n]['flush_over_step']:>26.2f}× ({row[n]['flush_ms']:>5.0f} ms)" for n in FLUSH_SPECS)
         print(f"{int(length):>15,}" + cells)
     print("\n2. quantized normal step / dynamic step")
     others = [n for n in results["steps"][lengths[0]] if n != "dynamic_ms"]
-    print(f"{'context tokens':>15}{'dynamic ms':>12}" + "".join(f"{n:>36}" for n in others))
+    print(f"{'context tokens':>15}{'dynamic ms':>12}" + "".join(f"{n:>38}" for n in others))
     for length, row in results["steps"].items():
-        cells = "".join(f"{row[n]['step_over_dynamic']:>36.2f}" for n in others)
+        cells = "".join(f"{row[n]['step_over_dynamic']:>38.2f}" for n in others)
         print(f"{int(length):>15,}{row['dynamic_ms']:>12.0f}" + cells)
 
 

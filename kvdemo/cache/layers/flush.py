@@ -299,8 +299,8 @@ def quantized_cache(
     (`kvdemo.cache.layers.by_kind`: the full-attention layers quantized, the others as `sliding` says and transformers
     builds them), with its quantized layers given the flush policy `flush`, the rotation `rotation`
     (`kvdemo.cache.layers.rotation`), the values' own precision `nbits_value` (`kvdemo.cache.layers.precision`) and,
-    for hqq, its optimiser switched by `optimize` (`kvdemo.cache.layers.hqq_optimize`); or, with a `plan`, each layer
-    its own nbits, nbits_value and rotation (`kvdemo.cache.layer_plan`).
+    for hqq, its optimiser fused or switched off by `optimize` (`kvdemo.cache.layers.hqq_optimize`); or, with a
+    `plan`, each layer its own nbits, nbits_value and rotation (`kvdemo.cache.layer_plan`).
 
     Args:
         backend: `quanto` or `hqq` for `append`, a rotation, `nbits_value` or a plan; any `QuantizedCache` one else.
@@ -350,13 +350,20 @@ def quantized_cache(
         own = _own_layer(first, precision, flush, windows[index], rotate_query, blockwise, scale)
         layers[index] = layers[index] if own is None else own
     cache.layers = layers
-    if optimize == "false":
-        from kvdemo.cache.layers.hqq_optimize import MinMaxQuantizer
-
-        if not isinstance(cache.layers[0], HQQQuantizedLayer):
-            name = type(cache.layers[0]).__name__
-            raise ValueError(f"optimize=false is hqq's option; {name} has no optimiser to switch off")
-
-        for layer in cache.layers:
-            cast(HQQQuantizedLayer, layer).quantizer = MinMaxQuantizer  # the library's layer calls `self.quantizer`
+    _set_hqq_quantizer(cache, optimize)
     return with_kept_layers(cache, config, sliding, protect)
+
+
+def _set_hqq_quantizer(cache: QuantizedCache, optimize: str) -> None:
+    """Give hqq's layers of `cache` the quantizer `optimize` asks for (`kvdemo.cache.layers.hqq_optimize`: the fused
+    solver, or min-max rounding alone). Raises ValueError: `optimize=false` on a cache that is not hqq's."""
+    if optimize == "false" and not isinstance(cache.layers[0], HQQQuantizedLayer):
+        name = type(cache.layers[0]).__name__
+        raise ValueError(f"optimize=false is hqq's option; {name} has no optimiser to switch off")
+    if isinstance(cache.layers[0], HQQQuantizedLayer):
+        from kvdemo.cache.layers.hqq_optimize import MinMaxQuantizer, ProximalQuantizer
+
+        quantizer = MinMaxQuantizer if optimize == "false" else ProximalQuantizer
+        for layer in cache.layers:
+            if isinstance(layer, HQQQuantizedLayer):
+                layer.quantizer = quantizer  # the library's layer calls `self.quantizer`
