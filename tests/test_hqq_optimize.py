@@ -150,6 +150,13 @@ def test_a_kernel_is_built_once_and_a_failed_build_says_why(monkeypatch, tmp_pat
     assert "failed on broken.c" in c_build.build_problem(bad) and "expected" in c_build.build_problem(bad)
 
 
+def test_loading_a_kernel_leaves_subnormal_floats_alone():
+    # a library linked with -ffast-math would set flush-to-zero for the process as it loads (`c_build.LINK_FLAGS`)
+    assert fused_solver() is not None
+    tiny = torch.tensor([1e-39, -3e-42], dtype=torch.float32)  # subnormals
+    assert torch.equal((tiny * 2) / 2, tiny) and bool((tiny * 2 != 0).all())
+
+
 def test_optimize_true_is_transformers_layer_and_changes_no_byte():
     cache = build_cache(CacheSpec.parse("hqq:4,optimize=true"), CONFIG)
     assert type(cache.layers[0]) is ExactHQQLayer and cache.layers[0].quantizer is ProximalQuantizer

@@ -26,11 +26,16 @@ from pathlib import Path
 from kvdemo.paths import cache_dir
 
 FLAGS: tuple[str, ...] = ("-O3", "-march=native", "-ffast-math", "-ffp-contract=off", "-fno-reciprocal-math")
-FLAGS += ("-fopenmp", "-fPIC", "-shared")
-"""The compiler flags: vectorised (`-march=native`), the math library's vector functions (`-ffast-math`), no fused
+FLAGS += ("-fopenmp", "-fPIC")
+"""The compile flags: vectorised (`-march=native`), the math library's vector functions (`-ffast-math`), no fused
 multiply-add and no division turned into a product by a reciprocal (each step rounded as torch's separate operations
 round it), OpenMP (`libgomp.so.1`: in a process that has imported torch, the copy torch ships and has loaded, so
 the kernels share torch's threads)."""
+
+LINK_FLAGS = ("-shared", "-fopenmp")
+"""The link flags, without `-ffast-math`: linked with it, GCC before 13 adds `crtfastmath.o`, whose constructor
+sets the CPU's flush-to-zero and denormals-are-zero modes for the whole process as the library loads, and every
+subnormal float of torch's would then read as 0 (fp8's smallest codes among them)."""
 
 _LOCK = threading.Lock()
 _LOADED: dict[str, ctypes.CDLL | None] = {}
@@ -58,8 +63,8 @@ def _cpu_flags() -> str:
 
 
 def build_key(source: Path, compiler: str) -> str:
-    """The first 16 hex digits of the SHA-256 of what the built library depends on: the source's contents, `FLAGS`,
-    the compiler's `--version` and the CPU flags.
+    """The first 16 hex digits of the SHA-256 of what the built library depends on: the source's contents, `FLAGS`
+    and `LINK_FLAGS`, the compiler's `--version` and the CPU flags.
 
     Raises:
         OSError: the source cannot be read.
@@ -67,7 +72,8 @@ def build_key(source: Path, compiler: str) -> str:
     """
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
     digest = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu_flags().encode()):
+    flags = " ".join(FLAGS + LINK_FLAGS).encode()
+    for part in (source.read_bytes(), flags, version.encode(), _cpu_flags().encode()):
         digest.update(part + b"\0")
     return digest.hexdigest()[:16]
 
@@ -88,14 +94,20 @@ def _build(source: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     handle, partial = tempfile.mkstemp(dir=folder, prefix=f".{source.stem}-", suffix=".so")
     os.close(handle)
+    objects = partial[: -len(".so")] + ".o"
     try:
-        done = subprocess.run([compiler, *FLAGS, str(source), "-o", partial, "-lm"], capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"{Path(compiler).name} failed on {source.name}: {done.stderr.strip()[-500:]}")
+        for command in (
+            [compiler, *FLAGS, "-c", str(source), "-o", objects],
+            [compiler, *LINK_FLAGS, objects, "-o", partial, "-lm"],
+        ):
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"{Path(compiler).name} failed on {source.name}: {done.stderr.strip()[-500:]}")
         os.replace(partial, library)  # atomic: another process loads the old or the new file, whole
     finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
+        for path in (partial, objects):
+            if os.path.exists(path):
+                os.unlink(path)
     return library
 
 
