@@ -204,9 +204,12 @@ def main(argv: list[str] | None = None) -> None:
     """Parse the settings, start loading the model in the background, and serve the page."""
     args = parse_args(argv)
     log_to_stdout()
+    from kvdemo.quiet import quiet
+
+    quiet()  # no loading bars or advisory lines from transformers: kvdemo's log says what a user can act on
     from kvdemo.paths import cache_dir
     from kvdemo.serve.session_files import SessionFiles
-    from kvdemo.ui import App, build_demo
+    from kvdemo.ui import PAGE_CSS, App, build_demo
 
     files = int(args.session_files_mib * 2**20)
     extra: dict[str, Any] = {"loader": _cpu_loader} if ZERO_GPU else {}
@@ -241,6 +244,8 @@ def main(argv: list[str] | None = None) -> None:
         mcp_server=args.mcp,
         prevent_thread_lock=True,
         state_session_capacity=4 * args.max_sessions,
+        css=PAGE_CSS,
+        quiet=True,  # Gradio's own lines (a public link it cannot make here): the log above says where it serves
     )
     if args.mcp:
         from kvdemo.ui.mcp_tools import serve_only_tools

@@ -59,13 +59,15 @@ def free_port() -> int:
 def start_app(port: int):
     """The page on 127.0.0.1:`port`, serving the embedded model once it is loaded (as `app.py` at its defaults)."""
     from kvdemo.serve.server import App
-    from kvdemo.ui import build_demo
+    from kvdemo.ui import PAGE_CSS, build_demo
 
     app = App()
     app.start_loading()
     demo = build_demo(app)
     demo.queue(default_concurrency_limit=1)
-    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, ssr_mode=False, quiet=True)
+    demo.launch(
+        server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, ssr_mode=False, quiet=True, css=PAGE_CSS
+    )
     app.wait_for_model()
     return demo
 

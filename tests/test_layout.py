@@ -66,7 +66,8 @@ def sizes() -> dict[str, int]:
 
 
 def test_code_lines_leave_out_docstrings_comments_and_blank_lines():
-    text = 'X = 1\n"""X\'s docstring,\non two lines."""\n\n\ndef f(a):\n    """Doc."""\n    # a comment\n    return (a +\n        1)  # tail\n'
+    text = 'X = 1\n"""X\'s docstring,\non two lines."""\n\n\n'
+    text += 'def f(a):\n    """Doc."""\n    # a comment\n    return (a +\n        1)  # tail\n'
     assert code_lines(text) == {1, 6, 9, 10}
 
 

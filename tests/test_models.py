@@ -49,8 +49,29 @@ def test_missing_embedded_package_says_what_to_install(monkeypatch):
 
 def test_gguf_file_source_is_read_from_its_folder():
     path = models.embedded_gguf_path()
-    assert models._locate(str(path)) == (str(path.parent), {"gguf_file": path.name}, path.name)
-    assert models._locate(str(path.parent))[1] == {"gguf_file": path.name}  # a folder holding one .gguf
+    # named by its header's general.name, then the file
+    title = f"Smollm2 135M 8k Lc100K Mix1 Ep2 ({path.name})"
+    assert models._locate(str(path)) == (str(path.parent), {"gguf_file": path.name}, title)
+    assert models._locate(str(path.parent))[1:] == ({"gguf_file": path.name}, title)  # a folder holding one .gguf
+
+
+def test_a_gguf_without_a_readable_name_is_named_by_its_file(tmp_path):
+    import struct
+
+    def key(name: str, kind: int, value: bytes) -> bytes:
+        return struct.pack("<Q", len(name)) + name.encode() + struct.pack("<I", kind) + value
+
+    def text(value: str) -> bytes:
+        return struct.pack("<Q", len(value.encode())) + value.encode()
+
+    header = b"GGUF" + struct.pack("<IQQ", 3, 0, 3)
+    keys = key("general.architecture", 8, text("llama")) + key("general.alignment", 4, struct.pack("<I", 32))
+    named, unnamed, broken = tmp_path / "a.gguf", tmp_path / "b.gguf", tmp_path / "c.gguf"
+    named.write_bytes(header + keys + key("general.name", 8, text("Tiny Ünï")))
+    unnamed.write_bytes(header + keys + key("general.size_label", 8, text("1M")))
+    broken.write_bytes(b"GGML" + bytes(40))
+    assert models.gguf_title(named) == "Tiny Ünï (a.gguf)"
+    assert models.gguf_title(unnamed) == "b.gguf" and models.gguf_title(broken) == "c.gguf"
 
 
 @pytest.mark.parametrize(

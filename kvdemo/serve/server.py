@@ -125,7 +125,8 @@ class App:
 
     def load(self, source: str | None) -> LoadedModel:
         """Load a model for everyone (a Hub id, a local folder or a .gguf file; None or blank: the start-up
-        model) and make it the shared one; on any failure the current model stays.
+        model) and make it the shared one; on any failure the current model stays. A new model frees every session
+        prefilled on the previous one (`SessionStore.free_other_models`): their pages say so at the next action.
 
         Raises:
             ValueError: a public server (visitors cannot replace the shared model), a local path where only Hub
@@ -146,10 +147,13 @@ class App:
         try:
             loaded = self.loader(source)
         except Exception as error:  # any failure (bad id, offline, out of memory) keeps the current model
-            previous = f" Keeping {self.loaded.name}." if self.loaded else ""
+            keeping = f" Keeping {self.loaded.name}." if self.loaded else ""
             kind = "" if isinstance(error, (ValueError, ImportError, OSError)) else f"{type(error).__name__}: "
-            raise ValueError(f"{kind}{str(error)[:400]}.{previous}") from None
-        self.loaded, self.load_error = loaded, None
+            raise ValueError(f"{kind}{str(error)[:400]}.{keeping}") from None
+        previous, self.loaded, self.load_error = self.loaded, loaded, None
+        if previous is not loaded:
+            dropped = self.sessions.free_other_models(loaded, f"the model was switched to {loaded.name}")
+            _log.info("model switched to %s; %d session(s) of the previous model freed", loaded.name, dropped)
         return loaded
 
     # ---- the server-wide KV budget ------------------------------------------------------------------

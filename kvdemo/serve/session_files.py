@@ -28,6 +28,7 @@ from kvdemo.qa.session_file import (
     SessionFileError,
     model_identity,
     open_session,
+    read_manifest,
     save_session,
     versions,
 )
@@ -100,6 +101,20 @@ class SessionFiles:
             return None
         self.trim()
         return path if path.exists() else None
+
+    def saved_of(self, context: str) -> list[tuple[str, str]]:
+        """(model name, spec text) of each file in the folder that holds a prefill of `context`, the most recently
+        used first: what a reload can say when none of them is the page's model and spec (reads each file's header
+        only; a file that cannot be read is passed over)."""
+        found = []
+        for path in reversed(self.files()):
+            try:
+                manifest = read_manifest(path)
+            except SessionFileError:
+                continue
+            if manifest.get("context") == context:
+                found.append((str((manifest.get("model") or {}).get("name")), str(manifest.get("spec"))))
+        return found
 
     def _linked(self, path: Path) -> bool:
         """Whether the folder or `path` is a symlink (logged): then nothing is read or written there."""

@@ -47,6 +47,10 @@ class UserSession:
             `answer_ended`); `answer_pending` while there is one.
         answer_line: the line the last answer ended with (its tokens, speed, flushes and restore), shown again
             when a refusal beside Ask no longer applies; "" before the first answer on this cache.
+        prefill_clicked: `time.monotonic()` at the last Prefill click (before the queue), which the prefill's line
+            counts its time from; None where no page clicked (an API caller).
+        prefill_timing: what the prefill's line says of the time from that click (`kvdemo.ui.views.from_click`),
+            kept with the cache so that the line says it each time it is shown; "" for a cache opened from a file.
     """
 
     qa: QASession | None = None
@@ -63,6 +67,8 @@ class UserSession:
     answer_stop: threading.Event = field(default_factory=threading.Event)
     answers_queued: int = 0
     answer_line: str = ""
+    prefill_clicked: float | None = None
+    prefill_timing: str = ""
 
     def interrupt(self) -> None:
         """Stop this session's answer after its current decode step (also one asked that has not begun: see
@@ -228,6 +234,16 @@ class SessionStore:
         """Drop the session of `key` and its cache (an answer still running ends after its current step)."""
         with self._lock:
             self._drop(key, reason)
+
+    def free_other_models(self, loaded: object, reason: str) -> int:
+        """Drop every session whose cache was prefilled (or opened) on a model other than `loaded` (after a model
+        switch: its cache and the old model's memory go; an answer still running ends after its current step), each
+        remembered with `reason`. Returns how many were dropped."""
+        with self._lock:
+            stale = [k for k, u in self._sessions.items() if u.qa is not None and u.qa.loaded is not loaded]
+            for key in stale:
+                self._drop(key, reason)
+        return len(stale)
 
     def _drop(self, key: str, reason: str) -> None:
         user = self._sessions.pop(key, None)

@@ -4,9 +4,10 @@ pure display functions, `inputs` pure parsing (ValueError, turned into gr.Error 
 The state shared across users is `kvdemo.serve.server.App`."""
 
 from kvdemo.serve.server import App
-from kvdemo.ui.page import build_demo
+from kvdemo.ui.page import PAGE_CSS, build_demo
 
 __all__ = [
+    "PAGE_CSS",
     "App",
     "build_demo",
 ]

@@ -6,6 +6,8 @@ names are the widgets' names."""
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import closing
 from typing import Any
@@ -50,6 +52,7 @@ class AskTab(AskWidgets):
     def __init__(self, app: App):
         self.app = app
         self.w: dict[str, Any] = {}
+        self.reopen: Any = None  # the page's reopening of a saved prefill (`wire`)
 
     # ---- handlers -----------------------------------------------------------------------------------
     def prefill(self, context, backend, options: dict[str, Any], request: gr.Request, progress) -> PrefillView:
@@ -57,15 +60,18 @@ class AskTab(AskWidgets):
         `options`: the option fields by name (`GROUP_OPTIONS`); the page calls it through `page_event`. A refusal
         (bad options, a context over the window or the KV budget, a full server) is a message beside the button;
         the previous cache, chat and charts stay, and Ask stays enabled only if they still match."""
-        spec = None
+        spec, began = None, time.monotonic()
         try:
             spec = spec_from_inputs(backend, options)
             loaded = self.app.wait_for_model()
             user = self.app.sessions.of_request(request)
+            clicked, user.prefill_clicked = user.prefill_clicked or began, None
             user.page_shows = (context, spec)  # the page at the click; the gate records changes made meanwhile
             user.interrupt()
             with user.lock:
+                locked = time.monotonic()
                 qa = QASession(loaded, spec, kv_budget_bytes=self.app.kv_budget_bytes)
+                set_up = time.monotonic() - locked
                 user.prefilling = qa
                 try:
                     self.app.prefill(
@@ -111,8 +117,10 @@ class AskTab(AskWidgets):
         cleared = (
             " · the chat starts afresh on this context; the answers table keeps earlier answers" if user.answers else ""
         )
+        user.prefill_timing = views.from_click(qa, time.monotonic() - clicked, locked - clicked, set_up, _first_use(qa))
         # Ask as the page now stands: the options may have changed meanwhile
-        return PrefillView.prefilled(qa, user.answers, page_state.page_differs(user) is None, cleared)
+        matches = page_state.page_differs(user) is None
+        return PrefillView.prefilled(qa, user.answers, matches, cleared, user.prefill_timing)
 
     def _answerable_session(self, request: gr.Request | None, context: str | None) -> UserSession:
         """This tab's session with a prefilled cache of the page's context.
@@ -254,10 +262,12 @@ class AskTab(AskWidgets):
 
     def before_prefill(self, request: gr.Request) -> tuple[Any, Any]:
         """(Ask, Stop) at a Prefill click, before it waits in the queue: stop what runs in this session, disable
-        Ask, enable Stop (it stops the prefill before its next chunk)."""
+        Ask, enable Stop (it stops the prefill before its next chunk), and note the click's time (the prefill's
+        line counts from it)."""
         user = self.app.sessions.peek_request(request)
         if user is not None:
             user.interrupt()
+            user.prefill_clicked = time.monotonic()
         return gr.update(interactive=False), gr.update(interactive=True)
 
     def stop_state(self, request: gr.Request) -> Any:
@@ -274,18 +284,38 @@ class AskTab(AskWidgets):
         to the last answer's line (`UserSession.answer_line`). The page calls it through `page_event` (without
         progress: it runs outside the queue, before any queued answer), with a large Context box's fingerprint in
         place of its text (`context_box.sync_js`, compared by `page_state.same_context`)."""
-        user = self.app.sessions.peek_request(request)
+        user, loaded = self.app.sessions.peek_request(request), self.app.loaded
         try:
             spec = spec_from_inputs(backend, options)
         except (ValueError, ImportError):
             spec = None
         if user is not None:
             user.page_shows = (context, spec)
-        line = page_state.page_line(user, context, spec)
-        if user is None or user.qa is None or not page_state.prefilled_matches(user, context, spec):
+        freed = self.app.sessions.freed_reason(request_key(request)) if user is None or user.qa is None else None
+        line = page_state.page_line(user, context, spec, loaded, freed)
+        if user is None or user.qa is None or not page_state.prefilled_matches(user, context, spec, loaded):
             return line, "", gr.update(interactive=False), views.KEEP
         idle = not (user.lock.locked() or user.answer_pending)  # a streaming answer keeps its own line
         return line, "", gr.update(interactive=True), user.answer_line if idle else views.KEEP
+
+    def gate_after_answer(self, context, backend, options: dict[str, Any], request: gr.Request) -> tuple[Any, ...]:
+        """The gate's (prefill line, notice, Ask button) after an answer: the line beside Ask stays as the answer
+        left it (its last line, or a refusal, which stays until the user acts again)."""
+        return self.gate(context, backend, options, request)[:3]
+
+    def after_model_load(self, context, backend, options: dict[str, Any], request: gr.Request) -> PrefillView:
+        """What this tab shows after a Load: when the load switched the model (the server freed this tab's session,
+        `App.load`), nothing of the old model's is left (chat, charts, answers, the line beside Ask), Ask is disabled
+        and the line under Prefill says why; after a refused load or the same model, nothing changes."""
+        user = self.app.sessions.peek_request(request)
+        freed = self.app.sessions.freed_reason(request_key(request))
+        if (user is not None and user.qa is not None) or not (freed and freed.startswith("the model was switched")):
+            return PrefillView()
+        try:
+            spec = spec_from_inputs(backend, options)
+        except (ValueError, ImportError):
+            spec = None
+        return PrefillView.emptied(page_state.page_line(None, context, spec, self.app.loaded, freed), spec)
 
     def upload(self, path: str | None) -> tuple[Any, Any]:
         """(Context box, notice) for an uploaded file: its text, or a refusal beside Prefill (the box keeps
@@ -326,16 +356,23 @@ class AskTab(AskWidgets):
             "outputs": [w["prefill_info"], w["notice"], w["ask_button"], w["stats"]],
             **private,
         }
+        after_answer = gate | {"fn": page_event(self.gate_after_answer, progress=False), "outputs": gate["outputs"][:3]}
         stop_state = {"fn": self.stop_state, "outputs": w["stop_button"], **private}
-        w["backend"].change(
-            option_fields.backend_option_updates,
-            inputs=[w["backend"], *fields],
+        # a click on a backend: its defaults, or what the user last set on it; the page set to a whole spec (a reload,
+        # a session file): the fields shown for its backend, its values kept (`option_fields`)
+        memory, show_fields = w["fields_memory"], self.show_fields
+        w["backend"].input(
+            option_fields.fields_for_backend,
+            inputs=[w["backend"], memory],
             outputs=[*fields, w["backend_note"]],
             **private,
-        ).then(**gate)
+        )
+        w["backend"].change(**gate)
         for field_ in fields:
             field_.change(**gate)
+            field_.change(option_fields.remember, inputs=[w["backend"], memory, *fields], outputs=memory, **private)
         restored = context_box.wire(self, demo, state_inputs, gate)  # the box: gate, questions, kept copy, upload, ...
+        restored = restored.then(**show_fields)
         w["example_questions"].click(
             lambda sample: sample[0], inputs=w["example_questions"], outputs=w["question"], **private
         )
@@ -367,11 +404,61 @@ class AskTab(AskWidgets):
                 show_progress_on=w["chat"],  # the queue's place and the wait, once, over the chat
                 **api,
                 **model_work,
-            ).then(**gate).then(**stop_state)
+            ).then(**after_answer).then(**stop_state)
         w["stop_button"].click(self.stop, api_name="stop", queue=False)
-        session_box.wire(self.app, w, self.before_prefill, stop_state)
-        reopen = page_event(session_box.reopener(self.app, self.prefill))
-        restored.then(reopen, inputs=state_inputs, outputs=[w[name] for name in PrefillView._fields], **model_work)
+        session_box.wire(self.app, w, self.before_prefill, stop_state, show_fields)
+        self.reopen = page_event(session_box.reopener(self.app, self.prefill))
+        restored.then(self.reopen, inputs=state_inputs, outputs=[w[name] for name in PrefillView._fields], **model_work)
+
+    @property
+    def show_fields(self) -> dict[str, Any]:
+        """The keywords of the event that shows the option fields of the backend the page shows, their values kept
+        (after the page was set to a whole spec: `option_fields.backend_option_updates`)."""
+        w = self.w
+        fields = [w[name] for name in GROUP_OPTIONS]
+        return {
+            "fn": option_fields.backend_option_updates,
+            "inputs": [w["backend"], *fields],
+            "outputs": [*fields, w["backend_note"]],
+            "api_visibility": "private",
+            "queue": False,
+        }
+
+    def wire_model_load(self, load_event: Any) -> None:
+        """After the model bar's Load (`load_event`, its click's event; after `wire`): this tab emptied of the old
+        model's state (`after_model_load`), then the server's saved prefill of the page's text and spec on the new
+        model reopened where there is one (`session_box.reopen`)."""
+        w = self.w
+        fields = [w[name] for name in GROUP_OPTIONS]
+        outputs = [w[name] for name in PrefillView._fields]
+        load_event.then(
+            page_event(self.after_model_load, progress=False),
+            inputs=[w["context_sent"], w["backend"], *fields],
+            outputs=outputs,
+            api_visibility="private",
+            queue=False,
+        ).then(
+            self.reopen,
+            inputs=[w["context"], w["backend"], *fields],
+            outputs=outputs,
+            api_visibility="private",
+            concurrency_id="model",
+        )
+
+
+_SET_UP: set[tuple[int, str]] = set()
+"""(model, backend) pairs whose cache this process has set up once: the first costs one-off work (a backend's
+first use warms or compiles its kernels, the model's first pass allocates)."""
+_SET_UP_LOCK = threading.Lock()
+
+
+def _first_use(qa: QASession) -> bool:
+    """Whether `qa` is the first session of its model and backend in this process (then recorded)."""
+    key = (id(qa.loaded), qa.spec.backend)
+    with _SET_UP_LOCK:
+        first = key not in _SET_UP
+        _SET_UP.add(key)
+    return first
 
 
 def _speed_line(qa: QASession, events: list | None = None) -> str:

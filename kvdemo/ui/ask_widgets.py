@@ -28,6 +28,11 @@ and every 16 tokens after. `hqq:4,residual_length=16` took 4.5x there (each flus
 the whole layer; 2.4x with `flush=append`)."""
 
 
+FIRST_FIELDS = ("nbits", "nbits_value", "residual_length", "flush", "rotation", "storage")
+"""The option fields shown first, those a user of the field sets most (precision, residual, flush, rotation;
+`dynamic`'s storage); the others sit under "More options" (each still shown only for a backend that takes it)."""
+
+
 class PrefillView(NamedTuple):
     """What a prefill shows (`AskTab.prefill`), in the order of its outputs; built by keyword, an output not
     named stays as it is on the page (`views.KEEP`)."""
@@ -44,13 +49,15 @@ class PrefillView(NamedTuple):
     speed_limit: Any = views.KEEP  # the new cache's floor (no step measured yet); a refusal keeps the line
 
     @classmethod
-    def prefilled(cls, qa: QASession, answers: list, ask_enabled: bool, note: str = "") -> PrefillView:
-        """What a prefill, or a session file opened in its place, shows: the summary line (then `note`), an empty
-        chat and charts, the tab's answers table, Ask as `ask_enabled` says, and the new cache's speed floor (no step
-        measured yet)."""
+    def prefilled(
+        cls, qa: QASession, answers: list, ask_enabled: bool, note: str = "", timing: str = ""
+    ) -> PrefillView:
+        """What a prefill, or a session file opened in its place, shows: the summary line (with `timing` after its
+        time, then `note`), an empty chat and charts, the tab's answers table, Ask as `ask_enabled` says, and the new
+        cache's speed floor (no step measured yet)."""
         assert qa.cache is not None  # prefilled
         return cls(
-            prefill_info=views.prefill_summary(qa) + note,
+            prefill_info=views.prefill_summary(qa, timing) + note,
             chat=[],
             stats="",
             memory_plot=views.memory_chart([], qa.spec),
@@ -60,6 +67,24 @@ class PrefillView(NamedTuple):
             notice="",
             ask_button=gr.update(interactive=ask_enabled),
             speed_limit=views.speed_limit_after(speed_limit(qa.loaded.model, qa.cache), []),
+        )
+
+    @classmethod
+    def emptied(cls, line: str, spec: CacheSpec | None) -> PrefillView:
+        """Nothing prefilled (the session was freed): `line` under Prefill, the chat, charts, answers and the line
+        beside Ask emptied, Ask disabled."""
+        spec = spec or START_SPEC
+        return cls(
+            prefill_info=line,
+            chat=[],
+            stats="",
+            memory_plot=views.memory_chart([], spec),
+            residual_plot=views.residual_chart([], spec),
+            step_plot=views.step_times([]),
+            answers_table=views.answers_table([]),
+            notice="",
+            ask_button=gr.update(interactive=False),
+            speed_limit="",
         )
 
     @classmethod
@@ -93,61 +118,21 @@ class AskWidgets:
     w: dict[str, Any]
 
     def build(self) -> None:
-        """The tab's widgets (inside a `gr.Blocks` and `gr.Tab` context), kept in `self.w` by name."""
+        """The tab's widgets (inside a `gr.Blocks` and `gr.Tab` context), kept in `self.w` by name: the options, the
+        context and the questions side by side (at 1,400 × 900 the question box and Ask show without scrolling after a
+        prefill), then the charts in a row, the answers table and the explainer."""
         w = self.w
-        with gr.Row():
-            with gr.Column(scale=1, min_width=280):
+        with gr.Row(equal_height=False):
+            with gr.Column(scale=1, min_width=260):
                 self._build_options()
-            with gr.Column(scale=3):
-                gr.Markdown("### Context")
-                w["context"] = gr.Textbox(label="context", lines=10, max_lines=18, placeholder="Paste a long text…")
-                w["context_note"] = gr.Markdown("")  # a large context: what a reload keeps (`context_box`)
-                # what the server's gate sees of the box: its text, or a large one's fingerprint (`context_box`)
-                w["context_sent"] = gr.Textbox("", visible=False)
-                with gr.Row():
-                    w["upload"] = gr.File(
-                        label="or upload .txt / .md (≤ 2 MiB, UTF-8)",
-                        file_types=[".txt", ".md"],
-                        type="filepath",
-                        height=130,
-                    )
-                    with gr.Column():
-                        w["examples"] = {name: gr.Button(f"Example: {name}", size="sm") for name in EXAMPLES}
-                w["prefill_button"] = gr.Button("Prefill", variant="primary")
-                with gr.Accordion("Session file: save this session, or open a saved one", open=False):
-                    # `session_box`: a download after Save session; an upload is opened instead of a prefill
-                    w["session_file"] = gr.File(
-                        label="session file (.kvsession): drop one here to open it without a prefill",
-                        file_types=[".kvsession"],
-                        type="filepath",
-                        height=110,
-                    )
-                    w["save_session"] = gr.Button("Save session", size="sm")
-                w["notice"] = gr.Markdown("")  # refusals, beside the button they refuse
-                w["prefill_info"] = gr.Markdown(
-                    f"**spec** `{START_SPEC.full_text}` · nothing prefilled in this tab yet"
-                )
+            with gr.Column(scale=2, min_width=380):
+                self._build_context()
+            with gr.Column(scale=2, min_width=380):
+                self._build_questions()
         # what a reload should keep: the Context box and the options, in the browser's localStorage, encrypted with
         # a secret that a restarted server finds again (kvdemo.serve.secret)
         w["saved"] = gr.BrowserState(None, storage_key="kvdemo-ask-tab", secret=browser_state_secret())
-        gr.Markdown("### Questions")
-        with gr.Row():
-            with gr.Column(scale=3):
-                w["chat"] = gr.Chatbot(label="answers", height=320)
-                w["question"] = gr.Textbox(label="question", placeholder="Ask about the context…")
-                with gr.Row():
-                    # no precision or minimum: Gradio would round 2.5 silently and refuse 0 with a bare "Error"
-                    # over the chat and charts; `checks.max_new_tokens` refuses them beside Ask, saying what to change
-                    w["max_new_tokens"] = gr.Number(DEFAULT_MAX_NEW_TOKENS, label="max_new_tokens")
-                    w["ask_button"] = gr.Button("Ask", variant="primary", interactive=False)
-                    # enabled while a prefill or an answer runs or waits (`AskTab.stop_state`)
-                    w["stop_button"] = gr.Button("Stop", variant="stop", interactive=False)
-                w["example_questions"] = gr.Dataset(
-                    components=[w["question"]], samples=[], label="example questions", visible=False
-                )
-                w["stats"] = gr.Markdown("")
-            with gr.Column(scale=2):
-                self._build_charts()
+        self._build_charts()
         w["answers_table"] = gr.Dataframe(
             answers_frame([]),
             label="this session's answers (spec: nbits and the options that differ from the defaults; the line "
@@ -158,65 +143,134 @@ class AskWidgets:
         with gr.Accordion("What am I looking at?", open=False):
             gr.Markdown(views.EXPLAINER)
 
-    def _build_options(self) -> None:
-        """The backend radio and one field per option in `GROUP_OPTIONS`, set to `START_SPEC` from the registry."""
+    def _build_context(self) -> None:
+        """The Context box, its upload and examples, Prefill with its refusals and its line right under it, and the
+        session file box."""
         w = self.w
-        gr.Markdown("### Cache backend")
-        w["backend"] = gr.Radio(list(BACKENDS), value=START_SPEC.backend, label="backend")
-        start = START_SPEC.resolved()
-        options = {name: opt for b in reversed(list(BACKENDS.values())) for name, opt in b.options.items()}
-        options.update(START_SPEC.info.options)
-        for name in GROUP_OPTIONS:
-            option = options[name]
-            value = cast("int | str", start.get(name, options[name].default))
-            if option.same_as is not None and name not in START_SPEC.given():
-                value = option_fields.field_start(option)  # "same as nbits": the field left empty
-            visible = name in START_SPEC.info.options
-            if option.choices is not None:
-                # the choices follow the backend in a browser (`backend_option_updates`); an API caller keeps the
-                # page's first ones, so a value outside them (quanto's axis -1) reaches `spec_from_inputs`, which
-                # checks it against the registry and says what is allowed
-                w[name] = gr.Dropdown(
-                    option_fields.field_choices(option),
-                    value=value,
-                    label=name,
-                    info=option.help,
-                    visible=visible,
-                    allow_custom_value=True,
-                )
-            else:  # no precision or minimum, as max_new_tokens: the registry's check names the option
-                w[name] = gr.Number(cast(int, value), label=name, info=option.help, visible=visible)
+        w["context"] = gr.Textbox(label="context", lines=8, max_lines=12, placeholder="Paste a long text…")
+        w["context_note"] = gr.Markdown("")  # a large context: what a reload keeps (`context_box`)
+        # what the server's gate sees of the box: its text, or a large one's fingerprint (`context_box`)
+        w["context_sent"] = gr.Textbox("", visible=False)
+        with gr.Row(equal_height=True):
+            w["upload"] = gr.File(
+                label="or upload .txt / .md (≤ 2 MiB, UTF-8)",
+                file_types=[".txt", ".md"],
+                type="filepath",
+                height=110,
+                scale=3,
+            )
+            with gr.Column(scale=2, min_width=120):
+                w["examples"] = {name: gr.Button(f"Example: {name}", size="sm") for name in EXAMPLES}
+        w["prefill_button"] = gr.Button("Prefill", variant="primary")
+        w["notice"] = gr.Markdown("")  # refusals, right under the button they refuse
+        w["prefill_info"] = gr.Markdown(f"**spec** `{START_SPEC.full_text}` · nothing prefilled in this tab yet")
+        with gr.Accordion("Session file: save this session, or open a saved one", open=False):
+            # `session_box`: a download after Save session; an upload is opened instead of a prefill
+            w["session_file"] = gr.File(
+                label="session file (.kvsession): drop one here to open it without a prefill",
+                file_types=[".kvsession"],
+                type="filepath",
+                height=110,
+            )
+            w["save_session"] = gr.Button("Save session", size="sm")
+
+    def _build_questions(self) -> None:
+        """The chat, the question box with Ask and Stop, the line beside Ask (an answer's figures, or a refusal that
+        stays until the user acts again) and the example questions."""
+        w = self.w
+        w["chat"] = gr.Chatbot(label="answers", height=300)
+        w["question"] = gr.Textbox(label="question", placeholder="Ask about the context…")
+        with gr.Row():
+            # no precision or minimum: Gradio would round 2.5 silently and refuse 0 with a bare "Error"
+            # over the chat and charts; `checks.max_new_tokens` refuses them beside Ask, saying what to change
+            w["max_new_tokens"] = gr.Number(DEFAULT_MAX_NEW_TOKENS, label="max_new_tokens", min_width=100)
+            w["ask_button"] = gr.Button("Ask", variant="primary", interactive=False, min_width=80)
+            # enabled while a prefill or an answer runs or waits (`AskTab.stop_state`)
+            w["stop_button"] = gr.Button("Stop", variant="stop", interactive=False, min_width=80)
+        w["stats"] = gr.Markdown("")
+        w["example_questions"] = gr.Dataset(
+            components=[w["question"]], samples=[], label="example questions", visible=False
+        )
+
+    def _build_options(self) -> None:
+        """The backend radio and one field per option in `GROUP_OPTIONS`, set to `START_SPEC` from the registry:
+        `FIRST_FIELDS` first, the others under "More options"."""
+        w = self.w
+        w["backend"] = gr.Radio(list(BACKENDS), value=START_SPEC.backend, label="cache backend")
         w["backend_note"] = gr.Markdown(option_fields.backend_option_updates(START_SPEC.backend)[-1])
+        start_values = {}
+        for name in FIRST_FIELDS:
+            start_values[name] = self._build_field(name)
+        with gr.Accordion("More options", open=False):
+            for name in GROUP_OPTIONS:
+                if name not in FIRST_FIELDS:
+                    start_values[name] = self._build_field(name)
+        # backend -> the values last set on it (`option_fields.remember`), so a switch never carries another's
+        w["fields_memory"] = gr.State({START_SPEC.backend: [start_values[name] for name in GROUP_OPTIONS]})
+
+    def _build_field(self, name: str) -> int | str | None:
+        """The field of option `name` (the registry's, `START_SPEC`'s backend first), shown when that backend takes
+        it, set to `START_SPEC`'s value; returns that value (None when hidden)."""
+        options = {n: opt for b in reversed(list(BACKENDS.values())) for n, opt in b.options.items()}
+        options.update(START_SPEC.info.options)
+        option = options[name]
+        value = cast("int | str", START_SPEC.resolved().get(name, option.default))
+        if option.same_as is not None and name not in START_SPEC.given():
+            value = option_fields.field_start(option)  # "same as nbits": the field left empty
+        visible = name in START_SPEC.info.options
+        if option.choices is not None:
+            # the choices follow the backend in a browser (`backend_option_updates`); an API caller keeps the
+            # page's first ones, so a value outside them (quanto's axis -1) reaches `spec_from_inputs`, which
+            # checks it against the registry and says what is allowed
+            self.w[name] = gr.Dropdown(
+                option_fields.field_choices(option),
+                value=value,
+                label=name,
+                info=option.help,
+                visible=visible,
+                allow_custom_value=True,
+            )
+        else:  # no precision or minimum, as max_new_tokens: the registry's check names the option
+            self.w[name] = gr.Number(cast(int, value), label=name, info=option.help, visible=visible)
+        return value if visible else None
 
     def _build_charts(self) -> None:
+        """The memory, residual and step-time charts side by side (each titled and with its legend from the start),
+        and the speed-limit line under them."""
         w = self.w
-        # each chart starts empty with its title and legend (`views`); a bare None draws an untitled box
-        w["memory_plot"] = gr.LinePlot(
-            views.memory_data([], START_SPEC),
-            x="step",
-            y="MiB",
-            color="series",
-            title=f"{views.MEMORY_TITLE}: ask a question to see it",
-            x_title="decode step",
-            y_title="MiB",
-            height=230,
-            x_lim=[0, views.MIN_STEPS_SHOWN],
-            y_lim=[0, 1],
-            color_map=dict(zip((*MEMORY_SERIES, KEPT_SERIES), ("#1f77b4", "#ff7f0e", "#d62728", "#7f7f7f", "#2ca02c"))),
-        )
-        w["residual_plot"] = gr.LinePlot(
-            views.residual_data([], START_SPEC),
-            x="step",
-            y="residual tokens",
-            color="series",
-            title="Residual fill (layer 0): prefill a context and ask to see it",
-            x_title="decode step",
-            y_title="tokens",
-            height=200,
-            x_lim=[0, views.MIN_STEPS_SHOWN],
-            y_lim=[0, START_SPEC.resolved()["residual_length"] * 1.1],
-            color_map=dict(zip(views.RESIDUAL_SERIES, ("#ff7f0e", "#7f7f7f"))),
-        )
-        # a log axis: matplotlib's (`views.step_times`), a PNG
-        w["step_plot"] = gr.Plot(views.step_times([]), show_label=False, format="png", elem_id="step-times")
+        with gr.Row(equal_height=False):
+            with gr.Column(min_width=320):
+                # each chart starts empty with its title and legend (`views`); a bare None draws an untitled box
+                w["memory_plot"] = gr.LinePlot(
+                    views.memory_data([], START_SPEC),
+                    x="step",
+                    y="MiB",
+                    color="series",
+                    title=f"{views.MEMORY_TITLE}: ask a question to see it",
+                    x_title="decode step",
+                    y_title="MiB",
+                    height=260,
+                    x_lim=[0, views.MIN_STEPS_SHOWN],
+                    y_lim=[0, 1],
+                    color_map=dict(
+                        zip((*MEMORY_SERIES, KEPT_SERIES), ("#1f77b4", "#ff7f0e", "#d62728", "#7f7f7f", "#2ca02c"))
+                    ),
+                )
+            with gr.Column(min_width=320):
+                w["residual_plot"] = gr.LinePlot(
+                    views.residual_data([], START_SPEC),
+                    x="step",
+                    y="residual tokens",
+                    color="series",
+                    title="Residual fill (layer 0): prefill a context and ask to see it",
+                    x_title="decode step",
+                    y_title="tokens",
+                    height=260,
+                    x_lim=[0, views.MIN_STEPS_SHOWN],
+                    y_lim=[0, START_SPEC.resolved()["residual_length"] * 1.1],
+                    color_map=dict(zip(views.RESIDUAL_SERIES, ("#ff7f0e", "#7f7f7f"))),
+                )
+            with gr.Column(min_width=320):
+                # a log axis: matplotlib's (`views.step_times`), a PNG
+                w["step_plot"] = gr.Plot(views.step_times([]), show_label=False, format="png", elem_id="step-times")
         w["speed_limit"] = gr.Markdown("")

@@ -252,16 +252,18 @@ class CompareTab:
                     w["fill_button"] = gr.Button("Fill in questions (asked so far, or the example's)", size="sm")
                     w["compare_button"] = gr.Button("Run comparison", variant="primary")
                     w["cancel_button"] = gr.Button("Cancel", variant="stop", interactive=False)  # `cancel_state`
+                w["compare_status"] = gr.Markdown("")  # right under the buttons: progress, refusals, the summary
 
     def _build_results(self) -> None:
-        """The status, the table and its files, the tradeoff and speed plots, the KV error heatmap."""
+        """The table and its files, the tradeoff and speed plots, the KV error heatmap."""
         w = self.w
-        w["compare_status"] = gr.Markdown("")
         # not wrapped: a narrow column would break its header mid-word ("bytes/to ken"); the table scrolls
+        table, answers = views.empty_comparison()  # the headers a comparison fills, not "1 2 3"
         w["compare_table"] = gr.Dataframe(
-            label="comparison (memory · fidelity against dynamic · speed)", interactive=False, wrap=False
+            table, label="comparison (memory · fidelity against dynamic · speed)", interactive=False, wrap=False
         )
         w["answers_table"] = gr.Dataframe(
+            answers,
             label="the answers side by side: each spec's after dynamic's, and where it first departs from it "
             "(the token, and the log-probability of each answer's token under each cache)",
             interactive=False,

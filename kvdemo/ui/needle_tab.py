@@ -186,7 +186,7 @@ class NeedleTab:
                 with gr.Row():
                     w["run_button"] = gr.Button("Run grid", variant="primary")
                     w["cancel_button"] = gr.Button("Cancel", variant="stop", interactive=False)  # `cancel_state`
-        w["needle_status"] = gr.Markdown("")
+                w["needle_status"] = gr.Markdown("")  # right under the buttons: progress, refusals, the summary
         with gr.Row():
             # the figures carry their own titles; Gradio's label would be drawn over them
             w["score_plot"] = gr.Plot(label="graded score: log P(number) per depth and length", show_label=False)

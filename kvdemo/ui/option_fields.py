@@ -1,5 +1,10 @@
 """The Ask tab's option fields, from the registry (`kvdemo.cache.registry.BACKENDS`): what each field offers, its
-first value, and the updates that follow a change of backend. Nothing here names a backend or an option."""
+first value, and the updates that follow a change of backend. Nothing here names a backend or an option.
+
+Two kinds of backend change: the user's click on the backend (`fields_for_backend`: the fields take the new
+backend's defaults, or the values the user last set on that backend, `remember`), and the page set to a whole spec
+at once, by a reload or an opened session file (`backend_option_updates`: the fields shown for the backend, their
+values kept, being that spec's)."""
 
 from __future__ import annotations
 
@@ -56,3 +61,17 @@ def backend_option_updates(backend: str, *current: Any) -> tuple[Any, ...]:
             updates.append(gr.update(visible=True, value=keep))
     note = f"{info.summary}. {info.behaviour}"
     return (*updates, note)
+
+
+def remember(backend: str, memory: dict | None, *current: Any) -> dict:
+    """`memory` (backend -> its fields' values, in `GROUP_OPTIONS` order) with `current` recorded as `backend`'s: run
+    at each change of a field, so that switching away and back brings the user's values back."""
+    return {**(memory or {}), backend: list(current)}
+
+
+def fields_for_backend(backend: str, memory: dict | None) -> tuple[Any, ...]:
+    """The option fields and the note after the user picks `backend`: the values last set on it (`remember`), else
+    its registry defaults, never another backend's values (quanto's `flush=requantize` would otherwise ride along to
+    turboquant, whose default is `append`)."""
+    saved = (memory or {}).get(backend)
+    return backend_option_updates(backend, *saved) if isinstance(saved, list) else backend_option_updates(backend)

@@ -8,7 +8,8 @@ a tab".
 
 from __future__ import annotations
 
-from typing import cast
+import importlib
+from typing import Any, cast
 
 import gradio as gr
 
@@ -20,6 +21,12 @@ from kvdemo.ui.compare_tab import CompareTab
 from kvdemo.ui.inputs import refusal
 from kvdemo.ui.mcp_tools import McpTools
 from kvdemo.ui.needle_tab import NeedleTab
+
+PAGE_CSS = """
+.prose code { white-space: pre-wrap; overflow-wrap: anywhere; }
+"""
+"""The page's own CSS, given to `demo.launch(css=PAGE_CSS)` (Gradio 6 takes CSS at launch): a spec written as code
+(`quanto:4,q_group_size=64,...`, one word to the browser) wraps inside its column instead of running past it."""
 
 
 class ModelBar:
@@ -53,17 +60,40 @@ class ModelBar:
             current = views.model_status(self.app.loaded) if self.app.loaded is not None else "No model is loaded."
             return f"{current}\n\n{refusal(error, 'a model load')}"
 
+    def choices(self) -> list[tuple[str, str]]:
+        """What the model box offers, read again from what is installed now (`offered_models`: the embedded model,
+        Gemma 3 270M once `make gemma` ran, also while the app runs), by readable name, and the model loaded now
+        when it is none of those (a Hub id or a path typed earlier). "" is the start-up model."""
+        importlib.invalidate_caches()  # a package installed since start-up is found
+        offered = [(model.label, model.source) for model in offered_models()]
+        if self.app.model_source is not None:  # "" loads the start-up model, which is not the embedded one here
+            offered[0] = ("the start-up model", "")
+        loaded = self.app.loaded
+        if loaded is not None and loaded.source and loaded.source not in {source for _, source in offered}:
+            offered.append((loaded.name, loaded.source))
+        return offered
+
+    def box(self) -> Any:
+        """The model box as the server stands: its choices, and the model loaded now as its value (a new tab shows
+        the model every tab shares, not the start-up one)."""
+        loaded = self.app.loaded
+        value = "" if loaded is None or loaded.source in (None, self.app.model_source) else loaded.source
+        return gr.update(choices=self.choices(), value=value)
+
+    def refresh(self) -> Any:
+        """The model box's choices when it is opened (what is installed now); its value as it is."""
+        return gr.update(choices=self.choices())
+
     def build(self) -> None:
         with gr.Row():
             with gr.Column(scale=3):
                 self.line = gr.Markdown("Loading the model…")
             with gr.Column(scale=2):
                 with gr.Row():
-                    # the models installed here (the start-up one; Gemma 3 270M after `make gemma`), or any typed
-                    offered = [(model.label, model.source) for model in offered_models()]
-                    offered[0] = ("the start-up model", "")
+                    # the models installed here (the start-up one; Gemma 3 270M after `make gemma`), or any typed;
+                    # read again when the box is opened (`refresh`)
                     self.source = gr.Dropdown(
-                        choices=offered,
+                        choices=self.choices(),
                         value="",
                         label="Model",
                         info="Hub id, folder or .gguf, or one installed here",
@@ -78,7 +108,7 @@ def build_demo(app: App) -> gr.Blocks:
     """The gr.Blocks page, wired to `app`.
 
     Example:
-        >>> app = App(); app.start_loading(); build_demo(app).queue().launch()
+        >>> app = App(); app.start_loading(); build_demo(app).queue().launch(css=PAGE_CSS)
     """
     bar, ask = ModelBar(app), AskTab(app)
     compare, grid = CompareTab(ask), NeedleTab(ask)
@@ -94,9 +124,16 @@ def build_demo(app: App) -> gr.Blocks:
             compare.build()
         with gr.Tab("Needle in a haystack", id="needle"):
             grid.build()
-        demo.load(bar.on_page_load, outputs=bar.line, api_name="model_status")
-        bar.button.click(bar.load, inputs=bar.source, outputs=bar.line, api_name="load_model", concurrency_id="model")
+        private: dict[str, Any] = {"api_visibility": "private", "queue": False}
+        status = demo.load(bar.on_page_load, outputs=bar.line, api_name="model_status")
+        status.then(bar.box, outputs=bar.source, **private)
+        load = bar.button.click(
+            bar.load, inputs=bar.source, outputs=bar.line, api_name="load_model", concurrency_id="model"
+        )
+        load.then(bar.box, outputs=bar.source, **private)
+        bar.source.focus(bar.refresh, outputs=bar.source, **private)
         ask.wire(demo)
+        ask.wire_model_load(load)
         compare.wire()
         grid.wire()
         McpTools(app).register()  # typed endpoints, served as MCP tools by `launch(mcp_server=True)` (app.py --mcp)

@@ -60,10 +60,14 @@ def same_context(shown: str | None, held: str | None) -> bool:
     )
 
 
-def prefilled_matches(user: UserSession | None, context: str | None, spec: CacheSpec | None) -> bool:
+def prefilled_matches(
+    user: UserSession | None, context: str | None, spec: CacheSpec | None, loaded: object = None
+) -> bool:
     """Whether the page's Context box (its text, or its `fingerprint`) and options are what this session's cache
-    holds."""
+    holds, and (given `loaded`, the server's model now) the cache was prefilled on that model."""
     if user is None or user.qa is None or spec is None:
+        return False
+    if loaded is not None and user.qa.loaded is not loaded:
         return False
     same_spec = spec.backend == user.qa.spec.backend and spec.resolved() == user.qa.spec.resolved()
     return same_spec and (context is None or same_context(context, user.qa.context))
@@ -85,14 +89,29 @@ def page_differs(user: UserSession) -> str | None:
     )
 
 
-def page_line(user: UserSession | None, context: str | None, spec: CacheSpec | None) -> str:
+def page_line(
+    user: UserSession | None,
+    context: str | None,
+    spec: CacheSpec | None,
+    loaded: Any = None,
+    freed: str | None = None,
+) -> str:
     """The line under Prefill: the prefill's summary while the page shows what the cache holds; otherwise
-    what the page shows and what differs from the cache."""
+    what the page shows (the spec a Prefill will run) and what differs from the cache: the Context box, the
+    options, or the model (`loaded`, the server's now); with no cache, why the session was `freed` if it was."""
     shown = f"**spec** `{spec.full_text}`" if spec is not None else "**spec**: options not valid yet"
     if user is None or user.qa is None:
+        if freed:
+            return f"{shown} · nothing prefilled in this tab: your last prefill was freed because {freed}"
         return f"{shown} · nothing prefilled in this tab yet"
+    if loaded is not None and user.qa.loaded is not loaded:
+        return (
+            f"⚠ The model changed since the prefill (the cache holds {views.prefilled_tokens(user.qa):,} tokens "
+            f"prefilled on {user.qa.loaded.name}; the server now runs {loaded.name}). Press **Prefill** to prefill "
+            f"this text on it; until then Ask is disabled. Now: {shown}"
+        )
     if prefilled_matches(user, context, spec):
-        return views.prefill_summary(user.qa)
+        return views.prefill_summary(user.qa, user.prefill_timing)
     what = "options" if same_context(context, user.qa.context) else "Context box"
     return (
         f"⚠ The {what} changed since the prefill (the cache holds {views.prefilled_tokens(user.qa):,} "

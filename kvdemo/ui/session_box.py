@@ -23,7 +23,7 @@ from kvdemo.qa.session import QASession
 from kvdemo.qa.session_file import SUFFIX, read_manifest, save_session
 from kvdemo.serve.server import App
 from kvdemo.serve.store import request_key
-from kvdemo.ui import option_fields, page_state
+from kvdemo.ui import option_fields, page_state, views
 from kvdemo.ui.ask_widgets import PrefillView
 from kvdemo.ui.inputs import refusal, spec_from_inputs
 
@@ -88,7 +88,7 @@ def open_file(app: App, path: str | None, request: gr.Request) -> tuple[Any, ...
         with user.lock:
             backend, values = spec_fields(CacheSpec.parse(str(read_manifest(path).get("spec"))))
             qa = app.open_file(request_key(request), path)
-            user.qa, user.chat, user.events, user.answer_line = qa, [], [], ""
+            user.qa, user.chat, user.events, user.answer_line, user.prefill_timing = qa, [], [], "", ""
             user.page_shows = (qa.context or "", qa.spec)
     except (ValueError, ImportError) as error:
         held = user.qa is not None and page_state.page_differs(user) is None
@@ -103,7 +103,9 @@ def reopen(
     """After the page's load has restored the Context box and the options the browser kept (`page_state.restore`):
     when the server's folder of session files holds the file of that context, model and spec and this tab holds no
     prefill, `prefill` (the Ask tab's, which then opens the file: `App.prefill`), so a reload or a restarted app
-    shows the last context prefilled without a new prefill; else a `PrefillView` that changes nothing."""
+    shows the last context prefilled without a new prefill; when the folder holds this context only with another model
+    or spec, a line under Prefill that says whose it is and what reopens it; else a `PrefillView` that changes
+    nothing."""
     files, loaded, user = app.session_files, app.loaded, app.sessions.peek_request(request)
     if files is None or loaded is None or not isinstance(context, str) or not context.strip():
         return PrefillView()
@@ -112,10 +114,28 @@ def reopen(
     try:
         qa = QASession(loaded, spec_from_inputs(backend, options), kv_budget_bytes=app.kv_budget_bytes)
         if not files.path(qa, qa.prepare(context, max_tokens=loaded.max_context_tokens)).is_file():
-            return PrefillView()
+            return PrefillView(prefill_info=_not_reopened(files.saved_of(context), loaded.name, qa.spec))
     except (ValueError, ImportError):  # what the page shows cannot be prefilled: Prefill will say why
         return PrefillView()
     return prefill(context, backend, options, request, progress)
+
+
+def _not_reopened(saved: list[tuple[str, str]], model: str, spec: CacheSpec) -> Any:
+    """The line under Prefill after a reload that reopened nothing although the server keeps this text's prefill
+    with another model or spec (`saved`: (model name, spec text), the most recent first); `views.KEEP` when it
+    keeps none."""
+    if not saved:
+        return views.KEEP
+    name, spec_text = saved[0]
+    if name != model:
+        return (
+            f"ℹ Nothing is prefilled in this tab: the saved prefill of this text is {name}'s (`{spec_text}`), and the "
+            f"server now runs {model}. Load {name} above to reopen it, or press **Prefill** to prefill it on {model}"
+        )
+    return (
+        f"ℹ Nothing is prefilled in this tab: the saved prefill of this text is with `{spec_text}`, the page shows "
+        f"`{spec.text}`. Set those options to reopen it, or press **Prefill**"
+    )
 
 
 def reopener(app: App, prefill: Any) -> Any:
@@ -128,10 +148,11 @@ def reopener(app: App, prefill: Any) -> Any:
     return reopen_saved
 
 
-def wire(app: App, w: dict[str, Any], before: Any, after: dict[str, Any]) -> None:
+def wire(app: App, w: dict[str, Any], before: Any, after: dict[str, Any], show_fields: dict[str, Any]) -> None:
     """Save session and the session file box's upload (`w`: the Ask tab's widgets by name), in the model's queue
     group. An upload first runs `before` outside the queue (the Ask tab's step before a prefill: this tab's running
-    answer or prefill stopped, Ask disabled) and `after` (the keywords of the Stop button's state event) at its end."""
+    answer or prefill stopped, Ask disabled), then `show_fields` (the keywords of the event that shows the option
+    fields of the file's backend) and `after` (the keywords of the Stop button's state event) at its end."""
     outputs = [w["context"], w["backend"], *(w[name] for name in GROUP_OPTIONS)]
     outputs += [*(w[name] for name in PrefillView._fields), w["session_file"]]
     private: dict[str, Any] = {"api_visibility": "private", "concurrency_id": "model"}
@@ -146,4 +167,4 @@ def wire(app: App, w: dict[str, Any], before: Any, after: dict[str, Any]) -> Non
     upload = w["session_file"].upload(
         before, outputs=[w["ask_button"], w["stop_button"]], api_visibility="private", queue=False
     )
-    upload.then(opening, inputs=w["session_file"], outputs=outputs, **private).then(**after)
+    upload.then(opening, inputs=w["session_file"], outputs=outputs, **private).then(**show_fields).then(**after)

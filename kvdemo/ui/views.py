@@ -99,9 +99,10 @@ def model_status(loaded: LoadedModel) -> str:
     )
 
 
-def prefill_summary(qa: QASession) -> str:
-    """The summary shown after a prefill, and below it what the prompt check found (`PrefillReport.prompt_note`)
-    and which date the chat template writes (`PrefillReport.clock_note`), where either applies."""
+def prefill_summary(qa: QASession, timing: str = "") -> str:
+    """The summary shown after a prefill (`timing`, what `from_click` says, after its time), and below it what the
+    prompt check found (`PrefillReport.prompt_note`) and which date the chat template writes
+    (`PrefillReport.clock_note`), where either applies."""
     r = qa.prefill_report
     assert r is not None  # shown after a prefill
     notes = [f"\n\n{note}." for note in (r.prompt_note and f"Prompt check: {r.prompt_note}", r.clock_note) if note]
@@ -110,11 +111,36 @@ def prefill_summary(qa: QASession) -> str:
         f"Opened **{r.context_tokens:,} prefilled tokens** from {source} in {r.seconds:.2f} s (its prefill took "
         f"{r.prefill_seconds or 0:.2f} s)"
     )  # fmt: skip
+    kept = r.memory.kept_bytes
+    kept_part = ""
+    if kept and qa.spec.info.quantized:  # sliding windows, states: what the quantized backend leaves as it is
+        kept_part = f", of which {kept / 2**20:.2f} MiB in layers kept at full precision"
     return (
-        f"{done} with **{qa.spec.label}** · "
-        f"KV cache {r.kv_bytes / 2**20:.2f} MiB ({r.bytes_per_token:,.0f} bytes/token) · "
-        f"**{r.ratio_to_full_precision:.3f}×** full precision ({r.full_precision_bytes / 2**20:.2f} MiB)"
+        f"{done} with **{qa.spec.label}**{timing} · "
+        f"KV cache {r.kv_bytes / 2**20:.2f} MiB ({r.bytes_per_token:,.0f} bytes/token{kept_part}) · "
+        f"**{r.ratio_to_full_precision:.3f}×** a full-precision cache of these tokens "
+        f"({r.full_precision_bytes / 2**20:.2f} MiB)"
     ) + "".join(notes)
+
+
+def from_click(qa: QASession, total: float, queued: float, set_up: float, first_use: bool) -> str:
+    """What the prefill line adds about time (seconds): the whole wait from the Prefill click, and where it went
+    beside the prefill itself (`PrefillReport.seconds`): the queue (`queued`, other users' work or this tab's
+    running answer), the cache's set-up (`set_up`: building the session; one-off on the first use of a backend with
+    this model in the process, `first_use`, when kernels compile or warm), and the rest (installing the cache,
+    saving its session file). Parts under 0.5 s are left out; "" when the whole is within 0.5 s of the prefill's."""
+    assert qa.prefill_report is not None  # shown after a prefill
+    prefill = qa.prefill_report.seconds
+    if total - prefill < 0.5:
+        return ""
+    rest = total - prefill - queued - set_up
+    named = (
+        (queued, "waiting in the queue"),
+        (set_up, f"one-off set-up: the first {qa.spec.backend} cache on this model here" if first_use else "set-up"),
+        (rest, "installing and saving the cache"),
+    )
+    parts = [f"{seconds:.1f} s {what}" for seconds, what in named if seconds >= 0.5]
+    return f" · **{total:.1f} s from the click**" + (f" ({'; '.join(parts)})" if parts else "")
 
 
 def prefilled_tokens(qa: QASession) -> int:
@@ -153,8 +179,14 @@ def answer_stats(qa: QASession, first_token_seconds: float | None, events: list 
 def step_line(event: Any, spec: CacheSpec) -> str:
     """The line shown while an answer streams: the step, the bytes held, the cache length, and, when the next
     decode step will flush, what it will re-quantize (a flush step takes far longer than the others)."""
-    held = event.memory.total_bytes / 2**20
-    line = f"step {event.step + 1:,} · {held:,.2f} MiB held · cache length {event.cache_length:,}"
+    memory = event.memory
+    held = f"{memory.total_bytes / 2**20:,.2f} MiB held"
+    if memory.snapshot_bytes:  # what an answer changes in place, kept as it was after the prefill for the restore
+        held += (
+            f" (the cache {memory.cache_bytes / 2**20:,.2f} + the snapshot's post-prefill copies "
+            f"{memory.snapshot_bytes / 2**20:,.2f})"
+        )
+    line = f"step {event.step + 1:,} · {held} · cache length {event.cache_length:,}"
     if spec.info.has_residual and event.memory.layers:
         if event.memory.layers[0].residual_tokens + 1 >= spec.resolved()["residual_length"]:
             line += (
@@ -184,6 +216,13 @@ def comparison_outputs(report: ComparisonReport, note: str) -> tuple[str, Any, A
             )
     tradeoff = tradeoff_frame(frame)  # one point per spec, coloured and named by its spec
     return note, comparison_display_frame(frame), tradeoff, speed_frame(frame)
+
+
+def empty_comparison() -> tuple[Any, Any]:
+    """The Compare tab's two tables before any comparison (or after one that failed before its first spec): no
+    row, and the headers a comparison fills, never a table's placeholder headers."""
+    report = ComparisonReport(model="", max_new_tokens=0, results=())
+    return comparison_display_frame(report.to_frame()), report.answers_frame()
 
 
 def comparison_files(report: ComparisonReport, folder: str) -> list[str]:

@@ -11,7 +11,7 @@ import pytest
 from playwright.sync_api import sync_playwright
 
 from kvdemo.serve.server import App
-from kvdemo.ui import build_demo
+from kvdemo.ui import PAGE_CSS, build_demo
 from kvdemo.ui.mcp_tools import serve_only_tools
 
 
@@ -29,7 +29,13 @@ def serve(app: App, port: int | None = None, **launch) -> tuple[gr.Blocks, str]:
     demo.queue(default_concurrency_limit=1)
     port = port or free_port()
     demo.launch(
-        server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, ssr_mode=False, quiet=True, **launch
+        server_name="127.0.0.1",
+        server_port=port,
+        prevent_thread_lock=True,
+        ssr_mode=False,
+        quiet=True,
+        css=PAGE_CSS,
+        **launch,
     )
     return demo, f"http://127.0.0.1:{port}/"
 
