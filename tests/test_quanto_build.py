@@ -27,6 +27,7 @@ print(extension.get_extension("quanto_cpp")._lib.__file__)
 """
 
 
+@pytest.mark.process  # starts a Python process of its own (13 s): `make test-fast` skips it, `make test` runs it
 def test_a_second_process_loads_the_one_build_and_compiles_nothing(tmp_path):
     warm_up(("quanto",))  # this process: built by the set-up (or now, the first time on this machine)
     folder = share_quanto_build()["quanto_cpp"]
