@@ -125,7 +125,7 @@ def shoot_ask(page: Page, timeout_ms: int) -> bytes:
     page.wait_for_timeout(300)  # the charts' last frame drawn
     clip = union_clip(
         page,
-        page.get_by_role("heading", name="Questions", exact=True),
+        page.get_by_role("radio", name="quanto"),  # the tab's top: options, context and questions side by side
         page.locator('[data-testid="bot"]').last,
         page.get_by_text(re.compile(r"^step \d+ ·")),
         page.locator("#step-times"),

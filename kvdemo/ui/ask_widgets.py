@@ -235,11 +235,11 @@ class AskWidgets:
         return value if visible else None
 
     def _build_charts(self) -> None:
-        """The memory, residual and step-time charts side by side (each titled and with its legend from the start),
-        and the speed-limit line under them."""
+        """The memory and residual charts side by side, then the step-time chart beside the speed-limit line (each
+        chart titled and with its whole legend from the start)."""
         w = self.w
         with gr.Row(equal_height=False):
-            with gr.Column(min_width=320):
+            with gr.Column(scale=3, min_width=480):  # wide enough for the memory chart's legend on one line
                 # each chart starts empty with its title and legend (`views`); a bare None draws an untitled box
                 w["memory_plot"] = gr.LinePlot(
                     views.memory_data([], START_SPEC),
@@ -256,7 +256,7 @@ class AskWidgets:
                         zip((*MEMORY_SERIES, KEPT_SERIES), ("#1f77b4", "#ff7f0e", "#d62728", "#7f7f7f", "#2ca02c"))
                     ),
                 )
-            with gr.Column(min_width=320):
+            with gr.Column(scale=2, min_width=320):
                 w["residual_plot"] = gr.LinePlot(
                     views.residual_data([], START_SPEC),
                     x="step",
@@ -270,7 +270,9 @@ class AskWidgets:
                     y_lim=[0, START_SPEC.resolved()["residual_length"] * 1.1],
                     color_map=dict(zip(views.RESIDUAL_SERIES, ("#ff7f0e", "#7f7f7f"))),
                 )
-            with gr.Column(min_width=320):
+        with gr.Row(equal_height=False):
+            with gr.Column(scale=3, min_width=480):
                 # a log axis: matplotlib's (`views.step_times`), a PNG
                 w["step_plot"] = gr.Plot(views.step_times([]), show_label=False, format="png", elem_id="step-times")
-        w["speed_limit"] = gr.Markdown("")
+            with gr.Column(scale=2, min_width=320):
+                w["speed_limit"] = gr.Markdown("")

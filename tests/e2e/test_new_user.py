@@ -4,7 +4,9 @@ a backend gives its own defaults, or the values last set on it, and the line und
 run; the model box offers a model installed while the app runs; a model switch empties the tab, disables Ask and
 says why, and a new tab's box names the model every tab shares; Compare's status sits under its button, and a failed
 comparison leaves headers, not placeholders. The app here serves the embedded model and, under the Hub id
-`kvdemo-test/tiny`, the tests' tiny random model. Screenshots under artifacts/new-user/ (not committed).
+`kvdemo-test/tiny`, the tests' tiny random model; where Gemma 3 270M is installed (`make gemma`), the slow group loads
+it from the model box and checks what the page says of its memory. Screenshots under artifacts/new-user/ (not
+committed).
 
 Cost: about 60 s in one pytest-xdist worker on 2 cores (2026-12-05).
 """
@@ -18,7 +20,9 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import Page, expect
 
-from kvdemo.qa.packaged import OfferedModel
+from kvdemo.evals.cases import example_path, load_case
+from kvdemo.qa.models import load_model
+from kvdemo.qa.packaged import GEMMA3_PIP, OfferedModel, gemma3_installed
 from kvdemo.serve.server import App
 from kvdemo.ui import page as page_module
 from kvdemo.ui.ask_widgets import START_SPEC
@@ -34,7 +38,7 @@ def app_and_url(embedded, tiny):
     """(app, url, the second model): an app on the embedded model that loads the tiny model, as loaded from the Hub
     id `TINY`, for that id (its own app: a test switches models)."""
     second = dataclasses.replace(tiny, source=TINY)
-    app = App(loader=lambda source: second if source == TINY else embedded)
+    app = App(loader=lambda source: second if source == TINY else load_model(source) if source else embedded)
     demo, url = serve(app)
     assert app.wait_for_model() is embedded
     yield app, url, second
@@ -165,4 +169,32 @@ def test_a_model_switch_empties_the_tab_and_says_why(page, browser, app_and_url,
         _prefill(page, normans.select("0").context)
     finally:
         app.load("")  # the start-up model again, for the module's other tests
+    assert app.loaded is embedded
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not gemma3_installed(), reason=f"Gemma 3 270M is not installed: {GEMMA3_PIP}")
+def test_gemma_3_from_the_model_box_and_its_memory_named(page, app_and_url, embedded):
+    app, southern_california = app_and_url[0], load_case(example_path("southern_california"))
+    try:
+        page.get_by_label("Model", exact=True).click()
+        page.get_by_role("option", name=re.compile("^Gemma 3 270M")).click()
+        page.get_by_role("button", name="Load", exact=True).click()
+        expect(page.get_by_text(re.compile(r"^Gemma 3 270m \(gemma-3-270m"))).to_be_visible(timeout=300_000)
+        _prefill(page, southern_california.select("0-3").context)
+        # the bytes kept at full precision (15 sliding windows) and what the ratio compares
+        summary = page.get_by_text(re.compile(r"^(Prefilled|Opened) "))
+        expect(summary).to_contain_text(re.compile(r"of which [\d.]+ MiB in layers kept at full precision"))
+        expect(summary).to_contain_text("a full-precision cache of these tokens")
+        page.get_by_label("max_new_tokens", exact=True).fill("24")
+        page.get_by_label("question", exact=True).fill(southern_california.answerable(1)[0].question)
+        _ask_button(page).click()
+        # while it streams: what is held, the snapshot's copies named (the sliding windows an answer moves)
+        held = re.compile(r"MiB held \(the cache [\d.]+ \+ the snapshot's post-prefill copies")
+        expect(page.get_by_text(held)).to_be_visible(timeout=120_000)
+        expect(page.get_by_text("cache length after restore")).to_be_visible(timeout=300_000)
+        expect(page.locator(".vega-embed").first).to_contain_text("kept layers")  # the legend, whole
+        _shot(page, "5-gemma")
+    finally:
+        app.load("")
     assert app.loaded is embedded
