@@ -82,10 +82,11 @@ def test_a_prefill_through_the_page_says_its_time_from_the_click(tiny):
     app = App(loader=lambda source=None: tiny)
     app.start_loading()
     fns = named_handlers(build_demo(app))
-    fns["before_prefill"](_request())  # a first click: no session yet, nothing noted
-    fns["prefill"](CONTEXT, *QUANTO, _request())
+    fns["before_prefill"](_request())  # a first click: the session is made, the click's time noted
     user = app.sessions.peek("tab")
-    user.prefill_clicked = user.prefill_clicked or 0.0
+    assert user is not None and user.prefill_clicked is not None
+    fns["prefill"](CONTEXT, *QUANTO, _request())
+    assert user.prefill_clicked is None  # used by that prefill
     fns["before_prefill"](_request())
     user.prefill_clicked -= 5.0  # the click, five seconds before the prefill began
     summary = fns["prefill"](CONTEXT, *QUANTO, _request())[0]

@@ -71,9 +71,15 @@ def test_a_reload_reopens_the_kept_context_from_its_file(tiny, tmp_path):
     assert again.sessions.get("b").qa.prefill_report.opened_from == SAVED_COPY
     assert fns["reopen"](CONTEXT, **fields, **call) == PrefillView()  # the tab holds a prefill: nothing changes
     unchanged = PrefillView()
-    for context, backend in ((CONTEXT + " More.", "hqq"), (CONTEXT, "quanto"), ("", "hqq"), (CONTEXT, "no such")):
+    for context, backend in ((CONTEXT + " More.", "hqq"), ("", "hqq"), (CONTEXT, "no such")):
         other = {**call, "request": gr.Request(session_hash=f"c{len(context)}{backend}")}
         assert fns["reopen"](context, **{**fields, "backend": backend}, **other) == unchanged, (context, backend)
+    # the same text with another spec: nothing reopens, and the line says which spec the kept prefill has
+    other = {**call, "request": gr.Request(session_hash="quanto-tab")}
+    said = fns["reopen"](CONTEXT, **{**fields, "backend": "quanto"}, **other)
+    assert said == unchanged._replace(prefill_info=said.prefill_info)
+    assert said.prefill_info.startswith("ℹ Nothing is prefilled in this tab: the saved prefill of this text is with")
+    assert "`hqq:4," in said.prefill_info
     assert len(again.session_files.files()) == 1  # nothing was prefilled or saved
 
 

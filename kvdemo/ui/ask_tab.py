@@ -264,7 +264,10 @@ class AskTab(AskWidgets):
         """(Ask, Stop) at a Prefill click, before it waits in the queue: stop what runs in this session, disable
         Ask, enable Stop (it stops the prefill before its next chunk), and note the click's time (the prefill's
         line counts from it)."""
-        user = self.app.sessions.peek_request(request)
+        try:
+            user: UserSession | None = self.app.sessions.of_request(request)  # a first click too: its time counts
+        except ValueError:  # a full server: the prefill says so
+            user = None
         if user is not None:
             user.interrupt()
             user.prefill_clicked = time.monotonic()
