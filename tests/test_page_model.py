@@ -105,6 +105,10 @@ def test_a_backend_click_takes_its_defaults_or_what_the_user_set_on_it():
     memory = option_fields.remember("turboquant", {}, *values)
     assert option_fields.fields_for_backend("turboquant", memory)[residual]["value"] == 64
     assert option_fields.fields_for_backend("quanto", memory)[residual]["value"] == 128  # not turboquant's 64
+    # any change of the backend (a reload, a session file too) shows its fields and leaves their values alone
+    *shown, note = option_fields.fields_shown("turboquant")
+    assert all("value" not in update for update in shown) and note == turbo[-1]
+    assert [u["visible"] for u in shown] == [u["visible"] for u in turbo[:-1]]
 
 
 def _memory(snapshot: int) -> MemoryReport:

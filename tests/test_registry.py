@@ -76,7 +76,7 @@ def test_a_fifth_backend_reaches_the_page(with_dummy, tiny):
     from kvdemo.ui.option_fields import backend_option_updates
 
     demo = build_demo(App(loader=lambda source=None: tiny))
-    radios = [b for b in demo.blocks.values() if isinstance(b, gr.Radio) and b.label == "backend"]
+    radios = [b for b in demo.blocks.values() if isinstance(b, gr.Radio) and b.label == "cache backend"]
     assert [choice[1] for choice in radios[0].choices] == ["dynamic", "quanto", "hqq", "fp8", "turboquant", "dummy"]
     boxes = [b for b in demo.blocks.values() if isinstance(b, gr.CheckboxGroup)]
     assert ("dummy:16", "dummy:16") in boxes[0].choices and "dummy:16" in boxes[0].value

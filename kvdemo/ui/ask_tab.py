@@ -361,21 +361,22 @@ class AskTab(AskWidgets):
         }
         after_answer = gate | {"fn": page_event(self.gate_after_answer, progress=False), "outputs": gate["outputs"][:3]}
         stop_state = {"fn": self.stop_state, "outputs": w["stop_button"], **private}
-        # a click on a backend: its defaults, or what the user last set on it; the page set to a whole spec (a reload,
-        # a session file): the fields shown for its backend, its values kept (`option_fields`)
-        memory, show_fields = w["fields_memory"], self.show_fields
+        # any change of the backend: the fields it takes shown, then the gate; a click on a backend: its defaults, or
+        # what the user last set on it (`option_fields`); a reload or a session file writes the values itself
+        memory = w["fields_memory"]
         w["backend"].input(
             option_fields.fields_for_backend,
             inputs=[w["backend"], memory],
             outputs=[*fields, w["backend_note"]],
             **private,
         )
-        w["backend"].change(**gate)
+        w["backend"].change(
+            option_fields.fields_shown, inputs=w["backend"], outputs=[*fields, w["backend_note"]], **private
+        ).then(**gate)
         for field_ in fields:
             field_.change(**gate)
             field_.change(option_fields.remember, inputs=[w["backend"], memory, *fields], outputs=memory, **private)
         restored = context_box.wire(self, demo, state_inputs, gate)  # the box: gate, questions, kept copy, upload, ...
-        restored = restored.then(**show_fields)
         w["example_questions"].click(
             lambda sample: sample[0], inputs=w["example_questions"], outputs=w["question"], **private
         )
@@ -409,23 +410,9 @@ class AskTab(AskWidgets):
                 **model_work,
             ).then(**after_answer).then(**stop_state)
         w["stop_button"].click(self.stop, api_name="stop", queue=False)
-        session_box.wire(self.app, w, self.before_prefill, stop_state, show_fields)
+        session_box.wire(self.app, w, self.before_prefill, stop_state)
         self.reopen = page_event(session_box.reopener(self.app, self.prefill))
         restored.then(self.reopen, inputs=state_inputs, outputs=[w[name] for name in PrefillView._fields], **model_work)
-
-    @property
-    def show_fields(self) -> dict[str, Any]:
-        """The keywords of the event that shows the option fields of the backend the page shows, their values kept
-        (after the page was set to a whole spec: `option_fields.backend_option_updates`)."""
-        w = self.w
-        fields = [w[name] for name in GROUP_OPTIONS]
-        return {
-            "fn": option_fields.backend_option_updates,
-            "inputs": [w["backend"], *fields],
-            "outputs": [*fields, w["backend_note"]],
-            "api_visibility": "private",
-            "queue": False,
-        }
 
     def wire_model_load(self, load_event: Any) -> None:
         """After the model bar's Load (`load_event`, its click's event; after `wire`): this tab emptied of the old

@@ -1,10 +1,10 @@
 """The Ask tab's option fields, from the registry (`kvdemo.cache.registry.BACKENDS`): what each field offers, its
 first value, and the updates that follow a change of backend. Nothing here names a backend or an option.
 
-Two kinds of backend change: the user's click on the backend (`fields_for_backend`: the fields take the new
-backend's defaults, or the values the user last set on that backend, `remember`), and the page set to a whole spec
-at once, by a reload or an opened session file (`backend_option_updates`: the fields shown for the backend, their
-values kept, being that spec's)."""
+At every change of the backend, however made, the fields the backend takes are shown with its choices
+(`fields_shown`, values untouched). At the user's click on a backend the fields also take that backend's defaults,
+or the values the user last set on it (`fields_for_backend`, `remember`). Where the page is set to a whole spec at
+once (a reload, an opened session file), the setter writes the values itself."""
 
 from __future__ import annotations
 
@@ -75,3 +75,10 @@ def fields_for_backend(backend: str, memory: dict | None) -> tuple[Any, ...]:
     turboquant, whose default is `append`)."""
     saved = (memory or {}).get(backend)
     return backend_option_updates(backend, *saved) if isinstance(saved, list) else backend_option_updates(backend)
+
+
+def fields_shown(backend: str) -> tuple[Any, ...]:
+    """The option fields' visibility and choices for `backend` (no value: what the fields hold stays), and the
+    backend's note: what every change of the backend runs, before the gate."""
+    *updates, note = backend_option_updates(backend)
+    return (*({key: value for key, value in u.items() if key != "value"} for u in updates), note)

@@ -148,11 +148,10 @@ def reopener(app: App, prefill: Any) -> Any:
     return reopen_saved
 
 
-def wire(app: App, w: dict[str, Any], before: Any, after: dict[str, Any], show_fields: dict[str, Any]) -> None:
+def wire(app: App, w: dict[str, Any], before: Any, after: dict[str, Any]) -> None:
     """Save session and the session file box's upload (`w`: the Ask tab's widgets by name), in the model's queue
     group. An upload first runs `before` outside the queue (the Ask tab's step before a prefill: this tab's running
-    answer or prefill stopped, Ask disabled), then `show_fields` (the keywords of the event that shows the option
-    fields of the file's backend) and `after` (the keywords of the Stop button's state event) at its end."""
+    answer or prefill stopped, Ask disabled) and `after` (the keywords of the Stop button's state event) at its end."""
     outputs = [w["context"], w["backend"], *(w[name] for name in GROUP_OPTIONS)]
     outputs += [*(w[name] for name in PrefillView._fields), w["session_file"]]
     private: dict[str, Any] = {"api_visibility": "private", "concurrency_id": "model"}
@@ -167,4 +166,4 @@ def wire(app: App, w: dict[str, Any], before: Any, after: dict[str, Any], show_f
     upload = w["session_file"].upload(
         before, outputs=[w["ask_button"], w["stop_button"]], api_visibility="private", queue=False
     )
-    upload.then(opening, inputs=w["session_file"], outputs=outputs, **private).then(**show_fields).then(**after)
+    upload.then(opening, inputs=w["session_file"], outputs=outputs, **private).then(**after)
