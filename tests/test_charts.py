@@ -81,6 +81,10 @@ def test_display_frame_drops_columns_without_values(report):
     assert "mean KLD" in display.columns and len(display) == 3
     empty = comparison_display_frame(full.iloc[:0])
     assert len(empty) == 0 and "spec" in empty.columns
+    # kept layers: no column where no spec keeps any; where one does, the others keep 0 MiB, not NaN
+    assert "kept MiB" not in display.columns
+    kept = comparison_display_frame(full.assign(**{"kept bytes": [math.nan, 3 * 2**20, math.nan]}))
+    assert kept["kept MiB"].tolist() == [0.0, 3.0, 0.0]
 
 
 def test_kv_error_frame_and_heatmap(report):

@@ -163,6 +163,8 @@ def comparison_display_frame(frame: pd.DataFrame, grouped: bool = False) -> pd.D
         values = frame[source] / MIB if source in ("KV bytes", "kept bytes") else frame[source]
         if values.isna().all() and len(values):
             continue
+        if source == "kept bytes":  # kept layers on this model: a spec that keeps none (dynamic) keeps 0, not NaN
+            values = values.fillna(0.0)
         if digits >= 0:
             values = values.astype("float64").round(digits)
             if digits == 0:
