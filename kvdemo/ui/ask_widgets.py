@@ -4,11 +4,12 @@ names; `kvdemo.ui.ask_tab.AskTab` adds the handlers and wires the events."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, NamedTuple, cast
 
 import gradio as gr
 
-from kvdemo.cache.options import GROUP_OPTIONS
+from kvdemo.cache.options import GROUP_OPTIONS, Option
 from kvdemo.cache.registry import BACKENDS
 from kvdemo.cache.spec import CacheSpec
 from kvdemo.cache.speedlimit import speed_limit
@@ -56,23 +57,17 @@ class PrefillView(NamedTuple):
         time, then `note`), an empty chat and charts, the tab's answers table, Ask as `ask_enabled` says, and the new
         cache's speed floor (no step measured yet)."""
         assert qa.cache is not None  # prefilled
-        return cls(
-            prefill_info=views.prefill_summary(qa, timing) + note,
-            chat=[],
-            stats="",
-            memory_plot=views.memory_chart([], qa.spec),
-            residual_plot=views.residual_chart([], qa.spec),
-            step_plot=views.step_times([]),
+        return cls.emptied(views.prefill_summary(qa, timing) + note, qa.spec)._replace(
             answers_table=views.answers_table(answers),
-            notice="",
             ask_button=gr.update(interactive=ask_enabled),
             speed_limit=views.speed_limit_after(speed_limit(qa.loaded.model, qa.cache), []),
         )
 
     @classmethod
     def emptied(cls, line: str, spec: CacheSpec | None) -> PrefillView:
-        """Nothing prefilled (the session was freed): `line` under Prefill, the chat, charts, answers and the line
-        beside Ask emptied, Ask disabled."""
+        """A tab with nothing of an earlier cache (after a prefill, or once the session was freed): `line` under
+        Prefill, the chat, the charts (of `spec`'s backend; None: the page's start), the answers and the lines
+        beside Prefill and Ask emptied, Ask disabled."""
         spec = spec or START_SPEC
         return cls(
             prefill_info=line,
@@ -198,23 +193,24 @@ class AskWidgets:
         w = self.w
         w["backend"] = gr.Radio(list(BACKENDS), value=START_SPEC.backend, label="cache backend")
         w["backend_note"] = gr.Markdown(option_fields.backend_option_updates(START_SPEC.backend)[-1])
-        start_values = {}
+        # each option as the registry has it, START_SPEC's backend's own first
+        options = {n: opt for b in reversed(list(BACKENDS.values())) for n, opt in b.options.items()}
+        options.update(START_SPEC.info.options)
+        start, start_values = START_SPEC.resolved(), {}
         for name in FIRST_FIELDS:
-            start_values[name] = self._build_field(name)
+            start_values[name] = self._build_field(options[name], start)
         with gr.Accordion("More options", open=False):
             for name in GROUP_OPTIONS:
                 if name not in FIRST_FIELDS:
-                    start_values[name] = self._build_field(name)
+                    start_values[name] = self._build_field(options[name], start)
         # backend -> the values last set on it (`option_fields.remember`), so a switch never carries another's
         w["fields_memory"] = gr.State({START_SPEC.backend: [start_values[name] for name in GROUP_OPTIONS]})
 
-    def _build_field(self, name: str) -> int | str | None:
-        """The field of option `name` (the registry's, `START_SPEC`'s backend first), shown when that backend takes
-        it, set to `START_SPEC`'s value; returns that value (None when hidden)."""
-        options = {n: opt for b in reversed(list(BACKENDS.values())) for n, opt in b.options.items()}
-        options.update(START_SPEC.info.options)
-        option = options[name]
-        value = cast("int | str", START_SPEC.resolved().get(name, option.default))
+    def _build_field(self, option: Option, start: Mapping[str, Any]) -> int | str | None:
+        """The field of `option`, shown when `START_SPEC`'s backend takes it, set to its value in `start`
+        (`START_SPEC.resolved()`); returns that value (None when hidden)."""
+        name = option.name
+        value = cast("int | str", start.get(name, option.default))
         if option.same_as is not None and name not in START_SPEC.given():
             value = option_fields.field_start(option)  # "same as nbits": the field left empty
         visible = name in START_SPEC.info.options
