@@ -40,6 +40,12 @@ class ModelNotLoaded(ValueError):
     """No model is loaded (the start-up load failed or is still running); the message says what to do."""
 
 
+def switched_reason(loaded: LoadedModel) -> str:
+    """Why a session was freed when the server switched to the model `loaded` (`App.load`): the reason its page
+    shows, and how a tab knows its session went with the model it replaced."""
+    return f"the model was switched to {loaded.name}"
+
+
 class App:
     """The shared state behind the page: the model (one for every user) and the per-user sessions.
 
@@ -152,7 +158,7 @@ class App:
             raise ValueError(f"{kind}{str(error)[:400]}.{keeping}") from None
         previous, self.loaded, self.load_error = self.loaded, loaded, None
         if previous is not loaded:
-            dropped = self.sessions.free_other_models(loaded, f"the model was switched to {loaded.name}")
+            dropped = self.sessions.free_other_models(loaded, switched_reason(loaded))
             _log.info("model switched to %s; %d session(s) of the previous model freed", loaded.name, dropped)
         return loaded
 

@@ -19,7 +19,7 @@ from kvdemo.cache.options import GROUP_OPTIONS
 from kvdemo.cache.speedlimit import speed_limit
 from kvdemo.qa.prefill import PrefillStopped
 from kvdemo.qa.session import QASession
-from kvdemo.serve.server import App
+from kvdemo.serve.server import App, switched_reason
 from kvdemo.serve.store import UserSession, request_key
 from kvdemo.ui import context_box, option_fields, page_state, session_box, views
 from kvdemo.ui.ask_widgets import AnswerView, AskWidgets, PrefillView
@@ -310,15 +310,15 @@ class AskTab(AskWidgets):
         """What this tab shows after a Load: when the load switched the model (the server freed this tab's session,
         `App.load`), nothing of the old model's is left (chat, charts, answers, the line beside Ask), Ask is disabled
         and the line under Prefill says why; after a refused load or the same model, nothing changes."""
-        user = self.app.sessions.peek_request(request)
+        user, loaded = self.app.sessions.peek_request(request), self.app.loaded
         freed = self.app.sessions.freed_reason(request_key(request))
-        if (user is not None and user.qa is not None) or not (freed and freed.startswith("the model was switched")):
+        if (user is not None and user.qa is not None) or loaded is None or freed != switched_reason(loaded):
             return PrefillView()
         try:
             spec = spec_from_inputs(backend, options)
         except (ValueError, ImportError):
             spec = None
-        return PrefillView.emptied(page_state.page_line(None, context, spec, self.app.loaded, freed), spec)
+        return PrefillView.emptied(page_state.page_line(None, context, spec, loaded, freed), spec)
 
     def upload(self, path: str | None) -> tuple[Any, Any]:
         """(Context box, notice) for an uploaded file: its text, or a refusal beside Prefill (the box keeps
