@@ -1,18 +1,38 @@
 """Running apps on free local ports for gradio_client, MCP and browser tests: `app_url` with the embedded model,
-`mcp_app` with the tiny model and the MCP server."""
+`mcp_app` with the tiny model and the MCP server; `opened_tab`, a browser tab of its own on one of them."""
 
 from __future__ import annotations
 
 import shutil
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import gradio as gr
 import pytest
-from playwright.sync_api import sync_playwright
+from playwright.sync_api import Browser, Page, expect, sync_playwright
 
 from kvdemo.serve.server import App
 from kvdemo.ui import PAGE_CSS, build_demo
 from kvdemo.ui.mcp_tools import serve_only_tools
+
+
+@contextmanager
+def opened_tab(browser: Browser, url: str, height: int = 1800, timeout_ms: int = 15_000) -> Iterator[Page]:
+    """A new browser context (its own localStorage, so no test sees another's kept Context box) and tab, 1,400 px
+    wide and `height` high, on the embedded model's page at `url` once its model line shows. Playwright's
+    `expect` waits `timeout_ms` meanwhile (a busy 2-core CI runner: the page's own updates may take seconds), and
+    its default, 5 s, for the other modules after."""
+    context = browser.new_context(viewport={"width": 1400, "height": height})
+    page = context.new_page()
+    expect.set_options(timeout=timeout_ms)
+    try:
+        page.goto(url)
+        expect(page.get_by_text("135 M parameters")).to_be_visible(timeout=120_000)
+        yield page
+    finally:
+        expect.set_options(timeout=5_000)
+        context.close()
 
 
 def free_port() -> int:

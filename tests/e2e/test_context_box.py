@@ -25,7 +25,7 @@ from kvdemo.serve.server import App
 from kvdemo.ui import page_state
 from kvdemo.ui.context_box import FINGERPRINT_JS
 
-from .conftest import serve
+from .conftest import opened_tab, serve
 from .traffic import Traffic
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts" / "context"
@@ -64,14 +64,8 @@ def served(embedded):
 
 @pytest.fixture()
 def page(browser, served):
-    context = browser.new_context(viewport={"width": 1400, "height": 1800})
-    page = context.new_page()
-    expect.set_options(timeout=15_000)  # a busy 2-core CI runner: the page's own updates may take seconds
-    page.goto(served[0])
-    expect(page.get_by_text("135 M parameters")).to_be_visible(timeout=120_000)
-    yield page
-    expect.set_options(timeout=5_000)  # Playwright's default, for the other modules
-    context.close()
+    with opened_tab(browser, served[0]) as page:
+        yield page
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from kvdemo.serve.server import App
 from kvdemo.ui import page as page_module
 from kvdemo.ui.ask_widgets import START_SPEC
 
-from .conftest import serve
+from .conftest import opened_tab, serve
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts" / "new-user"
 TINY = "kvdemo-test/tiny"
@@ -47,14 +47,8 @@ def app_and_url(embedded, tiny):
 
 @pytest.fixture()
 def page(browser, app_and_url):
-    context = browser.new_context(viewport={"width": 1400, "height": 900})
-    page = context.new_page()
-    expect.set_options(timeout=30_000)  # a busy 2-core CI runner: the page's own updates may take seconds
-    page.goto(app_and_url[1])
-    expect(page.get_by_text("135 M parameters")).to_be_visible(timeout=120_000)
-    yield page
-    expect.set_options(timeout=5_000)
-    context.close()
+    with opened_tab(browser, app_and_url[1], height=900, timeout_ms=30_000) as page:
+        yield page
 
 
 def _shot(page: Page, name: str) -> None:

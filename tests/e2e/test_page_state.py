@@ -28,7 +28,7 @@ from kvdemo.serve.server import App
 from kvdemo.serve.session_files import SessionFiles
 from kvdemo.ui.ask_widgets import START_SPEC
 
-from .conftest import free_port, serve
+from .conftest import free_port, opened_tab, serve
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts" / "state"
 LONGER_THAN_A_TOAST_MS = 12_000
@@ -39,14 +39,8 @@ PROGRESS = re.compile(r"Prefilling: ([\d,]+) of ([\d,]+) tokens")
 @pytest.fixture()
 def page(browser, app_url):
     """A new browser context (its own localStorage, so no test sees another's kept Context box) and tab."""
-    context = browser.new_context(viewport={"width": 1400, "height": 1800})
-    page = context.new_page()
-    expect.set_options(timeout=15_000)  # a busy 2-core CI runner: the page's own updates may take seconds
-    page.goto(app_url)
-    expect(page.get_by_text("135 M parameters")).to_be_visible(timeout=120_000)
-    yield page
-    expect.set_options(timeout=5_000)  # Playwright's default, for the other modules
-    context.close()
+    with opened_tab(browser, app_url) as page:
+        yield page
 
 
 @pytest.fixture(scope="module")
