@@ -223,6 +223,7 @@ def main(argv: list[str] | None = None) -> None:
         public=args.public,
         server_kv_budget_bytes=int(args.server_kv_budget_mib * 2**20) or None,
         session_files=SessionFiles(cache_dir() / "sessions", files) if files else None,
+        measure_defaults=not ZERO_GPU,  # a model's recommended start, measured at its load (on ZeroGPU: stored only)
     )
     app.start_loading()
     app.start_sweeper()

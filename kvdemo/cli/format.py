@@ -8,6 +8,7 @@ from typing import Any
 import pandas as pd
 
 from kvdemo.charts.reports import comparison_display_frame
+from kvdemo.compare.recommendation import Recommendation
 from kvdemo.compare.records import ComparisonReport
 
 
@@ -114,3 +115,25 @@ def format_comparison(report: ComparisonReport) -> str:
     for line in report.plans:
         text += f"\nper-layer plan: {line}"
     return text
+
+
+def format_recommendation(found: Recommendation) -> str:
+    """The table printed without `--json`: every measured candidate by bytes, then the pick, why, and how to deploy
+    it."""
+    with pd.option_context("display.width", 400, "display.max_columns", None, "display.max_colwidth", 70):
+        table = found.to_frame().drop(columns="deploy").to_string(index=False)
+    target = f"mean KL <= {found.limit:g}" if found.target == "max_kl" else f"<= {found.limit:,.0f} bytes per token"
+    picked = found.picked
+    lines = [
+        table,
+        "",
+        f"{found.model}, {found.context_tokens:,} context tokens, {len(found.questions)} questions, target {target}, "
+        f"engine {found.engine}: {len(found.rows)} candidates in {found.seconds:.0f} s",
+        f"pick: {found.pick}",
+        f"why: {found.why}",
+        *(f"deploy: {line}" for line in (picked.deploy if picked else ())),
+    ]
+    if found.plan:
+        lines.append(f"plan: {found.plan}")
+    lines.append("This holds for this model, this text and these questions; check it on another text (compare).")
+    return "\n".join(lines)

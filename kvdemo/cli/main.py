@@ -4,7 +4,9 @@
 backend, printing a summary or (with `--json`) one JSON object. `python -m kvdemo compare ...` runs the same
 context and questions over several backends (`kvdemo.compare.run`) and prints a table or (with `--json`) the report.
 `python -m kvdemo needle ...` runs a needle-in-a-haystack grid (`kvdemo.needle.grid`): context lengths x needle
-depths per backend, hits and graded scores, as tables or (with `--json`) the grid. Exit status: `main`."""
+depths per backend, hits and graded scores, as tables or (with `--json`) the grid. `python -m kvdemo recommend ...`
+measures every candidate spec on the text and prints the pick for a KL ceiling or a byte budget, with its deploy line
+(`kvdemo.compare.recommend`). Exit status: `main`."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvdemo import checks
 from kvdemo.cache.catalogue import default_compare_specs
+from kvdemo.cache.deploy import ENGINES
 from kvdemo.cache.options import GROUP_OPTIONS, SPEC_OPTIONS
 from kvdemo.cache.registry import BACKENDS, backends_help, option_choices_text, presets_help
 from kvdemo.cache.spec import CacheSpec
@@ -28,6 +31,7 @@ from kvdemo.qa.limits import DEFAULT_MAX_NEW_TOKENS
 if TYPE_CHECKING:
     from tqdm.auto import tqdm
 
+    from kvdemo.compare.recommendation import Recommendation
     from kvdemo.compare.records import ComparisonReport
     from kvdemo.needle.records import NeedleGrid
 
@@ -76,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     _progress_arguments(ask)
     _compare_parser(sub)
     _needle_parser(sub)
+    _recommend_parser(sub)
     return parser
 
 
@@ -186,6 +191,37 @@ def _needle_parser(sub: Any) -> None:
     _progress_arguments(parser)
 
 
+def _recommend_parser(sub: Any) -> None:
+    """The `recommend` subcommand's arguments (its defaults from `kvdemo.compare.recommend`, read without torch)."""
+    parser = sub.add_parser(
+        "recommend",
+        help="which KV setting for this model on this text: every candidate measured, the pick and its deploy line",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Prefill the text once into dynamic, answer the questions, then measure every candidate spec the\n"
+        "registry gives for --engine against dynamic (teacher-forced KL on its answers, same top token, perplexity of\n"
+        "the text's held-out end, bytes per token): a short probe of each, then the full measurement of the rest.\n"
+        "The pick: the fewest bytes within --max-kl (default 0.02 nats/token), or the lowest KL within\n"
+        "--bytes-per-token; with its deploy line and why. Without --question, questions are taken from the text.\n"
+        "Example (about 2 minutes on 2 CPU cores):\n"
+        "  python -m kvdemo recommend --context-file kvdemo/data/cases/normans.json --paragraphs 0-4",
+    )
+    parser.add_argument("--context-file", required=True, help="a UTF-8 text file, or a SQuAD case file (JSON)")
+    parser.add_argument("--paragraphs", help="case files: paragraphs to use, e.g. 0-7 (default: all)")
+    parser.add_argument("--question", action="append", default=[], help="a question (repeat for several)")
+    parser.add_argument("--questions-from-case", type=int, metavar="N", help="case files: the first N answerable")
+    target = parser.add_mutually_exclusive_group()
+    target.add_argument("--max-kl", type=float, help="the mean-KL ceiling to dynamic, nats/token (default 0.02)")
+    target.add_argument("--bytes-per-token", type=float, help="a KV budget per context token instead")
+    parser.add_argument(
+        "--engine", default="any", choices=["any", *ENGINES], help="only specs this engine stores the same way"
+    )
+    parser.add_argument("--no-plan", action="store_true", help="measure no per-layer plan (kvdemo's own)")
+    parser.add_argument("--model", help="a Hub id, a local folder or a .gguf file (default: the embedded SmolLM2-135M)")
+    parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--json", action="store_true", help="print every measured row as one JSON object")
+    _progress_arguments(parser)
+
+
 def _progress_arguments(parser: argparse.ArgumentParser) -> None:
     """`--no-progress` and `--progress`: whether the run draws progress bars on stderr (the model's loading bar
     and kvdemo's own). By default it does, except with `--json`, whose output a program reads (`--progress`
@@ -242,6 +278,39 @@ def run_compare(args: argparse.Namespace) -> ComparisonReport:
             perplexity_tokens=args.perplexity_tokens,
             continuation=case.continuation,
             plans=plans,
+        )
+
+
+def run_recommend(args: argparse.Namespace) -> Recommendation:
+    """Run the `recommend` command and return its `Recommendation`.
+
+    Raises:
+        ValueError, OSError: bad input (checked before the model loads where it can be); the message says what to
+            change.
+    """
+    from kvdemo.compare.recommend import check_target, recommend
+    from kvdemo.evals.cases import load_case
+    from kvdemo.qa.models import load_model
+    from kvdemo.qa.text import check_question
+
+    check_target(args.max_kl, args.bytes_per_token)
+    case = load_case(args.context_file).select(args.paragraphs)
+    questions = [check_question(q, f"--question number {i}") for i, q in enumerate(args.question, 1)]
+    if args.questions_from_case is not None:
+        if args.questions_from_case < 1 or not case.questions:
+            raise ValueError("--questions-from-case needs N >= 1 and a case file with questions")
+        questions += [q.question for q in case.answerable(args.questions_from_case)]
+    loaded = load_model(args.model, device=args.device)
+    with _ProgressBar(args.no_progress) as on_progress:
+        return recommend(
+            loaded,
+            case.context,
+            questions,
+            max_kl=args.max_kl,
+            bytes_per_token=args.bytes_per_token,
+            engine=args.engine,
+            plans=not args.no_plan,
+            on_progress=on_progress,
         )
 
 
@@ -315,6 +384,8 @@ def main(argv: list[str] | None = None) -> int:
             report = run_compare(args)
         elif args.command == "needle":
             grid = run_needle(args)
+        elif args.command == "recommend":
+            found = run_recommend(args)
         else:
             result = run_ask(args)
     except (ValueError, ImportError, OSError) as error:
@@ -326,7 +397,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if args.no_progress:
             quiet(False)  # transformers' defaults again (main() also runs inside other processes: the tests)
-    from kvdemo.cli.format import format_comparison, format_needle, format_summary
+    from kvdemo.cli.format import format_comparison, format_needle, format_recommendation, format_summary
+
+    if args.command == "recommend":
+        print(found.to_json() if args.json else format_recommendation(found))
+        return 0
 
     if args.command == "needle":
         if args.csv:

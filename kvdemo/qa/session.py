@@ -10,12 +10,15 @@ half a character. Memory figures count the cache and what the snapshot keeps ali
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from collections.abc import Callable, Generator, Sequence
+from typing import cast
 
 import torch
 from transformers import Cache, PreTrainedConfig
+from transformers.cache_utils import DynamicLayer
 
 from kvdemo import checks
 from kvdemo.cache import budget, snapshot
@@ -25,7 +28,7 @@ from kvdemo.cache.telemetry import StepEvent, kv_memory
 from kvdemo.qa.decode import greedy_decode, teacher_forced
 from kvdemo.qa.limits import DEFAULT_MAX_NEW_TOKENS, QUESTION_RESERVE_TOKENS
 from kvdemo.qa.models import LoadedModel
-from kvdemo.qa.prefill import PREFILL_CHUNK_TOKENS, ProgressCallback, check_rope, run_prefill
+from kvdemo.qa.prefill import PREFILL_CHUNK_TOKENS, ProgressCallback, check_rope, hand_over, run_prefill
 from kvdemo.qa.probe import check_model
 from kvdemo.qa.prompt import PreparedContext, PreparedQuestion, PromptLayout, PromptSplit
 from kvdemo.qa.records import Answer, PrefillReport
@@ -228,6 +231,38 @@ class QASession:
         run_prefill(self.loaded, cache, split.prefix, quantized, chunk_tokens, on_progress, self._stop, on_quantize)
         return self._install(cache, split, context, start)
 
+    def prefill_from(self, reference: QASession) -> PrefillReport:
+        """Prefill this session with `reference`'s context without a forward pass: a new cache of this session's spec
+        takes each layer's full-precision keys and values from `reference`, a prefilled `dynamic` session of the
+        same model, as the last stage of every quantized prefill takes them from its `DynamicCache`
+        (`kvdemo.qa.prefill.hand_over`). So the cache equals `prefill` of the same context tensor for tensor
+        (`tests/test_recommend.py`), and measuring tens of specs on one context costs one prefill in all (a
+        recommendation). A layer the spec keeps at full precision is a shallow copy of the reference's (its tensors
+        shared: every layer assigns new ones at a step, and this session's snapshot copies any in-place state back
+        after each answer). Neither session may answer while the other does.
+
+        Raises:
+            ValueError: `reference` is not a prefilled `dynamic` session (storage=concat) of this model, or is
+                answering; KVBudgetError (a ValueError): the cache would pass `kv_budget_bytes` (the session is
+                unchanged then).
+        """
+        if reference.loaded is not self.loaded or reference.spec.label != "dynamic":
+            raise ValueError("prefill_from takes a dynamic session (storage=concat) of the same loaded model")
+        if not self.spec.info.quantized and self.spec.label != "dynamic":
+            raise ValueError(f"{self.spec.label} builds its own layers; prefill it with `prefill`")
+        if reference.streaming:
+            raise ValueError("the reference session is answering; prefill from it once its answer is closed")
+        source, _, split = reference._prefilled()
+        assert reference.context is not None  # set with the cache
+        self.check_prefill(len(split.prefix), reference.reserve_tokens)
+        self._close_active()
+        start = time.perf_counter()
+        cache = build_cache(self.spec, self.loaded.config)
+        for index, layer in enumerate(source.layers):
+            hand_over(cache, index, cast(DynamicLayer, copy.copy(layer)))  # a DynamicCache's
+        self.history, self.reserve_tokens = [], reference.reserve_tokens
+        return self._install(cache, split, reference.context, start)
+
     def _install(
         self, cache: Cache, split: PromptSplit, context: str, start: float, opened: tuple[str, float] | None = None
     ) -> PrefillReport:
@@ -388,6 +423,31 @@ class QASession:
         check_rope(loaded, context_tokens, len(q_ids) + len(answer_ids), "Score a shorter answer")
         self._close_active()
         return teacher_forced(loaded, cache, saved, q_ids, answer_ids, on_step)
+
+    def score_text(self, ids: Sequence[int]) -> torch.Tensor:
+        """Teacher-forced log-probabilities of token ids read straight after the prefilled context, inside the user
+        turn where the context sits (the text that continues it, as `kvdemo.evals.fidelity.perplexity_inputs` lays it
+        out): `ids[0]` in one pass, then each next one as a decode step, so the residual fills and flushes as in
+        generation; row i is the distribution that predicts `ids[i + 1]`. The cache is restored afterwards.
+
+        Returns:
+            float32 log-probabilities on the CPU, shape [len(ids) - 1, vocab_size].
+
+        Raises:
+            ValueError: fewer than 2 ids, no prefill yet, the window passed, or a RoPE switch (`check_rope`).
+        """
+        ids = [int(t) for t in ids]
+        if len(ids) < 2:
+            raise ValueError("score_text needs at least 2 token ids: each fed token predicts the next")
+        loaded, (cache, saved, _) = self.loaded, self._prefilled()
+        if saved.seq_length + len(ids) > loaded.max_context_tokens:
+            raise ValueError(
+                f"context {saved.seq_length:,} + {len(ids):,} tokens exceeds the model's "
+                f"{loaded.max_context_tokens:,}-token window"
+            )
+        check_rope(loaded, saved.seq_length, len(ids), "Score fewer tokens")
+        self._close_active()
+        return teacher_forced(loaded, cache, saved, ids[:1], ids[1:])
 
     def ask(self, question: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> Answer:
         """Answer `question` to the end and return the `Answer` (also appended to `history`).

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 
 from kvdemo import checks
 from kvdemo.cache.spec import CacheSpec
+from kvdemo.compare.recommendation import Recommendation
 from kvdemo.qa.limits import DEFAULT_MAX_NEW_TOKENS, QUESTION_RESERVE_TOKENS
 from kvdemo.qa.models import LoadedModel, is_hub_id, load_model
 from kvdemo.qa.prompt import PreparedContext, PreparedQuestion
@@ -25,6 +26,7 @@ from kvdemo.qa.records import PrefillReport
 from kvdemo.qa.session import QASession
 from kvdemo.qa.session_file import check_fits, open_session, read_manifest
 from kvdemo.serve.accounting import KVAccount, prefill_tokens, session_kv_bytes
+from kvdemo.serve.recommended import page_default
 from kvdemo.serve.session_files import SessionFiles
 from kvdemo.serve.store import SessionStore
 
@@ -77,6 +79,7 @@ class App:
         public: bool = False,
         server_kv_budget_bytes: int | None = None,
         session_files: SessionFiles | None = None,
+        measure_defaults: bool = False,
     ):
         self.model_source = model_source
         self.loader = loader
@@ -88,6 +91,10 @@ class App:
         self.session_files = session_files
         self.loaded: LoadedModel | None = None
         self.load_error: str | None = None
+        self.measure_defaults = measure_defaults
+        self.recommended: Recommendation | None = None
+        """The loaded model's page default (`kvdemo.serve.recommended`): stored, or measured at its load where
+        `measure_defaults`; None: the page starts on its fixed spec."""
         self._ready = threading.Event()
 
     def start_sweeper(self, every_seconds: float | None = None) -> None:
@@ -112,6 +119,7 @@ class App:
         try:
             self.loaded = self.loader(self.model_source)
             _log.info("model loaded: %s", self.loaded.name)
+            self.recommended = page_default(self.loaded, self.measure_defaults)
         except Exception as error:  # shown on the page; the user can load another model
             self.load_error = f"{type(error).__name__}: {error}"
             _log.warning("the model did not load (%s); load another on the page", self.load_error)
@@ -129,7 +137,7 @@ class App:
             raise ModelNotLoaded(f"No model is loaded ({self.load_error or 'still loading'}). Load one above.")
         return self.loaded
 
-    def load(self, source: str | None) -> LoadedModel:
+    def load(self, source: str | None, on_progress: Callable[[int, int, str], None] | None = None) -> LoadedModel:
         """Load a model for everyone (a Hub id, a local folder or a .gguf file; None or blank: the start-up
         model) and make it the shared one; on any failure the current model stays. A new model frees every session
         prefilled on the previous one (`SessionStore.free_other_models`): their pages say so at the next action.
@@ -156,7 +164,8 @@ class App:
             keeping = f" Keeping {self.loaded.name}." if self.loaded else ""
             kind = "" if isinstance(error, (ValueError, ImportError, OSError)) else f"{type(error).__name__}: "
             raise ValueError(f"{kind}{str(error)[:400]}.{keeping}") from None
-        previous, self.loaded, self.load_error = self.loaded, loaded, None
+        recommended = page_default(loaded, self.measure_defaults, on_progress)  # before it is shared: once per model
+        previous, self.loaded, self.load_error, self.recommended = self.loaded, loaded, None, recommended
         if previous is not loaded:
             dropped = self.sessions.free_other_models(loaded, switched_reason(loaded))
             _log.info("model switched to %s; %d session(s) of the previous model freed", loaded.name, dropped)
@@ -361,3 +370,15 @@ class App:
         )
         what = f"a comparison of {len(specs)} spec(s) on {tokens:,} context tokens"
         return self.holding(f"compare:{key}", nbytes, what)
+
+    def recommendation(self, key: str, loaded: LoadedModel, context: str):
+        """`holding` for `kvdemo.compare.recommend.recommend(loaded, context, ...)` run by the session of `key`
+        (holder `compare:<key>`): `dynamic`'s reference cache for the whole run and one candidate's at a time, at most
+        as large as `dynamic`'s, so twice `dynamic`'s bytes (the per-layer plan's pass holds no more).
+
+        Raises:
+            ServerKVBudgetError (a ValueError): it would pass the budget."""
+        reserve = QUESTION_RESERVE_TOKENS + checks.max_new_tokens(32)
+        tokens = prefill_tokens(QASession(loaded, CacheSpec("dynamic")), context)
+        nbytes = 2 * session_kv_bytes(CacheSpec("dynamic").validate(loaded.config), loaded, tokens, reserve)
+        return self.holding(f"compare:{key}", nbytes, f"a recommendation on {tokens:,} context tokens")

@@ -16,6 +16,7 @@ import gradio as gr
 
 from kvdemo import checks
 from kvdemo.cache.options import GROUP_OPTIONS
+from kvdemo.cache.spec import CacheSpec
 from kvdemo.cache.speedlimit import speed_limit
 from kvdemo.qa.prefill import PrefillStopped
 from kvdemo.qa.session import QASession
@@ -320,6 +321,25 @@ class AskTab(AskWidgets):
             spec = None
         return PrefillView.emptied(page_state.page_line(None, context, spec, loaded, freed), spec)
 
+    def start_spec(self, saved: Any, request: gr.Request) -> list[Any]:
+        """The backend, its option fields, its note, the recommendation's note and the fields' memory at the page's
+        load and after a Load: the loaded model's recommended spec (`App.recommended`: `kvdemo.serve.recommended`)
+        and where it came from; unchanged where the browser kept the user's own (`page_state.restore` set them), where
+        this tab holds a prefilled cache (the page shows the cache's spec), or where none is stored."""
+        keep = [views.KEEP] * (len(GROUP_OPTIONS) + 4)
+        user, found, loaded = self.app.sessions.peek_request(request), self.app.recommended, self.app.loaded
+        if found is None or loaded is None or found.model != loaded.name:
+            return [*keep[:-2], "", views.KEEP]
+        note = views.recommended_note(found)
+        if (isinstance(saved, dict) and saved.get("backend")) or (user is not None and user.qa is not None):
+            return [*keep[:-2], note, views.KEEP]
+        try:
+            backend, values = session_box.spec_fields(CacheSpec.parse(found.pick))
+        except ValueError:  # a pick the fields cannot show (none is stored so; a guard): the fixed start stays
+            return [*keep[:-2], "", views.KEEP]
+        *fields, backend_note = option_fields.backend_option_updates(backend, *values)
+        return [backend, *fields, backend_note, note, {backend: values}]
+
     def upload(self, path: str | None) -> tuple[Any, Any]:
         """(Context box, notice) for an uploaded file: its text, or a refusal beside Prefill (the box keeps
         its text)."""
@@ -412,7 +432,14 @@ class AskTab(AskWidgets):
         w["stop_button"].click(self.stop, api_name="stop", queue=False)
         session_box.wire(self.app, w, self.before_prefill, stop_state)
         self.reopen = page_event(session_box.reopener(self.app, self.prefill))
-        restored.then(self.reopen, inputs=state_inputs, outputs=[w[name] for name in PrefillView._fields], **model_work)
+        started = restored.then(self.start_spec, inputs=w["saved"], outputs=self._start_outputs(), **private)
+        started.then(self.reopen, inputs=state_inputs, outputs=[w[name] for name in PrefillView._fields], **model_work)
+
+    def _start_outputs(self) -> list[Any]:
+        """What `start_spec` sets: the backend, its fields, its note, the recommendation's note, the fields' memory."""
+        w = self.w
+        fields = [w[name] for name in GROUP_OPTIONS]
+        return [w["backend"], *fields, w["backend_note"], w["recommend_note"], w["fields_memory"]]
 
     def wire_model_load(self, load_event: Any) -> None:
         """After the model bar's Load (`load_event`, its click's event; after `wire`): this tab emptied of the old
@@ -427,6 +454,8 @@ class AskTab(AskWidgets):
             outputs=outputs,
             api_visibility="private",
             queue=False,
+        ).then(
+            self.start_spec, inputs=w["saved"], outputs=self._start_outputs(), api_visibility="private", queue=False
         ).then(
             self.reopen,
             inputs=[w["context"], w["backend"], *fields],

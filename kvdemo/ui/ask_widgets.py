@@ -192,6 +192,7 @@ class AskWidgets:
         `FIRST_FIELDS` first, the others under "More options"."""
         w = self.w
         w["backend"] = gr.Radio(list(BACKENDS), value=START_SPEC.backend, label="cache backend")
+        w["recommend_note"] = gr.Markdown("")  # the model's recommended start (`AskTab.start_spec`), and whence
         w["backend_note"] = gr.Markdown(option_fields.backend_option_updates(START_SPEC.backend)[-1])
         # each option as the registry has it, START_SPEC's backend's own first
         options = {n: opt for b in reversed(list(BACKENDS.values())) for n, opt in b.options.items()}

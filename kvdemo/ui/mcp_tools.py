@@ -36,6 +36,9 @@ import gradio as gr
 from kvdemo import checks
 from kvdemo.cache.catalogue import default_compare_specs
 from kvdemo.cache.spec import CacheSpec
+from kvdemo.compare.candidates import ANY_ENGINE
+from kvdemo.compare.recommend import DEFAULT_MAX_KL, check_target, recommend
+from kvdemo.compare.recommendation import RecommendationCancelled
 from kvdemo.compare.records import ComparisonCancelled, ComparisonReport, json_ready
 from kvdemo.compare.run import compare
 from kvdemo.evals.cases import gold_answers_for
@@ -48,7 +51,7 @@ from kvdemo.ui.ask_widgets import START_SPEC
 from kvdemo.ui.inputs import compare_inputs, user_errors
 from kvdemo.ui.mcp_calls import CALLS, ProgressRelay, after, hook
 
-TOOLS = ("prefill_context", "ask_question", "compare_backends")
+TOOLS = ("prefill_context", "ask_question", "compare_backends", "recommend_setting")
 """The MCP tools, by endpoint name (`api_name`). The needle grid's tool joins here (a method of `McpTools`
 registered in `register`) when its tab lands."""
 
@@ -320,6 +323,65 @@ class McpTools:
                 }
             )
 
+    def recommend_setting(
+        self,
+        context: str = "",
+        questions: list[str] | None = None,
+        max_kl: float = DEFAULT_MAX_KL,
+        engine: str = ANY_ENGINE,
+        session: str = "",
+        request: gr.Request | None = None,
+    ) -> str:
+        """Which KV cache setting for the loaded model on this text: every candidate spec measured against dynamic
+        (teacher-forced KL on dynamic's answers, same top token, held-out perplexity, bytes per token), and the one
+        with the fewest bytes within the KL ceiling, with the line that deploys it. About 100 s on 2 CPU cores with
+        the embedded model and a 900-token text. Progress about every second. At most 300 s per call: it then
+        returns what was measured, with no pick and a note.
+
+        Args:
+            context: the text; empty: the text this session prefilled with prefill_context
+            questions: asked on the text (empty: questions taken from the text itself)
+            max_kl: the ceiling on the mean KL to dynamic, nats per token (default 0.02)
+            engine: any, llama.cpp, vllm, transformers, mlx or kvdemo: only specs that engine stores the same way
+            session: the session name given to prefill_context (empty: the shared one)
+
+        Returns:
+            JSON: pick, why, deploy (the lines), finished, note, and rows (every candidate: spec, bytes_per_token,
+            probe_kl, mean_kl, same_top_p, perplexity_ratio, measured, deploy)
+        """
+        key = self.key_of(session, request)
+        if questions is not None and (
+            not isinstance(questions, list) or not all(isinstance(q, str) for q in questions)
+        ):
+            raise ValueError("questions must be a list of question texts (or empty to take them from the text)")
+        check_target(max_kl, None)
+        if not isinstance(context, str) or not context.strip():
+            qa = self._prefilled(key).qa
+            assert qa is not None and qa.context is not None  # `_prefilled` checked it
+            context = qa.context
+        loaded = self.app.wait_for_model()
+        user = self.app.sessions.get(key)
+        with self.app.sessions.long_job(
+            user, "A long job is already running in this session; wait for it to end"
+        ) as cancel:
+            with self.app.recommendation(key, loaded, context), CALLS.watching(request, cancel.set) as gone:
+                relay, bound = ProgressRelay(), threading.Event()
+                timer = after(MCP_COMPARE_SECONDS, bound, cancel.set)
+                try:
+                    found = recommend(loaded, context, questions or (), max_kl=max_kl, engine=engine, cancel=cancel,
+                                      on_progress=relay)  # fmt: skip
+                    note = ""
+                except RecommendationCancelled as stopped:
+                    found = stopped.recommendation
+                    why = gone() or f"this tool's bound of {MCP_COMPARE_SECONDS:g} s"
+                    note = f"stopped ({why}); the rows measured so far follow, with no pick"
+                finally:
+                    timer.cancel()
+                relay.settle()
+        picked = found.picked
+        return _json({"pick": found.pick, "why": found.why, "deploy": list(picked.deploy) if picked else [],
+                      "finished": found.finished, "note": note, **json_ready(found.to_dict(), nan=None)})  # fmt: skip
+
     def _bounded_compare(
         self,
         work: Callable[..., ComparisonReport],
@@ -362,6 +424,7 @@ class McpTools:
         gr.api(self.prefill_context, api_name="prefill_context", concurrency_id="model")
         gr.api(self.ask_question, api_name="ask_question", concurrency_id="model")
         gr.api(self.compare_backends, api_name="compare_backends", concurrency_limit=1, concurrency_id="compare")
+        gr.api(self.recommend_setting, api_name="recommend_setting", concurrency_limit=1, concurrency_id="compare")
         # the needle grid's tool: a typed method here (its KV bytes held through `App.holding("grid:<key>", ...)`),
         # registered on the next line, and its name added to TOOLS
 

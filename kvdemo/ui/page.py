@@ -1,4 +1,5 @@
-"""The page: the model bar over one tab per job (`AskTab`, `CompareTab`), composed into one `gr.Blocks`.
+"""The page: the model bar over one tab per job (`AskTab`, `CompareTab`, `NeedleTab`, `RecommendTab`), composed
+into one `gr.Blocks`.
 
 Every event has an `api_name` for `gradio_client` (or is private); `mcp_tools` adds typed endpoints, the app's
 MCP tools. One model is shared; each browser session (Gradio's `session_hash`) has its own `QASession`, kept
@@ -21,6 +22,7 @@ from kvdemo.ui.compare_tab import CompareTab
 from kvdemo.ui.inputs import refusal
 from kvdemo.ui.mcp_tools import McpTools
 from kvdemo.ui.needle_tab import NeedleTab
+from kvdemo.ui.recommend_tab import RecommendTab
 
 PAGE_CSS = """
 .prose code { white-space: pre-wrap; overflow-wrap: anywhere; }
@@ -55,7 +57,12 @@ class ModelBar:
             if model_source is not None and not isinstance(model_source, str):  # the API can send any JSON
                 raise ValueError("the model must be text: a Hub id, a local folder or a .gguf file")
             progress(0, desc=f"Loading {model_source.strip() if model_source else 'the start-up model'}…")
-            return views.model_status(self.app.load(model_source))
+
+            def measuring(done: int, total: int, what: str) -> None:
+                desc = f"Measuring the recommended KV setting for this model (once per model): {what}"
+                progress((done, total), desc=desc, unit="steps")
+
+            return views.model_status(self.app.load(model_source, on_progress=measuring))
         except ValueError as error:
             current = views.model_status(self.app.loaded) if self.app.loaded is not None else "No model is loaded."
             return f"{current}\n\n{refusal(error, 'a model load')}"
@@ -111,7 +118,7 @@ def build_demo(app: App) -> gr.Blocks:
         >>> app = App(); app.start_loading(); build_demo(app).queue().launch(css=PAGE_CSS)
     """
     bar, ask = ModelBar(app), AskTab(app)
-    compare, grid = CompareTab(ask), NeedleTab(ask)
+    compare, grid, recommend = CompareTab(ask), NeedleTab(ask), RecommendTab(ask)
     with gr.Blocks(title="kvdemo: KV cache quantization, live") as demo:
         gr.Markdown(
             "# kvdemo: a quantized KV cache, live\nPrefill a long context once, ask questions in turn, and watch "
@@ -124,6 +131,8 @@ def build_demo(app: App) -> gr.Blocks:
             compare.build()
         with gr.Tab("Needle in a haystack", id="needle"):
             grid.build()
+        with gr.Tab("Recommend", id="recommend"):
+            recommend.build()
         private: dict[str, Any] = {"api_visibility": "private", "queue": False}
         status = demo.load(bar.on_page_load, outputs=bar.line, api_name="model_status")
         status.then(bar.box, outputs=bar.source, **private)
@@ -136,6 +145,7 @@ def build_demo(app: App) -> gr.Blocks:
         ask.wire_model_load(load)
         compare.wire()
         grid.wire()
+        recommend.wire()
         McpTools(app).register()  # typed endpoints, served as MCP tools by `launch(mcp_server=True)` (app.py --mcp)
 
         def unload(request: gr.Request) -> None:

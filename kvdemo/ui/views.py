@@ -24,6 +24,7 @@ from kvdemo.charts.steps import (
     residual_layer,
     step_time_figure,
 )
+from kvdemo.compare.recommendation import Recommendation
 from kvdemo.compare.records import ComparisonReport
 from kvdemo.qa.models import LoadedModel
 from kvdemo.qa.session import QASession
@@ -436,3 +437,21 @@ def speed_limit_line(limit: SpeedLimit, step_seconds: float | None) -> str:
 def speed_limit_after(limit: SpeedLimit, events: list) -> str:
     """`speed_limit_line` beside the median decode step without a flush of the answer's `StepEvent`s."""
     return speed_limit_line(limit, flush_timing(events)[2])
+
+
+def recommended_note(found: Recommendation) -> str:
+    """The line under the backend that says where the starting spec came from (`kvdemo.serve.recommended`)."""
+    row = found.picked
+    if row is None:
+        return ""
+    share = row.bytes_per_token[0] / next(r.bytes_per_token[0] for r in found.rows if r.backend == "dynamic")
+    kl = (
+        ""
+        if row.mean_kl is None
+        else f": mean KL {row.mean_kl:.4f} to full precision, {row.same_top_p:.0f} % the same top token"
+    )
+    return (
+        f"ℹ Recommended for this model: `{found.pick}`{kl}, {share:.0%} of dynamic's bytes, measured on "
+        f"{found.source or 'a text'} ({found.context_tokens:,} tokens). It holds for that text: the **Recommend** "
+        "tab measures every setting on yours."
+    )

@@ -1,0 +1,97 @@
+"""The specs a recommendation measures (`candidate_specs`), derived from the registry alone for one model and engine:
+no list of specs is written here, only which options are varied and why.
+
+Each quantized, installed backend at every key precision from `MIN_PLAN_BITS` (the planner's floor: 1-bit stores err
+by more than their own norm) and every value precision at most the keys' (the keys set which tokens a query attends
+to and are the more sensitive half: KIVI, KVQuant; so a split gives the keys the bits), each at every choice of the
+options in `VARIED`, and every preset of a backend (vLLM's TurboQuant presets, with their boundary protection). Every
+other option keeps its default: it changes when and how a store is written (the flush, the residual's length, the
+axis, hqq's solver), not what a long context holds, and the Compare tab measures it. A spec the model refuses
+(`CacheSpec.validate`: a group that does not fit its head_dim, a rotation on another width) is left out, and so is a
+spec the engine does not store the same way (`kvdemo.cache.deploy.deployments`). `dynamic` comes first: the
+reference and the answer when nothing quantized keeps the model within the target.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING, cast
+
+from kvdemo.cache.deploy import ENGINES, deployments
+from kvdemo.cache.layer_kinds import layer_types
+from kvdemo.cache.registry import BACKENDS
+from kvdemo.cache.spec import CacheSpec
+from kvdemo.evals.plan_budget import MIN_PLAN_BITS
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+
+VARIED = ("rotation", "scale", "sliding")
+"""The options whose every choice is a candidate: what each stored value is (`rotation`: the Hadamard basis that
+spreads outlier channels; `scale`: fp8's per-tensor or per-token-head scale) and which layers are quantized
+(`sliding`, only where the model has sliding-window layers: it changes nothing elsewhere)."""
+
+ANY_ENGINE = "any"
+"""`--engine any`: every candidate, whichever engine deploys it."""
+
+
+def candidate_specs(model_config: PreTrainedConfig, engine: str = ANY_ENGINE) -> list[CacheSpec]:
+    """`dynamic`, then every candidate of every quantized installed backend that this model runs and `engine`
+    deploys (see the module's docstring), validated, each once.
+
+    Raises:
+        ValueError: an engine not in `ENGINES` or `any` (the message lists them).
+    """
+    if engine != ANY_ENGINE and engine not in ENGINES:
+        raise ValueError(f"engine {engine!r} is not one of {', '.join((ANY_ENGINE, *ENGINES))}")
+    found: dict[str, CacheSpec] = {}
+    for spec in [CacheSpec("dynamic"), *_grid(model_config)]:
+        try:
+            spec = spec.validate(model_config)
+        except (ValueError, ImportError):
+            continue  # this model cannot store it (a group or a width): not a candidate here
+        if engine == ANY_ENGINE or engine in [d.engine for d in deployments(spec, model_config)]:
+            found.setdefault(spec.label, spec)
+    return list(found.values())
+
+
+def _grid(model_config: PreTrainedConfig) -> list[CacheSpec]:
+    """Every quantized installed backend's bits, K/V splits, `VARIED` choices and presets (not yet validated)."""
+    has_sliding = any("sliding" in kind or "chunked" in kind for kind in layer_types(model_config))
+    specs = []
+    for name, info in BACKENDS.items():
+        if not info.quantized or not info.installed():
+            continue
+        varied = {
+            option: [None, *(c for c in info.options[option].choices or () if c != info.options[option].default)]
+            for option in VARIED
+            if option in info.options and (option != "sliding" or has_sliding)
+        }
+        for bits in _bit_pairs(name):
+            for words in itertools.product(*varied.values()):
+                specs.append(CacheSpec(name, **bits, **dict(zip(varied, words))))  # type: ignore[arg-type]
+        for preset in info.presets:
+            specs += [CacheSpec.parse(f"{name}:{preset}").replace(**dict(zip(varied, w))) for w in _sliding(varied)]
+    return specs
+
+
+def _sliding(varied: dict[str, list]) -> list[tuple]:
+    """The presets' choices of the varied options: `sliding`'s both ways where varied; the others as the preset
+    sets them (None)."""
+    return [tuple(w if o == "sliding" else None for o, w in zip(varied, words)) for words in itertools.product(
+        *[choices if o == "sliding" else [None] for o, choices in varied.items()])]  # fmt: skip
+
+
+def _bit_pairs(name: str) -> list[dict[str, int | None]]:
+    """Keys' and values' bits of backend `name`: nbits from `MIN_PLAN_BITS`, nbits_value at most nbits (unset where
+    equal, so the spec reads as transformers' one precision); one empty pair for a backend without nbits (fp8)."""
+    options = BACKENDS[name].options
+    if "nbits" not in options:
+        return [{}]
+    bits = [b for b in cast("tuple[int, ...]", options["nbits"].choices) if b >= MIN_PLAN_BITS]
+    values = cast("tuple[int, ...]", options["nbits_value"].choices) if "nbits_value" in options else ()
+    pairs: list[dict[str, int | None]] = []
+    for k in bits:
+        pairs.append({"nbits": k})
+        pairs += [{"nbits": k, "nbits_value": v} for v in values if MIN_PLAN_BITS <= v < k]
+    return pairs

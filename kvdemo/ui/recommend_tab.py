@@ -1,0 +1,158 @@
+"""The Recommend tab: which KV setting for the loaded model on the Ask tab's text (`kvdemo.compare.recommend`): every
+candidate measured against `dynamic`, the frontier of bytes against KL as a chart and a table, the pick with its
+deploy lines and why. It shares the Compare tab's long-job slot, Cancel and queue group; the user's own prefilled
+cache is never touched."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, NamedTuple
+
+import gradio as gr
+import pandas as pd
+
+from kvdemo.cache.deploy import ENGINES
+from kvdemo.compare.candidates import ANY_ENGINE
+from kvdemo.compare.recommend import DEFAULT_MAX_KL, check_target, recommend
+from kvdemo.compare.recommendation import Recommendation, RecommendationCancelled
+from kvdemo.serve.store import request_key
+from kvdemo.ui import views
+from kvdemo.ui.ask_tab import AskTab
+from kvdemo.ui.inputs import refusal
+
+_log = logging.getLogger(__name__)
+
+BUSY = "A comparison, grid or recommendation is already running in this session; wait or press Cancel"
+
+
+class RecommendView(NamedTuple):
+    """What a recommendation shows, in the order of its outputs (`views.KEEP`: as it is)."""
+
+    recommend_status: Any = views.KEEP
+    pick: Any = views.KEEP
+    frontier_plot: Any = views.KEEP
+    recommend_table: Any = views.KEEP
+
+
+def frontier_frame(found: Recommendation) -> pd.DataFrame:
+    """The chart's points: every measured candidate's bytes per token and KL (the full figure, else the probe's),
+    and which it is (`pick`, `frontier`, `measured`)."""
+    frontier = {r.spec for r in found.frontier()}
+    return pd.DataFrame(
+        [
+            {
+                "spec": r.spec,
+                "bytes per token": round(r.bytes_per_token[0]),
+                "mean KL": r.kl,
+                "point": "pick" if r.spec == found.pick else "frontier" if r.spec in frontier else "measured",
+                "how": r.measured,
+            }
+            for r in found.rows
+            if r.kl is not None
+        ]
+    )
+
+
+def _view(found: Recommendation, status: str) -> RecommendView:
+    picked = found.picked
+    lines = [f"### Pick: `{found.pick}`", found.why, *(f"- `{line}`" for line in picked.deploy)] if picked else []
+    if found.plan:
+        lines.append(f"\nPer-layer plan measured: `{found.plan}`")
+    lines.append(
+        "\nThis holds for this model, this text and these questions: check the pick on another text in **Compare**."
+    )
+    return RecommendView(status, "\n".join(lines) if picked else "", frontier_frame(found), found.to_frame())
+
+
+class RecommendTab:
+    """The Recommend tab, sharing the Ask tab's sessions and the Compare tab's long-job slot."""
+
+    def __init__(self, ask: AskTab):
+        self.ask, self.app = ask, ask.app
+        self.w: dict[str, Any] = {}
+
+    def run(
+        self, context, questions_text, max_kl, engine, request: gr.Request, progress=gr.Progress()
+    ) -> RecommendView:
+        """Run `recommend` on the Context box's text; Cancel (the Compare tab's) keeps what was measured. A refusal
+        is a message in the status line; the last results stay."""
+        try:
+            check_target(max_kl, None)
+            if not isinstance(context, str) or not context.strip():
+                raise ValueError("the Context box is empty; paste or upload a text (or pick an example) in Ask")
+            questions = [q.strip() for q in str(questions_text or "").splitlines() if q.strip()]
+            user = self.app.sessions.of_request(request)
+            with self.app.sessions.long_job(user, BUSY) as cancel:
+                loaded = self.app.wait_for_model()
+                progress(0, desc="Starting the recommendation…")
+                with self.app.recommendation(request_key(request), loaded, context):
+                    found = recommend(
+                        loaded, context, questions, max_kl=float(max_kl), engine=str(engine), cancel=cancel,
+                        on_progress=lambda done, total, what: progress((done, total), desc=what, unit="steps"),
+                    )  # fmt: skip
+                done = f"{len(found.rows)} candidates in {found.seconds:.0f} s on {found.context_tokens:,} tokens"
+                return _view(found, f"Measured {done}.")
+        except RecommendationCancelled as stopped:
+            kept = stopped.recommendation
+            return _view(kept, f"Cancelled: {len(kept.rows)} candidates measured so far, no pick.")
+        except (ValueError, ImportError) as error:
+            return RecommendView(recommend_status=refusal(error, "a recommendation"))
+        except Exception as error:  # a fault inside a decode step: every session it used has restored
+            _log.warning("a recommendation failed: %s: %s", type(error).__name__, error)
+            return RecommendView(
+                recommend_status=f"⚠ The recommendation failed ({type(error).__name__}); nothing else changed"
+            )
+
+    def build(self) -> None:
+        """The tab's widgets, kept in `self.w`."""
+        w = self.w
+        gr.Markdown(
+            "Which KV cache setting for **this model** on **your text** (the Ask tab's Context box): every candidate "
+            "the registry gives for the engine you deploy with is measured against `dynamic` (teacher-forced KL on "
+            "its answers, the same top token, the perplexity of the text's held-out end, bytes per token), first by "
+            "a short probe, then in full; the pick has the fewest bytes within the KL ceiling. About 1-2 minutes "
+            "for a 1,000-token text on 2 CPU cores with the embedded model."
+        )
+        with gr.Row():
+            with gr.Column(scale=1, min_width=260):
+                w["max_kl"] = gr.Number(
+                    DEFAULT_MAX_KL, label="mean-KL ceiling (nats/token)", info="0.02: answers keep their sense"
+                )
+                w["engine"] = gr.Dropdown(
+                    [ANY_ENGINE, *ENGINES], value=ANY_ENGINE, label="engine",
+                    info="only settings this engine stores the same way",
+                )  # fmt: skip
+            with gr.Column(scale=2):
+                w["questions"] = gr.Textbox(
+                    label="questions, one per line (empty: taken from the text)", lines=3, placeholder="Who ...?"
+                )
+                with gr.Row():
+                    w["button"] = gr.Button("Recommend", variant="primary")
+                    w["cancel"] = gr.Button("Cancel", variant="stop")
+                w["recommend_status"] = gr.Markdown("")
+        w["pick"] = gr.Markdown("")
+        w["frontier_plot"] = gr.ScatterPlot(
+            None, x="bytes per token", y="mean KL", color="point", title="Bytes against KL",
+            x_title="KV bytes per context token", y_title="mean KL to dynamic (nats)", height=320,
+            tooltip=["spec", "bytes per token", "mean KL", "how"],
+        )  # fmt: skip
+        w["recommend_table"] = gr.Dataframe(label="every candidate, by bytes", interactive=False, wrap=False)
+
+    def wire(self) -> None:
+        w = self.w
+        w["button"].click(
+            self.run,
+            inputs=[self.ask.w["context"], w["questions"], w["max_kl"], w["engine"]],
+            outputs=[w[name] for name in RecommendView._fields],
+            api_name="recommend",
+            show_progress_on=w["recommend_status"],
+            concurrency_limit=1,
+            concurrency_id="compare",
+        )
+        w["cancel"].click(self.cancel, api_name="cancel_recommend", concurrency_limit=None)
+
+    def cancel(self, request: gr.Request) -> None:
+        """Stop this session's recommendation after its current decode step; what was measured is shown."""
+        views.acknowledge_cancel(
+            self.app.sessions.cancel_long_job(self.app.sessions.peek_request(request)), "recommendation"
+        )
