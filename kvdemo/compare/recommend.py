@@ -364,6 +364,7 @@ class _Run:
             return (f"{pick.spec} moves this model least within {self.limit:,.0f} bytes per token: mean KL "
                     f"{pick.mean_kl:.4f}, {pick.same_top_p:.1f} % the same top token, {share}.")  # fmt: skip
         smaller = [r for r in measured if r.bytes_per_token[0] < pick.bytes_per_token[0]]
+        smaller = [r for r in smaller if r.measured == FULL] or smaller  # a full figure says more than a probe's
         if not smaller:
             return f"{pick.spec} is the smallest setting measured and keeps mean KL {pick.mean_kl:.4f}, {share}."
         near = max(smaller, key=lambda r: (r.bytes_per_token[0], -(r.kl or 0.0)))

@@ -23,7 +23,7 @@ from kvdemo.qa.session import QASession
 from kvdemo.serve.server import App, switched_reason
 from kvdemo.serve.store import UserSession, request_key
 from kvdemo.ui import context_box, option_fields, page_state, session_box, views
-from kvdemo.ui.ask_widgets import AnswerView, AskWidgets, PrefillView
+from kvdemo.ui.ask_widgets import START_SPEC, AnswerView, AskWidgets, PrefillView
 from kvdemo.ui.examples import example, suggested_questions
 from kvdemo.ui.inputs import page_event, read_upload, refusal, spec_from_inputs
 
@@ -338,7 +338,8 @@ class AskTab(AskWidgets):
         except ValueError:  # a pick the fields cannot show (none is stored so; a guard): the fixed start stays
             return [*keep[:-2], "", views.KEEP]
         *fields, backend_note = option_fields.backend_option_updates(backend, *values)
-        return [backend, *fields, backend_note, note, {backend: values}]
+        start = dict([session_box.spec_fields(START_SPEC)])  # a click on the page's fixed start still gives its values
+        return [backend, *fields, backend_note, note, {**start, backend: values}]
 
     def upload(self, path: str | None) -> tuple[Any, Any]:
         """(Context box, notice) for an uploaded file: its text, or a refusal beside Prefill (the box keeps

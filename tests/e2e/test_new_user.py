@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import Page, expect
 
+from kvdemo.cache.spec import CacheSpec
 from kvdemo.evals.cases import example_path, load_case
 from kvdemo.qa.models import load_model
 from kvdemo.qa.packaged import GEMMA3_PIP, OfferedModel, gemma3_installed
@@ -95,21 +96,28 @@ def test_after_a_prefill_ask_shows_and_a_refusal_beside_it_stays(page, normans):
     expect(refusal).to_have_count(0)
 
 
-def test_a_backend_click_gives_its_own_defaults_or_what_was_set_on_it(page):
+def test_a_backend_click_gives_its_own_defaults_or_what_was_set_on_it(page, app_and_url):
+    """The page starts on the model's recommended spec (`App.recommended`, stored by `make setup`), says so under the
+    backend, and a click on a backend gives its own values."""
     line = page.locator("p", has_text=re.compile(r"^spec"))
     flush = page.get_by_label("flush", exact=True)
     residual = page.get_by_label("residual_length", exact=True)
-    expect(line.first).to_contain_text(START_SPEC.full_text)
+    found = app_and_url[0].recommended
+    assert found is not None, "no recommended start stored for the embedded model: run make setup"
+    expect(line.first).to_contain_text(CacheSpec.parse(found.pick).full_text)
+    expect(page.get_by_text("Recommended for this model:")).to_contain_text(found.pick)
+    page.get_by_label("quanto", exact=True).check()
+    expect(flush).to_have_value("requantize")
+    expect(residual).to_have_value(str(START_SPEC.resolved()["residual_length"]))  # the page's fixed start, quanto's
     page.get_by_label("turboquant", exact=True).check()
     # turboquant's own flush (append), not quanto's requantize riding along; the line says what a Prefill runs
     expect(flush).to_have_value("append")
     expect(residual).to_have_value("128")
-    expect(line.first).to_contain_text("turboquant:4,residual_length=128,flush=append")
+    expect(line.first).to_contain_text("residual_length=128,flush=append")
     residual.fill("64")
     residual.blur()
     page.get_by_label("quanto", exact=True).check()
-    expect(flush).to_have_value("requantize")
-    expect(residual).to_have_value(str(START_SPEC.resolved()["residual_length"]))  # the page's starting spec
+    expect(residual).to_have_value(str(START_SPEC.resolved()["residual_length"]))
     page.get_by_label("turboquant", exact=True).check()
     expect(residual).to_have_value("64")  # what the user set on turboquant, back
     _shot(page, "2-backend-fields")
