@@ -36,9 +36,6 @@ DEFAULT_LINES = {
 TRANSFORMERS_OPTIONS = ("nbits", "axis_key", "axis_value", "q_group_size", "residual_length")
 """The options transformers' `QuantizedCache` takes (its `__init__`); the others must be at kvdemo's defaults."""
 
-TRANSFORMERS_BACKENDS = ("quanto", "hqq", "fp8")
-"""The backends of transformers' `QuantizedCache(backend=...)`."""
-
 
 @dataclass(frozen=True)
 class Deployment:
@@ -77,7 +74,7 @@ def deployments(spec: CacheSpec, model_config: PreTrainedConfig) -> tuple[Deploy
 def _transformers_config(spec: CacheSpec, model_config: PreTrainedConfig) -> dict[str, Any] | None:
     """transformers' `cache_config` for `spec`, or None where its `QuantizedCache` stores something else or refuses
     the model (a layer that is not full attention)."""
-    if spec.backend not in TRANSFORMERS_BACKENDS or set(layer_types(model_config)) != {"full_attention"}:
+    if not spec.info.in_transformers or set(layer_types(model_config)) != {"full_attention"}:
         return None
     resolved, given = spec.resolved(), spec.given()
     for name, option in spec.info.options.items():

@@ -95,6 +95,7 @@ class Backend:
             `kv_cache_dtype` presets), name -> {option: value}; `CacheSpec.parse` expands them.
         combination_rule: `rule(resolved options) -> why they cannot go together, or None`, for options that are
             each allowed but not together (turboquant's norm correction at nbits 8); None where any go together.
+        in_transformers: transformers' own `QuantizedCache(backend=name)` stores it (`kvdemo.cache.deploy`).
     """
 
     name: str
@@ -111,6 +112,7 @@ class Backend:
     width_rule: WidthRule | None = None
     presets: dict[str, dict[str, int | str]] = field(default_factory=dict)
     combination_rule: Callable[[SpecOptions], str | None] | None = None
+    in_transformers: bool = False
 
     @property
     def has_residual(self) -> bool:
@@ -281,6 +283,7 @@ BACKENDS: dict[str, Backend] = {
         group_rule=quanto_group_problem,
         compare_nbits=(4,),  # the Compare tab starts with seven specs: one per backend, and the rotated twins
         module="optimum.quanto",
+        in_transformers=True,
         pip="pip install optimum-quanto==0.2.7",
     ),
     "hqq": Backend(
@@ -298,6 +301,7 @@ BACKENDS: dict[str, Backend] = {
         group_rule=hqq_group_problem,
         compare_nbits=(4,),
         module="hqq",
+        in_transformers=True,
         pip="pip install hqq==0.2.8.post1",
     ),
     "fp8": Backend(
@@ -309,6 +313,7 @@ BACKENDS: dict[str, Backend] = {
         quantized=True,
         make_cache=_fp8_cache,
         kv_bytes=fp8_bytes,
+        in_transformers=True,
         options={
             "sliding": SLIDING_OPTION,
             "protect": PROTECT_OPTION,

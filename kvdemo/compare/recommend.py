@@ -31,6 +31,7 @@ import torch
 
 from kvdemo.cache.deploy import ENGINES, deployments
 from kvdemo.cache.layer_plan import PLAN
+from kvdemo.cache.registry import BACKENDS
 from kvdemo.cache.spec import CacheSpec, estimate_kv_bytes
 from kvdemo.compare.candidates import ANY_ENGINE, candidate_specs
 from kvdemo.compare.recommendation import (
@@ -41,7 +42,8 @@ from kvdemo.compare.recommendation import (
     RecommendRow,
 )
 from kvdemo.evals import planner
-from kvdemo.evals.fidelity import kl_divergence, kl_statistics
+from kvdemo.evals.fidelity import kl_statistics
+from kvdemo.evals.metrics import kl_divergence
 from kvdemo.qa.models import LoadedModel
 from kvdemo.qa.session import QASession
 
@@ -355,8 +357,8 @@ class _Run:
         dynamic_bytes = self.rows[self.specs[0].label].bytes_per_token[0]
         share = f"{pick.bytes_per_token[0] / dynamic_bytes:.0%} of dynamic's bytes"
         measured = [r for r in self.rows.values() if r.kl is not None and r.spec != pick.spec]
-        if pick.backend == "dynamic":
-            best = min((r for r in measured if r.backend != "dynamic"), key=lambda r: r.kl or 0.0, default=None)
+        if not BACKENDS[pick.backend].quantized:
+            best = min((r for r in measured if BACKENDS[r.backend].quantized), key=lambda r: r.kl or 0.0, default=None)
             closest = f" the closest, {best.spec}, moved it by KL {best.kl:.4f}" if best else ""
             within = f"within mean KL {self.limit:g}" if self.target == "max_kl" else "within the budget"
             return f"No quantized setting kept this model {within} on this text;{closest}: keep dynamic."

@@ -246,9 +246,10 @@ class QASession:
                 answering; KVBudgetError (a ValueError): the cache would pass `kv_budget_bytes` (the session is
                 unchanged then).
         """
-        if reference.loaded is not self.loaded or reference.spec.label != "dynamic":
+        plain = CacheSpec().label  # the full-precision baseline: transformers' `DynamicCache` as it builds it
+        if reference.loaded is not self.loaded or reference.spec.label != plain:
             raise ValueError("prefill_from takes a dynamic session (storage=concat) of the same loaded model")
-        if not self.spec.info.quantized and self.spec.label != "dynamic":
+        if not self.spec.info.quantized and self.spec.label != plain:
             raise ValueError(f"{self.spec.label} builds its own layers; prefill it with `prefill`")
         if reference.streaming:
             raise ValueError("the reference session is answering; prefill from it once its answer is closed")

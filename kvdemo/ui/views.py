@@ -444,7 +444,7 @@ def recommended_note(found: Recommendation) -> str:
     row = found.picked
     if row is None:
         return ""
-    share = row.bytes_per_token[0] / next(r.bytes_per_token[0] for r in found.rows if r.backend == "dynamic")
+    share = row.bytes_per_token[0] / found.rows[0].bytes_per_token[0]  # `dynamic`'s row comes first
     kl = (
         ""
         if row.mean_kl is None
