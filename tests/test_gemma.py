@@ -117,3 +117,34 @@ def test_gemma3_through_every_door():
     assert all(c.cache_length_after == 1024 and c.score <= 0 for c in grid.cells)
     print({t: (round(r.kl.mean_kld, 4), round(r.kv_error.total, 4), r.kv_bytes) for t, r in by_text.items()})
     print(report.plans, [(c.spec_text, c.hit, round(c.score, 2)) for c in grid.cells])
+
+
+def test_gemma3_starts_on_its_own_recommended_spec(embedded, tmp_path, monkeypatch):
+    """Issue 55: a model loaded on the page starts on its own recommendation at the default ceiling, measured once on
+    the built-in text and stored. Gemma 3 270M moves its answers 4-10 times more than the embedded model under
+    `quanto:4`, so its pick must keep the ceiling in a way that fits it, within fp8's bytes."""
+    from types import SimpleNamespace
+
+    from kvdemo.compare.recommend import DEFAULT_MAX_KL
+    from kvdemo.qa.models import load_model
+    from kvdemo.serve.recommended import stored
+    from kvdemo.serve.server import App
+    from kvdemo.ui.ask_tab import AskTab
+
+    monkeypatch.setenv("KVDEMO_CACHE_DIR", str(tmp_path))  # measured here, not read from the user's folder
+    gemma = load_model(gemma3_path())
+    app = App(loader=lambda source: gemma if source == "gemma" else embedded, measure_defaults=True)
+    app.start_loading()
+    app.wait_for_model()
+    seen: list[str] = []
+    app.load("gemma", on_progress=lambda done, total, what: seen.append(what))
+    found = app.recommended
+    assert found is not None and found.model == gemma.name and seen[-1] == f"picked {found.pick}"
+    assert stored(gemma) == found  # kept for the next load
+    picked = found.picked
+    assert picked is not None and picked.mean_kl is not None and picked.mean_kl <= DEFAULT_MAX_KL
+    fp8 = next(row for row in found.rows if row.spec == "fp8")
+    assert picked.bytes_per_token[0] <= fp8.bytes_per_token[0]
+    backend, *_, note, memory = AskTab(app).start_spec(None, SimpleNamespace(session_hash="fresh"))
+    assert CacheSpec.parse(found.pick).backend == backend and backend in memory
+    assert note.startswith("ℹ Recommended for this model: `" + found.pick)

@@ -357,3 +357,27 @@ def test_a_needle_grid_reserves_its_largest_spec_at_its_longest_length(tiny):
     small = _app(tiny, 1000)
     with pytest.raises(ServerKVBudgetError, match="a needle grid of 2 spec"):
         small.needle_grid("k", tiny, specs, [300], 16).__enter__()
+
+
+def test_mcp_recommend_uses_the_sessions_context_and_refuses_bad_input(tiny, normans):
+    app = _app(tiny, None)
+    tools = McpTools(app)
+    context = normans.select("0").context
+    tools.prefill_context(context, "dynamic", "a")
+    found = json.loads(tools.recommend_setting("", ["Who were the Normans?"], 0.05, "transformers", "a"))
+    assert found["finished"] and found["note"] == "" and found["rows"][0]["spec"] == "dynamic"
+    picked = next(row for row in found["rows"] if row["spec"] == found["pick"])
+    assert (
+        picked["mean_kl"] <= 0.05
+        and found["deploy"] == picked["deploy"]
+        and found["deploy"][0].startswith(("transformers:", "llama.cpp:"))
+    )
+    assert set(app.kv.holders()) == {"cache:mcp:a"}  # the recommendation's reservation is released
+    for call, message in [
+        (lambda: tools.recommend_setting("", ["Who?"], 0.0, "any", "a"), "max_kl=0.0 must be a number > 0"),
+        (lambda: tools.recommend_setting("", ["Who?"], 0.02, "vllm", "a"), "kvdemo stores none of vllm's"),
+        (lambda: tools.recommend_setting("", "Who?", 0.02, "any", "a"), "questions must be a list"),
+        (lambda: tools.recommend_setting("", ["Who?"], 0.02, "any", "nobody"), "Nothing is prefilled"),
+    ]:
+        with pytest.raises(gr.Error, match=message):
+            call()

@@ -873,9 +873,9 @@ def test_cancel_is_enabled_only_while_a_long_job_runs_or_waits(handlers):
     app, fns = handlers
     demo = build_demo(app)
     cancels = [b for b in demo.blocks.values() if isinstance(b, gr.Button) and b.value == "Cancel"]
-    assert len(cancels) == 2 and all(b.interactive is False for b in cancels)  # Compare's and Needle's, at start
+    assert len(cancels) == 3 and all(b.interactive is False for b in cancels)  # Compare's, Needle's, Recommend's
     states = [f.fn for f in demo.fns.values() if getattr(f.fn, "__name__", "") == "cancel_state"]
-    assert len(states) == 4  # after each tab's click and after its run
+    assert len(states) == 6  # after each tab's click and after its run
     assert all(state(_request())["interactive"] is False for state in states)  # no session yet
     fns["prefill"](CONTEXT, *HQQ, _request())
     user = app.sessions.get("tab-1")

@@ -234,6 +234,8 @@ class _Run:
         self.row(dynamic, probe_kl=0.0, mean_kl=0.0, same_top_p=100.0, p99_kl=0.0, perplexity_ratio=1.0, measured=FULL)
         probed = [row for spec in self.specs[1:] if (row := self._probe(spec)) is not None]
         pick = self._measure_kl() if self.target == "max_kl" else self._measure_budget(probed)
+        self.done = self.total  # the estimate counted every full measurement the run may have skipped
+        self.step(f"picked {pick.spec}", 0)
         return self.record(pick=pick.spec, why=self._why(pick))
 
     def _nll(self, session: QASession) -> float | None:

@@ -63,6 +63,10 @@ class App:
         server_kv_budget_bytes: the server-wide KV budget (`KVAccount`): every session's cache and snapshot,
             every prefill in progress and every running comparison together (bytes; None: no limit).
         session_files: where prefills are saved and opened again instead of run (`SessionFiles`); None: no files.
+        measure_defaults: measure a model's page default (`kvdemo.serve.recommended`) when none is stored, at its
+            load (a minute or more, once per model); False: only a stored one is used.
+        recommended_start: the Ask tab starts each model on its page default (`recommended`); False: on its fixed
+            spec (`kvdemo.ui.ask_widgets.START_SPEC`) for every model.
 
     Attributes:
         kv: the `KVAccount`; a freed session's cache is released from it (`SessionStore.on_free`).
@@ -80,6 +84,7 @@ class App:
         server_kv_budget_bytes: int | None = None,
         session_files: SessionFiles | None = None,
         measure_defaults: bool = False,
+        recommended_start: bool = True,
     ):
         self.model_source = model_source
         self.loader = loader
@@ -92,6 +97,7 @@ class App:
         self.loaded: LoadedModel | None = None
         self.load_error: str | None = None
         self.measure_defaults = measure_defaults
+        self.recommended_start = recommended_start
         self.recommended: Recommendation | None = None
         """The loaded model's page default (`kvdemo.serve.recommended`): stored, or measured at its load where
         `measure_defaults`; None: the page starts on its fixed spec."""
@@ -119,12 +125,18 @@ class App:
         try:
             self.loaded = self.loader(self.model_source)
             _log.info("model loaded: %s", self.loaded.name)
-            self.recommended = page_default(self.loaded, self.measure_defaults)
+            self.recommended = page_default(self.loaded, measure_missing=False)  # a stored one: milliseconds
         except Exception as error:  # shown on the page; the user can load another model
             self.load_error = f"{type(error).__name__}: {error}"
             _log.warning("the model did not load (%s); load another on the page", self.load_error)
         finally:
             self._ready.set()
+        if self.loaded is not None and self.recommended is None and self.measure_defaults:
+            # measured once the page may use the model: pages opened meanwhile start on the fixed spec
+            loaded = self.loaded
+            found = page_default(loaded, measure_missing=True)
+            if self.loaded is loaded:  # not replaced by a Load meanwhile
+                self.recommended = found
 
     def wait_for_model(self, timeout: float | None = None) -> LoadedModel:
         """The shared model, once the start-up load is done.
@@ -164,7 +176,7 @@ class App:
             keeping = f" Keeping {self.loaded.name}." if self.loaded else ""
             kind = "" if isinstance(error, (ValueError, ImportError, OSError)) else f"{type(error).__name__}: "
             raise ValueError(f"{kind}{str(error)[:400]}.{keeping}") from None
-        recommended = page_default(loaded, self.measure_defaults, on_progress)  # before it is shared: once per model
+        recommended = page_default(loaded, self.measure_defaults, on_progress)  # before it is shared; once per model
         previous, self.loaded, self.load_error, self.recommended = self.loaded, loaded, None, recommended
         if previous is not loaded:
             dropped = self.sessions.free_other_models(loaded, switched_reason(loaded))

@@ -328,7 +328,7 @@ class AskTab(AskWidgets):
         this tab holds a prefilled cache (the page shows the cache's spec), or where none is stored."""
         keep = [views.KEEP] * (len(GROUP_OPTIONS) + 4)
         user, found, loaded = self.app.sessions.peek_request(request), self.app.recommended, self.app.loaded
-        if found is None or loaded is None or found.model != loaded.name:
+        if found is None or loaded is None or found.model != loaded.name or not self.app.recommended_start:
             return [*keep[:-2], "", views.KEEP]
         note = views.recommended_note(found)
         if (isinstance(saved, dict) and saved.get("backend")) or (user is not None and user.qa is not None):

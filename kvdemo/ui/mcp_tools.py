@@ -323,6 +323,7 @@ class McpTools:
                 }
             )
 
+    @user_errors
     def recommend_setting(
         self,
         context: str = "",

@@ -71,13 +71,27 @@ class RecommendTab:
         self.ask, self.app = ask, ask.app
         self.w: dict[str, Any] = {}
 
+    def queued(self, request: gr.Request) -> str:
+        """At the click, before the recommendation waits in the queue: from now on Cancel applies to it."""
+        try:
+            user = self.app.sessions.of_request(request)
+        except ValueError as error:
+            return refusal(error, "a recommendation")
+        self.app.sessions.queue_long_job(user)
+        return views.SUBMITTED.format(job="recommendation")
+
+    def cancel_state(self, request: gr.Request) -> Any:
+        """Cancel enabled only while a long job (this, a comparison or a grid) runs or waits in this session."""
+        user = self.app.sessions.peek_request(request)
+        return gr.update(interactive=user is not None and user.long_job_active)
+
     def run(
         self, context, questions_text, max_kl, engine, request: gr.Request, progress=gr.Progress()
     ) -> RecommendView:
         """Run `recommend` on the Context box's text; Cancel (the Compare tab's) keeps what was measured. A refusal
         is a message in the status line; the last results stay."""
         try:
-            check_target(max_kl, None)
+            _, max_kl = check_target(max_kl, None)  # an emptied field: the default ceiling
             if not isinstance(context, str) or not context.strip():
                 raise ValueError("the Context box is empty; paste or upload a text (or pick an example) in Ask")
             questions = [q.strip() for q in str(questions_text or "").splitlines() if q.strip()]
@@ -87,7 +101,7 @@ class RecommendTab:
                 progress(0, desc="Starting the recommendation…")
                 with self.app.recommendation(request_key(request), loaded, context):
                     found = recommend(
-                        loaded, context, questions, max_kl=float(max_kl), engine=str(engine), cancel=cancel,
+                        loaded, context, questions, max_kl=max_kl, engine=str(engine), cancel=cancel,
                         on_progress=lambda done, total, what: progress((done, total), desc=what, unit="steps"),
                     )  # fmt: skip
                 done = f"{len(found.rows)} candidates in {found.seconds:.0f} s on {found.context_tokens:,} tokens"
@@ -128,7 +142,7 @@ class RecommendTab:
                 )
                 with gr.Row():
                     w["button"] = gr.Button("Recommend", variant="primary")
-                    w["cancel"] = gr.Button("Cancel", variant="stop")
+                    w["cancel"] = gr.Button("Cancel", variant="stop", interactive=False)  # `cancel_state`
                 w["recommend_status"] = gr.Markdown("")
         w["pick"] = gr.Markdown("")
         w["frontier_plot"] = gr.ScatterPlot(
@@ -140,7 +154,10 @@ class RecommendTab:
 
     def wire(self) -> None:
         w = self.w
+        private: dict[str, Any] = {"queue": False, "api_visibility": "private"}
         w["button"].click(
+            self.queued, outputs=w["recommend_status"], concurrency_limit=None, api_visibility="private"
+        ).then(self.cancel_state, outputs=w["cancel"], **private).then(
             self.run,
             inputs=[self.ask.w["context"], w["questions"], w["max_kl"], w["engine"]],
             outputs=[w[name] for name in RecommendView._fields],
@@ -148,7 +165,7 @@ class RecommendTab:
             show_progress_on=w["recommend_status"],
             concurrency_limit=1,
             concurrency_id="compare",
-        )
+        ).then(self.cancel_state, outputs=w["cancel"], **private)
         w["cancel"].click(self.cancel, api_name="cancel_recommend", concurrency_limit=None)
 
     def cancel(self, request: gr.Request) -> None:

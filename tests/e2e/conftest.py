@@ -62,7 +62,9 @@ def serve(app: App, port: int | None = None, **launch) -> tuple[gr.Blocks, str]:
 
 @pytest.fixture(scope="session")
 def app_url(embedded):
-    app = App()  # loads the embedded model: the same object as the `embedded` fixture's
+    # loads the embedded model: the same object as the `embedded` fixture's; the page starts on its fixed spec, which
+    # the page tests drive (the recommended start has its own test, tests/e2e/test_new_user.py)
+    app = App(recommended_start=False)
     demo, url = serve(app)
     assert app.wait_for_model() is embedded
     yield url
@@ -75,7 +77,7 @@ def mcp_app(tiny):
     server on, errors shown as app.py shows them (`show_error=True`)."""
     from kvdemo.qa.models import load_model
 
-    app = App(loader=lambda source: tiny if source is None else load_model(source))
+    app = App(loader=lambda source: tiny if source is None else load_model(source), recommended_start=False)
     demo, url = serve(app, mcp_server=True, show_error=True)
     served = serve_only_tools(demo)
     assert app.wait_for_model() is tiny

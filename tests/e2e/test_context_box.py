@@ -46,7 +46,7 @@ many lines through the editor for minutes)."""
 def served(embedded):
     """(url, the contexts the server was asked to prefill, in order): the embedded model, a context over `LIMIT`
     characters large."""
-    app = App(loader=lambda source: embedded)
+    app = App(loader=lambda source: embedded, recommended_start=False)  # the fixed start its tests drive
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(page_state, "LARGE_CONTEXT_CHARS", LIMIT)  # read when the page is built
         demo, url = serve(app)

@@ -338,7 +338,8 @@ def test_what_the_browser_kept_survives_a_server_restart(browser, embedded, norm
     port = free_port()
 
     def start():
-        app = App(loader=lambda source: embedded, session_files=SessionFiles(tmp_path / "sessions", 1 << 30))
+        files = SessionFiles(tmp_path / "sessions", 1 << 30)
+        app = App(loader=lambda source: embedded, session_files=files, recommended_start=False)
         demo, _ = serve(app, port)
         app.wait_for_model()
         return demo
