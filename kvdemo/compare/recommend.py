@@ -334,7 +334,7 @@ class _Run:
         measured = [f for row in kept if (f := self._full(CacheSpec.parse(row.spec))) is not None]
         if self.plans and measured:
             planned = self._plan(min(measured, key=lambda r: r.mean_kl or 0.0), self.limit)
-            measured += [planned] if planned is not None else []
+            measured += [planned] if planned is not None and planned.bytes_per_token[0] <= self.limit else []
         quantized = [r for r in measured if r.mean_kl is not None]
         return min(quantized, key=lambda r: r.mean_kl or 0.0) if quantized else self.rows[self.specs[0].label]
 
@@ -342,12 +342,19 @@ class _Run:
         """The per-layer plan at `budget` bytes per token, on the backend of `near` where it takes plans (else the
         first that does among the candidates), measured in full; None where no plan fits (the record says why)."""
         backends = [near.backend, *(s.backend for s in self.specs)]
-        base = next((b for b in backends if PLAN in CacheSpec(b).info.options), None)
-        if base is None:
+        name = next((b for b in backends if PLAN in CacheSpec(b).info.options), None)
+        if name is None:
             return None
-        self.step(f"planning {base} per layer at {budget:,.0f} bytes per token", 0)
+        # the plan keeps which layers `near` quantizes (its sliding windows), and gives each its bits
+        sliding = CacheSpec.parse(near.spec).given().get("sliding")
+        base = (
+            CacheSpec(name, sliding=sliding)
+            if sliding and "sliding" in CacheSpec(name).info.options
+            else CacheSpec(name)
+        )
+        self.step(f"planning {name} per layer at {budget:,.0f} bytes per token", 0)
         try:
-            plan = planner.plan_layers(self.loaded, self.reference.split.prefix, CacheSpec(base), budget)
+            plan = planner.plan_layers(self.loaded, self.reference.split.prefix, base, budget)
         except ValueError as error:
             self.plan_line = f"no plan: {error}"
             return None

@@ -34,28 +34,45 @@ class RecommendView(NamedTuple):
     recommend_table: Any = views.KEEP
 
 
+CHART_CEILINGS = 4
+"""The chart's KL axis ends at this many times the ceiling: a candidate above it is drawn on that edge, marked
+`over the chart` (a 2-bit cache's KL of 3 nats would otherwise flatten every point near the ceiling)."""
+
+
 def frontier_frame(found: Recommendation) -> pd.DataFrame:
-    """The chart's points: every measured candidate's bytes per token and KL (the full figure, else the probe's),
-    and which it is (`pick`, `frontier`, `measured`)."""
-    frontier = {r.spec for r in found.frontier()}
-    return pd.DataFrame(
-        [
-            {
-                "spec": r.spec,
-                "bytes per token": round(r.bytes_per_token[0]),
-                "mean KL": r.kl,
-                "point": "pick" if r.spec == found.pick else "frontier" if r.spec in frontier else "measured",
-                "how": r.measured,
-            }
-            for r in found.rows
-            if r.kl is not None
-        ]
-    )
+    """The chart's points: every measured quantized candidate's bytes per token and KL (the full figure, else the
+    probe's; `dynamic`, at KL 0 and the most bytes, is left out so the axis fits the candidates), and which it is
+    (`pick`, `frontier`, `measured`, `over the chart`)."""
+    frontier, top = {r.spec for r in found.frontier()}, CHART_CEILINGS * _ceiling(found)
+    points = []
+    for r in found.rows[1:]:  # `dynamic`'s row comes first
+        if r.kl is None:
+            continue
+        kind = (
+            "pick"
+            if r.spec == found.pick
+            else "over the chart"
+            if r.kl > top
+            else "frontier"
+            if r.spec in frontier
+            else "measured"
+        )
+        points.append({"spec": r.spec, "bytes per token": round(r.bytes_per_token[0]), "mean KL": min(r.kl, top),
+                       "KL": r.kl, "point": kind, "how": r.measured})  # fmt: skip
+    return pd.DataFrame(points, columns=["spec", "bytes per token", "mean KL", "KL", "point", "how"])
+
+
+def _ceiling(found: Recommendation) -> float:
+    """The KL the chart is scaled to: the ceiling, or the pick's KL under a byte budget."""
+    if found.target == "max_kl":
+        return found.limit
+    return (found.picked.kl if found.picked is not None and found.picked.kl else None) or 0.02
 
 
 def _view(found: Recommendation, status: str) -> RecommendView:
     picked = found.picked
-    lines = [f"### Pick: `{found.pick}`", found.why, *(f"- `{line}`" for line in picked.deploy)] if picked else []
+    why = found.why.replace("*", "\\*")  # a plan's runs (k4v2h*12) are not emphasis
+    lines = [f"### Pick: `{found.pick}`", why, *(f"- `{line}`" for line in picked.deploy)] if picked else []
     if found.plan:
         lines.append(f"\nPer-layer plan measured: `{found.plan}`")
     lines.append(
@@ -148,7 +165,8 @@ class RecommendTab:
         w["frontier_plot"] = gr.ScatterPlot(
             None, x="bytes per token", y="mean KL", color="point", title="Bytes against KL",
             x_title="KV bytes per context token", y_title="mean KL to dynamic (nats)", height=320,
-            tooltip=["spec", "bytes per token", "mean KL", "how"],
+            tooltip=["spec", "bytes per token", "KL", "how"], y_lim=[0, None],
+            color_map={"pick": "#d62728", "frontier": "#1f77b4", "measured": "#b0b0b0", "over the chart": "#ff9896"},
         )  # fmt: skip
         w["recommend_table"] = gr.Dataframe(label="every candidate, by bytes", interactive=False, wrap=False)
 
