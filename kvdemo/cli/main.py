@@ -205,10 +205,7 @@ def _recommend_parser(sub: Any) -> None:
         "Example (about 2 minutes on 2 CPU cores):\n"
         "  python -m kvdemo recommend --context-file kvdemo/data/cases/normans.json --paragraphs 0-4",
     )
-    parser.add_argument("--context-file", required=True, help="a UTF-8 text file, or a SQuAD case file (JSON)")
-    parser.add_argument("--paragraphs", help="case files: paragraphs to use, e.g. 0-7 (default: all)")
-    parser.add_argument("--question", action="append", default=[], help="a question (repeat for several)")
-    parser.add_argument("--questions-from-case", type=int, metavar="N", help="case files: the first N answerable")
+    _context_arguments(parser)  # no question: taken from the text
     target = parser.add_mutually_exclusive_group()
     target.add_argument("--max-kl", type=float, help="the mean-KL ceiling to dynamic, nats/token (default 0.02)")
     target.add_argument("--bytes-per-token", type=float, help="a KV budget per context token instead")

@@ -85,5 +85,5 @@ if __name__ == "__main__":  # `make setup`: the embedded model's default, measur
     from kvdemo.qa.models import load_model
 
     model = load_model()
-    result = stored(model) or measure(model)
-    print(f"recommended for {model.name}: {result.pick} ({result.why})")
+    result = page_default(model, measure_missing=True)  # a failure is logged: the page then starts on its fixed spec
+    print(f"recommended for {model.name}: {result.pick} ({result.why})" if result else "no recommended start stored")

@@ -294,10 +294,7 @@ class McpTools:
             raise ValueError("a question is empty; give the text of every question")
         questions_text = "\n".join(" ".join(q.split()) for q in questions)  # one line each, for compare_inputs
         parsed, questions, max_new_tokens = compare_inputs(chosen, None, questions_text, max_new_tokens)
-        if not isinstance(context, str) or not context.strip():
-            qa = self._prefilled(key).qa
-            assert qa is not None and qa.context is not None  # `_prefilled` checked it
-            context = qa.context
+        context = self._text_of(key, context)
         loaded = self.app.wait_for_model()
         user = self.app.sessions.get(key)
         busy = "A comparison is already running in this session; wait for it to end"
@@ -356,10 +353,7 @@ class McpTools:
         ):
             raise ValueError("questions must be a list of question texts (or empty to take them from the text)")
         check_target(max_kl, None)
-        if not isinstance(context, str) or not context.strip():
-            qa = self._prefilled(key).qa
-            assert qa is not None and qa.context is not None  # `_prefilled` checked it
-            context = qa.context
+        context = self._text_of(key, context)
         loaded = self.app.wait_for_model()
         user = self.app.sessions.get(key)
         with self.app.sessions.long_job(
@@ -382,6 +376,14 @@ class McpTools:
         picked = found.picked
         return _json({"pick": found.pick, "why": found.why, "deploy": list(picked.deploy) if picked else [],
                       "finished": found.finished, "note": note, **json_ready(found.to_dict(), nan=None)})  # fmt: skip
+
+    def _text_of(self, key: str, context: str) -> str:
+        """`context`, or where it is empty the text the session of `key` prefilled (`gr.Error` where none is)."""
+        if isinstance(context, str) and context.strip():
+            return context
+        qa = self._prefilled(key).qa
+        assert qa is not None and qa.context is not None  # `_prefilled` checked it
+        return qa.context
 
     def _bounded_compare(
         self,
