@@ -131,7 +131,7 @@ def test_deploy_lines_name_only_what_the_engine_stores():
     assert lines["quanto:4"] == [
         'transformers: model.generate(..., cache_implementation="quantized", cache_config={"backend": "quanto", '
         '"nbits": 4})',
-        "kvdemo: --spec quanto:4",
+        'kvdemo: python -m kvdemo ask --backend quanto --nbits 4 ...; in Python CacheSpec.parse("quanto:4")',
     ]
     assert '"q_group_size": 32' in lines["hqq:2,q_group_size=32"][0]
     assert lines["fp8"][0].endswith('cache_config={"backend": "fp8"})')
@@ -141,9 +141,13 @@ def test_deploy_lines_name_only_what_the_engine_stores():
         "quanto:4,flush=append",
         "fp8,scale=per_token_head",
     ):
-        assert lines[own] == [f"kvdemo: --spec {own}"]  # kvdemo's own options: no engine stores them so
+        assert len(lines[own]) == 1 and lines[own][0].startswith("kvdemo: python -m kvdemo ask")  # kvdemo's own
+        assert lines[own][0].endswith(f'CacheSpec.parse("{own}")')  # options: no engine stores them so
     assert len(lines["dynamic"]) == 5 and lines["dynamic"][0].startswith("llama.cpp:")
-    assert lines["dynamic,storage=growing"] == ["kvdemo: --spec dynamic,storage=growing"]
+    assert lines["dynamic,storage=growing"] == [
+        "kvdemo: python -m kvdemo ask --backend dynamic --storage growing ...; in Python "
+        'CacheSpec.parse("dynamic,storage=growing")'
+    ]
 
 
 # ---- the recommendation --------------------------------------------------------------------------------------------
@@ -160,7 +164,8 @@ def test_recommend_picks_the_fewest_bytes_within_the_ceiling(tiny, short_text, q
     assert all(r.probe_kl is not None for r in found.rows if r.measured in (PROBE, FULL))
     assert found.held_out_tokens == 32 and all(r.perplexity_ratio > 0 for r in full)  # type: ignore[operator]
     assert picked.spec in found.why and f"{picked.mean_kl:.4f}" in found.why
-    assert picked.deploy[-1] == f"kvdemo: --spec {picked.spec}"
+    assert picked.deploy[-1].startswith(f"kvdemo: python -m kvdemo ask --backend {picked.backend}")
+    assert picked.deploy[-1].endswith(f'in Python CacheSpec.parse("{picked.spec}")')
     assert seen and all(d <= t for d, t in seen) and [d for d, _ in seen] == sorted(d for d, _ in seen)
     again = Recommendation.from_dict(found.to_dict())
     assert again == found and again.to_frame().equals(found.to_frame())

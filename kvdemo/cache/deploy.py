@@ -12,6 +12,7 @@ and its line would promise figures kvdemo did not measure. No torch: the command
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -68,7 +69,15 @@ def deployments(spec: CacheSpec, model_config: PreTrainedConfig) -> tuple[Deploy
         cache_config = ", ".join(f'"{k}": {v!r}'.replace("'", '"') for k, v in config.items())
         line = f'transformers: model.generate(..., cache_implementation="quantized", cache_config={{{cache_config}}})'
         found = [Deployment("transformers", line)]
-    return (*found, Deployment("kvdemo", f"kvdemo: --spec {spec.short_text}"))
+    return (*found, Deployment("kvdemo", kvdemo_line(spec)))
+
+
+def kvdemo_line(spec: CacheSpec) -> str:
+    """kvdemo's own line for `spec`: the `ask` command's flags and the Python spec, e.g.
+    `kvdemo: python -m kvdemo ask --backend quanto --nbits 4 ...; in Python CacheSpec.parse("quanto:4")`."""
+    flags = "".join(f" --{name.replace('_', '-')} {shlex.quote(str(value))}" for name, value in spec.given().items())
+    python = f'CacheSpec.parse("{spec.short_text}")'
+    return f"kvdemo: python -m kvdemo ask --backend {spec.backend}{flags} ...; in Python {python}"
 
 
 def _transformers_config(spec: CacheSpec, model_config: PreTrainedConfig) -> dict[str, Any] | None:

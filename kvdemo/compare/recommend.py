@@ -378,7 +378,8 @@ class _Run:
         smaller = [r for r in smaller if r.measured == FULL] or smaller  # a full figure says more than a probe's
         if not smaller:
             return f"{pick.spec} is the smallest setting measured and keeps mean KL {pick.mean_kl:.4f}, {share}."
-        near = max(smaller, key=lambda r: (r.bytes_per_token[0], -(r.kl or 0.0)))
+        uniform = [r for r in smaller if PLAN not in CacheSpec.parse(r.spec).given()]
+        near = max(uniform or smaller, key=lambda r: (r.bytes_per_token[0], -(r.kl or 0.0)))  # a plain setting first
         saved = 1 - near.bytes_per_token[0] / pick.bytes_per_token[0]
         how = "mean KL" if near.mean_kl is not None else "KL (probe)"
         return (f"{near.spec} would take {saved:.0%} fewer bytes but moves this model's answers by {how} "

@@ -122,8 +122,8 @@ class Recommendation:
 
     def to_frame(self) -> pd.DataFrame:
         """One row per candidate measured, by bytes: the spec, bytes per token (at the context's length and at
-        `lengths`), mean KL (the full figure, else the probe's, marked), same top token %, perplexity ratio, how it
-        was measured, and the first deploy line."""
+        `lengths`), mean KL (the full figure, else the probe's: the `measured` column says which), same top token
+        %, perplexity ratio, how it was measured, and the first deploy line."""
         frontier = {r.spec for r in self.frontier()}
         rows = sorted(self.rows, key=lambda r: r.bytes_per_token[0])
         return pd.DataFrame(
@@ -134,7 +134,7 @@ class Recommendation:
                         f"B/token @{_k(n)}": round(b)
                         for n, b in zip((self.context_tokens, *self.lengths), r.bytes_per_token)
                     },
-                    "mean KL": _round(r.kl),
+                    "mean KL (full, else probe)": _round(r.kl),
                     "same top %": _round(r.same_top_p, 1),
                     "PPL ratio": _round(r.perplexity_ratio, 4),
                     "measured": r.measured + (" · frontier" if r.spec in frontier else "") or r.note[:60],
