@@ -158,7 +158,8 @@ class _Run:
         self.questions = [str(q).strip() for q in questions] or text_questions(self.context)
         if not all(self.questions):
             raise ValueError("a question is empty; give the text of every question, or none to take them from the text")
-        self.tokens = len(QASession(loaded).prepare(self.context).ids)
+        self.prepared = QASession(loaded).prepare(self.context)  # tokenized once: the bytes and the reference's prefill
+        self.tokens = len(self.prepared.ids)
         self.bytes = {s.label: self._bytes(s) for s in self.specs}
         if target == "bytes_per_token" and limit < (least := min(b[0] for b in self.bytes.values())):
             raise ValueError(
@@ -215,7 +216,7 @@ class _Run:
         self.step("prefilling dynamic (the reference)", 0)
         self.reference = QASession(self.loaded)
         chunk = lambda done, total: self.step(f"prefilling dynamic (the reference): {done:,} of {total:,} tokens", 0)  # noqa: E731
-        self.reference.prefill(self.context, max_new_tokens=MAX_NEW_TOKENS, on_progress=chunk)
+        self.reference.prefill(self.prepared, max_new_tokens=MAX_NEW_TOKENS, on_progress=chunk)
         self.step("answering with dynamic")
         self.answers: list[tuple[str, list[int]]] = []
         self.logprobs: list[torch.Tensor] = []
@@ -232,8 +233,9 @@ class _Run:
         self.tail_nll = self._nll(self.reference)
         dynamic = self.specs[0]
         self.row(dynamic, probe_kl=0.0, mean_kl=0.0, same_top_p=100.0, p99_kl=0.0, perplexity_ratio=1.0, measured=FULL)
-        probed = [row for spec in self.specs[1:] if (row := self._probe(spec)) is not None]
-        pick = self._measure_kl() if self.target == "max_kl" else self._measure_budget(probed)
+        for spec in self.specs[1:]:
+            self._probe(spec)
+        pick = self._measure_kl() if self.target == "max_kl" else self._measure_budget()
         self.done = self.total  # the estimate counted every full measurement the run may have skipped
         self.step(f"picked {pick.spec}", 0)
         return self.record(pick=pick.spec, why=self._why(pick))
@@ -327,7 +329,7 @@ class _Run:
                 return planned if planned.bytes_per_token[0] < pick.bytes_per_token[0] else pick
         return pick
 
-    def _measure_budget(self, probed: list[RecommendRow]) -> RecommendRow:
+    def _measure_budget(self) -> RecommendRow:
         """Full measurement of the kept candidates by probe KL, lowest first; the pick has the lowest mean KL, a
         per-layer plan at the budget included."""
         kept = sorted(self._kept(), key=lambda r: (r.probe_kl, r.bytes_per_token[0]))[:FULL_AT_MOST]
