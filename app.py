@@ -24,8 +24,8 @@ _log = logging.getLogger("kvdemo.app")
 
 ZERO_GPU = bool(os.environ.get("SPACES_ZERO_GPU"))
 """A ZeroGPU Space (the platform sets SPACES_ZERO_GPU): `spaces` is imported before torch (it patches torch's CUDA),
-the model stays on the CPU in this process, and the GPU job (`kvdemo.serve.gpu_job`, `@spaces.GPU`) serves the
-`gpu_prefill` and `gpu_answer` endpoints (`kvdemo.ui.gpu_api`; docs/space.md)."""
+the model stays on the CPU in this process, and the door's model work (every tab's, every MCP tool's) runs in the GPU
+job (`kvdemo.serve.gpu_job`, `@spaces.GPU`) through `kvdemo.serve.device.Device` (docs/space.md)."""
 if ZERO_GPU:
     import spaces  # type: ignore[import-not-found]  # noqa: F401
 
@@ -189,6 +189,15 @@ def _cpu_loader(source: str | None = None) -> Any:
     return load_model(source, device="cpu")
 
 
+def _zero_gpu_device(files_bytes: int) -> Any:
+    """The ZeroGPU worker's side of the door: its session files in the app's folder (a session lives there between
+    jobs: warm in the worker, else opened from its file), a folder of the jobs' own where the app keeps none."""
+    from kvdemo.paths import cache_dir
+    from kvdemo.serve.device import Device
+
+    return Device(folder=str(cache_dir() / ("sessions" if files_bytes else "gpu-sessions")))
+
+
 def log_to_stdout() -> None:
     """kvdemo's server messages (`logging`, the `kvdemo` loggers, INFO and up) on standard output as
     `kvdemo: <message>`, one line each: the Space's log and `scripts/rehearse_space.py` read them there."""
@@ -212,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
     from kvdemo.ui import PAGE_CSS, App, build_demo
 
     files = int(args.session_files_mib * 2**20)
-    extra: dict[str, Any] = {"loader": _cpu_loader} if ZERO_GPU else {}
+    extra: dict[str, Any] = {"loader": _cpu_loader, "device": _zero_gpu_device(files)} if ZERO_GPU else {}
     app = App(
         **extra,
         model_source=args.model,
@@ -227,11 +236,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     app.start_loading()
     app.start_sweeper()
-    demo = build_demo(app)
     if ZERO_GPU:
-        from kvdemo.ui.gpu_api import add_gpu_api
+        from kvdemo.serve.gpu_job import serve_model
 
-        _log.info("ZeroGPU: the GPU job (@spaces.GPU) serves %s", ", ".join(add_gpu_api(demo, app)))
+        serve_model(app.wait_for_model)  # a worker forked for a job inherits the model loaded here
+        _log.info("ZeroGPU: the page's model work runs in @spaces.GPU jobs")
+    demo = build_demo(app)
     demo.queue(default_concurrency_limit=args.concurrency, max_size=args.queue_size or None)
     _log.info("serving on http://%s:%s (model loading in the background)", args.host, args.port)
     # Gradio keeps each browser session's component updates (charts, chat) until it has seen this many newer

@@ -105,7 +105,7 @@ def test_every_short_length_is_cut_exactly(tiny):
     with pytest.raises(ValueError, match="haystack is empty"):
         plan_contexts(planner, [300], [50], haystack="  ")
     short = "Rollo led the Normans. They settled in Normandy. Their duchy grew."
-    context = build_context(session, 300, make_needles([50], 1), haystack=short)  # read again from its start
+    context = build_context(planner, 300, make_needles([50], 1), haystack=short)  # read again from its start
     assert len(session.context_ids(context.text)) == 300 and context.text.count(short.split(".")[0]) > 5
 
 

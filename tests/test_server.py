@@ -1,7 +1,7 @@
-"""The server-wide KV budget (`kvdemo.serve.accounting.KVAccount`, `App.prefill`, `App.reserve_answer`,
-`App.comparison`) and the MCP tools' handlers (`kvdemo.ui.mcp_tools.McpTools`) called directly on a tiny model: what a
-session may hold against what it really holds, refusals with the figures before anything runs, reservations released
-when a session is freed or replaced, and the MCP sessions kept apart.
+"""The server-wide KV budget (`kvdemo.serve.accounting.KVAccount`, the door's `prefill`, `reserve_answer` and long
+jobs: `kvdemo.serve.door.Door`) and the MCP tools' handlers (`kvdemo.ui.mcp_tools.McpTools`) called directly on a
+tiny model: what a session may hold against what it really holds, refusals with the figures before anything runs,
+reservations released when a session is freed or replaced, and the MCP sessions kept apart.
 
 Cost: 17 s in a pytest-xdist worker on 2 cores (the clean-clone CI of 2026-12-04): prefills and answers on a tiny
 model through the App and the MCP handlers."""
@@ -18,7 +18,6 @@ import pytest
 from kvdemo import CacheSpec, QASession
 from kvdemo.cache.spec import estimate_kv_bytes
 from kvdemo.cache.telemetry import _bytes
-from kvdemo.compare.run import compare
 from kvdemo.qa.limits import QUESTION_RESERVE_TOKENS
 from kvdemo.serve.accounting import KVAccount, ServerKVBudgetError, prefill_tokens, session_kv_bytes
 from kvdemo.serve.server import App
@@ -69,7 +68,7 @@ def test_what_a_session_may_hold_bounds_its_cache_and_snapshot_during_an_answer(
     spec = CacheSpec.parse(text)
     qa = QASession(tiny, spec)
     context = normans.select("0").context
-    assert prefill_tokens(qa, context) == qa.prefill(context).context_tokens
+    assert prefill_tokens(tiny, context) == qa.prefill(context).context_tokens
     question = "Tell me about the Normans."
     decoded = len(qa.question_ids(question)) + 40
     limit = session_kv_bytes(qa.spec, tiny, qa.prefill_report.context_tokens, decoded)
@@ -88,8 +87,7 @@ def test_what_a_session_may_hold_bounds_its_cache_and_snapshot_during_an_answer(
 
 
 def test_prefill_tokens_of_what_is_not_text_is_zero(tiny):
-    qa = QASession(tiny, CacheSpec("dynamic"))
-    assert prefill_tokens(qa, "") == prefill_tokens(qa, "   ") == prefill_tokens(qa, None) == 0
+    assert prefill_tokens(tiny, "") == prefill_tokens(tiny, "   ") == prefill_tokens(tiny, None) == 0
 
 
 # ---- the account ----------------------------------------------------------------------------------------
@@ -124,8 +122,9 @@ def test_the_account_refuses_what_would_pass_its_limit_with_the_figures():
 
 # ---- the app --------------------------------------------------------------------------------------------
 def _one_session_bytes(tiny, context: str, spec: CacheSpec) -> int:
-    qa = QASession(tiny, spec)
-    return session_kv_bytes(qa.spec, tiny, prefill_tokens(qa, context), QUESTION_RESERVE_TOKENS + 64)
+    return session_kv_bytes(
+        spec.validate(tiny.config), tiny, prefill_tokens(tiny, context), QUESTION_RESERVE_TOKENS + 64
+    )
 
 
 def test_a_prefill_over_the_server_budget_is_refused_before_it_runs_and_a_freed_session_makes_room(tiny, normans):
@@ -133,43 +132,39 @@ def test_a_prefill_over_the_server_budget_is_refused_before_it_runs_and_a_freed_
     spec = CacheSpec("hqq", nbits=4, residual_length=8)
     one = _one_session_bytes(tiny, context, spec)
     app = _app(tiny, int(1.5 * one))
-    a, b = app.sessions.get("a"), app.sessions.get("b")
-    a.qa = QASession(tiny, spec)
-    app.prefill("a", a.qa, context)
-    assert app.kv.holders() == {"cache:a": one}
-    qa_b = QASession(tiny, spec)
+    a = app.door.prefill("a", spec, context).session
+    assert app.kv.holders() == {"cache:a": one} and app.sessions.peek("a").qa is a
     refused = r"needs about 0\.\d MiB, and 0\.\d MiB of its 0\.\d MiB are held by 1 other cache and comparisons"
     with pytest.raises(ServerKVBudgetError, match=refused):
-        app.prefill("b", qa_b, context)
-    assert qa_b.cache is None and app.kv.holders() == {"cache:a": one}  # nothing ran, nothing reserved
+        app.door.prefill("b", spec, context)
+    assert app.sessions.peek("b").qa is None and app.kv.holders() == {"cache:a": one}  # nothing ran or reserved
     # a new prefill in session a counts its old cache too: it is alive until the new one replaces it
     with pytest.raises(ServerKVBudgetError):
-        app.prefill("a", QASession(tiny, spec), context)
-    assert a.qa.ask("Who were the Normans?", 4).cache_length_after == a.qa.prefill_report.context_tokens
+        app.door.prefill("a", spec, context)
+    assert app.sessions.peek("a").qa is a
+    assert a.ask("Who were the Normans?", 4).cache_length_after == a.prefill_report.context_tokens
     app.sessions.free("a")
     assert app.kv.holders() == {}
-    app.prefill("b", qa_b, context)
-    b.qa = qa_b
+    b = app.door.prefill("b", spec, context).session
     assert app.kv.holders() == {"cache:b": one}
     alone = QASession(tiny, spec)
     alone.prefill(context)
-    assert b.qa.ask("Who were the Normans?", 6).text == alone.ask("Who were the Normans?", 6).text
+    assert b.ask("Who were the Normans?", 6).text == alone.ask("Who were the Normans?", 6).text
 
 
 def test_a_refused_or_failed_prefill_keeps_the_old_reservation_and_a_closed_tab_releases_the_new_one(tiny, normans):
     context = normans.select("0").context
     app = _app(tiny, None)
-    user = app.sessions.get("a")
-    user.qa = QASession(tiny, CacheSpec("dynamic"))
-    app.prefill("a", user.qa, context)
+    dynamic = CacheSpec("dynamic")
+    app.door.prefill("a", dynamic, context)
     old = app.kv.holders()
     with pytest.raises(ValueError, match="the context is empty"):
-        app.prefill("a", QASession(tiny, CacheSpec("dynamic")), " ")
+        app.door.prefill("a", dynamic, " ")
     with pytest.raises(ValueError, match="exceeds the model's 512-token window"):
-        app.prefill("a", QASession(tiny, CacheSpec("dynamic")), normans.select("0-7").context)
+        app.door.prefill("a", dynamic, normans.select("0-7").context)
     assert app.kv.holders() == old
     app.sessions.free("a")  # the tab closes while another prefill of it runs: nothing keeps that cache
-    app.prefill("a", QASession(tiny, CacheSpec("dynamic")), context)
+    app.door.prefill_reserved("a", QASession(tiny, dynamic), context)
     assert app.kv.holders() == {}
 
 
@@ -178,39 +173,44 @@ def test_an_answer_longer_than_the_prefill_reserved_grows_the_reservation_or_is_
     spec = CacheSpec("dynamic")
     one = _one_session_bytes(tiny, context, spec)
     app = _app(tiny, one + 2048 * 100)  # room for 100 more tokens (dynamic: 2,048 bytes per token)
-    user = app.sessions.get("a")
-    user.qa = QASession(tiny, spec)
-    tokens = app.prefill("a", user.qa, context).context_tokens
+    qa = app.door.prefill("a", spec, context).session
+    tokens = qa.prefill_report.context_tokens
     question = "Who were the Normans?"
-    q = len(user.qa.question_ids(question))
-    app.reserve_answer("a", user.qa, question, 8)  # inside the prefill's reserve: unchanged
+    q = len(qa.question_ids(question))
+    app.door.reserve_answer("a", qa, question, 8)  # inside the prefill's reserve: unchanged
     assert app.kv.holders() == {"cache:a": one}
-    app.reserve_answer("a", user.qa, question, 128 + 90 - q)
+    app.door.reserve_answer("a", qa, question, 128 + 90 - q)
     assert app.kv.holders() == {"cache:a": 2048 * (tokens + 128 + 90)}
     with pytest.raises(ServerKVBudgetError, match="an answer of up to 300 tokens on your"):
-        app.reserve_answer("a", user.qa, question, 300)
+        app.door.reserve_answer("a", qa, question, 300)
     with pytest.raises(ValueError, match="the question is empty"):
-        app.reserve_answer("a", user.qa, "  ", 8)
+        app.door.reserve_answer("a", qa, "  ", 8)
 
 
 def test_a_comparison_holds_its_largest_spec_while_it_runs(tiny, normans):
     context = normans.select("0").context
     specs = [CacheSpec.parse("hqq:4"), CacheSpec.parse("fp8")]
-    dynamic = session_kv_bytes(
-        CacheSpec("dynamic"), tiny, prefill_tokens(QASession(tiny), context), QUESTION_RESERVE_TOKENS + 4
-    )
+    dynamic = session_kv_bytes(CacheSpec("dynamic"), tiny, prefill_tokens(tiny, context), QUESTION_RESERVE_TOKENS + 4)
     app = _app(tiny, dynamic + 1000)
-    with app.comparison("a", tiny, context, specs, 4) as held:
-        assert held == dynamic and app.kv.holders() == {"compare:a": dynamic}
-        report = compare(tiny, context, ["Who were the Normans?"], specs, 4)
-        # no spec's session held more than the reservation (measured after its prefill)
-        assert max(r.kv_bytes for r in report.results) <= held
-        with pytest.raises(ServerKVBudgetError, match="a comparison of 2 spec"):
-            with app.comparison("b", tiny, context, specs, 4):
-                pass
+    seen, refused = [], []
+
+    def during(done: int, total: int, what: str) -> None:  # while a's comparison runs: what it holds, b refused
+        seen.append(dict(app.kv.holders()))
+        if not refused:
+            with pytest.raises(ServerKVBudgetError, match="a comparison of 2 spec") as error:
+                with app.door.long_job("b", "busy") as other:
+                    other.compare(context, ["Who?"], specs, 4)
+            refused.append(error.value)
+
+    with app.door.long_job("a", "busy") as job:
+        report = job.compare(context, ["Who were the Normans?"], specs, 4, on_progress=during)
+    assert refused and seen and all(held == {"compare:a": dynamic} for held in seen)
+    # no spec's session held more than the reservation (measured after its prefill)
+    assert max(r.kv_bytes for r in report.results) <= dynamic
     assert app.kv.holders() == {}
     with pytest.raises(ValueError, match="nbits=3 is not allowed for quanto"):
-        app.comparison("a", tiny, context, [CacheSpec("quanto", nbits=3)], 4)
+        with app.door.long_job("a", "busy") as job:
+            job.compare(context, ["Who?"], [CacheSpec("quanto", nbits=3)], 4)
 
 
 # ---- the MCP tools' handlers ------------------------------------------------------------------------------
@@ -289,31 +289,30 @@ def test_what_no_wait_can_fit_is_told_so_not_that_the_server_is_full(tiny, monke
     max_new_tokens "to at most -340". The window and the session's budget are checked before the shared
     reservation, a too-long context is counted once, and a reservation larger than the whole budget says so."""
     app = _app(tiny, 4 * MIB)
-    key, window = "tab-1", tiny.max_context_tokens
-    qa = QASession(tiny, CacheSpec("dynamic"))
+    key, window, dynamic = "tab-1", tiny.max_context_tokens, CacheSpec("dynamic")
     probes = []
-    monkeypatch.setattr(type(qa.layout), "reference_ids", lambda self, *a: probes.append(a) or [])
+    monkeypatch.setattr(type(tiny.layout), "reference_ids", lambda self, *a: probes.append(a) or [])
     long_text = "word " * (3 * window)
-    assert prefill_tokens(qa, long_text) > window and probes == []  # counted once, no probe
+    assert prefill_tokens(tiny, long_text) > window and probes == []  # counted once, no probe
     with pytest.raises(ValueError, match=f"exceeds the model's {window:,}-token window. Shorten the context"):
-        app.prefill(key, qa, long_text)
+        app.door.prefill(key, dynamic, long_text)
     monkeypatch.undo()
     assert app.kv.holders() == {}  # nothing reserved
     with pytest.raises(ValueError, match=r"^the context is 2\.4 MiB of text; the limit is 2 MiB, and the model's "):
-        app.prefill(key, qa, "word " * 500_000)  # refused before tokenizing
+        app.door.prefill(key, dynamic, "word " * 500_000)  # refused before tokenizing
     with pytest.raises(ServerKVBudgetError) as error:  # 2,048 bytes/token: 4 MiB hold 2,048 tokens
         app.kv.reserve("prefill:x", 5 * MIB, "a dynamic KV cache for 2,432 context tokens")
     assert str(error.value).startswith(
         "The server's KV budget is too small for this: a dynamic KV cache for 2,432 context tokens needs about "
         "5.0 MiB, more than the whole 4.0 MiB this server gives all users together. Ask for less"
     )
-    app.prefill(key, qa, "The Normans gave their name to Normandy. " * 10)
+    qa = app.door.prefill(key, dynamic, "The Normans gave their name to Normandy. " * 10).session
     context_tokens, held = qa.prefill_report.context_tokens, app.kv.holders()
     with pytest.raises(ValueError, match="lower max_new_tokens to at most "):
-        app.reserve_answer(key, qa, "Who?", 10**9)
+        app.door.reserve_answer(key, qa, "Who?", 10**9)
     question = "Why? " * window
     with pytest.raises(ValueError) as error:
-        app.reserve_answer(key, qa, question, 8)
+        app.door.reserve_answer(key, qa, question, 8)
     assert f"context {context_tokens:,} + question " in str(error.value)
     assert (
         f"leave no room for an answer in the model's {window:,}-token window; shorten the question to at most "
@@ -350,13 +349,16 @@ def test_one_long_job_protocol_for_comparisons_and_grids(tiny):
 def test_a_needle_grid_reserves_its_largest_spec_at_its_longest_length(tiny):
     app = _app(tiny, None)
     specs = [CacheSpec("dynamic"), CacheSpec.parse("hqq:4")]
-    with app.needle_grid("k", tiny, specs, [100, 300], 16) as held:
-        assert held == session_kv_bytes(CacheSpec("dynamic"), tiny, 300, QUESTION_RESERVE_TOKENS + 16)
-        assert app.kv.holders() == {"grid:k": held}
+    held = session_kv_bytes(CacheSpec("dynamic"), tiny, 300, QUESTION_RESERVE_TOKENS + 16)
+    seen = []
+    with app.door.long_job("k", "busy") as job:
+        grid = job.needle(specs, [100, 300], [50], 16, on_progress=lambda *_: seen.append(dict(app.kv.holders())))
+    assert grid.complete and seen and all(holders == {"grid:k": held} for holders in seen)
     assert app.kv.holders() == {}
     small = _app(tiny, 1000)
     with pytest.raises(ServerKVBudgetError, match="a needle grid of 2 spec"):
-        small.needle_grid("k", tiny, specs, [300], 16).__enter__()
+        with small.door.long_job("k", "busy") as job:
+            job.needle(specs, [300], [50], 16)
 
 
 def test_mcp_recommend_uses_the_sessions_context_and_refuses_bad_input(tiny, normans):

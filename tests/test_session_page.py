@@ -112,7 +112,8 @@ def test_the_folder_keeps_the_most_recently_used_files_within_its_bound(tiny, tm
     files.max_bytes = sum(sizes) - 1
     files.trim()
     kept = files.files()
-    assert [p.name for p in kept] == [files.path(*sessions[2]).name, files.path(*sessions[0]).name]
+    names = [files.path(qa.loaded, qa.spec, prepared).name for qa, prepared in (sessions[2], sessions[0])]
+    assert [p.name for p in kept] == names
     with pytest.raises(ValueError, match="max_bytes=0 must be >= 1"):
         SessionFiles(tmp_path, 0)
 
@@ -129,7 +130,7 @@ def test_the_folder_neither_follows_nor_opens_a_symlink(tiny, tmp_path):
     prepared = qa.prepare("Rollo led the Normans.")
     target = outside / "elsewhere.kvsession"
     target.write_bytes(b"keep me")
-    files.path(qa, prepared).symlink_to(target)  # the file's own name is a link out of the folder
+    files.path(qa.loaded, qa.spec, prepared).symlink_to(target)  # the file's own name is a link out of the folder
     assert files.save(qa, prepared) is None and target.read_bytes() == b"keep me"
     assert files.open(qa, prepared) is None and files.files() == []
     files.trim()
@@ -138,8 +139,8 @@ def test_the_folder_neither_follows_nor_opens_a_symlink(tiny, tmp_path):
     (tmp_path / "linked").symlink_to(outside, target_is_directory=True)
     assert linked.save(qa, prepared) is None and sorted(p.name for p in outside.iterdir()) == ["elsewhere.kvsession"]
     assert linked.files() == []
-    files.path(qa, prepared).unlink()  # the link alone; a real file is then written and opened
-    assert files.save(qa, prepared) == files.path(qa, prepared) and files.open(qa, prepared) is not None
+    files.path(qa.loaded, qa.spec, prepared).unlink()  # the link alone; a real file is then written and opened
+    assert files.save(qa, prepared) == files.path(qa.loaded, qa.spec, prepared) and files.open(qa, prepared) is not None
 
 
 def test_save_session_then_open_it_in_another_tab(tiny, tmp_path):

@@ -1,6 +1,7 @@
 """Data made once and handed down: a comparison tokenizes its context once for its reservation and all its specs
-(`App.prepare`, `PreparedContext`), a page prefill once for its reservation and the prefill, and an answer its
-question once from the reservation to the decode loop (`App.reserve_answer`, `PreparedQuestion`).
+(`LoadedModel.prepare` in the door's `LongJob.compare`, `PreparedContext`), a page prefill once for its reservation
+and the prefill (`Door.prefill`), and an answer its question once from the reservation to the decode loop
+(`Door.answer`, `PreparedQuestion`).
 
 Each count is of the tokenizer's own entry points (`__call__`, `encode`, `apply_chat_template`, nested calls
 included) whose arguments hold the text, against the count of one `QASession.prepare` (the prompt split: the
@@ -17,7 +18,6 @@ from __future__ import annotations
 import pytest
 
 from kvdemo.cache.spec import CacheSpec
-from kvdemo.compare.run import compare
 from kvdemo.qa.prompt import PreparedContext
 from kvdemo.qa.session import QASession
 from kvdemo.serve.server import App
@@ -45,7 +45,7 @@ def _counting_after_one_preparation(monkeypatch, tiny, context: str) -> tuple[li
     """The calls counted from now on with `context` (`_counting`), and how many one `QASession.prepare` of it
     makes (the count is then cleared)."""
     calls = _counting(monkeypatch, tiny.tokenizer, context[:120])
-    QASession(tiny).prepare(context, max_tokens=tiny.max_context_tokens)
+    tiny.prepare(context)
     one_preparation = len(calls)
     calls.clear()
     return calls, one_preparation
@@ -63,36 +63,32 @@ def test_a_comparison_of_three_specs_tokenizes_its_context_once(tiny, normans, a
     context = normans.paragraphs[0]
     calls, one_preparation = _counting_after_one_preparation(monkeypatch, tiny, context)
     specs = [CacheSpec.parse("hqq:4"), CacheSpec.parse("quanto:4"), CacheSpec.parse("fp8")]
-    prepared = app.prepare(tiny, context)  # what the Compare tab and the MCP tool do
-    with app.comparison("a", tiny, prepared, specs, 3):
-        continuation = "\n\n" + normans.paragraphs[1]
-        report = compare(tiny, prepared, ["Who?", "Where?"], specs, 3, perplexity_tokens=4, continuation=continuation)
+    continuation = "\n\n" + normans.paragraphs[1]
+    with app.door.long_job("a", "busy") as job:  # what the Compare tab, the MCP tool and the command line do
+        report = job.compare(context, ["Who?", "Where?"], specs, 3, perplexity_tokens=4, continuation=continuation)
     assert len(report.results) == 4 and [r.backend for r in report.results] == ["dynamic", "hqq", "quanto", "fp8"]
     assert one_preparation > 0 and len(calls) == one_preparation
-    assert all(r.context_tokens == len(prepared.ids) for r in report.results)
+    assert all(r.context_tokens == len(tiny.prepare(context).ids) for r in report.results)
     assert all(r.restored for r in report.results)
 
 
 def test_a_page_prefill_tokenizes_its_context_once(tiny, normans, app, monkeypatch):
     context = normans.paragraphs[1]
     calls, one_preparation = _counting_after_one_preparation(monkeypatch, tiny, context)
-    qa = QASession(tiny, CacheSpec.parse("hqq:4"))
-    report = app.prefill("k", qa, context, 8)
+    qa = app.door.prefill("k", CacheSpec.parse("hqq:4"), context, 8).session
     assert one_preparation > 0 and len(calls) == one_preparation
-    assert report.context_tokens == len(qa.context_ids(context)) == qa.cache_length
+    assert qa.prefill_report.context_tokens == len(qa.context_ids(context)) == qa.cache_length
 
 
 def test_an_answer_tokenizes_its_question_once(tiny, normans, app, monkeypatch):
-    qa = QASession(tiny, CacheSpec.parse("quanto:4,residual_length=4"))
-    app.prefill("k", qa, normans.paragraphs[0], 8)
-    app.sessions.get("k").qa = qa
+    qa = app.door.prefill("k", CacheSpec.parse("quanto:4,residual_length=4"), normans.paragraphs[0], 8).session
     calls = _counting(monkeypatch, tiny.tokenizer, QUESTION)
     q_ids = qa.question_ids(QUESTION)
     one_tokenization = len(calls)
     calls.clear()
-    prepared = app.reserve_answer("k", qa, QUESTION, 6)  # what the Ask tab and the MCP tool do
-    events = list(qa.stream(prepared))
-    assert list(prepared.ids) == q_ids and len(events) == len(qa.history[-1].token_ids) >= 1
+    with app.door.answer("k", QUESTION, 6) as run:  # what the Ask tab, the MCP tool and the command line do
+        events = list(run)
+    assert list(run.question.ids) == q_ids and len(events) == len(qa.history[-1].token_ids) >= 1
     assert qa.history[-1].question_tokens == len(q_ids) and qa.history[-1].question == QUESTION
     assert one_tokenization > 0 and len(calls) == one_tokenization
 

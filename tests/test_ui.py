@@ -140,14 +140,14 @@ def test_stop_pressed_before_the_stream_began_stops_it(handlers, monkeypatch, do
     stop flag) still applies: the Ask tab's answer and the `ask_question` tool's, for the same browser session."""
     app, fns = handlers
     fns["prefill"](CONTEXT, *HQQ, _request())
-    reserve = app.reserve_answer
+    reserve = app.door.reserve_answer
 
     def reserve_then_stop(*args):
         prepared = reserve(*args)
         fns["stop"](_request())  # the Stop button of the same session, pressed meanwhile
         return prepared
 
-    monkeypatch.setattr(app, "reserve_answer", reserve_then_stop)
+    monkeypatch.setattr(app.door, "reserve_answer", reserve_then_stop)
     if door == "ask":
         _ask(fns, "Who led the Normans?", 50)
     else:
@@ -441,10 +441,10 @@ def test_compare_tab_suggests_the_example_questions_and_scores_gold(handlers):
 
 
 def test_compare_tab_cancel_returns_the_finished_specs(handlers, monkeypatch):
-    from kvdemo.ui import compare_tab
+    from kvdemo.compare import run
 
     app, fns = handlers
-    real = compare_tab.compare
+    real = run.compare
 
     def compare_then_press_cancel(*args, on_progress, **kwargs):
         def progress(done, total, what):
@@ -454,7 +454,7 @@ def test_compare_tab_cancel_returns_the_finished_specs(handlers, monkeypatch):
 
         return real(*args, on_progress=progress, **kwargs)
 
-    monkeypatch.setattr(compare_tab, "compare", compare_then_press_cancel)
+    monkeypatch.setattr(run, "compare", compare_then_press_cancel)  # the door runs it
     status, table, *_ = fns["compare"](CONTEXT, ["dynamic", "fp8", "hqq:4"], "", "Who?\nWhere?", 3, _request())
     assert status.startswith("Cancelled after 1 spec(s).") and table["spec"].tolist() == ["dynamic"]
     # the next run starts afresh (the cancel flag is cleared)
@@ -736,14 +736,14 @@ def test_enter_in_the_question_box_cannot_pass_the_gate(handlers, tiny):
     # options changed while a prefill runs (the gate runs outside the queue): the new cache is not what the page
     # shows, so Ask stays disabled and Enter is refused
     user = app.sessions.get("tab-1")
-    real_prefill = app.prefill
+    real_prefill = app.door.prefill_reserved
 
     def prefill_while_the_user_picks_fp8(*args, **kwargs):
         report = real_prefill(*args, **kwargs)
         gate(CONTEXT, "fp8", _request())
         return report
 
-    app.prefill = prefill_while_the_user_picks_fp8
+    app.door.prefill_reserved = prefill_while_the_user_picks_fp8
     view = fns["prefill"](CONTEXT, *HQQ, _request())
     assert view.ask_button["interactive"] is False and user.qa.spec.backend == "hqq"
     assert "the page shows fp8" in refused(fns["ask"]("Who led them?", 2, _request(), CONTEXT))

@@ -1,49 +1,59 @@
-"""ZeroGPU's path (`kvdemo.serve.gpu_job`) under the CPU harness that plays ZeroGPU's part (tests/zerogpu_harness.py:
-fork, pickling queues, one worker pool per function, four scheduler policies): two visitors prefill their contexts
-and ask two questions each; every answer equals an in-process `QASession`'s, token for token, under every policy; the
-warm sessions give the hits and misses each policy implies; whatever crosses is plain, picklable and a few kB; the
-comparison and the needle grid are one call each; a refused request comes back with its message; no worker outlives
-its harness. What the harness cannot prove (CUDA, the real scheduler, quotas, timings) is in its docstring and in
-docs/space.md.
+"""ZeroGPU's path: the page's model work sent through the door (`kvdemo.serve.door.Door`) to the device worker
+(`kvdemo.serve.device.Device`, `kvdemo.serve.gpu_job`) under the CPU harness that plays ZeroGPU's part
+(tests/zerogpu_harness.py: fork, pickling queues, generators streamed back, four scheduler policies). Two visitors
+prefill on the page, ask two questions each, Stop an answer, run a comparison and a needle grid: under every policy
+the answers, the step events, the charts' data, the comparison's answers and bytes and the grid's cells equal those
+of the same page run in process, and a Stop ends the answer with its cache restored. The warm sessions give the hits
+and misses each policy implies; whatever crosses is picklable, holds no tensor and stays small; a refusal keeps its
+message; no worker outlives its harness. What the harness cannot prove (CUDA, the real scheduler, quotas, timings) is
+in its docstring and in docs/space.md; tests/test_zerogpu_app.py runs the whole app under a forking `spaces`.
 
-Cost: 24 s in a pytest-xdist worker (the clean-clone CI of 2026-12-05; the tiny model; each policy forks 1 to 6
-workers; one subprocess imports the job under a stand-in `spaces`)."""
+Cost: about 45 s in a pytest-xdist worker (2026-12-05; the tiny model; each policy forks 2 to 11 workers)."""
 
 from __future__ import annotations
 
 import dataclasses
+import pickle
 import types
 
+import gradio as gr
+import pandas as pd
 import psutil
 import pytest
 import torch
 
 from kvdemo.cache.spec import CacheSpec
-from kvdemo.compare.run import compare
-from kvdemo.needle.grid import needle_grid
+from kvdemo.cache.telemetry import StepEvent
+from kvdemo.compare.records import ComparisonCancelled
+from kvdemo.charts.steps import memory_frame, residual_frame
+from kvdemo.qa.records import Answer, PrefillReport
 from kvdemo.qa.session import QASession
 from kvdemo.qa.session_file import save_session
 from kvdemo.serve import gpu_job as job_module
-from kvdemo.serve.gpu_job import GpuJobError, GpuRequest, gpu_job, job_seconds, run_job, serve_model
+from kvdemo.serve.device import Device, GpuJobError, RemoteSession
+from kvdemo.serve.gpu_job import AnswerDone, GpuRequest, JobProgress, PrefillDone, gpu_job, job_seconds, serve_model
+from kvdemo.serve.server import App
 from kvdemo.serve.warm_sessions import FALLBACK_NOTE, WARM, WarmSessions, pure_torch_unpack, quanto_on_device
+from kvdemo.ui import build_demo
+from tests.helpers import named_handlers
 from tests.zerogpu_harness import POLICIES, Harness, WorkerError
 
-SPEC = "hqq:4"
+SPEC = "hqq:4,residual_length=4"
+FIELDS = ("hqq", 4, 64, 4, 0, 0)  # the page's backend and option fields for SPEC
 CONTEXTS = {
     "a": "The Normans gave their name to Normandy, a region in France. " * 3,
     "b": "Paris is the capital of France; the Seine runs through it. " * 3,
 }
 QUESTIONS = ("Where is Normandy?", "What river runs through Paris?")
 TOKENS = 8
-WARM_PATTERN = {  # answers in the order a-q1, b-q1, a-q2, b-q2, after a's and b's prefills
+WARM_PATTERN = {  # the four answers in the order a-q1, b-q1, a-q2, b-q2, after a's and b's prefills
     "reuse": ["hit"] * 4,  # one worker holds both prefills
     "fresh": ["miss"] * 4,  # every call a new worker: each answer opens its file
     "kill": ["miss"] * 4,
     "swap": ["miss", "miss", "hit", "hit"],  # each visitor's next call on the other's worker, then back
 }
-WORKERS = {"reuse": 1, "fresh": 6, "kill": 6, "swap": 2}
-SMALL_BYTES = 4096
-"""The most a prefill's or an answer's request or result may take, pickled (bytes)."""
+SMALL_BYTES = 16 * 1024
+"""The most one request or record may take, pickled (bytes): a step event of the tiny model is about 1 kB."""
 
 
 @pytest.fixture(scope="module")
@@ -55,38 +65,97 @@ def served(tiny):
     WARM.clear()
 
 
-@pytest.fixture(scope="module")
-def reference(served):
-    """In-process answers: {(visitor, question): token ids} and {visitor: context tokens}."""
+def _request(visitor: str) -> gr.Request:
+    return gr.Request(session_hash=visitor)
+
+
+def _page(tiny, device: Device | None):
+    app = App(loader=lambda source=None: tiny, device=device, recommended_start=False)
+    app.start_loading()
+    return app, named_handlers(build_demo(app))
+
+
+def _events(app: App, visitor: str) -> list[tuple]:
+    """The last answer's step events of `visitor`'s tab, less their times (measured, never equal)."""
+    return [
+        (e.step, e.token_id, e.text, e.memory, e.flushed_layers, e.cache_length, e.full_precision_bytes)
+        for e in app.sessions.peek(visitor).events
+    ]
+
+
+def _charts(app: App, visitor: str) -> list:
+    events = app.sessions.peek(visitor).events
+    return [memory_frame(events).to_dict("list"), residual_frame(events).to_dict("list")]
+
+
+def _page_run(app: App, fns: dict, harness: Harness | None = None) -> dict:
+    """Two visitors on the page: prefills, two answers each, a stopped answer and one after it, a comparison and a
+    needle grid; what each gave, times left out."""
     out: dict = {}
-    for visitor, context in CONTEXTS.items():
-        session = QASession(served, CacheSpec.parse(SPEC))
-        out[visitor] = session.prefill(context, max_new_tokens=TOKENS).context_tokens
-        for question in QUESTIONS:
-            out[visitor, question] = session.ask(question, TOKENS).token_ids
-    assert out["a", QUESTIONS[0]] != out["b", QUESTIONS[0]]  # a session served for the wrong file would show
+    for visitor in CONTEXTS:
+        if harness is not None:
+            harness.visitor = visitor
+        fns["prefill"](CONTEXTS[visitor], *FIELDS, _request(visitor))
+        qa = app.sessions.peek(visitor).qa
+        out[visitor] = qa.prefill_report.context_tokens
+    for question in QUESTIONS:
+        for visitor in CONTEXTS:
+            if harness is not None:
+                harness.visitor = visitor
+            views = list(fns["ask"](question, TOKENS, _request(visitor)))
+            answer = app.sessions.peek(visitor).qa.history[-1]
+            out[visitor, question] = (answer.token_ids, answer.finish_reason, answer.cache_length_after)
+            out[visitor, question, "events"] = _events(app, visitor)
+            out[visitor, question, "charts"] = _charts(app, visitor)
+            assert views[-1].chat[-1]["content"] == answer.text
+    if harness is not None:
+        harness.visitor = "a"
+    stream = fns["ask"]("Tell me everything about the Normans.", 60, _request("a"))
+    next(stream), next(stream)  # the question shown, then the first step
+    fns["stop"](_request("a"))
+    list(stream)
+    stopped = app.sessions.peek("a").qa.history[-1]
+    out["stopped"] = (stopped.finish_reason, stopped.cache_length_after, 1 <= len(stopped.token_ids) < 60)
+    list(fns["ask"](QUESTIONS[0], TOKENS, _request("a")))  # after the Stop: the restored cache answers as before
+    out["after stop"] = app.sessions.peek("a").qa.history[-1].token_ids
+    compared = fns["compare"](CONTEXTS["a"], [SPEC], "", QUESTIONS[0], TOKENS, _request("a"))
+    report = compared.report
+    out["compare"] = [(r.spec_text, r.kv_bytes, [q.answer for q in r.questions]) for r in report.results]
+    grid = fns["needle"]([SPEC], "96", "50", 0, 24, _request("b"))
+    assert isinstance(grid.needle_table, pd.DataFrame), grid.needle_status
+    table = grid.needle_table
+    out["needle"] = table[[c for c in table.columns if not c.endswith((" s", "seconds"))]].to_dict("list")
     return out
 
 
-def _plain(value, where="") -> None:
-    """Fail on anything but plain values (and the request dataclass): no tensor, no tensor subclass, no object."""
+@pytest.fixture(scope="module")
+def in_process(served, tmp_path_factory, monkeypatch_module):
+    """The same page run with its model work in this process: the reference."""
+    monkeypatch_module.setenv("KVDEMO_CACHE_DIR", str(tmp_path_factory.mktemp("in-process")))
+    app, fns = _page(served, None)
+    out = _page_run(app, fns)
+    assert out["a", QUESTIONS[0]][0] != out["b", QUESTIONS[0]][0]  # a session served for the wrong file would show
+    return out
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as patch:
+        yield patch
+
+
+def _no_tensor(value, where="") -> None:
+    """Fail on a tensor anywhere inside `value` (dataclasses, tuples, lists, dicts walked)."""
     assert not isinstance(value, torch.Tensor), f"a tensor crossed at {where}"
-    if isinstance(value, GpuRequest):
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
         for item in dataclasses.fields(value):
-            _plain(getattr(value, item.name), f"{where}.{item.name}")
+            _no_tensor(getattr(value, item.name), f"{where}.{item.name}")
     elif isinstance(value, dict):
         for key, item in value.items():
-            assert type(key) is str, where
-            _plain(item, f"{where}.{key}")
+            _no_tensor(item, f"{where}.{key}")
     elif isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
-            _plain(item, f"{where}[{i}]")
-    else:
-        assert type(value) in (str, int, float, bool, type(None)), f"{type(value).__name__} crossed at {where}"
-
-
-def _run(harness: Harness, visitor: str, request: GpuRequest) -> dict:
-    return run_job(request, lambda r: harness.call(gpu_job, r, visitor=visitor, duration=job_seconds))
+            _no_tensor(item, f"{where}[{i}]")
 
 
 def _no_orphans(harness: Harness) -> None:
@@ -95,84 +164,105 @@ def _no_orphans(harness: Harness) -> None:
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-def test_answers_are_identical_under_every_policy(served, reference, policy, tmp_path):
+def test_the_page_runs_its_model_work_in_the_worker_under_every_policy(served, in_process, policy, tmp_path):
     with Harness(policy) as harness:
-        paths = {}
-        for visitor, context in CONTEXTS.items():
-            request = GpuRequest("prefill", SPEC, context, folder=str(tmp_path), max_new_tokens=TOKENS)
-            result = _run(harness, visitor, request)
-            assert (result["device"], result["quanto"], result["spec"]) == ("cpu", None, SPEC)
-            assert result["context_tokens"] == reference[visitor]
-            assert result["file_bytes"] > result["kv_bytes"] > 0
-            paths[visitor] = result["session_path"]
-        assert paths["a"] != paths["b"] and all(p.startswith(str(tmp_path)) for p in paths.values())
-        warm = []
-        for question in QUESTIONS:
-            for visitor in CONTEXTS:
-                request = GpuRequest(
-                    "answer", SPEC, session_path=paths[visitor], question=question, max_new_tokens=TOKENS
-                )
-                result = _run(harness, visitor, request)
-                assert tuple(result["token_ids"]) == reference[visitor, question], (policy, visitor, question)
-                assert result["context_tokens"] == result["cache_length_after"] == reference[visitor]
-                warm.append(result["warm"])
-        assert warm == WARM_PATTERN[policy]
-        assert len(harness.forked) == WORKERS[policy]
-        assert len(harness.crossed) == 2 * 6 and harness.durations == [
-            job_seconds(v[0][0]) for _, _, v in harness.crossed[::2]
-        ]
-        for direction, size, value in harness.crossed:
-            _plain(value[0][0] if direction == "args" else value, direction)
-            assert 0 < size <= SMALL_BYTES, (direction, size)
+        device = Device(harness.gpu(duration=job_seconds)(job_module._gpu_job), str(tmp_path / "s"), tmp_path / "x")
+        app, fns = _page(served, device)
+        out = _page_run(app, fns, harness)
+        assert isinstance(app.sessions.peek("a").qa, RemoteSession)  # no cache in this process
+        assert out == in_process
+        assert out["stopped"] == ("stopped", out["a"], True)
+        warm = [
+            v.warm for kind, _, v in harness.crossed if kind == "yield" and isinstance(v, AnswerDone)
+        ]  # fmt: skip
+        assert warm[:4] == WARM_PATTERN[policy]
+        kinds = [v[0][0].kind for kind, _, v in harness.crossed if kind == "args"]
+        assert kinds == ["prefill"] * 2 + ["answer"] * 6 + ["compare", "needle"]
+        assert harness.durations == [job_seconds(v[0][0]) for kind, _, v in harness.crossed if kind == "args"]
+        for kind, size, value in harness.crossed:
+            _no_tensor(value, kind)
+            assert 0 < size <= SMALL_BYTES or kind == "yield" and not isinstance(value, (StepEvent, JobProgress))
     _no_orphans(harness)
     assert not WARM.paths()  # the main process ran no job: its warm set stays empty
 
 
-def test_compare_and_needle_are_one_call_each_and_refusals_keep_their_message(served, tmp_path):
-    ask = GpuRequest("compare", context=CONTEXTS["a"], questions=QUESTIONS[:1], specs=(SPEC,), max_new_tokens=TOKENS)
-    grid = GpuRequest("needle", specs=(SPEC,), lengths=(96,), depths=(50.0,), max_new_tokens=TOKENS)
+def test_refusals_keep_their_message_and_a_bug_raises(served, tmp_path):
     with Harness("reuse") as harness:
-        compared = _run(harness, "a", ask)["report"]
-        needles = _run(harness, "a", grid)["grid"]
+        device = Device(harness.gpu(duration=job_seconds)(job_module._gpu_job), str(tmp_path), tmp_path / "x")
+        app, fns = _page(served, device)
+        fns["prefill"](CONTEXTS["a"], *FIELDS, _request("a"))
+        view = fns["prefill"](CONTEXTS["a"] * 40, *FIELDS, _request("a"))  # past the tiny model's window: here
+        assert "window" in view.notice
+        assert [kind for kind, *_ in harness.crossed].count("args") == 1  # refused here, before any job
+        records = list(harness.stream(job_module._gpu_job, GpuRequest("decode")))
+        assert records[0].message.startswith("kind='decode' is not a GPU job")
+        gone = GpuRequest("answer", session_path=str(tmp_path / "gone.kvsession"), question="Why?")
         with pytest.raises(GpuJobError, match="is not a file; give the path of a session file"):
-            _run(harness, "a", GpuRequest("answer", session_path=str(tmp_path / "gone.kvsession"), question="Why?"))
-        with pytest.raises(GpuJobError, match="kind='decode' is not a GPU job"):
-            _run(harness, "a", GpuRequest("decode"))
+            list(device._records(gone))
         with pytest.raises(WorkerError, match="AttributeError"):  # a bug is not a refusal: it raises, as on ZeroGPU
-            harness.call(gpu_job, None)
+            list(harness.stream(job_module._gpu_job, None))
+        with app.door.long_job("a", "busy") as job:  # Cancel reaches the worker through the stop file
+
+            def cancel_after_dynamic(done: int, total: int, what: str) -> None:
+                if what.startswith(f"{SPEC}: prefilling"):
+                    job.cancel.set()
+
+            with pytest.raises(ComparisonCancelled) as cancelled:
+                job.compare(
+                    CONTEXTS["a"], QUESTIONS[:1], [CacheSpec.parse(SPEC)], TOKENS, on_progress=cancel_after_dynamic
+                )
+        assert [r.spec_text for r in cancelled.value.report.results] == ["dynamic"]
         assert len(harness.forked) == 1
-        for direction, size, value in harness.crossed:
-            _plain(value[0][0] if direction == "args" else value, direction)
-            assert size <= 16 * 1024, (direction, size)
     _no_orphans(harness)
-    here = compare(served, CONTEXTS["a"], QUESTIONS[:1], [CacheSpec.parse(SPEC)], TOKENS).to_dict()
-    assert [r["spec_text"] for r in compared["results"]] == ["dynamic", SPEC]
-    for theirs, ours in zip(compared["results"], here["results"], strict=True):
-        assert [q["answer"] for q in theirs["questions"]] == [q["answer"] for q in ours["questions"]]
-        assert theirs["kv_bytes"] == ours["kv_bytes"] > 0
-    cells = needle_grid(served, [SPEC], [96], [50.0], max_new_tokens=TOKENS).cells
-    assert [(c["answer"], c["hit"], c["score"]) for c in needles["cells"]] == [
-        (c.answer, c.hit, c.score) for c in cells
-    ]
 
 
-def test_a_warm_session_is_never_served_for_a_rewritten_file(served, reference, tmp_path):
-    """In this process (off ZeroGPU `gpu_job` is the plain function): the prefill keeps its session warm; a file
+def test_the_records_cross_as_plain_dicts_too(served, tmp_path):
+    """Every record a job yields has `to_dict`/`from_dict` (numbers and strings): the charts draw from them alone."""
+    records = list(gpu_job(GpuRequest("prefill", SPEC, CONTEXTS["a"], folder=str(tmp_path), max_new_tokens=TOKENS)))
+    done = records[-1]
+    assert isinstance(done, PrefillDone) and all(isinstance(r, JobProgress) for r in records[:-1]) and records[:-1]
+    assert PrefillReport.from_dict(done.report.to_dict()) == done.report
+    answer = list(gpu_job(GpuRequest("answer", session_path=done.session_path, question=QUESTIONS[0])))
+    events, end = answer[:-1], answer[-1]
+    assert events and all(StepEvent.from_dict(e.to_dict()) == e for e in events)
+    assert Answer.from_dict(end.answer.to_dict()) == dataclasses.replace(
+        end.answer, seconds=round(end.answer.seconds, 4), question_seconds=round(end.answer.question_seconds, 4)
+    )
+    assert memory_frame([StepEvent.from_dict(e.to_dict()) for e in events]).equals(memory_frame(events))
+    assert JobProgress.from_dict(JobProgress(1, 2, "x").to_dict()) == JobProgress(1, 2, "x")
+    assert all(len(pickle.dumps(r)) <= SMALL_BYTES for r in answer)
+    WARM.clear()
+
+
+def test_a_warm_session_is_never_served_for_a_rewritten_file(served, tmp_path):
+    """In this process (off ZeroGPU `gpu_job` is the plain generator): the prefill keeps its session warm; a file
     written again at the same path is another key; the byte and count bounds drop the least recently used."""
     assert gpu_job is job_module._gpu_job  # `spaces` is not installed here
     path, question = tmp_path / "visitor.kvsession", QUESTIONS[0]
+
+    def ask(spec: str = "") -> AnswerDone:
+        *_, end = gpu_job(GpuRequest("answer", spec, session_path=str(path), question=question, max_new_tokens=TOKENS))
+        if not isinstance(end, AnswerDone):
+            raise GpuJobError(end.message)
+        return end
+
+    reference = {}
+    for visitor, context in CONTEXTS.items():
+        session = QASession(served, CacheSpec.parse(SPEC))
+        session.prefill(context, max_new_tokens=TOKENS)
+        reference[visitor] = session.ask(question, TOKENS).token_ids
     try:
-        run_job(GpuRequest("prefill", SPEC, CONTEXTS["a"], session_path=str(path), max_new_tokens=TOKENS))
-        answer = run_job(GpuRequest("answer", session_path=str(path), question=question, max_new_tokens=TOKENS))
-        assert (answer["warm"], tuple(answer["token_ids"])) == ("hit", reference["a", question])
+        list(gpu_job(GpuRequest("prefill", SPEC, CONTEXTS["a"], session_path=str(path), max_new_tokens=TOKENS)))
+        answer = ask()
+        assert (answer.warm, answer.answer.token_ids) == ("hit", reference["a"])
         other = QASession(served, CacheSpec.parse(SPEC))
         other.prefill(CONTEXTS["b"], max_new_tokens=TOKENS)
         save_session(other, path)  # another process writes the file again
-        answer = run_job(GpuRequest("answer", session_path=str(path), question=question, max_new_tokens=TOKENS))
-        assert (answer["warm"], tuple(answer["token_ids"])) == ("miss", reference["b", question])
+        answer = ask()
+        assert (answer.warm, answer.answer.token_ids) == ("miss", reference["b"])
         assert WARM.paths() == [str(path.resolve())]
-        with pytest.raises(GpuJobError, match="holds a `hqq:4` cache, not `quanto:4`"):
-            run_job(GpuRequest("answer", "quanto:4", session_path=str(path), question=question))
+        with pytest.raises(GpuJobError, match="holds a `hqq:4,residual_length=4` cache, not `quanto:4`"):
+            ask("quanto:4")
     finally:
         WARM.clear()
     first = QASession(served, CacheSpec.parse(SPEC))
@@ -198,6 +288,7 @@ def test_a_warm_session_is_never_served_for_a_rewritten_file(served, reference, 
 def test_the_duration_is_computed_from_the_job():
     assert job_seconds(GpuRequest("prefill", context="A short text.")) == job_module.MIN_SECONDS  # 15.02 s
     assert job_seconds(GpuRequest("answer", question="Why?", max_new_tokens=8)) == 21  # 15 + 5 + 8 x 0.12
+    assert job_seconds(GpuRequest("open", session_path="x")) == job_module.MIN_SECONDS  # 15 + 5
     # 15 s to start + 30,000 characters / 3 per token x 4 ms
     assert job_seconds(GpuRequest("prefill", context="x" * 30_000)) == 55
     assert (
@@ -207,6 +298,8 @@ def test_the_duration_is_computed_from_the_job():
     assert job_seconds(long) == round(15 + 2 * (40 + 2 * 2 * 32 * 0.12))  # dynamic and hqq:4
     grid = GpuRequest("needle", specs=("hqq:4", "dynamic"), lengths=(1024, 2048), depths=(0.0, 50.0), max_new_tokens=8)
     assert job_seconds(grid) == round(15 + 4 * 0.004 * 1536 + 4 * 2 * 2 * 8 * 0.12)
+    found = GpuRequest("recommend", context="x" * 3_000, max_new_tokens=24)
+    assert job_seconds(found) == round(15 + 4 + 3 * 24 * 0.12 + 50 * 4)
     assert job_seconds(dataclasses.replace(long, context="x" * 10**7)) == job_module.MAX_SECONDS
 
 
@@ -228,49 +321,15 @@ def test_quanto_on_cuda_falls_back_to_its_pure_torch_unpacking(monkeypatch):
     assert "no CUDA extension is registered" in quanto_on_device(torch.device("cuda"), none)
 
 
-def test_the_api_endpoints_run_the_job_and_refuse_other_paths(served, reference, tmp_path, monkeypatch):
-    """On ZeroGPU app.py adds `gpu_prefill` and `gpu_answer` (`kvdemo.ui.gpu_api`); here the job runs in-process."""
-    import gradio as gr
-
-    from kvdemo.ui import App, build_demo
-    from kvdemo.ui.gpu_api import add_gpu_api
-
-    monkeypatch.setenv("KVDEMO_CACHE_DIR", str(tmp_path))
-    app = App(loader=lambda source=None: served)
-    app.start_loading()
-    demo = build_demo(app)
-    try:
-        assert add_gpu_api(demo, app) == ["gpu_prefill", "gpu_answer"]
-        fns = {f.api_name: f.fn for f in demo.fns.values()}
-        made = fns["gpu_prefill"](CONTEXTS["a"], SPEC, TOKENS)
-        assert made["session_path"].startswith(str(tmp_path / "sessions")) and made["opened"] is False
-        assert made["context_tokens"] == reference["a"]
-        answer = fns["gpu_answer"](made["session_path"], QUESTIONS[0], TOKENS)
-        assert tuple(answer["token_ids"]) == reference["a", QUESTIONS[0]] and answer["warm"] == "hit"
-        WARM.clear()  # another worker: the file is opened
-        answer = fns["gpu_answer"](made["session_path"], QUESTIONS[1], TOKENS)
-        assert tuple(answer["token_ids"]) == reference["a", QUESTIONS[1]] and answer["warm"] == "miss"
-        assert fns["gpu_prefill"](CONTEXTS["a"], SPEC, TOKENS)["opened"] is True  # the same context: its file
-        for path in (str(tmp_path / "elsewhere.kvsession"), str(tmp_path / "sessions" / "x.txt"), "", "/etc/passwd"):
-            with pytest.raises(gr.Error, match="session_path must be a path gpu_prefill returned"):
-                fns["gpu_answer"](path, "Why?", 4)
-        with pytest.raises(gr.Error, match="the context is empty"):
-            fns["gpu_prefill"]("  ", SPEC, 4)
-        with pytest.raises(gr.Error, match="nbits=5"):
-            fns["gpu_prefill"](CONTEXTS["a"], "hqq:5", 4)
-    finally:
-        WARM.clear()
-        serve_model(served)
-
-
 @pytest.mark.process
 def test_the_job_is_decorated_with_spaces_gpu_where_spaces_is_installed():
-    """A stand-in `spaces` (ZeroGPU's is not installable here): the job is `@spaces.GPU(duration=job_seconds)`."""
+    """A stand-in `spaces` (ZeroGPU's is not installable here): the job is `@spaces.GPU(duration=job_seconds)`, a
+    generator function, so that `spaces` streams its records back (`generator_function_wrapper`)."""
     import subprocess
     import sys
 
     code = (
-        "import sys, types\n"
+        "import inspect, sys, types\n"
         "made = {}\n"
         "def GPU(duration):\n"
         "    def wrap(fn):\n"
@@ -280,13 +339,14 @@ def test_the_job_is_decorated_with_spaces_gpu_where_spaces_is_installed():
         "sys.modules['spaces'] = types.SimpleNamespace(GPU=GPU)\n"
         "from kvdemo.serve import gpu_job as g\n"
         "assert made['duration'] is g.job_seconds and made['fn'] is g.gpu_job and g.gpu_job is not g._gpu_job\n"
+        "assert inspect.isgeneratorfunction(g.gpu_job)\n"
         "print('decorated', g.gpu_job.__name__)\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "decorated gpu_job", done.stderr[-2000:]
 
 
-def test_on_zerogpu_the_page_runs_on_the_cpu(monkeypatch):
+def test_on_zerogpu_the_app_serves_the_model_to_the_job_from_the_cpu(monkeypatch):
     import app as app_module
 
     for name in ("KVDEMO_CONCURRENCY", "SPACE_ID"):
@@ -300,3 +360,25 @@ def test_on_zerogpu_the_page_runs_on_the_cpu(monkeypatch):
     monkeypatch.setattr("kvdemo.qa.models.load_model", lambda source=None, device=None: asked.update(device=device))
     app_module._cpu_loader("some/model")
     assert asked == {"device": "cpu"}
+    assert isinstance(app_module._zero_gpu_device(1), Device)
+
+
+def test_the_recommend_tab_runs_in_the_worker_with_the_same_pick(served, tmp_path, monkeypatch):
+    """The Recommend tab's job in the worker (progress back, Cancel by the stop file): the same pick, rows and
+    figures as in process (times left out)."""
+    text = " ".join([CONTEXTS["a"], CONTEXTS["b"]] * 2)
+    questions = QUESTIONS[0]
+    monkeypatch.setenv("KVDEMO_CACHE_DIR", str(tmp_path))
+    app, fns = _page(served, None)
+    here = fns["recommend"](text, questions, 0.5, "transformers", _request("a"))
+    with Harness("reuse") as harness:
+        device = Device(harness.gpu(duration=job_seconds)(job_module._gpu_job), str(tmp_path), tmp_path / "x")
+        app, fns = _page(served, device)
+        there = fns["recommend"](text, questions, 0.5, "transformers", _request("a"))
+        kinds = [v[0][0].kind for kind, _, v in harness.crossed if kind == "args"]
+        notes = [v for kind, _, v in harness.crossed if kind == "yield" and isinstance(v, JobProgress)]
+    _no_orphans(harness)
+    assert kinds == ["recommend"] and len(notes) > 3  # one job, its progress streamed back
+    assert there.pick == here.pick and "### Pick:" in there.pick
+    timeless = [c for c in here.recommend_table.columns if "second" not in c]
+    assert there.recommend_table[timeless].equals(here.recommend_table[timeless])

@@ -6,6 +6,8 @@
 - the call's arguments go to the worker, and its result comes back, through `SimpleQueue`s, which pickle in `put`
   (as `spaces.utils.SimpleQueue` does): what cannot be pickled fails in the caller; every pickled argument and
   result is kept in `Harness.crossed` for the tests to inspect;
+- a generator function's values come back one by one as the worker yields them (`generator_function_wrapper`), and
+  a caller that closes its side early sets the worker's stop event, after which the worker closes the generator;
 - one pool of workers per decorated function; the duration callable (`duration=`) is called in the caller with the
   call's arguments, as the scheduler's request does, and kept in `Harness.durations`;
 - an exception in the worker comes back as its class name, message and traceback (`WorkerError`), as ZeroGPU's
@@ -27,6 +29,7 @@ Workers are daemons, closed by `Harness.close` (a context manager), which kills 
 
 from __future__ import annotations
 
+import inspect
 import multiprocessing
 import os
 import pickle
@@ -51,23 +54,53 @@ class _Worker:
     process: Any
     args: Any
     results: Any
+    stop: Any
 
 
-def _serve(task: Callable[..., Any], args: Any, results: Any) -> None:
-    """The worker's loop: take a call, run it, put its result (or its exception) back; None ends it."""
+def _put(results: Any, out: tuple[str, Any]) -> bool:
+    """Put `out` back; an unpicklable value is reported as ZeroGPU reports it. Returns whether it went."""
+    try:
+        results.put(out)
+        return True
+    except Exception as error:
+        results.put(("error", f"{type(error).__name__}: the result cannot be pickled: {error}"))
+        return False
+
+
+def _serve(task: Callable[..., Any], args: Any, results: Any, stop: Any) -> None:
+    """The worker's loop: take a call, run it, put its result (or its exception) back; None ends it. A generator's
+    values go back one by one as `yield`, then `end`; once `stop` is set (the caller closed its side) the generator is
+    closed after its current value, as `spaces`' `generator_function_wrapper` does."""
     while True:
         call = args.get()
         if call is None:
             return
         positional, keywords = call
-        try:
-            out: tuple[str, Any] = ("ok", task(*positional, **keywords))
-        except Exception as error:
-            out = ("error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}")
-        try:
-            results.put(out)
-        except Exception as error:  # an unpicklable result: reported as ZeroGPU reports it
-            results.put(("error", f"{type(error).__name__}: the result cannot be pickled: {error}"))
+        stop.clear()
+        if not inspect.isgeneratorfunction(task):
+            try:
+                out: tuple[str, Any] = ("ok", task(*positional, **keywords))
+            except Exception as error:
+                out = ("error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}")
+            _put(results, out)
+            continue
+        generator, ended = task(*positional, **keywords), ("end", None)
+        while True:
+            try:
+                value = next(generator)
+            except StopIteration:
+                break
+            except Exception as error:  # the error ends the call: no `end` after it
+                ended = ("error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}")
+                break
+            if stop.is_set():
+                generator.close()
+                break
+            if not _put(results, ("yield", value)):  # its error was put: nothing after it
+                ended = None
+                break
+        if ended is not None:
+            _put(results, ended)
 
 
 @dataclass
@@ -76,6 +109,7 @@ class Harness:
 
     Attributes:
         policy: one of `POLICIES`.
+        visitor: who calls the functions `gpu` decorates (the `swap` policy alternates workers per visitor).
         crossed: every argument tuple and result that crossed, with its pickled size: (direction, bytes, object as
             the other side received it), direction `args` or `result`.
         durations: the duration the scheduler was asked for, per call (seconds).
@@ -83,6 +117,7 @@ class Harness:
     """
 
     policy: str = "reuse"
+    visitor: str = "anonymous"
     crossed: list[tuple[str, int, Any]] = field(default_factory=list)
     durations: list[float] = field(default_factory=list)
     forked: list[int] = field(default_factory=list)
@@ -96,12 +131,20 @@ class Harness:
         self._context = multiprocessing.get_context("fork")
 
     def gpu(self, duration: Callable[..., float] | float = 60) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        """`spaces.GPU(duration=...)` played here: the decorated function runs in this harness's workers; calls from
-        the visitor `anonymous` (`call` names another)."""
+        """`spaces.GPU(duration=...)` played here: the decorated function (a generator function's values streamed back
+        one by one, `stream`) runs in this harness's workers; its calls come from `visitor` (set it between calls to
+        play several visitors; `call` and `stream` name one directly)."""
 
         def decorate(task: Callable[..., Any]) -> Callable[..., Any]:
+            if inspect.isgeneratorfunction(task):
+
+                def streamed(*args: Any, **kwargs: Any) -> Any:
+                    yield from self.stream(task, *args, visitor=self.visitor, duration=duration, **kwargs)
+
+                return streamed
+
             def handler(*args: Any, **kwargs: Any) -> Any:
-                return self.call(task, *args, visitor="anonymous", duration=duration, **kwargs)
+                return self.call(task, *args, visitor=self.visitor, duration=duration, **kwargs)
 
             return handler
 
@@ -110,10 +153,10 @@ class Harness:
     def _fork(self, task: Callable[..., Any]) -> _Worker:
         torch.set_num_threads(1)  # one thread in the parent before forking: OpenMP's pool does not survive a fork
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        args, results = self._context.SimpleQueue(), self._context.SimpleQueue()
-        process = self._context.Process(target=_serve, args=(task, args, results), daemon=True)
+        args, results, stop = self._context.SimpleQueue(), self._context.SimpleQueue(), self._context.Event()
+        process = self._context.Process(target=_serve, args=(task, args, results, stop), daemon=True)
         process.start()
-        worker = _Worker(process, args, results)
+        worker = _Worker(process, args, results, stop)
         self._all.append(worker)
         self.forked.append(process.pid)
         return worker
@@ -151,12 +194,7 @@ class Harness:
         self.crossed.append(("args", len(sent), pickle.loads(sent)))
         worker = self._worker(task, visitor)
         worker.args.put((args, kwargs))
-        ready = wait([worker.results._reader, worker.process.sentinel], timeout=CALL_TIMEOUT_S)
-        if not ready:
-            raise TimeoutError(f"no result from the worker in {CALL_TIMEOUT_S} s")
-        if worker.results._reader not in ready:
-            raise WorkerError(f"the worker died (exit code {worker.process.exitcode})")
-        status, value = worker.results.get()
+        status, value = self._next(worker)
         if self.policy == "kill":
             worker.process.kill()
             worker.process.join(10)
@@ -164,6 +202,51 @@ class Harness:
             raise WorkerError(value)
         self.crossed.append(("result", len(pickle.dumps(value)), value))
         return value
+
+    def _next(self, worker: _Worker) -> tuple[str, Any]:
+        """The worker's next message; TimeoutError or WorkerError where none comes."""
+        ready = wait([worker.results._reader, worker.process.sentinel], timeout=CALL_TIMEOUT_S)
+        if not ready:
+            raise TimeoutError(f"no result from the worker in {CALL_TIMEOUT_S} s")
+        if worker.results._reader not in ready:
+            raise WorkerError(f"the worker died (exit code {worker.process.exitcode})")
+        return worker.results.get()
+
+    def stream(
+        self, task: Callable[..., Any], *args: Any, visitor: str = "anonymous", duration: Any = 60, **kwargs: Any
+    ) -> Any:
+        """A generator `task(*args, **kwargs)` run in a worker chosen by the policy for `visitor`: its values as the
+        worker yields them (each kept in `crossed` as a `yield`). Closing this generator early sets the worker's stop
+        event, and the worker closes `task`'s generator after its current value (`spaces` does the same).
+
+        Raises:
+            WorkerError: the task raised, a value could not be pickled, or the worker died.
+        """
+        self.durations.append(float(duration(*args, **kwargs) if callable(duration) else duration))
+        sent = pickle.dumps((args, kwargs))
+        self.crossed.append(("args", len(sent), pickle.loads(sent)))
+        worker = self._worker(task, visitor)
+        worker.args.put((args, kwargs))
+        ended = False
+        try:
+            while True:
+                status, value = self._next(worker)
+                if status == "end":
+                    ended = True
+                    return
+                if status != "yield":
+                    ended = True
+                    raise WorkerError(value)
+                self.crossed.append(("yield", len(pickle.dumps(value)), value))
+                yield value
+        finally:
+            if not ended:  # the caller left: the worker stops the task, then its end still comes
+                worker.stop.set()
+                while self._next(worker)[0] not in ("end", "error"):
+                    pass
+            if self.policy == "kill":
+                worker.process.kill()
+                worker.process.join(10)
 
     def close(self) -> None:
         """Stop and join every worker forked (killed where it does not end at once)."""

@@ -5,6 +5,7 @@ Nothing here loads torch until a command runs."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from kvdemo import checks
@@ -81,21 +82,26 @@ def run_ask(args: argparse.Namespace) -> dict[str, Any]:
     checks.max_new_tokens(args.max_new_tokens)
     case, questions = _questions(args)  # bad input refused before torch is imported (seconds on a cold start)
     from kvdemo.qa.models import load_model
-    from kvdemo.qa.session import QASession
-    from kvdemo.qa.session_file import open_session, read_manifest, save_session
+    from kvdemo.qa.session_file import read_manifest
+    from kvdemo.serve.server import App
+    from kvdemo.serve.store import API_KEY
 
     if args.session:
         model = args.model if args.model is not None else (read_manifest(args.session).get("model") or {}).get("source")
-        loaded = load_model(model, device=args.device)
-        session = open_session(loaded, args.session, spec)
+        door = App.serving(load_model(model, device=args.device)).door
+        session = door.open_file(API_KEY, args.session, spec)
     else:
-        loaded = load_model(args.model, device=args.device)
-        session = QASession(loaded, spec)
-        session.prefill(case.context, max_new_tokens=args.max_new_tokens)
-    report, spec = session.prefill_report, session.spec
+        door = App.serving(load_model(args.model, device=args.device)).door
+        session = door.prefill(API_KEY, spec or CacheSpec(), case.context, max_new_tokens=args.max_new_tokens).session
+    loaded, report, spec = session.loaded, session.prefill_report, session.spec
     assert report is not None  # prefilled or opened above
-    saved = save_session(session, args.save_session) if args.save_session else None
-    answers = [session.ask(question, max_new_tokens=args.max_new_tokens).to_dict() for question in questions]
+    saved = door.save_file(API_KEY, Path(args.save_session)) if args.save_session else None
+    answers = []
+    for question in questions:
+        with door.answer(API_KEY, question, args.max_new_tokens) as run:
+            for _ in run:
+                pass
+        answers.append(run.answer.to_dict())
     for question, answer in zip(questions, answers):
         if case is not None and case.gold_for(question) is not None:
             answer["gold_answers"] = list(case.gold_for(question))

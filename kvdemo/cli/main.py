@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -251,9 +253,6 @@ def run_compare(args: argparse.Namespace) -> ComparisonReport:
     Raises:
         ValueError, ImportError, OSError: bad input; the message says what to change.
     """
-    from kvdemo.compare.run import compare
-    from kvdemo.qa.models import load_model
-
     specs = [CacheSpec.parse(text) for text in args.spec] or default_compare_specs()
     plans = [(CacheSpec.parse(args.plan_base), budget) for budget in args.plan_budget]
     checks.max_new_tokens(args.max_new_tokens)
@@ -262,10 +261,8 @@ def run_compare(args: argparse.Namespace) -> ComparisonReport:
     case, questions = case_questions(args)
     golds = [case.gold_for(q) for q in questions]
     gold_answers = None if any(g is None for g in golds) else [list(g) for g in golds]
-    loaded = load_model(args.model, device=args.device)
-    with _ProgressBar(args.no_progress) as on_progress:
-        return compare(
-            loaded,
+    with _long_job(args) as job, _ProgressBar(args.no_progress) as on_progress:
+        return job.compare(
             case.context,
             questions,
             specs,
@@ -285,9 +282,8 @@ def run_recommend(args: argparse.Namespace) -> Recommendation:
         ValueError, OSError: bad input (checked before the model loads where it can be); the message says what to
             change.
     """
-    from kvdemo.compare.recommend import check_target, recommend
+    from kvdemo.compare.recommend import check_target
     from kvdemo.evals.cases import load_case
-    from kvdemo.qa.models import load_model
     from kvdemo.qa.text import check_question
 
     check_target(args.max_kl, args.bytes_per_token)
@@ -297,10 +293,8 @@ def run_recommend(args: argparse.Namespace) -> Recommendation:
         if args.questions_from_case < 1 or not case.questions:
             raise ValueError("--questions-from-case needs N >= 1 and a case file with questions")
         questions += [q.question for q in case.answerable(args.questions_from_case)]
-    loaded = load_model(args.model, device=args.device)
-    with _ProgressBar(args.no_progress) as on_progress:
-        return recommend(
-            loaded,
+    with _long_job(args) as job, _ProgressBar(args.no_progress) as on_progress:
+        return job.recommend(
             case.context,
             questions,
             max_kl=args.max_kl,
@@ -317,26 +311,33 @@ def run_needle(args: argparse.Namespace) -> NeedleGrid:
     Raises:
         ValueError, ImportError, OSError: bad input; the message says what to change.
     """
-    from kvdemo.needle.grid import needle_grid
-    from kvdemo.qa.models import load_model
-
     specs = [CacheSpec.parse(text) for text in (args.spec or needle.DEFAULT_SPECS)]
     lengths = needle.parse_lengths(args.lengths) if args.lengths is not None else list(needle.DEFAULT_LENGTHS)
     depths = needle.parse_depths(args.depths) if args.depths is not None else list(needle.DEFAULT_DEPTHS)
     if args.csv is not None and not Path(args.csv).expanduser().parent.is_dir():
         raise ValueError(f"--csv {args.csv}: the folder {Path(args.csv).expanduser().parent} does not exist")
-    loaded = load_model(args.model, device=args.device)
-    with _ProgressBar(args.no_progress) as on_progress:
-        return needle_grid(
-            loaded,
+    with _long_job(args) as job, _ProgressBar(args.no_progress) as on_progress:
+        return job.needle(
             specs,
             lengths,
             depths,
+            args.max_new_tokens,
             needles_per_context=args.needles_per_context,
             seed=args.seed,
-            max_new_tokens=args.max_new_tokens,
             on_progress=on_progress,
         )
+
+
+@contextmanager
+def _long_job(args: argparse.Namespace) -> Iterator[Any]:
+    """The loaded model's door (`kvdemo.serve.door.Door`, as the page's) and a long job in its one session."""
+    from kvdemo.qa.models import load_model
+    from kvdemo.serve.server import App
+    from kvdemo.serve.store import API_KEY
+
+    door = App.serving(load_model(args.model, device=args.device)).door
+    with door.long_job(API_KEY, "a long job is already running") as job:
+        yield job
 
 
 class _ProgressBar:

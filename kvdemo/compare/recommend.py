@@ -158,7 +158,7 @@ class _Run:
         self.questions = [str(q).strip() for q in questions] or text_questions(self.context)
         if not all(self.questions):
             raise ValueError("a question is empty; give the text of every question, or none to take them from the text")
-        self.prepared = QASession(loaded).prepare(self.context)  # tokenized once: the bytes and the reference's prefill
+        self.prepared = loaded.prepare(self.context)  # tokenized once: the bytes and the reference's prefill
         self.tokens = len(self.prepared.ids)
         self.bytes = {s.label: self._bytes(s) for s in self.specs}
         if target == "bytes_per_token" and limit < (least := min(b[0] for b in self.bytes.values())):
@@ -175,7 +175,7 @@ class _Run:
         """The context (the text less its held-out end) and the held-out token ids (none on a short text)."""
         if not isinstance(text, str) or not text.strip():
             raise ValueError("the text is empty; paste or upload the text the model will read")
-        ids = QASession(self.loaded).text_ids(text)
+        ids = self.loaded.text_ids(text)
         if len(ids) < MIN_CONTEXT_TOKENS:
             raise ValueError(f"the text holds {len(ids)} tokens; a recommendation needs {MIN_CONTEXT_TOKENS} or more")
         held = min(HELD_OUT_TOKENS + 1, len(ids) - MIN_CONTEXT_TOKENS)

@@ -40,7 +40,6 @@ from kvdemo.compare.records import ComparisonCancelled, ComparisonReport, SpecRe
 from kvdemo.evals import fidelity, plan_budget, planner
 from kvdemo.qa.models import LoadedModel
 from kvdemo.qa.prompt import PreparedContext
-from kvdemo.qa.session import QASession
 
 ProgressCallback = Callable[[int, int, str], None]
 """`on_progress(done, total, what)`: units of work done so far, the total, and what runs next."""
@@ -109,7 +108,7 @@ def compare(
     questions, ordered, max_new_tokens = _checked(loaded_model, questions, specs, max_new_tokens, gold_answers)
     _check_perplexity_tokens(perplexity_tokens)
     if not isinstance(context, PreparedContext):  # the one tokenization of the context for every spec
-        context = QASession(loaded_model).prepare(context, max_tokens=loaded_model.max_context_tokens)
+        context = loaded_model.prepare(context)
     inputs = None
     if perplexity_tokens:
         inputs = fidelity.perplexity_inputs(loaded_model, context, perplexity_tokens, continuation)
@@ -149,7 +148,7 @@ def _plan_all(
         progress.announce(f"planning {base.backend} per layer at {budget:,.0f} bytes per token")
         if cancel is not None and cancel.is_set():
             raise ComparisonCancelled(ComparisonReport(loaded_model.name, max_new_tokens, ()))
-        plan = planner.plan_layers(loaded_model, QASession(loaded_model).context_ids(context), base, budget)
+        plan = planner.plan_layers(loaded_model, loaded_model.context_ids(context), base, budget)
         progress("planned")
         summaries.append(plan.summary())
         added = [spec.validate(loaded_model.config) for spec in (plan.spec, plan.uniform) if spec is not None]

@@ -47,7 +47,6 @@ from kvdemo.qa.models import LoadedModel
 from kvdemo.qa.prefill import check_rope
 from kvdemo.qa.probe import check_model
 from kvdemo.qa.prompt import PreparedContext
-from kvdemo.qa.session import QASession
 
 
 # ---- distribution statistics ------------------------------------------------------------------------------------
@@ -233,10 +232,9 @@ def perplexity_inputs(
         raise ValueError(f"perplexity tokens={tokens!r} must be a whole number >= 1")
     if not isinstance(context, PreparedContext) and (not isinstance(context, str) or not context.strip()):
         raise ValueError("the context is empty; paste or upload the text to ask about")
-    session = QASession(loaded_model)  # tokenization only: dynamic, no cache built
-    prefix = session.context_ids(context)  # a PreparedContext is not tokenized again
+    prefix = loaded_model.context_ids(context)  # a PreparedContext is not tokenized again
     if continuation is not None:
-        following = session.text_ids(continuation) if isinstance(continuation, str) else []
+        following = loaded_model.text_ids(continuation) if isinstance(continuation, str) else []
         if len(following) < tokens + 1:
             raise ValueError(
                 f"the continuation holds {len(following)} tokens; scoring {tokens} needs {tokens + 1} (each fed "
@@ -246,7 +244,7 @@ def perplexity_inputs(
         context_ids, continuation_ids, source = prefix, following[: tokens + 1], "continuation"
     else:
         text = context.text if isinstance(context, PreparedContext) else context
-        text_tokens = len(session.text_ids(text))  # the text's own tokens, without the template's
+        text_tokens = len(loaded_model.text_ids(text))  # the text's own tokens, without the template's
         if text_tokens < tokens + 2:
             raise ValueError(
                 f"the context holds {text_tokens} tokens; holding out its last {tokens + 1} to score {tokens} leaves "

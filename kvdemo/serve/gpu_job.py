@@ -1,33 +1,40 @@
-"""The Space's one GPU job, for Hugging Face ZeroGPU: a prefill, an answer, a comparison or a needle grid, each one
-call of `gpu_job(request)`, decorated with `@spaces.GPU(duration=job_seconds)` where the `spaces` package is installed
-(a ZeroGPU Space provides it); elsewhere `gpu_job` is the plain function and nothing changes.
+"""The door's model work in a device worker, for Hugging Face ZeroGPU: one generator, `gpu_job(request)`, decorated
+with `@spaces.GPU(duration=job_seconds)` where the `spaces` package is installed (a ZeroGPU Space provides it;
+elsewhere `gpu_job` is the plain generator and nothing changes). `kvdemo.serve.door.Door` is its one caller, through
+`kvdemo.serve.device.Device`: the page's tabs, the MCP tools and the command line reach it only there.
 
-How ZeroGPU runs it (`spaces` 0.51.3, `spaces/zero/wrappers.py`): the first call forks one worker process for the
-decorated function and the GPU lent; later calls reuse that worker while the scheduler reports it idle, else fork a
-new one. The request and the result cross between the processes by pickle, and the GPU is taken back when the call
-returns. So:
-- the request (`GpuRequest`) and the result (a dict of str, int, float, bool, None, lists and dicts: a few kB; a
-  comparison's or a grid's records tens of kB) hold no tensor;
+How ZeroGPU runs it (`spaces` 0.51.3, `spaces/zero/wrappers.py: generator_function_wrapper`): the first call forks one
+worker process for the decorated function and the GPU lent; later calls reuse that worker while the scheduler reports
+it idle, else fork a new one. The request goes to the worker pickled, and each value the generator yields comes back
+pickled, as it is yielded; the GPU is taken back when the generator ends. So:
+- the request (`GpuRequest`) and every record yielded hold no tensor: numbers, strings and the records' dataclasses
+  (`JobProgress`, `StepEvent`, `PrefillDone`, `AnswerDone`, `JobDone`, `JobCancelled`, `JobRefused`), a few kB each
+  (a comparison's report or a grid tens of kB);
 - the model is loaded in the main process on the CPU before the first call (`serve_model`), and the fork inherits
-  it; the job moves it to the GPU inside the worker (`torch.cuda.is_available()` is asked only there): the main
-  process touches no CUDA;
-- a prefill writes a session file (`kvdemo.qa.session_file`) and returns its path; an answer gets the path and the
+  it; the job moves it to the GPU inside the worker (`torch.cuda.is_available()` is asked only there);
+- a prefill writes a session file (`kvdemo.qa.session_file`) and yields its path; an answer gets the path and the
   question. The worker keeps a few prefilled sessions warm (`kvdemo.serve.warm_sessions`): on a hit the answer runs
   on the warm session, restored in place after it as always; on a miss (a fresh worker, or another visitor's) it
-  opens the file, one copy of the cache to the device. Both give the same answer (docs/DESIGN.md, invariant 2).
-- A raised `ValueError` or `ImportError` (a refused context, spec or file) comes back as the result's `error`
-  (ZeroGPU would pass on only its class name); `run_job` raises it again as `GpuJobError` in the caller.
+  opens the file, one copy of the cache to the device. Both give the same answer (docs/DESIGN.md, invariant 2);
+- **Stop and Cancel** reach the worker through a file (`GpuRequest.stop_path`) that the server writes: the job looks
+  for it after every decode step, prefill chunk and progress note, and ends as Stop ends an answer in process (the
+  cache restored, the answer `stopped`; a long job's partial records in `JobCancelled`). A stop of `spaces`' own (the
+  caller gone) closes the generator, which restores the cache the same way;
+- a refused request (`ValueError`, `ImportError`: a context too long, a file of another model) is yielded as
+  `JobRefused` with its message (ZeroGPU would pass on only an exception's class name); `Device` raises it again.
 
 What this module cannot show off ZeroGPU: tests/zerogpu_harness.py plays ZeroGPU's part on the CPU (fork, pickling
-queues, four scheduler policies); docs/space.md lists what still needs a real ZeroGPU Space.
+queues, four scheduler policies), tests/stand_in/spaces a forking `spaces` for the whole app; docs/space.md lists what
+still needs a real ZeroGPU Space.
 """
 
 from __future__ import annotations
 
+import os
+import queue
 import threading
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +43,7 @@ from kvdemo.qa.models import LoadedModel
 from kvdemo.serve.session_files import SessionFiles
 from kvdemo.serve.warm_sessions import WARM, device_model, quanto_on_device
 
-KINDS = ("prefill", "answer", "compare", "needle")
+KINDS = ("prefill", "open", "answer", "compare", "needle", "recommend")
 """The jobs `gpu_job` runs."""
 
 # Duration (seconds): upper bounds from this machine's idle CPU figures (docs/benchmarks.md, `make bench` of
@@ -55,35 +62,41 @@ OPEN_SECONDS = 5.0
 CHARS_PER_TOKEN = 3.0
 """Characters per token, on the low side (English runs at about 4 with SmolLM2's tokenizer): the duration is
 computed in the main process from the request alone, without tokenizing."""
+CANDIDATE_SECONDS = 4.0
+"""One candidate of a recommendation (its hand-over and probe; 0.5-3 s on 2 idle CPU cores)."""
 MIN_SECONDS, MAX_SECONDS = 20, 300
 """The bounds of a job's duration (seconds)."""
+POLL_SECONDS = 0.2
+"""How often a job running in a thread looks for its stop file (seconds)."""
 
 _MODEL: Callable[[], LoadedModel] | None = None
 _LOCK = threading.Lock()
 
 
-class GpuJobError(ValueError):
-    """A job refused its request (the message is the job's, e.g. a context too long or a session file of another
-    model), raised by `run_job` in the caller's process."""
-
-
 @dataclass(frozen=True)
 class GpuRequest:
-    """One GPU job, small and picklable (strings and numbers only).
+    """One job, small and picklable (strings and numbers only).
 
     Attributes:
         kind: one of `KINDS`.
-        spec: the spec's text (`hqq:4`) for a prefill; for an answer, the spec the session file must hold ("" takes
-            the file's).
-        context: the text to prefill (prefill, compare).
-        session_path: the session file: where a prefill writes it ("" : a name made from the model, spec and context
-            in `folder`), what an answer opens.
+        spec: the spec's text (`hqq:4`) for a prefill; for an answer or an open, the spec the session file must hold
+            ("" takes the file's).
+        context: the text to prefill (prefill, compare, recommend).
+        session_path: the session file: where a prefill writes it ("": a name made from the model, spec and context
+            in `folder`), what an answer or an open reads.
         question: an answer's question.
         max_new_tokens: per answer (tokens).
         folder: where a prefill writes its file when `session_path` is ""; "" is `kvdemo.paths.cache_dir()/sessions`.
         kv_budget_bytes: the session's out-of-memory guard (`QASession`); 0: none.
+        stop_path: a file the server writes to stop the job (Stop, Cancel); "": none.
         questions, specs: a comparison's questions and specs (texts); a needle grid's specs.
-        lengths, depths, seed: a needle grid's context lengths (tokens), depths (%) and seed.
+        golds: per question the accepted answers, or None (a comparison).
+        perplexity_tokens, continuation, plans: a comparison's perplexity feed and per-layer plans
+            ((base spec text, bytes per token), ...).
+        lengths, depths, seed, needles_per_context: a needle grid's context lengths (tokens), depths (%), seed and
+            needles per prefill (0: every depth in one).
+        max_kl, bytes_per_token, engine, plan: a recommendation's ceiling (nats) or byte budget (bytes per token;
+            neither: the default ceiling), engine, and whether it measures a per-layer plan.
     """
 
     kind: str
@@ -94,11 +107,87 @@ class GpuRequest:
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     folder: str = ""
     kv_budget_bytes: int = 0
+    stop_path: str = ""
     questions: tuple[str, ...] = ()
     specs: tuple[str, ...] = ()
+    golds: tuple[tuple[str, ...], ...] | None = None
+    perplexity_tokens: int = 0
+    continuation: str | None = None
+    plans: tuple[tuple[str, float], ...] = ()
     lengths: tuple[int, ...] = ()
     depths: tuple[float, ...] = ()
     seed: int = 0
+    needles_per_context: int = 1
+    max_kl: float | None = None
+    bytes_per_token: float | None = None
+    engine: str = "any"
+    plan: bool = True
+
+
+@dataclass(frozen=True)
+class JobProgress:
+    """Work done so far: `done` of `total` units, and what runs (`what`). A prefill's `unit` is `tokens` (its
+    chunks) or `layers` (its quantizer's hand-over); a long job's `steps`."""
+
+    done: int
+    total: int
+    what: str
+    unit: str = "steps"
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (`from_dict` reads it back)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> JobProgress:
+        """The record `to_dict` gave."""
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class PrefillDone:
+    """A prefill's (or an opened file's) end: the session file, whether it was opened rather than prefilled, the
+    spec it holds, the `PrefillReport` and the cache's decode floor (`kvdemo.cache.speedlimit.SpeedLimit`)."""
+
+    session_path: str
+    file_bytes: int
+    opened: bool
+    spec: str
+    report: Any
+    speed: Any
+
+
+@dataclass(frozen=True)
+class AnswerDone:
+    """An answer's end: the `Answer` (the cache restored), `warm` (`hit`: the worker's warm session; `miss`: opened
+    from the file), and the cache's decode floor."""
+
+    answer: Any
+    warm: str
+    speed: Any
+
+
+@dataclass(frozen=True)
+class JobDone:
+    """A long job's result: a `ComparisonReport`, a `NeedleGrid` or a `Recommendation`."""
+
+    result: Any
+
+
+@dataclass(frozen=True)
+class JobCancelled:
+    """A long job stopped by its stop file, or a prefill stopped: what finished before (the partial report, grid or
+    recommendation; a prefill's message)."""
+
+    partial: Any
+
+
+@dataclass(frozen=True)
+class JobRefused:
+    """The job refused its request: the exception's class name and message (`ValueError`, `ImportError`)."""
+
+    error_type: str
+    message: str
 
 
 def serve_model(model: LoadedModel | Callable[[], LoadedModel]) -> None:
@@ -113,16 +202,19 @@ def job_seconds(request: GpuRequest) -> int:
     alone (no model, no tokenizer, no CUDA): `START_SECONDS` plus, by kind, the context's tokens (characters /
     `CHARS_PER_TOKEN`) x `PREFILL_SECONDS_PER_TOKEN` and the answer tokens x `STEP_SECONDS` (an answer: its
     question and `max_new_tokens`, plus `OPEN_SECONDS` for a miss; a comparison: per spec a prefill and per
-    question an answer and its scoring; a grid: per spec and length a prefill and per depth an answer and a score)."""
+    question an answer and its scoring; a grid: per spec and length a prefill and per depth an answer and a score; a
+    recommendation: one prefill, `dynamic`'s answers and `CANDIDATE_SECONDS` per candidate, about 50)."""
     prefill = PREFILL_SECONDS_PER_TOKEN / CHARS_PER_TOKEN
     steps = request.max_new_tokens * STEP_SECONDS
     if request.kind == "prefill":
         seconds = len(request.context) * prefill
-    elif request.kind == "answer":
-        seconds = OPEN_SECONDS + len(request.question) * prefill + steps
+    elif request.kind in ("answer", "open"):
+        seconds = OPEN_SECONDS + len(request.question) * prefill + (steps if request.kind == "answer" else 0)
     elif request.kind == "compare":
         specs = len(set(request.specs) | {"dynamic"})
         seconds = specs * (len(request.context) * prefill + len(request.questions) * 2 * steps)
+    elif request.kind == "recommend":
+        seconds = len(request.context) * prefill + 3 * steps + 50 * CANDIDATE_SECONDS
     else:
         grid = max(1, len(request.specs)) * len(request.lengths)
         seconds = grid * PREFILL_SECONDS_PER_TOKEN * (sum(request.lengths) / max(1, len(request.lengths)))
@@ -148,41 +240,94 @@ def session_files(folder: str = "") -> SessionFiles:
     return SessionFiles(Path(folder) if folder else cache_dir() / "sessions", SESSION_FILES_BYTES)
 
 
-def _prefill(loaded: LoadedModel, request: GpuRequest) -> dict[str, Any]:
+def stopped(request: GpuRequest) -> bool:
+    """Whether the server has asked `request`'s job to stop (its stop file exists)."""
+    return bool(request.stop_path) and os.path.exists(request.stop_path)
+
+
+def _threaded(request: GpuRequest, work: Callable[[Callable[..., None]], Any], on_stop: Callable[[], None]):
+    """Run `work(emit)` in a thread and yield each `JobProgress` it emits (`emit(done, total, what, unit)`) as it
+    comes; `on_stop()` once the stop file appears (the work then ends at its next check). Returns (to `yield from`)
+    what `work` returned; raises what it raised."""
+    notes: queue.Queue[Any] = queue.Queue()
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["value"] = work(lambda done, total, what, unit="steps": notes.put(JobProgress(done, total, what, unit)))
+        except BaseException as error:  # handed to the generator's thread, raised there
+            out["error"] = error
+        finally:
+            notes.put(None)
+
+    thread = threading.Thread(target=run, daemon=True, name="kvdemo-gpu-job")
+    thread.start()
+    asked = False
+    try:
+        while True:
+            try:
+                note = notes.get(timeout=POLL_SECONDS)
+            except queue.Empty:
+                note = ...
+            if not asked and stopped(request):
+                asked = True
+                on_stop()
+            if note is None:
+                break
+            if note is not ...:
+                yield note
+    finally:
+        if thread.is_alive():  # the generator was closed (the caller left): the work stops at its next check
+            on_stop()
+        thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out.get("value")
+
+
+def _speed(session: Any) -> Any:
+    from kvdemo.cache.speedlimit import speed_limit
+
+    return speed_limit(session.loaded.model, session.cache)
+
+
+def _prefill(loaded: LoadedModel, request: GpuRequest) -> Iterator[Any]:
     """Open the session file of the same context, model and spec when the folder holds one (as the app does), else
-    prefill and save it there (or to `request.session_path`)."""
+    prefill (progress per chunk and per quantized layer) and save it there (or to `request.session_path`)."""
     from kvdemo.cache.spec import CacheSpec
+    from kvdemo.qa.prefill import PrefillStopped
     from kvdemo.qa.session import QASession
     from kvdemo.qa.session_file import save_session
 
     session = QASession(loaded, CacheSpec.parse(request.spec or "dynamic"), request.kv_budget_bytes or None)
     files = session_files(request.folder)
     prepared = session.prepare(request.context, max_tokens=loaded.max_context_tokens)
-    path = Path(request.session_path) if request.session_path else files.path(session, prepared)
+    path = Path(request.session_path) if request.session_path else files.path(loaded, session.spec, prepared)
     opened = files.open(session, prepared) if not request.session_path else None
-    report = opened or session.prefill(prepared, max_new_tokens=request.max_new_tokens)
-    if opened is None:
+    report = opened
+    if report is None:
+
+        def work(emit: Callable[..., None]) -> Any:
+            return session.prefill(
+                prepared, max_new_tokens=request.max_new_tokens,
+                on_progress=lambda done, total: emit(done, total, "prefilling", "tokens"),
+                on_quantize=lambda done, total: emit(done, total, "quantizing", "layers"),
+            )  # fmt: skip
+
+        try:
+            report = yield from _threaded(request, work, session.request_stop)
+        except PrefillStopped as stopped_early:
+            yield JobCancelled(str(stopped_early))
+            return
         path.parent.mkdir(parents=True, exist_ok=True)
         save_session(session, path)
         files.trim()
     WARM.put(path, session)
-    return {
-        "session_path": str(path),
-        "file_bytes": path.stat().st_size,
-        "opened": opened is not None,
-        "spec": session.spec.text,
-        "context_tokens": report.context_tokens,
-        "prefill_seconds": round(report.prefill_seconds or report.seconds, 4),
-        "kv_bytes": report.kv_bytes,
-        "full_precision_bytes": report.full_precision_bytes,
-        "bytes_per_token": round(report.bytes_per_token, 2),
-        "ratio_to_full_precision": round(report.ratio_to_full_precision, 5),
-        "prompt_note": report.prompt_note,
-        "clock_note": report.clock_note,
-    }
+    yield PrefillDone(str(path), path.stat().st_size, opened is not None, session.spec.text, report, _speed(session))
 
 
-def _answer(loaded: LoadedModel, request: GpuRequest) -> dict[str, Any]:
+def _warm_or_open(loaded: LoadedModel, request: GpuRequest) -> tuple[Any, bool]:
+    """The session of `request.session_path`: the warm one (True) or opened from the file now (False)."""
     from kvdemo.cache.spec import CacheSpec
     from kvdemo.qa.session_file import open_session
 
@@ -191,102 +336,133 @@ def _answer(loaded: LoadedModel, request: GpuRequest) -> dict[str, Any]:
     session = WARM.get(path, loaded)
     if session is not None and spec is not None and spec.validate(loaded.config).text != session.spec.text:
         session = None  # another spec asked: opening the file refuses it with the reason
-    warm = session is not None
-    if session is None:
-        session = open_session(loaded, path, spec, request.kv_budget_bytes or None)
-        WARM.put(path, session)
-    answer = session.ask(request.question, request.max_new_tokens)
-    return {
-        "warm": "hit" if warm else "miss",
-        "session_path": str(path),
-        "spec": session.spec.text,
-        "context_tokens": session.cache_length,
-        **answer.to_dict(),
-    }
+    if session is not None:
+        return session, True
+    session = open_session(loaded, path, spec, request.kv_budget_bytes or None)
+    WARM.put(path, session)
+    return session, False
 
 
-def _compare(loaded: LoadedModel, request: GpuRequest) -> dict[str, Any]:
+def _open(loaded: LoadedModel, request: GpuRequest) -> Iterator[Any]:
+    """A session file opened (or found warm) in the worker, as a prefill's end."""
+    session, _ = _warm_or_open(loaded, request)
+    path = Path(request.session_path)
+    yield PrefillDone(str(path), path.stat().st_size, True, session.spec.text, session.prefill_report, _speed(session))
+
+
+def _answer(loaded: LoadedModel, request: GpuRequest) -> Iterator[Any]:
+    """The answer's `StepEvent`s as they come, then `AnswerDone`; the stop file ends it after the current step."""
+    session, warm = _warm_or_open(loaded, request)
+    stream = session.stream(session.prepare_question(request.question, request.max_new_tokens))
+    try:
+        if stopped(request):  # a Stop that came before the job began: after the first step, as in process
+            session.request_stop()
+        for event in stream:
+            yield event
+            if stopped(request):
+                session.request_stop()
+    finally:
+        stream.close()  # restored (also when the generator is closed: the caller left)
+    yield AnswerDone(session.history[-1], "hit" if warm else "miss", _speed(session))
+
+
+def _long(request: GpuRequest, work: Callable[[Callable[..., None], threading.Event], Any]) -> Iterator[Any]:
+    """A long job (`work(emit, cancel)`) with progress, cancelled by the stop file: `JobDone`, or `JobCancelled`
+    with what its cancellation carried."""
+    from kvdemo.compare.recommendation import RecommendationCancelled
+    from kvdemo.compare.records import ComparisonCancelled
+    from kvdemo.needle.records import NeedleCancelled
+
+    cancel = threading.Event()
+    try:
+        result = yield from _threaded(request, lambda emit: work(emit, cancel), cancel.set)
+    except ComparisonCancelled as stopped_early:
+        yield JobCancelled(stopped_early.report)
+    except NeedleCancelled as stopped_early:
+        yield JobCancelled(stopped_early.grid)
+    except RecommendationCancelled as stopped_early:
+        yield JobCancelled(stopped_early.recommendation)
+    else:
+        yield JobDone(result)
+
+
+def _compare(loaded: LoadedModel, request: GpuRequest) -> Iterator[Any]:
     from kvdemo.cache.spec import CacheSpec
     from kvdemo.compare.run import compare
 
     specs = [CacheSpec.parse(text) for text in request.specs]
-    report = compare(
-        loaded, request.context, list(request.questions), specs, request.max_new_tokens,
-        kv_budget_bytes=request.kv_budget_bytes or None,
+    golds = None if request.golds is None else [list(g) for g in request.golds]
+    plans = [(CacheSpec.parse(base), budget) for base, budget in request.plans]
+    yield from _long(
+        request,
+        lambda emit, cancel: compare(
+            loaded, request.context, list(request.questions), specs, request.max_new_tokens, golds, cancel=cancel,
+            on_progress=emit, kv_budget_bytes=request.kv_budget_bytes or None,
+            perplexity_tokens=request.perplexity_tokens, continuation=request.continuation, plans=plans,
+        ),
     )  # fmt: skip
-    return {"report": report.to_dict()}
 
 
-def _needle(loaded: LoadedModel, request: GpuRequest) -> dict[str, Any]:
+def _needle(loaded: LoadedModel, request: GpuRequest) -> Iterator[Any]:
     from kvdemo.needle.grid import needle_grid
 
-    grid = needle_grid(
-        loaded, list(request.specs), list(request.lengths), list(request.depths), seed=request.seed,
-        max_new_tokens=request.max_new_tokens, kv_budget_bytes=request.kv_budget_bytes or None,
+    yield from _long(
+        request,
+        lambda emit, cancel: needle_grid(
+            loaded, list(request.specs), list(request.lengths), list(request.depths),
+            needles_per_context=request.needles_per_context or None, seed=request.seed,
+            max_new_tokens=request.max_new_tokens, cancel=cancel, on_progress=emit,
+            kv_budget_bytes=request.kv_budget_bytes or None,
+        ),
     )  # fmt: skip
-    return {"grid": grid.to_dict()}
 
 
-_JOBS: dict[str, Callable[[LoadedModel, GpuRequest], dict[str, Any]]] = {
+def _recommend(loaded: LoadedModel, request: GpuRequest) -> Iterator[Any]:
+    from kvdemo.compare.recommend import recommend
+
+    yield from _long(
+        request,
+        lambda emit, cancel: recommend(
+            loaded, request.context, list(request.questions), max_kl=request.max_kl,
+            bytes_per_token=request.bytes_per_token, engine=request.engine, plans=request.plan, cancel=cancel,
+            on_progress=emit,
+        ),
+    )  # fmt: skip
+
+
+_JOBS: dict[str, Callable[[LoadedModel, GpuRequest], Iterator[Any]]] = {
     "prefill": _prefill,
+    "open": _open,
     "answer": _answer,
     "compare": _compare,
     "needle": _needle,
+    "recommend": _recommend,
 }
 
 
-def _gpu_job(request: GpuRequest) -> dict[str, Any]:
-    """Run one job (see the module docstring) on the served model, moved to the GPU where CUDA is available.
-
-    Args:
-        request: a `GpuRequest`.
-
-    Returns:
-        A dict of plain values: `kind`, `ok`, `device` (`cuda` or `cpu`), `quanto` (on CUDA: whether quanto's CUDA
-        extension or its pure-torch unpack runs; None on the CPU), `seconds` (the job's wall time), and either the
-        kind's fields (prefill: `session_path`, `file_bytes`, `context_tokens`, `kv_bytes`, ...; answer: `warm`
-        (`hit` | `miss`), `answer`, `token_ids`, ... (`Answer.to_dict`); compare: `report`
-        (`ComparisonReport.to_dict`); needle: `grid` (`NeedleGrid.to_dict`)) or, where the job refused the request
-        with a ValueError or ImportError, `error` (its message) and `error_type` (its class name).
-
-    Raises:
-        Nothing for a refused request (see above); any other exception (a bug, CUDA out of memory) as it is.
-    """
-    start = time.perf_counter()
-    out: dict[str, Any] = {"kind": request.kind, "ok": True, "device": "cpu", "quanto": None}
+def _gpu_job(request: GpuRequest) -> Generator[Any, None, None]:
+    """Run one job (see the module docstring) on the served model, moved to the GPU where CUDA is available, and
+    yield its records: `JobProgress` notes and `StepEvent`s as they come, then one end record (`PrefillDone`,
+    `AnswerDone`, `JobDone`, `JobCancelled`), or `JobRefused` where the job refused the request with a ValueError or
+    an ImportError. Any other exception (a bug, CUDA out of memory) is raised as it is."""
     with _LOCK:  # one job at a time per process (a ZeroGPU worker runs one anyway)
         try:
             if request.kind not in _JOBS:
                 raise ValueError(f"kind={request.kind!r} is not a GPU job; use one of {', '.join(KINDS)}")
             loaded = device_model(_model())
-            out["device"] = loaded.device.type
-            out["quanto"] = quanto_on_device(loaded.device)
-            out.update(_JOBS[request.kind](loaded, request))
+            quanto_on_device(loaded.device)
+            yield from _JOBS[request.kind](loaded, request)
         except (ValueError, ImportError) as error:
-            out.update(ok=False, error=str(error), error_type=type(error).__name__)
-    out["seconds"] = round(time.perf_counter() - start, 4)
-    return out
+            yield JobRefused(type(error).__name__, str(error))
 
 
 try:  # a ZeroGPU Space provides `spaces`; off ZeroGPU (SPACES_ZERO_GPU unset) its GPU decorator hands the function back
     import spaces  # type: ignore[import-not-found]
-except ImportError:  # not installed (here, and on any other machine): the job is the plain function
+except ImportError:  # not installed (here, and on any other machine): the job is the plain generator
     gpu_job = _gpu_job
 else:
 
     @spaces.GPU(duration=job_seconds)
-    def gpu_job(request: GpuRequest) -> dict[str, Any]:
+    def gpu_job(request: GpuRequest) -> Generator[Any, None, None]:
         """`_gpu_job(request)` in ZeroGPU's worker, with the GPU for `job_seconds(request)` at most."""
-        return _gpu_job(request)
-
-
-def run_job(request: GpuRequest, job: Callable[[GpuRequest], dict[str, Any]] | None = None) -> dict[str, Any]:
-    """Run `request` through `job` (default `gpu_job`: on ZeroGPU in its worker) and hand back its result.
-
-    Raises:
-        GpuJobError: the job refused the request; the message is the job's.
-    """
-    result = (job or gpu_job)(request)
-    if not result.get("ok"):
-        raise GpuJobError(str(result.get("error")))
-    return result
+        yield from _gpu_job(request)

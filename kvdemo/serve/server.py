@@ -3,39 +3,29 @@ per-tab session store (`SessionStore`, keyed by Gradio's `session_hash`), bounde
 the server-wide KV budget (`KVAccount`): the bytes every session's cache, every prefill in progress and every
 running comparison may hold together, reserved before anything is allocated.
 
-The page (`kvdemo.ui`) reads and changes this state only through `App` and `SessionStore`; errors meant for
-the user are `ValueError`s, turned into `gr.Error` by the page in one place.
+Every job on this state (a prefill, an answer, a session file, a comparison, a grid, a recommendation) goes through
+`App.door` (`kvdemo.serve.door.Door`); the page (`kvdemo.ui`) otherwise reads this state through `App` and
+`SessionStore`. Errors meant for the user are `ValueError`s, turned into `gr.Error` by the page in one place.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable
+from typing import Any
 
-from kvdemo import checks
-from kvdemo.cache.spec import CacheSpec
 from kvdemo.compare.recommendation import Recommendation
-from kvdemo.qa.limits import DEFAULT_MAX_NEW_TOKENS, QUESTION_RESERVE_TOKENS
 from kvdemo.qa.models import LoadedModel, is_hub_id, load_model
-from kvdemo.qa.prompt import PreparedContext, PreparedQuestion
-from kvdemo.qa.records import PrefillReport
-from kvdemo.qa.session import QASession
-from kvdemo.qa.session_file import check_fits, open_session, read_manifest
-from kvdemo.serve.accounting import KVAccount, prefill_tokens, session_kv_bytes
+from kvdemo.serve.accounting import KVAccount
+from kvdemo.serve.device import Device
+from kvdemo.serve.door import Door
 from kvdemo.serve.recommended import page_default
 from kvdemo.serve.session_files import SessionFiles
 from kvdemo.serve.store import SessionStore
 
 _log = logging.getLogger(__name__)
-
-MAX_CONTEXT_BYTES = 2 * 1024 * 1024
-"""The longest context a server prefills, in UTF-8 bytes (an upload's limit too): a model's window holds
-thousands of tokens, tens of KiB of text, and a megabytes-long paste would only cost seconds of tokenizing
-before the window refuses it."""
 
 
 class ModelNotLoaded(ValueError):
@@ -67,6 +57,7 @@ class App:
             load (a minute or more, once per model); False: only a stored one is used.
         recommended_start: the Ask tab starts each model on its page default (`recommended`); False: on its fixed
             spec (`kvdemo.ui.ask_widgets.START_SPEC`) for every model.
+        device: where the jobs' model work runs (`kvdemo.serve.device.Device`: a ZeroGPU worker); None: here.
 
     Attributes:
         kv: the `KVAccount`; a freed session's cache is released from it (`SessionStore.on_free`).
@@ -85,6 +76,7 @@ class App:
         session_files: SessionFiles | None = None,
         measure_defaults: bool = False,
         recommended_start: bool = True,
+        device: Device | None = None,
     ):
         self.model_source = model_source
         self.loader = loader
@@ -102,6 +94,9 @@ class App:
         """The loaded model's page default (`kvdemo.serve.recommended`): stored, or measured at its load where
         `measure_defaults`; None: the page starts on its fixed spec."""
         self._ready = threading.Event()
+        self.door = Door(self, device)
+        """Every job on this state goes through it (`kvdemo.serve.door`): prefill, answer, Stop, session files and the
+        long jobs, in this process or, with `device`, in a ZeroGPU worker."""
 
     def start_sweeper(self, every_seconds: float | None = None) -> None:
         """Free idle sessions in a background thread, every `every_seconds` (default: a quarter of the idle
@@ -183,214 +178,11 @@ class App:
             _log.info("model switched to %s; %d session(s) of the previous model freed", loaded.name, dropped)
         return loaded
 
-    # ---- the server-wide KV budget ------------------------------------------------------------------
-    def prefill(
-        self,
-        key: str,
-        qa: QASession,
-        context: str | PreparedContext,
-        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-        on_progress: Callable[[int, int], None] | None = None,
-        on_quantize: Callable[[int, int], None] | None = None,
-    ) -> PrefillReport:
-        """`qa.prefill(context, max_new_tokens, on_progress=..., on_quantize=...)` for the session of `key`, within
-        the server-wide KV budget.
-
-        The session's most bytes (`session_kv_bytes`, with `QUESTION_RESERVE_TOKENS + max_new_tokens` decoded)
-        are reserved as `prefill:<key>` before the prefill runs; the session's previous cache still counts
-        meanwhile (it is alive until the new one replaces it). When the prefill succeeds the reservation becomes
-        `cache:<key>` (replacing the old cache's); when it fails it is released and the old one stays.
-
-        Example:
-            >>> qa = QASession(app.wait_for_model(), CacheSpec.parse("hqq:4"), kv_budget_bytes=app.kv_budget_bytes)
-            >>> app.prefill(request.session_hash, qa, context).context_tokens
-            2172
-
-        Raises:
-            ValueError, KVBudgetError: the context is over `MAX_CONTEXT_BYTES`, or does not fit the model's
-                window or the session's budget (`QASession.check_prefill`, before any reservation); nothing ran.
-            ServerKVBudgetError (a ValueError): the reservation would pass the budget; nothing ran.
-            ValueError, ImportError: what `QASession.prefill` raises (the reservation is released).
-        """
-        reserve = QUESTION_RESERVE_TOKENS + checks.max_new_tokens(max_new_tokens)
-        size = len(context.encode("utf-8", "surrogatepass")) if isinstance(context, str) else 0
-        if size > MAX_CONTEXT_BYTES:
-            raise ValueError(
-                f"the context is {size / 2**20:,.1f} MiB of text; the limit is {MAX_CONTEXT_BYTES / 2**20:.0f} MiB, "
-                f"and the model's {qa.loaded.max_context_tokens:,}-token window holds far less: paste a part of it"
-            )
-        if isinstance(context, str) and context.strip():  # tokenized once: for the reservation and the prefill
-            context = qa.prepare(context, max_tokens=qa.loaded.max_context_tokens)
-        tokens = prefill_tokens(qa, context)
-        qa.check_prefill(tokens, reserve)  # the window and the session's budget first: waiting would not help them
-        nbytes = session_kv_bytes(qa.spec, qa.loaded, tokens, reserve)
-        holder = f"prefill:{key}"
-        self.kv.reserve(
-            holder,
-            nbytes,
-            f"a {qa.spec.label} KV cache for {tokens:,} context tokens + {reserve} for a question and its answer",
-        )
-        try:
-            report = self._prefill_or_open(qa, context, max_new_tokens, on_progress, on_quantize)
-        except BaseException:
-            self.kv.release(holder)
-            raise
-        self.kv.transfer(holder, f"cache:{key}")
-        if key not in self.sessions:  # freed (its tab closed) while prefilling: nothing will hold this cache
-            self.kv.release(f"cache:{key}")
-        return report
-
-    def _prefill_or_open(
-        self,
-        qa: QASession,
-        context: str | PreparedContext,
-        max_new_tokens: int,
-        on_progress: Callable[[int, int], None] | None,
-        on_quantize: Callable[[int, int], None] | None,
-    ) -> PrefillReport:
-        """`qa.prefill`, or the session file of the same context, model and spec when `session_files` holds one (and
-        the prefill saved there when it does not)."""
-        files = self.session_files
-        if files is None or not isinstance(context, PreparedContext):
-            return qa.prefill(context, max_new_tokens, on_progress=on_progress, on_quantize=on_quantize)
-        opened = files.open(qa, context)
-        if opened is not None:
-            return opened
-        report = qa.prefill(context, max_new_tokens, on_progress=on_progress, on_quantize=on_quantize)
-        files.save(qa, context)
-        return report
-
-    def open_file(self, key: str, path: str | os.PathLike[str]) -> QASession:
-        """A new session of the model served here holding the session file at `path` (`open_session`), its cache
-        reserved within the server-wide KV budget as a prefill's is (`prefill`).
-
-        Raises:
-            SessionFileError (a ValueError): the file cannot be opened here (the message says why); nothing ran.
-            ValueError, KVBudgetError, ServerKVBudgetError: as for `prefill`.
-        """
-        loaded = self.wait_for_model()
-        manifest = read_manifest(path)
-        qa = QASession(loaded, check_fits(manifest, loaded, None), kv_budget_bytes=self.kv_budget_bytes)
-        tokens, reserve = int(manifest.get("context_tokens") or 0), QUESTION_RESERVE_TOKENS + DEFAULT_MAX_NEW_TOKENS
-        qa.check_prefill(tokens, reserve)
-        holder = f"prefill:{key}"
-        self.kv.reserve(holder, session_kv_bytes(qa.spec, loaded, tokens, reserve), f"a {qa.spec.label} session file")
-        try:
-            open_session(loaded, path, qa.spec, session=qa)
-        except BaseException:
-            self.kv.release(holder)
-            raise
-        self.kv.transfer(holder, f"cache:{key}")
-        if key not in self.sessions:
-            self.kv.release(f"cache:{key}")
-        return qa
-
-    def reserve_answer(self, key: str, qa: QASession, question: str, max_new_tokens: int) -> PreparedQuestion:
-        """Before `qa.stream(question, max_new_tokens)`: grow the session's reservation `cache:<key>` to cover
-        that answer (the prefill reserved `QUESTION_RESERVE_TOKENS` + its own max_new_tokens); never shrinks it.
-
-        Returns:
-            The question tokenized and checked once (`QASession.prepare_question`): hand it to `qa.stream`.
-
-        Raises:
-            ServerKVBudgetError (a ValueError): the larger reservation would pass the budget; nothing ran.
-            ValueError: an empty question, no prefill, a bad max_new_tokens, an answer that does not fit the
-                window or the session's budget (`QASession.check_answer`; the session's messages).
-        """
-        max_new_tokens = checks.max_new_tokens(max_new_tokens)
-        if qa.prefill_report is None:
-            raise ValueError("prefill a context before asking a question")
-        prepared = qa.prepare_question(question, max_new_tokens)  # the window and the session's budget first
-        decoded = len(prepared.ids) + max_new_tokens
-        nbytes = session_kv_bytes(qa.spec, qa.loaded, qa.prefill_report.context_tokens, decoded)
-        self.kv.reserve(
-            f"cache:{key}",
-            nbytes,
-            f"an answer of up to {max_new_tokens} tokens on your "
-            f"{qa.prefill_report.context_tokens:,}-token {qa.spec.label} cache",
-            grow_only=True,
-        )
-        if key not in self.sessions:  # freed meanwhile: its cache goes once this answer ends
-            self.kv.release(f"cache:{key}")
-        return prepared
-
-    @contextmanager
-    def holding(self, holder: str, nbytes: int, what: str) -> Iterator[int]:
-        """Reserve `nbytes` under `holder` for the `with` block (a comparison, a grid of runs) and release them
-        at its end, however it ends. Yields `nbytes`.
-
-        Raises:
-            ServerKVBudgetError (a ValueError): the reservation would pass the budget; the block does not run.
-        """
-        self.kv.reserve(holder, nbytes, what)
-        try:
-            yield nbytes
-        finally:
-            self.kv.release(holder)
-
-    def needle_grid(
-        self, key: str, loaded: LoadedModel, specs: Sequence[CacheSpec], lengths: Sequence[int], max_new_tokens: int
-    ):
-        """`holding` for `kvdemo.needle.grid.needle_grid(loaded, specs, lengths, ..., max_new_tokens)` run by the
-        session of `key` (holder `grid:<key>`): one spec at a time, so at most the largest `session_kv_bytes` of
-        its specs at the longest length, with `QUESTION_RESERVE_TOKENS + max_new_tokens` decoded.
-
-        Raises:
-            ServerKVBudgetError (a ValueError): the grid would pass the budget; nothing ran.
-        """
-        longest = max(lengths, default=0)
-        reserve = QUESTION_RESERVE_TOKENS + max_new_tokens
-        nbytes = max((session_kv_bytes(s, loaded, longest, reserve) for s in specs), default=0)
-        return self.holding(f"grid:{key}", nbytes, f"a needle grid of {len(specs)} spec(s) up to {longest:,} tokens")
-
-    def prepare(self, loaded: LoadedModel, context: str) -> PreparedContext:
-        """`context` tokenized once for a job over several specs (a comparison): its reservation
-        (`comparison`) and every spec's prefill (`kvdemo.compare.run.compare`) take the result.
-
-        Raises:
-            ValueError: an empty context, or one with a broken character (`QASession.prepare`).
-        """
-        return QASession(loaded).prepare(context, max_tokens=loaded.max_context_tokens)
-
-    def comparison(
-        self,
-        key: str,
-        loaded: LoadedModel,
-        context: str | PreparedContext,
-        specs: Sequence[CacheSpec],
-        max_new_tokens: int,
-    ):
-        """`holding` for `kvdemo.compare.run.compare(loaded, context, questions, specs, max_new_tokens)` run by the
-        session of `key` (holder `compare:<key>`; a `PreparedContext`, handed on to `compare`, is not tokenized
-        again): it runs one spec at a time, `dynamic` first, so it holds at
-        most the largest `session_kv_bytes` of those specs (its reference log-probabilities are not KV and are
-        not counted).
-
-        Example:
-            >>> with app.comparison(key, loaded, context, specs, 32):
-            ...     report = compare(loaded, context, questions, specs, 32)
-
-        Raises:
-            ServerKVBudgetError (a ValueError): the comparison would pass the budget; ValueError, ImportError: a
-                spec that does not validate on the model.
-        """
-        reserve = QUESTION_RESERVE_TOKENS + checks.max_new_tokens(max_new_tokens)
-        tokens = prefill_tokens(QASession(loaded, CacheSpec("dynamic")), context)
-        nbytes = max(
-            session_kv_bytes(spec.validate(loaded.config), loaded, tokens, reserve)
-            for spec in [CacheSpec("dynamic"), *specs]
-        )
-        what = f"a comparison of {len(specs)} spec(s) on {tokens:,} context tokens"
-        return self.holding(f"compare:{key}", nbytes, what)
-
-    def recommendation(self, key: str, loaded: LoadedModel, context: str):
-        """`holding` for `kvdemo.compare.recommend.recommend(loaded, context, ...)` run by the session of `key`
-        (holder `compare:<key>`): `dynamic`'s reference cache for the whole run and one candidate's at a time, at most
-        as large as `dynamic`'s, so twice `dynamic`'s bytes (the per-layer plan's pass holds no more).
-
-        Raises:
-            ServerKVBudgetError (a ValueError): it would pass the budget."""
-        reserve = QUESTION_RESERVE_TOKENS + checks.max_new_tokens(32)
-        tokens = prefill_tokens(QASession(loaded, CacheSpec("dynamic")), context)
-        nbytes = 2 * session_kv_bytes(CacheSpec("dynamic").validate(loaded.config), loaded, tokens, reserve)
-        return self.holding(f"compare:{key}", nbytes, f"a recommendation on {tokens:,} context tokens")
+    @classmethod
+    def serving(cls, loaded: LoadedModel, **options: Any) -> App:
+        """An App whose model is `loaded`, ready at once (the command line, a notebook, a test): its jobs go through
+        the same door as the page's. `options`: as for `App` (no start-up load runs)."""
+        app = cls(loader=lambda source: loaded, **options)
+        app.loaded = loaded
+        app._ready.set()
+        return app

@@ -19,6 +19,8 @@ import logging
 import os
 from pathlib import Path
 
+from kvdemo.cache.spec import CacheSpec
+from kvdemo.qa.models import LoadedModel
 from kvdemo.qa.prompt import PreparedContext
 from kvdemo.qa.records import PrefillReport
 from kvdemo.qa.session import QASession
@@ -56,14 +58,14 @@ class SessionFiles:
             raise ValueError(f"max_bytes={max_bytes!r} must be >= 1")
         self.folder, self.max_bytes = Path(folder), max_bytes
 
-    def path(self, qa: QASession, prepared: PreparedContext) -> Path:
-        """The file that holds (or would hold) `prepared` prefilled by `qa`'s model and spec."""
+    def path(self, loaded: LoadedModel, spec: CacheSpec, prepared: PreparedContext) -> Path:
+        """The file that holds (or would hold) `prepared` prefilled by `loaded` into a cache of `spec` (validated)."""
         split = prepared.split
         made_of = json.dumps(
             [
                 [FORMAT, versions()["transformers"]],  # not kvdemo's release: a file of the same format still opens
-                model_identity(qa.loaded),
-                qa.spec.full_text,
+                model_identity(loaded),
+                spec.full_text,
                 list(split.prefix),
                 split.tail,
                 prepared.text,
@@ -75,7 +77,7 @@ class SessionFiles:
     def open(self, qa: QASession, prepared: PreparedContext) -> PrefillReport | None:
         """Open the file of `prepared` into `qa` when there is one; None when there is none or it cannot be opened
         (it is then removed). Raises what `QASession.adopt` raises (the window, the budget)."""
-        path = self.path(qa, prepared)
+        path = self.path(qa.loaded, qa.spec, prepared)
         if self._linked(path) or not path.is_file():
             return None
         try:
@@ -90,7 +92,7 @@ class SessionFiles:
     def save(self, qa: QASession, prepared: PreparedContext) -> Path | None:
         """Write `qa`'s prefill of `prepared` to its file, then trim the folder to `max_bytes`; the path, or None when
         it could not be written (logged: a full disk never fails the prefill) or is larger than the bound alone."""
-        path = self.path(qa, prepared)
+        path = self.path(qa.loaded, qa.spec, prepared)
         if self._linked(path):
             return None
         try:

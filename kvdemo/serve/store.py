@@ -15,6 +15,7 @@ from typing import Protocol
 
 from kvdemo.cache.spec import CacheSpec
 from kvdemo.qa.session import QASession
+from kvdemo.serve.device import RemoteSession
 
 API_KEY = "api"
 """The session key of a call that comes with no request (a direct call of a handler, a script)."""
@@ -53,7 +54,7 @@ class UserSession:
             kept with the cache so that the line says it each time it is shown; "" for a cache opened from a file.
     """
 
-    qa: QASession | None = None
+    qa: QASession | RemoteSession | None = None
     chat: list[dict[str, str]] = field(default_factory=list)
     events: list = field(default_factory=list)
     answers: list = field(default_factory=list)
@@ -61,7 +62,7 @@ class UserSession:
     compare_cancel: threading.Event = field(default_factory=threading.Event)
     compare_lock: threading.Lock = field(default_factory=threading.Lock)
     compare_pending: bool = False
-    prefilling: QASession | None = None
+    prefilling: QASession | RemoteSession | None = None
     last_used: float = 0.0
     page_shows: tuple[str, CacheSpec | None] | None = None
     answer_stop: threading.Event = field(default_factory=threading.Event)
@@ -96,7 +97,7 @@ class UserSession:
         return self.answers_queued > 0
 
     @contextmanager
-    def answering(self) -> Iterator[Callable[[QASession], None]]:
+    def answering(self) -> Iterator[Callable[[QASession | RemoteSession], None]]:
         """The one protocol of a session's answer (the Ask tab's, the `ask_question` tool's), entered with `lock`
         held: Stop applies from the Ask click (`queue_answer`) or, for a call that no button queued, from now.
         Yields `began(qa)`, to call once `qa.stream(...)` has been created (which clears `qa`'s own stop flag): a
@@ -105,7 +106,7 @@ class UserSession:
         if not self.answer_pending:
             self.answer_stop.clear()
 
-        def began(qa: QASession) -> None:
+        def began(qa: QASession | RemoteSession) -> None:
             if self.answer_stop.is_set():
                 qa.request_stop()
 

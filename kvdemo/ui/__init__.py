@@ -1,6 +1,6 @@
 """The Gradio page (`build_demo`): `page` composes one module per tab (`ask_tab`, `compare_tab`); `views` holds
 pure display functions, `inputs` pure parsing (ValueError, turned into gr.Error by `inputs.user_errors`),
-`examples` the shipped examples, `session_box` the Ask tab's session file, `gpu_api` the ZeroGPU job's endpoints.
+`examples` the shipped examples, `session_box` the Ask tab's session file.
 The state shared across users is `kvdemo.serve.server.App`."""
 
 from kvdemo.serve.server import App

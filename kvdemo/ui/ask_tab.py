@@ -1,25 +1,23 @@
 """The Ask tab: choose a backend, prefill a context once, ask questions in turn and watch the cache's memory,
-residual and step times live. `AskTab` builds the widgets and owns the handlers; the handlers call
-`QASession` and the chart-data functions, and return named outputs (`PrefillView`, `AnswerView`) whose field
-names are the widgets' names."""
+residual and step times live. `AskTab` builds the widgets and owns the handlers; the handlers call the app's door
+(`kvdemo.serve.door.Door`: prefill, answer, Stop) and the chart-data functions, and return named outputs
+(`PrefillView`, `AnswerView`) whose field names are the widgets' names."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import closing
+from collections.abc import Iterable, Iterator
+from contextlib import ExitStack
 from typing import Any
 
 import gradio as gr
 
-from kvdemo import checks
 from kvdemo.cache.options import GROUP_OPTIONS
 from kvdemo.cache.spec import CacheSpec
-from kvdemo.cache.speedlimit import speed_limit
 from kvdemo.qa.prefill import PrefillStopped
-from kvdemo.qa.session import QASession
+from kvdemo.serve.door import ANSWER_BUSY, AnswerRun, Session
 from kvdemo.serve.server import App, switched_reason
 from kvdemo.serve.store import UserSession, request_key
 from kvdemo.ui import context_box, option_fields, page_state, session_box, views
@@ -30,7 +28,7 @@ from kvdemo.ui.inputs import page_event, read_upload, refusal, spec_from_inputs
 _log = logging.getLogger(__name__)
 
 
-def _guarded(stream: Iterator, qa: QASession) -> Iterator:
+def _guarded(stream: Iterable, qa: Session) -> Iterator:
     """`stream`, with an exception inside a decode step turned into a message for the user. The session has
     restored the cache and recorded the answer (`finish_reason="error"`) before the exception reaches here."""
     try:
@@ -57,41 +55,32 @@ class AskTab(AskWidgets):
 
     # ---- handlers -----------------------------------------------------------------------------------
     def prefill(self, context, backend, options: dict[str, Any], request: gr.Request, progress) -> PrefillView:
-        """Prefill `context` into a new KV cache of the chosen backend (replacing this session's context).
-        `options`: the option fields by name (`GROUP_OPTIONS`); the page calls it through `page_event`. A refusal
-        (bad options, a context over the window or the KV budget, a full server) is a message beside the button;
-        the previous cache, chat and charts stay, and Ask stays enabled only if they still match."""
+        """Prefill `context` into a new KV cache of the chosen backend (replacing this session's context) through the
+        door (`Door.prefill`). `options`: the option fields by name (`GROUP_OPTIONS`); the page calls it through
+        `page_event`. A refusal (bad options, a context over the window or the KV budget, a full server) is a message
+        beside the button; the previous cache, chat and charts stay, and Ask stays enabled only if they still
+        match."""
         spec, began = None, time.monotonic()
         try:
             spec = spec_from_inputs(backend, options)
-            loaded = self.app.wait_for_model()
             user = self.app.sessions.of_request(request)
             clicked, user.prefill_clicked = user.prefill_clicked or began, None
             user.page_shows = (context, spec)  # the page at the click; the gate records changes made meanwhile
-            user.interrupt()
-            with user.lock:
-                locked = time.monotonic()
-                qa = QASession(loaded, spec, kv_budget_bytes=self.app.kv_budget_bytes)
-                set_up = time.monotonic() - locked
-                user.prefilling = qa
-                try:
-                    self.app.prefill(
-                        request_key(request),
-                        qa,
-                        context,
-                        on_progress=lambda done, total: progress(
-                            (done, total), desc=f"Prefilling: {done:,} of {total:,} tokens", unit="tokens"
-                        ),
-                        on_quantize=lambda done, total: progress(
-                            (done, total),
-                            desc=f"Quantizing the cache ({qa.spec.backend}): {done} of {total} layers",
-                            unit="layers",
-                        ),
-                    )
-                finally:
-                    user.prefilling = None
-                user.qa, user.chat, user.events, user.answer_line = qa, [], [], ""
-                self.app.sessions.forget_freed(request_key(request))
+            backend_name = spec.backend
+            asked = time.monotonic()
+            done = self.app.door.prefill(
+                request_key(request),
+                spec,
+                context,
+                on_progress=lambda done, total: progress(
+                    (done, total), desc=f"Prefilling: {done:,} of {total:,} tokens", unit="tokens"
+                ),
+                on_quantize=lambda done, total: progress(
+                    (done, total),
+                    desc=f"Quantizing the cache ({backend_name}): {done} of {total} layers",
+                    unit="layers",
+                ),
+            )
         except PrefillStopped as stopped:  # the session keeps its previous cache (replaced only after a prefill)
             _log.info("%s", stopped)
             kept = (
@@ -115,13 +104,16 @@ class AskTab(AskWidgets):
             message = refusal(error, "a prefill")
             message = message.rstrip(".") + "." + kept if kept else message  # "... tokens. The cache still ..."
             return PrefillView.refused(message, matches)
+        qa = done.session
         cleared = (
             " · the chat starts afresh on this context; the answers table keeps earlier answers" if user.answers else ""
         )
-        user.prefill_timing = views.from_click(qa, time.monotonic() - clicked, locked - clicked, set_up, _first_use(qa))
+        queued = asked - clicked + done.queued_seconds
+        total = time.monotonic() - clicked
+        user.prefill_timing = views.from_click(qa, total, queued, done.set_up_seconds, _first_use(qa))
         # Ask as the page now stands: the options may have changed meanwhile
         matches = page_state.page_differs(user) is None
-        return PrefillView.prefilled(qa, user.answers, matches, cleared, user.prefill_timing)
+        return PrefillView.prefilled(qa, self.app.door.speed(qa), user.answers, matches, cleared, user.prefill_timing)
 
     def _answerable_session(self, request: gr.Request | None, context: str | None) -> UserSession:
         """This tab's session with a prefilled cache of the page's context.
@@ -141,6 +133,8 @@ class AskTab(AskWidgets):
                 "The Context box has changed since the prefill; press Prefill to prefill the text it "
                 "shows (answers come only from the prefilled text)"
             )
+        if self.app.loaded is not user.qa.loaded:
+            raise ValueError("The model changed since your prefill; press Prefill to rebuild the cache on it")
         differs = page_state.page_differs(user)
         if differs:
             raise ValueError(differs)
@@ -162,67 +156,55 @@ class AskTab(AskWidgets):
                 held.answer_ended()
 
     def _ask(self, question: str, max_new_tokens: float, request: gr.Request, context: str | None):
-        try:
-            user = self._answerable_session(request, context)
-            max_new_tokens = checks.max_new_tokens(max_new_tokens)
-            if not user.lock.acquire(blocking=False):
-                raise ValueError("An answer or a prefill is already running in this session; wait or press Stop")
-        except ValueError as error:
-            held = self.app.sessions.peek_request(request)
-            # the chat without the question the click echoed
-            yield AnswerView.refused(refusal(error, "a question"), list(held.chat) if held is not None else [])
-            return
-        try:
-            with user.answering() as began:
-                yield from self._answer(user, request_key(request), question, max_new_tokens, began)
-        finally:
-            self.app.sessions.touch(user)
-            user.lock.release()
+        with ExitStack() as held_answer:
+            try:
+                user = self._answerable_session(request, context)
+                run = held_answer.enter_context(
+                    self.app.door.answer(request_key(request), question, max_new_tokens, ANSWER_BUSY)
+                )
+            except ValueError as error:
+                held = self.app.sessions.peek_request(request)
+                # the chat without the question the click echoed
+                yield AnswerView.refused(refusal(error, "a question"), list(held.chat) if held is not None else [])
+                return
+            yield from self._answer(user, run)
 
-    def _answer(
-        self, user: UserSession, key: str, question: str, max_new_tokens: int, began: Callable[[QASession], None]
-    ) -> Iterator[AnswerView]:
-        """The answer's updates, with the session's lock held; `began` is `UserSession.answering`'s."""
-        qa = user.qa  # read under the lock: a prefill that just finished has replaced it
-        try:
-            if qa is None:
-                raise ValueError("Your session was freed; press Prefill again to rebuild the cache")
-            if self.app.loaded is not qa.loaded:
-                raise ValueError("The model changed since your prefill; press Prefill to rebuild the cache on it")
-            prepared = self.app.reserve_answer(key, qa, question, max_new_tokens)  # within the server's KV budget
-            stream = qa.stream(prepared)
-            began(qa)  # a Stop pressed while the answer waited applies now
-        except ValueError as error:
-            yield AnswerView.refused(refusal(error, "a question"), list(user.chat))
-            return
-        user.chat = user.chat + [{"role": "user", "content": question.strip()}, {"role": "assistant", "content": "…"}]
+    def _answer(self, user: UserSession, run: AnswerRun) -> Iterator[AnswerView]:
+        """The answer's updates, with the session's lock held (`Door.answer`)."""
+        qa, question = run.session, run.question
+        answered = len(qa.history)  # the answer is recorded once its stream closes (on a device, when its end came)
+        user.chat = user.chat + [
+            {"role": "user", "content": question.text.strip()},
+            {"role": "assistant", "content": "…"},
+        ]
         user.events = []
         first_token = drawn_at = None
         # at once, before the question's own forward pass (seconds on a long context): what is happening
         yield AnswerView(
             chat=list(user.chat),
-            stats=f"reading the question ({len(prepared.ids):,} tokens) on top of the {qa.cache_length:,}-token "
+            stats=f"reading the question ({len(question.ids):,} tokens) on top of the {qa.cache_length:,}-token "
             "context…",
             step_plot=views.step_times([], streaming=True),  # drawn once, when the answer ends (`views.step_times`)
-            speed_limit=_speed_line(qa),  # the cache's floor now, not the last answer's step
+            speed_limit=views.speed_limit_after(self.app.door.speed(qa), []),  # the floor now, not the last step's
         )
         try:
-            with closing(stream):
-                for event in _guarded(stream, qa):
-                    if first_token is None:
-                        first_token = event.elapsed
-                    user.events.append(event)
-                    user.chat = user.chat[:-1] + [{"role": "assistant", "content": event.text}]
-                    due = views.charts_due(event, drawn_at)  # at most 4 redraws a second, and at every flush
-                    drawn_at = event.elapsed if due else drawn_at
-                    yield AnswerView(
-                        chat=user.chat,
-                        stats=views.step_line(event, qa.spec),
-                        memory_plot=views.memory_chart(user.events, qa.spec) if due else views.KEEP,
-                        residual_plot=views.residual_chart(user.events, qa.spec) if due else views.KEEP,
-                    )
+            for event in _guarded(run, qa):
+                if first_token is None:
+                    first_token = event.elapsed
+                user.events.append(event)
+                user.chat = user.chat[:-1] + [{"role": "assistant", "content": event.text}]
+                due = views.charts_due(event, drawn_at)  # at most 4 redraws a second, and at every flush
+                drawn_at = event.elapsed if due else drawn_at
+                yield AnswerView(
+                    chat=user.chat,
+                    stats=views.step_line(event, qa.spec),
+                    memory_plot=views.memory_chart(user.events, qa.spec) if due else views.KEEP,
+                    residual_plot=views.residual_chart(user.events, qa.spec) if due else views.KEEP,
+                )
         finally:  # also a stopped, disconnected or failed answer: the session recorded it when its stream closed
-            user.answers.append(dict(qa.history[-1].to_dict(), spec=qa.spec.short_text))
+            run.events.close()
+            if len(qa.history) > answered:
+                user.answers.append(dict(qa.history[-1].to_dict(), spec=qa.spec.short_text))
         if not user.events:
             user.chat[-1] = {"role": "assistant", "content": qa.history[-1].text}
         user.answer_line = views.answer_stats(qa, first_token, user.events)
@@ -233,16 +215,14 @@ class AskTab(AskWidgets):
             residual_plot=views.residual_chart(user.events, qa.spec),
             step_plot=views.step_times(user.events),
             answers_table=views.answers_table(user.answers),
-            speed_limit=_speed_line(qa, user.events),
+            speed_limit=views.speed_limit_after(self.app.door.speed(qa), user.events),
         )
 
     def stop(self, request: gr.Request) -> None:
         """Stop the answer streaming in this session after its current decode step (the cache is restored as
         after any answer, and the answer's last update says `stopped`), or the prefill running in it before its
         next chunk. (No output of its own: a reply racing the answer's last update could overwrite it.)"""
-        user = self.app.sessions.peek_request(request)
-        if user is not None:
-            user.interrupt()
+        self.app.door.stop(request_key(request))
 
     def before_answer(self, question: str, request: gr.Request) -> tuple[Any, Any, Any]:
         """(Ask, Stop, chat) at an Ask click (or Enter), before the answer waits in the queue: Ask disabled, Stop
@@ -472,17 +452,10 @@ first use warms or compiles its kernels, the model's first pass allocates)."""
 _SET_UP_LOCK = threading.Lock()
 
 
-def _first_use(qa: QASession) -> bool:
+def _first_use(qa: Session) -> bool:
     """Whether `qa` is the first session of its model and backend in this process (then recorded)."""
     key = (id(qa.loaded), qa.spec.backend)
     with _SET_UP_LOCK:
         first = key not in _SET_UP
         _SET_UP.add(key)
     return first
-
-
-def _speed_line(qa: QASession, events: list | None = None) -> str:
-    """The speed-limit line for `qa`'s cache as it is now, beside the median decode step of `events` (the answer
-    just streamed; none after a prefill or before the first step: the floor alone)."""
-    assert qa.cache is not None  # shown once prefilled
-    return views.speed_limit_after(speed_limit(qa.loaded.model, qa.cache), events or [])

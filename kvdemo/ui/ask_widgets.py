@@ -12,10 +12,10 @@ import gradio as gr
 from kvdemo.cache.options import GROUP_OPTIONS, Option
 from kvdemo.cache.registry import BACKENDS
 from kvdemo.cache.spec import CacheSpec
-from kvdemo.cache.speedlimit import speed_limit
+from kvdemo.cache.speedlimit import SpeedLimit
 from kvdemo.charts.steps import KEPT_SERIES, MEMORY_SERIES, answers_frame
 from kvdemo.qa.limits import DEFAULT_MAX_NEW_TOKENS
-from kvdemo.qa.session import QASession
+from kvdemo.serve.door import Session
 from kvdemo.serve.secret import browser_state_secret
 from kvdemo.ui import option_fields, views
 from kvdemo.ui.examples import EXAMPLES
@@ -51,16 +51,15 @@ class PrefillView(NamedTuple):
 
     @classmethod
     def prefilled(
-        cls, qa: QASession, answers: list, ask_enabled: bool, note: str = "", timing: str = ""
+        cls, qa: Session, speed: SpeedLimit, answers: list, ask_enabled: bool, note: str = "", timing: str = ""
     ) -> PrefillView:
         """What a prefill, or a session file opened in its place, shows: the summary line (with `timing` after its
         time, then `note`), an empty chat and charts, the tab's answers table, Ask as `ask_enabled` says, and the new
-        cache's speed floor (no step measured yet)."""
-        assert qa.cache is not None  # prefilled
+        cache's speed floor `speed` (`Door.speed`; no step measured yet)."""
         return cls.emptied(views.prefill_summary(qa, timing) + note, qa.spec)._replace(
             answers_table=views.answers_table(answers),
             ask_button=gr.update(interactive=ask_enabled),
-            speed_limit=views.speed_limit_after(speed_limit(qa.loaded.model, qa.cache), []),
+            speed_limit=views.speed_limit_after(speed, []),
         )
 
     @classmethod

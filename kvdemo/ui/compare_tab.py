@@ -15,7 +15,6 @@ from kvdemo.cache.options import SPEC_OPTIONS
 from kvdemo.cache.registry import BACKENDS
 from kvdemo.charts.reports import DISPLAY_HELP
 from kvdemo.compare.records import ComparisonCancelled, ComparisonReport
-from kvdemo.compare.run import compare
 from kvdemo.evals.cases import continuation_for, gold_answers_for
 from kvdemo.serve.store import request_key
 from kvdemo.ui import views
@@ -126,30 +125,23 @@ class CompareTab:
         sessions: this session's own cache is untouched. Cancel stops it at the next decode step. A refusal is
         a message in the status line; the last results stay."""
         try:
-            user = self.app.sessions.of_request(request)
-            with self.app.sessions.long_job(user, BUSY) as cancel:
+            with self.app.door.long_job(request_key(request), BUSY) as job:
                 specs, questions, max_new_tokens = compare_inputs(chosen, more, questions_text, max_new_tokens)
                 ppl_tokens = perplexity_tokens(perplexity)
                 plans = plan_request(plan_base, plan_budget)
-                loaded = self.app.wait_for_model()
                 golds = gold_answers_for(context, questions)
                 progress(0, desc="Starting the comparison…")
-                prepared = self.app.prepare(loaded, context)  # tokenized once for the reservation and every spec
-                with self.app.comparison(request_key(request), loaded, prepared, specs, max_new_tokens):
-                    report = compare(
-                        loaded,
-                        prepared,
-                        questions,
-                        specs,
-                        max_new_tokens,
-                        golds,
-                        cancel=cancel,
-                        on_progress=lambda done, total, what: progress((done, total), desc=what, unit="steps"),
-                        kv_budget_bytes=self.app.kv_budget_bytes,
-                        perplexity_tokens=ppl_tokens,
-                        continuation=continuation_for(context) if ppl_tokens else None,
-                        plans=plans,
-                    )
+                report = job.compare(
+                    context,
+                    questions,
+                    specs,
+                    max_new_tokens,
+                    golds,
+                    perplexity_tokens=ppl_tokens,
+                    continuation=continuation_for(context) if ppl_tokens else None,
+                    plans=plans,
+                    on_progress=lambda done, total, what: progress((done, total), desc=what, unit="steps"),
+                )
                 plural = "s" if len(questions) > 1 else ""
                 note = f"Compared {len(report.results)} specs on {len(questions)} question{plural}"
                 note += (

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 
 from kvdemo.evals.cases import example_path, load_case
-from kvdemo.qa.session import QASession
+from kvdemo.serve.door import Session
 
 EXAMPLES = {"Normans": ("normans", "0-7"), "Southern California": ("southern_california", "0-5")}
 """Button name -> (case file stem, paragraphs)."""
@@ -27,7 +27,7 @@ def _example(name: str) -> tuple[str, tuple[str, ...]]:
     return case.context, tuple(q.question for q in case.answerable(EXAMPLE_QUESTIONS))
 
 
-def suggested_questions(qa: QASession | None, context: str) -> list[str]:
+def suggested_questions(qa: Session | None, context: str) -> list[str]:
     """The questions asked so far in this session (each once, in order); without any, the example
     questions when `context` is one of the shipped examples; else none."""
     asked = list(dict.fromkeys(a.question for a in qa.history)) if qa is not None else []

@@ -21,7 +21,7 @@ from kvdemo.cache.options import GROUP_OPTIONS, Option
 from kvdemo.cache.registry import BACKENDS
 from kvdemo.cache.spec import CacheSpec
 from kvdemo.qa.text import check_text
-from kvdemo.serve.server import MAX_CONTEXT_BYTES
+from kvdemo.serve.door import MAX_CONTEXT_BYTES
 
 _log = logging.getLogger(__name__)
 

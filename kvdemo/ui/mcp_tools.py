@@ -28,22 +28,19 @@ import json
 import re
 import threading
 from collections.abc import Callable
-from contextlib import closing
 from typing import Any
 
 import gradio as gr
 
-from kvdemo import checks
 from kvdemo.cache.catalogue import default_compare_specs
 from kvdemo.cache.spec import CacheSpec
 from kvdemo.compare.candidates import ANY_ENGINE
-from kvdemo.compare.recommend import DEFAULT_MAX_KL, check_target, recommend
+from kvdemo.compare.recommend import DEFAULT_MAX_KL, check_target
 from kvdemo.compare.recommendation import RecommendationCancelled
 from kvdemo.compare.records import ComparisonCancelled, ComparisonReport, json_ready
-from kvdemo.compare.run import compare
 from kvdemo.evals.cases import gold_answers_for
 from kvdemo.qa.limits import DEFAULT_MAX_NEW_TOKENS
-from kvdemo.qa.session import QASession
+from kvdemo.serve.door import AnswerRun
 from kvdemo.serve.server import App
 from kvdemo.serve.store import UserSession
 from kvdemo.ui import views
@@ -137,23 +134,18 @@ class McpTools:
         parsed = CacheSpec.parse(spec)
         key = self.key_of(session, request)
         loaded = self.app.wait_for_model()
-        user = self.app.sessions.get(key)
-        if user.qa is not None:
-            user.qa.request_stop()
-        relay = ProgressRelay()
-        with user.lock:
-            qa = QASession(loaded, parsed, kv_budget_bytes=self.app.kv_budget_bytes)
-            with CALLS.watching(request, qa.request_stop) as gone:
+        relay, stop = ProgressRelay(), threading.Event()
+        with CALLS.watching(request, stop.set) as gone:
 
-                def on_progress(done: int, total: int, what: str = "prefilling {:,} of {:,} tokens") -> None:
-                    relay(done, total, what.format(done, total))
-                    if gone():  # it left before `prefill` cleared the stop flag: stop before the next chunk
-                        qa.request_stop()
+            def on_progress(done: int, total: int, what: str = "prefilling {:,} of {:,} tokens") -> None:
+                relay(done, total, what.format(done, total))
+                if gone() or stop.is_set():  # it left: stop before the next chunk
+                    self.app.door.stop(key)
 
-                on_quantize = lambda done, total: on_progress(done, total, "quantizing the cache: layer {} of {}")
-                report = self.app.prefill(key, qa, context, on_progress=on_progress, on_quantize=on_quantize)
-            user.qa, user.chat, user.events = qa, [], []
-            self.app.sessions.forget_freed(key)
+            on_quantize = lambda done, total: on_progress(done, total, "quantizing the cache: layer {} of {}")
+            qa = self.app.door.prefill(key, parsed, context, on_progress=on_progress, on_quantize=on_quantize).session
+        report = qa.prefill_report
+        assert report is not None  # prefilled
         return _json(
             {
                 "spec": qa.spec.text,
@@ -192,38 +184,27 @@ class McpTools:
             finish_reason, cache_length_after (equal to context_tokens: the cache was restored), spec
         """
         key = self.key_of(session, request)
-        user = self._prefilled(key)
-        max_new_tokens = checks.max_new_tokens(max_new_tokens)
-        if not user.lock.acquire(blocking=False):
-            raise ValueError("An answer or a prefill is already running in this session; wait for it to end")
-        try:
-            with user.answering() as began, CALLS.watching(request, user.interrupt):  # Stop, when the client leaves
-                return self._answer(user, key, question, max_new_tokens, began)
-        finally:
-            self.app.sessions.touch(user)
-            user.lock.release()
+        self._prefilled(key)
+        busy = "An answer or a prefill is already running in this session; wait for it to end"
+        with self.app.door.answer(key, question, max_new_tokens, busy) as run:
+            user = self.app.sessions.peek(key)
+            with CALLS.watching(request, user.interrupt if user is not None else run.session.request_stop):
+                return self._answer(run)  # Stop, when the client leaves
 
-    def _answer(
-        self, user: UserSession, key: str, question: str, max_new_tokens: int, began: Callable[[QASession], None]
-    ) -> str:
-        """`ask_question`'s answer as JSON, with the session's lock held; `began` is `UserSession.answering`'s."""
-        qa = user.qa  # read under the lock: a prefill that just finished has replaced it
-        if qa is None:
-            raise ValueError("This session was freed; call prefill_context again")
-        if self.app.loaded is not qa.loaded:
-            raise ValueError("The model changed since your prefill; call prefill_context again")
-        stream = qa.stream(self.app.reserve_answer(key, qa, question, max_new_tokens))
-        began(qa)  # the Ask tab's Stop, pressed for this session before the stream began, applies now
+    def _answer(self, run: AnswerRun) -> str:
+        """`ask_question`'s answer as JSON, with the session's lock held (`Door.answer`)."""
+        qa, max_new_tokens = run.session, run.question.max_new_tokens
         first_token, relay = None, ProgressRelay()
         bound = threading.Event()
         timer = after(MCP_ANSWER_SECONDS, bound, qa.request_stop)
         try:
-            with closing(stream):
-                relay(0, max_new_tokens, "answering: the question's forward pass")
-                for event in stream:
-                    if first_token is None:
-                        first_token = event.elapsed
-                    relay(event.step + 1, max_new_tokens, "answering: tokens decoded")
+            relay(0, max_new_tokens, "answering: the question's forward pass")
+            for event in run:
+                if first_token is None:
+                    first_token = event.elapsed
+                relay(event.step + 1, max_new_tokens, "answering: tokens decoded")
+        except ValueError:
+            raise
         except Exception as error:  # a fault inside a decode step: the session has restored the cache
             steps = qa.history[-1].steps if qa.history else 0
             raise ValueError(
@@ -232,7 +213,8 @@ class McpTools:
             ) from None
         finally:
             timer.cancel()
-        answer = qa.history[-1]
+            run.events.close()
+        answer = run.answer
         timed_out = bound.is_set() and answer.finish_reason == "stopped"
         return _json(
             {
@@ -295,18 +277,14 @@ class McpTools:
         questions_text = "\n".join(" ".join(q.split()) for q in questions)  # one line each, for compare_inputs
         parsed, questions, max_new_tokens = compare_inputs(chosen, None, questions_text, max_new_tokens)
         context = self._text_of(key, context)
-        loaded = self.app.wait_for_model()
-        user = self.app.sessions.get(key)
         busy = "A comparison is already running in this session; wait for it to end"
-        with self.app.sessions.long_job(user, busy) as cancel:
+        with self.app.door.long_job(key, busy) as job:
             golds = gold_answers_for(context, questions)
-            prepared = self.app.prepare(loaded, context)  # tokenized once for the reservation and every spec
-            with self.app.comparison(key, loaded, prepared, parsed, max_new_tokens):
-                with CALLS.watching(request, cancel.set) as gone:
-                    work = functools.partial(compare, loaded, prepared, questions, parsed, max_new_tokens, golds)
-                    relay = ProgressRelay()
-                    report, note = self._bounded_compare(work, cancel, gone, relay)
-                    relay.settle()  # its last unit told before the result
+            with CALLS.watching(request, job.cancel.set) as gone:
+                work = functools.partial(job.compare, context, questions, parsed, max_new_tokens, golds)
+                relay = ProgressRelay()
+                report, note = self._bounded_compare(work, job.cancel, gone, relay)
+                relay.settle()  # its last unit told before the result
             rows = json_ready(report.to_frame().to_dict(orient="records"), nan=None)
             for row, result in zip(rows, report.results):
                 row["answers"] = [q.answer for q in result.questions]
@@ -354,17 +332,12 @@ class McpTools:
             raise ValueError("questions must be a list of question texts (or empty to take them from the text)")
         check_target(max_kl, None)
         context = self._text_of(key, context)
-        loaded = self.app.wait_for_model()
-        user = self.app.sessions.get(key)
-        with self.app.sessions.long_job(
-            user, "A long job is already running in this session; wait for it to end"
-        ) as cancel:
-            with self.app.recommendation(key, loaded, context), CALLS.watching(request, cancel.set) as gone:
+        with self.app.door.long_job(key, "A long job is already running in this session; wait for it to end") as job:
+            with CALLS.watching(request, job.cancel.set) as gone:
                 relay, bound = ProgressRelay(), threading.Event()
-                timer = after(MCP_COMPARE_SECONDS, bound, cancel.set)
+                timer = after(MCP_COMPARE_SECONDS, bound, job.cancel.set)
                 try:
-                    found = recommend(loaded, context, questions or (), max_kl=max_kl, engine=engine, cancel=cancel,
-                                      on_progress=relay)  # fmt: skip
+                    found = job.recommend(context, questions or (), max_kl=max_kl, engine=engine, on_progress=relay)
                     note = ""
                 except RecommendationCancelled as stopped:
                     found = stopped.recommendation
@@ -392,10 +365,10 @@ class McpTools:
         gone: Callable[[], str | None],
         relay: ProgressRelay,
     ) -> tuple[ComparisonReport, str]:
-        """`compare_backends`' run of `work`, `compare` given the model, the prepared context, the questions, the
-        specs, max_new_tokens and the gold answers, stopped by `cancel`, which `MCP_COMPARE_SECONDS` sets, and which the
-        call's MCP client sets when it leaves (`gone()` says why); its progress to `relay`. Returns the report (the
-        specs finished, when stopped) and a note saying why it stopped ("" when it did not).
+        """`compare_backends`' run of `work`, the door's `LongJob.compare` given the context, the questions, the
+        specs, max_new_tokens and the gold answers, stopped by `cancel` (the job's), which `MCP_COMPARE_SECONDS` sets,
+        and which the call's MCP client sets when it leaves (`gone()` says why); its progress to `relay`. Returns the
+        report (the specs finished, when stopped) and a note saying why it stopped ("" when it did not).
 
         Raises:
             ValueError, ImportError: bad input, or a fault inside a decode step (every session it used restored).
@@ -403,7 +376,7 @@ class McpTools:
         bound = threading.Event()
         timer = after(MCP_COMPARE_SECONDS, bound, cancel.set)
         try:
-            return work(cancel=cancel, on_progress=relay, kv_budget_bytes=self.app.kv_budget_bytes), ""
+            return work(on_progress=relay), ""
         except ComparisonCancelled as cancelled:  # the bound passed, the client left, or the session was freed
             if gone() is not None:
                 return cancelled.report, f"stopped: the MCP client left ({gone()}); the finished specs follow"
@@ -428,7 +401,7 @@ class McpTools:
         gr.api(self.ask_question, api_name="ask_question", concurrency_id="model")
         gr.api(self.compare_backends, api_name="compare_backends", concurrency_limit=1, concurrency_id="compare")
         gr.api(self.recommend_setting, api_name="recommend_setting", concurrency_limit=1, concurrency_id="compare")
-        # the needle grid's tool: a typed method here (its KV bytes held through `App.holding("grid:<key>", ...)`),
+        # the needle grid's tool: a typed method here (its KV bytes held by the door's `LongJob.needle`),
         # registered on the next line, and its name added to TOOLS
 
 

@@ -106,8 +106,7 @@ class NeedleTab:
         shows the cells finished. `one_needle`: one needle per prefill (the standard test); False: every depth's
         needle in one prefill per length. A refusal is a message in the status line; the last grid stays."""
         try:
-            user = self.app.sessions.of_request(request)
-            with self.app.sessions.long_job(user, BUSY) as cancel:
+            with self.app.door.long_job(request_key(request), BUSY) as job:
                 loaded = self.app.wait_for_model()
                 chosen, token_lengths, token_depths = (
                     [CacheSpec.parse(s) for s in specs or []],
@@ -127,19 +126,15 @@ class NeedleTab:
                         f"takes {needed} tokens, so every cell would miss; set max_new_tokens to at least "
                         f"{needed} ({DEFAULT_MAX_NEW_TOKENS} leaves room for the model's wording)"
                     )
-                with self.app.needle_grid(request_key(request), loaded, chosen, token_lengths, answer_tokens):
-                    grid = needle.needle_grid(
-                        loaded,
-                        chosen,
-                        token_lengths,
-                        token_depths,
-                        needles_per_context=1 if one_needle else None,
-                        seed=needle_seed,
-                        max_new_tokens=answer_tokens,
-                        cancel=cancel,
-                        kv_budget_bytes=self.app.kv_budget_bytes,
-                        on_progress=lambda done, total, what: progress((done, total), desc=what, unit="steps"),
-                    )
+                grid = job.needle(
+                    chosen,
+                    token_lengths,
+                    token_depths,
+                    answer_tokens,
+                    needles_per_context=1 if one_needle else None,
+                    seed=needle_seed,
+                    on_progress=lambda done, total, what: progress((done, total), desc=what, unit="steps"),
+                )
                 return _view(grid, f"{len(grid.cells):,} cells in {grid.seconds:,.0f} s on {grid.device}.")
         except needle_records.NeedleCancelled as cancelled:
             return _view(cancelled.grid, f"Cancelled after {len(cancelled.grid.cells):,} cells.")

@@ -13,7 +13,7 @@ import pandas as pd
 
 from kvdemo.cache.deploy import ENGINES
 from kvdemo.compare.candidates import ANY_ENGINE
-from kvdemo.compare.recommend import DEFAULT_MAX_KL, check_target, recommend
+from kvdemo.compare.recommend import DEFAULT_MAX_KL, check_target
 from kvdemo.compare.recommendation import Recommendation, RecommendationCancelled
 from kvdemo.serve.store import request_key
 from kvdemo.ui import views
@@ -112,15 +112,12 @@ class RecommendTab:
             if not isinstance(context, str) or not context.strip():
                 raise ValueError("the Context box is empty; paste or upload a text (or pick an example) in Ask")
             questions = [q.strip() for q in str(questions_text or "").splitlines() if q.strip()]
-            user = self.app.sessions.of_request(request)
-            with self.app.sessions.long_job(user, BUSY) as cancel:
-                loaded = self.app.wait_for_model()
+            with self.app.door.long_job(request_key(request), BUSY) as job:
                 progress(0, desc="Starting the recommendation…")
-                with self.app.recommendation(request_key(request), loaded, context):
-                    found = recommend(
-                        loaded, context, questions, max_kl=max_kl, engine=str(engine), cancel=cancel,
-                        on_progress=lambda done, total, what: progress((done, total), desc=what, unit="steps"),
-                    )  # fmt: skip
+                found = job.recommend(
+                    context, questions, max_kl=max_kl, engine=str(engine),
+                    on_progress=lambda done, total, what: progress((done, total), desc=what, unit="steps"),
+                )  # fmt: skip
                 done = f"{len(found.rows)} candidates in {found.seconds:.0f} s on {found.context_tokens:,} tokens"
                 return _view(found, f"Measured {done}.")
         except RecommendationCancelled as stopped:

@@ -19,8 +19,8 @@ import gradio as gr
 from kvdemo.cache.options import GROUP_OPTIONS
 from kvdemo.cache.registry import BACKENDS
 from kvdemo.cache.spec import CacheSpec
-from kvdemo.qa.session import QASession
-from kvdemo.qa.session_file import SUFFIX, read_manifest, save_session
+from kvdemo.qa.session_file import SUFFIX
+from kvdemo.serve.door import Session
 from kvdemo.serve.server import App
 from kvdemo.serve.store import request_key
 from kvdemo.ui import option_fields, page_state, views
@@ -50,7 +50,7 @@ def spec_fields(spec: CacheSpec) -> tuple[str, list[Any]]:
     return spec.backend, values
 
 
-def _file_name(qa: QASession) -> Path:
+def _file_name(qa: Session) -> Path:
     """A fresh temporary path named after the session's model, spec and tokens."""
     assert qa.prefill_report is not None  # saved once prefilled
     name = f"{qa.loaded.name.split('/')[-1]}-{qa.spec.text}-{qa.prefill_report.context_tokens}tokens"
@@ -58,42 +58,42 @@ def _file_name(qa: QASession) -> Path:
 
 
 def save(app: App, request: gr.Request) -> tuple[Any, Any]:
-    """(the session file box, notice): this tab's prefill written to a file to download, or a refusal."""
+    """(the session file box, notice): this tab's prefill written to a file to download (`Door.save_file`), or a
+    refusal."""
     user = app.sessions.peek_request(request)
-    if user is None or user.qa is None:
-        return gr.skip(), refusal(ValueError("nothing is prefilled in this tab; press Prefill first"), "Save session")
-    with user.lock:  # after a running answer: the cache is then the post-prefill one
-        try:
-            saved = save_session(user.qa, _file_name(user.qa))
-        except (OSError, TypeError, ValueError) as error:
-            return gr.skip(), refusal(error, "Save session")
+    try:
+        if user is None or user.qa is None:
+            raise ValueError("nothing is prefilled in this tab; press Prefill first")
+        qa = user.qa
+        saved = app.door.save_file(request_key(request), _file_name(qa))
+    except (OSError, TypeError, ValueError) as error:
+        return gr.skip(), refusal(error, "Save session")
     _log.info("saved a session file of %d bytes in %.2f s", saved.bytes, saved.seconds)
-    tokens = user.qa.prefill_report.context_tokens if user.qa.prefill_report else 0
+    tokens = qa.prefill_report.context_tokens if qa.prefill_report else 0
     return str(saved.path), (
-        f"Saved the cache's `{user.qa.spec.full_text}` over {tokens:,} tokens ({saved.bytes / 2**20:,.2f} MiB in "
+        f"Saved the cache's `{qa.spec.full_text}` over {tokens:,} tokens ({saved.bytes / 2**20:,.2f} MiB in "
         f"{saved.seconds:.2f} s): download it above."
     )
 
 
 def open_file(app: App, path: str | None, request: gr.Request) -> tuple[Any, ...]:
     """(Context box, backend, the option fields, `PrefillView`'s outputs, the session file box) for an uploaded
-    session file: the file opened into this tab's session and the page set to its context and spec, or a refusal
-    beside Prefill with everything else as it was; either way the box is emptied, ready for the next file."""
+    session file: the file opened into this tab's session through the door (`Door.open_file`, which first asks
+    `spec_fields` whether the page can show its spec) and the page set to its context and spec, or a refusal beside
+    Prefill with everything else as it was; either way the box is emptied, ready for the next file."""
     keep = (gr.skip(),) * (2 + len(GROUP_OPTIONS))
     if not path:
         return (*keep, *PrefillView(), gr.skip())
-    user = app.sessions.of_request(request)
-    user.interrupt()
     try:
-        with user.lock:
-            backend, values = spec_fields(CacheSpec.parse(str(read_manifest(path).get("spec"))))
-            qa = app.open_file(request_key(request), path)
-            user.qa, user.chat, user.events, user.answer_line, user.prefill_timing = qa, [], [], "", ""
-            user.page_shows = (qa.context or "", qa.spec)
+        user = app.sessions.of_request(request)
+        qa = app.door.open_file(request_key(request), path, check=spec_fields)
+        user.page_shows = (qa.context or "", qa.spec)
+        backend, values = spec_fields(qa.spec)
     except (ValueError, ImportError) as error:
-        held = user.qa is not None and page_state.page_differs(user) is None
-        return (*keep, *PrefillView.refused(refusal(error, "opening the session file"), held), None)
-    view = PrefillView.prefilled(qa, user.answers, ask_enabled=True)  # the page is set to the file's below
+        held = app.sessions.peek_request(request)
+        shown = held is not None and held.qa is not None and page_state.page_differs(held) is None
+        return (*keep, *PrefillView.refused(refusal(error, "opening the session file"), shown), None)
+    view = PrefillView.prefilled(qa, app.door.speed(qa), user.answers, ask_enabled=True)  # page set to the file's
     return (qa.context, backend, *values, *view, None)  # the box emptied for the next file (the line names this one)
 
 
@@ -102,7 +102,7 @@ def reopen(
 ) -> PrefillView:
     """After the page's load has restored the Context box and the options the browser kept (`page_state.restore`):
     when the server's folder of session files holds the file of that context, model and spec and this tab holds no
-    prefill, `prefill` (the Ask tab's, which then opens the file: `App.prefill`), so a reload or a restarted app
+    prefill, `prefill` (the Ask tab's, which then opens the file: `Door.prefill`), so a reload or a restarted app
     shows the last context prefilled without a new prefill; when the folder holds this context only with another model
     or spec, a line under Prefill that says whose it is and what reopens it; else a `PrefillView` that changes
     nothing."""
@@ -112,9 +112,9 @@ def reopen(
     if user is not None and user.qa is not None:
         return PrefillView()
     try:
-        qa = QASession(loaded, spec_from_inputs(backend, options), kv_budget_bytes=app.kv_budget_bytes)
-        if not files.path(qa, qa.prepare(context, max_tokens=loaded.max_context_tokens)).is_file():
-            return PrefillView(prefill_info=_not_reopened(files.saved_of(context), loaded.name, qa.spec))
+        spec = spec_from_inputs(backend, options).validate(loaded.config)
+        if not files.path(loaded, spec, loaded.prepare(context)).is_file():
+            return PrefillView(prefill_info=_not_reopened(files.saved_of(context), loaded.name, spec))
     except (ValueError, ImportError):  # what the page shows cannot be prefilled: Prefill will say why
         return PrefillView()
     return prefill(context, backend, options, request, progress)

@@ -27,7 +27,7 @@ from kvdemo.charts.steps import (
 from kvdemo.compare.recommendation import Recommendation
 from kvdemo.compare.records import ComparisonReport
 from kvdemo.qa.models import LoadedModel
-from kvdemo.qa.session import QASession
+from kvdemo.serve.door import Session
 from kvdemo.serve.session_files import SAVED_COPY
 
 EXPLAINER = """
@@ -100,7 +100,7 @@ def model_status(loaded: LoadedModel) -> str:
     )
 
 
-def prefill_summary(qa: QASession, timing: str = "") -> str:
+def prefill_summary(qa: Session, timing: str = "") -> str:
     """The summary shown after a prefill (`timing`, what `from_click` says, after its time), and below it what the
     prompt check found (`PrefillReport.prompt_note`) and which date the chat template writes
     (`PrefillReport.clock_note`), where either applies."""
@@ -124,7 +124,7 @@ def prefill_summary(qa: QASession, timing: str = "") -> str:
     ) + "".join(notes)
 
 
-def from_click(qa: QASession, total: float, queued: float, set_up: float, first_use: bool) -> str:
+def from_click(qa: Session, total: float, queued: float, set_up: float, first_use: bool) -> str:
     """What the prefill line adds about time (seconds): the whole wait from the Prefill click, and where it went
     beside the prefill itself (`PrefillReport.seconds`): the queue (`queued`, other users' work or this tab's
     running answer), the cache's set-up (`set_up`: building the session; one-off on the first use of a backend with
@@ -144,13 +144,13 @@ def from_click(qa: QASession, total: float, queued: float, set_up: float, first_
     return f" · **{total:.1f} s from the click**" + (f" ({'; '.join(parts)})" if parts else "")
 
 
-def prefilled_tokens(qa: QASession) -> int:
+def prefilled_tokens(qa: Session) -> int:
     """The tokens `qa` prefilled (a tab keeps its session's `qa` once it has prefilled)."""
     assert qa.prefill_report is not None
     return qa.prefill_report.context_tokens
 
 
-def answer_stats(qa: QASession, first_token_seconds: float | None, events: list | None = None) -> str:
+def answer_stats(qa: Session, first_token_seconds: float | None, events: list | None = None) -> str:
     """The line shown after an answer: tokens, the question's own pass apart from the decode speed, flushes
     (those of the decode steps apart from the question pass's, which the step-time chart marks as its first
     point; with the time per flush step, from the answer's `StepEvent`s), and the cache length after the

@@ -51,13 +51,13 @@ def served(embedded):
         patch.setattr(page_state, "LARGE_CONTEXT_CHARS", LIMIT)  # read when the page is built
         demo, url = serve(app)
     assert app.wait_for_model() is embedded
-    prefilled, real_prefill = [], app.prefill
+    prefilled, real_prefill = [], app.door.prefill_reserved
 
     def recorded(key, qa, context, *args, **kwargs):
         prefilled.append(context)
         return real_prefill(key, qa, context, *args, **kwargs)
 
-    app.prefill = recorded
+    app.door.prefill_reserved = recorded
     yield url, prefilled
     demo.close()
 

@@ -1,0 +1,542 @@
+"""One door per job: `Door` runs every job a caller asks of the shared `App`: a prefill (or a session file opened in
+its place), an answer, a Stop, a saved session file, and the long jobs (a comparison, a needle grid, a
+recommendation). The Ask tab, the session box, the other tabs, the MCP tools and the command line only call it
+(`tests/test_doors.py` names its callers); it does, once, what each of them used to repeat:
+
+- the per-session lock (`UserSession.lock`: one prefill or answer at a time; a long job's own slot, `long_job`);
+- the KV reservation within the server-wide budget (`KVAccount`: `prefill:<key>` becoming `cache:<key>`, grown for
+  an answer, `compare:<key>` and `grid:<key>` for the long jobs' duration);
+- the session file (`SessionFiles`: opened instead of a prefill of the same context, model and spec; saved after);
+- the install in the store (`UserSession.qa`, its chat and events emptied, the freed reason forgotten);
+- progress (callbacks) and cancellation (Stop: `UserSession.interrupt`; Cancel: `SessionStore.long_job`'s event).
+
+Where the model work runs is the door's choice, not the callers': in this process (a `QASession` in `UserSession.qa`),
+or on a ZeroGPU Space in `@spaces.GPU` jobs (`kvdemo.serve.device.Device`: a `RemoteSession` in its place, the cache
+in the worker). Either way the callers get the same records (`PrefillReport`, `StepEvent`, `Answer`,
+`ComparisonReport`, `NeedleGrid`, `Recommendation`) and the same exceptions.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable, Generator, Iterator, Sequence
+from contextlib import closing, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, TypeAlias
+
+from kvdemo import checks
+from kvdemo.cache.spec import CacheSpec
+from kvdemo.cache.telemetry import StepEvent
+from kvdemo.compare.recommendation import Recommendation, RecommendationCancelled
+from kvdemo.compare.records import ComparisonCancelled, ComparisonReport
+from kvdemo.needle.records import NeedleCancelled, NeedleGrid
+from kvdemo.qa.limits import DEFAULT_MAX_NEW_TOKENS, QUESTION_RESERVE_TOKENS
+from kvdemo.qa.models import LoadedModel
+from kvdemo.qa.prompt import PreparedContext, PreparedQuestion
+from kvdemo.qa.records import Answer, PrefillReport
+from kvdemo.qa.session import QASession
+from kvdemo.qa.session_file import SavedSession, check_fits, open_session, read_manifest, save_session
+from kvdemo.serve.accounting import KVAccount, prefill_tokens, session_kv_bytes
+from kvdemo.serve.device import Device, RemoteSession
+from kvdemo.serve.gpu_job import GpuRequest
+from kvdemo.serve.session_files import SessionFiles
+from kvdemo.serve.store import SessionStore
+
+Session: TypeAlias = "QASession | RemoteSession"
+"""A prefilled session as the door's callers hold it: in this process, or in a device worker."""
+
+MAX_CONTEXT_BYTES = 2 * 1024 * 1024
+"""The longest context a server prefills, in UTF-8 bytes (an upload's limit too): a model's window holds
+thousands of tokens, tens of KiB of text, and a megabytes-long paste would only cost seconds of tokenizing
+before the window refuses it."""
+
+ANSWER_BUSY = "An answer or a prefill is already running in this session; wait for it to end (or press Stop)"
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    """A prefill's end as the door gives it: the session (installed in the store) and where the time went before
+    the prefill itself: `queued_seconds` waiting for the session's lock (its running answer), `set_up_seconds`
+    building the session (a backend's first use on a model probes it and warms its kernels)."""
+
+    session: Session
+    queued_seconds: float
+    set_up_seconds: float
+
+
+@dataclass
+class AnswerRun:
+    """An answer as it runs (`Door.answer`): iterate it for its `StepEvent`s; `answer` is the finished `Answer`
+    once the iteration has ended (stopped, finished or failed: the session restored its cache)."""
+
+    session: Session
+    question: PreparedQuestion
+    events: Generator[StepEvent, None, None]
+
+    def __iter__(self) -> Iterator[StepEvent]:
+        return self.events
+
+    @property
+    def answer(self) -> Answer:
+        """The session's last answer (this one, once ended)."""
+        return self.session.history[-1]
+
+
+class Served(Protocol):
+    """What the door reads of the shared state (`kvdemo.serve.server.App`, which makes the door: the server sits
+    above the door, not beside it)."""
+
+    sessions: SessionStore
+    kv: KVAccount
+    kv_budget_bytes: int | None
+    session_files: SessionFiles | None
+    loaded: LoadedModel | None
+
+    def wait_for_model(self, timeout: float | None = None) -> LoadedModel: ...
+
+
+class Door:
+    """The one door of `app`'s jobs (module docstring).
+
+    Args:
+        app: the server state: the model, the sessions, the KV account and the folder of session files.
+        device: where the model work runs: None in this process; a `Device` on a ZeroGPU Space.
+    """
+
+    def __init__(self, app: Served, device: Device | None = None):
+        self.app, self.device = app, device
+
+    # ---- a session's own jobs ----------------------------------------------------------------------
+    def new_session(self, loaded: LoadedModel, spec: CacheSpec) -> Session:
+        """An empty session of `spec` on `loaded`, with the app's per-cache budget. Raises ValueError, ImportError:
+        the spec does not validate, or (in process) the model cannot serve it (`QASession`)."""
+        if self.device is not None:
+            return self.device.session(loaded, spec, self.app.kv_budget_bytes)
+        return QASession(loaded, spec, kv_budget_bytes=self.app.kv_budget_bytes)
+
+    def prefill(
+        self,
+        key: str,
+        spec: CacheSpec,
+        context: str,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+        on_progress: Callable[[int, int], None] | None = None,
+        on_quantize: Callable[[int, int], None] | None = None,
+    ) -> Prefilled:
+        """Prefill `context` into a new cache of `spec` for the session of `key` (created when missing), replacing
+        its context once the prefill succeeds: what runs in it is stopped first, the lock is taken, the cache is
+        reserved (`prefill_reserved`), and the session is installed with its chat and events emptied.
+
+        Raises:
+            ServerFull, ModelNotLoaded, ValueError, KVBudgetError, ServerKVBudgetError, ImportError: refused (the
+                session keeps its previous cache). PrefillStopped: Stop before the next chunk (the previous cache
+                stays).
+        """
+        loaded = self.app.wait_for_model()
+        user = self.app.sessions.get(key)
+        user.interrupt()
+        asked = time.monotonic()
+        with user.lock:
+            locked = time.monotonic()
+            session = self.new_session(loaded, spec)
+            set_up = time.monotonic() - locked
+            user.prefilling = session
+            try:
+                self.prefill_reserved(key, session, context, max_new_tokens, on_progress, on_quantize)
+            finally:
+                user.prefilling = None
+            user.qa, user.chat, user.events, user.answer_line = session, [], [], ""
+            self.app.sessions.forget_freed(key)
+        return Prefilled(session, locked - asked, set_up)
+
+    def prefill_reserved(
+        self,
+        key: str,
+        session: Session,
+        context: str | PreparedContext,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+        on_progress: Callable[[int, int], None] | None = None,
+        on_quantize: Callable[[int, int], None] | None = None,
+    ) -> PrefillReport:
+        """The prefill of `session` (not installed: `prefill` does that) within the server-wide KV budget.
+
+        The session's most bytes (`session_kv_bytes`, with `QUESTION_RESERVE_TOKENS + max_new_tokens` decoded)
+        are reserved as `prefill:<key>` before the prefill runs; the session's previous cache still counts
+        meanwhile. When the prefill succeeds the reservation becomes `cache:<key>` (replacing the old cache's);
+        when it fails it is released and the old one stays.
+
+        Raises:
+            ValueError, KVBudgetError: the context is over `MAX_CONTEXT_BYTES`, or does not fit the model's
+                window or the session's budget (before any reservation); nothing ran.
+            ServerKVBudgetError (a ValueError): the reservation would pass the budget; nothing ran.
+            ValueError, ImportError, PrefillStopped: what the prefill raises (the reservation is released).
+        """
+        reserve = QUESTION_RESERVE_TOKENS + checks.max_new_tokens(max_new_tokens)
+        size = len(context.encode("utf-8", "surrogatepass")) if isinstance(context, str) else 0
+        if size > MAX_CONTEXT_BYTES:
+            raise ValueError(
+                f"the context is {size / 2**20:,.1f} MiB of text; the limit is {MAX_CONTEXT_BYTES / 2**20:.0f} MiB, "
+                f"and the model's {session.loaded.max_context_tokens:,}-token window holds far less: paste a part of it"
+            )
+        if isinstance(context, str) and context.strip():  # tokenized once: for the reservation and the prefill
+            context = session.loaded.prepare(context)
+        tokens = prefill_tokens(session.loaded, context)
+        session.check_prefill(tokens, reserve)  # the window and the session's budget first: waiting would not help
+        holder = f"prefill:{key}"
+        self.app.kv.reserve(
+            holder,
+            session_kv_bytes(session.spec, session.loaded, tokens, reserve),
+            f"a {session.spec.label} KV cache for {tokens:,} context tokens + {reserve} for a question and its answer",
+        )
+        try:
+            report = self._prefill_or_open(session, context, max_new_tokens, on_progress, on_quantize)
+        except BaseException:
+            self.app.kv.release(holder)
+            raise
+        self._kept(key, holder)
+        return report
+
+    def _kept(self, key: str, holder: str) -> None:
+        """A reservation made for the session of `key` becomes its cache's; released where the session was freed
+        meanwhile (its tab closed: nothing will hold this cache)."""
+        self.app.kv.transfer(holder, f"cache:{key}")
+        if key not in self.app.sessions:
+            self.app.kv.release(f"cache:{key}")
+
+    def _prefill_or_open(
+        self,
+        session: Session,
+        context: str | PreparedContext,
+        max_new_tokens: int,
+        on_progress: Callable[[int, int], None] | None,
+        on_quantize: Callable[[int, int], None] | None,
+    ) -> PrefillReport:
+        """The prefill, or the session file of the same context, model and spec when the app's folder holds one (and
+        the prefill saved there when it does not); on a device, the worker does both with its own folder."""
+        if isinstance(session, RemoteSession):
+            assert self.device is not None and isinstance(context, PreparedContext)  # a non-blank text was prepared
+            return self.device.prefill(session, context, max_new_tokens, on_progress, on_quantize)
+        files = self.app.session_files
+        if files is None or not isinstance(context, PreparedContext):
+            return session.prefill(context, max_new_tokens, on_progress=on_progress, on_quantize=on_quantize)
+        opened = files.open(session, context)
+        if opened is not None:
+            return opened
+        report = session.prefill(context, max_new_tokens, on_progress=on_progress, on_quantize=on_quantize)
+        files.save(session, context)
+        return report
+
+    def open_file(
+        self,
+        key: str,
+        path: str | os.PathLike[str],
+        spec: CacheSpec | None = None,
+        check: Callable[[CacheSpec], Any] | None = None,
+    ) -> Session:
+        """Open the session file at `path` into the session of `key` (created when missing) in place of a prefill:
+        its header read once, `check(spec)` called with the file's spec before anything is opened (the page refuses
+        a spec its fields cannot show), the cache reserved as a prefill's, the session installed.
+
+        Args:
+            spec: the spec the file must hold; None takes the file's.
+
+        Raises:
+            SessionFileError (a ValueError): the file cannot be opened here (the message says why); what `check`
+                raises; ValueError, KVBudgetError, ServerKVBudgetError: as for `prefill`. Nothing changes then.
+        """
+        loaded = self.app.wait_for_model()
+        user = self.app.sessions.get(key)
+        user.interrupt()
+        with user.lock:
+            manifest = read_manifest(path)
+            fits = check_fits(manifest, loaded, spec)
+            if check is not None:
+                check(fits)
+            session = self.new_session(loaded, fits)
+            tokens = int(manifest.get("context_tokens") or 0)
+            reserve = QUESTION_RESERVE_TOKENS + DEFAULT_MAX_NEW_TOKENS
+            session.check_prefill(tokens, reserve)
+            holder = f"prefill:{key}"
+            nbytes = session_kv_bytes(session.spec, loaded, tokens, reserve)
+            self.app.kv.reserve(holder, nbytes, f"a {session.spec.label} session file")
+            try:
+                if isinstance(session, RemoteSession):
+                    assert self.device is not None
+                    text = str(manifest.get("context") or "")
+                    self.device.open(session, str(path), text, loaded.prepare(text).split)
+                else:
+                    open_session(loaded, path, session.spec, session=session)
+            except BaseException:
+                self.app.kv.release(holder)
+                raise
+            self._kept(key, holder)
+            user.qa, user.chat, user.events, user.answer_line, user.prefill_timing = session, [], [], "", ""
+            self.app.sessions.forget_freed(key)
+        return session
+
+    def save_file(self, key: str, path: Path) -> SavedSession:
+        """Write the prefilled session of `key` to a session file at `path`, after any running answer (on a device,
+        a copy of the worker's file).
+
+        Raises:
+            ValueError: nothing is prefilled in that session; TypeError, OSError: as `save_session`.
+        """
+        user = self.app.sessions.peek(key)
+        if user is None or user.qa is None:
+            raise ValueError("nothing is prefilled in this tab; press Prefill first")
+        with user.lock:  # after a running answer: the cache is then the post-prefill one
+            session = user.qa
+            if isinstance(session, RemoteSession):
+                start = time.perf_counter()
+                shutil.copyfile(session.session_path, path)
+                return SavedSession(path, path.stat().st_size, time.perf_counter() - start)
+            return save_session(session, path)
+
+    def reserve_answer(self, key: str, session: Session, question: str, max_new_tokens: int) -> PreparedQuestion:
+        """Before an answer: grow the session's reservation `cache:<key>` to cover it (the prefill reserved
+        `QUESTION_RESERVE_TOKENS` + its own max_new_tokens); never shrinks it.
+
+        Returns:
+            The question tokenized and checked once (`prepare_question`).
+
+        Raises:
+            ServerKVBudgetError (a ValueError): the larger reservation would pass the budget; nothing ran.
+            ValueError: an empty question, no prefill, a bad max_new_tokens, an answer that does not fit the
+                window or the session's budget (the session's messages).
+        """
+        max_new_tokens = checks.max_new_tokens(max_new_tokens)
+        if session.prefill_report is None:
+            raise ValueError("prefill a context before asking a question")
+        prepared = session.prepare_question(question, max_new_tokens)  # the window and the session's budget first
+        decoded = len(prepared.ids) + max_new_tokens
+        context = session.prefill_report.context_tokens
+        self.app.kv.reserve(
+            f"cache:{key}",
+            session_kv_bytes(session.spec, session.loaded, context, decoded),
+            f"an answer of up to {max_new_tokens} tokens on your {context:,}-token {session.spec.label} cache",
+            grow_only=True,
+        )
+        if key not in self.app.sessions:  # freed meanwhile: its cache goes once this answer ends
+            self.app.kv.release(f"cache:{key}")
+        return prepared
+
+    @contextmanager
+    def answer(self, key: str, question: str, max_new_tokens: Any, busy: str = ANSWER_BUSY) -> Iterator[AnswerRun]:
+        """An answer to `question` on the prefilled session of `key`, within the server's KV budget, as an
+        `AnswerRun` to iterate for its decode steps; the session's lock is held for the `with` block, and leaving it
+        closes the answer (the cache restored, the answer recorded, also when stopped or failed). Stop applies from
+        the Ask click (`UserSession.queue_answer`) or, for a call that no button queued, from now. `max_new_tokens`:
+        a whole number >= 1, as the page's fields send it (`checks.max_new_tokens`).
+
+        Raises:
+            ValueError(busy): another answer or a prefill runs in this session.
+            ValueError: the session was freed or holds nothing, the model changed since its prefill, or what
+                `reserve_answer` raises; nothing ran.
+        """
+        max_new_tokens = checks.max_new_tokens(max_new_tokens)
+        user = self.app.sessions.peek(key)
+        if user is None:
+            raise ValueError("this session was freed; prefill again to rebuild the cache")
+        if not user.lock.acquire(blocking=False):
+            raise ValueError(busy)
+        try:
+            with user.answering() as began:
+                session = user.qa  # read under the lock: a prefill that just finished has replaced it
+                if session is None:
+                    raise ValueError("this session was freed; prefill again to rebuild the cache")
+                if self.app.loaded is not session.loaded:
+                    raise ValueError("The model changed since your prefill; prefill again to rebuild the cache on it")
+                prepared = self.reserve_answer(key, session, question, max_new_tokens)
+                if isinstance(session, RemoteSession):
+                    assert self.device is not None
+                    stream = self.device.answer(session, prepared)
+                else:
+                    stream = session.stream(prepared)
+                began(session)  # a Stop pressed while the answer waited applies now
+                with closing(stream):
+                    yield AnswerRun(session, prepared, stream)
+        finally:
+            self.app.sessions.touch(user)
+            user.lock.release()
+
+    def stop(self, key: str) -> None:
+        """Stop what runs in the session of `key`: its answer after the current decode step (the cache restored, the
+        answer `stopped`), its prefill before the next chunk; nothing when none runs."""
+        user = self.app.sessions.peek(key)
+        if user is not None:
+            user.interrupt()
+
+    @staticmethod
+    def speed(session: Session) -> Any:
+        """The decode floor of the session's cache as it is now (`kvdemo.cache.speedlimit.SpeedLimit`): measured here,
+        or as the device worker last measured it."""
+        if isinstance(session, RemoteSession):
+            return session.speed
+        from kvdemo.cache.speedlimit import speed_limit
+
+        assert session.cache is not None  # asked once prefilled
+        return speed_limit(session.loaded.model, session.cache)
+
+    # ---- long jobs ------------------------------------------------------------------------------------
+    @contextmanager
+    def long_job(self, key: str, busy: str) -> Iterator[LongJob]:
+        """The session of `key`'s long-job slot (`SessionStore.long_job`: one at a time, refused rather than queued,
+        Cancel from the click), as a `LongJob` whose methods run a comparison, a grid or a recommendation.
+
+        Raises:
+            ServerFull: a new session cannot be made; ValueError(busy): a long job of this session is running.
+        """
+        user = self.app.sessions.get(key)
+        with self.app.sessions.long_job(user, busy) as cancel:
+            yield LongJob(self, key, cancel)
+
+    @contextmanager
+    def holding(self, holder: str, nbytes: int, what: str) -> Iterator[int]:
+        """Reserve `nbytes` under `holder` for the `with` block and release them at its end, however it ends.
+
+        Raises:
+            ServerKVBudgetError (a ValueError): the reservation would pass the budget; the block does not run.
+        """
+        self.app.kv.reserve(holder, nbytes, what)
+        try:
+            yield nbytes
+        finally:
+            self.app.kv.release(holder)
+
+
+class LongJob:
+    """A long job of one session (`Door.long_job`): `cancel` is set by Cancel (or a caller's bound); each method
+    reserves its KV bytes for its run and runs it in this process or on the device.
+
+    Attributes:
+        cancel: the job's cancel event (set it to stop at the next prefill chunk or decode step).
+    """
+
+    def __init__(self, door: Door, key: str, cancel: threading.Event):
+        self.door, self.key, self.cancel = door, key, cancel
+
+    @property
+    def _device(self) -> Device | None:
+        return self.door.device
+
+    def compare(
+        self,
+        context: str,
+        questions: Sequence[str],
+        specs: Sequence[CacheSpec],
+        max_new_tokens: int,
+        gold_answers: Sequence[Sequence[str]] | None = None,
+        perplexity_tokens: int = 0,
+        continuation: str | None = None,
+        plans: Sequence[tuple[CacheSpec, float]] = (),
+        on_progress: Callable[[int, int, str], None] | None = None,
+    ) -> ComparisonReport:
+        """`kvdemo.compare.run.compare` on the context (tokenized once here for the reservation), holding
+        `compare:<key>`: one spec at a time, so the largest `session_kv_bytes` of its specs.
+
+        Raises:
+            ServerKVBudgetError, ValueError, ImportError: refused (nothing ran); ComparisonCancelled: cancelled (its
+                report holds the specs finished).
+        """
+        loaded = self.door.app.wait_for_model()
+        prepared = loaded.prepare(context)
+        reserve = QUESTION_RESERVE_TOKENS + checks.max_new_tokens(max_new_tokens)
+        tokens = len(prepared.ids)
+        nbytes = max(
+            session_kv_bytes(spec.validate(loaded.config), loaded, tokens, reserve)
+            for spec in [CacheSpec("dynamic"), *specs]
+        )
+        what = f"a comparison of {len(specs)} spec(s) on {tokens:,} context tokens"
+        budget = self.door.app.kv_budget_bytes
+        with self.door.holding(f"compare:{self.key}", nbytes, what):
+            if self._device is None:
+                from kvdemo.compare.run import compare
+
+                return compare(
+                    loaded, prepared, questions, specs, max_new_tokens, gold_answers, cancel=self.cancel,
+                    on_progress=on_progress, kv_budget_bytes=budget, perplexity_tokens=perplexity_tokens,
+                    continuation=continuation, plans=plans,
+                )  # fmt: skip
+            request = GpuRequest(
+                "compare", context=context, max_new_tokens=max_new_tokens, kv_budget_bytes=budget or 0,
+                questions=tuple(questions), specs=tuple(s.text for s in specs),
+                golds=None if gold_answers is None else tuple(tuple(g) for g in gold_answers),
+                perplexity_tokens=perplexity_tokens, continuation=continuation,
+                plans=tuple((base.text, float(b)) for base, b in plans),
+            )  # fmt: skip
+            return self._device.long_job(request, ComparisonCancelled, self.cancel, on_progress)
+
+    def needle(
+        self,
+        specs: Sequence[CacheSpec],
+        lengths: Sequence[int],
+        depths: Sequence[float],
+        max_new_tokens: int,
+        needles_per_context: int | None = 1,
+        seed: int = 0,
+        on_progress: Callable[[int, int, str], None] | None = None,
+    ) -> NeedleGrid:
+        """`kvdemo.needle.grid.needle_grid`, holding `grid:<key>`: one spec at a time, so at most the largest
+        `session_kv_bytes` of its specs at the longest length.
+
+        Raises:
+            ServerKVBudgetError, ValueError, ImportError: refused; NeedleCancelled: cancelled (its grid holds the
+                cells finished).
+        """
+        loaded = self.door.app.wait_for_model()
+        longest, reserve = max(lengths, default=0), QUESTION_RESERVE_TOKENS + max_new_tokens
+        nbytes = max((session_kv_bytes(s, loaded, longest, reserve) for s in specs), default=0)
+        what = f"a needle grid of {len(specs)} spec(s) up to {longest:,} tokens"
+        budget = self.door.app.kv_budget_bytes
+        with self.door.holding(f"grid:{self.key}", nbytes, what):
+            if self._device is None:
+                from kvdemo.needle.grid import needle_grid
+
+                return needle_grid(
+                    loaded, specs, lengths, depths, needles_per_context=needles_per_context, seed=seed,
+                    max_new_tokens=max_new_tokens, cancel=self.cancel, kv_budget_bytes=budget, on_progress=on_progress,
+                )  # fmt: skip
+            request = GpuRequest(
+                "needle", max_new_tokens=max_new_tokens, kv_budget_bytes=budget or 0,
+                specs=tuple(s.text for s in specs), lengths=tuple(lengths), depths=tuple(depths), seed=seed,
+                needles_per_context=needles_per_context or 0,
+            )  # fmt: skip
+            return self._device.long_job(request, NeedleCancelled, self.cancel, on_progress)
+
+    def recommend(
+        self,
+        context: str,
+        questions: Sequence[str] = (),
+        max_kl: float | None = None,
+        bytes_per_token: float | None = None,
+        engine: str = "any",
+        plans: bool = True,
+        on_progress: Callable[[int, int, str], None] | None = None,
+    ) -> Recommendation:
+        """`kvdemo.compare.recommend.recommend`, holding `compare:<key>`: `dynamic`'s reference cache for the whole
+        run and one candidate's at a time, at most as large, so twice `dynamic`'s bytes.
+
+        Raises:
+            ServerKVBudgetError, ValueError: refused; RecommendationCancelled: cancelled (the rows measured so far).
+        """
+        loaded = self.door.app.wait_for_model()
+        reserve = QUESTION_RESERVE_TOKENS + checks.max_new_tokens(32)
+        tokens = prefill_tokens(loaded, context)
+        nbytes = 2 * session_kv_bytes(CacheSpec("dynamic").validate(loaded.config), loaded, tokens, reserve)
+        with self.door.holding(f"compare:{self.key}", nbytes, f"a recommendation on {tokens:,} context tokens"):
+            if self._device is None:
+                from kvdemo.compare.recommend import recommend
+
+                return recommend(
+                    loaded, context, questions, max_kl=max_kl, bytes_per_token=bytes_per_token, engine=engine,
+                    plans=plans, cancel=self.cancel, on_progress=on_progress,
+                )  # fmt: skip
+            request = GpuRequest(
+                "recommend", context=context, questions=tuple(questions), engine=engine, plan=plans, max_kl=max_kl,
+                bytes_per_token=bytes_per_token,
+            )  # fmt: skip
+            return self._device.long_job(request, RecommendationCancelled, self.cancel, on_progress)
