@@ -24,8 +24,8 @@ import torch
 
 from kvdemo.cache.spec import CacheSpec
 from kvdemo.cache.telemetry import StepEvent
-from kvdemo.compare.records import ComparisonCancelled
 from kvdemo.charts.steps import memory_frame, residual_frame
+from kvdemo.compare.records import ComparisonCancelled
 from kvdemo.qa.records import Answer, PrefillReport
 from kvdemo.qa.session import QASession
 from kvdemo.qa.session_file import save_session
