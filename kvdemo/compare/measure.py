@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import math
 import statistics
-import threading
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -19,6 +18,7 @@ from kvdemo.compare.records import Departure, QuestionResult, SpecResult
 from kvdemo.evals import cache_error, fidelity
 from kvdemo.evals.fidelity import PerplexityInputs
 from kvdemo.evals.metrics import common_prefix, score_against_gold
+from kvdemo.qa.job import JobRun
 from kvdemo.qa.models import LoadedModel
 from kvdemo.qa.prompt import PreparedContext
 from kvdemo.qa.records import Answer, PrefillReport
@@ -34,11 +34,6 @@ class Reference:
     logprobs: tuple[torch.Tensor, ...]
     kv: cache_error.ReferenceKV
     perplexity: float | None = None
-
-
-class Cancelled(Exception):
-    """Raised inside a measurement when its `cancel` callback returns True; `kvdemo.compare.run.compare` catches it and
-    raises `ComparisonCancelled` with the partial report."""
 
 
 PERPLEXITY_STEPS_PER_UNIT = 32
@@ -62,13 +57,12 @@ class ComparisonRun:
         loaded_model: the model. context: the text, or its `PreparedContext` (tokenized once for every spec).
         questions: asked in turn; max_new_tokens: per answer (tokens).
         gold_answers: per question, the accepted answers (an empty list: unanswerable); None: no gold figures.
-        cancel: checked at every decode step; when set the session is closed (its cache restored) and the
-            internal cancellation propagates to `compare`.
-        on_step: called with a description after the prefill, after each answer and each score, and every
-            `PERPLEXITY_STEPS_PER_UNIT` decode steps of the perplexity feed.
-        on_note: called with a description of the work now running, without a unit done: after each chunk of a
-            prefill ("hqq:4: prefilling 512 of 1,341 tokens"), each layer its quantizer has taken, and every
-            `TOKEN_BLOCK` decode steps of an answer or a score ("hqq:4: answering 1/2, 24 tokens").
+        job: the comparison's units and cancel event (`kvdemo.qa.job.JobRun`, shared with the needle grid): a unit
+            after the prefill, each answer and each score, and every `PERPLEXITY_STEPS_PER_UNIT` decode steps of the
+            perplexity feed; a note after each chunk of a prefill ("hqq:4: prefilling 512 of 1,341 tokens"), each
+            layer its quantizer has taken, and every `TOKEN_BLOCK` decode steps of an answer or a score ("hqq:4:
+            answering 1/2, 24 tokens"); the cancel event checked at every decode step (the session is then closed,
+            its cache restored, and `JobCancelled` propagates to `compare`).
         kv_budget_bytes: each session's out-of-memory guard (`QASession`), also applied to the perplexity's cache.
         perplexity_inputs: from `fidelity.perplexity_inputs`; None: no perplexity.
     """
@@ -78,45 +72,26 @@ class ComparisonRun:
     questions: tuple[str, ...]
     max_new_tokens: int = 32
     gold_answers: Sequence[Sequence[str]] | None = None
-    cancel: threading.Event | None = None
-    on_step: Callable[[str], None] | None = None
-    on_note: Callable[[str], None] | None = None
+    job: JobRun = field(default_factory=JobRun)
     kv_budget_bytes: int | None = None
     perplexity_inputs: PerplexityInputs | None = None
 
     def check_cancel(self) -> None:
-        """Raises `Cancelled` once `cancel` is set."""
-        if self.cancel is not None and self.cancel.is_set():
-            raise Cancelled
+        """Raises `JobCancelled` once the job's cancel event is set."""
+        self.job.check_cancel()
 
     def step(self, what: str) -> None:
-        """One unit of work done (`on_step(what)`)."""
-        if self.on_step is not None:
-            self.on_step(what)
-
-    def prefill(self, session: QASession) -> PrefillReport:
-        """`session.prefill` of the run's context, its chunks and its quantizer's layers described through
-        `on_note`, and `cancel` checked after each of them (a prefill takes seconds to a minute per spec).
-
-        Raises:
-            Cancelled: `cancel` was set; the session's unfinished cache is dropped with the session.
-        """
-        label = session.spec.text
-
-        def chunk(done: int, total: int) -> None:
-            self.check_cancel()
-            self.note(f"{label}: prefilling {done:,} of {total:,} tokens")
-
-        def layer(done: int, total: int) -> None:
-            self.check_cancel()
-            self.note(f"{label}: quantizing the cache, {done} of {total} layers")
-
-        return session.prefill(self.context, max_new_tokens=self.max_new_tokens, on_progress=chunk, on_quantize=layer)
+        """One unit of work done."""
+        self.job.step(what)
 
     def note(self, what: str) -> None:
-        """What runs now (`on_note(what)`), no unit done."""
-        if self.on_note is not None:
-            self.on_note(what)
+        """What runs now, no unit done."""
+        self.job.note(what)
+
+    def prefill(self, session: QASession) -> PrefillReport:
+        """`session.prefill` of the run's context through the job (`JobRun.prefill`: chunks and layers told, the
+        cancel event checked after each). Raises JobCancelled: cancelled."""
+        return self.job.prefill(session, self.context, session.spec.text, max_new_tokens=self.max_new_tokens)
 
 
 def measure_spec(

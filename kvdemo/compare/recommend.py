@@ -25,7 +25,7 @@ import math
 import re
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -44,6 +44,7 @@ from kvdemo.compare.recommendation import (
 from kvdemo.evals import planner
 from kvdemo.evals.fidelity import kl_statistics
 from kvdemo.evals.metrics import kl_divergence
+from kvdemo.qa.job import ProgressCallback
 from kvdemo.qa.models import LoadedModel
 from kvdemo.qa.session import QASession
 
@@ -69,8 +70,6 @@ LENGTHS = (8192, 32768)
 """The other context lengths each row's bytes per token are given at."""
 MAX_NEW_TOKENS = 24
 """Tokens per `dynamic` answer that every candidate is scored on."""
-
-ProgressCallback = Callable[[int, int, str], None]
 
 
 def text_questions(text: str, count: int = 3) -> list[str]:

@@ -31,18 +31,16 @@ only when it says that the text does not give the answer (`metrics.says_unanswer
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from kvdemo import checks
 from kvdemo.cache.spec import CacheSpec
-from kvdemo.compare.measure import Cancelled, ComparisonRun, Reference, measure_spec, perplexity_units
+from kvdemo.compare.measure import ComparisonRun, Reference, measure_spec, perplexity_units
 from kvdemo.compare.records import ComparisonCancelled, ComparisonReport, SpecResult
 from kvdemo.evals import fidelity, plan_budget, planner
+from kvdemo.qa.job import JobCancelled, JobRun, ProgressCallback
 from kvdemo.qa.models import LoadedModel
 from kvdemo.qa.prompt import PreparedContext
-
-ProgressCallback = Callable[[int, int, str], None]
-"""`on_progress(done, total, what)`: units of work done so far, the total, and what runs next."""
 
 
 def compare(
@@ -115,11 +113,11 @@ def compare(
     tokens = len(context.ids)  # the plans' budgets are per context token at the context's own length
     plans = [(plan_budget.check_budget(loaded_model, base, budget, tokens), budget) for base, budget in plans]
     per_spec = 1 + 2 * len(questions) + perplexity_units(perplexity_tokens)
-    progress = _Progress((len(ordered) + 2 * len(plans)) * per_spec + len(plans), on_progress)
+    progress = JobRun((len(ordered) + 2 * len(plans)) * per_spec + len(plans), cancel, on_progress)
     summaries = _plan_all(loaded_model, context, plans, ordered, progress, cancel, max_new_tokens)
     progress.total = len(ordered) * per_spec + len(plans)
-    shared = (loaded_model, context, tuple(questions), max_new_tokens, gold_answers, cancel)
-    run = ComparisonRun(*shared, progress, progress.announce, kv_budget_bytes=kv_budget_bytes, perplexity_inputs=inputs)
+    shared = (loaded_model, context, tuple(questions), max_new_tokens, gold_answers, progress)
+    run = ComparisonRun(*shared, kv_budget_bytes=kv_budget_bytes, perplexity_inputs=inputs)
     return _measure_all(run, ordered, progress, summaries)
 
 
@@ -134,7 +132,7 @@ def _plan_all(
     context: PreparedContext,
     plans: Sequence[tuple[CacheSpec, float]],
     ordered: list[CacheSpec],
-    progress: _Progress,
+    progress: JobRun,
     cancel: threading.Event | None,
     max_new_tokens: int,
 ) -> tuple[str, ...]:
@@ -145,35 +143,19 @@ def _plan_all(
         ComparisonCancelled: `cancel` was set before a plan (an empty report: nothing was measured yet)."""
     summaries = []
     for base, budget in plans:
-        progress.announce(f"planning {base.backend} per layer at {budget:,.0f} bytes per token")
+        progress.note(f"planning {base.backend} per layer at {budget:,.0f} bytes per token")
         if cancel is not None and cancel.is_set():
             raise ComparisonCancelled(ComparisonReport(loaded_model.name, max_new_tokens, ()))
         plan = planner.plan_layers(loaded_model, loaded_model.context_ids(context), base, budget)
-        progress("planned")
+        progress.step("planned")
         summaries.append(plan.summary())
         added = [spec.validate(loaded_model.config) for spec in (plan.spec, plan.uniform) if spec is not None]
         ordered += [spec for spec in added if spec.label not in [s.label for s in ordered]]
     return tuple(summaries)
 
 
-class _Progress:
-    """A comparison's units of work counted: called with what finished (`ComparisonRun.on_step`)."""
-
-    def __init__(self, total: int, on_progress: ProgressCallback | None):
-        self.done, self.total, self.on_progress = 0, total, on_progress
-
-    def __call__(self, what: str) -> None:
-        self.done += 1
-        self.announce(what)
-
-    def announce(self, what: str) -> None:
-        """What runs next, with the units done so far."""
-        if self.on_progress is not None:
-            self.on_progress(self.done, self.total, what)
-
-
 def _measure_all(
-    run: ComparisonRun, ordered: list[CacheSpec], progress: _Progress, plans: tuple[str, ...] = ()
+    run: ComparisonRun, ordered: list[CacheSpec], progress: JobRun, plans: tuple[str, ...] = ()
 ) -> ComparisonReport:
     """`measure_spec` for every spec in turn, `dynamic`'s run (the first) the reference of the others; `plans`: the
     plans' lines for the report."""
@@ -182,10 +164,10 @@ def _measure_all(
     source = None if run.perplexity_inputs is None else run.perplexity_inputs.source
     name = run.loaded_model.name
     for spec in ordered:
-        progress.announce(f"{spec.text}: prefilling")
+        progress.note(f"{spec.text}: prefilling")
         try:  # each spec's session and cache are freed by reference counting when it returns (tests/test_compare.py)
             result, own = measure_spec(run, spec, reference, results[0].kv_bytes if results else None)
-        except Cancelled:
+        except JobCancelled:
             raise ComparisonCancelled(
                 ComparisonReport(name, run.max_new_tokens, tuple(results), source, plans)
             ) from None

@@ -54,7 +54,7 @@ import numbers
 import re
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from kvdemo.cache.budget import KVBudgetError
 from kvdemo.cache.spec import CacheSpec
@@ -79,14 +79,11 @@ from kvdemo.needle.inputs import (
     check_lengths,
 )
 from kvdemo.needle.records import NeedleCancelled, NeedleCell, NeedleGrid
+from kvdemo.qa.job import JobCancelled, JobRun, ProgressCallback
 from kvdemo.qa.limits import QUESTION_RESERVE_TOKENS
 from kvdemo.qa.models import LoadedModel
 from kvdemo.qa.records import PrefillReport
 from kvdemo.qa.session import QASession
-
-ProgressCallback = Callable[[int, int, str], None]
-"""`on_progress(done, total, what)`: units of work done so far (prefills, answers, scorings), the total,
-and what runs next."""
 
 
 def hit(answer: str, value: str) -> bool:
@@ -100,10 +97,6 @@ def longest_length(loaded_model: LoadedModel, max_new_tokens: int = DEFAULT_MAX_
     """The longest context (tokens) a grid can prefill: `max_context_tokens - QUESTION_RESERVE_TOKENS -
     max_new_tokens`, e.g. 8,192 - 64 - 32 = 8,096 for the embedded model with 32 new tokens."""
     return loaded_model.max_context_tokens - QUESTION_RESERVE_TOKENS - max_new_tokens
-
-
-class _Cancelled(Exception):
-    pass
 
 
 def plan_contexts(
@@ -213,45 +206,31 @@ def _check_kv_budget(
             )
 
 
-class _GridRun:
-    """One grid's bookkeeping: the progress count, the cancel check, the cells so far, the scoring ids."""
+class _GridRun(JobRun):
+    """One grid's bookkeeping: the job's units and cancel event (`kvdemo.qa.job.JobRun`, shared with the
+    comparison), the cells so far, the scoring ids."""
 
     def __init__(self, total: int, cancel: threading.Event | None, on_progress: ProgressCallback | None):
-        self.total, self.done, self.cancel, self.on_progress = total, 0, cancel, on_progress
+        super().__init__(total, cancel, on_progress)
         self.cells: list[NeedleCell] = []
         self.score_ids: dict[str, tuple[list[int], int]] = {}
-
-    def progress(self, what: str, finished: bool = True) -> None:
-        self.done += finished
-        if self.on_progress is not None:
-            self.on_progress(self.done, self.total, what)
 
     def sorted_cells(self, ordered: Sequence[CacheSpec]) -> tuple[NeedleCell, ...]:
         """The cells so far, spec by spec (in `ordered`'s order), then by length and depth."""
         rank = {s.text: i for i, s in enumerate(ordered)}
         return tuple(sorted(self.cells, key=lambda c: (rank[c.spec_text], c.length, c.depth)))
 
-    def check_cancel(self) -> None:
-        if self.cancel is not None and self.cancel.is_set():
-            raise _Cancelled
-
-    def prefill(self, session: QASession, spec: CacheSpec, context: NeedleContext, reserve: int) -> PrefillReport:
+    def prefill_context(
+        self, session: QASession, spec: CacheSpec, context: NeedleContext, reserve: int
+    ) -> PrefillReport:
+        """One context prefilled (its prepared ids, not tokenized again), told before and after, Cancel acting
+        within one chunk."""
         self.check_cancel()
-        self.progress(f"{spec.text}: prefilling {context.length:,} tokens", finished=False)
-
-        def chunk(done: int, total: int) -> None:  # Cancel acts within one chunk of a long prefill
-            self.check_cancel()
-            self.progress(f"{spec.text}: prefilling {done:,} of {total:,} tokens", finished=False)
-
-        def layer(done: int, total: int) -> None:
-            self.check_cancel()
-            self.progress(f"{spec.text}: quantizing the cache, {done} of {total} layers", finished=False)
-
-        # not tokenized again
-        report = session.prefill(context.prepared, reserve_tokens=reserve, on_progress=chunk, on_quantize=layer)
+        self.note(f"{spec.text}: prefilling {context.length:,} tokens")
+        report = self.prefill(session, context.prepared, spec.text, reserve_tokens=reserve)
         if report.context_tokens != context.length:  # the prepared ids are the length
             raise RuntimeError(f"prefilled {report.context_tokens} tokens for a {context.length}-token context")
-        self.progress(f"{spec.text}: prefilled {context.length:,} tokens")
+        self.step(f"{spec.text}: prefilled {context.length:,} tokens")
         return report
 
     def needle(
@@ -273,7 +252,7 @@ class _GridRun:
         finally:
             stream.close()
         answer = session.history[-1]
-        self.progress(f"{spec.text} {context.length:,} tokens: answered the needle at {needle.depth:g} %")
+        self.step(f"{spec.text} {context.length:,} tokens: answered the needle at {needle.depth:g} %")
         self.check_cancel()
         if needle.name not in self.score_ids:
             self.score_ids[needle.name] = _score_ids(session.loaded, needle)
@@ -309,7 +288,7 @@ class _GridRun:
                 kv_bytes=report.kv_bytes,
             )
         )
-        self.progress(f"{spec.text} {context.length:,} tokens: scored the needle at {needle.depth:g} %")
+        self.step(f"{spec.text} {context.length:,} tokens: scored the needle at {needle.depth:g} %")
 
 
 def needle_grid(
@@ -384,10 +363,10 @@ def needle_grid(
         for spec in ordered:
             session = QASession(loaded_model, spec, kv_budget_bytes=kv_budget_bytes)
             for index, context in enumerate(contexts):
-                report = run.prefill(session, spec, context, reserve)
+                report = run.prefill_context(session, spec, context, reserve)
                 for placement in context.placements:
                     run.needle(session, spec, context, index, placement, report, max_new_tokens)
             del session  # freed by reference counting before the next spec's (no cycle holds a session)
-    except _Cancelled:
+    except JobCancelled:
         raise NeedleCancelled(grid(complete=False)) from None
     return grid(complete=True)
