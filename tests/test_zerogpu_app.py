@@ -2,7 +2,8 @@
 `spaces` that forks a fresh worker for every `@spaces.GPU` call (tests/stand_in/spaces, on the CPU harness), driven
 through gradio_client by the maintainers' smoke script (`scripts/zerogpu_smoke.py`): a prefill, three questions, a
 Stop and a comparison on the page's own endpoints. Every job ran in a worker of its own, never in the server's process;
-the answers equal an in-process `QASession`'s on the same model; the Stop ended its answer with the cache restored.
+the answers equal an in-process `QASession`'s on the same model; the Stop ended its answer with the cache restored; no
+worker holds a connection of the page open (a browser's Stop would wait behind it) or outlives the app.
 
 Cost: about 60 s in one process on 2 cores (2026-12-05): the app's start and the embedded model's load (15-25 s), six
 forked jobs, a 500-token prefill, a comparison of two specs."""
@@ -69,6 +70,10 @@ def test_the_app_on_zerogpu_runs_every_job_in_a_forked_worker(embedded, tmp_path
         try:
             _wait_for(f"http://127.0.0.1:{port}/", app)
             out = zerogpu_smoke.smoke(f"http://127.0.0.1:{port}/")
+            workers = [psutil.Process(int(line.split()[0])) for line in log.read_text(encoding="utf-8").splitlines()]
+            # a worker holds none of the page's connections (a browser would wait on them: its Stop, queued)
+            held = {w.pid: w.net_connections(kind="tcp") for w in workers if w.is_running()}
+            assert held and not any(held.values()), held
         finally:
             app.terminate()  # the stand-in kills its workers on SIGTERM
             try:

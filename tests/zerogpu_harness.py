@@ -8,6 +8,8 @@
   result is kept in `Harness.crossed` for the tests to inspect;
 - a generator function's values come back one by one as the worker yields them (`generator_function_wrapper`), and
   a caller that closes its side early sets the worker's stop event, after which the worker closes the generator;
+- a worker first closes the TCP sockets it inherited from the server (`worker_init`), so that it holds none of the
+  page's connections open;
 - one pool of workers per decorated function; the duration callable (`duration=`) is called in the caller with the
   call's arguments, as the scheduler's request does, and kept in `Harness.durations`;
 - an exception in the worker comes back as its class name, message and traceback (`WorkerError`), as ZeroGPU's
@@ -39,6 +41,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from typing import Any
 
+import psutil
 import torch
 
 POLICIES = ("reuse", "fresh", "kill", "swap")
@@ -67,10 +70,28 @@ def _put(results: Any, out: tuple[str, Any]) -> bool:
         return False
 
 
+def _close_inherited_connections() -> int:
+    """Close, in a worker just forked, the TCP sockets it inherited from the server (its listening socket and every
+    connection open at the fork), as `spaces`' `worker_init` closes the server port's connections first thing. A
+    worker that kept them would hold each of those connections open after the server closed its end: the browser
+    then waits on a connection nobody serves (found by a browser walk: the page's Stop queued behind six of them).
+    Returns how many it closed."""
+    closed = 0
+    for connection in psutil.Process().net_connections(kind="tcp"):
+        if connection.fd >= 0:
+            try:
+                os.close(connection.fd)
+                closed += 1
+            except OSError:
+                pass
+    return closed
+
+
 def _serve(task: Callable[..., Any], args: Any, results: Any, stop: Any) -> None:
     """The worker's loop: take a call, run it, put its result (or its exception) back; None ends it. A generator's
     values go back one by one as `yield`, then `end`; once `stop` is set (the caller closed its side) the generator is
     closed after its current value, as `spaces`' `generator_function_wrapper` does."""
+    _close_inherited_connections()
     while True:
         call = args.get()
         if call is None:
