@@ -190,12 +190,14 @@ def _cpu_loader(source: str | None = None) -> Any:
 
 
 def _zero_gpu_device(files_bytes: int) -> Any:
-    """The ZeroGPU worker's side of the door: its session files in the app's folder (a session lives there between
-    jobs: warm in the worker, else opened from its file), a folder of the jobs' own where the app keeps none."""
+    """The ZeroGPU worker's side of the door: its session files in the app's folder within `--session-files-mib` (a
+    prefill of the same text opens its file), a folder of the jobs' own where the app keeps none (each session keeps
+    its own link to its file: `Device.hold`)."""
     from kvdemo.paths import cache_dir
     from kvdemo.serve.device import Device
 
-    return Device(folder=str(cache_dir() / ("sessions" if files_bytes else "gpu-sessions")))
+    folder = cache_dir() / ("sessions" if files_bytes else "gpu-sessions")
+    return Device(folder=str(folder), folder_bytes=files_bytes)
 
 
 def log_to_stdout() -> None:

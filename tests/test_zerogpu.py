@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import pickle
 import types
+from pathlib import Path
 
 import gradio as gr
 import pandas as pd
@@ -34,7 +35,7 @@ from kvdemo.serve.device import Device, GpuJobError, RemoteSession
 from kvdemo.serve.gpu_job import AnswerDone, GpuRequest, JobProgress, PrefillDone, gpu_job, job_seconds, serve_model
 from kvdemo.serve.server import App
 from kvdemo.serve.warm_sessions import FALLBACK_NOTE, WARM, WarmSessions, pure_torch_unpack, quanto_on_device
-from kvdemo.ui import build_demo
+from kvdemo.ui import build_demo, session_box
 from tests.helpers import named_handlers
 from tests.zerogpu_harness import POLICIES, Harness, WorkerError
 
@@ -382,3 +383,49 @@ def test_the_recommend_tab_runs_in_the_worker_with_the_same_pick(served, tmp_pat
     assert there.pick == here.pick and "### Pick:" in there.pick
     timeless = [c for c in here.recommend_table.columns if "second" not in c]
     assert there.recommend_table[timeless].equals(here.recommend_table[timeless])
+
+
+def test_a_session_keeps_its_own_file_and_its_stop_files_go_with_its_jobs(served, tmp_path):
+    """Found by a tester: another visitor's prefill trimmed the jobs' bounded folder of session files and removed a
+    live session's file, so its answers and Save session failed for good; an answer closed before its first step left
+    its stop file armed; a comparison far past ZeroGPU's call bound was sent anyway (ZeroGPU would end it midway). Now
+    each session holds its own link to its file (removed with the session), a job's stop file goes with the job, and
+    such a job is refused before any GPU time is asked, saying what to cut."""
+    import gc
+
+    folder, stops = tmp_path / "sessions", tmp_path / "stops"
+    with Harness("fresh") as harness:
+        job = harness.gpu(duration=job_seconds)(job_module._gpu_job)
+        app, fns = _page(served, Device(job, str(folder), stops, folder_bytes=1))  # every save trims the folder
+        for visitor in CONTEXTS:
+            harness.visitor = visitor
+            fns["prefill"](CONTEXTS[visitor], *FIELDS, _request(visitor))
+        assert list(folder.glob("*.kvsession")) == []  # both trimmed: the folder holds nothing
+        harness.visitor = "a"
+        list(fns["ask"](QUESTIONS[0], TOKENS, _request("a")))  # a fresh worker opens a's own copy
+        a = app.sessions.peek("a").qa
+        assert (
+            a.history[-1].finish_reason in ("eos", "max_new_tokens")
+            and a.history[-1].cache_length_after == a.cache_length
+        )
+        file, notice = session_box.save(app, _request("a"))  # the session box's Save session
+        assert Path(file).stat().st_size == Path(a.session_path).stat().st_size > 0, notice
+        held = sorted((stops.parent / "held-sessions").glob("*.kvsession"))
+        assert len(held) == 2 and a.session_path in map(str, held)
+        stream = fns["ask"](QUESTIONS[0], TOKENS, _request("a"))
+        next(stream)  # the question shown; then the browser leaves before the first step
+        stream.close()
+        assert a.running is None and not app.sessions.peek("a").lock.locked()
+        fns["stop"](_request("a"))
+        fns["prefill"](CONTEXTS["a"], *FIELDS, _request("a"))
+        assert list(stops.glob("*")) == []  # no stop file left by a job that ended
+        del a
+        app.sessions.free("a"), app.sessions.free("b")
+        gc.collect()
+        assert list((stops.parent / "held-sessions").glob("*")) == []  # the sessions' own copies went with them
+        sent = len(harness.crossed)
+        huge = fns["compare"](CONTEXTS["a"] * 5, ["fp8", "quanto:4", "hqq:2"], "", "\n".join(["Why?"] * 20), 256,
+                              _request("a"))  # fmt: skip
+        assert "one ZeroGPU call may take at most 300 s here: ask for fewer specs or questions" in huge.compare_status
+        assert len(harness.crossed) == sent  # refused here: no job sent
+    _no_orphans(harness)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import uuid
+import weakref
 from collections.abc import Callable, Generator, Iterator
 from contextlib import closing
 from dataclasses import dataclass, field, replace
@@ -27,8 +28,10 @@ from kvdemo.qa.prefill import PrefillStopped
 from kvdemo.qa.prompt import PreparedContext, PreparedQuestion, PromptSplit
 from kvdemo.qa.records import Answer, PrefillReport
 from kvdemo.qa.session import check_answer, check_prefill
+from kvdemo.qa.session_file import SUFFIX
 from kvdemo.qa.text import check_question
 from kvdemo.serve.gpu_job import (
+    MAX_SECONDS,
     AnswerDone,
     GpuRequest,
     JobCancelled,
@@ -36,12 +39,31 @@ from kvdemo.serve.gpu_job import (
     JobProgress,
     JobRefused,
     PrefillDone,
+    estimated_seconds,
+    link_file,
 )
 
 
 class GpuJobError(ValueError):
     """A job refused its request (the message is the job's, e.g. a context too long or a session file of another
     model), raised in the server's process."""
+
+
+def check_duration(request: GpuRequest) -> None:
+    """Refuse, before any GPU time is asked, a job whose estimate (`estimated_seconds`, this machine's CPU figures:
+    an upper bound) passes the longest call kvdemo asks of ZeroGPU (`MAX_SECONDS`): the platform would end it midway
+    with no result. Raises GpuJobError saying what to cut."""
+    seconds = estimated_seconds(request)
+    if seconds > MAX_SECONDS:
+        what = {
+            "compare": "fewer specs or questions, or fewer max_new_tokens or perplexity tokens",
+            "needle": "fewer specs, lengths or depths",
+            "recommend": "a shorter text",
+        }.get(request.kind, "less")
+        raise GpuJobError(
+            f"this {request.kind} would take up to {seconds:,.0f} s of GPU time; one ZeroGPU call may take at most "
+            f"{MAX_SECONDS} s here: ask for {what} (or run kvdemo on your own machine, where no such bound applies)"
+        )  # fmt: skip
 
 
 class StopFile:
@@ -86,6 +108,14 @@ class RemoteSession:
     cache: None = None
     """No cache in this process (the page reads the floor from `speed`)."""
 
+    def end_job(self, stop: StopFile | None = None) -> None:
+        """The running job has ended (or never started: an answer whose stream was closed before its first step):
+        its stop file removed and forgotten (`stop`: only if it is still this one)."""
+        running = self.running
+        if running is not None and (stop is None or running is stop):
+            running.close()
+            self.running = None
+
     @property
     def cache_length(self) -> int:
         """Tokens in the cache (its context's; 0 before a prefill): the worker restores it after every answer."""
@@ -124,11 +154,23 @@ class Device:
         job: Callable[[GpuRequest], Generator[Any, None, None]] | None = None,
         folder: str = "",
         stops: str | Path | None = None,
+        folder_bytes: int = 0,
     ):
         from kvdemo.paths import cache_dir
 
-        self.job, self.folder = job, folder
+        self.job, self.folder, self.folder_bytes = job, folder, folder_bytes
         self.stops = Path(stops) if stops is not None else cache_dir() / "stops"
+        self.held = self.stops.parent / "held-sessions"
+
+    def held_path(self, session: RemoteSession) -> Path:
+        """A new path in `held` for `session`'s own copy of its session file, removed when the session is gone. The
+        jobs' folder of session files is bounded and drops its least recently used files (another visitor's prefill
+        may drop this one), and an uploaded file lives in Gradio's temporary folder: the session's own copy (a hard
+        link) is what its answers open on a miss and what Save session writes, as long as the session lives (as its
+        cache would in process)."""
+        path = self.held / f"{uuid.uuid4().hex}{SUFFIX}"
+        weakref.finalize(session, path.unlink, missing_ok=True)
+        return path
 
     def _records(self, request: GpuRequest) -> Iterator[Any]:
         """The job's records, a refusal raised as `GpuJobError`."""
@@ -156,13 +198,16 @@ class Device:
         quantized layer. Raises PrefillStopped: Stop, before the next chunk; GpuJobError: the worker refused it."""
         request = GpuRequest(
             "prefill", session.spec.text, context.text, max_new_tokens=max_new_tokens, folder=self.folder,
+            folder_bytes=self.folder_bytes, hold_path=str(self.held_path(session)),
             kv_budget_bytes=session.kv_budget_bytes or 0,
         )  # fmt: skip
         return self._prefilled(session, request, context.split, on_progress, on_quantize)
 
     def open(self, session: RemoteSession, path: str, context: str, split: PromptSplit) -> PrefillReport:
-        """Open the session file at `path` in the worker into `session` (its `context` and `split` read here)."""
-        request = GpuRequest("open", session.spec.text, session_path=path, kv_budget_bytes=session.kv_budget_bytes or 0)
+        """Open the session file at `path` in the worker into `session` (its `context` and `split` read here), from
+        the session's own copy (`hold`)."""
+        held = str(link_file(Path(path), self.held_path(session)))
+        request = GpuRequest("open", session.spec.text, session_path=held, kv_budget_bytes=session.kv_budget_bytes or 0)
         session.context = context
         return self._prefilled(session, request, split, None, None)
 
@@ -188,8 +233,7 @@ class Device:
                     session.speed, session.split, session.history = record.speed, split, []
                     session.context = request.context or session.context  # an open's was read here
         finally:
-            stop.close()
-            session.running = None
+            session.end_job(stop)
         if session.prefill_report is None:
             raise GpuJobError("the worker ended without a prefill report")
         return session.prefill_report
@@ -215,9 +259,7 @@ class Device:
                     session.history.append(record.answer)
                     session.speed = record.speed
         finally:
-            stop.close()
-            if session.running is stop:
-                session.running = None
+            session.end_job(stop)
 
     def long_job(
         self,
@@ -229,6 +271,7 @@ class Device:
         """Run a comparison, a needle grid or a recommendation in the worker: its progress to `on_progress`, `cancel`
         (set from another thread) written to its stop file. Returns its result; raises `cancelled(partial)` when it
         was cancelled, GpuJobError when refused."""
+        check_duration(request)
         stop = StopFile(self.stops)
         ended = threading.Event()
 

@@ -357,8 +357,12 @@ class Door:
                 else:
                     stream = session.stream(prepared)
                 began(session)  # a Stop pressed while the answer waited applies now
-                with closing(stream):
-                    yield AnswerRun(session, prepared, stream)
+                try:
+                    with closing(stream):
+                        yield AnswerRun(session, prepared, stream)
+                finally:
+                    if isinstance(session, RemoteSession):  # also an answer closed before its first step
+                        session.end_job()
         finally:
             self.app.sessions.touch(user)
             user.lock.release()

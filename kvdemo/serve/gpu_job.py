@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 import queue
+import shutil
 import threading
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import asdict, dataclass
@@ -87,6 +88,9 @@ class GpuRequest:
         question: an answer's question.
         max_new_tokens: per answer (tokens).
         folder: where a prefill writes its file when `session_path` is ""; "" is `kvdemo.paths.cache_dir()/sessions`.
+        folder_bytes: the bound of that folder (bytes, least recently used out); 0: `SESSION_FILES_BYTES`.
+        hold_path: where a prefill links its file for the session alone (`link_file`), before the folder is trimmed:
+            the session's own copy, which its answers open ("": none).
         kv_budget_bytes: the session's out-of-memory guard (`QASession`); 0: none.
         stop_path: a file the server writes to stop the job (Stop, Cancel); "": none.
         questions, specs: a comparison's questions and specs (texts); a needle grid's specs.
@@ -106,6 +110,8 @@ class GpuRequest:
     question: str = ""
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     folder: str = ""
+    folder_bytes: int = 0
+    hold_path: str = ""
     kv_budget_bytes: int = 0
     stop_path: str = ""
     questions: tuple[str, ...] = ()
@@ -202,8 +208,15 @@ def job_seconds(request: GpuRequest) -> int:
     alone (no model, no tokenizer, no CUDA): `START_SECONDS` plus, by kind, the context's tokens (characters /
     `CHARS_PER_TOKEN`) x `PREFILL_SECONDS_PER_TOKEN` and the answer tokens x `STEP_SECONDS` (an answer: its
     question and `max_new_tokens`, plus `OPEN_SECONDS` for a miss; a comparison: per spec a prefill and per
-    question an answer and its scoring; a grid: per spec and length a prefill and per depth an answer and a score; a
-    recommendation: one prefill, `dynamic`'s answers and `CANDIDATE_SECONDS` per candidate, about 50)."""
+    question an answer and its scoring, with a perplexity feed another prefill and its tokens, with a per-layer plan
+    two more specs; a grid: per spec and length a prefill and per depth an answer and a score; a recommendation: one
+    prefill, `dynamic`'s answers and `CANDIDATE_SECONDS` per candidate, about 50)."""
+    return int(min(MAX_SECONDS, max(MIN_SECONDS, round(estimated_seconds(request)))))
+
+
+def estimated_seconds(request: GpuRequest) -> float:
+    """The seconds `request`'s job may take (`job_seconds` before its bounds): `kvdemo.serve.device.check_duration`
+    refuses a job over `MAX_SECONDS` rather than let ZeroGPU end it midway."""
     prefill = PREFILL_SECONDS_PER_TOKEN / CHARS_PER_TOKEN
     steps = request.max_new_tokens * STEP_SECONDS
     if request.kind == "prefill":
@@ -211,15 +224,20 @@ def job_seconds(request: GpuRequest) -> int:
     elif request.kind in ("answer", "open"):
         seconds = OPEN_SECONDS + len(request.question) * prefill + (steps if request.kind == "answer" else 0)
     elif request.kind == "compare":
-        specs = len(set(request.specs) | {"dynamic"})
-        seconds = specs * (len(request.context) * prefill + len(request.questions) * 2 * steps)
+        specs = len(set(request.specs) | {"dynamic"}) + 2 * len(request.plans)
+        feed = (
+            len(request.context) * prefill + request.perplexity_tokens * STEP_SECONDS
+            if request.perplexity_tokens
+            else 0
+        )
+        seconds = specs * (len(request.context) * prefill + len(request.questions) * 2 * steps + feed)
     elif request.kind == "recommend":
         seconds = len(request.context) * prefill + 3 * steps + 50 * CANDIDATE_SECONDS
     else:
         grid = max(1, len(request.specs)) * len(request.lengths)
         seconds = grid * PREFILL_SECONDS_PER_TOKEN * (sum(request.lengths) / max(1, len(request.lengths)))
         seconds += grid * len(request.depths) * 2 * steps
-    return int(min(MAX_SECONDS, max(MIN_SECONDS, round(START_SECONDS + seconds))))
+    return START_SECONDS + seconds
 
 
 def _model() -> LoadedModel:
@@ -233,11 +251,12 @@ SESSION_FILES_BYTES = 2 << 30
 first out): 2 GiB, the app's `--session-files-mib` default."""
 
 
-def session_files(folder: str = "") -> SessionFiles:
-    """The jobs' folder of session files: `folder`, or "" for `kvdemo.paths.cache_dir()/sessions` (the app's)."""
+def session_files(folder: str = "", max_bytes: int = 0) -> SessionFiles:
+    """The jobs' folder of session files: `folder`, or "" for `kvdemo.paths.cache_dir()/sessions` (the app's), within
+    `max_bytes` (0: `SESSION_FILES_BYTES`)."""
     from kvdemo.paths import cache_dir
 
-    return SessionFiles(Path(folder) if folder else cache_dir() / "sessions", SESSION_FILES_BYTES)
+    return SessionFiles(Path(folder) if folder else cache_dir() / "sessions", max_bytes or SESSION_FILES_BYTES)
 
 
 def stopped(request: GpuRequest) -> bool:
@@ -300,11 +319,11 @@ def _prefill(loaded: LoadedModel, request: GpuRequest) -> Iterator[Any]:
     from kvdemo.qa.session_file import save_session
 
     session = QASession(loaded, CacheSpec.parse(request.spec or "dynamic"), request.kv_budget_bytes or None)
-    files = session_files(request.folder)
+    files = session_files(request.folder, request.folder_bytes)
     prepared = session.prepare(request.context, max_tokens=loaded.max_context_tokens)
     path = Path(request.session_path) if request.session_path else files.path(loaded, session.spec, prepared)
     opened = files.open(session, prepared) if not request.session_path else None
-    report = opened
+    report, saved = opened, False
     if report is None:
 
         def work(emit: Callable[..., None]) -> Any:
@@ -321,9 +340,23 @@ def _prefill(loaded: LoadedModel, request: GpuRequest) -> Iterator[Any]:
             return
         path.parent.mkdir(parents=True, exist_ok=True)
         save_session(session, path)
+        saved = True
+    if request.hold_path:  # the session's own copy, before the bounded folder may drop the file
+        path = link_file(path, Path(request.hold_path))
+    if saved:
         files.trim()
     WARM.put(path, session)
     yield PrefillDone(str(path), path.stat().st_size, opened is not None, session.spec.text, report, _speed(session))
+
+
+def link_file(path: Path, to: Path) -> Path:
+    """`path` hard-linked at `to` (copied where they are on different disks), `to`'s folder made; returns `to`."""
+    to.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(path, to)
+    except OSError:
+        shutil.copyfile(path, to)
+    return to
 
 
 def _warm_or_open(loaded: LoadedModel, request: GpuRequest) -> tuple[Any, bool]:

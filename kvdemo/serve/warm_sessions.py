@@ -61,13 +61,18 @@ class WarmSessions:
             del self._held[key]
 
     def get(self, path: Path, loaded: LoadedModel) -> QASession | None:
-        """The warm session of the file at `path` as it is now, on `loaded`; None when there is none (a stale one,
-        of the file before it was written again, is dropped)."""
+        """The warm session of the file at `path` as it is now, on `loaded` (or of the same file under another name:
+        its modification time, size and inode); None when there is none (a stale one, of the file before it was
+        written again, is dropped)."""
         try:
             key = self.key(path)
         except OSError:
             return None
         session = self._held.get(key)
+        if session is None:  # the same file under another name (a hard link the server keeps for the session)
+            linked = next((k for k in self._held if k[1:] == key[1:]), None)
+            if linked is not None:
+                key, session = linked, self._held[linked]
         if session is None or session.loaded is not loaded or session.streaming:
             self._drop_path(key[0])
             return None
