@@ -159,23 +159,41 @@ def test_imports_point_down_the_package_order():
     assert not wrong, "imports that do not point down the package order:\n" + "\n".join(wrong)
 
 
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """An import cycle of `graph` (module -> the modules it imports), as the modules along it back to the first, or
+    None: a depth-first search that marks each module done once (linear in the imports; following every simple path
+    instead took 28 s once the server's door joined the graph)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done (no cycle through it)
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for name in sorted(graph):
+        if name not in state and (found := visit(name)):
+            return found
+    return None
+
+
 def test_imports_point_one_way():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
     modules = _modules()
     graph = {
         name: {t for _, t, _ in _imports(path, modules) if t in modules and t != name} for name, path in modules.items()
     }
     graph["kvdemo"] = set()  # the public face is imported by no module of the package (the test above)
-
-    def cycle(start: str, node: str, seen: tuple[str, ...]) -> tuple[str, ...] | None:
-        for nxt in graph[node]:
-            if nxt == start:
-                return (*seen, nxt)
-            if nxt not in seen and (found := cycle(start, nxt, (*seen, nxt))):
-                return found
-        return None
-
-    cycles = [c for name in sorted(graph) if (c := cycle(name, name, (name,)))]
-    assert not cycles, f"import cycles: {cycles[:3]}"
+    cycle = find_cycle(graph)
+    assert cycle is None, f"an import cycle: {' -> '.join(cycle or [])}"
 
 
 def _defined(path: Path) -> set[str]:

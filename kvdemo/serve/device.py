@@ -72,14 +72,16 @@ class StopFile:
 
     def __init__(self, folder: Path):
         folder.mkdir(parents=True, exist_ok=True)
-        self.path = folder / f"{uuid.uuid4().hex}.stop"
+        self.path, self.closed = folder / f"{uuid.uuid4().hex}.stop", False
 
     def set(self) -> None:
-        """Ask the job to stop (idempotent)."""
-        self.path.touch()
+        """Ask the job to stop (idempotent; nothing once the job has ended)."""
+        if not self.closed:
+            self.path.touch()
 
     def close(self) -> None:
         """Remove the file (the job has ended)."""
+        self.closed = True
         self.path.unlink(missing_ok=True)
 
 
