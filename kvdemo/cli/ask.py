@@ -95,7 +95,7 @@ def run_ask(args: argparse.Namespace) -> dict[str, Any]:
         session = door.prefill(API_KEY, spec or CacheSpec(), case.context, max_new_tokens=args.max_new_tokens).session
     loaded, report, spec = session.loaded, session.prefill_report, session.spec
     assert report is not None  # prefilled or opened above
-    saved = door.save_file(API_KEY, Path(args.save_session)) if args.save_session else None
+    saved = door.save_file(API_KEY, Path(args.save_session))[1] if args.save_session else None
     answers = []
     for question in questions:
         with door.answer(API_KEY, question, args.max_new_tokens) as run:

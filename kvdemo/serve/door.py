@@ -278,9 +278,10 @@ class Door:
             self.app.sessions.forget_freed(key)
         return session
 
-    def save_file(self, key: str, path: Path) -> SavedSession:
-        """Write the prefilled session of `key` to a session file at `path`, after any running answer (on a device,
-        a copy of the worker's file).
+    def save_file(self, key: str, path: Path | Callable[[Session], Path]) -> tuple[Session, SavedSession]:
+        """Write the prefilled session of `key` to a session file at `path` (or at `path(session)`, named after the
+        session saved), after any running answer (on a device, a copy of the session's own file). Returns the session
+        saved and the file written.
 
         Raises:
             ValueError: nothing is prefilled in that session; TypeError, OSError: as `save_session`.
@@ -290,11 +291,14 @@ class Door:
             raise ValueError("nothing is prefilled in this tab; press Prefill first")
         with user.lock:  # after a running answer: the cache is then the post-prefill one
             session = user.qa
+            if session is None:
+                raise ValueError("nothing is prefilled in this tab; press Prefill first")
+            target = path(session) if callable(path) else path
             if isinstance(session, RemoteSession):
                 start = time.perf_counter()
-                shutil.copyfile(session.session_path, path)
-                return SavedSession(path, path.stat().st_size, time.perf_counter() - start)
-            return save_session(session, path)
+                shutil.copyfile(session.session_path, target)
+                return session, SavedSession(target, target.stat().st_size, time.perf_counter() - start)
+            return session, save_session(session, target)
 
     def reserve_answer(self, key: str, session: Session, question: str, max_new_tokens: int) -> PreparedQuestion:
         """Before an answer: grow the session's reservation `cache:<key>` to cover it (the prefill reserved

@@ -60,12 +60,8 @@ def _file_name(qa: Session) -> Path:
 def save(app: App, request: gr.Request) -> tuple[Any, Any]:
     """(the session file box, notice): this tab's prefill written to a file to download (`Door.save_file`), or a
     refusal."""
-    user = app.sessions.peek_request(request)
     try:
-        if user is None or user.qa is None:
-            raise ValueError("nothing is prefilled in this tab; press Prefill first")
-        qa = user.qa
-        saved = app.door.save_file(request_key(request), _file_name(qa))
+        qa, saved = app.door.save_file(request_key(request), _file_name)
     except (OSError, TypeError, ValueError) as error:
         return gr.skip(), refusal(error, "Save session")
     _log.info("saved a session file of %d bytes in %.2f s", saved.bytes, saved.seconds)
