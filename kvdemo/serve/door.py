@@ -23,7 +23,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
-from contextlib import closing, contextmanager
+from contextlib import closing, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeAlias
@@ -44,7 +44,7 @@ from kvdemo.serve.accounting import KVAccount, prefill_tokens, session_kv_bytes
 from kvdemo.serve.device import Device, RemoteSession
 from kvdemo.serve.gpu_job import GpuRequest
 from kvdemo.serve.session_files import SessionFiles
-from kvdemo.serve.store import SessionStore
+from kvdemo.serve.store import SessionStore, UserSession
 
 Session: TypeAlias = "QASession | RemoteSession"
 """A prefilled session as the door's callers hold it: in this process, or in a device worker."""
@@ -149,8 +149,7 @@ class Door:
                 self.prefill_reserved(key, session, context, max_new_tokens, on_progress, on_quantize)
             finally:
                 user.prefilling = None
-            user.qa, user.chat, user.events, user.answer_line = session, [], [], ""
-            self.app.sessions.forget_freed(key)
+            self._install(key, user, session)
         return Prefilled(session, locked - asked, set_up)
 
     def prefill_reserved(
@@ -186,26 +185,37 @@ class Door:
             context = session.loaded.prepare(context)
         tokens = prefill_tokens(session.loaded, context)
         session.check_prefill(tokens, reserve)  # the window and the session's budget first: waiting would not help
-        holder = f"prefill:{key}"
-        self.app.kv.reserve(
-            holder,
-            session_kv_bytes(session.spec, session.loaded, tokens, reserve),
-            f"a {session.spec.label} KV cache for {tokens:,} context tokens + {reserve} for a question and its answer",
+        what = (
+            f"a {session.spec.label} KV cache for {tokens:,} context tokens + {reserve} for a question and its answer"
         )
+        with self._reserving(key, session, tokens, reserve, what):
+            return self._prefill_or_open(session, context, max_new_tokens, on_progress, on_quantize)
+
+    @contextmanager
+    def _reserving(self, key: str, session: Session, tokens: int, reserve: int, what: str) -> Iterator[None]:
+        """The most bytes `session` holds with `tokens` prefilled and `reserve` decoded, reserved as `prefill:<key>`
+        for the `with` block: released when the block fails, else made the session's cache's (`cache:<key>`, released
+        at once where the session was freed meanwhile: its tab closed, nothing will hold this cache).
+
+        Raises:
+            ServerKVBudgetError (a ValueError): the reservation would pass the budget; the block does not run.
+        """
+        holder = f"prefill:{key}"
+        self.app.kv.reserve(holder, session_kv_bytes(session.spec, session.loaded, tokens, reserve), what)
         try:
-            report = self._prefill_or_open(session, context, max_new_tokens, on_progress, on_quantize)
+            yield
         except BaseException:
             self.app.kv.release(holder)
             raise
-        self._kept(key, holder)
-        return report
-
-    def _kept(self, key: str, holder: str) -> None:
-        """A reservation made for the session of `key` becomes its cache's; released where the session was freed
-        meanwhile (its tab closed: nothing will hold this cache)."""
         self.app.kv.transfer(holder, f"cache:{key}")
         if key not in self.app.sessions:
             self.app.kv.release(f"cache:{key}")
+
+    def _install(self, key: str, user: UserSession, session: Session) -> None:
+        """`session` becomes the one of `key`'s tab: its chat, events, last answer line and prefill timing emptied,
+        and the reason an earlier session was freed forgotten."""
+        user.qa, user.chat, user.events, user.answer_line, user.prefill_timing = session, [], [], "", ""
+        self.app.sessions.forget_freed(key)
 
     def _prefill_or_open(
         self,
@@ -260,22 +270,14 @@ class Door:
             tokens = int(manifest.get("context_tokens") or 0)
             reserve = QUESTION_RESERVE_TOKENS + DEFAULT_MAX_NEW_TOKENS
             session.check_prefill(tokens, reserve)
-            holder = f"prefill:{key}"
-            nbytes = session_kv_bytes(session.spec, loaded, tokens, reserve)
-            self.app.kv.reserve(holder, nbytes, f"a {session.spec.label} session file")
-            try:
+            with self._reserving(key, session, tokens, reserve, f"a {session.spec.label} session file"):
                 if isinstance(session, RemoteSession):
                     assert self.device is not None
                     text = str(manifest.get("context") or "")
                     self.device.open(session, str(path), text, loaded.prepare(text).split)
                 else:
                     open_session(loaded, path, session.spec, session=session)
-            except BaseException:
-                self.app.kv.release(holder)
-                raise
-            self._kept(key, holder)
-            user.qa, user.chat, user.events, user.answer_line, user.prefill_timing = session, [], [], "", ""
-            self.app.sessions.forget_freed(key)
+            self._install(key, user, session)
         return session
 
     def save_file(self, key: str, path: Path | Callable[[Session], Path]) -> tuple[Session, SavedSession]:
@@ -287,10 +289,8 @@ class Door:
             ValueError: nothing is prefilled in that session; TypeError, OSError: as `save_session`.
         """
         user = self.app.sessions.peek(key)
-        if user is None or user.qa is None:
-            raise ValueError("nothing is prefilled in this tab; press Prefill first")
-        with user.lock:  # after a running answer: the cache is then the post-prefill one
-            session = user.qa
+        with user.lock if user is not None else nullcontext():  # after a running answer: the post-prefill cache
+            session = user.qa if user is not None else None
             if session is None:
                 raise ValueError("nothing is prefilled in this tab; press Prefill first")
             target = path(session) if callable(path) else path
