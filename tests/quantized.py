@@ -17,6 +17,7 @@ import math
 import torch
 
 from kvdemo import CacheSpec
+from kvdemo.cache.layers.ggml import VALUE_ROTATION_BLOCK, GgmlRotation, key_rotation_block
 from kvdemo.cache.layers.lloyd_max import exact_marginal
 from kvdemo.cache.layers.rotation import hadamard
 from kvdemo.cache.layers.turboquant import KEY_ROTATION
@@ -53,6 +54,8 @@ def quantization_step(spec: CacheSpec, reference: torch.Tensor, what: str = "key
     """
     values = "values" in what
     opts = spec.resolved()
+    if spec.backend == "ggml":
+        return _ggml_step(opts["type_v" if values else "type_k"], float(reference.abs().max()))
     nbits = int(opts.get("nbits_value", opts.get("nbits", 0)) if values else opts.get("nbits", 0))
     if spec.backend == "fp8" or (spec.backend == "turboquant" and not values and nbits == 8):
         top = float(reference.abs().max())
@@ -66,12 +69,32 @@ def quantization_step(spec: CacheSpec, reference: torch.Tensor, what: str = "key
     return float(reference.max() - reference.min()) / (2**nbits - 1)
 
 
+GGML_STEP = {"q8_0": 1 / 127, "q4_0": 1 / 8, "q5_0": 1 / 16, "q4_1": 2 / 15, "q5_1": 2 / 31, "iq4_nl": 2 * 24 / 127}
+"""ggml's widest step between levels over the largest magnitude of a block (ggml-quants.c): d = amax / 127 (q8_0),
+amax / 8 (q4_0), amax / 16 (q5_0), range / 15 and range / 31 with range <= 2 amax (the _1 types); iq4_nl's widest gap
+between its values (24, 89 to 113) times d, its least-squares d at most twice amax / 127."""
+
+
+def _ggml_step(cache_type: str, top: float) -> float:
+    """ggml's widest step of `cache_type` for a store whose largest magnitude is `top`; float16's spacing at `top`
+    for `f16` (10 mantissa bits)."""
+    if cache_type == "f16":
+        return 2.0 ** (math.floor(math.log2(top)) - 10) if top > 0 else 0.0
+    return GGML_STEP[cache_type] * top
+
+
 def levels(spec: CacheSpec, store: torch.Tensor, what: str = "keys") -> torch.Tensor:
     """A de-quantized store read in the model's basis (`kvdemo.cache.layers.rotation.to_model_basis`) in the domain its
     quantization levels lie on: as it is, or for `rotation=hadamard` rotated again by H (H @ H = I). There one
     value moved by a level stays one value; rotated back it would move every value of its
     token by step / sqrt(head_dim). turboquant's keys (not its 8-bit ones) lie on their levels after its signed
     rotation (`KEY_ROTATION`); its values are not rotated. `what` names the store (`... values ...` or keys)."""
+    if spec.backend == "ggml":  # llama.cpp's rotation of the type's store (kvdemo.cache.layers.ggml)
+        opts, width = spec.resolved(), store.shape[-1]
+        if opts["rotation"] == "none" or opts["type_v" if "values" in what else "type_k"] == "f16":
+            return store
+        block = VALUE_ROTATION_BLOCK if "values" in what else key_rotation_block(width)
+        return store if not block else GgmlRotation(block, block).forward(store)
     if spec.backend == "turboquant":
         rotated = "values" not in what and spec.resolved()["nbits"] != 8
         return KEY_ROTATION.forward(store) if rotated else store

@@ -13,7 +13,6 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from kvdemo.cache.deploy import deployments
 from kvdemo.cache.spec import CacheSpec
 from kvdemo.cli.main import main
 from kvdemo.compare.candidates import candidate_specs
@@ -121,11 +120,11 @@ def test_candidates_and_deploy_lines_on_a_sliding_window_model():
     } <= texts
     # transformers' QuantizedCache refuses a model with a layer that is not full attention
     assert [s.text for s in candidate_specs(gemma, "transformers")] == ["dynamic"]
-    assert [d.engine for d in deployments(CacheSpec.parse("quanto:4"), gemma)] == ["kvdemo"]
+    assert [d.engine for d in CacheSpec.parse("quanto:4").deployments(gemma)] == ["kvdemo"]
 
 
 def test_deploy_lines_name_only_what_the_engine_stores():
-    lines = {text: [d.line for d in deployments(CacheSpec.parse(text), LLAMA)] for text in
+    lines = {text: [d.line for d in CacheSpec.parse(text).deployments(LLAMA)] for text in
              ("quanto:4", "hqq:2,q_group_size=32", "fp8", "quanto:4,rotation=hadamard", "hqq:4,optimize=false",
               "quanto:4,flush=append", "fp8,scale=per_token_head", "dynamic", "dynamic,storage=growing")}  # fmt: skip
     assert lines["quanto:4"] == [
@@ -205,7 +204,7 @@ def test_recommend_stops_and_keeps_what_was_measured(tiny, short_text, questions
         ({"bytes_per_token": 0.0}, "must be a number > 0"),
         ({"max_kl": 0.02, "bytes_per_token": 100.0}, "not both"),
         ({"bytes_per_token": 10.0}, "the smallest takes"),
-        ({"engine": "vllm"}, "choose --engine among any, transformers, kvdemo"),
+        ({"engine": "vllm"}, "choose --engine among any, llama.cpp, transformers, kvdemo"),
         ({"engine": "tensorrt"}, "not one of"),
         ({"questions": ["Who?", " "]}, "a question is empty"),
     ],

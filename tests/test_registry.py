@@ -4,16 +4,19 @@ backend's facts are written by hand anywhere else (code, README)."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import importlib
 import re
 from pathlib import Path
 
 import pytest
 
 from kvdemo import QASession, kv_memory
+from kvdemo.cache.backend import Backend
 from kvdemo.cache.catalogue import all_specs, default_compare_specs
 from kvdemo.cache.options import Option
-from kvdemo.cache.registry import BACKENDS, Backend, markdown_table
+from kvdemo.cache.registry import BACKENDS, markdown_table
 from kvdemo.cache.spec import CacheSpec, estimate_kv_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,7 +80,15 @@ def test_a_fifth_backend_reaches_the_page(with_dummy, tiny):
 
     demo = build_demo(App(loader=lambda source=None: tiny))
     radios = [b for b in demo.blocks.values() if isinstance(b, gr.Radio) and b.label == "cache backend"]
-    assert [choice[1] for choice in radios[0].choices] == ["dynamic", "quanto", "hqq", "fp8", "turboquant", "dummy"]
+    assert [choice[1] for choice in radios[0].choices] == [
+        "dynamic",
+        "quanto",
+        "hqq",
+        "fp8",
+        "turboquant",
+        "ggml",
+        "dummy",
+    ]
     boxes = [b for b in demo.blocks.values() if isinstance(b, gr.CheckboxGroup)]
     assert ("dummy:16", "dummy:16") in boxes[0].choices and "dummy:16" in boxes[0].value
     *fields, note = backend_option_updates("dummy")
@@ -106,7 +117,8 @@ def _choice_lists() -> set[str]:
 def test_no_backend_facts_written_by_hand_outside_the_registry():
     """Backend names with their allowed values, and the lists of allowed values, appear only in the registry
     (and the README table generated from it)."""
-    sources = [p for p in (ROOT / "kvdemo").rglob("*.py") if p.name != "registry.py"]
+    backends = ROOT / "kvdemo" / "cache" / "backends"
+    sources = [p for p in (ROOT / "kvdemo").rglob("*.py") if p.name != "registry.py" and backends not in p.parents]
     sources += [ROOT / "app.py"]
     pattern = re.compile(r"\b(quanto|hqq)\b[^\n]{0,12}\b[0-9]\|[0-9]")
     for path in sources:
@@ -119,6 +131,46 @@ def test_no_backend_facts_written_by_hand_outside_the_registry():
     for path in sources:
         match = switch.search(path.read_text(encoding="utf-8"))
         assert match is None, f"{path.relative_to(ROOT)} switches on a backend name: {match.group(0)!r}"
+
+
+def _code_strings(path: Path) -> list[tuple[int, str]]:
+    """Every string constant of a module's code, docstrings left out: (line, text)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    return [
+        (node.lineno, node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+    ]
+
+
+def test_a_backend_is_named_only_in_its_module_and_the_registry():
+    """No code outside `kvdemo/cache/backends/<name>.py` and the registry writes a backend's name or a spec of it
+    (`"hqq:4"`, `"fp8,scale=..."`): a default spec comes from `catalogue.examples`, the baseline from
+    `registry.BASELINE`. The layers that implement a backend (`kvdemo/cache/layers`, quanto's build) are its code, and
+    docstrings may give examples."""
+    names = "|".join(map(re.escape, BACKENDS))
+    spec_text = re.compile(rf"^({names})([:,]|$)")
+    exempt = [ROOT / "kvdemo" / "cache" / "backends", ROOT / "kvdemo" / "cache" / "layers"]
+    sources = [p for p in (ROOT / "kvdemo").rglob("*.py") if not any(folder in p.parents for folder in exempt)]
+    sources = [p for p in sources if p.name not in ("registry.py", "quanto_build.py")] + [ROOT / "app.py"]
+    found = [
+        f"{path.relative_to(ROOT)}:{line} {text!r}"
+        for path in sources
+        for line, text in _code_strings(path)
+        if spec_text.match(text)
+    ]
+    assert not found, f"backend names outside their modules: {found}"
+    for name, backend in BACKENDS.items():  # and each module holds its own entry
+        module = importlib.import_module(f"kvdemo.cache.backends.{name}")
+        assert module.BACKEND is backend
 
 
 def test_every_backend_entry_is_complete():

@@ -46,6 +46,18 @@ def all_specs() -> list[CacheSpec]:
     return specs
 
 
+def examples(purpose: str) -> tuple[str, ...]:
+    """The spec texts the backends offer for `purpose` (`Backend.examples`), in the registry's order: `baseline`
+    (the full-precision spec every comparison measures against), `start` (the page's fixed first spec), `needle`
+    (the needle grid's default specs), `plan_base` (the backend a plan keeps by default), `more` (the Compare tab's examples of further specs).
+
+    Example:
+        >>> examples("needle")
+        ('dynamic', 'hqq:2', 'hqq:4', 'fp8')
+    """
+    return tuple(text for backend in BACKENDS.values() for text in backend.examples.get(purpose, ()))
+
+
 def default_compare_specs() -> list[CacheSpec]:
     """The specs compared when none are chosen: each backend at each of its `compare_nbits`, each at every
     `rotation` the backend takes (unset where it is the default: the plain spec, then its rotated twin).

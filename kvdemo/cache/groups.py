@@ -13,8 +13,8 @@ from kvdemo.cache.policies import PROTECT_CHOICES, SLIDING_CHOICES
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
 
+    from kvdemo.cache.backend import Backend, GroupRule
     from kvdemo.cache.options import SpecOptions
-    from kvdemo.cache.registry import Backend, GroupRule
 
 
 class _Spec(Protocol):

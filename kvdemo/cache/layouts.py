@@ -1,7 +1,7 @@
-"""How each backend lays its store out, as the registry (`kvdemo.cache.registry.BACKENDS`) reads it: the byte
-formulas (bytes a cache holds, from the model's shape, before anything runs; `kvdemo.cache.spec.estimate_kv_bytes`)
-and the packing rules for `q_group_size` (which group sizes a library's layout takes). No torch: the command line's
-`--help` reads the registry.
+"""The layout rules shared by the group-wise backends with a residual (quanto, hqq: `kvdemo.cache.backends`): the
+blocks of their store after a prefill and its flushes (`store_blocks`) and their byte formula (`group_bytes`), to which
+each backend hands its own packing of codes. Each backend's other rules (its packing, its group rule, its own formula)
+live in its module. No torch: the command line's `--help` reads the registry.
 
 The packing rules were found by running every backend over every nbits, q_group_size and axis on the embedded
 model's shapes (3 KV heads, head_dim 64) and on the test model's, for prefill lengths 1, 5, 37, 64 and 130 followed
@@ -19,108 +19,6 @@ from kvdemo.cache.policies import FLUSH_POLICIES
 
 if TYPE_CHECKING:
     from kvdemo.cache.geometry import KVGeometry
-
-
-def full_precision_bytes(opts, geo: KVGeometry, tokens, residual, element, nominal, blocks=None) -> float:
-    """Every value in the model's dtype; with `storage=growing` (`kvdemo.cache.layers.storage.GrowingLayer`) the
-    buffers' whole capacity, at most `capacity_bound(tokens)` tokens (an upper bound, reached right after a one-pass
-    prefill; up to max(256 tokens, 12.5 %) above the tokens held). `nominal` counts the tokens held only."""
-    from kvdemo.cache.layers.storage import capacity_bound
-
-    held = capacity_bound(tokens) if opts.get("storage") == "growing" and not nominal else tokens
-    # a sliding layer keeps its window, as transformers builds it under either storage
-    return element * sum(
-        layer.values_per_token * layer.tokens_held(held if layer.window is None else tokens) for layer in geo.per_layer
-    )
-
-
-def fp8_bytes(opts, geo: KVGeometry, tokens, residual, element, nominal, blocks=None) -> float:
-    """One byte per value held (float8_e4m3; a sliding layer its window, `kvdemo.cache.layers.sliding`) plus one float32
-    scale per layer and tensor (transformers' `Fp8QuantizedLayer`; kvdemo's de-quantization, `kvdemo.cache.layers.fp8`,
-    holds nothing more), or with `scale=per_token_head` one float32 scale per token held, head and tensor
-    (`kvdemo.cache.layers.fp8.PerTokenHeadFp8Layer`). `geo`: the quantized layers."""
-    if opts.get("scale", "per_tensor") == "per_tensor":
-        return geo.values_held(tokens) + 2 * len(geo.kv_layers) * 4
-    scales = sum(4 * (layer.key_heads + layer.value_heads) * layer.tokens_held(tokens) for layer in geo.per_layer)
-    return geo.values_held(tokens) + scales
-
-
-TURBOQUANT_FP8_KEYS = 8
-"""turboquant's nbits of float8 keys with a float32 scale per token and head (vLLM's `k8v4`)."""
-
-
-def turboquant_bytes(opts, geo: KVGeometry, tokens, residual, element, nominal, blocks=None) -> float:
-    """kvdemo's TurboQuant layout (`kvdemo.cache.layers.turboquant`, vLLM's `TurboQuantConfig.key_packed_size` and
-    `value_packed_size`), per quantized layer, token and head: keys head_dim x nbits / 8 bytes of packed Lloyd-Max
-    codes and a float16 norm (nbits 8: head_dim float8 codes and a float32 scale); values head_dim x nbits_value / 8
-    bytes and a float16 scale and zero point; `residual` tokens in the model's dtype. Codes are packed densely (3 bits
-    take 3), so `nominal` changes nothing, and nothing pads per block (`blocks` is ignored). A sliding layer quantized
-    holds at most its window in its store."""
-    key_bits, value_bits = opts["nbits"], opts.get("nbits_value", opts["nbits"])
-    key_extra = 4 if key_bits == TURBOQUANT_FP8_KEYS else 2
-    total = 0.0
-    for layer in geo.per_layer:
-        keys = layer.key_heads * (layer.key_dim * key_bits / 8 + key_extra)
-        values = layer.value_heads * (layer.value_dim * value_bits / 8 + 4)
-        full = (layer.key_heads * layer.key_dim + layer.value_heads * layer.value_dim) * element
-        total += (keys + values) * layer.tokens_held(tokens - residual) + full * residual
-    return total
-
-
-def turboquant_combination_problem(opts) -> str | None:
-    """Why turboquant's resolved options cannot go together, or None: the norm correction acts on the Lloyd-Max keys
-    (nbits 2 to 4); 8-bit keys are float8 with their own scale and have no code to correct."""
-    if opts.get("norm_correction") == "true" and opts["nbits"] == TURBOQUANT_FP8_KEYS:
-        return (
-            "norm_correction=true corrects the norm of Lloyd-Max coded keys (nbits 2 to 4); with nbits=8 the keys are "
-            "float8 with a scale per token and head, so leave norm_correction out or choose nbits 2 to 4"
-        )
-    return None
-
-
-def turboquant_width_problem(opts, tensor: str, width: int) -> str | None:
-    """Why turboquant cannot store `tensor` (`keys` or `values`) of `width` values per head and token, or None: codes
-    are packed eight at a time (a width a multiple of 8, but for 8-bit codes), and rotated keys need a Hadamard block of
-    8 or more (`kvdemo.cache.layers.rotation.rotation_problem`)."""
-    bits = opts["nbits"] if tensor == "keys" else opts.get("nbits_value", opts["nbits"])
-    if bits == TURBOQUANT_FP8_KEYS:
-        return None
-    if tensor == "keys":
-        from kvdemo.cache.layers.rotation import rotation_problem  # torch: only once a model is given
-
-        problem = rotation_problem(width)
-        if problem:
-            return "turboquant rotates its keys: " + problem.replace("use rotation=none", "use nbits=8 (fp8 keys)")
-    if width % 8:
-        return f"turboquant packs {bits}-bit codes eight at a time, so head_dim must be a multiple of 8, not {width}"
-    return None
-
-
-def quanto_packed_bytes(bits: int, axis: int, group: int, values: int) -> int:
-    """Bytes of optimum-quanto's codes for one stored block of `values` values (one layer's keys or values, batch x
-    heads x tokens x width): quanto groups them into a [values / group, group] matrix (axis 0) or a
-    [group, values / group] one (axis -1) and packs 8 // nbits codes of its first dimension into one uint8, padding
-    that dimension up (optimum.quanto.tensor.packed.pack_weights, 0.2.7; measured: a one-token block of 3 heads at
-    4 bits holds 4 rows, not 3). Scales and zero points are counted apart."""
-    rows, cols = (values // group, group) if axis == 0 else (group, values // group)
-    per_byte = 8 // bits
-    return -(-rows // per_byte) * cols
-
-
-HQQ_PACKS = {1: (8, 1), 2: (4, 1), 3: (10, 4), 4: (2, 1), 8: (1, 1)}
-"""nbits -> (codes per pack, bytes per pack) of hqq 0.2.8's bit packing (hqq.core.bitpack: 8x1bit, 4x2bit, 2x4bit in
-a uint8, 10x3bit in an int32; 8-bit codes as they are)."""
-
-
-def hqq_packed_bytes(bits: int, axis: int, group: int, values: int) -> int:
-    """Bytes of hqq's codes for one stored block of `values` values: hqq groups them into a [group, values / group]
-    matrix (axis 0) or a [values / group, group] one (axis 1) and packs `HQQ_PACKS` codes of its first
-    dimension together, padding it up (hqq.core.bitpack, 0.2.8: 3-bit codes go ten to an int32, so a group of 64
-    takes 7 int32 per column: 3.5 bits a value; a group of 32, 4 int32: 4 bits a value). The group rules
-    (`hqq_group_problem`) keep the other widths whole."""
-    rows, cols = (group, values // group) if axis == 0 else (values // group, group)
-    codes, nbytes = HQQ_PACKS[bits]
-    return -(-rows // codes) * nbytes * cols
 
 
 def store_blocks(
@@ -190,40 +88,3 @@ def group_bytes(packed: PackedBytes) -> Callable[..., float]:
         return total
 
     return formula
-
-
-def quanto_group_problem(nbits: int, group: int, axis: int, heads: int, width: int) -> str | None:
-    """optimum-quanto, for a stored tensor of `heads` heads of `width` values per token (num_key_value_heads and
-    head_dim; a latent's 1 and kv_lora_rank): axis 0 groups along the width; axis -1 groups along batch x heads x
-    tokens, so one token must already fill whole groups."""
-    if axis == 0:
-        return f"q_group_size={group} must divide head_dim={width}" if width % group else None
-    if heads % group:
-        return f"q_group_size={group} with axis -1 must divide num_key_value_heads={heads}"
-    return None
-
-
-HQQ_VALUES_PER_PACK = {1: 8, 2: 4, 3: 1, 4: 2, 8: 1}
-"""Values per byte that hqq's bit packing needs along the packed axis (hqq.core.bitpack: 8x1bit, 4x2bit,
-2x4bit in a uint8; 3-bit values go 10 to an int32 and 8-bit ones are stored as they are)."""
-
-
-def hqq_group_problem(nbits: int, group: int, axis: int, heads: int, width: int) -> str | None:
-    """hqq, for a stored tensor of `heads` heads of `width` values per token: the group must fit the width
-    (axis 0) or heads x width (axis 1) in whole packs."""
-    pack = HQQ_VALUES_PER_PACK[nbits]
-    if axis == 0:
-        if width % group:
-            return f"q_group_size={group} must divide head_dim={width}"
-        if group % pack:
-            return f"hqq packs {pack} {nbits}-bit values together, so q_group_size must be a multiple of {pack}"
-        return None
-    if nbits == 3:
-        return "hqq's 3-bit packing along axis 1 breaks on some token counts; use axis 0 for 3 bits"
-    width = heads * width
-    if width % group or (width // group) % pack:
-        return (
-            f"with axis 1, num_key_value_heads x head_dim / q_group_size = {width}/{group} must be a whole "
-            f"multiple of {pack} (hqq packs {pack} {nbits}-bit values together)"
-        )
-    return None

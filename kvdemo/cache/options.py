@@ -34,6 +34,8 @@ GROUP_OPTIONS = (
     "protect",
     "scale",
     "norm_correction",
+    "type_k",
+    "type_v",
 )
 """Every option a backend may take that the Ask tab shows as a field, in the order the page and the command line show
 them (one added later goes last: the page state a browser keeps lists the values in this order)."""
@@ -49,7 +51,7 @@ PLANNED = ("nbits", "nbits_value", "rotation")
 
 class SpecOptions(TypedDict, total=False):
     """Options by name, as `CacheSpec.given()` and `CacheSpec.resolved()` give them: the keys are `GROUP_OPTIONS`,
-    integers but for the text options (`flush`, `storage`, `rotation`, `optimize`)."""
+    integers but for the text options (`flush`, `storage`, `rotation`, `optimize`, `type_k`, ...)."""
 
     nbits: int
     nbits_value: int
@@ -65,6 +67,8 @@ class SpecOptions(TypedDict, total=False):
     protect: str
     scale: str
     norm_correction: str
+    type_k: str
+    type_v: str
     plan: str
 
 
@@ -204,6 +208,3 @@ def group_options(nbits: tuple[int, ...], axes: tuple[int, ...]) -> dict[str, Op
             syntax=PLAN_SYNTAX,
         ),
     }
-
-
-OPTIMIZE_HELP = "true: hqq's optimiser refines the zero points (as transformers); false: min-max rounding, cheaper"

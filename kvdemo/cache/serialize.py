@@ -45,9 +45,10 @@ def _subclasses() -> dict[str, Any]:
 
 def _named() -> dict[str, type]:
     """The named tuples written with their class (TurboQuant's key and value codes)."""
+    from kvdemo.cache.layers.ggml import GgmlRows
     from kvdemo.cache.layers.turboquant import TurboKeys, UniformValues
 
-    return {"TurboKeys": TurboKeys, "UniformValues": UniformValues}
+    return {"TurboKeys": TurboKeys, "UniformValues": UniformValues, "GgmlRows": GgmlRows}
 
 
 class CacheFileError(ValueError):

@@ -12,10 +12,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
+from kvdemo.cache.backend import Backend
+from kvdemo.cache.deploy import Deployment, kvdemo_line
 from kvdemo.cache.layer_plan import PLAN, canonical_plan
 from kvdemo.cache.options import PLANNED, SPEC_OPTIONS, SpecOptions
 from kvdemo.cache.policies import PROTECT_CHOICES, SLIDING_CHOICES
-from kvdemo.cache.registry import BACKENDS, Backend
+from kvdemo.cache.registry import BACKENDS, BASELINE
 from kvdemo.checks import shown
 
 # A spec is parsed, shown and checked against the registry without torch or transformers (the command line's
@@ -53,7 +55,7 @@ class CacheSpec:
             the sliding-window layers at full precision or `quantize` them (`kvdemo.cache.layer_kinds`); protect:
             `first:last` quantized layers kept at full precision (`kvdemo.cache.policies.PROTECT_CHOICES`); scale: fp8's
             scales per tensor or per token and head (`kvdemo.cache.layers.fp8`); norm_correction: TurboQuant's
-            (`kvdemo.cache.layers.turboquant`); plan: each
+            (`kvdemo.cache.layers.turboquant`); type_k, type_v: llama.cpp's cache types (`ggml`); plan: each
             layer's nbits, nbits_value and rotation (`kvdemo.cache.layer_plan`, e.g. `k4v2h*12+k2v2h*18`; set, it
             replaces those three options, which stay unset). Which backend takes which, and the values allowed,
             are in its registry entry (`Backend.options`).
@@ -64,7 +66,7 @@ class CacheSpec:
 
     """
 
-    backend: str = "dynamic"
+    backend: str = BASELINE
     nbits: int | None = None
     q_group_size: int | None = None
     residual_length: int | None = None
@@ -79,6 +81,8 @@ class CacheSpec:
     protect: str | None = None
     scale: str | None = None
     norm_correction: str | None = None
+    type_k: str | None = None
+    type_v: str | None = None
     plan: str | None = None
 
     def __post_init__(self) -> None:
@@ -332,6 +336,22 @@ class CacheSpec:
         below = [size for size in both if size <= default]
         powers = [size for size in below if size & (size - 1) == 0]  # 32 rather than 48 for head_dim 96
         return self.replace(q_group_size=(powers or below or both)[-1 if powers or below else 0])
+
+    def deployments(self, model_config: PreTrainedConfig) -> tuple[Deployment, ...]:
+        """The engines that store a cache of this spec the same way on this model, each with the line that asks it to
+        (the backend's `Backend.deploy`), then kvdemo's own line.
+
+        Raises:
+            ValueError, ImportError: see `validate`.
+
+        Example:
+            >>> [d.line for d in CacheSpec.parse("ggml:q4_0").deployments(loaded.config)][0]
+            'llama.cpp: -ctk q4_0 -ctv q4_0 -fa on'
+        """
+        spec = self.validate(model_config)
+        info, given, resolved = spec.info, spec.given(), spec.resolved()
+        found = info.deploy(info, given, resolved, model_config) if info.deploy else ()
+        return (*found, Deployment("kvdemo", kvdemo_line(spec.backend, given, spec.short_text)))
 
     def _group_problem(self, model_config: PreTrainedConfig) -> tuple[str, int, str, int, str] | None:
         """The first stored tensor whose group rule refuses this spec's q_group_size (`groups.first_problem`)."""

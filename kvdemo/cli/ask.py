@@ -10,6 +10,7 @@ from typing import Any
 
 from kvdemo import checks
 from kvdemo.cache.options import SPEC_OPTIONS
+from kvdemo.cache.registry import BASELINE
 from kvdemo.cache.spec import CacheSpec
 
 
@@ -45,7 +46,7 @@ def asked_spec(args: argparse.Namespace) -> CacheSpec | None:
     given = ",".join(f"{name}={getattr(args, name)}" for name in SPEC_OPTIONS if getattr(args, name) is not None)
     if args.session and args.backend is None and not args.preset and not given:
         return None
-    backend = args.backend or "dynamic"
+    backend = args.backend or BASELINE
     if args.preset:  # written as a spec, so that the preset is read as `compare --spec` reads it
         spec = CacheSpec.parse(",".join(filter(None, [f"{backend}:{args.preset}", given])))
     else:
@@ -121,5 +122,6 @@ def run_ask(args: argparse.Namespace) -> dict[str, Any]:
         "prompt_matches_template": report.prompt_matches_template,
         "prompt_note": report.prompt_note,
         "template_clock": report.template_clock and report.template_clock.isoformat(timespec="seconds"),
+        "deploy": list(report.deploy),
         "answers": answers,
     }

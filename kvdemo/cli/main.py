@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvdemo import checks
-from kvdemo.cache.catalogue import default_compare_specs
+from kvdemo.cache.catalogue import default_compare_specs, examples
 from kvdemo.cache.deploy import ENGINES
 from kvdemo.cache.options import GROUP_OPTIONS, SPEC_OPTIONS
 from kvdemo.cache.registry import BACKENDS, backends_help, option_choices_text, presets_help
@@ -131,8 +131,9 @@ def _compare_parser(sub: Any) -> None:
         "several; e.g. 5760, quanto:4,nbits_value=2's bytes on the embedded model), and the best uniform spec within "
         "the same bytes",
     )
-    plan_help = "the backend and options a plan keeps (default quanto; e.g. hqq,q_group_size=32)"
-    compare.add_argument("--plan-base", default="quanto", metavar="SPEC", help=plan_help)
+    plan_base = examples("plan_base")[0]
+    plan_help = f"the backend and options a plan keeps (default {plan_base}; e.g. hqq,q_group_size=32)"
+    compare.add_argument("--plan-base", default=plan_base, metavar="SPEC", help=plan_help)
     compare.add_argument("--max-new-tokens", type=int, default=32, help="most tokens per answer (default 32)")
     compare.add_argument(
         "--perplexity-tokens",

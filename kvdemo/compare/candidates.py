@@ -8,7 +8,7 @@ options in `VARIED`, and every preset of a backend (vLLM's TurboQuant presets, w
 other option keeps its default: it changes when and how a store is written (the flush, the residual's length, the
 axis, hqq's solver), not what a long context holds, and the Compare tab measures it. A spec the model refuses
 (`CacheSpec.validate`: a group that does not fit its head_dim, a rotation on another width) is left out, and so is a
-spec the engine does not store the same way (`kvdemo.cache.deploy.deployments`). `dynamic` comes first: the
+spec the engine does not store the same way (`kvdemo.cache.spec.CacheSpec.deployments`). `dynamic` comes first: the
 reference and the answer when nothing quantized keeps the model within the target.
 """
 
@@ -17,9 +17,9 @@ from __future__ import annotations
 import itertools
 from typing import TYPE_CHECKING, cast
 
-from kvdemo.cache.deploy import ENGINES, deployments
+from kvdemo.cache.deploy import ENGINES
 from kvdemo.cache.layer_kinds import layer_types
-from kvdemo.cache.registry import BACKENDS
+from kvdemo.cache.registry import BACKENDS, BASELINE
 from kvdemo.cache.spec import CacheSpec
 from kvdemo.evals.plan_budget import MIN_PLAN_BITS
 
@@ -45,12 +45,12 @@ def candidate_specs(model_config: PreTrainedConfig, engine: str = ANY_ENGINE) ->
     if engine != ANY_ENGINE and engine not in ENGINES:
         raise ValueError(f"engine {engine!r} is not one of {', '.join((ANY_ENGINE, *ENGINES))}")
     found: dict[str, CacheSpec] = {}
-    for spec in [CacheSpec("dynamic"), *_grid(model_config)]:
+    for spec in [CacheSpec(BASELINE), *_grid(model_config)]:
         try:
             spec = spec.validate(model_config)
         except (ValueError, ImportError):
             continue  # this model cannot store it (a group or a width): not a candidate here
-        if engine == ANY_ENGINE or engine in [d.engine for d in deployments(spec, model_config)]:
+        if engine == ANY_ENGINE or engine in [d.engine for d in spec.deployments(model_config)]:
             found.setdefault(spec.label, spec)
     return list(found.values())
 

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvdemo.cache.deploy import ENGINES, deployments
+from kvdemo.cache.deploy import ENGINES
 from kvdemo.cache.layer_plan import PLAN
 from kvdemo.cache.registry import BACKENDS
 from kvdemo.cache.spec import CacheSpec, estimate_kv_bytes
@@ -205,7 +205,7 @@ class _Run:
         label = spec.label
         old = self.rows.get(label) or RecommendRow(
             spec.short_text, spec.backend, self.bytes.get(label) or self._bytes(spec),
-            deploy=tuple(d.line for d in deployments(spec, self.loaded.config)),
+            deploy=tuple(d.line for d in spec.deployments(self.loaded.config)),
         )  # fmt: skip
         self.rows[label] = new = RecommendRow(**{**old.__dict__, **figures})
         return new

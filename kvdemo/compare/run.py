@@ -34,6 +34,7 @@ import threading
 from collections.abc import Sequence
 
 from kvdemo import checks
+from kvdemo.cache.registry import BASELINE
 from kvdemo.cache.spec import CacheSpec
 from kvdemo.compare.measure import ComparisonRun, Reference, measure_spec, perplexity_units
 from kvdemo.compare.records import ComparisonCancelled, ComparisonReport, SpecResult
@@ -192,7 +193,7 @@ def _checked(
     if gold_answers is not None and len(gold_answers) != len(questions):
         raise ValueError(f"gold_answers has {len(gold_answers)} entries for {len(questions)} questions")
     ordered: list[CacheSpec] = []
-    for spec in [CacheSpec("dynamic"), *specs]:
+    for spec in [CacheSpec(BASELINE), *specs]:
         spec = spec.validate(loaded_model.config)
         if spec.label not in [s.label for s in ordered]:
             ordered.append(spec)

@@ -10,10 +10,11 @@ import re
 from collections.abc import Sequence
 from typing import Any, Literal, SupportsInt, cast, overload
 
+from kvdemo.cache.catalogue import examples
 from kvdemo.checks import shown
 from kvdemo.qa.limits import QUESTION_RESERVE_TOKENS
 
-DEFAULT_SPECS = ("dynamic", "hqq:2", "hqq:4", "quanto:4", "fp8")
+DEFAULT_SPECS = examples("needle")
 DEFAULT_LENGTHS = (1024, 2048, 4096, 7936)
 DEFAULT_DEPTHS = (0.0, 25.0, 50.0, 75.0, 100.0)
 DEFAULT_MAX_NEW_TOKENS = 32

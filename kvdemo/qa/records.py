@@ -31,6 +31,8 @@ class PrefillReport:
             load `seconds` then measures; None for a prefill run here.
         prefill_seconds: the wall time of the prefill itself (seconds): `seconds`, or for an opened file the time
             the prefill that wrote it took.
+        deploy: the lines of the engines that store this cache the same way, kvdemo's last
+            (`kvdemo.cache.spec.CacheSpec.deployments`: "llama.cpp: -ctk q4_0 -ctv q4_0 -fa on").
     """
 
     context_tokens: int
@@ -42,6 +44,7 @@ class PrefillReport:
     template_clock: datetime | None = None
     opened_from: str | None = None
     prefill_seconds: float | None = None
+    deploy: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict of every field (the memory per layer, the clock in ISO 8601), which `from_dict` reads
@@ -49,6 +52,7 @@ class PrefillReport:
         out = {name: getattr(self, name) for name in self.__dataclass_fields__}
         out["memory"] = self.memory.to_dict(per_layer=True)
         out["template_clock"] = self.template_clock.isoformat() if self.template_clock is not None else None
+        out["deploy"] = list(self.deploy)
         return out
 
     @classmethod
@@ -60,6 +64,7 @@ class PrefillReport:
                 data,
                 memory=MemoryReport.from_dict(data["memory"]),
                 template_clock=datetime.fromisoformat(clock) if clock else None,
+                deploy=tuple(data.get("deploy", ())),
             )
         )
 

@@ -274,6 +274,7 @@ class QASession:
             len(split.prefix), seconds, kv_memory(cache, saved),
             full_precision_bytes(self.loaded.config, len(split.prefix), self.loaded.dtype), split.matches_template,
             split.note, split.clock, *(opened or (None, seconds)),
+            tuple(d.line for d in self.spec.deployments(self.loaded.config)),
         )  # fmt: skip
         return report
 

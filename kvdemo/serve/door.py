@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeAlias
 
 from kvdemo import checks
+from kvdemo.cache.registry import BASELINE
 from kvdemo.cache.spec import CacheSpec
 from kvdemo.cache.telemetry import StepEvent
 from kvdemo.compare.recommendation import Recommendation, RecommendationCancelled
@@ -456,7 +457,7 @@ class LongJob:
         tokens = len(prepared.ids)
         nbytes = max(
             session_kv_bytes(spec.validate(loaded.config), loaded, tokens, reserve)
-            for spec in [CacheSpec("dynamic"), *specs]
+            for spec in [CacheSpec(BASELINE), *specs]
         )
         what = f"a comparison of {len(specs)} spec(s) on {tokens:,} context tokens"
         budget = self.door.app.kv_budget_bytes
@@ -534,7 +535,7 @@ class LongJob:
         loaded = self.door.app.wait_for_model()
         reserve = QUESTION_RESERVE_TOKENS + checks.max_new_tokens(32)
         tokens = prefill_tokens(loaded, context)
-        nbytes = 2 * session_kv_bytes(CacheSpec("dynamic").validate(loaded.config), loaded, tokens, reserve)
+        nbytes = 2 * session_kv_bytes(CacheSpec(BASELINE).validate(loaded.config), loaded, tokens, reserve)
         with self.door.holding(f"compare:{self.key}", nbytes, f"a recommendation on {tokens:,} context tokens"):
             if self._device is None:
                 from kvdemo.compare.recommend import recommend

@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from kvdemo.cache.registry import BASELINE
 from kvdemo.qa.limits import DEFAULT_MAX_NEW_TOKENS
 from kvdemo.qa.models import LoadedModel
 from kvdemo.serve.session_files import SessionFiles
@@ -224,7 +225,7 @@ def estimated_seconds(request: GpuRequest) -> float:
     elif request.kind in ("answer", "open"):
         seconds = OPEN_SECONDS + len(request.question) * prefill + (steps if request.kind == "answer" else 0)
     elif request.kind == "compare":
-        specs = len(set(request.specs) | {"dynamic"}) + 2 * len(request.plans)
+        specs = len(set(request.specs) | {BASELINE}) + 2 * len(request.plans)
         feed = (
             len(request.context) * prefill + request.perplexity_tokens * STEP_SECONDS
             if request.perplexity_tokens
@@ -318,7 +319,7 @@ def _prefill(loaded: LoadedModel, request: GpuRequest) -> Iterator[Any]:
     from kvdemo.qa.session import QASession
     from kvdemo.qa.session_file import save_session
 
-    session = QASession(loaded, CacheSpec.parse(request.spec or "dynamic"), request.kv_budget_bytes or None)
+    session = QASession(loaded, CacheSpec.parse(request.spec or BASELINE), request.kv_budget_bytes or None)
     files = session_files(request.folder, request.folder_bytes)
     prepared = session.prepare(request.context, max_tokens=loaded.max_context_tokens)
     path = Path(request.session_path) if request.session_path else files.path(loaded, session.spec, prepared)

@@ -139,7 +139,7 @@ class PureTorchUnpack:
 
 
 FALLBACK_NOTE = (
-    "quanto: its CUDA extension is not built here (building it takes minutes of GPU time); quanto's pure-torch "
+    "optimum-quanto: its CUDA extension is not built here (building it takes minutes of GPU time); quanto's pure-torch "
     "unpacking runs instead (the same integers)"
 )
 
@@ -164,7 +164,7 @@ def quanto_on_device(device: torch.device, extensions: Any = None) -> str | None
             return "optimum-quanto is not installed: the quanto backend is refused"
         extensions = extension
     if not extensions.is_extension_available("quanto_cuda"):
-        return "quanto: no CUDA extension is registered; quanto's default (pure-torch) unpacking runs"
+        return "optimum-quanto: no CUDA extension is registered; quanto's default (pure-torch) unpacking runs"
     from kvdemo.cache.quanto_build import share_quanto_build
 
     share_quanto_build()  # loads a build already in the kvdemo cache folder
@@ -172,5 +172,5 @@ def quanto_on_device(device: torch.device, extensions: Any = None) -> str | None
     if ext._lib is None and os.environ.get("KVDEMO_QUANTO_CUDA_BUILD") != "1":
         ext._lib = PureTorchUnpack()
     if ext._lib is None:
-        return "quanto: its CUDA extension is built on first use (KVDEMO_QUANTO_CUDA_BUILD=1; needs nvcc)"
-    return FALLBACK_NOTE if isinstance(ext._lib, PureTorchUnpack) else "quanto: its CUDA extension runs"
+        return "optimum-quanto: its CUDA extension is built on first use (KVDEMO_QUANTO_CUDA_BUILD=1; needs nvcc)"
+    return FALLBACK_NOTE if isinstance(ext._lib, PureTorchUnpack) else "optimum-quanto: its CUDA extension runs"

@@ -9,6 +9,7 @@ from typing import Any, NamedTuple, cast
 
 import gradio as gr
 
+from kvdemo.cache.catalogue import examples
 from kvdemo.cache.options import GROUP_OPTIONS, Option
 from kvdemo.cache.registry import BACKENDS
 from kvdemo.cache.spec import CacheSpec
@@ -20,7 +21,7 @@ from kvdemo.serve.secret import browser_state_secret
 from kvdemo.ui import option_fields, views
 from kvdemo.ui.examples import EXAMPLES
 
-START_SPEC = CacheSpec("quanto", nbits=4, residual_length=16)
+START_SPEC = CacheSpec.parse(examples("start")[0])
 """The Ask tab's starting spec: a short residual, so that flushes show within the first answers, on the backend
 whose flush (transformers' own, `flush=requantize`) costs least. Measured by `benchmarks/first_answer.py` on
 2 cores (2026-12-01, load 1.4-1.6), prefill + the first answer (64 tokens) against `dynamic`'s: 0.95x on the

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 
 import gradio as gr
 
-from kvdemo.cache.catalogue import all_specs, default_compare_specs
+from kvdemo.cache.catalogue import all_specs, default_compare_specs, examples
 from kvdemo.cache.options import SPEC_OPTIONS
 from kvdemo.cache.registry import BACKENDS
 from kvdemo.charts.reports import DISPLAY_HELP
@@ -202,7 +202,7 @@ class CompareTab:
                 w["more"] = gr.Textbox(
                     label="more specs, one per line",
                     lines=2,
-                    placeholder="hqq:4,residual_length=16\nquanto:2,q_group_size=32,axis_key=-1",
+                    placeholder="\n".join(examples("more")),
                     info="backend[:nbits][,option=value...]; options "
                     + ", ".join(name for name in SPEC_OPTIONS if name != "nbits"),
                 )

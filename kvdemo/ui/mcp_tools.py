@@ -121,13 +121,15 @@ class McpTools:
 
         Args:
             context: the text the questions will be about (plain text, up to the model's window less 128 tokens)
-            spec: the KV cache, backend[:nbits][,option=value...]: dynamic, fp8, hqq:4,residual_length=16, quanto:2
+            spec: the KV cache, backend[:nbits][,option=value...]: dynamic, fp8, hqq:4,residual_length=16, quanto:2,
+                ggml:q4_0 (llama.cpp's -ctk/-ctv q4_0), turboquant:4bit_nc (vLLM's turboquant_4bit_nc)
             session: your session's name (letters, digits, _ . -), the same for ask_question; empty: a shared one
 
         Returns:
             JSON: spec, context_tokens, prefill_seconds, kv_bytes, bytes_per_token, ratio_to_full_precision, model,
             prompt_note (why the prompt differs from the chat template's, or null), template_clock_note (the date a
-            dated template writes for every question of this session, or null)
+            dated template writes for every question of this session, or null), deploy (the lines of the engines
+            that store this cache byte for byte, e.g. "llama.cpp: -ctk q4_0 -ctv q4_0 -fa on", kvdemo's last)
         """
         if not isinstance(spec, str):
             raise ValueError("spec must be a text like hqq:4,residual_length=16")
@@ -157,6 +159,7 @@ class McpTools:
                 "model": loaded.name,
                 "prompt_note": report.prompt_note,
                 "template_clock_note": report.clock_note,
+                "deploy": list(report.deploy),
             }
         )
 

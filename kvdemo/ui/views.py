@@ -120,8 +120,17 @@ def prefill_summary(qa: Session, timing: str = "") -> str:
         f"{done} with **{qa.spec.label}**{timing} · "
         f"KV cache {r.kv_bytes / 2**20:.2f} MiB ({r.bytes_per_token:,.0f} bytes/token{kept_part}) · "
         f"**{r.ratio_to_full_precision:.3f}×** a full-precision cache of these tokens "
-        f"({r.full_precision_bytes / 2**20:.2f} MiB)"
+        f"({r.full_precision_bytes / 2**20:.2f} MiB)\n\n{deploy_text(r.deploy)}"
     ) + "".join(notes)
+
+
+def deploy_text(lines: tuple[str, ...]) -> str:
+    """The engines that store this cache the same way (`PrefillReport.deploy`), for the page: `Deploy: `llama.cpp:
+    -ctk q4_0 -ctv q4_0 -fa on``; kvdemo's own line is left out, and where it is the only one, the page says so."""
+    engines = [line for line in lines if not line.startswith("kvdemo:")]
+    if not engines:
+        return "Deploy: kvdemo only (no engine stores this cache byte for byte)"
+    return "Deploy: " + " · ".join(f"`{line}`" for line in engines)
 
 
 def from_click(qa: Session, total: float, queued: float, set_up: float, first_use: bool) -> str:

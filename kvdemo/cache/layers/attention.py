@@ -81,7 +81,7 @@ def kvdemo_attention(
         if blocks is not None:  # a call the block-wise path does not take: the whole store, as transformers'
             key, value = blocks.materialized(key, value)
         output, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    return (rotation.back(output) if rotation is not None and rotation.values else output), weights
+    return (rotation.back_values(output) if rotation is not None and rotation.values else output), weights
 
 
 def _blockwise_call(query: torch.Tensor, attention_mask: torch.Tensor | None, kwargs: dict) -> bool:

@@ -21,14 +21,14 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import cast
+from typing import Any, cast
 
 import torch
 from transformers import PreTrainedConfig, QuantizedCache
-from transformers.cache_utils import HQQQuantizedLayer, QuantizedLayer, QuantoQuantizedLayer
+from transformers.cache_utils import Cache, HQQQuantizedLayer, QuantizedLayer, QuantoQuantizedLayer
 
 from kvdemo.cache.layer_kinds import is_latent, quantized_layers
-from kvdemo.cache.layer_plan import LayerPrecision
+from kvdemo.cache.layer_plan import PLAN, LayerPrecision, parse_plan
 from kvdemo.cache.layers.attention import uses_query_rotation
 from kvdemo.cache.layers.blockwise import blockwise_layer
 from kvdemo.cache.layers.by_kind import library_cache, sliding_windows, with_kept_layers
@@ -367,3 +367,29 @@ def _set_hqq_quantizer(cache: QuantizedCache, optimize: str) -> None:
         for layer in cache.layers:
             if isinstance(layer, HQQQuantizedLayer):
                 layer.quantizer = quantizer  # the library's layer calls `self.quantizer`
+
+
+def residual_cache(name: str, options: dict[str, Any], config: PreTrainedConfig) -> Cache:
+    """`quantized_cache` of a quanto or hqq spec's options (those a spec sets, `CacheSpec.given()`): the layers flush by
+    the `flush` option's policy and rotate by the `rotation` option, or take each its own precision from the `plan`;
+    for `requantize` and `none`, transformers' own layers de-quantizing in place with the same bits
+    (`kvdemo.cache.layers.dequantize`), read block-wise under kvdemo's attention (`kvdemo.cache.layers.blockwise`)."""
+    options = dict(options)
+    flush, rotation = str(options.pop("flush", FLUSH_POLICIES[0])), str(options.pop("rotation", ROTATIONS[0]))
+    nbits_value = options.pop("nbits_value", None)
+    optimize = str(options.pop("optimize", OPTIMIZE_CHOICES[0]))
+    sliding = str(options.pop("sliding", SLIDING_CHOICES[0]))
+    protect = str(options.pop("protect", PROTECT_CHOICES[0]))
+    plan = parse_plan(str(options.pop(PLAN))) if options.get(PLAN) else None
+    return quantized_cache(
+        name,
+        config,
+        flush,
+        rotation,
+        nbits_value=nbits_value,
+        optimize=optimize,
+        plan=plan,
+        sliding=sliding,
+        protect=protect,
+        **options,
+    )

@@ -147,6 +147,10 @@ class QueryRotation:
             tensor = tensor * random_signs(tensor.shape[-1], tensor.dtype, str(tensor.device))
         return tensor
 
+    def back_values(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Values, or the attention output, back in the model's basis: `back` (one rotation for keys and values)."""
+        return self.back(tensor)
+
 
 HADAMARD = QueryRotation()
 """`rotation=hadamard`'s query-side rotation: keys and values times H."""
@@ -212,7 +216,7 @@ def to_model_basis(layer, tensor: torch.Tensor, values: bool = False) -> torch.T
     rotation = getattr(layer, "query_rotation", None)
     if rotation is None or (values and not rotation.values):
         return tensor
-    return rotation.back(tensor)
+    return rotation.back_values(tensor) if values else rotation.back(tensor)
 
 
 class RotatedQuantoLayer(RotationMixin, ExactQuantoLayer):

@@ -1,0 +1,108 @@
+"""`Backend`: a KV cache backend as the registry (`kvdemo.cache.registry.BACKENDS`) knows it, and the types of the
+rules it carries. Each backend fills one in its own module (`kvdemo.cache.backends`). No torch: the command line's
+`--help` reads them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvdemo.cache.options import Option, SpecOptions
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+    from transformers.cache_utils import Cache
+
+    from kvdemo.cache.deploy import Deployment
+    from kvdemo.cache.geometry import KVGeometry
+
+BytesFormula = Callable[[SpecOptions, "KVGeometry", int, int, int, bool, "Sequence[int] | None"], float]
+"""`formula(options, geometry, tokens, residual_tokens, element_bytes, nominal_bits, blocks) -> bytes` (see
+`estimate_kv_bytes`): `options` resolved, `residual_tokens` already capped at what the residual can hold, `blocks`
+the store's blocks in tokens (None: one block; only a layout that pads per block reads them)."""
+CacheMaker = Callable[[str, SpecOptions, "PreTrainedConfig"], "Cache"]
+"""`make(backend_name, options, model_config) -> Cache`: options as a spec gives them (`CacheSpec.given()`)."""
+WidthRule = Callable[[SpecOptions, str, int], "str | None"]
+"""`rule(options, tensor, width) -> why it cannot run, or None` for one stored tensor (`keys` or `values`) of `width`
+values per head and token, for a backend whose layout needs more of a width than a group size (TurboQuant's rotation
+and dense packing)."""
+GroupRule = Callable[[int, int, int, int, int], "str | None"]
+"""`rule(nbits, q_group_size, axis, heads, width) -> why it cannot run, or None` for one stored tensor (keys or
+values) of `heads` heads of `width` values per token (`KVGeometry.shapes`)."""
+DeployRule = Callable[["Backend", SpecOptions, SpecOptions, "PreTrainedConfig"], "tuple[Deployment, ...]"]
+"""`rule(backend, given, resolved, model_config) -> the engines that store this cache the same way on this model`,
+each with the line that asks it to (`kvdemo.cache.deploy`), kvdemo's own line left out (`CacheSpec.deployments`
+adds it); `given`: the options a spec sets, `resolved`: every option with its default."""
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A KV cache backend as the registry knows it.
+
+    Attributes:
+        name: the name a spec uses (`dynamic`, `quanto`, `hqq`, `fp8`).
+        summary: one line for the page, `--help` and the README: what stores the cache.
+        behaviour: one line on its residual and flushes, for the page.
+        quantized: True for the `QuantizedCache` backends; they quantize the layers `kvdemo.cache.layer_kinds` says
+            they take (full attention; sliding with `sliding=quantize`) and keep the others at full precision.
+        make_cache: `make_cache(name, options, model_config) -> Cache`, the empty cache of validated options (the
+            backend's `name`, the options a spec sets: `CacheSpec.given()`), called by `Backend.empty_cache`.
+        kv_bytes: its `BytesFormula`.
+        options: the options it takes, by name (only `storage` for `dynamic`, only `sliding` for `fp8`).
+        group_rule: its `GroupRule` for q_group_size, or None when it takes no q_group_size.
+        compare_nbits: the nbits it is compared at by default (`(None,)`: the backend as it is; `()`: not at all),
+            each at every `rotation` it takes (`kvdemo.cache.catalogue.default_compare_specs`).
+        module: the Python module it needs, or None; pip: the command that installs it.
+        width_rule: its `WidthRule`, or None where any width is stored.
+        presets: named option sets a spec may give after the colon instead of nbits (`turboquant:k8v4`: vLLM's
+            `kv_cache_dtype` presets), name -> {option: value}; `CacheSpec.parse` expands them.
+        combination_rule: `rule(resolved options) -> why they cannot go together, or None`, for options that are
+            each allowed but not together (turboquant's norm correction at nbits 8); None where any go together.
+        deploy: its `DeployRule`: the engines that store a spec's cache the same way (None: kvdemo only).
+        examples: named spec texts the rest of kvdemo starts from (`kvdemo.cache.catalogue.examples`): purpose ->
+            texts of this backend, e.g. `{"needle": ("hqq:2", "hqq:4")}`, so that no other module names a backend.
+    """
+
+    name: str
+    summary: str
+    behaviour: str
+    quantized: bool
+    make_cache: CacheMaker
+    kv_bytes: BytesFormula
+    options: dict[str, Option] = field(default_factory=dict)
+    group_rule: GroupRule | None = None
+    compare_nbits: tuple[int | None, ...] = (None,)
+    module: str | None = None
+    pip: str | None = None
+    width_rule: WidthRule | None = None
+    presets: dict[str, dict[str, int | str]] = field(default_factory=dict)
+    combination_rule: Callable[[SpecOptions], str | None] | None = None
+    deploy: DeployRule | None = None
+    examples: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+    @property
+    def has_residual(self) -> bool:
+        """True where the cache keeps a full-precision residual that is flushed (quanto, hqq)."""
+        return "residual_length" in self.options
+
+    def empty_cache(self, options: SpecOptions, model_config: PreTrainedConfig) -> Cache:
+        """The empty transformers cache of this backend with `options` (the ones a spec sets; transformers fills
+        the rest with its defaults, the registry's `Option.default`), checked before by `CacheSpec.validate`."""
+        return self.make_cache(self.name, options.copy(), model_config)
+
+    def installed(self) -> bool:
+        """Whether the module this backend needs can be imported (without importing it)."""
+        if self.module is None:
+            return True
+        try:
+            return importlib.util.find_spec(self.module) is not None
+        except ModuleNotFoundError:  # the parent package (e.g. `optimum`) is missing
+            return False
+
+    def options_text(self) -> str:
+        """Its options with allowed values and defaults, e.g. `nbits 2|4 (default 4), ...`; `none` without."""
+        text = ", ".join(f"{n} {o.allowed_text()} (default {o.default_text})" for n, o in self.options.items())
+        return text or "none"

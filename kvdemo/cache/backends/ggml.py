@@ -1,0 +1,146 @@
+"""`ggml`: llama.cpp's KV cache types (`-ctk`/`-ctv`: q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl, f16), blocks of 32 values
+byte for byte as ggml writes them, every token quantized as it is written (no residual, no flush), llama.cpp's
+Hadamard rotation where llama.cpp applies it, sliding-window layers quantized too (`kvdemo.cache.layers.ggml`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from kvdemo.cache.backend import Backend
+from kvdemo.cache.deploy import Deployment
+from kvdemo.cache.options import Option
+from kvdemo.cache.policies import SLIDING_CHOICES
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+    from transformers.cache_utils import Cache
+
+    from kvdemo.cache.geometry import KVGeometry
+    from kvdemo.cache.options import SpecOptions
+
+NAME = "ggml"
+
+BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "iq4_nl": 18}
+"""Bytes of one block of 32 values of each quantized type (ggml-common.h; the same table as
+`kvdemo.cache.layers.ggml_blocks.BLOCK_BYTES`, which the layers read: a test keeps them equal)."""
+
+CACHE_TYPES = (*BLOCK_BYTES, "f16")
+"""The `type_k`/`type_v` words: llama.cpp's `--cache-type-k`/`--cache-type-v` values kvdemo stores."""
+
+GGML_ROTATIONS = ("auto", "none")
+"""The `rotation` words: `auto`, llama.cpp's own rule (on for a quantized type where head_dim is a multiple of 64);
+`none`, llama.cpp with `LLAMA_ATTN_ROT_DISABLE=1`."""
+
+LLAMA_CPP = "llama.cpp commit 0c1e570 (2026-10-01, as vendored by llama-cpp-python 0.3.36)"
+"""The llama.cpp kvdemo's `ggml` backend follows."""
+
+
+def value_bytes(cache_type: str, values: int, element: int) -> float:
+    """Bytes of `values` values (a multiple of 32) stored as `cache_type` (`f16`: 2 a value)."""
+    return 2.0 * values if cache_type == "f16" else values / 32 * BLOCK_BYTES[cache_type]
+
+
+def ggml_bytes(opts, geo: KVGeometry, tokens, residual, element, nominal, blocks=None) -> float:
+    """llama.cpp's cache bytes per quantized layer: every token held (a sliding layer its window) as blocks of its
+    type, keys and values each their own (q4_0: 18 bytes per 32 values, q8_0: 34); no residual, no padding, so
+    `nominal` and `blocks` change nothing. (llama.cpp itself allocates its whole context up front, padded to 256
+    cells; kvdemo counts the tokens held.)"""
+    total = 0.0
+    for layer in geo.per_layer:
+        held = layer.tokens_held(tokens)
+        total += held * layer.key_heads * value_bytes(opts["type_k"], layer.key_dim, element)
+        total += held * layer.value_heads * value_bytes(opts["type_v"], layer.value_dim, element)
+    return total
+
+
+def ggml_width_problem(opts, tensor: str, width: int) -> str | None:
+    """Why `tensor` of `width` values per head cannot be stored as its type, or None: blocks hold 32 values."""
+    cache_type = opts["type_k"] if tensor == "keys" else opts["type_v"]
+    if cache_type == "f16" or width % 32 == 0:
+        return None
+    return (
+        f"ggml stores {tensor} in blocks of 32 values, so a head_dim of {width} cannot be {cache_type} "
+        "(llama.cpp refuses it too); use f16 for it, or another backend"
+    )
+
+
+def _cache(name: str, options: Mapping[str, Any], config: PreTrainedConfig) -> Cache:
+    """`kvdemo.cache.layers.ggml.ggml_cache` of the spec's options."""
+    from kvdemo.cache.layers.ggml import ggml_cache
+
+    type_k = str(options.get("type_k", CACHE_TYPES[0]))
+    return ggml_cache(
+        config,
+        type_k,
+        str(options.get("type_v", type_k)),
+        str(options.get("rotation", GGML_ROTATIONS[0])),
+        str(options.get("sliding", SLIDING_CHOICES[1])),
+        "0:0",
+    )
+
+
+def llama_cpp_flags(resolved: SpecOptions) -> str:
+    """The llama.cpp command-line flags of a spec: `-ctk q4_0 -ctv q4_0 -fa on` (flash attention: llama.cpp needs it
+    for a quantized V cache), with `LLAMA_ATTN_ROT_DISABLE=1` in front for `rotation=none`."""
+    flags = f"-ctk {resolved['type_k']} -ctv {resolved['type_v']} -fa on"
+    return f"LLAMA_ATTN_ROT_DISABLE=1 llama-server ... {flags}" if resolved["rotation"] == "none" else flags
+
+
+def _deploy(backend: Backend, given: SpecOptions, resolved: SpecOptions, config: PreTrainedConfig):
+    """llama.cpp's line, where llama.cpp stores the same: its sliding-window layers take the same types, so a spec
+    that keeps them at full precision on a model that has them is kvdemo's only."""
+    from kvdemo.cache.layer_kinds import layer_types
+
+    sliding_kept = resolved["sliding"] == SLIDING_CHOICES[0]
+    if sliding_kept and set(layer_types(config)) & set(backend.options["sliding"].acts_on):
+        return ()
+    return (Deployment("llama.cpp", f"llama.cpp: {llama_cpp_flags(resolved)}"),)
+
+
+BACKEND = Backend(
+    NAME,
+    "llama.cpp's KV cache types (-ctk/-ctv q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl, f16): blocks of 32 values with a "
+    "float16 scale, byte for byte as ggml writes them, with llama.cpp's Hadamard rotation",
+    "Every token is quantized as it is written, as llama.cpp does: no residual, never flushes; attention reads the "
+    "whole cache from the blocks, the prefill included. Sliding-window layers take the same types.",
+    quantized=True,
+    make_cache=_cache,
+    kv_bytes=ggml_bytes,
+    options={
+        "type_k": Option(
+            "type_k",
+            CACHE_TYPES[0],
+            choices=CACHE_TYPES,
+            help="the keys' type, llama.cpp's --cache-type-k (-ctk): 32 values a block, q8_0 34 bytes, q4_0 18",
+        ),
+        "type_v": Option(
+            "type_v",
+            CACHE_TYPES[0],
+            choices=CACHE_TYPES,
+            help="the values' type, llama.cpp's --cache-type-v (-ctv); unset: type_k",
+            same_as="type_k",
+            in_matrix=False,
+        ),
+        "rotation": Option(
+            "rotation",
+            GGML_ROTATIONS[0],
+            choices=GGML_ROTATIONS,
+            help="auto: llama.cpp's Hadamard rotation of a quantized K or V where head_dim is a multiple of 64; "
+            "none: LLAMA_ATTN_ROT_DISABLE=1",
+        ),
+        "sliding": Option(
+            "sliding",
+            SLIDING_CHOICES[1],
+            choices=SLIDING_CHOICES,
+            help="sliding-window layers: quantize them with the same types, as llama.cpp does (the default), or keep "
+            "them at full precision (kvdemo only)",
+            acts_on=("sliding_attention", "chunked_attention"),
+            quiet=True,
+        ),
+    },
+    width_rule=ggml_width_problem,
+    presets={name: {"type_k": name, "type_v": name} for name in CACHE_TYPES},
+    deploy=_deploy,
+    examples={"more": ("ggml:q4_0",)},
+)
