@@ -49,7 +49,8 @@ def all_specs() -> list[CacheSpec]:
 def examples(purpose: str) -> tuple[str, ...]:
     """The spec texts the backends offer for `purpose` (`Backend.examples`), in the registry's order: `baseline`
     (the full-precision spec every comparison measures against), `start` (the page's fixed first spec), `needle`
-    (the needle grid's default specs), `plan_base` (the backend a plan keeps by default), `more` (the Compare tab's examples of further specs).
+    (the needle grid's default specs), `plan_base` (the backend a plan keeps by default), `more` (the Compare
+    tab's examples of further specs).
 
     Example:
         >>> examples("needle")

@@ -270,10 +270,11 @@ class QASession:
         saved = snapshot.take(cache)
         seconds = time.perf_counter() - start
         self.cache, self._snapshot, self._split, self.context = cache, saved, split, context
+        opened_from, prefill_seconds = opened or (None, seconds)
         self.prefill_report = report = PrefillReport(
             len(split.prefix), seconds, kv_memory(cache, saved),
             full_precision_bytes(self.loaded.config, len(split.prefix), self.loaded.dtype), split.matches_template,
-            split.note, split.clock, *(opened or (None, seconds)),
+            split.note, split.clock, opened_from, prefill_seconds,
             tuple(d.line for d in self.spec.deployments(self.loaded.config)),
         )  # fmt: skip
         return report
