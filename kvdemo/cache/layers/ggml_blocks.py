@@ -27,7 +27,12 @@ of a half. The other five types are written by the reference on every CPU.
 
 from __future__ import annotations
 
+import ctypes
+from pathlib import Path
+
 import torch
+
+from kvdemo.cache import c_build
 
 BLOCK = 32
 """Values per block (QK8_0 = QK4_0 = ... = QK4_NL = 32)."""
@@ -175,9 +180,43 @@ def _with_fifth_bits(codes: torch.Tensor, blocks: torch.Tensor, start: int) -> t
     return codes | (bits.reshape(*codes.shape) << 4)
 
 
+SOURCE = Path(__file__).with_name("ggml_dequant.c")
+"""The C kernel that de-quantizes blocks in one pass (`kernel`); the same values as `torch_dequantize_rows`."""
+
+KERNEL_TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl")
+"""The kernel's type numbers: the index in this tuple."""
+
+
+def kernel():
+    """The C function `ggml_dequantize` (`ggml_dequant.c`, compiled once per machine by `kvdemo.cache.c_build`), its
+    argument types set; None where no C compiler built it (`c_build.build_problem(SOURCE)` says why)."""
+    library = c_build.load(SOURCE)
+    if library is None:
+        return None
+    function = library.ggml_dequantize
+    if function.argtypes is None:
+        function.restype = ctypes.c_int
+        function.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long]
+        function.argtypes += [ctypes.c_int]
+    return function
+
+
 def dequantize_rows(rows: torch.Tensor, block_type: str, width: int) -> torch.Tensor:
     """`quantize_rows` undone as ggml's `dequantize_row_*` computes it (float32 products of the float16 scale and
-    the code): uint8 [..., row_bytes(block_type, width)] -> float32 [..., width]."""
+    the code): uint8 [..., row_bytes(block_type, width)] -> float32 [..., width]. One pass of the C kernel on the CPU
+    (`kernel`, torch's threads), else `torch_dequantize_rows` (a CUDA tensor, no compiler): the same values."""
+    function = kernel() if rows.device.type == "cpu" else None
+    if function is None:
+        return torch_dequantize_rows(rows, block_type, width)
+    rows = rows.contiguous()
+    out = torch.empty(*rows.shape[:-1], width, dtype=torch.float32)
+    count = rows.numel() // max(rows.shape[-1], 1)
+    function(KERNEL_TYPES.index(block_type), rows.data_ptr(), out.data_ptr(), count, width, torch.get_num_threads())
+    return out
+
+
+def torch_dequantize_rows(rows: torch.Tensor, block_type: str, width: int) -> torch.Tensor:
+    """`dequantize_rows` in torch operations (several passes over the store; any device)."""
     blocks = rows.reshape(*rows.shape[:-1], width // BLOCK, BLOCK_BYTES[block_type])
     d = _half(blocks, 0)
     if block_type == "q8_0":
