@@ -136,9 +136,11 @@ SPECS = (
     CacheSpec("fp8"),
     CacheSpec("quanto", nbits=4, sliding="quantize"),
     CacheSpec("turboquant", nbits=4),
+    CacheSpec("ggml", type_k="q4_0"),
 )
 """One spec per backend of the registry (hqq rotated: a rotation must be undone where the model reads the cache;
-turboquant's keys are always rotated), and quanto with its sliding-window layers quantized too (`sliding=quantize`)."""
+turboquant's keys are always rotated; ggml's q4_0 rotated by llama.cpp's rule, its sliding layers quantized as
+llama.cpp's are), and quanto with its sliding-window layers quantized too (`sliding=quantize`)."""
 
 
 def family_config(name: str) -> PreTrainedConfig:

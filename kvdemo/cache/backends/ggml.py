@@ -139,6 +139,7 @@ BACKEND = Backend(
             quiet=True,
         ),
     },
+    compare_nbits=(),  # not in the default comparison (kept quick); the Compare tab offers it, the recommender tries it
     width_rule=ggml_width_problem,
     presets={name: {"type_k": name, "type_v": name} for name in CACHE_TYPES},
     deploy=_deploy,

@@ -82,6 +82,7 @@ def _symmetric(blocks: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.T
     trunc(x / d + levels + 0.5) clipped to [0, 2 levels - 1]."""
     index = blocks.abs().argmax(dim=-1, keepdim=True)
     top = blocks.gather(-1, index)
+    top = torch.where(top == 0, torch.zeros_like(top), top)  # C's `max` stays +0.0 where every value is a zero
     d = top / -levels
     inverse = torch.where(d == 0, torch.zeros_like(d), 1 / d)
     codes = torch.trunc(blocks * inverse + (levels + 0.5)).clamp(0, 2 * levels - 1).to(torch.int32)
@@ -91,6 +92,9 @@ def _symmetric(blocks: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.T
 def _affine(blocks: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q4_1 and q5_1: d = (max - min) / levels, m = min, codes trunc((x - min) / d + 0.5) clipped to [0, levels]."""
     low, high = blocks.amin(dim=-1, keepdim=True), blocks.amax(dim=-1, keepdim=True)
+    first_zero = blocks.gather(-1, (blocks == 0).to(torch.int8).argmax(dim=-1, keepdim=True))
+    low = torch.where(low == 0, first_zero, low)  # C keeps the first of equal values: a zero's own sign
+    high = torch.where(high == 0, first_zero, high)
     d = (high - low) / levels
     inverse = torch.where(d == 0, torch.zeros_like(d), 1 / d)
     codes = torch.trunc((blocks - low) * inverse + 0.5).clamp(0, levels).to(torch.int32)

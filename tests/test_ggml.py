@@ -1,0 +1,179 @@
+"""The `ggml` backend against llama.cpp's own definitions: its blocks byte for byte against ggml's reference
+quantizers (the `gguf` package's numpy port, `gguf.quants`), its rotation against `ggml_gen_hadamard`'s construction
+and `build_input_k_rot`'s rule (llama.cpp commit 0c1e570, written out here), its byte formula, its refusals and its
+deploy lines. The invariants (restore, fresh runs, session files, the byte formula against the real tensors) run it
+with every other spec of `all_specs()`; the model families run `ggml:q4_0` (`tests/families.py`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import quants
+from gguf.constants import GGMLQuantizationType
+from transformers import LlamaConfig
+
+from kvdemo import CacheSpec, QASession
+from kvdemo.cache.backends import ggml as ggml_backend
+from kvdemo.cache.layers.ggml import VALUE_ROTATION_BLOCK, GgmlLayer, GgmlRotation, _block_hadamard, key_rotation_block
+from kvdemo.cache.layers.ggml_blocks import (
+    BLOCK_BYTES,
+    KVALUES_IQ4NL,
+    dequantize_rows,
+    kernel,
+    quantize_rows,
+    row_bytes,
+    torch_dequantize_rows,
+)
+from kvdemo.cache.layers.rotation import to_model_basis
+from kvdemo.cache.spec import estimate_kv_bytes
+from tests.helpers import make_tiny
+
+ORACLE = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+"""The types `gguf.quants` quantizes ("bit-exact same results as reference implementation in ggml-quants.c")."""
+
+
+def _rows() -> np.ndarray:
+    """Rows a KV cache meets: Gaussian ones at three scales, an outlier channel, an all-zero row, exact halves
+    (where rounding rules differ), and a row of one repeated value."""
+    rng = np.random.default_rng(7)
+    rows = rng.standard_normal((300, 128)).astype(np.float32) * rng.choice([1e-3, 1.0, 40.0], size=(300, 1))
+    rows[:, 5] *= 30  # an outlier channel, as keys have
+    rows[1] = 0
+    rows[2] = np.round(rows[2] * 2) / 2
+    rows[3] = 0.75
+    return rows + np.float32(0.0)  # -0.0 to 0.0: gguf's numpy minimum keeps +0.0 where C keeps the first zero's sign
+
+
+@pytest.mark.parametrize("block_type", ORACLE)
+def test_blocks_are_ggml_reference_bytes(block_type):
+    rows = _rows()
+    ours = quantize_rows(torch.from_numpy(rows), block_type).numpy()
+    reference = quants.quantize(rows, getattr(GGMLQuantizationType, block_type.upper()))
+    assert ours.shape == reference.shape == (300, 128 // 32 * BLOCK_BYTES[block_type])
+    assert np.array_equal(ours, reference), f"{int((ours != reference).sum())} bytes differ"
+
+
+@pytest.mark.parametrize("block_type", [*ORACLE, "iq4_nl"])
+def test_blocks_read_back_as_ggml_reads_them(block_type):
+    """The C kernel and the torch path de-quantize every type to ggml's values (gguf's de-quantizers), bit for bit."""
+    rows = _rows()
+    stored = quantize_rows(torch.from_numpy(rows), block_type)
+    reference = quants.dequantize(stored.numpy(), getattr(GGMLQuantizationType, block_type.upper()))
+    assert np.array_equal(torch_dequantize_rows(stored, block_type, 128).numpy(), reference)
+    assert kernel() is not None  # the CI machine has a C compiler: the decode path is the kernel's
+    assert np.array_equal(dequantize_rows(stored, block_type, 128).numpy(), reference)
+    error = np.abs(reference - rows).max(axis=1) / np.maximum(np.abs(rows).max(axis=1), 1e-30)
+    assert error[4:].max() < {"q8_0": 0.01, "q5_0": 0.07, "q5_1": 0.07}.get(block_type, 0.15)
+
+
+def test_iq4_nl_codes_are_the_nearest_values_and_the_scale_the_least_squares_one():
+    """ggml's `quantize_row_iq4_nl_ref` (ntry -1): each code the value of `KVALUES_IQ4NL` nearest x / d0, d0 the
+    block's signed largest magnitude over -127, then d = sum(w q x) / sum(w q^2) with w = x^2, stored as float16."""
+    rows = _rows()[4:40]
+    blocks = rows.reshape(-1, 32)
+    stored = quantize_rows(torch.from_numpy(rows), "iq4_nl").numpy().reshape(-1, 18)
+    values = np.array(KVALUES_IQ4NL, dtype=np.float32)
+    top = blocks[np.arange(len(blocks)), np.abs(blocks).argmax(axis=1)]
+    scaled = blocks / (top / -127)[:, None]
+    nearest = np.abs(scaled[..., None] - values).argmin(axis=-1)  # ties are measure-zero on these rows
+    codes = np.concatenate([stored[:, 2:] & 0x0F, stored[:, 2:] >> 4], axis=1)
+    assert np.array_equal(codes, nearest)
+    q, w = values[codes], blocks**2
+    d = (w * q * blocks).sum(axis=1) / (w * q * q).sum(axis=1)
+    assert np.allclose(stored[:, :2].copy().view(np.float16)[:, 0], d.astype(np.float16), rtol=1e-3)
+
+
+def test_the_backend_and_the_layers_agree_on_the_block_sizes():
+    assert ggml_backend.BLOCK_BYTES == BLOCK_BYTES
+    assert set(ggml_backend.CACHE_TYPES) == {*BLOCK_BYTES, "f16"}
+    assert row_bytes("q4_0", 32) == 18 and row_bytes("q8_0", 32) == 34 and row_bytes("q4_0", 128) == 72
+
+
+def _ggml_gen_hadamard(n: int) -> np.ndarray:
+    """llama.cpp's `ggml_gen_hadamard` (src/llama-kv-cache.cpp), written out: data[0] = 1/sqrt(n), then each
+    s = 1, 2, 4, ... copies the s x s corner right, down and negated down-right."""
+    data = np.zeros((n, n), dtype=np.float32)
+    data[0, 0] = 1.0 / np.sqrt(np.float32(n))
+    s = 1
+    while s < n:
+        corner = data[:s, :s].copy()
+        data[s : 2 * s, :s], data[:s, s : 2 * s], data[s : 2 * s, s : 2 * s] = corner, corner, -corner
+        s *= 2
+    return data
+
+
+def test_the_rotation_is_llama_cpps():
+    # build_input_k_rot: from 64, doubled while head_dim stays a multiple; 0 (no rotation) off multiples of 64
+    assert [key_rotation_block(d) for d in (64, 128, 256, 192, 96, 80, 512)] == [64, 128, 256, 64, 0, 0, 512]
+    assert VALUE_ROTATION_BLOCK == 64  # build_input_v_rot: always 64
+    for n in (64, 128):
+        assert np.allclose(_block_hadamard(n, n, torch.float32, "cpu").numpy(), _ggml_gen_hadamard(n), atol=1e-7)
+    blocks = _block_hadamard(128, 64, torch.float32, "cpu").numpy()  # llama_mul_mat_hadamard: each 64 of a row
+    assert np.allclose(blocks[:64, :64], _ggml_gen_hadamard(64)) and not blocks[:64, 64:].any()
+
+
+def test_query_side_and_read_side_give_the_same_keys_and_values():
+    """One layer's store is the same bytes either way; the query side hands attention the rotated basis (marked), the
+    read side rotates back on read: in the model's basis they are equal within float rounding."""
+    torch.manual_seed(0)
+    keys, values = torch.randn(1, 2, 40, 128), torch.randn(1, 2, 40, 128)
+    rotation = GgmlRotation(key_rotation_block(128), VALUE_ROTATION_BLOCK)
+    query, read = GgmlLayer("q4_0", "q8_0", rotation, True), GgmlLayer("q4_0", "q8_0", rotation, False)
+    for layer in (query, read):
+        layer.update(keys[:, :, :39], values[:, :, :39])
+    (qk, qv), (rk, rv) = (
+        query.update(keys[:, :, 39:], values[:, :, 39:]),
+        read.update(keys[:, :, 39:], values[:, :, 39:]),
+    )
+    assert torch.equal(query._quantized_keys.rows, read._quantized_keys.rows)
+    assert getattr(qk, "_kvdemo_rotated") is rotation and not hasattr(rk, "_kvdemo_rotated")
+    assert torch.allclose(to_model_basis(query, qk), rk, atol=1e-5)
+    assert torch.allclose(to_model_basis(query, qv, values=True), rv, atol=1e-5)
+    assert (rk - keys).abs().max() < 0.3 * keys.abs().max()  # q4_0 keys near the originals, not another basis
+
+
+def test_a_ggml_session_holds_the_formula_bytes_and_says_how_to_deploy(embedded):
+    tiny = make_tiny(embedded.tokenizer, kv_heads=2, head_dim=64, layers=2)
+    session = QASession(tiny, CacheSpec.parse("ggml:q4_0,type_v=q8_0"))
+    report = session.prefill("The Normans gave their name to Normandy, a region in France. " * 8)
+    tokens, layers, heads = report.context_tokens, 2, 2
+    assert report.kv_bytes == tokens * layers * heads * (64 // 32) * (18 + 34)  # no residual, no padding
+    assert report.kv_bytes == estimate_kv_bytes(session.spec, tiny.config, tokens, torch.float32)
+    assert report.deploy[0] == "llama.cpp: -ctk q4_0 -ctv q8_0 -fa on" and report.deploy[-1].startswith("kvdemo:")
+    answer = session.ask("Where is Normandy?", 4)
+    assert session.cache_length == tokens and len(answer.token_ids) == 4
+
+
+def test_deploy_lines(embedded):
+    tiny = make_tiny(embedded.tokenizer)
+    lines = {
+        text: [d.line for d in CacheSpec.parse(text).deployments(tiny.config)]
+        for text in ("ggml:q8_0", "ggml:q4_0,rotation=none", "ggml:f16", "quanto:4", "dynamic", "hqq:4,flush=append")
+    }
+    assert lines["ggml:q8_0"][0] == "llama.cpp: -ctk q8_0 -ctv q8_0 -fa on"
+    assert (
+        lines["ggml:q4_0,rotation=none"][0]
+        == "llama.cpp: LLAMA_ATTN_ROT_DISABLE=1 llama-server ... -ctk q4_0 -ctv q4_0 -fa on"
+    )
+    assert lines["ggml:f16"][0] == "llama.cpp: -ctk f16 -ctv f16 -fa on"
+    assert lines["quanto:4"][0].startswith('transformers: model.generate(..., cache_implementation="quantized"')
+    assert [line.split(":")[0] for line in lines["dynamic"]] == [
+        "llama.cpp",
+        "vLLM",
+        "transformers",
+        "mlx-lm",
+        "kvdemo",
+    ]
+    assert [line.split(":")[0] for line in lines["hqq:4,flush=append"]] == ["kvdemo"]
+
+
+def test_a_head_dim_off_the_blocks_is_refused_before_the_prefill(embedded):
+    config = LlamaConfig(hidden_size=96, num_attention_heads=2, num_key_value_heads=1, head_dim=48, num_hidden_layers=1)
+    with pytest.raises(ValueError, match="blocks of 32 values, so a head_dim of 48 cannot be q4_0.*use f16"):
+        CacheSpec.parse("ggml:q4_0").validate(config)
+    assert CacheSpec.parse("ggml:f16").validate(config).backend == "ggml"  # f16 stores any width
+    with pytest.raises(ValueError, match="type_k='q3_0' is not allowed for ggml; allowed: q8_0, q4_0"):
+        CacheSpec("ggml", type_k="q3_0").validate()
+    with pytest.raises(ValueError, match="'q3_0' is neither nbits nor a preset of ggml; presets: q8_0, q4_0"):
+        CacheSpec.parse("ggml:q3_0")
