@@ -1,6 +1,9 @@
 """kvdemo's `ggml` backend beside llama.cpp itself, on the same GGUF and the same token ids, and its decode step
 beside `dynamic`'s.
 
+0. **The blocks against llama.cpp's own KV writes**: rows of real keys and values (the embedded model's, from a
+   prefill) quantized by kvdemo and by the `from_float` of ggml-cpu's type traits in llama-cpp-python's own
+   `libggml-cpu` (what `ggml_set_rows` calls when llama.cpp writes its cache), byte for byte, for every type.
 1. **Mean KL of the quantized cache against the full-precision one**, teacher-forced on a real text: the context
    (a SQuAD article of `../shared/cases`) prefilled, then each token of a continuation fed one decode step at a time;
    at every step the next-token distribution with the quantized cache against the one with the full-precision cache:
@@ -45,6 +48,50 @@ TYPES = ("q8_0", "q4_0")
 GGML_TYPE_IDS = {"f16": 1, "q4_0": 2, "q8_0": 8}
 """ggml's type numbers (ggml.h `enum ggml_type`) as llama-cpp-python's `type_k`/`type_v` take them."""
 CASES = ROOT.parent / "shared" / "cases"
+
+
+GGML_CPU_TYPES = {"q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "iq4_nl": 20}
+"""ggml.h's type numbers of the block types."""
+
+
+def engine_blocks(rows: torch.Tensor) -> dict[str, dict[str, float]]:
+    """Per block type, the share of bytes and of blocks where kvdemo's blocks of `rows` ([n, width] float32) differ
+    from ggml-cpu's `from_float` (llama-cpp-python's own library), and the largest code difference seen."""
+    import ctypes  # noqa: PLC0415
+
+    import llama_cpp  # noqa: PLC0415  (optional: `make bench-peers` builds it)
+
+    from kvdemo.cache.layers.ggml_blocks import BLOCK_BYTES, quantize_rows  # noqa: PLC0415
+
+    library = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-cpu.so"))
+    library.ggml_cpu_init()
+
+    class Traits(ctypes.Structure):
+        _fields_ = [("from_float", ctypes.c_void_p), ("vec_dot", ctypes.c_void_p), ("vec_dot_type", ctypes.c_int),
+                    ("nrows", ctypes.c_int64)]  # fmt: skip
+
+    library.ggml_get_type_traits_cpu.restype = ctypes.POINTER(Traits)
+    from_float_type = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
+    rows = rows.float().contiguous()
+    out = {}
+    for name, number in GGML_CPU_TYPES.items():
+        from_float = from_float_type(library.ggml_get_type_traits_cpu(number).contents.from_float)
+        theirs = torch.empty(rows.shape[0], rows.shape[1] // 32 * BLOCK_BYTES[name], dtype=torch.uint8)
+        for i in range(rows.shape[0]):
+            from_float(rows[i].data_ptr(), theirs[i].data_ptr(), rows.shape[1])
+        ours = quantize_rows(rows, name)
+        blocks = (ours != theirs).view(rows.shape[0], -1, BLOCK_BYTES[name]).any(-1)
+        out[name] = {"bytes_differing": float((ours != theirs).float().mean()), "blocks_differing": float(
+            blocks.float().mean()), "blocks": int(blocks.numel())}  # fmt: skip
+    return out
+
+
+def real_rows(loaded, context: str) -> torch.Tensor:
+    """The keys and values of every layer after a prefill of `context` (one row per token and head), float32."""
+    session = QASession(loaded, CacheSpec.parse("dynamic"))
+    session.prefill(context)
+    rows = [t.reshape(-1, t.shape[-1]) for layer in session.cache.layers for t in (layer.keys, layer.values)]
+    return torch.cat(rows).float()
 
 
 def kl(reference: torch.Tensor, other: torch.Tensor) -> float:
@@ -138,6 +185,10 @@ def main() -> None:
     loaded = load_model(None if args.model == "embedded" else str(gguf))
     out: dict = {"model": loaded.name, "load_average_start": os.getloadavg()}
     context, ids = texts(loaded, args.context_tokens, args.continuation_tokens)
+    try:
+        out["blocks_against_ggml_cpu"] = engine_blocks(real_rows(loaded, context))
+    except ImportError:
+        out["blocks_against_ggml_cpu"] = "llama-cpp-python is not installed: make bench-peers"
     ours = kvdemo_scores(loaded, context, ids)
     prefix = [int(t) for t in ours.pop("prefix")]
     out["tokens"] = {"context": len(prefix), "scored": len(ids) - 1}

@@ -62,6 +62,12 @@ def test_ask_json_on_the_normans_case(embedded, capsys):
         "sliding": "keep",  # sliding-window layers (none here) at full precision
         "protect": "0:0",  # no edge layer kept at full precision
     }
+    assert result["deploy"] == [  # transformers' own QuantizedCache stores it; then kvdemo's line
+        'transformers: model.generate(..., cache_implementation="quantized", cache_config={"backend": "hqq", '
+        '"nbits": 4, "residual_length": 16})',
+        "kvdemo: python -m kvdemo ask --backend hqq --nbits 4 --residual-length 16 ...; in Python "
+        'CacheSpec.parse("hqq:4,residual_length=16")',
+    ]
     tokens = result["context_tokens"]
     assert 1300 < tokens < 1400
     assert result["full_precision_bytes"] == 2 * 30 * 3 * 64 * 4 * tokens

@@ -27,6 +27,7 @@ from kvdemo.cache.layers.ggml_blocks import (
 )
 from kvdemo.cache.layers.rotation import to_model_basis
 from kvdemo.cache.spec import estimate_kv_bytes
+from kvdemo.ui.views import prefill_summary
 from tests.helpers import make_tiny
 
 ORACLE = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
@@ -127,7 +128,7 @@ def test_query_side_and_read_side_give_the_same_keys_and_values():
         read.update(keys[:, :, 39:], values[:, :, 39:]),
     )
     assert torch.equal(query._quantized_keys.rows, read._quantized_keys.rows)
-    assert getattr(qk, "_kvdemo_rotated") is rotation and not hasattr(rk, "_kvdemo_rotated")
+    assert qk._kvdemo_rotated is rotation and not hasattr(rk, "_kvdemo_rotated")
     assert torch.allclose(to_model_basis(query, qk), rk, atol=1e-5)
     assert torch.allclose(to_model_basis(query, qv, values=True), rv, atol=1e-5)
     assert (rk - keys).abs().max() < 0.3 * keys.abs().max()  # q4_0 keys near the originals, not another basis
@@ -141,8 +142,12 @@ def test_a_ggml_session_holds_the_formula_bytes_and_says_how_to_deploy(embedded)
     assert report.kv_bytes == tokens * layers * heads * (64 // 32) * (18 + 34)  # no residual, no padding
     assert report.kv_bytes == estimate_kv_bytes(session.spec, tiny.config, tokens, torch.float32)
     assert report.deploy[0] == "llama.cpp: -ctk q4_0 -ctv q8_0 -fa on" and report.deploy[-1].startswith("kvdemo:")
+    assert "Deploy: `llama.cpp: -ctk q4_0 -ctv q8_0 -fa on`" in prefill_summary(session)  # the page, beside the spec
     answer = session.ask("Where is Normandy?", 4)
     assert session.cache_length == tokens and len(answer.token_ids) == 4
+    appended = QASession(tiny, CacheSpec.parse("quanto:4,flush=append"))
+    appended.prefill("The Normans gave their name to Normandy.")
+    assert "Deploy: kvdemo only (no engine stores this cache byte for byte)" in prefill_summary(appended)
 
 
 def test_deploy_lines(embedded):

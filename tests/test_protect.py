@@ -19,7 +19,8 @@ from kvdemo.cache.spec import estimate_kv_bytes
 from tests.helpers import make_tiny
 
 CONTEXT = "The Normans were the people who gave their name to Normandy, a region in France. Rollo led them. " * 3
-QUANTIZED = [name for name, backend in BACKENDS.items() if backend.quantized]
+QUANTIZED = [name for name, backend in BACKENDS.items() if backend.quantized and "protect" in backend.options]
+"""The backends that take `protect` (llama.cpp keeps no layer at full precision: `ggml` takes none)."""
 
 
 @pytest.fixture(scope="module")

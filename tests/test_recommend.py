@@ -100,12 +100,17 @@ def test_candidates_come_from_the_registry_for_each_engine():
         assert options.get("nbits", 8) >= 2
     texts = {s.short_text for s in every}
     assert {"quanto:4,rotation=hadamard", "hqq:8,nbits_value=4", "fp8,scale=per_token_head"} <= texts
-    assert {"turboquant:8,nbits_value=4,protect=2:2", "turboquant:4,norm_correction=true,protect=2:2"} <= texts
-    assert not any("sliding" in t for t in texts)  # no sliding layer: the option changes nothing here
+    vllm = "sliding=quantize,protect=vllm,layout=vllm"  # vLLM's presets, as vLLM stores them
+    assert {f"turboquant:8,nbits_value=4,residual_length=1,{vllm}",
+            f"turboquant:4,residual_length=1,norm_correction=true,{vllm}"} <= texts  # fmt: skip
+    assert not any("sliding" in t for t in texts if vllm not in t)  # no sliding layer: the option changes nothing
     transformers = candidate_specs(LLAMA, "transformers")
     assert [s.short_text for s in transformers] == ["dynamic", "quanto:2", "quanto:4", "hqq:2", "hqq:3", "hqq:4",
                                                     "hqq:8", "fp8"]  # fmt: skip
-    assert [s.text for s in candidate_specs(LLAMA, "vllm")] == ["dynamic"]
+    served = candidate_specs(LLAMA, "vllm")
+    assert served[0].text == "dynamic" and [s.deployments(LLAMA)[0].line for s in served[1:]] == [
+        f"vLLM: --kv-cache-dtype turboquant_{name}" for name in ("k8v4", "4bit_nc", "k3v4_nc", "3bit_nc")
+    ]
     with pytest.raises(ValueError, match="not one of any, llama.cpp"):
         candidate_specs(LLAMA, "tensorrt")
 

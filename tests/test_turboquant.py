@@ -147,11 +147,12 @@ def test_the_query_side_attends_as_the_cache_read_whole(tiny, embedded, text):
 
 
 def test_the_presets_are_vllms():
+    store = "layout=vllm,protect=vllm,sliding=quantize,residual_length=1"  # what vLLM stores, as vLLM stores it
     expected = {
-        "k8v4": "turboquant:8,nbits_value=4,protect=2:2",
-        "4bit_nc": "turboquant:4,nbits_value=4,protect=2:2,norm_correction=true",
-        "k3v4_nc": "turboquant:3,nbits_value=4,protect=2:2,norm_correction=true",
-        "3bit_nc": "turboquant:3,nbits_value=3,protect=2:2,norm_correction=true",
+        "k8v4": f"turboquant:8,nbits_value=4,{store}",
+        "4bit_nc": f"turboquant:4,nbits_value=4,{store},norm_correction=true",
+        "k3v4_nc": f"turboquant:3,nbits_value=4,{store},norm_correction=true",
+        "3bit_nc": f"turboquant:3,nbits_value=3,{store},norm_correction=true",
     }
     for name, text in expected.items():
         assert CacheSpec.parse(f"turboquant:{name}") == CacheSpec.parse(text)
@@ -164,7 +165,7 @@ def test_the_presets_are_vllms():
     [
         ("turboquant:5", "nbits=5 is not allowed for turboquant; allowed: 2, 3, 4, 8"),
         ("turboquant:k5v4", "neither nbits nor a preset of turboquant; presets: k8v4, 4bit_nc, k3v4_nc, 3bit_nc"),
-        ("turboquant:k8v4,nbits_value=2", "the preset k8v4 sets nbits=8, nbits_value=4, protect=2:2; leave nbits_"),
+        ("turboquant:k8v4,nbits_value=2", "the preset k8v4 sets nbits=8, nbits_value=4, layout=vllm, protect=vllm, "),
         ("turboquant:4,nbits_value=1", "nbits_value=1 is not allowed for turboquant; allowed: 2, 3, 4, 8"),
         ("turboquant:4,norm_correction=yes", "norm_correction='yes' is not allowed for turboquant; allowed: false, tr"),
         ("turboquant:4,q_group_size=32", "q_group_size=32 is not an option of the turboquant backend"),
@@ -186,7 +187,8 @@ def test_the_command_line_takes_a_preset_and_refuses_one_it_does_not_know(capsys
     assert main([*ask, "--backend", "turboquant", "--preset", "k9v4"]) == 2  # before the model loads
     assert "'k9v4' is neither nbits nor a preset of turboquant; presets: k8v4" in capsys.readouterr().err
     assert main([*ask, "--backend", "turboquant", "--preset", "k8v4", "--nbits", "4"]) == 2
-    assert "the preset k8v4 sets nbits=8, nbits_value=4, protect=2:2; leave nbits out" in capsys.readouterr().err
+    sets = "nbits=8, nbits_value=4, layout=vllm, protect=vllm, sliding=quantize, residual_length=1"
+    assert f"the preset k8v4 sets {sets}; leave nbits out" in capsys.readouterr().err
 
 
 def test_a_head_dim_the_rotation_or_the_packing_cannot_take_is_refused_before_the_prefill(embedded):

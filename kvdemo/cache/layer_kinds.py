@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvdemo.cache.policies import PROTECT_CHOICES, SLIDING_CHOICES, parse_protect
+from kvdemo.cache.policies import PROTECT_CHOICES, SLIDING_CHOICES, VLLM_PROTECT, parse_protect
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
@@ -133,9 +133,17 @@ def layer_actions(
     """`LayerKind.action` of each decoder layer, in order (`QUANTIZE`, `KEEP`, `NOTHING`); a layer type kvdemo does
     not know counts as `KEEP` (`serving_problem` refuses it first). With `protect` (`first:last`,
     `kvdemo.cache.policies.PROTECT_CHOICES`) the first `first` and last `last` of the layers a quantized backend would
-    quantize are kept at full precision instead (vLLM's boundary protection)."""
+    quantize are kept at full precision instead (vLLM's boundary protection); `protect=vllm` is vLLM's own rule
+    (`kvdemo.cache.policies.VLLM_PROTECT`)."""
     unknown = LayerKind("unknown", holds_kv=True)
-    actions = [LAYER_KINDS.get(kind, unknown).action(quantized, sliding) for kind in layer_types(model_config)]
+    kinds = [LAYER_KINDS.get(kind, unknown) for kind in layer_types(model_config)]
+    actions = [kind.action(quantized, sliding) for kind in kinds]
+    if protect == VLLM_PROTECT:  # decoder layers at each end, whatever they are; none on a hybrid model
+        edge = min(2, len(actions) // 2)
+        hybrid = any(kind.in_place_state for kind in kinds)
+        for index in [] if hybrid else [*range(edge), *range(len(actions) - edge, len(actions))]:
+            actions[index] = KEEP if actions[index] == QUANTIZE else actions[index]
+        return actions
     first, last = parse_protect(protect)
     chosen = [i for i, action in enumerate(actions) if action == QUANTIZE]
     for index in chosen[:first] + chosen[len(chosen) - last :] if last else chosen[:first]:
@@ -191,7 +199,8 @@ def serving_problem(
         )
     if quantized and not quantized_layers(model_config, sliding, protect):
         count = len(quantized_layers(model_config, sliding))
-        most = next((c for c in reversed(PROTECT_CHOICES) if quantized_layers(model_config, sliding, c)), "0:0")
+        counted = [c for c in PROTECT_CHOICES if c != VLLM_PROTECT]
+        most = next((c for c in reversed(counted) if quantized_layers(model_config, sliding, c)), "0:0")
         lower = f"set protect={most} or lower" if most != PROTECT_CHOICES[0] else f"set protect={most}"
         return (
             f"protect={protect} keeps the first and last layers of the {count} layers {backend} quantizes on this "

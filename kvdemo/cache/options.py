@@ -36,6 +36,7 @@ GROUP_OPTIONS = (
     "norm_correction",
     "type_k",
     "type_v",
+    "layout",
 )
 """Every option a backend may take that the Ask tab shows as a field, in the order the page and the command line show
 them (one added later goes last: the page state a browser keeps lists the values in this order)."""
@@ -69,6 +70,7 @@ class SpecOptions(TypedDict, total=False):
     norm_correction: str
     type_k: str
     type_v: str
+    layout: str
     plan: str
 
 

@@ -27,11 +27,16 @@ builds it (`DynamicSlidingWindowLayer`; vLLM's `kv_cache_dtype_skip_layers=slidi
 the default), or `quantize` it like the full-attention layers, forgetting the tokens past its window
 (`kvdemo.cache.layers.sliding`; llama.cpp builds both caches with the same `-ctk`/`-ctv` types)."""
 
-PROTECT_CHOICES = ("0:0", "1:1", "2:2", "3:3", "4:4")
+PROTECT_CHOICES = ("0:0", "1:1", "2:2", "3:3", "4:4", "vllm")
 """The `protect` option of the quantized backends, `first:last`: how many of the layers a backend quantizes, counted
 from the first and from the last, it keeps at full precision instead (`kvdemo.cache.layer_kinds.layer_actions`). vLLM's
 TurboQuant keeps the first 2 and last 2 attention layers of dense models ("without it GSM8K drops ~30 points on
-Qwen3-4B", `TurboQuantConfig.get_boundary_skip_layers`); off (`0:0`) by default but on the TurboQuant presets."""
+Qwen3-4B", `TurboQuantConfig.get_boundary_skip_layers`); off (`0:0`) by default. `vllm` is vLLM's own rule, on its
+TurboQuant presets: decoder layers 0, 1, L-2 and L-1 (min(2, L // 2) at each end, whatever their kind) on a model
+without state layers, none on a hybrid one (a linear-attention, conv or Mamba layer: vLLM's `is_hybrid`)."""
+
+VLLM_PROTECT = PROTECT_CHOICES[-1]
+"""`protect=vllm`: vLLM's boundary rule (`PROTECT_CHOICES`)."""
 
 FP8_SCALES = ("per_tensor", "per_token_head")
 """fp8's `scale` option: transformers' one scale per tensor frozen at the first update (the default), or one scale per
@@ -43,8 +48,13 @@ de-quantized key keeps the key's norm (vLLM's `_nc` presets)."""
 
 
 def parse_protect(protect: str) -> tuple[int, int]:
-    """`first:last` (a `PROTECT_CHOICES` word) as two integers. Raises ValueError: not two integers >= 0."""
+    """`first:last` (a `PROTECT_CHOICES` word but `vllm`) as two integers. Raises ValueError: not two integers >= 0."""
     first, sep, last = str(protect).partition(":")
     if not sep or not first.isdigit() or not last.isdigit():
         raise ValueError(f"protect={protect!r} must be first:last, e.g. 2:2")
     return int(first), int(last)
+
+
+TURBOQUANT_LAYOUTS = ("kvdemo", "vllm")
+"""TurboQuant's `layout`: kvdemo's own (the exact marginal's code, signed rotation, fp8 keys with a scale; the default)
+or vLLM's store byte for byte (`kvdemo.cache.layers.turboquant_vllm`; the presets under vLLM's names)."""

@@ -47,8 +47,10 @@ def _named() -> dict[str, type]:
     """The named tuples written with their class (TurboQuant's key and value codes)."""
     from kvdemo.cache.layers.ggml import GgmlRows
     from kvdemo.cache.layers.turboquant import TurboKeys, UniformValues
+    from kvdemo.cache.layers.turboquant_vllm import VllmFp8Keys, VllmKeys, VllmValues
 
-    return {"TurboKeys": TurboKeys, "UniformValues": UniformValues, "GgmlRows": GgmlRows}
+    named: list[type] = [TurboKeys, UniformValues, GgmlRows, VllmKeys, VllmFp8Keys, VllmValues]
+    return {cls.__name__: cls for cls in named}
 
 
 class CacheFileError(ValueError):

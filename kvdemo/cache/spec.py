@@ -55,7 +55,8 @@ class CacheSpec:
             the sliding-window layers at full precision or `quantize` them (`kvdemo.cache.layer_kinds`); protect:
             `first:last` quantized layers kept at full precision (`kvdemo.cache.policies.PROTECT_CHOICES`); scale: fp8's
             scales per tensor or per token and head (`kvdemo.cache.layers.fp8`); norm_correction: TurboQuant's
-            (`kvdemo.cache.layers.turboquant`); type_k, type_v: llama.cpp's cache types (`ggml`); plan: each
+            (`kvdemo.cache.layers.turboquant`); type_k, type_v: llama.cpp's cache types (`ggml`); layout:
+            TurboQuant's store, kvdemo's or vLLM's; plan: each
             layer's nbits, nbits_value and rotation (`kvdemo.cache.layer_plan`, e.g. `k4v2h*12+k2v2h*18`; set, it
             replaces those three options, which stay unset). Which backend takes which, and the values allowed,
             are in its registry entry (`Backend.options`).
@@ -83,6 +84,7 @@ class CacheSpec:
     norm_correction: str | None = None
     type_k: str | None = None
     type_v: str | None = None
+    layout: str | None = None
     plan: str | None = None
 
     def __post_init__(self) -> None:

@@ -8,8 +8,9 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvdemo.cache.backend import Backend
+from kvdemo.cache.deploy import Deployment
 from kvdemo.cache.options import PROTECT_OPTION, SLIDING_OPTION, Option, group_options
-from kvdemo.cache.policies import FLUSH_POLICIES, NORM_CORRECTION_CHOICES
+from kvdemo.cache.policies import FLUSH_POLICIES, NORM_CORRECTION_CHOICES, TURBOQUANT_LAYOUTS
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
@@ -28,11 +29,14 @@ def turboquant_bytes(opts, geo: KVGeometry, tokens, residual, element, nominal, 
     """kvdemo's TurboQuant layout (`kvdemo.cache.layers.turboquant`, vLLM's `TurboQuantConfig.key_packed_size` and
     `value_packed_size`), per quantized layer, token and head: keys head_dim x nbits / 8 bytes of packed Lloyd-Max
     codes and a float16 norm (nbits 8: head_dim float8 codes and a float32 scale); values head_dim x nbits_value / 8
-    bytes and a float16 scale and zero point; `residual` tokens in the model's dtype. Codes are packed densely (3 bits
+    bytes and a float16 scale and zero point; `residual` tokens in the model's dtype. With `layout=vllm` the same but
+    for the float8 keys, which carry no scale (`kvdemo.cache.layers.turboquant_vllm`; vLLM's slot padding to an even
+    size adds nothing for the power-of-two head_dims that layout takes). Codes are packed densely (3 bits
     take 3), so `nominal` changes nothing, and nothing pads per block (`blocks` is ignored). A sliding layer quantized
     holds at most its window in its store."""
     key_bits, value_bits = opts["nbits"], opts.get("nbits_value", opts["nbits"])
-    key_extra = 4 if key_bits == TURBOQUANT_FP8_KEYS else 2
+    fp8_scale = 0 if opts.get("layout") == TURBOQUANT_LAYOUTS[1] else 4  # vLLM's float8 keys carry no scale
+    key_extra = fp8_scale if key_bits == TURBOQUANT_FP8_KEYS else 2
     total = 0.0
     for layer in geo.per_layer:
         keys = layer.key_heads * (layer.key_dim * key_bits / 8 + key_extra)
@@ -50,6 +54,13 @@ def turboquant_combination_problem(opts) -> str | None:
             "norm_correction=true corrects the norm of Lloyd-Max coded keys (nbits 2 to 4); with nbits=8 the keys are "
             "float8 with a scale per token and head, so leave norm_correction out or choose nbits 2 to 4"
         )
+    if opts.get("layout") == TURBOQUANT_LAYOUTS[1]:
+        bits = (opts["nbits"], opts.get("nbits_value", opts["nbits"]))
+        if bits[0] not in (3, 4, 8) or bits[1] not in (3, 4):
+            return (
+                f"layout=vllm stores what vLLM's TurboQuant stores: keys of 3, 4 or 8 bits and values of 3 or 4 (not "
+                f"nbits={bits[0]}, nbits_value={bits[1]}); use a preset (turboquant:4bit_nc) or layout=kvdemo"
+            )
     return None
 
 
@@ -60,6 +71,11 @@ def turboquant_width_problem(opts, tensor: str, width: int) -> str | None:
     bits = opts["nbits"] if tensor == "keys" else opts.get("nbits_value", opts["nbits"])
     if bits == TURBOQUANT_FP8_KEYS:
         return None
+    if tensor == "keys" and opts.get("layout") == TURBOQUANT_LAYOUTS[1] and width & (width - 1):
+        return (
+            f"layout=vllm rotates the keys by one Sylvester Hadamard matrix, which needs a power-of-two head_dim, not "
+            f"{width} (vLLM's too); use layout=kvdemo (block-diagonal) or nbits=8"
+        )
     if tensor == "keys":
         from kvdemo.cache.layers.rotation import rotation_problem  # torch: only once a model is given
 
@@ -71,17 +87,30 @@ def turboquant_width_problem(opts, tensor: str, width: int) -> str | None:
     return None
 
 
+VLLM_STORE: dict[str, int | str] = {"layout": "vllm", "protect": "vllm", "sliding": "quantize", "residual_length": 1}
+"""What every vLLM preset stores as vLLM does: its layout, its boundary layers, its sliding-window layers quantized,
+every token coded as it comes (`kvdemo.cache.layers.turboquant_vllm`)."""
+
 TURBOQUANT_PRESETS: dict[str, dict[str, int | str]] = {
-    "k8v4": {"nbits": 8, "nbits_value": 4, "protect": "2:2"},
-    "4bit_nc": {"nbits": 4, "nbits_value": 4, "norm_correction": "true", "protect": "2:2"},
-    "k3v4_nc": {"nbits": 3, "nbits_value": 4, "norm_correction": "true", "protect": "2:2"},
-    "3bit_nc": {"nbits": 3, "nbits_value": 3, "norm_correction": "true", "protect": "2:2"},
+    "k8v4": {"nbits": 8, "nbits_value": 4, **VLLM_STORE},
+    "4bit_nc": {"nbits": 4, "nbits_value": 4, "norm_correction": "true", **VLLM_STORE},
+    "k3v4_nc": {"nbits": 3, "nbits_value": 4, "norm_correction": "true", **VLLM_STORE},
+    "3bit_nc": {"nbits": 3, "nbits_value": 3, "norm_correction": "true", **VLLM_STORE},
 }
-"""vLLM's TurboQuant `kv_cache_dtype` presets (`turboquant_<name>`, vLLM's `TQ_PRESETS`), as turboquant options:
-`k8v4` fp8 keys and 4-bit values (vLLM: 2.6x smaller, perplexity +1.17 %); `4bit_nc` 4-bit keys and values with norm
-correction (3.8x, +2.71 %); `k3v4_nc` 3-bit keys, 4-bit values (~3.5x, +10.63 %); `3bit_nc` 3-bit keys and values
-(4.9x, +20.59 %). Each keeps the first 2 and last 2 quantized layers at full precision, as vLLM does on dense models
-(its figures are vLLM's on its models; kvdemo measures its own, docs/turboquant.md)."""
+"""vLLM's TurboQuant `kv_cache_dtype` presets (`turboquant_<name>`, vLLM's `TQ_PRESETS`), storing what vLLM stores:
+`k8v4` raw float8 keys and 4-bit values (vLLM: 2.6x smaller, perplexity +1.17 %); `4bit_nc` 4-bit keys and values with
+norm correction (3.8x, +2.71 %); `k3v4_nc` 3-bit keys, 4-bit values (~3.5x, +10.63 %); `3bit_nc` 3-bit keys and
+values (4.9x, +20.59 %). kvdemo's own variant of each is the preset with `layout=kvdemo` (its figures are vLLM's on
+its models; kvdemo measures its own, docs/turboquant.md)."""
+
+
+def vllm_dtype(resolved) -> str | None:
+    """vLLM's `--kv-cache-dtype` of a spec that stores exactly what a preset of vLLM stores, or None."""
+    for name, preset in TURBOQUANT_PRESETS.items():
+        wanted = {"norm_correction": "false", "flush": "append", **preset}
+        if all(str(resolved.get(option)) == str(value) for option, value in wanted.items()):
+            return f"turboquant_{name}"
+    return None
 
 
 def _turboquant_options() -> dict[str, Option]:
@@ -116,7 +145,21 @@ def _turboquant_options() -> dict[str, Option]:
         ),
         "sliding": SLIDING_OPTION,
         "protect": PROTECT_OPTION,
+        "layout": Option(
+            "layout",
+            TURBOQUANT_LAYOUTS[0],
+            choices=TURBOQUANT_LAYOUTS,
+            help="kvdemo: the exact marginal's code, signed rotation, fp8 keys with a scale; vllm: vLLM's store byte "
+            "for byte (plain Hadamard, Gaussian code, raw fp8 keys)",
+            quiet=True,
+        ),
     }
+
+
+def _deploy(backend: Backend, given, resolved, config: PreTrainedConfig) -> tuple[Deployment, ...]:
+    """vLLM's line where the spec stores exactly what one of its TurboQuant presets stores."""
+    dtype = vllm_dtype(resolved)
+    return (Deployment("vllm", f"vLLM: --kv-cache-dtype {dtype}"),) if dtype else ()
 
 
 def _cache(name: str, options: Mapping[str, Any], config: PreTrainedConfig) -> Cache:
@@ -142,4 +185,5 @@ BACKEND = Backend(
     width_rule=turboquant_width_problem,
     presets=TURBOQUANT_PRESETS,
     combination_rule=turboquant_combination_problem,
+    deploy=_deploy,
 )

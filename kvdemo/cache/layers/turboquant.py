@@ -48,7 +48,18 @@ from kvdemo.cache.layers.lloyd_max import decode_integers, decode_packed, exact_
 from kvdemo.cache.layers.precision import ValueAxis
 from kvdemo.cache.layers.rotation import QueryRotation, QueryRotationMixin
 from kvdemo.cache.layers.sliding import sliding_layer
-from kvdemo.cache.policies import FLUSH_POLICIES, NORM_CORRECTION_CHOICES, PROTECT_CHOICES, SLIDING_CHOICES
+from kvdemo.cache.layers.turboquant_vllm import VllmFp8Keys, VllmKeys, VllmValues
+from kvdemo.cache.layers.turboquant_vllm import dequantize_keys as vllm_dequantize_keys
+from kvdemo.cache.layers.turboquant_vllm import dequantize_values as vllm_dequantize_values
+from kvdemo.cache.layers.turboquant_vllm import quantize_keys as vllm_quantize_keys
+from kvdemo.cache.layers.turboquant_vllm import quantize_values as vllm_quantize_values
+from kvdemo.cache.policies import (
+    FLUSH_POLICIES,
+    NORM_CORRECTION_CHOICES,
+    PROTECT_CHOICES,
+    SLIDING_CHOICES,
+    TURBOQUANT_LAYOUTS,
+)
 
 KEY_ROTATION = QueryRotation(signed=True, values=False)
 """TurboQuant's rotation of the keys: (k D) H, the values left in the model's basis."""
@@ -147,16 +158,26 @@ class TurboQuantLayer(QuantizedLayer):
     attribute, so the snapshot's restore puts it back with the store it describes)."""
 
     def __init__(
-        self, nbits: int = 4, nbits_value: int | None = None, residual_length: int = 128, norm_correction: bool = False
+        self,
+        nbits: int = 4,
+        nbits_value: int | None = None,
+        residual_length: int = 128,
+        norm_correction: bool = False,
+        vllm: bool = False,
     ) -> None:
         super().__init__(
             nbits=nbits, axis_key=0, axis_value=ValueAxis(0), q_group_size=0, residual_length=residual_length
         )
         self.nbits_value = nbits if nbits_value is None else nbits_value
-        self.norm_correction = norm_correction
+        self.norm_correction, self.vllm = norm_correction, vllm
 
     def _quantize(self, tensor, axis):
-        """The keys' or (`axis` a `ValueAxis`) the values' store of `tensor` [batch, kv_heads, tokens, head_dim]."""
+        """The keys' or (`axis` a `ValueAxis`) the values' store of `tensor` [batch, kv_heads, tokens, head_dim]; with
+        `vllm`, vLLM's store (`kvdemo.cache.layers.turboquant_vllm`, keys given in the model's basis)."""
+        if self.vllm:
+            if isinstance(axis, ValueAxis):
+                return vllm_quantize_values(tensor, self.nbits_value)
+            return vllm_quantize_keys(tensor, self.nbits)
         if isinstance(axis, ValueAxis):
             return quantize_uniform(tensor, self.nbits_value)
         if self.nbits == FP8_KEY_BITS:
@@ -170,6 +191,10 @@ class TurboQuantLayer(QuantizedLayer):
     def _dequantize(self, q_tensor):
         """A store de-quantized, [batch, kv_heads, tokens, head_dim] of the residual's dtype."""
         dtype = self.keys.dtype if self.keys is not None else torch.float32
+        if isinstance(q_tensor, VllmValues):
+            return vllm_dequantize_values(q_tensor, self.nbits_value, dtype)
+        if isinstance(q_tensor, (VllmKeys, VllmFp8Keys)):
+            return vllm_dequantize_keys(q_tensor, self.nbits, self.norm_correction, dtype)
         if isinstance(q_tensor, UniformValues):
             return dequantize_uniform(q_tensor, self.nbits_value, dtype)
         if not isinstance(q_tensor, TurboKeys):  # fp8 keys: (codes, scales)
@@ -221,6 +246,7 @@ def turboquant_cache(
     norm_correction: str = NORM_CORRECTION_CHOICES[0],
     sliding: str = SLIDING_CHOICES[0],
     protect: str = PROTECT_CHOICES[0],
+    layout: str = TURBOQUANT_LAYOUTS[0],
 ) -> Cache:
     """The empty `turboquant` cache of a model: one TurboQuant layer per layer the backend quantizes
     (`kvdemo.cache.layer_kinds.quantized_layers` with `sliding` and `protect`), every other layer transformers' own
@@ -234,18 +260,28 @@ def turboquant_cache(
         flush: `append` (each residual block coded once, vLLM's and KIVI's pattern) or `requantize`.
         norm_correction: `true` or `false` (module docstring).
         sliding, protect: as `kvdemo.cache.layers.flush.quantized_cache` takes them.
+        layout: `kvdemo` or `vllm` (vLLM's store byte for byte, `kvdemo.cache.layers.turboquant_vllm`: its keys are
+            coded from the model's basis, so its layers read on the read side, the store's keys rotated back at every
+            read).
 
     Raises:
-        ValueError: a flush policy or norm_correction word that is not one.
+        ValueError: a flush policy, norm_correction or layout word that is not one.
     """
-    if flush not in FLUSH_POLICIES or norm_correction not in NORM_CORRECTION_CHOICES:
-        raise ValueError(f"flush={flush!r}, norm_correction={norm_correction!r}: one is not an allowed word")
-    own_attention, windows = attends_through_kvdemo(config), sliding_windows(config)
+    if (
+        flush not in FLUSH_POLICIES
+        or norm_correction not in NORM_CORRECTION_CHOICES
+        or layout not in TURBOQUANT_LAYOUTS
+    ):
+        raise ValueError(
+            f"flush={flush!r}, norm_correction={norm_correction!r}, layout={layout!r}: a word is not allowed"
+        )
+    vllm = layout == TURBOQUANT_LAYOUTS[1]
+    own_attention, windows = attends_through_kvdemo(config) and not vllm, sliding_windows(config)
     layers: list = [None] * len(windows)
     options: dict[str, Any] = dict(nbits=nbits, nbits_value=nbits_value, residual_length=residual_length)
     for index in quantized_layers(config, sliding, protect):
         window = windows[index]
         layer_class = _layer_class(nbits, flush, window, own_attention)
         extra = {} if window is None else {"sliding_window": window}
-        layers[index] = layer_class(**options, norm_correction=norm_correction == "true", **extra)
+        layers[index] = layer_class(**options, norm_correction=norm_correction == "true", vllm=vllm, **extra)
     return with_kept_layers(Cache(layers=layers), config, sliding, protect)
