@@ -31,8 +31,8 @@ def _config(kv_heads=3, head_dim=64, layers=1, **extra) -> LlamaConfig:
     )
 
 
-def test_registry_lists_the_five_backends_and_their_options():
-    assert list(BACKENDS) == ["dynamic", "quanto", "hqq", "fp8", "turboquant"]
+def test_registry_lists_the_six_backends_and_their_options():
+    assert list(BACKENDS) == ["dynamic", "quanto", "hqq", "fp8", "turboquant", "ggml"]
     assert BACKENDS["quanto"].options["nbits"].choices == (2, 4)
     assert BACKENDS["hqq"].options["nbits"].choices == (1, 2, 3, 4, 8)
     assert BACKENDS["turboquant"].options["nbits"].choices == (2, 3, 4, 8)
@@ -42,8 +42,9 @@ def test_registry_lists_the_five_backends_and_their_options():
     assert BACKENDS["hqq"].options["residual_length"].default == 128
     assert BACKENDS["turboquant"].options["flush"].default == "append"  # vLLM codes each token once
     assert BACKENDS["quanto"].pip == "pip install optimum-quanto==0.2.7"
-    assert [b.has_residual for b in BACKENDS.values()] == [False, True, True, False, True]
-    assert all("protect" in b.options for b in BACKENDS.values() if b.quantized)
+    assert [b.has_residual for b in BACKENDS.values()] == [False, True, True, False, True, False]
+    assert all("protect" in b.options for b in BACKENDS.values() if b.quantized and b.name != "ggml")
+    assert list(BACKENDS["ggml"].options) == ["type_k", "type_v", "rotation", "sliding"]  # llama.cpp keeps no layer
 
 
 def test_numpy_integers_are_integers():

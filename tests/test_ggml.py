@@ -175,7 +175,10 @@ def test_deploy_lines(embedded):
 
 def test_a_head_dim_off_the_blocks_is_refused_before_the_prefill(embedded):
     config = LlamaConfig(hidden_size=96, num_attention_heads=2, num_key_value_heads=1, head_dim=48, num_hidden_layers=1)
-    with pytest.raises(ValueError, match="blocks of 32 values, so a head_dim of 48 cannot be q4_0.*use f16"):
+    with pytest.raises(
+        ValueError,
+        match="blocks of 32 values, so a head_dim of 48 cannot be q4_0.*set type_k=f16, or use backend=dynamic",
+    ):
         CacheSpec.parse("ggml:q4_0").validate(config)
     assert CacheSpec.parse("ggml:f16").validate(config).backend == "ggml"  # f16 stores any width
     with pytest.raises(ValueError, match="type_k='q3_0' is not allowed for ggml; allowed: q8_0, q4_0"):

@@ -139,8 +139,10 @@ def test_prefill_and_answer_report_their_tokens(tiny, normans, monkeypatch):
     app.start_loading()
     tools = mcp_tools.McpTools(app)
     context = normans.select("0").context
-    tokens = json.loads(tools.prefill_context(context, "fp8", "p"))["context_tokens"]
+    prefilled = json.loads(tools.prefill_context(context, "fp8", "p"))
+    tokens = prefilled["context_tokens"]
     assert relayed == [(tokens, tokens, f"prefilling {tokens} of {tokens} tokens")]  # one chunk of 256 or fewer
+    assert prefilled["deploy"][0].startswith('transformers: model.generate(..., cache_implementation="quantized"')
     relayed.clear()
     answer = json.loads(tools.ask_question(QUESTIONS[0], 64, "p"))
     alone = QASession(tiny, CacheSpec("fp8"))

@@ -54,7 +54,7 @@ def examples(purpose: str) -> tuple[str, ...]:
 
     Example:
         >>> examples("needle")
-        ('dynamic', 'hqq:2', 'hqq:4', 'fp8')
+        ('dynamic', 'quanto:4', 'hqq:2', 'hqq:4', 'fp8')
     """
     return tuple(text for backend in BACKENDS.values() for text in backend.examples.get(purpose, ()))
 

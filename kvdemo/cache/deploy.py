@@ -77,3 +77,11 @@ def transformers_lines(
     cache_config = ", ".join(f'"{k}": {v!r}'.replace("'", '"') for k, v in config.items())
     line = f'transformers: model.generate(..., cache_implementation="quantized", cache_config={{{cache_config}}})'
     return (Deployment("transformers", line),)
+
+
+def transformers_rule(
+    backend: Any, given: SpecOptions, resolved: SpecOptions, model_config: PreTrainedConfig
+) -> tuple[Deployment, ...]:
+    """The `DeployRule` of a backend that is one of transformers' `QuantizedCache` backends (quanto, hqq, fp8):
+    `transformers_lines` of its name and options."""
+    return transformers_lines(backend.name, backend.options, given, resolved, model_config)

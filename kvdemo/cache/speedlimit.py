@@ -205,6 +205,7 @@ def rotation_flops(model_config, cache: Cache, memory: MemoryReport | None = Non
     (the store of `kv_memory`'s layer: held tokens - residual), each product 2 x head_dim^2 flops; and the side
     (`query`, `read`; "" for a cache without rotated layers). `memory`: `kv_memory(cache)` when the caller has it
     (None reads it)."""
+    from kvdemo.cache.layers.ggml import GgmlLayer
     from kvdemo.cache.layers.rotation import QueryRotationMixin, RotationMixin
 
     geo = kv_geometry(model_config)
@@ -215,6 +216,10 @@ def rotation_flops(model_config, cache: Cache, memory: MemoryReport | None = Non
         if isinstance(layer, QueryRotationMixin):  # the query and key, and the output and value where both rotate
             both = 2 if layer.query_rotation.values else 1
             flops, side = flops + both * (query_heads + geo.kv_heads) * product, side or "query"
+        elif isinstance(layer, GgmlLayer) and layer.query_side:  # the keys' rotation and the values', each where set
+            rotation = layer.query_rotation
+            both = bool(rotation.key_block) + bool(rotation.value_block)
+            flops, side = flops + both * (query_heads + geo.kv_heads) * product, side or ("query" if both else side)
         elif isinstance(layer, RotationMixin):
             flops, side = (
                 flops + 2 * (stats.seq_length - stats.residual_tokens) * geo.kv_heads * product,

@@ -4,7 +4,8 @@ no list of specs is written here, only which options are varied and why.
 Each quantized, installed backend at every key precision from `MIN_PLAN_BITS` (the planner's floor: 1-bit stores err
 by more than their own norm) and every value precision at most the keys' (the keys set which tokens a query attends
 to and are the more sensitive half: KIVI, KVQuant; so a split gives the keys the bits), each at every choice of the
-options in `VARIED`, and every preset of a backend (vLLM's TurboQuant presets, with their boundary protection). Every
+options in `VARIED` (`sliding` only for a backend that keeps sliding-window layers by default), and every preset of a
+backend (vLLM's TurboQuant presets as vLLM stores them, llama.cpp's cache types for keys and values). Every
 other option keeps its default: it changes when and how a store is written (the flush, the residual's length, the
 axis, hqq's solver), not what a long context holds, and the Compare tab measures it. A spec the model refuses
 (`CacheSpec.validate`: a group that does not fit its head_dim, a rotation on another width) is left out, and so is a
@@ -19,12 +20,15 @@ from typing import TYPE_CHECKING, cast
 
 from kvdemo.cache.deploy import ENGINES
 from kvdemo.cache.layer_kinds import layer_types
+from kvdemo.cache.policies import SLIDING_CHOICES
 from kvdemo.cache.registry import BACKENDS, BASELINE
 from kvdemo.cache.spec import CacheSpec
 from kvdemo.evals.plan_budget import MIN_PLAN_BITS
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
+
+    from kvdemo.cache.backend import Backend
 
 VARIED = ("rotation", "scale", "sliding")
 """The options whose every choice is a candidate: what each stored value is (`rotation`: the Hadamard basis that
@@ -65,14 +69,22 @@ def _grid(model_config: PreTrainedConfig) -> list[CacheSpec]:
         varied = {
             option: [None, *(c for c in info.options[option].choices or () if c != info.options[option].default)]
             for option in VARIED
-            if option in info.options and (option != "sliding" or has_sliding)
+            if option in info.options and (option != "sliding" or (has_sliding and _keeps_sliding(info)))
         }
         for bits in _bit_pairs(name):
             for words in itertools.product(*varied.values()):
                 specs.append(CacheSpec(name, **bits, **dict(zip(varied, words))))  # type: ignore[arg-type]
-        for preset in info.presets:
-            specs += [CacheSpec.parse(f"{name}:{preset}").replace(**dict(zip(varied, w))) for w in _sliding(varied)]
+        for preset, options in info.presets.items():  # a preset that sets `sliding` (vLLM's) is taken as it is
+            ways = [(None,) * len(varied)] if "sliding" in options else _sliding(varied)
+            specs += [CacheSpec.parse(f"{name}:{preset}").replace(**dict(zip(varied, w))) for w in ways]
     return specs
+
+
+def _keeps_sliding(info: Backend) -> bool:
+    """Whether a backend keeps sliding-window layers at full precision by default, so that quantizing them is a
+    candidate of its own; where it quantizes them already (`ggml`, as llama.cpp does), keeping them is kvdemo's only
+    and no engine's, and is not tried."""
+    return info.options["sliding"].default == SLIDING_CHOICES[0]
 
 
 def _sliding(varied: dict[str, list]) -> list[tuple]:

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvdemo.cache.backend import Backend
-from kvdemo.cache.deploy import transformers_lines
+from kvdemo.cache.deploy import transformers_rule
 from kvdemo.cache.options import PROTECT_OPTION, SLIDING_OPTION, Option
 from kvdemo.cache.policies import FP8_SCALES, PROTECT_CHOICES, SLIDING_CHOICES
 
@@ -16,7 +16,6 @@ if TYPE_CHECKING:
     from transformers.cache_utils import Cache
 
     from kvdemo.cache.geometry import KVGeometry
-    from kvdemo.cache.options import SpecOptions
 
 NAME = "fp8"
 
@@ -47,11 +46,6 @@ def _cache(name: str, options: Mapping[str, Any], config: PreTrainedConfig) -> C
     )
 
 
-def _deploy(backend: Backend, given: SpecOptions, resolved: SpecOptions, config: PreTrainedConfig):
-    """transformers' `QuantizedCache(backend="fp8")` where the spec is that cache (`kvdemo.cache.deploy`)."""
-    return transformers_lines(backend.name, backend.options, given, resolved, config)
-
-
 BACKEND = Backend(
     NAME,
     "QuantizedCache(backend='fp8'): float8_e4m3, one scale per tensor frozen at the first update (or one per "
@@ -73,6 +67,6 @@ BACKEND = Backend(
             quiet=True,
         ),
     },
-    deploy=_deploy,
+    deploy=transformers_rule,
     examples={"needle": (NAME,)},
 )

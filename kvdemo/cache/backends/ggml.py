@@ -4,12 +4,13 @@ Hadamard rotation where llama.cpp applies it, sliding-window layers quantized to
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvdemo.cache.backend import Backend
 from kvdemo.cache.deploy import Deployment
-from kvdemo.cache.options import Option
+from kvdemo.cache.options import SLIDING_OPTION, Option
 from kvdemo.cache.policies import SLIDING_CHOICES
 
 if TYPE_CHECKING:
@@ -59,9 +60,10 @@ def ggml_width_problem(opts, tensor: str, width: int) -> str | None:
     cache_type = opts["type_k"] if tensor == "keys" else opts["type_v"]
     if cache_type == "f16" or width % 32 == 0:
         return None
+    option = "type_k" if tensor == "keys" else "type_v"
     return (
         f"ggml stores {tensor} in blocks of 32 values, so a head_dim of {width} cannot be {cache_type} "
-        "(llama.cpp refuses it too); use f16 for it, or another backend"
+        f"(llama.cpp refuses it too); set {option}=f16, or use backend=dynamic"
     )
 
 
@@ -129,14 +131,11 @@ BACKEND = Backend(
             help="auto: llama.cpp's Hadamard rotation of a quantized K or V where head_dim is a multiple of 64; "
             "none: LLAMA_ATTN_ROT_DISABLE=1",
         ),
-        "sliding": Option(
-            "sliding",
-            SLIDING_CHOICES[1],
-            choices=SLIDING_CHOICES,
+        "sliding": dataclasses.replace(
+            SLIDING_OPTION,
+            default=SLIDING_CHOICES[1],
             help="sliding-window layers: quantize them with the same types, as llama.cpp does (the default), or keep "
             "them at full precision (kvdemo only)",
-            acts_on=("sliding_attention", "chunked_attention"),
-            quiet=True,
         ),
     },
     compare_nbits=(),  # not in the default comparison (kept quick); the Compare tab offers it, the recommender tries it

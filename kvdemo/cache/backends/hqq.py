@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvdemo.cache.backend import Backend
-from kvdemo.cache.deploy import transformers_lines
+from kvdemo.cache.deploy import transformers_rule
 from kvdemo.cache.layouts import group_bytes
 from kvdemo.cache.options import Option, group_options
 from kvdemo.cache.policies import OPTIMIZE_CHOICES
@@ -72,11 +72,6 @@ def _cache(name: str, options: SpecOptions, config: PreTrainedConfig) -> Cache:
     return residual_cache(name, dict(options), config)
 
 
-def _deploy(backend: Backend, given: SpecOptions, resolved: SpecOptions, config: PreTrainedConfig):
-    """transformers' `QuantizedCache(backend="hqq")` where the spec is that cache (`kvdemo.cache.deploy`)."""
-    return transformers_lines(backend.name, backend.options, given, resolved, config)
-
-
 BACKEND = Backend(
     NAME,
     "QuantizedCache(backend='hqq'): HQQ 1-8 bit, group-wise, with a full-precision residual",
@@ -93,6 +88,6 @@ BACKEND = Backend(
     compare_nbits=(4,),
     module="hqq",
     pip="pip install hqq==0.2.8.post1",
-    deploy=_deploy,
+    deploy=transformers_rule,
     examples={"needle": ("hqq:2", "hqq:4"), "more": ("hqq:4,residual_length=16",)},
 )

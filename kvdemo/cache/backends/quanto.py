@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvdemo.cache.backend import Backend
-from kvdemo.cache.deploy import transformers_lines
+from kvdemo.cache.deploy import transformers_rule
 from kvdemo.cache.layouts import group_bytes
 from kvdemo.cache.options import group_options
 
@@ -52,11 +52,6 @@ def _cache(name: str, options: SpecOptions, config: PreTrainedConfig) -> Cache:
     return residual_cache(name, dict(options), config)
 
 
-def _deploy(backend: Backend, given: SpecOptions, resolved: SpecOptions, config: PreTrainedConfig):
-    """transformers' `QuantizedCache(backend="quanto")` where the spec is that cache (`kvdemo.cache.deploy`)."""
-    return transformers_lines(backend.name, backend.options, given, resolved, config)
-
-
 BACKEND = Backend(
     NAME,
     "QuantizedCache(backend='quanto'): optimum-quanto int2/int4, group-wise, with a full-precision residual",
@@ -70,9 +65,10 @@ BACKEND = Backend(
     compare_nbits=(4,),  # the Compare tab starts with seven specs: one per backend, and the rotated twins
     module="optimum.quanto",
     pip="pip install optimum-quanto==0.2.7",
-    deploy=_deploy,
+    deploy=transformers_rule,
     examples={
         "start": ("quanto:4,residual_length=16",),
+        "needle": ("quanto:4",),
         "plan_base": (NAME,),
         "more": ("quanto:2,q_group_size=32,axis_key=-1",),
     },

@@ -132,8 +132,9 @@ class GgmlLayer(BaseQuantizedLayer):
 
     Attributes:
         type_k, type_v: the keys' and the values' types (`ggml_blocks.BLOCK_BYTES` or `f16`).
-        rotation: the layer's `GgmlRotation`; query_side: attention rotates the query (the keys returned carry the
-            mark), else every read is rotated back.
+        query_rotation: the layer's `GgmlRotation` (its store is in that basis; `to_model_basis` reads it);
+            query_side: attention rotates the query (the keys returned carry the mark), else every read is rotated
+            back.
     """
 
     def __init__(self, type_k: str, type_v: str, rotation: GgmlRotation, query_side: bool) -> None:
