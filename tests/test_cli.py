@@ -609,4 +609,4 @@ def test_needle_help_documents_the_grid():
         "--no-progress",
     ):
         assert option in out
-    assert "--spec dynamic --spec quanto:4 --spec hqq:2 --spec hqq:4 --spec fp8 --lengths 1024,2048,4096,7936" in out
+    assert "--spec dynamic --spec hqq:2 --spec hqq:4 --spec quanto:4 --spec fp8 --lengths 1024,2048,4096,7936" in out

@@ -145,6 +145,11 @@ def test_a_ggml_session_holds_the_formula_bytes_and_says_how_to_deploy(embedded)
     assert "Deploy: `llama.cpp: -ctk q4_0 -ctv q8_0 -fa on`" in prefill_summary(session)  # the page, beside the spec
     answer = session.ask("Where is Normandy?", 4)
     assert session.cache_length == tokens and len(answer.token_ids) == 4
+    for text in ("ggml:f16", "ggml:iq4_nl,type_v=q5_1"):  # the types the matrix leaves out: restored, as fresh runs
+        typed = QASession(tiny, CacheSpec.parse(text))
+        typed.prefill("The Normans gave their name to Normandy, a region in France. " * 8)
+        first, again = typed.ask("Where is Normandy?", 4), typed.ask("Where is Normandy?", 4)
+        assert first.token_ids == again.token_ids and typed.cache_length == tokens
     appended = QASession(tiny, CacheSpec.parse("quanto:4,flush=append"))
     appended.prefill("The Normans gave their name to Normandy.")
     assert "Deploy: kvdemo only (no engine stores this cache byte for byte)" in prefill_summary(appended)

@@ -63,7 +63,8 @@ class Backend:
             each allowed but not together (turboquant's norm correction at nbits 8); None where any go together.
         deploy: its `DeployRule`: the engines that store a spec's cache the same way (None: kvdemo only).
         examples: named spec texts the rest of kvdemo starts from (`kvdemo.cache.catalogue.examples`): purpose ->
-            texts of this backend, e.g. `{"needle": ("hqq:2", "hqq:4")}`, so that no other module names a backend.
+            {text of this backend: its place among every backend's texts for that purpose}, e.g.
+            `{"needle": {"hqq:2": 1, "hqq:4": 2}}`, so that no other module names a backend.
     """
 
     name: str
@@ -81,7 +82,7 @@ class Backend:
     presets: dict[str, dict[str, int | str]] = field(default_factory=dict)
     combination_rule: Callable[[SpecOptions], str | None] | None = None
     deploy: DeployRule | None = None
-    examples: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    examples: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def has_residual(self) -> bool:

@@ -47,16 +47,19 @@ def all_specs() -> list[CacheSpec]:
 
 
 def examples(purpose: str) -> tuple[str, ...]:
-    """The spec texts the backends offer for `purpose` (`Backend.examples`), in the registry's order: `baseline`
+    """The spec texts the backends offer for `purpose` (`Backend.examples`), in the places they give: `baseline`
     (the full-precision spec every comparison measures against), `start` (the page's fixed first spec), `needle`
     (the needle grid's default specs), `plan_base` (the backend a plan keeps by default), `more` (the Compare
     tab's examples of further specs).
 
     Example:
-        >>> examples("needle")
-        ('dynamic', 'quanto:4', 'hqq:2', 'hqq:4', 'fp8')
+        >>> examples("needle")  # the Needle tab starts with the first two: full precision, and 2 bits that lose it
+        ('dynamic', 'hqq:2', 'hqq:4', 'quanto:4', 'fp8')
     """
-    return tuple(text for backend in BACKENDS.values() for text in backend.examples.get(purpose, ()))
+    placed = [
+        (place, text) for backend in BACKENDS.values() for text, place in backend.examples.get(purpose, {}).items()
+    ]
+    return tuple(text for _, text in sorted(placed, key=lambda pair: pair[0]))
 
 
 def default_compare_specs() -> list[CacheSpec]:

@@ -71,5 +71,5 @@ BACKEND = Backend(
         )
     },
     deploy=_deploy,
-    examples={"baseline": (NAME,), "needle": (NAME,)},
+    examples={"baseline": {NAME: 0}, "needle": {NAME: 0}},
 )

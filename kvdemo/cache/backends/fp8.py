@@ -68,5 +68,5 @@ BACKEND = Backend(
         ),
     },
     deploy=transformers_rule,
-    examples={"needle": (NAME,)},
+    examples={"needle": {NAME: 4}},
 )

@@ -115,6 +115,7 @@ BACKEND = Backend(
             CACHE_TYPES[0],
             choices=CACHE_TYPES,
             help="the keys' type, llama.cpp's --cache-type-k (-ctk): 32 values a block, q8_0 34 bytes, q4_0 18",
+            in_matrix=False,  # one layer for every type: the blocks have their own tests (tests/test_ggml.py)
         ),
         "type_v": Option(
             "type_v",
@@ -142,5 +143,5 @@ BACKEND = Backend(
     width_rule=ggml_width_problem,
     presets={name: {"type_k": name, "type_v": name} for name in CACHE_TYPES},
     deploy=_deploy,
-    examples={"more": ("ggml:q4_0",)},
+    examples={"more": {"ggml:q4_0": 2}},
 )

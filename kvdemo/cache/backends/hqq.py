@@ -89,5 +89,5 @@ BACKEND = Backend(
     module="hqq",
     pip="pip install hqq==0.2.8.post1",
     deploy=transformers_rule,
-    examples={"needle": ("hqq:2", "hqq:4"), "more": ("hqq:4,residual_length=16",)},
+    examples={"needle": {"hqq:2": 1, "hqq:4": 2}, "more": {"hqq:4,residual_length=16": 0}},
 )

@@ -67,9 +67,9 @@ BACKEND = Backend(
     pip="pip install optimum-quanto==0.2.7",
     deploy=transformers_rule,
     examples={
-        "start": ("quanto:4,residual_length=16",),
-        "needle": ("quanto:4",),
-        "plan_base": (NAME,),
-        "more": ("quanto:2,q_group_size=32,axis_key=-1",),
+        "start": {"quanto:4,residual_length=16": 0},
+        "needle": {"quanto:4": 3},
+        "plan_base": {NAME: 0},
+        "more": {"quanto:2,q_group_size=32,axis_key=-1": 1},
     },
 )
