@@ -35,8 +35,11 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from peer_runners import LlamaCppRunner  # noqa: E402
 
 from kvdemo import CacheSpec, QASession, load_model  # noqa: E402
 from kvdemo.cache.spec import build_cache  # noqa: E402
@@ -45,8 +48,6 @@ from kvdemo.qa.models import embedded_gguf_path  # noqa: E402
 from kvdemo.qa.packaged import gemma3_path  # noqa: E402
 
 TYPES = ("q8_0", "q4_0")
-GGML_TYPE_IDS = {"f16": 1, "q4_0": 2, "q8_0": 8}
-"""ggml's type numbers (ggml.h `enum ggml_type`) as llama-cpp-python's `type_k`/`type_v` take them."""
 CASES = ROOT.parent / "shared" / "cases"
 
 
@@ -126,23 +127,12 @@ def kvdemo_scores(loaded, context: str, ids: list[int]) -> dict[str, torch.Tenso
 
 def llama_cpp_scores(gguf: Path, prefix: list[int], ids: list[int], threads: int) -> dict[str, torch.Tensor]:
     """llama.cpp's log-probabilities of `ids[1:]` after `prefix + ids[:1]`, one decode step per token, for the f16
-    cache and each of `TYPES` (flash attention on, llama.cpp's default rotation)."""
-    import llama_cpp  # noqa: PLC0415  (optional: `make bench-peers` builds it)
+    cache and each of `TYPES` (`peer_runners.LlamaCppRunner`: flash attention on, llama.cpp's default rotation)."""
     import numpy as np  # noqa: PLC0415
 
     out = {}
     for kv_type in ("f16", *TYPES):
-        llm = llama_cpp.Llama(
-            model_path=str(gguf),
-            n_ctx=len(prefix) + len(ids) + 16,
-            n_batch=512,
-            n_threads=threads,
-            n_threads_batch=threads,
-            type_k=GGML_TYPE_IDS[kv_type],
-            type_v=GGML_TYPE_IDS[kv_type],
-            flash_attn=True,
-            verbose=False,
-        )
+        llm = LlamaCppRunner(gguf, kv_type, len(prefix) + len(ids) + 16, threads, layers=0, kv_width=0).llm
         llm.eval(prefix + ids[:1])
         rows = []
         for token in ids[1:]:

@@ -124,6 +124,18 @@ def load(source: Path) -> ctypes.CDLL | None:
         return _LOADED[key]
 
 
+def function(source: Path, name: str, restype, argtypes: list):
+    """The C function `name` of `source`'s library (`load`), its result and argument types set once; None where the
+    library cannot be built (`build_problem(source)` says why)."""
+    library = load(source)
+    if library is None:
+        return None
+    found = getattr(library, name)
+    if found.argtypes is None:
+        found.restype, found.argtypes = restype, argtypes
+    return found
+
+
 def build_problem(source: Path) -> str | None:
     """Why `load(source)` returned None in this process, or None where it loaded (or was not asked yet)."""
     return _PROBLEMS.get(str(source))

@@ -245,7 +245,9 @@ def ggml_cache(config: PreTrainedConfig, type_k: str, type_v: str, rotation: str
         layer = geometry[index]
         rotate = rotation != "none"
         key_block = key_rotation_block(layer.key_dim) if rotate and type_k != F16 else 0
-        value_block = VALUE_ROTATION_BLOCK if rotate and type_v != F16 and layer.value_dim % 64 == 0 else 0
+        value_block = (
+            VALUE_ROTATION_BLOCK if rotate and type_v != F16 and not layer.value_dim % VALUE_ROTATION_BLOCK else 0
+        )
         turn = GgmlRotation(key_block, value_block)
         window = windows[index]
         if window is None:

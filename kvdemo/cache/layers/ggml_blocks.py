@@ -194,15 +194,8 @@ KERNEL_TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl")
 def kernel():
     """The C function `ggml_dequantize` (`ggml_dequant.c`, compiled once per machine by `kvdemo.cache.c_build`), its
     argument types set; None where no C compiler built it (`c_build.build_problem(SOURCE)` says why)."""
-    library = c_build.load(SOURCE)
-    if library is None:
-        return None
-    function = library.ggml_dequantize
-    if function.argtypes is None:
-        function.restype = ctypes.c_int
-        function.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long]
-        function.argtypes += [ctypes.c_int]
-    return function
+    arguments = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_int]
+    return c_build.function(SOURCE, "ggml_dequantize", ctypes.c_int, arguments)
 
 
 def dequantize_rows(rows: torch.Tensor, block_type: str, width: int) -> torch.Tensor:

@@ -67,15 +67,9 @@ def fused_solver():
     the legacy proximal solver the kernel repeats."""
     if Quantizer.optimize_weights is not optimize_weights_proximal_legacy:
         return None
-    library = c_build.load(SOURCE)
-    if library is None:
-        return None
-    solver = library.hqq_proximal
-    if solver.argtypes is None:
-        solver.restype = ctypes.c_int
-        solver.argtypes = [_FLOAT_P, _FLOAT_P, _FLOAT_P, ctypes.c_long, ctypes.c_long]
-        solver.argtypes += [ctypes.c_float, ctypes.c_float, ctypes.c_float, ctypes.c_int, _FLOAT_P, ctypes.c_int]
-    return solver
+    arguments = [_FLOAT_P, _FLOAT_P, _FLOAT_P, ctypes.c_long, ctypes.c_long]
+    arguments += [ctypes.c_float, ctypes.c_float, ctypes.c_float, ctypes.c_int, _FLOAT_P, ctypes.c_int]
+    return c_build.function(SOURCE, "hqq_proximal", ctypes.c_int, arguments)
 
 
 def _pointer(tensor: torch.Tensor):
