@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvdemo import CacheSpec, QASession
+from kvdemo.cache.layers.blockwise import dequantized_reads
 from kvdemo.cache.speedlimit import SpeedLimit, probe_bandwidth, speed_limit, weight_bytes
 from kvdemo.ui import views
 from tests.helpers import make_tiny
@@ -47,11 +48,21 @@ def test_floor_is_bytes_by_hand_over_bandwidth(small, spec):
     assert limit.ratio(2 * limit.floor_seconds) == pytest.approx(2.0)
     line = views.speed_limit_line(limit, 3 * limit.floor_seconds)
     assert "3.0×" in line and f"{limit.crossover_tokens:,}" in line
-    # a quantized step de-quantizes its whole store (every stored token, keys and values, float32) in each layer
-    # (after the prefill the residual is empty: all n tokens are in the store)
+    # beside it, the floor of a full-precision cache of the same tokens (what a quantized one is compared with)
+    assert limit.full_precision_kv_bytes == 2 * 2 * 2 * 64 * 4 * n
+    assert limit.full_precision_floor_seconds == pytest.approx((weight_bytes(small.model) + 2048 * n) / bandwidth)
+    assert ("a full-precision cache of these tokens would read" in line) == (spec.backend != "dynamic")
+    # a quantized step's attention reads the codes in both layers: nothing de-quantized
+    assert limit.code_layers == (0 if spec.backend == "dynamic" else 2) and limit.dequantized_bytes == 0
+    assert ("reads the stored codes in 2 layers" in line) == (spec.backend != "dynamic")
+    # on the de-quantize path it de-quantizes its whole store (every stored token, keys and values, float32) in each
+    # layer (after the prefill the residual is empty: all n tokens are in the store)
+    with dequantized_reads():
+        limit = speed_limit(small.model, qa.cache, bandwidth=bandwidth)
+    line = views.speed_limit_line(limit, None)
     expected = 0 if spec.backend == "dynamic" else 2 * 2 * 2 * 64 * 4 * n  # 2 layers x keys and values x 2 x 64
-    assert limit.dequantized_bytes == expected
-    assert ("de-quantizes every stored value" in line) == bool(expected)
+    assert limit.dequantized_bytes == expected and limit.code_layers == 0
+    assert ("de-quantizes the stored values it reads" in line) == bool(expected)
     if expected:
         assert f"{limit.dequantized_bytes / 2**20:,.1f} MiB of full-precision keys and values" in line
 

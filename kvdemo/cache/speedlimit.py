@@ -101,8 +101,12 @@ class SpeedLimit:
             de-quantizing its whole store in every layer (every stored token at each step, no copy kept between
             steps: joined whole by transformers' `QuantizedLayer.update` and the fp8 layer, block by block by
             `kvdemo.cache.layers.blockwise`; `benchmarks/flush.py` and `benchmarks/decode.py` measure the time); 0 for
-            `dynamic`. Not in the floor: a cache that attends to its quantized store
-            directly would not write them.
+            `dynamic` and for the layers whose decode attention reads the stored codes (`code_layers`). Not in the
+            floor.
+        code_layers: layers whose decode attention reads the stored codes with no de-quantized copy
+            (`kvdemo.cache.layers.code_attention`; `benchmarks/code_attention.py` measures the time).
+        full_precision_kv_bytes: what a `dynamic` cache of the same tokens in the model's dtype would read
+            (`kvdemo.cache.geometry.full_precision_bytes`): the floor a quantized cache's is compared with.
         rotation_flops: floating-point operations a step of a rotated cache (`rotation=hadamard`) adds, each a
             [head_dim] x [head_dim, head_dim] product of 2 x head_dim^2 flops: on the query side
             (`kvdemo.cache.layers.rotation.QueryRotationMixin`) the new token's key and value per KV head and its query
@@ -119,6 +123,8 @@ class SpeedLimit:
     unread_bytes: int = 0
     rotation_flops: int = 0
     rotation_side: str = ""
+    code_layers: int = 0
+    full_precision_kv_bytes: int = 0
 
     @property
     def bytes_read(self) -> int:
@@ -147,6 +153,12 @@ class SpeedLimit:
         per_token = self.kv_bytes_per_token
         return math.ceil(self.weight_bytes / per_token) if per_token else None
 
+    @property
+    def full_precision_floor_seconds(self) -> float:
+        """The floor of a step over a `dynamic` cache of the same tokens: (weight_bytes + full_precision_kv_bytes) /
+        bandwidth (seconds)."""
+        return (self.weight_bytes + self.full_precision_kv_bytes) / self.bandwidth
+
     def ratio(self, step_seconds: float) -> float:
         """How many floors a measured step takes: step_seconds / floor_seconds."""
         return step_seconds / self.floor_seconds
@@ -161,6 +173,9 @@ class SpeedLimit:
             "floor_seconds": self.floor_seconds,
             "crossover_tokens": self.crossover_tokens,
             "dequantized_bytes": self.dequantized_bytes,
+            "code_layers": self.code_layers,
+            "full_precision_kv_bytes": self.full_precision_kv_bytes,
+            "full_precision_floor_seconds": self.full_precision_floor_seconds,
             "unread_bytes": self.unread_bytes,
             "rotation_flops": self.rotation_flops,
             "rotation_side": self.rotation_side,
@@ -179,11 +194,19 @@ def speed_limit(model: PreTrainedModel, cache: Cache, bandwidth: float | None = 
         >>> limit = speed_limit(loaded.model, session.cache)
         >>> f"{limit.floor_seconds * 1000:.1f} ms, step / floor {limit.ratio(0.082):.1f}x"
     """
+    from kvdemo.cache.layers.attention import layer_read
+
     memory = kv_memory(cache)
     # keys and values of one token in one layer, in the model's dtype (what a layer de-quantizes each step)
     layers = kv_geometry(model.config).layers
-    layer_token_bytes = full_precision_bytes(model.config, 1, next(model.parameters()).dtype) // layers
-    quantized_tokens = sum(layer.seq_length - layer.residual_tokens for layer in memory.layers if layer.quantized_bytes)
+    parameter = next(model.parameters())
+    layer_token_bytes = full_precision_bytes(model.config, 1, parameter.dtype) // layers
+    reads = [layer_read(layer, parameter.dtype, parameter.device) for layer in cache.layers]
+    quantized_tokens = sum(
+        stats.seq_length - stats.residual_tokens
+        for stats, read in zip(memory.layers, reads)
+        if stats.quantized_bytes and read != "codes"
+    )
     kv_read = sum(layer.quantized_bytes + layer_token_bytes * layer.residual_tokens for layer in memory.layers)
     flops, side = rotation_flops(model.config, cache, memory)
     return SpeedLimit(
@@ -193,6 +216,8 @@ def speed_limit(model: PreTrainedModel, cache: Cache, bandwidth: float | None = 
         kv_tokens=int(cache.get_seq_length()),
         bandwidth=probe_bandwidth() if bandwidth is None else bandwidth,
         dequantized_bytes=layer_token_bytes * quantized_tokens,
+        code_layers=reads.count("codes"),
+        full_precision_kv_bytes=full_precision_bytes(model.config, int(cache.get_seq_length()), parameter.dtype),
         rotation_flops=flops,
         rotation_side=side,
     )

@@ -1,6 +1,7 @@
 """One-time work of the quantized backends done at install time (`make` runs `warm_up` once): optimum-quanto
-compiles its C++ extension on its first de-quantize in a fresh install, and hqq's first quantization compiles kvdemo's
-fused solver (`kvdemo.cache.layers.hqq_optimize`, about a second)."""
+compiles its C++ extension on its first de-quantize in a fresh install, hqq's first quantization compiles kvdemo's
+fused solver (`kvdemo.cache.layers.hqq_optimize`, about a second), and the decode kernel over the stored codes
+(`kvdemo.cache.layers.code_attention`, about 2 seconds) is compiled."""
 
 from __future__ import annotations
 
@@ -46,4 +47,9 @@ def warm_up(backends: tuple[str, ...] | None = None) -> dict[str, float]:
         layer.update(states, states)
         layer.update(states[:, :, :1], states[:, :, :1])
         seconds[name] = time.perf_counter() - start
+    from kvdemo.cache.layers import code_attention
+
+    start = time.perf_counter()
+    code_attention.kernel()  # compiled once per machine into the cache folder
+    seconds["decode kernel"] = time.perf_counter() - start
     return seconds

@@ -123,5 +123,6 @@ def run_ask(args: argparse.Namespace) -> dict[str, Any]:
         "prompt_note": report.prompt_note,
         "template_clock": report.template_clock and report.template_clock.isoformat(timespec="seconds"),
         "deploy": list(report.deploy),
+        "decode_read": report.decode_read,
         "answers": answers,
     }

@@ -69,6 +69,7 @@ def format_summary(result: dict[str, Any]) -> str:
         f"{result['ratio_to_full_precision']:.3f} x full precision ({result['full_precision_bytes']:,} bytes)",
     ]
     lines += [f"  deploy: {line}" for line in result.get("deploy") or ()]
+    lines += [f"  {result['decode_read']}"] if result.get("decode_read") else []
     kinds = result.get("bytes_by_kind") or {}
     if any(held for kind, held in kinds.items() if kind != "quantized") and kinds.get("quantized"):
         lines.append("  by what holds it: " + ", ".join(f"{kind} {held:,} bytes" for kind, held in kinds.items()))

@@ -33,6 +33,8 @@ class PrefillReport:
             the prefill that wrote it took.
         deploy: the lines of the engines that store this cache the same way, kvdemo's last
             (`kvdemo.cache.spec.CacheSpec.deployments`: "llama.cpp: -ctk q4_0 -ctv q4_0 -fa on").
+        decode_read: how the decode steps attend to this cache (`kvdemo.cache.layers.attention.decode_read`:
+            "Decode attention reads the stored codes in 30 layers").
     """
 
     context_tokens: int
@@ -45,6 +47,7 @@ class PrefillReport:
     opened_from: str | None = None
     prefill_seconds: float | None = None
     deploy: tuple[str, ...] = ()
+    decode_read: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict of every field (the memory per layer, the clock in ISO 8601), which `from_dict` reads

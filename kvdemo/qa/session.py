@@ -23,6 +23,7 @@ from transformers.cache_utils import DynamicLayer
 from kvdemo import checks
 from kvdemo.cache import budget, snapshot
 from kvdemo.cache.geometry import full_precision_bytes
+from kvdemo.cache.layers.attention import decode_read
 from kvdemo.cache.spec import CacheSpec, build_cache
 from kvdemo.cache.telemetry import StepEvent, kv_memory
 from kvdemo.qa.decode import greedy_decode, teacher_forced
@@ -276,6 +277,7 @@ class QASession:
             full_precision_bytes(self.loaded.config, len(split.prefix), self.loaded.dtype), split.matches_template,
             split.note, split.clock, opened_from, prefill_seconds,
             tuple(d.line for d in self.spec.deployments(self.loaded.config)),
+            decode_read(cache, self.loaded.dtype, self.loaded.device),
         )  # fmt: skip
         return report
 

@@ -129,7 +129,8 @@ class McpTools:
             JSON: spec, context_tokens, prefill_seconds, kv_bytes, bytes_per_token, ratio_to_full_precision, model,
             prompt_note (why the prompt differs from the chat template's, or null), template_clock_note (the date a
             dated template writes for every question of this session, or null), deploy (the lines of the engines
-            that store this cache byte for byte, e.g. "llama.cpp: -ctk q4_0 -ctv q4_0 -fa on", kvdemo's last)
+            that store this cache byte for byte, e.g. "llama.cpp: -ctk q4_0 -ctv q4_0 -fa on", kvdemo's last),
+            decode_read (how decode steps attend to it: "Decode attention reads the stored codes in 30 layers")
         """
         if not isinstance(spec, str):
             raise ValueError("spec must be a text like hqq:4,residual_length=16")
@@ -160,6 +161,7 @@ class McpTools:
                 "prompt_note": report.prompt_note,
                 "template_clock_note": report.clock_note,
                 "deploy": list(report.deploy),
+                "decode_read": report.decode_read,
             }
         )
 

@@ -121,6 +121,7 @@ def prefill_summary(qa: Session, timing: str = "") -> str:
         f"KV cache {r.kv_bytes / 2**20:.2f} MiB ({r.bytes_per_token:,.0f} bytes/token{kept_part}) · "
         f"**{r.ratio_to_full_precision:.3f}×** a full-precision cache of these tokens "
         f"({r.full_precision_bytes / 2**20:.2f} MiB)\n\n{deploy_text(r.deploy)}"
+        + (f"\n\n{r.decode_read}." if r.decode_read else "")
     ) + "".join(notes)
 
 
@@ -427,10 +428,21 @@ def speed_limit_line(limit: SpeedLimit, step_seconds: float | None) -> str:
             f"the KV read exceeds the weights' above {limit.crossover_tokens:,} tokens at this cache's "
             f"{limit.kv_bytes_per_token:,.0f} bytes/token (now {limit.kv_share:.0%} of the bytes read)"
         )
+    if limit.full_precision_kv_bytes > limit.kv_bytes:
+        parts.append(
+            f"a full-precision cache of these tokens would read {limit.full_precision_kv_bytes / 2**20:,.1f} MiB: "
+            f"floor {limit.full_precision_floor_seconds * 1000:,.1f} ms"
+        )
+    if limit.code_layers:
+        parts.append(
+            f"attention reads the stored codes in {limit.code_layers} layers, one tile at a time, with no "
+            "de-quantized copy: the step follows its floor, so it passes full precision's where the KV cache is a "
+            "large share of the bytes read (docs/benchmarks.md)"
+        )
     if limit.dequantized_bytes:
         parts.append(
-            f"not in the floor: each step also de-quantizes every stored value, "
-            f"{limit.dequantized_bytes / 2**20:,.1f} MiB of full-precision keys and values over all layers "
+            f"not in the floor: each step also de-quantizes the stored values it reads whole or by block, "
+            f"{limit.dequantized_bytes / 2**20:,.1f} MiB of full-precision keys and values over those layers "
             "(block by block, each read while still in the CPU's cache; no full-precision copy is kept between "
             "steps): why a quantized step is slower than `dynamic`'s, not faster"
         )

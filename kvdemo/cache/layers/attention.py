@@ -36,10 +36,13 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
+from transformers.cache_utils import BaseQuantizedLayer, Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from kvdemo.cache.layers.blockwise import attend_blockwise, blocks_of
+from kvdemo.cache import c_build
+from kvdemo.cache.layers import code_attention
+from kvdemo.cache.layers.blockwise import BlockwiseReadMixin, attend_blockwise, blocks_of, code_reader, codes_read
 from kvdemo.cache.layers.rotation import ROTATED_MARK, QueryRotation
 
 ATTENTION = "kvdemo_sdpa"
@@ -190,3 +193,47 @@ def uses_query_rotation(config) -> bool:
         return False
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     return getattr(text, "_attn_implementation", None) == ATTENTION
+
+
+DECODE_READS = {
+    "codes": "reads the stored codes",
+    "blocks": "de-quantizes each block",
+    "whole": "de-quantizes the whole store",
+    "full": "reads full precision",
+}
+"""How a layer's decode steps read its keys and values (`layer_read`) -> the words `decode_read` uses."""
+
+
+def layer_read(layer, dtype: torch.dtype, device: torch.device) -> str | None:
+    """The `DECODE_READS` key of how `layer`'s decode steps are attended, with the model in `dtype` on `device`:
+    `codes` where `kvdemo_attention` reads the store's codes (`kvdemo.cache.layers.code_attention`: a block-wise
+    layer whose store the kernel reads, float32 on the CPU, the kernel built, outside `dequantized_reads`), `blocks`
+    where it de-quantizes block by block (`kvdemo.cache.layers.blockwise`), `whole` for another quantized layer (its
+    `update` returns the whole store de-quantized), `full` for a full-precision layer; None for a layer that holds no
+    keys (a KV-shared or recurrent layer)."""
+    if isinstance(layer, BlockwiseReadMixin):
+        if device.type != "cpu":  # attend_blockwise takes CPU calls only: the store is joined whole
+            return "whole"
+        blocks = [s[0] if isinstance(s, list) and s else s for s in (layer._quantized_keys, layer._quantized_values)]
+        readable = (
+            codes_read() and dtype == torch.float32 and code_reader(type(layer)) and code_attention.kernel() is not None
+        )
+        codes = getattr(layer, "_codes_of", None)
+        return "codes" if readable and codes and all(codes(block) is not None for block in blocks) else "blocks"
+    if isinstance(layer, BaseQuantizedLayer):
+        return "whole"
+    return "full" if getattr(layer, "keys", None) is not None else None
+
+
+def decode_read(cache: Cache, dtype: torch.dtype, device: torch.device) -> str:
+    """How a decode step attends to `cache` (after its prefill), for the page and the reports: "Decode attention
+    reads the stored codes in 30 layers", or each path with its layer count ("...; de-quantizes the whole store in
+    4 layers"), and why the kernel is missing where no C compiler built it."""
+    counts: dict[str, int] = {}
+    for layer in cache.layers:
+        read = layer_read(layer, dtype, device)
+        if read is not None:
+            counts[read] = counts.get(read, 0) + 1
+    parts = [f"{DECODE_READS[read]} in {n} layer{'s' if n != 1 else ''}" for read, n in counts.items()]
+    problem = code_attention.kernel() is None and c_build.build_problem(code_attention.SOURCE)
+    return "Decode attention " + "; ".join(parts) + (f" (the code kernel is not built: {problem})" if problem else "")

@@ -34,13 +34,16 @@ softmax rescaling (Dao et al. 2022, arXiv:2205.14135).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import cache
 
 import torch
 from transformers.cache_utils import QuantizedLayer
 
+from kvdemo.cache.layers.code_attention import StoreCodes, attend_codes, float_rows
 from kvdemo.cache.layers.rotation import LibraryLayer, QueryRotationMixin, mark_rotated
 
 BLOCKS_MARK = "_kvdemo_blocks"
@@ -48,6 +51,25 @@ BLOCKS_MARK = "_kvdemo_blocks"
 `kvdemo.cache.layers.attention.kvdemo_attention`."""
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+_CODES: ContextVar[bool] = ContextVar("kvdemo_read_codes", default=True)
+
+
+def codes_read() -> bool:
+    """Whether block-wise layers read their codes in this thread now (False inside `dequantized_reads`)."""
+    return _CODES.get()
+
+
+@contextmanager
+def dequantized_reads() -> Iterator[None]:
+    """Within it (in this thread), every block is de-quantized and read by torch's flash kernel, as before the
+    decode kernel (`kvdemo.cache.layers.code_attention`): the reference its tests and `benchmarks/decode.py`
+    compare it with."""
+    token = _CODES.set(False)
+    try:
+        yield
+    finally:
+        _CODES.reset(token)
 
 
 @dataclass(frozen=True)
@@ -58,11 +80,15 @@ class StoreBlocks:
         keys, values: the store's blocks, oldest first, each what the library's `_quantize` returned (a quanto
             `QTensor`, an hqq `(W_q, meta)` pair).
         dequantize: the layer's `_dequantize` of one block -> [batch, kv_heads, block tokens, head_dim].
+        codes: the layer's `_codes_of`, one block as the decode kernel reads it
+            (`kvdemo.cache.layers.code_attention`), where `code_reader` finds its `_dequantize` plain; None: every
+            block is de-quantized.
     """
 
     keys: Sequence[object]
     values: Sequence[object]
     dequantize: Callable[[object], torch.Tensor]
+    codes: Callable[[object], StoreCodes | None] | None = None
 
     def materialized(self, tail_keys: torch.Tensor, tail_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(keys, values) [batch, kv_heads, stored + tail tokens, head_dim]: every block de-quantized and joined
@@ -108,10 +134,24 @@ class BlockwiseReadMixin(LibraryLayer):
             keys=store_keys if isinstance(store_keys, list) else [store_keys],
             values=store_values if isinstance(store_values, list) else [store_values],
             dequantize=self._dequantize,
+            codes=self._codes_of if code_reader(type(self)) else None,
         )
         keys = self.keys.view(self.keys.shape)  # a new tensor object: the mark never sticks to the stored residual
         setattr(keys, BLOCKS_MARK, blocks)
         return (mark_rotated(keys, rotation) if rotation is not None else keys), self.values
+
+
+@cache
+def code_reader(layer_class: type) -> bool:
+    """Whether the decode kernel may read `layer_class`'s blocks from their codes: the class whose `_dequantize` a
+    block goes through (past mixins marked `dequantize_delegates`, which hand a single block to the next class, as
+    `AppendFlushMixin` does) also defines `_codes_of`, so that the codes it describes de-quantize to what
+    `_dequantize` gives. A mixin that changes the read (a rotation back, `RotationMixin`) defines `_dequantize`
+    without `_codes_of`, and its blocks are de-quantized."""
+    for klass in layer_class.__mro__:
+        if "_dequantize" in vars(klass) and not vars(klass).get("dequantize_delegates", False):
+            return "_codes_of" in vars(klass)
+    return False
 
 
 @cache
@@ -145,7 +185,21 @@ def attend_blockwise(
     # the query heads that share a KV head attend as extra query rows of it (no repeat of the keys)
     grouped = query.reshape(batch, kv_heads, heads // kv_heads * tokens, head_dim)
     outputs, lses = [], []
-    for key_block, value_block in zip(blocks.keys, blocks.values):
+    pairs = list(zip(blocks.keys, blocks.values))
+    if blocks.codes is not None and _CODES.get():  # the blocks read from their codes
+        stores = [(blocks.codes(k), blocks.codes(v)) for k, v in pairs]
+        coded = [(k, v) for k, v in stores if k is not None and v is not None]
+        tail = (float_rows(tail_keys), float_rows(tail_values))
+        if len(coded) == len(pairs) and tail[0] is not None and tail[1] is not None:  # all, the tail too: one call
+            read = attend_codes(grouped, [*coded, (tail[0], tail[1])], scaling)
+            if read is not None:
+                return read[0].to(query.dtype).reshape(batch, heads, tokens, head_dim).transpose(1, 2).contiguous()
+        read = attend_codes(grouped, coded, scaling) if coded else None
+        if read is not None:  # those it reads in one call, the others de-quantized below, merged
+            outputs.append(read[0])
+            lses.append(read[1])
+            pairs = [pair for pair, (k, v) in zip(pairs, stores) if k is None or v is None]
+    for key_block, value_block in pairs:
         # the private kernel skips sdpa's layout checks and misreads a last axis that is not contiguous (a block
         # de-quantized along axis -1 has stride > 1 there; pytorch PR#187506): hand it contiguous blocks only
         keys, values = blocks.dequantize(key_block).contiguous(), blocks.dequantize(value_block).contiguous()

@@ -27,6 +27,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import HQQQuantizedLayer, QuantizedLayer, QuantoQuantizedLayer
 
+from kvdemo.cache.layers.code_attention import StoreCodes, hqq_codes, quanto_codes
+
 
 def dequantize_quanto(qtensor) -> torch.Tensor:
     """optimum-quanto's `qtensor.dequantize()` with the same bits, in place (module docstring).
@@ -85,6 +87,10 @@ class ExactQuantoLayer(QuantoQuantizedLayer):
         """The store de-quantized, [batch, kv_heads, tokens, head_dim]."""
         return dequantize_quanto(qtensor)
 
+    def _codes_of(self, qtensor) -> StoreCodes | None:
+        """The store as the decode kernel reads it (`kvdemo.cache.layers.code_attention.quanto_codes`), or None."""
+        return quanto_codes(qtensor)
+
 
 class ExactHQQLayer(HQQQuantizedLayer):
     """transformers' `HQQQuantizedLayer` de-quantizing by `dequantize_hqq` (the same bits, in place)."""
@@ -92,6 +98,10 @@ class ExactHQQLayer(HQQQuantizedLayer):
     def _dequantize(self, qtensor):
         """The store de-quantized, [batch, kv_heads, tokens, head_dim]."""
         return dequantize_hqq(qtensor)
+
+    def _codes_of(self, qtensor) -> StoreCodes | None:
+        """The store as the decode kernel reads it (`kvdemo.cache.layers.code_attention.hqq_codes`), or None."""
+        return hqq_codes(qtensor)
 
 
 EXACT_LAYERS: dict[type, type[QuantizedLayer]] = {

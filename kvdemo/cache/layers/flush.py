@@ -75,6 +75,9 @@ class AppendFlushMixin(LibraryLayer):
     (`_quantized_keys`, `_quantized_values`) is a list of blocks, each what the layer's own `_quantize` returns
     (a quanto `QTensor`, an hqq `(W_q, meta)` pair)."""
 
+    dequantize_delegates = True
+    """A single block's `_dequantize` is the next class's (`kvdemo.cache.layers.blockwise.code_reader`)."""
+
     def _dequantize(self, store):
         """The store de-quantized, [batch, kv_heads, tokens, head_dim]: each block by the library's own
         `_dequantize`, concatenated along the tokens. A single block (not a list) is de-quantized as it is."""

@@ -44,6 +44,8 @@ if TYPE_CHECKING:
 
         def _dequantize(self, q_tensor): ...
 
+        def _codes_of(self, q_tensor): ...
+
 else:
     LibraryLayer = object
 

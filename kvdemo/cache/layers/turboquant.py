@@ -42,6 +42,7 @@ from transformers.cache_utils import Cache, QuantizedLayer
 from kvdemo.cache.layer_kinds import quantized_layers
 from kvdemo.cache.layers.blockwise import blockwise_layer
 from kvdemo.cache.layers.by_kind import sliding_windows, with_kept_layers
+from kvdemo.cache.layers.code_attention import StoreCodes, lookup_codes, uniform_codes
 from kvdemo.cache.layers.flush import AppendFlushMixin, attends_through_kvdemo
 from kvdemo.cache.layers.fp8 import dequantize_per_token_head, placeable, quantize_per_token_head
 from kvdemo.cache.layers.lloyd_max import decode_integers, decode_packed, exact_marginal, pack_codes
@@ -201,6 +202,18 @@ class TurboQuantLayer(QuantizedLayer):
             return dequantize_per_token_head(q_tensor[0], q_tensor[1], dtype, by_bits=not self._nan_codes)
         keys = dequantize_keys(q_tensor, self.nbits, dtype)
         return keys if self.rotated_store else KEY_ROTATION.back(keys)
+
+    def _codes_of(self, q_tensor) -> StoreCodes | None:
+        """A store as the decode kernel reads it (`kvdemo.cache.layers.code_attention`): kvdemo's layout, keys in
+        the rotated basis (the query side) at 1-4 bits, values at 1-4 bits; None for any other store."""
+        if isinstance(q_tensor, UniformValues):
+            return uniform_codes(q_tensor.codes, q_tensor.scale, q_tensor.zero, self.nbits_value)
+        if isinstance(q_tensor, TurboKeys) and self.rotated_store:
+            dimension = q_tensor.codes.shape[-1] * 8 // self.nbits
+            return lookup_codes(
+                q_tensor.codes, q_tensor.norms, self.nbits, exact_marginal(dimension, self.nbits).centroids
+            )
+        return None
 
 
 class QueryTurboQuantLayer(QueryRotationMixin, TurboQuantLayer):

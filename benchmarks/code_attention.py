@@ -1,0 +1,146 @@
+"""The decode step over the stored codes against the de-quantize path and `dynamic`, at 2k, 8k and 16k tokens of
+context, measured side by side in one process (interleaved rounds) and written to `artifacts/bench/code_attention.json`
+with the load average beside the figures.
+
+For each length: a `dynamic` cache and one cache per quantized spec hold the same keys and values (the embedded
+model's over the first 2,048 tokens of a text no test prefills, the project's own docs/*.md joined, tiled to the
+length, as `benchmarks/decode.py` fills them). Every round times one decode step of `dynamic`, then of each spec on
+both paths: `codes` (kvdemo's build: `kvdemo.cache.layers.code_attention`) and `dequantize` (the same cache read as
+before it, each block de-quantized and read by torch's flash kernel: `blockwise.dequantized_reads`). Printed per
+spec and path: the median step, its ratio to `dynamic`'s, its floor (`kvdemo.cache.speedlimit.speed_limit`: weights
+and KV bytes over the measured copy bandwidth) and the ratio to it; and the largest |logit difference| between the
+two paths on the same cache state (the stated bound is 1e-3), with whether the greedy tokens agree.
+
+16,000 tokens is past the embedded model's window (8,192): the step's cost is measured there (RoPE positions beyond
+the window compute the same way), not its answers.
+
+    .venv/bin/python benchmarks/code_attention.py                       # about 6 minutes on 2 cores
+    .venv/bin/python benchmarks/code_attention.py --lengths 2048 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from flush import fill, forward, log  # noqa: E402  (benchmarks/flush.py's helpers)
+from transformers import DynamicCache  # noqa: E402
+
+from kvdemo import CacheSpec, load_model  # noqa: E402
+from kvdemo.cache import snapshot  # noqa: E402
+from kvdemo.cache.layers.attention import decode_read  # noqa: E402
+from kvdemo.cache.layers.blockwise import dequantized_reads  # noqa: E402
+from kvdemo.cache.spec import build_cache  # noqa: E402
+from kvdemo.cache.speedlimit import probe_bandwidth, speed_limit  # noqa: E402
+from kvdemo.qa.prefill import run_prefill  # noqa: E402
+
+SPECS = ("quanto:4", "hqq:4", "turboquant:4", "turboquant:3", "quanto:2", "hqq:4,flush=append")
+"""The issue's three 4-bit specs, TurboQuant at 3 bits, quanto at 2 and hqq's append flush (many blocks)."""
+
+PATHS = {"codes": nullcontext, "dequantize": dequantized_reads}
+"""Each quantized spec's two decode paths: kvdemo's build now, and the de-quantize path it replaced."""
+
+FILLER = 13
+"""The token fed at every timed step."""
+
+
+def base_kv(loaded, tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The embedded model's keys and values over the first `tokens` tokens of docs/*.md joined, per layer."""
+    text = "\n\n".join(path.read_text() for path in sorted((ROOT / "docs").glob("*.md")))
+    ids = loaded.tokenizer(text, add_special_tokens=False)["input_ids"][:tokens]
+    cache = DynamicCache(config=loaded.config)
+    run_prefill(loaded, cache, ids, quantized=False)
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def logit_gap(loaded, cache) -> tuple[float, bool]:
+    """max |logits(codes) - logits(dequantize)| of one step from the same cache state, and whether the top tokens
+    agree (the cache restored after each step: `kvdemo.cache.snapshot`)."""
+    saved = snapshot.take(cache)
+    logits = []
+    for reads in PATHS.values():
+        with reads():
+            logits.append(forward(loaded, cache, [FILLER]))
+        snapshot.restore(cache, saved)
+    return float((logits[0] - logits[1]).abs().max()), int(logits[0].argmax()) == int(logits[1].argmax())
+
+
+def per_length(loaded, kv, length: int, rounds: int, bandwidth: float, specs) -> dict:
+    """Median step seconds of `dynamic` and of every spec on both paths at `length` tokens, interleaved in rounds,
+    with floors, ratios and each spec's logit gap."""
+    caches = {"dynamic": fill(build_cache(CacheSpec("dynamic"), loaded.config), kv, length)}
+    for text in specs:
+        caches[text] = fill(build_cache(CacheSpec.parse(text), loaded.config), kv, length)
+    runs = [("dynamic", "full precision")] + [(text, path) for text in specs for path in PATHS]
+    times: dict[tuple[str, str], list[float]] = {run: [] for run in runs}
+    for round_index in range(rounds + 1):  # the first round warms every path up and is not timed
+        for name, path in runs:
+            with PATHS.get(path, nullcontext)():
+                start = time.perf_counter()
+                forward(loaded, caches[name], [FILLER])
+                if round_index:
+                    times[(name, path)].append(time.perf_counter() - start)
+    dynamic = statistics.median(times[runs[0]])
+    out: dict = {"load_average": os.getloadavg()}
+    for name, path in runs:
+        step = statistics.median(times[(name, path)])
+        floor = speed_limit(loaded.model, caches[name], bandwidth).floor_seconds
+        row = {"step_seconds": step, "x_dynamic": step / dynamic, "floor_seconds": floor, "x_floor": step / floor}
+        if name != "dynamic" and path == "codes":
+            row["decode_read"] = decode_read(caches[name], loaded.dtype, loaded.device)
+            row["max_logit_gap"], row["same_top_token"] = logit_gap(loaded, caches[name])
+        out[f"{name} {path}"] = row
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lengths", default="2048,7800,16000", help="context tokens, comma-separated")
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    lengths = [int(n) for n in args.lengths.split(",")]
+    loaded = load_model()
+    out: dict = {"load_average_start": os.getloadavg(), "threads": torch.get_num_threads(), "lengths": {}}
+    out["bandwidth_bytes_per_second"] = bandwidth = probe_bandwidth()
+    kv = base_kv(loaded, 2048)
+    for length in lengths:
+        log(f"{length:,} tokens")
+        rows = out["lengths"][str(length)] = per_length(loaded, kv, length, args.rounds, bandwidth, SPECS)
+        print(f"\n{length:,} tokens (load average {rows['load_average'][0]:.2f}): step, x dynamic, floor, x floor")
+        for name, row in rows.items():
+            if name == "load_average":
+                continue
+            gap = "" if "max_logit_gap" not in row else (
+                f"  |logit gap| {row['max_logit_gap']:.1e}, same top token: {row['same_top_token']}"
+            )  # fmt: skip
+            print(
+                f"  {name:32} {row['step_seconds'] * 1e3:7.1f} ms  {row['x_dynamic']:.2f}x"
+                f"  floor {row['floor_seconds'] * 1e3:5.1f} ms ({row['x_floor']:.1f}x){gap}"
+            )
+    out["load_average_end"] = os.getloadavg()
+    print(
+        f"\nbandwidth {bandwidth / 1e9:.1f} GB/s, {out['threads']} threads, "
+        f"load average {out['load_average_start'][0]:.2f} -> {out['load_average_end'][0]:.2f}"
+    )
+    path = ROOT / "artifacts" / "bench" / "code_attention.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2))
+    print(f"written to {path.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()

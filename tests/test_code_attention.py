@@ -1,0 +1,201 @@
+"""Decode attention over the stored codes (`kvdemo.cache.layers.code_attention`): the kernel reads every store it
+serves as the library de-quantizes it, bit for bit; its attention equals torch's kernel over the de-quantized store
+within the stated float bound, alone and merged with other blocks and the residual; the embedded model decodes the
+same tokens with logits within 1e-3 of the de-quantize path; every store, layer or call it does not serve takes the
+de-quantize path, and the prefill report says which path a session's decode steps take.
+
+Cost: about 15 s (the embedded model's decoded answers 8 s)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from kvdemo import CacheSpec, QASession
+from kvdemo.cache.layers.attention import ATTENTION, decode_read
+from kvdemo.cache.layers.blockwise import _FLASH, StoreBlocks, attend_blockwise, code_reader, dequantized_reads
+from kvdemo.cache.layers.code_attention import (
+    MAX_DIM,
+    attend_codes,
+    dequantize_codes,
+    hqq_codes,
+    kernel,
+    quanto_codes,
+    uniform_codes,
+)
+from kvdemo.cache.layers.flush import AppendQuantoLayer
+from kvdemo.cache.layers.rotation import RotatedQuantoLayer
+from kvdemo.cache.layers.turboquant import quantize_uniform
+from kvdemo.cache.spec import build_cache
+from kvdemo.qa.prefill import run_prefill
+from tests.helpers import filled_layer
+
+OUTPUT_BOUND = 1e-5
+"""|kernel output - torch's| <= this x the largest |value| (measured: at most 1.7e-6 on real keys and values)."""
+
+LSE_BOUND = 3e-5
+"""|kernel log-sum-exp - torch's|, absolute (measured: at most 9.5e-6, log-sum-exps of 2 to 15)."""
+
+SERVED = (
+    "quanto:2", "quanto:4", "quanto:4,q_group_size=32", "quanto:4,flush=append", "quanto:4,rotation=hadamard",
+    "hqq:1", "hqq:2", "hqq:3", "hqq:4", "hqq:8", "hqq:4,axis_key=1,axis_value=1,q_group_size=32",
+    "hqq:4,nbits_value=2", "turboquant:2", "turboquant:3", "turboquant:4", "turboquant:4,nbits_value=8",
+    "turboquant:3,nbits_value=2,norm_correction=true", "turboquant:4,flush=requantize",
+)  # fmt: skip
+"""Every store layout the kernel reads: each backend's bit widths, group sizes and axes, flush policies, the
+query-side rotation, mixed key and value precision."""
+
+
+def _config(head_dim: int = 64) -> LlamaConfig:
+    config = LlamaConfig(
+        vocab_size=8, hidden_size=6 * head_dim, intermediate_size=8, num_hidden_layers=1,
+        num_attention_heads=6, num_key_value_heads=2, head_dim=head_dim,
+    )  # fmt: skip
+    config._attn_implementation = ATTENTION  # so the cache builds the layers kvdemo's attention reads
+    return config
+
+
+def _states(tokens: int, head_dim: int = 64, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys with an outlier channel (as real keys have) and values, [1, 2, tokens, head_dim]."""
+    generator = torch.Generator().manual_seed(seed)
+    keys = torch.randn(1, 2, tokens, head_dim, generator=generator)
+    keys[..., 3] *= 12
+    return keys, torch.randn(1, 2, tokens, head_dim, generator=generator) * 2
+
+
+def _blocks(layer) -> list:
+    store_keys, store_values = layer._quantized_keys, layer._quantized_values
+    return list(zip(*(s if isinstance(s, list) else [s] for s in (store_keys, store_values))))
+
+
+@pytest.fixture(scope="module", params=SERVED)
+def served(request):
+    """(spec text, layer 0 after a prefill of 70 tokens and 12 decode steps with an 8-token residual: two blocks
+    where the flush appends)."""
+    spec = CacheSpec.parse(request.param + ",residual_length=8")
+    keys, values = _states(70)
+    return request.param, filled_layer(spec, _config(), keys, values, steps=12)
+
+
+def test_the_kernel_reads_each_store_as_the_library_de_quantizes_it(served):
+    text, layer = served
+    assert code_reader(type(layer)), text
+    blocks = _blocks(layer)
+    assert len(blocks) == (2 if "append" in text or text.startswith("turboquant:") and "requantize" not in text else 1)
+    for key_block, value_block in blocks:
+        for block in (key_block, value_block):
+            codes = layer._codes_of(block)
+            assert codes is not None, text
+            assert torch.equal(dequantize_codes(codes), layer._dequantize(block)), text  # bit for bit
+
+
+def test_attention_over_the_codes_is_torch_s_over_the_de_quantized_store_within_the_bound(served):
+    text, layer = served
+    blocks = _blocks(layer)
+    query = torch.randn(1, 2, 3, 64, generator=torch.Generator().manual_seed(1)) * 2
+    keys = torch.cat([layer._dequantize(k) for k, _ in blocks], dim=-2)
+    values = torch.cat([layer._dequantize(v) for _, v in blocks], dim=-2)
+    expected, expected_lse = _FLASH(query, keys, values, scale=0.125)
+    read = attend_codes(query, [(layer._codes_of(k), layer._codes_of(v)) for k, v in blocks], 0.125)
+    assert read is not None
+    output, lse = read
+    assert output.shape == (1, 2, 3, 64) and lse.shape == (1, 2, 3)
+    assert (output - expected).abs().max() <= OUTPUT_BOUND * values.abs().max(), text
+    assert (lse - expected_lse.reshape(lse.shape)).abs().max() <= LSE_BOUND, text
+    # a wrong read (the values of another head) is far outside the bound: the bound can fail
+    swapped = _FLASH(query, keys, values.flip(1), scale=0.125)[0]
+    assert (output - swapped).abs().max() > 100 * OUTPUT_BOUND * values.abs().max()
+
+
+def test_blocks_the_kernel_reads_merge_with_the_residual_and_with_blocks_it_does_not():
+    """`attend_blockwise` reads the coded blocks in one call, de-quantizes the others, and merges every part with the
+    residual: the result is attention over the joined store within the bound."""
+    layer = filled_layer(CacheSpec.parse("hqq:4,flush=append,residual_length=8"), _config(), *_states(40), steps=13)
+    blocks = _blocks(layer)
+    assert len(blocks) == 2
+    tail_keys, tail_values = _states(5, seed=2)
+    unread = StoreBlocks([b[0] for b in blocks], [b[1] for b in blocks], layer._dequantize,
+                         codes=lambda block: None if block is blocks[0][0] else layer._codes_of(block))  # fmt: skip
+    query = torch.randn(1, 6, 1, 64, generator=torch.Generator().manual_seed(3))
+    expected = attend_blockwise(
+        query, tail_keys, tail_values, StoreBlocks(unread.keys, unread.values, unread.dequantize), 0.125
+    )
+    for blocks_read in (unread, StoreBlocks(unread.keys, unread.values, unread.dequantize, codes=layer._codes_of)):
+        got = attend_blockwise(query, tail_keys, tail_values, blocks_read, 0.125)
+        assert (got - expected).abs().max() <= OUTPUT_BOUND * 2 * tail_values.abs().max()
+
+
+def test_a_layer_that_changes_the_read_is_de_quantized():
+    """The codes are read only where they de-quantize to what the layer's `_dequantize` gives: not under a rotation
+    back on read, nor a layer class that defines no `_codes_of`."""
+    assert code_reader(AppendQuantoLayer)  # the append flush hands a single block to the library's read
+    assert not code_reader(RotatedQuantoLayer)  # rotated back on read: the codes are in another basis
+    rotated = filled_layer(CacheSpec.parse("quanto:4,rotation=hadamard"), LlamaConfig(
+        vocab_size=8, hidden_size=384, intermediate_size=8, num_hidden_layers=1, num_attention_heads=6,
+        num_key_value_heads=2, head_dim=64), *_states(20))  # fmt: skip
+    assert not code_reader(type(rotated))  # eager attention: the read-side rotation
+
+
+def test_stores_and_calls_the_kernel_does_not_take_return_none():
+    layer = filled_layer(CacheSpec.parse("quanto:4"), _config(), *_states(20))
+    store = layer._quantized_keys
+    codes = layer._codes_of(store)
+    query = torch.randn(1, 2, 3, 64)
+    assert attend_codes(query.to(torch.bfloat16), [(codes, codes)], None) is None  # a bfloat16 model's query
+    assert attend_codes(torch.randn(1, 2, 65, 64), [(codes, codes)], None) is None  # 65 query rows per KV head
+    assert attend_codes(torch.randn(1, 3, 3, 64), [(codes, codes)], None) is None  # another number of KV heads
+    assert attend_codes(query, [], None) is None
+    wide = filled_layer(CacheSpec.parse("hqq:4"), _config(2 * MAX_DIM), *_states(8, 2 * MAX_DIM))
+    assert hqq_codes(wide._quantized_keys) is None  # head_dim 512
+    half = filled_layer(CacheSpec.parse("quanto:4"), _config(), *(s.to(torch.bfloat16) for s in _states(20)))
+    assert quanto_codes(half._quantized_keys) is None  # bfloat16 scales: the library's rounding, not float32's
+    values = quantize_uniform(torch.randn(1, 2, 4, 64), 4)
+    assert uniform_codes(values.codes[..., ::2], values.scale, values.zero, 4) is None  # not contiguous
+    assert uniform_codes(values.codes, values.scale.to(torch.bfloat16), values.zero, 4) is None
+    assert kernel() is not None  # the set-up compiled it
+
+
+@pytest.mark.parametrize("text", ["quanto:4", "hqq:4", "turboquant:4"])
+def test_the_embedded_model_decodes_the_same_tokens_with_logits_within_1e_3(embedded, normans, text):
+    """Eight greedy decode steps over a prefill of 700 tokens (the store, a flushed block where the flush appends,
+    the residual): each step's logits on the codes path against the de-quantize path, fed the same tokens."""
+    ids = QASession(embedded).context_ids(normans.context)[:700]
+    runs = []
+    for reads in (dequantized_reads, _codes_path):
+        cache = build_cache(CacheSpec.parse(text + ",residual_length=4"), embedded.config)
+        run_prefill(embedded, cache, ids, quantized=True)
+        token, logits = 13, []
+        with reads(), torch.no_grad():
+            for _ in range(8):
+                out = embedded.model(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True).logits[0, -1]
+                logits.append(out)
+                token = int(out.argmax())
+        runs.append(torch.stack(logits))
+    before, after = runs
+    assert torch.equal(before.argmax(-1), after.argmax(-1))
+    assert (before - after).abs().max() <= 1e-3
+    assert not torch.equal(before, after)  # the codes path ran: another order of sums
+
+
+def _codes_path():
+    from contextlib import nullcontext
+
+    return nullcontext()
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("quanto:4", "reads the stored codes in 30 layers"),
+        ("turboquant:4", "reads the stored codes in 30 layers"),
+        ("turboquant:8,nbits_value=4", "de-quantizes each block in 30 layers"),
+        ("fp8", "de-quantizes the whole store in 30 layers"),
+        ("dynamic", "full precision in 30 layers"),
+    ],
+)
+def test_the_prefill_report_says_which_path_decode_steps_take(embedded, text, expected):
+    session = QASession(embedded, CacheSpec.parse(text))
+    report = session.prefill("The Normans were the people who in the 10th and 11th centuries gave their name.")
+    assert expected in report.decode_read
+    assert decode_read(session.cache, embedded.dtype, embedded.device) == report.decode_read
