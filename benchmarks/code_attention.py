@@ -14,7 +14,7 @@ two paths on the same cache state (the stated bound is 1e-3), with whether the g
 16,000 tokens is past the embedded model's window (8,192): the step's cost is measured there (RoPE positions beyond
 the window compute the same way), not its answers.
 
-    .venv/bin/python benchmarks/code_attention.py                       # about 6 minutes on 2 cores
+    .venv/bin/python benchmarks/code_attention.py                       # about 8 minutes on 2 cores
     .venv/bin/python benchmarks/code_attention.py --lengths 2048 --rounds 3
 """
 
@@ -48,8 +48,9 @@ from kvdemo.cache.spec import build_cache  # noqa: E402
 from kvdemo.cache.speedlimit import probe_bandwidth, speed_limit  # noqa: E402
 from kvdemo.qa.prefill import run_prefill  # noqa: E402
 
-SPECS = ("quanto:4", "hqq:4", "turboquant:4", "turboquant:3", "quanto:2", "hqq:4,flush=append")
-"""The issue's three 4-bit specs, TurboQuant at 3 bits, quanto at 2 and hqq's append flush (many blocks)."""
+SPECS = ("quanto:4", "hqq:4", "turboquant:4", "turboquant:3", "quanto:2", "hqq:4,flush=append", "ggml:q4_0", "ggml:q8_0")
+"""The issue's three 4-bit specs, TurboQuant at 3 bits, quanto at 2, hqq's append flush (many blocks) and llama.cpp's
+q4_0 and q8_0 (every token written as blocks, no residual)."""
 
 PATHS = {"codes": nullcontext, "dequantize": dequantized_reads}
 """Each quantized spec's two decode paths: kvdemo's build now, and the de-quantize path it replaced."""

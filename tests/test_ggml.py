@@ -15,6 +15,7 @@ from transformers import LlamaConfig
 
 from kvdemo import CacheSpec, QASession
 from kvdemo.cache.backends import ggml as ggml_backend
+from kvdemo.cache.layers.blockwise import blocks_of
 from kvdemo.cache.layers.ggml import VALUE_ROTATION_BLOCK, GgmlLayer, GgmlRotation, _block_hadamard, key_rotation_block
 from kvdemo.cache.layers.ggml_blocks import (
     BLOCK_BYTES,
@@ -129,6 +130,11 @@ def test_query_side_and_read_side_give_the_same_keys_and_values():
     )
     assert torch.equal(query._quantized_keys.rows, read._quantized_keys.rows)
     assert qk._kvdemo_rotated is rotation and not hasattr(rk, "_kvdemo_rotated")
+    # a query-side decode step hands attention no tail and the store as one block (read from its codes, or joined
+    # de-quantized where attention cannot: what is compared here)
+    store = blocks_of(qk)
+    assert store is not None and qk.shape == (1, 2, 0, 128) and store.codes is not None
+    qk, qv = store.materialized(qk, qv)
     assert torch.allclose(to_model_basis(query, qk), rk, atol=1e-5)
     assert torch.allclose(to_model_basis(query, qv, values=True), rv, atol=1e-5)
     assert (rk - keys).abs().max() < 0.3 * keys.abs().max()  # q4_0 keys near the originals, not another basis

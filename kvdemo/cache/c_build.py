@@ -63,8 +63,9 @@ def _cpu_flags() -> str:
 
 
 def build_key(source: Path, compiler: str) -> str:
-    """The first 16 hex digits of the SHA-256 of what the built library depends on: the source's contents, `FLAGS`
-    and `LINK_FLAGS`, the compiler's `--version` and the CPU flags.
+    """The first 16 hex digits of the SHA-256 of what the built library depends on: the source's contents and those of
+    the C files beside it (a kernel may `#include` one: `code_attention.c` reads ggml's blocks with
+    `ggml_dequant.c`'s code), `FLAGS` and `LINK_FLAGS`, the compiler's `--version` and the CPU flags.
 
     Raises:
         OSError: the source cannot be read.
@@ -73,7 +74,8 @@ def build_key(source: Path, compiler: str) -> str:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
     digest = hashlib.sha256()
     flags = " ".join(FLAGS + LINK_FLAGS).encode()
-    for part in (source.read_bytes(), flags, version.encode(), _cpu_flags().encode()):
+    siblings = [path.read_bytes() for path in sorted(source.parent.glob("*.c")) if path != source]
+    for part in (source.read_bytes(), *siblings, flags, version.encode(), _cpu_flags().encode()):
         digest.update(part + b"\0")
     return digest.hexdigest()[:16]
 

@@ -42,7 +42,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvdemo.cache import c_build
 from kvdemo.cache.layers import code_attention
-from kvdemo.cache.layers.blockwise import BlockwiseReadMixin, attend_blockwise, blocks_of, code_reader, codes_read
+from kvdemo.cache.layers.blockwise import attend_blockwise, blocks_of, code_reader, codes_read
 from kvdemo.cache.layers.rotation import ROTATED_MARK, QueryRotation
 
 ATTENTION = "kvdemo_sdpa"
@@ -206,12 +206,13 @@ DECODE_READS = {
 
 def layer_read(layer, dtype: torch.dtype, device: torch.device) -> str | None:
     """The `DECODE_READS` key of how `layer`'s decode steps are attended, with the model in `dtype` on `device`:
-    `codes` where `kvdemo_attention` reads the store's codes (`kvdemo.cache.layers.code_attention`: a block-wise
-    layer whose store the kernel reads, float32 on the CPU, the kernel built, outside `dequantized_reads`), `blocks`
+    `codes` where `kvdemo_attention` reads the store's codes (`kvdemo.cache.layers.code_attention`: a layer that
+    hands attention its blocks (`reads_blocks`: the block-wise layers, `GgmlLayer` on the query side) whose store the
+    kernel reads, float32 on the CPU, the kernel built, outside `dequantized_reads`), `blocks`
     where it de-quantizes block by block (`kvdemo.cache.layers.blockwise`), `whole` for another quantized layer (its
     `update` returns the whole store de-quantized), `full` for a full-precision layer; None for a layer that holds no
     keys (a KV-shared or recurrent layer)."""
-    if isinstance(layer, BlockwiseReadMixin):
+    if getattr(layer, "reads_blocks", False):
         if device.type != "cpu":  # attend_blockwise takes CPU calls only: the store is joined whole
             return "whole"
         blocks = [s[0] if isinstance(s, list) and s else s for s in (layer._quantized_keys, layer._quantized_values)]

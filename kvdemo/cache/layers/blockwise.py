@@ -109,6 +109,9 @@ class BlockwiseReadMixin(LibraryLayer):
     precision layers): see the module docstring. Only for a model that attends through
     `kvdemo.cache.layers.attention.kvdemo_attention`; `kvdemo.cache.layers.flush.quantized_cache` checks that."""
 
+    reads_blocks = True
+    """Decode steps hand attention the store's blocks (`BLOCKS_MARK`); `kvdemo.cache.layers.ggml.GgmlLayer` too."""
+
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,9 +192,10 @@ def attend_blockwise(
     if blocks.codes is not None and _CODES.get():  # the blocks read from their codes
         stores = [(blocks.codes(k), blocks.codes(v)) for k, v in pairs]
         coded = [(k, v) for k, v in stores if k is not None and v is not None]
-        tail = (float_rows(tail_keys), float_rows(tail_values))
-        if len(coded) == len(pairs) and tail[0] is not None and tail[1] is not None:  # all, the tail too: one call
-            read = attend_codes(grouped, [*coded, (tail[0], tail[1])], scaling)
+        tail = (float_rows(tail_keys), float_rows(tail_values)) if tail_keys.shape[-2] else None
+        if len(coded) == len(pairs) and (tail is None or (tail[0] is not None and tail[1] is not None)):
+            # every block, and the tail (none for ggml, which writes every token as blocks): one call, no merge
+            read = attend_codes(grouped, coded + ([(tail[0], tail[1])] if tail is not None else []), scaling)
             if read is not None:
                 return read[0].to(query.dtype).reshape(batch, heads, tokens, head_dim).transpose(1, 2).contiguous()
         read = attend_codes(grouped, coded, scaling) if coded else None
@@ -206,9 +210,10 @@ def attend_blockwise(
         output, lse = _FLASH(grouped, keys, values, scale=scaling)
         outputs.append(output)
         lses.append(lse)
-    output, lse = _FLASH(grouped, tail_keys.contiguous(), tail_values.contiguous(), scale=scaling)
-    outputs.append(output)
-    lses.append(lse)
+    if tail_keys.shape[-2]:  # ggml's decode steps hand no tail
+        output, lse = _FLASH(grouped, tail_keys.contiguous(), tail_values.contiguous(), scale=scaling)
+        outputs.append(output)
+        lses.append(lse)
     # the merge in float32, the kernel's log-sum-exp's dtype, cast back to the model's (bfloat16, float16) at the end
     total = torch.logsumexp(torch.stack(lses), dim=0)
     merged = outputs[0].float() * (lses[0] - total).exp().unsqueeze(-1)

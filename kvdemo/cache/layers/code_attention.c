@@ -17,6 +17,8 @@
  *     (code k at bit k * bits of the row, little-endian), x = table[code] * norm (the row's float16 or float32 norm).
  *   kind 2, uniform: TurboQuant's values, the same packing, x = code * scale + zero (per row).
  *   kind 3, float: float32 rows as they are (the full-precision residual, read with the store in one call).
+ *   kind 4, ggml: llama.cpp's blocks of 32 values, type `bits` (ggml_dequant.c's numbers), row_bytes per row.
+ *   kind 5, half: float16 rows (llama.cpp's f16 cache type).
  * Compiled without fused multiply-add (kvdemo.cache.c_build.FLAGS), so each step rounds as torch's operations do.
  * The scores and the sums are float32 in another order than torch's kernel: the bound is in the module docstring. */
 #include <float.h>
@@ -27,6 +29,8 @@
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
+
+#include "ggml_dequant.c" /* ggml_dequantize_block, half_to_float: llama.cpp's blocks, as the ggml backend reads them */
 
 #define TILE 32
 #define MAX_DIM 256
@@ -39,35 +43,11 @@ typedef struct { /* every field an int64_t, pointers included (the Python side f
 
 #define PTR(type, field) ((const type *)(intptr_t)(field))
 
-static float half_to_float(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
-    uint32_t exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff, bits;
-    if (exponent == 0) {
-        if (mantissa == 0) {
-            bits = sign;
-        } else { /* subnormal: normalise */
-            exponent = 127 - 15 + 1;
-            while (!(mantissa & 0x400)) {
-                mantissa <<= 1;
-                exponent--;
-            }
-            bits = sign | (exponent << 23) | ((mantissa & 0x3ff) << 13);
-        }
-    } else if (exponent == 31) {
-        bits = sign | 0x7f800000 | (mantissa << 13);
-    } else {
-        bits = sign | ((exponent + 127 - 15) << 23) | (mantissa << 13);
-    }
-    float out;
-    memcpy(&out, &bits, sizeof(out));
-    return out;
-}
-
 static float row_value(int64_t values, int64_t half, int64_t row) {
 #if defined(__F16C__)
     if (half) return _cvtsh_ss(PTR(uint16_t, values)[row]); /* the same conversion, exact, in one instruction */
 #endif
-    return half ? half_to_float(PTR(uint16_t, values)[row]) : PTR(float, values)[row];
+    return half ? half_to_float((const uint8_t *)(PTR(uint16_t, values) + row)) : PTR(float, values)[row];
 }
 
 /* affine codes: n elements from flat index e0 into out */
@@ -204,6 +184,13 @@ static void dequantize(const Codes *c, int64_t row, int64_t n, int64_t dim, floa
         affine(c, row * dim, n * dim, out);
     else if (c->kind == 3)
         memcpy(out, PTR(float, c->codes) + row * dim, sizeof(float) * n * dim);
+    else if (c->kind == 4)
+        for (int64_t r = 0; r < n; r++)
+            for (int64_t b = 0; b < dim / 32; b++)
+                ggml_dequantize_block((int)c->bits, PTR(uint8_t, c->codes) + (row + r) * c->row_bytes + b * GGML_BLOCK_BYTES[c->bits],
+                                      out + r * dim + b * 32);
+    else if (c->kind == 5)
+        for (int64_t k = 0; k < n * dim; k++) out[k] = row_value(c->codes, 1, row * dim + k);
     else
         packed_rows(c, row, n, dim, out);
 }

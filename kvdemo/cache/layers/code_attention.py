@@ -20,6 +20,8 @@ before):
   consecutive values), float32 scale and shift: x = code x scale - shift (`quanto_codes`);
 - hqq's `(W_q, meta)` at every packing kvdemo offers (`8bit_u8`, `4bit_u8`, `3bit_32`, `2bit_u8`, `1bit_u8`), at axis 0
   or 1, float32: x = (code - zero) x scale (`hqq_codes`);
+- llama.cpp's blocks (`ggml_codes`: q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl, the `ggml` backend's; `ggml_dequant.c`'s
+  arithmetic, which this kernel includes) and its `f16` rows (`half_rows`);
 - TurboQuant's keys at 2 to 4 bits (`lookup_codes`: x = centroid[code] x norm) and uniform values at 2 to 8 bits
   (`uniform_codes`: x = code x scale + zero), norms, scales and zeros in float16 or float32; its float8 keys (nbits 8)
   and vLLM's layout are de-quantized.
@@ -56,9 +58,9 @@ SOURCE = Path(__file__).with_name("code_attention.c")
 MAX_DIM, MAX_ROWS = 256, 64
 """The kernel's limits: head_dim, and query rows per KV head (query heads per KV head x new tokens)."""
 
-AFFINE, LOOKUP, UNIFORM, FLOAT = 0, 1, 2, 3
+AFFINE, LOOKUP, UNIFORM, FLOAT, GGML, HALF = 0, 1, 2, 3, 4, 5
 """`Codes.kind`: group-wise integer codes (quanto, hqq), TurboQuant's keys, TurboQuant's values, float32 rows (the
-residual)."""
+residual), llama.cpp's blocks, float16 rows (llama.cpp's f16)."""
 
 FIELDS = (
     "kind", "bits", "codes", "word_bytes", "shift0", "shift_step", "by_row", "hqq", "half", "rows", "cols", "step",
@@ -222,6 +224,23 @@ def uniform_codes(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, 
     shape = (*codes.shape[:-1], codes.shape[-1] * 8 // bits)
     fields = dict(kind=UNIFORM, bits=bits, half=rows[1], row_bytes=codes.shape[-1])
     return _store(shape, {"codes": codes, "row_scale": rows[0][0], "row_zero": rows[0][1]}, **fields)
+
+
+def ggml_codes(rows: torch.Tensor, type_number: int, width: int) -> StoreCodes | None:
+    """llama.cpp's blocks: `rows` uint8 [batch, kv_heads, tokens, row bytes], each row `width` values as blocks of 32
+    of the type `type_number` (`kvdemo.cache.layers.ggml_blocks.KERNEL_TYPES`' index), x as ggml's
+    `dequantize_row_*` computes it. None for a width not a multiple of 32 or another dtype."""
+    if rows.dtype != torch.uint8 or rows.dim() != 4 or width % 32:
+        return None
+    fields = dict(kind=GGML, bits=type_number, row_bytes=rows.shape[-1])
+    return _store((*rows.shape[:-1], width), {"codes": rows}, **fields)
+
+
+def half_rows(tensor: torch.Tensor) -> StoreCodes | None:
+    """float16 rows (llama.cpp's `f16` cache type), [batch, kv_heads, tokens, head_dim]; x = float32(value)."""
+    if tensor.dtype != torch.float16 or tensor.dim() != 4:
+        return None
+    return _store(tuple(tensor.shape), {"codes": tensor}, kind=HALF, bits=16, row_bytes=2 * tensor.shape[-1])
 
 
 def float_rows(tensor: torch.Tensor) -> StoreCodes | None:

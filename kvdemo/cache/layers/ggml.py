@@ -46,7 +46,9 @@ from transformers.cache_utils import BaseQuantizedLayer, Cache
 from kvdemo.cache.layer_kinds import quantized_layers
 from kvdemo.cache.layers.by_kind import sliding_windows, with_kept_layers
 from kvdemo.cache.layers.flush import attends_through_kvdemo
-from kvdemo.cache.layers.ggml_blocks import dequantize_rows, quantize_rows
+from kvdemo.cache.layers.blockwise import BLOCKS_MARK, StoreBlocks
+from kvdemo.cache.layers.code_attention import StoreCodes, ggml_codes, half_rows
+from kvdemo.cache.layers.ggml_blocks import KERNEL_TYPES, dequantize_rows, quantize_rows
 from kvdemo.cache.layers.rotation import hadamard, mark_rotated
 from kvdemo.cache.layers.sliding import SlidingWindowMask
 
@@ -189,7 +191,32 @@ class GgmlLayer(BaseQuantizedLayer):
         self._append(key_states, value_states)
         if first:  # the prefill: the states as given, as every quantized layer of transformers returns them
             return key_states, value_states
+        if self.reads_blocks and key_states.shape[-2] == 1 and key_states.device.type == "cpu":
+            return self._blocks(key_states)
         return self._read(self._quantized_keys, self._quantized_values)
+
+    @property
+    def reads_blocks(self) -> bool:
+        """Decode steps hand kvdemo's attention the store as one block (`_blocks`): on the query side, not over a
+        sliding window (`SlidingGgmlLayer` reads a view of its window)."""
+        return self.query_side and not isinstance(self, SlidingGgmlLayer)
+
+    def _blocks(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode step's (keys, values) for kvdemo's attention: no tail ([batch, kv_heads, 0, head_dim]), the keys
+        marked with the store as one block (`kvdemo.cache.layers.blockwise.StoreBlocks`: read from its codes, or
+        de-quantized where attention cannot) and with the rotation."""
+        keys = like.new_empty(*like.shape[:2], 0, like.shape[-1])
+        store = StoreBlocks([self._quantized_keys], [self._quantized_values], self._dequantize, self._codes_of)
+        setattr(keys, BLOCKS_MARK, store)
+        if self.query_rotation.key_block or self.query_rotation.values:
+            mark_rotated(keys, self.query_rotation)  # type: ignore[arg-type]
+        return keys, like.new_empty(keys.shape)
+
+    def _codes_of(self, q_tensor: GgmlRows) -> StoreCodes | None:
+        """A store as the decode kernel reads it (`kvdemo.cache.layers.code_attention`), or None."""
+        if q_tensor.block_type == F16:
+            return half_rows(q_tensor.rows)
+        return ggml_codes(q_tensor.rows, KERNEL_TYPES.index(q_tensor.block_type), q_tensor.width)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search reorders the rows (no rounding: the blocks are per token)."""

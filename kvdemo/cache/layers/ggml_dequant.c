@@ -40,53 +40,56 @@ static float half_to_float(const uint8_t *p) {
 
 static const int8_t KVALUES_IQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
-/* type: 0 q8_0, 1 q4_0, 2 q4_1, 3 q5_0, 4 q5_1, 5 iq4_nl */
-int ggml_dequantize(int type, const uint8_t *rows, float *out, long n_rows, long width, int threads) {
-    static const int BYTES[6] = {34, 18, 20, 22, 24, 18};
-    if (type < 0 || type > 5) return -1;
-    const long blocks = width / 32, row_bytes = blocks * BYTES[type];
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (long r = 0; r < n_rows; r++) {
-        for (long b = 0; b < blocks; b++) {
-            const uint8_t *x = rows + r * row_bytes + b * BYTES[type];
-            float *y = out + r * width + b * 32;
-            const float d = half_to_float(x);
-            if (type == 0) {
-                const int8_t *qs = (const int8_t *)(x + 2);
-                for (int j = 0; j < 32; j++) y[j] = (float)qs[j] * d;
-            } else if (type == 1 || type == 5) {
-                const uint8_t *qs = x + 2;
-                for (int j = 0; j < 16; j++) {
-                    const int lo = qs[j] & 0x0f, hi = qs[j] >> 4;
-                    y[j] = (float)(type == 1 ? lo - 8 : KVALUES_IQ4NL[lo]) * d;
-                    y[j + 16] = (float)(type == 1 ? hi - 8 : KVALUES_IQ4NL[hi]) * d;
-                }
-            } else if (type == 2) {
-                const float m = half_to_float(x + 2);
-                const uint8_t *qs = x + 4;
-                for (int j = 0; j < 16; j++) {
-                    y[j] = (float)(qs[j] & 0x0f) * d + m;
-                    y[j + 16] = (float)(qs[j] >> 4) * d + m;
-                }
+static const int GGML_BLOCK_BYTES[6] = {34, 18, 20, 22, 24, 18};
+
+/* one block of 32 values of `type` (0 q8_0, 1 q4_0, 2 q4_1, 3 q5_0, 4 q5_1, 5 iq4_nl) at x, into y; also read by the
+ * decode kernel over the stored codes (code_attention.c includes this file) */
+static void ggml_dequantize_block(int type, const uint8_t *x, float *y) {
+    const float d = half_to_float(x);
+    if (type == 0) {
+        const int8_t *qs = (const int8_t *)(x + 2);
+        for (int j = 0; j < 32; j++) y[j] = (float)qs[j] * d;
+    } else if (type == 1 || type == 5) {
+        const uint8_t *qs = x + 2;
+        for (int j = 0; j < 16; j++) {
+            const int lo = qs[j] & 0x0f, hi = qs[j] >> 4;
+            y[j] = (float)(type == 1 ? lo - 8 : KVALUES_IQ4NL[lo]) * d;
+            y[j + 16] = (float)(type == 1 ? hi - 8 : KVALUES_IQ4NL[hi]) * d;
+        }
+    } else if (type == 2) {
+        const float m = half_to_float(x + 2);
+        const uint8_t *qs = x + 4;
+        for (int j = 0; j < 16; j++) {
+            y[j] = (float)(qs[j] & 0x0f) * d + m;
+            y[j + 16] = (float)(qs[j] >> 4) * d + m;
+        }
+    } else {
+        const int affine = type == 4;
+        const float m = affine ? half_to_float(x + 2) : 0.0f;
+        const uint8_t *qh_bytes = x + (affine ? 4 : 2), *qs = qh_bytes + 4;
+        const uint32_t qh = (uint32_t)qh_bytes[0] | ((uint32_t)qh_bytes[1] << 8) | ((uint32_t)qh_bytes[2] << 16) |
+                            ((uint32_t)qh_bytes[3] << 24);
+        for (int j = 0; j < 16; j++) {
+            const int lo = (qs[j] & 0x0f) | (((qh >> j) & 1) << 4);
+            const int hi = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+            if (affine) {
+                y[j] = (float)lo * d + m;
+                y[j + 16] = (float)hi * d + m;
             } else {
-                const int affine = type == 4;
-                const float m = affine ? half_to_float(x + 2) : 0.0f;
-                const uint8_t *qh_bytes = x + (affine ? 4 : 2), *qs = qh_bytes + 4;
-                const uint32_t qh = (uint32_t)qh_bytes[0] | ((uint32_t)qh_bytes[1] << 8) |
-                                    ((uint32_t)qh_bytes[2] << 16) | ((uint32_t)qh_bytes[3] << 24);
-                for (int j = 0; j < 16; j++) {
-                    const int lo = (qs[j] & 0x0f) | (((qh >> j) & 1) << 4);
-                    const int hi = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
-                    if (affine) {
-                        y[j] = (float)lo * d + m;
-                        y[j + 16] = (float)hi * d + m;
-                    } else {
-                        y[j] = (float)(lo - 16) * d;
-                        y[j + 16] = (float)(hi - 16) * d;
-                    }
-                }
+                y[j] = (float)(lo - 16) * d;
+                y[j + 16] = (float)(hi - 16) * d;
             }
         }
     }
+}
+
+/* type: 0 q8_0, 1 q4_0, 2 q4_1, 3 q5_0, 4 q5_1, 5 iq4_nl */
+int ggml_dequantize(int type, const uint8_t *rows, float *out, long n_rows, long width, int threads) {
+    if (type < 0 || type > 5) return -1;
+    const long blocks = width / 32, row_bytes = blocks * GGML_BLOCK_BYTES[type];
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long r = 0; r < n_rows; r++)
+        for (long b = 0; b < blocks; b++)
+            ggml_dequantize_block(type, rows + r * row_bytes + b * GGML_BLOCK_BYTES[type], out + r * width + b * 32);
     return 0;
 }
