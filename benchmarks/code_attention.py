@@ -48,7 +48,9 @@ from kvdemo.cache.spec import build_cache  # noqa: E402
 from kvdemo.cache.speedlimit import probe_bandwidth, speed_limit  # noqa: E402
 from kvdemo.qa.prefill import run_prefill  # noqa: E402
 
-SPECS = ("quanto:4", "hqq:4", "turboquant:4", "turboquant:3", "quanto:2", "hqq:4,flush=append", "ggml:q4_0", "ggml:q8_0")
+SPECS = (
+    "quanto:4", "hqq:4", "turboquant:4", "turboquant:3", "quanto:2", "hqq:4,flush=append", "ggml:q4_0", "ggml:q8_0",
+)  # fmt: skip
 """The issue's three 4-bit specs, TurboQuant at 3 bits, quanto at 2, hqq's append flush (many blocks) and llama.cpp's
 q4_0 and q8_0 (every token written as blocks, no residual)."""
 

@@ -44,10 +44,10 @@ from transformers import PreTrainedConfig
 from transformers.cache_utils import BaseQuantizedLayer, Cache
 
 from kvdemo.cache.layer_kinds import quantized_layers
-from kvdemo.cache.layers.by_kind import sliding_windows, with_kept_layers
-from kvdemo.cache.layers.flush import attends_through_kvdemo
 from kvdemo.cache.layers.blockwise import BLOCKS_MARK, StoreBlocks
+from kvdemo.cache.layers.by_kind import sliding_windows, with_kept_layers
 from kvdemo.cache.layers.code_attention import StoreCodes, ggml_codes, half_rows
+from kvdemo.cache.layers.flush import attends_through_kvdemo
 from kvdemo.cache.layers.ggml_blocks import KERNEL_TYPES, dequantize_rows, quantize_rows
 from kvdemo.cache.layers.rotation import hadamard, mark_rotated
 from kvdemo.cache.layers.sliding import SlidingWindowMask
