@@ -216,9 +216,8 @@ def layer_read(layer, dtype: torch.dtype, device: torch.device) -> str | None:
         if device.type != "cpu":  # attend_blockwise takes CPU calls only: the store is joined whole
             return "whole"
         blocks = [s[0] if isinstance(s, list) and s else s for s in (layer._quantized_keys, layer._quantized_values)]
-        readable = (
-            codes_read() and dtype == torch.float32 and code_reader(type(layer)) and code_attention.kernel() is not None
-        )
+        kernel = code_attention.kernel()
+        readable = codes_read() and dtype == torch.float32 and code_reader(layer.__class__) and kernel is not None
         codes = getattr(layer, "_codes_of", None)
         return "codes" if readable and codes and all(codes(block) is not None for block in blocks) else "blocks"
     if isinstance(layer, BaseQuantizedLayer):

@@ -192,10 +192,12 @@ def attend_blockwise(
     if blocks.codes is not None and _CODES.get():  # the blocks read from their codes
         stores = [(blocks.codes(k), blocks.codes(v)) for k, v in pairs]
         coded = [(k, v) for k, v in stores if k is not None and v is not None]
-        tail = (float_rows(tail_keys), float_rows(tail_values)) if tail_keys.shape[-2] else None
-        if len(coded) == len(pairs) and (tail is None or (tail[0] is not None and tail[1] is not None)):
-            # every block, and the tail (none for ggml, which writes every token as blocks): one call, no merge
-            read = attend_codes(grouped, coded + ([(tail[0], tail[1])] if tail is not None else []), scaling)
+        tail: list[tuple[StoreCodes, StoreCodes]] = []  # none for ggml, which writes every token as blocks
+        if tail_keys.shape[-2]:
+            tail_codes = float_rows(tail_keys), float_rows(tail_values)
+            tail = [(tail_codes[0], tail_codes[1])] if tail_codes[0] is not None and tail_codes[1] is not None else []
+        if len(coded) == len(pairs) and (tail or not tail_keys.shape[-2]):  # every block and the tail: one call
+            read = attend_codes(grouped, coded + tail, scaling)
             if read is not None:
                 return read[0].to(query.dtype).reshape(batch, heads, tokens, head_dim).transpose(1, 2).contiguous()
         read = attend_codes(grouped, coded, scaling) if coded else None

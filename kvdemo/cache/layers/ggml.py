@@ -35,9 +35,10 @@ de-quantizes the blocks exactly and attends in the model's dtype. The blocks are
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 from transformers import PreTrainedConfig
@@ -206,7 +207,9 @@ class GgmlLayer(BaseQuantizedLayer):
         marked with the store as one block (`kvdemo.cache.layers.blockwise.StoreBlocks`: read from its codes, or
         de-quantized where attention cannot) and with the rotation."""
         keys = like.new_empty(*like.shape[:2], 0, like.shape[-1])
-        store = StoreBlocks([self._quantized_keys], [self._quantized_values], self._dequantize, self._codes_of)
+        read = cast("Callable[[object], torch.Tensor]", self._dequantize)  # handed this layer's blocks only
+        codes = cast("Callable[[object], StoreCodes | None]", self._codes_of)
+        store = StoreBlocks([self._quantized_keys], [self._quantized_values], read, codes)
         setattr(keys, BLOCKS_MARK, store)
         if self.query_rotation.key_block or self.query_rotation.values:
             mark_rotated(keys, self.query_rotation)  # type: ignore[arg-type]
