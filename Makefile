@@ -88,6 +88,7 @@ bench: $(APP_STAMP)
 	GRADIO_ANALYTICS_ENABLED=False HF_HUB_OFFLINE=1 $(PY) benchmarks/speed.py
 	GRADIO_ANALYTICS_ENABLED=False HF_HUB_OFFLINE=1 $(PY) benchmarks/flush.py
 	GRADIO_ANALYTICS_ENABLED=False HF_HUB_OFFLINE=1 $(PY) benchmarks/decode.py
+	GRADIO_ANALYTICS_ENABLED=False HF_HUB_OFFLINE=1 $(PY) benchmarks/code_attention.py
 
 # kvdemo beside transformers' prefix-cache pattern, re-prefilling and llama.cpp on the embedded GGUF, one thread each
 # (benchmarks/peers.py; about 25 min on 2 idle cores). The first time, it builds the pinned llama-cpp-python from
