@@ -245,5 +245,10 @@ def test_cli_recommend_refuses_with_exit_2(capsys):
     case = str(example_path("normans"))
     assert main(["recommend", "--context-file", case, "--max-kl", "0"]) == 2
     assert "must be a number > 0" in capsys.readouterr().err
+
+
+@pytest.mark.model  # the refusal reads the model's candidates: main() loads the embedded model itself
+def test_cli_recommend_refuses_an_engine_with_no_candidate_with_exit_2(capsys):
+    case = str(example_path("normans"))
     assert main(["recommend", "--context-file", case, "--engine", "mlx", "--no-progress"]) == 2
     assert "kvdemo stores none of mlx's quantized cache formats" in capsys.readouterr().err
