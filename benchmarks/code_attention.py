@@ -109,7 +109,7 @@ def per_length(loaded, kv, length: int, rounds: int, bandwidth: float, specs) ->
         floor = speed_limit(loaded.model, caches[name], bandwidth).floor_seconds
         row = {"step_seconds": step, "x_dynamic": step / dynamic, "floor_seconds": floor, "x_floor": step / floor}
         if name != "dynamic" and path == "codes":
-            row["decode_read"] = decode_read(caches[name], loaded.dtype, loaded.device)
+            row["decode_read"] = decode_read(caches[name], loaded.model)
             row["max_logit_gap"], row["torch_logit_gap"], row["same_top_token"] = logit_gaps(loaded, caches[name])
         out[f"{name} {path}"] = row
     return out

@@ -14,7 +14,7 @@ from transformers import LlamaConfig
 
 from kvdemo import CacheSpec, QASession
 from kvdemo.cache import snapshot
-from kvdemo.cache.layers.attention import ATTENTION, decode_read
+from kvdemo.cache.layers.attention import ATTENTION, _joined_layers, decode_read
 from kvdemo.cache.layers.blockwise import _FLASH, StoreBlocks, attend_blockwise, code_reader, dequantized_reads
 from kvdemo.cache.layers.code_attention import (
     MAX_DIM,
@@ -30,6 +30,7 @@ from kvdemo.cache.layers.rotation import RotatedQuantoLayer
 from kvdemo.cache.layers.turboquant import quantize_uniform
 from kvdemo.cache.spec import build_cache
 from kvdemo.qa.prefill import run_prefill
+from tests.families import tiny_family
 from tests.helpers import filled_layer
 
 OUTPUT_BOUND = 1e-5
@@ -203,4 +204,20 @@ def test_the_prefill_report_says_which_path_decode_steps_take(embedded, text, ex
     session = QASession(embedded, CacheSpec.parse(text))
     report = session.prefill("The Normans were the people who in the 10th and 11th centuries gave their name.")
     assert expected in report.decode_read
-    assert decode_read(session.cache, embedded.dtype, embedded.device) == report.decode_read
+    assert decode_read(session.cache, embedded.model) == report.decode_read
+
+
+def test_the_report_counts_each_layer_s_path_on_a_model_of_two_kinds(embedded):
+    """Gemma 3's tiny family: three sliding-window layers (ggml writes them as blocks too, read back whole as a window)
+    and one full-attention layer, whose decode attention reads the codes; the sliding layers' attention modules pass
+    a window, which `attend_blockwise` does not take (`_joined_layers`)."""
+    loaded = tiny_family("Gemma 3", embedded.tokenizer)
+    assert _joined_layers(loaded.model) == {
+        i for i, kind in enumerate(loaded.config.layer_types) if kind != "full_attention"
+    }
+    report = QASession(loaded, CacheSpec.parse("ggml:q4_0")).prefill(
+        "The Normans were the people who in the 10th and 11th centuries gave their name to Normandy. " * 3
+    )
+    assert report.decode_read == (
+        "Decode attention de-quantizes the whole store in 3 layers; reads the stored codes in 1 layer"
+    )

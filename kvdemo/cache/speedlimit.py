@@ -194,14 +194,14 @@ def speed_limit(model: PreTrainedModel, cache: Cache, bandwidth: float | None = 
         >>> limit = speed_limit(loaded.model, session.cache)
         >>> f"{limit.floor_seconds * 1000:.1f} ms, step / floor {limit.ratio(0.082):.1f}x"
     """
-    from kvdemo.cache.layers.attention import layer_read
+    from kvdemo.cache.layers.attention import layer_reads
 
     memory = kv_memory(cache)
     # keys and values of one token in one layer, in the model's dtype (what a layer de-quantizes each step)
     layers = kv_geometry(model.config).layers
     parameter = next(model.parameters())
     layer_token_bytes = full_precision_bytes(model.config, 1, parameter.dtype) // layers
-    reads = [layer_read(layer, parameter.dtype, parameter.device) for layer in cache.layers]
+    reads = layer_reads(cache, model)
     quantized_tokens = sum(
         stats.seq_length - stats.residual_tokens
         for stats, read in zip(memory.layers, reads)

@@ -277,7 +277,7 @@ class QASession:
             full_precision_bytes(self.loaded.config, len(split.prefix), self.loaded.dtype), split.matches_template,
             split.note, split.clock, opened_from, prefill_seconds,
             tuple(d.line for d in self.spec.deployments(self.loaded.config)),
-            decode_read(cache, self.loaded.dtype, self.loaded.device),
+            decode_read(cache, self.loaded.model),
         )  # fmt: skip
         return report
 

@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
@@ -201,37 +202,66 @@ DECODE_READS = {
     "whole": "de-quantizes the whole store",
     "full": "reads full precision",
 }
-"""How a layer's decode steps read its keys and values (`layer_read`) -> the words `decode_read` uses."""
+"""How a layer's decode steps read its keys and values (`layer_reads`) -> the words `decode_read` uses."""
 
 
-def layer_read(layer, dtype: torch.dtype, device: torch.device) -> str | None:
-    """The `DECODE_READS` key of how `layer`'s decode steps are attended, with the model in `dtype` on `device`:
-    `codes` where `kvdemo_attention` reads the store's codes (`kvdemo.cache.layers.code_attention`: a layer that
-    hands attention its blocks (`reads_blocks`: the block-wise layers, `GgmlLayer` on the query side) whose store the
-    kernel reads, float32 on the CPU, the kernel built, outside `dequantized_reads`), `blocks`
-    where it de-quantizes block by block (`kvdemo.cache.layers.blockwise`), `whole` for another quantized layer (its
-    `update` returns the whole store de-quantized), `full` for a full-precision layer; None for a layer that holds no
-    keys (a KV-shared or recurrent layer)."""
-    if getattr(layer, "reads_blocks", False):
-        if device.type != "cpu":  # attend_blockwise takes CPU calls only: the store is joined whole
-            return "whole"
-        blocks = [s[0] if isinstance(s, list) and s else s for s in (layer._quantized_keys, layer._quantized_values)]
-        kernel = code_attention.kernel()
-        readable = codes_read() and dtype == torch.float32 and code_reader(layer.__class__) and kernel is not None
-        codes = getattr(layer, "_codes_of", None)
-        return "codes" if readable and codes and all(codes(block) is not None for block in blocks) else "blocks"
-    if isinstance(layer, BaseQuantizedLayer):
-        return "whole"
-    return "full" if getattr(layer, "keys", None) is not None else None
+def layer_reads(cache: Cache, model: torch.nn.Module) -> list[str | None]:
+    """The `DECODE_READS` key of how each of `cache`'s layers is attended at a decode step of `model`:
+
+    - `codes` where `kvdemo_attention` reads the store's codes (`kvdemo.cache.layers.code_attention`): a layer that
+      hands attention its blocks (`reads_blocks`: the block-wise layers, `GgmlLayer` on the query side) and whose
+      blocks the kernel reads, the model in float32 on the CPU, the kernel built, outside `dequantized_reads`, and an
+      attention module that passes none of the options `attend_blockwise` does not take (`_blockwise_call`: a
+      sliding window, attention sinks, a soft cap);
+    - `blocks` where it de-quantizes block by block (`kvdemo.cache.layers.blockwise`);
+    - `whole` for another quantized layer, or one whose attention takes the whole store joined (a GPU, one of those
+      options);
+    - `full` for a full-precision layer; None for a layer that holds no keys (a KV-shared or recurrent layer).
+    """
+    parameter = next(model.parameters())
+    joined = _joined_layers(model) if parameter.device.type == "cpu" else None  # None: every block-wise layer
+    kernel = code_attention.kernel() is not None and codes_read() and parameter.dtype == torch.float32
+    reads: list[str | None] = []
+    layer: Any
+    for index, layer in enumerate(cache.layers):
+        if getattr(layer, "reads_blocks", False):
+            if joined is None or index in joined:
+                reads.append("whole")
+                continue
+            codes = getattr(layer, "_codes_of", None) if kernel and code_reader(layer.__class__) else None
+            stores = [
+                s[0] if isinstance(s, list) and s else s for s in (layer._quantized_keys, layer._quantized_values)
+            ]
+            reads.append("codes" if codes and all(codes(store) is not None for store in stores) else "blocks")
+        elif isinstance(layer, BaseQuantizedLayer):
+            reads.append("whole")
+        else:
+            reads.append("full" if getattr(layer, "keys", None) is not None else None)
+    return reads
 
 
-def decode_read(cache: Cache, dtype: torch.dtype, device: torch.device) -> str:
-    """How a decode step attends to `cache` (after its prefill), for the page and the reports: "Decode attention
-    reads the stored codes in 30 layers", or each path with its layer count ("...; de-quantizes the whole store in
-    4 layers"), and why the kernel is missing where no C compiler built it."""
+def _joined_layers(model: torch.nn.Module) -> frozenset[int]:
+    """The layer indexes whose attention module hands `kvdemo_attention` an option `attend_blockwise` does not take
+    (`_blockwise_call`: `sliding_window`, attention sinks as `s_aux`, `softcap`), read from the modules' attributes
+    that transformers passes as those options (`sliding_window`, `sinks`, `attn_logit_softcapping`)."""
+    joined = set()
+    for module in model.modules():
+        index = getattr(module, "layer_idx", None)
+        if isinstance(index, int) and type(module).__name__.endswith("Attention"):
+            if any(
+                getattr(module, name, None) is not None
+                for name in ("sliding_window", "sinks", "attn_logit_softcapping")
+            ):
+                joined.add(index)
+    return frozenset(joined)
+
+
+def decode_read(cache: Cache, model: torch.nn.Module) -> str:
+    """How a decode step of `model` attends to `cache` (after its prefill), for the page and the reports: "Decode
+    attention reads the stored codes in 30 layers", or each path with its layer count ("...; de-quantizes the whole
+    store in 4 layers"), and why the kernel is missing where no C compiler built it (`layer_reads`)."""
     counts: dict[str, int] = {}
-    for layer in cache.layers:
-        read = layer_read(layer, dtype, device)
+    for read in layer_reads(cache, model):
         if read is not None:
             counts[read] = counts.get(read, 0) + 1
     parts = [f"{DECODE_READS[read]} in {n} layer{'s' if n != 1 else ''}" for read, n in counts.items()]
