@@ -19,8 +19,9 @@
  *   kind 3, float: float32 rows as they are (the full-precision residual, read with the store in one call).
  *   kind 4, ggml: llama.cpp's blocks of 32 values, type `bits` (ggml_dequant.c's numbers), row_bytes per row.
  *   kind 5, half: float16 rows (llama.cpp's f16 cache type).
- * Compiled without fused multiply-add (kvdemo.cache.c_build.FLAGS), so each step rounds as torch's operations do.
- * The scores and the sums are float32 in another order than torch's kernel: the bound is in the module docstring. */
+ * Compiled without fused multiply-add (kvdemo.cache.c_build.FLAGS), so each de-quantization step rounds as torch's
+ * operations do. The scores and the sums (`dot`, `add_weighted`: AVX2 fused multiply-adds where the CPU has them) are
+ * float32 in another order than torch's kernel: the bound is in the module docstring. */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>

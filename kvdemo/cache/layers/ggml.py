@@ -49,7 +49,7 @@ from kvdemo.cache.layers.blockwise import BLOCKS_MARK, StoreBlocks
 from kvdemo.cache.layers.by_kind import sliding_windows, with_kept_layers
 from kvdemo.cache.layers.code_attention import StoreCodes, ggml_codes, half_rows
 from kvdemo.cache.layers.flush import attends_through_kvdemo
-from kvdemo.cache.layers.ggml_blocks import KERNEL_TYPES, dequantize_rows, quantize_rows
+from kvdemo.cache.layers.ggml_blocks import BLOCK_BYTES, KERNEL_TYPES, dequantize_rows, quantize_rows
 from kvdemo.cache.layers.rotation import hadamard, mark_rotated
 from kvdemo.cache.layers.sliding import SlidingWindowMask
 
@@ -219,7 +219,8 @@ class GgmlLayer(BaseQuantizedLayer):
         """A store as the decode kernel reads it (`kvdemo.cache.layers.code_attention`), or None."""
         if q_tensor.block_type == F16:
             return half_rows(q_tensor.rows)
-        return ggml_codes(q_tensor.rows, KERNEL_TYPES.index(q_tensor.block_type), q_tensor.width)
+        block_type = q_tensor.block_type
+        return ggml_codes(q_tensor.rows, KERNEL_TYPES.index(block_type), q_tensor.width, BLOCK_BYTES[block_type])
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search reorders the rows (no rounding: the blocks are per token)."""
