@@ -288,15 +288,30 @@ def test_axis_minus_one_stores_are_read_right(spec, embedded):
     assert float((blockwise - whole).abs().max()) < READ_WHOLE_BOUND
 
 
-def test_a_wrong_blockwise_read_is_reported_as_kvdemos_bug_not_the_models(embedded, monkeypatch):
+@pytest.mark.parametrize("read", ["codes", "de-quantized blocks"])
+def test_a_wrong_blockwise_read_is_reported_as_kvdemos_bug_not_the_models(embedded, monkeypatch, read):
     """Issue 57: a failure of kvdemo's own read against the same cache read whole is kvdemo's, and the probe says so;
-    a model that changes the keys (DiffLlama, above) is still refused as the model's behaviour."""
+    a model that changes the keys (DiffLlama, above) is still refused as the model's behaviour. Both reads are
+    broken in turn: the decode kernel over the codes (issue 56), and torch's flash kernel over each de-quantized block
+    (the path `dequantized_reads` keeps)."""
+    from contextlib import nullcontext
+
     from kvdemo.cache.layers import blockwise
 
-    flash = blockwise._FLASH
-    monkeypatch.setattr(blockwise, "_FLASH", lambda q, k, v, scale=None: flash(q, k.flip(-2) * 3, v, scale=scale))
+    if read == "codes":
+        codes = blockwise.attend_codes
+
+        def wrong(grouped, stores, scaling):
+            done = codes(grouped, stores, scaling)
+            return None if done is None else (done[0].flip(-1) * 3, done[1])
+
+        monkeypatch.setattr(blockwise, "attend_codes", wrong)
+    else:
+        flash = blockwise._FLASH
+        monkeypatch.setattr(blockwise, "_FLASH", lambda q, k, v, scale=None: flash(q, k.flip(-2) * 3, v, scale=scale))
     with pytest.raises(UnsupportedModelError, match="kvdemo's own block-wise read .* a kvdemo bug, not the model"):
-        QASession(_llama(embedded), CacheSpec.parse("quanto:4,residual_length=16"))
+        with blockwise.dequantized_reads() if read != "codes" else nullcontext():
+            QASession(_llama(embedded), CacheSpec.parse("quanto:4,residual_length=16"))
 
 
 def test_the_longrope_row_reaches_its_switch(embedded):

@@ -36,7 +36,9 @@ has them, `expf` from the vector math library, within 4 units in the last place)
 de-quantize path by float rounding. The bound, checked by `tests/test_code_attention.py` on every format, bit width and
 group layout against the de-quantized store read by torch's kernel: each output within 1e-5 x the largest |value|,
 the log-sum-exp within 3e-5 (measured at most 1.7e-6 and 9.5e-6); through the embedded model, from the same cache
-state, the logits within 1e-3 and the same greedy token. Against float64 at 16,000 tokens it errs as torch's flash
+state, the same greedy token, and the logits within 1e-3 where new tokens wait in a residual (a typical step 1e-5 to
+4e-5; ggml, which writes a new token as codes at once, can part further at a step where a code of it lands across a
+boundary, as torch's own two reads do). Against float64 at 16,000 tokens it errs as torch's flash
 kernel does (`benchmarks/code_attention.py` and docs/benchmarks.md give the logit gaps beside torch's own).
 
 It serves float32 queries and stores on the CPU, one decode step (no mask), head_dim up to 256 and up to 64 query
