@@ -38,8 +38,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from flush import fill, forward, log  # noqa: E402  (benchmarks/flush.py's helpers)
-from transformers import DynamicCache  # noqa: E402
+from flush import base_kv as flush_base_kv  # noqa: E402  (benchmarks/flush.py's helpers)
+from flush import fill, forward, log  # noqa: E402
 
 from kvdemo import CacheSpec, load_model  # noqa: E402
 from kvdemo.cache import snapshot  # noqa: E402
@@ -47,7 +47,6 @@ from kvdemo.cache.layers.attention import decode_read, materialized_blocks  # no
 from kvdemo.cache.layers.blockwise import dequantized_reads  # noqa: E402
 from kvdemo.cache.spec import build_cache  # noqa: E402
 from kvdemo.cache.speedlimit import probe_bandwidth, speed_limit  # noqa: E402
-from kvdemo.qa.prefill import run_prefill  # noqa: E402
 
 SPECS = (
     "quanto:4", "hqq:4", "turboquant:4", "turboquant:3", "quanto:2", "hqq:4,flush=append", "ggml:q4_0", "ggml:q8_0",
@@ -65,10 +64,7 @@ FILLER = 13
 def base_kv(loaded, tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The embedded model's keys and values over the first `tokens` tokens of docs/*.md joined, per layer."""
     text = "\n\n".join(path.read_text() for path in sorted((ROOT / "docs").glob("*.md")))
-    ids = loaded.tokenizer(text, add_special_tokens=False)["input_ids"][:tokens]
-    cache = DynamicCache(config=loaded.config)
-    run_prefill(loaded, cache, ids, quantized=False)
-    return [(layer.keys, layer.values) for layer in cache.layers]
+    return flush_base_kv(loaded, tokens, loaded.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def logit_gaps(loaded, cache) -> tuple[float, float, bool]:

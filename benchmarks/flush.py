@@ -86,11 +86,12 @@ def timed_step(loaded, cache) -> float:
     return time.perf_counter() - start
 
 
-def base_kv(loaded, tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The embedded model's keys and values over the Normans article's first `tokens` tokens (chat template
-    included), per layer, [1, kv_heads, tokens, head_dim]."""
-    case = load_case(example_path("normans"))
-    ids = QASession(loaded).context_ids(case.context)[:tokens]
+def base_kv(loaded, tokens: int, ids: list[int] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The embedded model's keys and values over the first `tokens` of `ids` (None: the Normans article's, chat
+    template included), per layer, [1, kv_heads, tokens, head_dim]."""
+    if ids is None:
+        ids = QASession(loaded).context_ids(load_case(example_path("normans")).context)
+    ids = ids[:tokens]
     cache = DynamicCache(config=loaded.config)
     run_prefill(loaded, cache, ids, quantized=False)
     return [(layer.keys, layer.values) for layer in cache.layers]

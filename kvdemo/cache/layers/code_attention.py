@@ -50,6 +50,7 @@ each of a cache's layers takes.
 from __future__ import annotations
 
 import ctypes
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -136,7 +137,7 @@ def affine_codes(
     """
     if words.dtype not in (torch.uint8, torch.int32) or scale.dtype != torch.float32 or zero.dtype != torch.float32:
         return None
-    numel = shape[0] * shape[1] * shape[2] * shape[3] if len(shape) == 4 else 0
+    numel = math.prod(shape)
     rows = numel // cols
     groups = rows if by_row else cols
     if words.dim() != 2 or words.shape[1] != cols or scale.numel() != groups or zero.numel() != groups:
@@ -186,7 +187,7 @@ def hqq_codes(qtensor: tuple[torch.Tensor, dict]) -> StoreCodes | None:
     if shifts is None or meta.get("view_as_float") or meta.get("compute_dtype") != dtype or meta["axis"] not in (0, 1):
         return None
     shape, group = tuple(meta["shape"]), meta["group_size"]
-    numel = shape[0] * shape[1] * shape[2] * shape[3] if len(shape) == 4 else 0
+    numel = math.prod(shape)
     cols = numel // group if meta["axis"] == 0 else group
     return affine_codes(
         packed, meta["scale"], meta["zero"], shape=shape, bits=meta["nbits"], cols=cols,

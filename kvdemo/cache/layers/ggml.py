@@ -198,9 +198,8 @@ class GgmlLayer(BaseQuantizedLayer):
 
     @property
     def reads_blocks(self) -> bool:
-        """Decode steps hand kvdemo's attention the store as one block (`_blocks`): on the query side, not over a
-        sliding window (`SlidingGgmlLayer` reads a view of its window)."""
-        return self.query_side and not isinstance(self, SlidingGgmlLayer)
+        """Decode steps hand kvdemo's attention the store as one block (`_blocks`): on the query side."""
+        return self.query_side
 
     def _blocks(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A decode step's (keys, values) for kvdemo's attention: no tail ([batch, kv_heads, 0, head_dim]), the keys
@@ -237,6 +236,11 @@ class SlidingGgmlLayer(SlidingWindowMask, GgmlLayer):
     def __init__(self, type_k: str, type_v: str, rotation: GgmlRotation, query_side: bool, sliding_window: int) -> None:
         super().__init__(type_k, type_v, rotation, query_side)
         self.sliding_window = sliding_window
+
+    @property
+    def reads_blocks(self) -> bool:
+        """Never: a decode step reads a view of the window, de-quantized (its `update`)."""
+        return False
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs

@@ -205,7 +205,8 @@ class TurboQuantLayer(QuantizedLayer):
 
     def _codes_of(self, q_tensor) -> StoreCodes | None:
         """A store as the decode kernel reads it (`kvdemo.cache.layers.code_attention`): kvdemo's layout, keys in
-        the rotated basis (the query side) at 1-4 bits, values at 1-4 bits; None for any other store."""
+        the rotated basis (the query side) at 2-4 bits, values at 2-8 bits; None for any other store (fp8 keys,
+        vLLM's layout)."""
         if isinstance(q_tensor, UniformValues):
             return uniform_codes(q_tensor.codes, q_tensor.scale, q_tensor.zero, self.nbits_value)
         if isinstance(q_tensor, TurboKeys) and self.rotated_store:
