@@ -41,6 +41,7 @@ def test_position_fidelity_by_hand():
     # row 1: P's argmax is token 0 (first of a tie), Q's is token 1
     assert got.same_top.tolist() == [True, False, True]
     assert got.abs_dlogp.tolist() == pytest.approx([math.log(0.7 / 0.5), math.log(0.6 / 0.4), 0.0], abs=1e-6)
+    assert got.dp.tolist() == pytest.approx([0.5 - 0.7, 0.6 - 0.4, 0.0], abs=1e-6)  # llama.cpp's Δp: p_spec - p_ref
 
 
 def test_percentile_is_llama_cpp_linear_interpolation():
@@ -77,8 +78,12 @@ def test_kl_statistics_pool_every_position_by_hand():
     assert stats.same_top_p == pytest.approx(50.0)
     assert stats.mean_abs_dlogp == pytest.approx(sum(dlogp) / 4)
     assert stats.p99_abs_dlogp == pytest.approx(dlogp[2] + 0.97 * (dlogp[3] - dlogp[2]))
+    assert stats.p999_kld == pytest.approx(kls[2] + 0.997 * (kls[3] - kls[2]))  # llama.cpp's 99.9% KLD
+    dps = [p - 0.5 for p in (0.5, 0.3, 0.2, 0.9)]  # Δp of token 0, whose p_dynamic is 0.5
+    assert stats.rms_dp == pytest.approx(100 * math.sqrt(sum(d * d for d in dps) / 4))  # llama.cpp's RMS Δp, %
     same = kl_statistics(ref, ref, tokens)
     assert (same.mean_kld, same.max_kld, same.same_top_p, same.p99_abs_dlogp) == (0.0, 0.0, 100.0, 0.0)
+    assert (same.p999_kld, same.rms_dp) == (0.0, 0.0)
 
 
 def test_kl_statistics_refuse_bad_input():

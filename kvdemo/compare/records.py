@@ -207,8 +207,10 @@ class ComparisonReport:
         "KL (nats)",
         "median KLD",
         "99.0% KLD",
+        "99.9% KLD",
         "max KLD",
         "same top p (%)",
+        "RMS Δp (%)",
         "mean |Δ log p|",
         "99.0% |Δ log p|",
         "positions",
@@ -239,8 +241,9 @@ class ComparisonReport:
         policy and `dynamic`'s storage included; empty where the backend does not take it);
         `KV bytes`, `bytes/token`, `ratio to dynamic`; `identical to dynamic` (share of answers), `common prefix
         (tokens)` (mean); `KL (nats)` (the mean KL per position, llama.cpp's "Mean KLD"), `median KLD`, `99.0% KLD`,
-        `max KLD` (nats/token), `same top p (%)`, `mean |Δ log p|`, `99.0% |Δ log p|` (nats), `positions` (pooled
-        answer tokens); `PPL`, `PPL ratio to dynamic`, `perplexity tokens` (NaN without a perplexity run); `K error`,
+        `99.9% KLD`, `max KLD` (nats/token), `same top p (%)`, `RMS Δp (%)` (llama.cpp's), `mean |Δ log p|`,
+        `99.0% |Δ log p|` (nats), `positions` (pooled answer tokens); `PPL`, `PPL ratio to dynamic`, `perplexity
+        tokens` (NaN without a perplexity run); `K error`,
         `V error`, `KV error` (relative, after the prefill, all layers and heads); `drift (×)`, `drift flushes` (NaN
         and 0 without flushes); `exact match`, `contains gold`, `F1` (means; NaN without gold answers); `prefill s`,
         `tokens/s`, `flushes`, `flush s`, `restored`. `kvdemo.charts.reports.comparison_display_frame` makes the short
@@ -267,8 +270,10 @@ class ComparisonReport:
                     "KL (nats)": r.kl.mean_kld,
                     "median KLD": r.kl.median_kld,
                     "99.0% KLD": r.kl.p99_kld,
+                    "99.9% KLD": r.kl.p999_kld,
                     "max KLD": r.kl.max_kld,
                     "same top p (%)": r.kl.same_top_p,
+                    "RMS Δp (%)": r.kl.rms_dp,
                     "mean |Δ log p|": r.kl.mean_abs_dlogp,
                     "99.0% |Δ log p|": r.kl.p99_abs_dlogp,
                     "positions": r.kl.positions,

@@ -58,11 +58,14 @@ class PositionFidelity:
         kl: KL(P_dynamic || P_spec) in nats.
         same_top: whether both distributions have the same most likely token (bool).
         abs_dlogp: |log P_dynamic(t) - log P_spec(t)| of `dynamic`'s token t at that position, in nats.
+        dp: P_spec(t) - P_dynamic(t) of `dynamic`'s token t, a probability in [-1, 1] (llama.cpp's Δp, whose token
+            is the text's: here `dynamic`'s answer is the text).
     """
 
     kl: torch.Tensor
     same_top: torch.Tensor
     abs_dlogp: torch.Tensor
+    dp: torch.Tensor
 
 
 def position_fidelity(reference: torch.Tensor, other: torch.Tensor, tokens: Sequence[int]) -> PositionFidelity:
@@ -83,8 +86,13 @@ def position_fidelity(reference: torch.Tensor, other: torch.Tensor, tokens: Sequ
     if len(tokens) != reference.shape[0]:
         raise ValueError(f"{len(tokens)} tokens for {reference.shape[0]} positions; give one token per row")
     index = torch.as_tensor(list(tokens), dtype=torch.long, device=reference.device).unsqueeze(-1)
-    dlogp = (reference.gather(-1, index) - other.gather(-1, index)).squeeze(-1).abs()
-    return PositionFidelity(kl=kl, same_top=reference.argmax(-1) == other.argmax(-1), abs_dlogp=dlogp)
+    ref_lp, other_lp = reference.gather(-1, index).squeeze(-1), other.gather(-1, index).squeeze(-1)
+    return PositionFidelity(
+        kl=kl,
+        same_top=reference.argmax(-1) == other.argmax(-1),
+        abs_dlogp=(ref_lp - other_lp).abs(),
+        dp=other_lp.double().exp() - ref_lp.double().exp(),
+    )
 
 
 def percentile(values: torch.Tensor, fraction: float) -> float:
@@ -115,9 +123,10 @@ class KLStats:
 
     Attributes (llama.cpp's `--kl-divergence` name in brackets):
         positions: the positions pooled (answer tokens over all questions).
-        mean_kld, median_kld, p99_kld, max_kld: KL(P_dynamic || P_spec) per position in nats/token
-            ["Mean KLD", "Median KLD", "99.0% KLD", "Maximum KLD"].
+        mean_kld, median_kld, p99_kld, p999_kld, max_kld: KL(P_dynamic || P_spec) per position in nats/token
+            ["Mean KLD", "Median KLD", "99.0% KLD", "99.9% KLD", "Maximum KLD"].
         same_top_p: percent of positions whose most likely token is `dynamic`'s ["Same top p"].
+        rms_dp: the root mean square of Δp, P_spec(t) - P_dynamic(t) of `dynamic`'s token, in percent ["RMS Δp"].
         mean_abs_dlogp, p99_abs_dlogp: mean and 99th percentile of |Δ log p| of `dynamic`'s token (nats); no
             llama.cpp equivalent (its Δp is the signed change of the text token's probability).
     """
@@ -130,6 +139,8 @@ class KLStats:
     same_top_p: float
     mean_abs_dlogp: float
     p99_abs_dlogp: float
+    p999_kld: float
+    rms_dp: float
 
     @classmethod
     def pool(cls, parts: Sequence[PositionFidelity]) -> KLStats:
@@ -143,6 +154,7 @@ class KLStats:
         kl = torch.cat([p.kl.double().flatten() for p in parts])
         same = torch.cat([p.same_top.flatten() for p in parts])
         dlogp = torch.cat([p.abs_dlogp.double().flatten() for p in parts])
+        dp = torch.cat([p.dp.double().flatten() for p in parts])
         return cls(
             positions=kl.numel(),
             mean_kld=float(kl.mean()),
@@ -152,6 +164,8 @@ class KLStats:
             same_top_p=100.0 * float(same.double().mean()),
             mean_abs_dlogp=float(dlogp.mean()),
             p99_abs_dlogp=percentile(dlogp, 0.99),
+            p999_kld=percentile(kl, 0.999),
+            rms_dp=100.0 * float(dp.square().mean().sqrt()),
         )
 
 
