@@ -47,6 +47,10 @@ def _rows() -> np.ndarray:
     return rows + np.float32(0.0)  # -0.0 to 0.0: gguf's numpy minimum keeps +0.0 where C keeps the first zero's sign
 
 
+ROTATED = "  # rotated: llama.cpp since 744c0c7 (#21038, 2026-04-01)"
+"""The deploy line's note where llama.cpp rotates the types (a shell comment: the line runs as it is)."""
+
+
 @pytest.mark.parametrize("block_type", ORACLE)
 def test_blocks_are_ggml_reference_bytes(block_type):
     rows = _rows()
@@ -147,8 +151,9 @@ def test_a_ggml_session_holds_the_formula_bytes_and_says_how_to_deploy(embedded)
     tokens, layers, heads = report.context_tokens, 2, 2
     assert report.kv_bytes == tokens * layers * heads * (64 // 32) * (18 + 34)  # no residual, no padding
     assert report.kv_bytes == estimate_kv_bytes(session.spec, tiny.config, tokens, torch.float32)
-    assert report.deploy[0] == "llama.cpp: -ctk q4_0 -ctv q8_0 -fa on" and report.deploy[-1].startswith("kvdemo:")
-    assert "Deploy: `llama.cpp: -ctk q4_0 -ctv q8_0 -fa on`" in prefill_summary(session)  # the page, beside the spec
+    line = "llama.cpp: llama-server -m MODEL.gguf -ctk q4_0 -ctv q8_0 -fa on" + ROTATED
+    assert report.deploy[0] == line and report.deploy[-1].startswith("kvdemo:")
+    assert f"Deploy: `{line}`" in prefill_summary(session)  # the page, beside the spec
     answer = session.ask("Where is Normandy?", 4)
     assert session.cache_length == tokens and len(answer.token_ids) == 4
     for text in ("ggml:f16", "ggml:iq4_nl,type_v=q5_1"):  # the types the matrix leaves out: restored, as fresh runs
@@ -167,12 +172,14 @@ def test_deploy_lines(embedded):
         text: [d.line for d in CacheSpec.parse(text).deployments(tiny.config)]
         for text in ("ggml:q8_0", "ggml:q4_0,rotation=none", "ggml:f16", "quanto:4", "dynamic", "hqq:4,flush=append")
     }
-    assert lines["ggml:q8_0"][0] == "llama.cpp: -ctk q8_0 -ctv q8_0 -fa on"
+    assert lines["ggml:q8_0"][0] == "llama.cpp: llama-server -m MODEL.gguf -ctk q8_0 -ctv q8_0 -fa on" + ROTATED
     assert (
         lines["ggml:q4_0,rotation=none"][0]
-        == "llama.cpp: LLAMA_ATTN_ROT_DISABLE=1 llama-server ... -ctk q4_0 -ctv q4_0 -fa on"
+        == "llama.cpp: LLAMA_ATTN_ROT_DISABLE=1 llama-server -m MODEL.gguf -ctk q4_0 -ctv q4_0 -fa on"
     )
-    assert lines["ggml:f16"][0] == "llama.cpp: -ctk f16 -ctv f16 -fa on"
+    assert lines["ggml:f16"][0] == "llama.cpp: llama-server -m MODEL.gguf -ctk f16 -ctv f16 -fa on"  # nothing rotated
+    narrow = make_tiny(embedded.tokenizer, head_dim=32)  # llama.cpp rotates only where head_dim is a multiple of 64
+    assert CacheSpec.parse("ggml:q8_0").deployments(narrow.config)[0].line.endswith("-fa on")
     assert lines["quanto:4"][0].startswith('transformers: model.generate(..., cache_implementation="quantized"')
     assert [line.split(":")[0] for line in lines["dynamic"]] == [
         "llama.cpp",

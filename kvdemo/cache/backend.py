@@ -59,6 +59,8 @@ class Backend:
         width_rule: its `WidthRule`, or None where any width is stored.
         presets: named option sets a spec may give after the colon instead of nbits (`turboquant:k8v4`: vLLM's
             `kv_cache_dtype` presets), name -> {option: value}; `CacheSpec.parse` expands them.
+        candidates: option sets a recommendation measures besides its grid and the presets
+            (`kvdemo.compare.candidates`; ggml's keys at 8 bits or more with values of fewer bytes).
         combination_rule: `rule(resolved options) -> why they cannot go together, or None`, for options that are
             each allowed but not together (turboquant's norm correction at nbits 8); None where any go together.
         deploy: its `DeployRule`: the engines that store a spec's cache the same way (None: kvdemo only).
@@ -80,6 +82,7 @@ class Backend:
     pip: str | None = None
     width_rule: WidthRule | None = None
     presets: dict[str, dict[str, int | str]] = field(default_factory=dict)
+    candidates: tuple[dict[str, int | str], ...] = ()
     combination_rule: Callable[[SpecOptions], str | None] | None = None
     deploy: DeployRule | None = None
     examples: dict[str, dict[str, int]] = field(default_factory=dict)

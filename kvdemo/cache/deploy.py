@@ -33,7 +33,7 @@ TRANSFORMERS_OPTIONS = ("nbits", "axis_key", "axis_value", "q_group_size", "resi
 @dataclass(frozen=True)
 class Deployment:
     """One engine that stores the cache as kvdemo measured it: `engine` (one of `ENGINES`) and `line`, how to ask it
-    (`llama.cpp: -ctk q4_0 -ctv q4_0 -fa on`)."""
+    (`llama.cpp: llama-server -m MODEL.gguf -ctk q4_0 -ctv q4_0 -fa on`)."""
 
     engine: str
     line: str

@@ -348,7 +348,7 @@ class CacheSpec:
 
         Example:
             >>> [d.line for d in CacheSpec.parse("ggml:q4_0").deployments(loaded.config)][0]
-            'llama.cpp: -ctk q4_0 -ctv q4_0 -fa on'
+            'llama.cpp: llama-server -m MODEL.gguf -ctk q4_0 -ctv q4_0 -fa on  # rotated: llama.cpp since 744c0c7 ...'
         """
         spec = self.validate(model_config)
         info, given, resolved = spec.info, spec.given(), spec.resolved()

@@ -4,8 +4,9 @@ no list of specs is written here, only which options are varied and why.
 Each quantized, installed backend at every key precision from `MIN_PLAN_BITS` (the planner's floor: 1-bit stores err
 by more than their own norm) and every value precision at most the keys' (the keys set which tokens a query attends
 to and are the more sensitive half: KIVI, KVQuant; so a split gives the keys the bits), each at every choice of the
-options in `VARIED` (`sliding` only for a backend that keeps sliding-window layers by default), and every preset of a
-backend (vLLM's TurboQuant presets as vLLM stores them, llama.cpp's cache types for keys and values). Every
+options in `VARIED` (`sliding` only for a backend that keeps sliding-window layers by default), every preset of a
+backend (vLLM's TurboQuant presets as vLLM stores them, llama.cpp's cache types for keys and values), and the option
+sets a backend lists as `candidates` (llama.cpp's keys at q8_0 or f16 with values of fewer bytes). Every
 other option keeps its default: it changes when and how a store is written (the flush, the residual's length, the
 axis, hqq's solver), not what a long context holds, and the Compare tab measures it. A spec the model refuses
 (`CacheSpec.validate`: a group that does not fit its head_dim, a rotation on another width) is left out, and so is a
@@ -39,17 +40,24 @@ ANY_ENGINE = "any"
 """`--engine any`: every candidate, whichever engine deploys it."""
 
 
-def candidate_specs(model_config: PreTrainedConfig, engine: str = ANY_ENGINE) -> list[CacheSpec]:
+def candidate_specs(model_config: PreTrainedConfig, engine: str = ANY_ENGINE, protect: str = "") -> list[CacheSpec]:
     """`dynamic`, then every candidate of every quantized installed backend that this model runs and `engine`
     deploys (see the module's docstring), validated, each once.
+
+    Args:
+        protect: also each candidate whose backend takes `protect` (and that does not set it) with these layers kept
+            at full precision (`n:n`; `kvdemo.compare.weights`: the layers whose key bias is an outlier); "": none.
 
     Raises:
         ValueError: an engine not in `ENGINES` or `any` (the message lists them).
     """
     if engine != ANY_ENGINE and engine not in ENGINES:
         raise ValueError(f"engine {engine!r} is not one of {', '.join((ANY_ENGINE, *ENGINES))}")
+    grid = _grid(model_config)
+    if protect:
+        grid += [s.replace(protect=protect) for s in grid if "protect" in s.info.options and "protect" not in s.given()]
     found: dict[str, CacheSpec] = {}
-    for spec in [CacheSpec(BASELINE), *_grid(model_config)]:
+    for spec in [CacheSpec(BASELINE), *grid]:
         try:
             spec = spec.validate(model_config)
         except (ValueError, ImportError):
@@ -77,6 +85,8 @@ def _grid(model_config: PreTrainedConfig) -> list[CacheSpec]:
         for preset, options in info.presets.items():  # a preset that sets `sliding` (vLLM's) is taken as it is
             ways = [(None,) * len(varied)] if "sliding" in options else _sliding(varied)
             specs += [CacheSpec.parse(f"{name}:{preset}").replace(**dict(zip(varied, w))) for w in ways]
+        for options in info.candidates:  # the backend's own further candidates (ggml's mixed key and value types)
+            specs += [CacheSpec(name, **options).replace(**dict(zip(varied, w))) for w in _sliding(varied)]  # type: ignore[arg-type]
     return specs
 
 

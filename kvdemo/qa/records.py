@@ -32,7 +32,8 @@ class PrefillReport:
         prefill_seconds: the wall time of the prefill itself (seconds): `seconds`, or for an opened file the time
             the prefill that wrote it took.
         deploy: the lines of the engines that store this cache the same way, kvdemo's last
-            (`kvdemo.cache.spec.CacheSpec.deployments`: "llama.cpp: -ctk q4_0 -ctv q4_0 -fa on").
+            (`kvdemo.cache.spec.CacheSpec.deployments`: "llama.cpp: llama-server -m MODEL.gguf -ctk q4_0 -ctv q4_0
+            -fa on").
         decode_read: how the decode steps attend to this cache (`kvdemo.cache.layers.attention.decode_read`:
             "Decode attention reads the stored codes in 30 layers").
     """

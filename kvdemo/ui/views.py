@@ -127,7 +127,8 @@ def prefill_summary(qa: Session, timing: str = "") -> str:
 
 def deploy_text(lines: tuple[str, ...]) -> str:
     """The engines that store this cache the same way (`PrefillReport.deploy`), for the page: `Deploy: `llama.cpp:
-    -ctk q4_0 -ctv q4_0 -fa on``; kvdemo's own line is left out, and where it is the only one, the page says so."""
+    llama-server -m MODEL.gguf -ctk q4_0 -ctv q4_0 -fa on``; kvdemo's own line is left out, and where it is the
+    only one, the page says so."""
     engines = [line for line in lines if not line.startswith("kvdemo:")]
     if not engines:
         return "Deploy: kvdemo only (no engine stores this cache byte for byte)"

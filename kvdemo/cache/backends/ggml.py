@@ -36,6 +36,16 @@ GGML_ROTATIONS = ("auto", "none")
 LLAMA_CPP = "llama.cpp commit 0c1e570 (2026-10-01, as vendored by llama-cpp-python 0.3.36)"
 """The llama.cpp kvdemo's `ggml` backend follows."""
 
+ROTATION_SINCE = "744c0c7 (#21038, 2026-04-01)"
+"""The llama.cpp commit from which a quantized cache is rotated (`attn_rot_k`, `attn_rot_v`: "llama : rotate
+activations for better quantization"); a build before it stores the same types unrotated, as `rotation=none` does,
+and takes a bare `-fa` for flash attention instead of `-fa on`."""
+
+MIXED_KEY_TYPES = ("f16", "q8_0")
+"""The key types a recommendation also pairs with each value type of fewer bytes (`-ctk q8_0 -ctv q4_0`, `-ctk f16
+-ctv q8_0`): what llama.cpp users deploy, keys at 8 bits or more, as kvdemo's bit pairs give the keys the bits (the
+keys set which tokens a query attends to: KIVI, KVQuant)."""
+
 
 def value_bytes(cache_type: str, values: int, element: int) -> float:
     """Bytes of `values` values (a multiple of 32) stored as `cache_type` (`f16`: 2 a value)."""
@@ -82,22 +92,30 @@ def _cache(name: str, options: Mapping[str, Any], config: PreTrainedConfig) -> C
     )
 
 
-def llama_cpp_flags(resolved: SpecOptions) -> str:
-    """The llama.cpp command-line flags of a spec: `-ctk q4_0 -ctv q4_0 -fa on` (flash attention: llama.cpp needs it
-    for a quantized V cache), with `LLAMA_ATTN_ROT_DISABLE=1` in front for `rotation=none`."""
-    flags = f"-ctk {resolved['type_k']} -ctv {resolved['type_v']} -fa on"
-    return f"LLAMA_ATTN_ROT_DISABLE=1 llama-server ... {flags}" if resolved["rotation"] == "none" else flags
+def llama_cpp_command(resolved: SpecOptions, rotated: bool = True) -> str:
+    """The llama.cpp command of a spec: `llama-server -m MODEL.gguf -ctk q4_0 -ctv q4_0 -fa on` (flash attention:
+    llama.cpp needs it for a quantized V cache); for `rotation=none`, `LLAMA_ATTN_ROT_DISABLE=1` in front; where
+    llama.cpp rotates (`rotated`: a quantized type, head_dim a multiple of 64), a shell comment naming the build from
+    which it does (`ROTATION_SINCE`), so the line still runs as it is."""
+    command = f"llama-server -m MODEL.gguf -ctk {resolved['type_k']} -ctv {resolved['type_v']} -fa on"
+    if resolved["rotation"] == "none":
+        return f"LLAMA_ATTN_ROT_DISABLE=1 {command}"
+    return f"{command}  # rotated: llama.cpp since {ROTATION_SINCE}" if rotated else command
 
 
 def _deploy(backend: Backend, given: SpecOptions, resolved: SpecOptions, config: PreTrainedConfig):
     """llama.cpp's line, where llama.cpp stores the same: its sliding-window layers take the same types, so a spec
     that keeps them at full precision on a model that has them is kvdemo's only."""
+    from kvdemo.cache.geometry import kv_geometry
     from kvdemo.cache.layer_kinds import layer_types
 
     sliding_kept = resolved["sliding"] == SLIDING_CHOICES[0]
     if sliding_kept and set(layer_types(config)) & set(backend.options["sliding"].acts_on):
         return ()
-    return (Deployment("llama.cpp", f"llama.cpp: {llama_cpp_flags(resolved)}"),)
+    quantized = {resolved["type_k"], resolved["type_v"]} != {"f16"}
+    widths = {w for layer in kv_geometry(config).per_layer for w in (layer.key_dim, layer.value_dim)}
+    rotated = quantized and all(w % 64 == 0 for w in widths)
+    return (Deployment("llama.cpp", f"llama.cpp: {llama_cpp_command(resolved, rotated)}"),)
 
 
 BACKEND = Backend(
@@ -142,6 +160,12 @@ BACKEND = Backend(
     compare_nbits=(),  # not in the default comparison (kept quick); the Compare tab offers it, the recommender tries it
     width_rule=ggml_width_problem,
     presets={name: {"type_k": name, "type_v": name} for name in CACHE_TYPES},
+    candidates=tuple(
+        {"type_k": k, "type_v": v}
+        for k in MIXED_KEY_TYPES
+        for v in BLOCK_BYTES
+        if value_bytes(v, 32, 4) < value_bytes(k, 32, 4)
+    ),
     deploy=_deploy,
     examples={"more": {"ggml:q4_0": 2}},
 )
