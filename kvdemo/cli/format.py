@@ -132,6 +132,7 @@ def format_recommendation(found: Recommendation) -> str:
         f"{found.model}, {found.context_tokens:,} context tokens, {len(found.questions)} questions, target {target}, "
         f"engine {found.engine}: {len(found.rows)} candidates in {found.seconds:.0f} s",
         *(f"question {i}: {q}" for i, q in enumerate(found.questions, 1)),
+        *([f"weights: {found.weights}"] if found.weights else []),
         f"pick: {found.pick}",
         f"why: {found.why}",
         *(f"deploy: {line}" for line in (picked.deploy if picked else ())),

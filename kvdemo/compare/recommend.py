@@ -4,19 +4,30 @@
 How, in one prefill: the text is prefilled once into `dynamic`, which answers every question greedily. Each candidate
 then takes that prefill's full-precision keys and values (`QASession.prefill_from`: the cache a prefill of its own
 gives, tensor for tensor, without the forward passes), and is scored teacher-forced on `dynamic`'s answers
-(`QASession.score`: the same decode steps, flushes included). First a **probe**: the first question's first
-`PROBE_TOKENS` answer tokens, for every candidate, which drops what is clearly out (a probe KL over `PROBE_OUT` x the
-ceiling, more bytes than the budget) or clearly beaten (another candidate with no more bytes and at most
-1/`PROBE_MARGIN` of its probe KL). Then the **full measurement** of the rest, in the order that finds the pick first:
-mean KL, same top token and 99th-percentile KL over every answer token, and the perplexity of the text's last
-`HELD_OUT_TOKENS` tokens (held out of the context, fed after it) over `dynamic`'s. With a KL ceiling the candidates
-are measured by bytes, fewest first, until one is within it: that is the pick, unless the per-layer planner's plan
-between it and the next smaller one is within it too (`kvdemo.evals.planner`, measured the same way). With a byte
-budget the candidates within it are measured by probe KL, and the pick has the lowest mean KL.
+(`QASession.score`: the same decode steps, flushes included), one answer token at a time.
+
+**The search cannot miss a setting that fits.** With a KL ceiling the pick is the candidate with the fewest bytes
+whose mean KL over every answer token is within it; candidates are measured by bytes, fewest first, so every one
+with fewer bytes than the pick was measured over the ceiling before the pick is taken. A candidate is left for one
+of three reasons only, each sound for the full measurement:
+- *over the ceiling on a bound*: its KL summed over the tokens scored so far passes the ceiling times every answer
+  token; each token's KL is >= 0, so the full mean is over the ceiling whatever the rest add (`BOUND`). A bad
+  candidate is out after a token or two, and no row is ever left on another candidate's figure;
+- *not fewer bytes than the pick* (or than `dynamic`): it cannot be the setting with the fewest bytes;
+- *refused by the model* (`kvdemo.qa.probe.check_model`): it cannot be served right.
+"Keep dynamic" therefore means that every candidate with fewer bytes than `dynamic` was measured over the ceiling or
+refused. With a byte budget the candidates within it are measured by bytes, most first, each until it is shown worse
+than the best mean so far (the same bound) or measured in full; the pick has the lowest mean KL.
+
+**Near the decision** the pick and the next smaller setting are measured in full: every question (each one's KL is
+kept) and the text's last `HELD_OUT_TOKENS` tokens (held out of the context, fed after it: their KL and perplexity
+against `dynamic`'s), so the record says how the pick holds on text it did not answer. With a KL ceiling a per-layer
+plan between the pick and the next smaller one is measured too (`kvdemo.evals.planner`) and wins only with fewer
+bytes within the ceiling.
 
 Bytes per token come from the registry's formulas (every token stored, no residual), at the context's length and at
 `LENGTHS` (a sliding window's bytes stop growing). A recommendation holds for this model, this text and these
-questions (docs/recommend.md says how far it carried to another text).
+questions (docs/recommend.md says how far it carried to other texts).
 """
 
 from __future__ import annotations
@@ -34,13 +45,8 @@ from kvdemo.cache.layer_plan import PLAN
 from kvdemo.cache.registry import BACKENDS
 from kvdemo.cache.spec import CacheSpec, estimate_kv_bytes
 from kvdemo.compare.candidates import ANY_ENGINE, candidate_specs
-from kvdemo.compare.recommendation import (
-    FULL,
-    PROBE,
-    Recommendation,
-    RecommendationCancelled,
-    RecommendRow,
-)
+from kvdemo.compare.recommendation import BOUND, FULL, Recommendation, RecommendationCancelled, RecommendRow
+from kvdemo.compare.weights import read_weights
 from kvdemo.evals import planner
 from kvdemo.evals.fidelity import kl_statistics
 from kvdemo.evals.metrics import kl_divergence
@@ -54,14 +60,6 @@ the same figure: Q8_0 about 0.001, Q4_K_M about 0.02-0.03, where answers keep th
 (docs/recommend.md), specs at 0.02 keep 92-97 % of `dynamic`'s top tokens and the embedded model's answers, while
 quanto:4 on Gemma 3 270M (mean KL 0.09, 82 % same top) already turns its first answer wrong."""
 
-PROBE_TOKENS = 8
-"""Answer tokens of the first question each candidate is scored on in the probe."""
-PROBE_OUT = 4.0
-"""A candidate whose probe KL passes this many times the ceiling is left after the probe."""
-PROBE_MARGIN = 2.0
-"""A candidate is left after the probe when another has no more bytes and at most 1/PROBE_MARGIN of its probe KL."""
-FULL_AT_MOST = 8
-"""Candidates measured in full at most (the plan besides)."""
 HELD_OUT_TOKENS = 32
 """Tokens of the text's end held out of the context and scored for the perplexity (fewer on a short text)."""
 MIN_CONTEXT_TOKENS = 64
@@ -140,12 +138,13 @@ def recommend(
 
 
 class _Run:
-    """One recommendation's state: the checks, the reference, the probe, the full measurement and the pick."""
+    """One recommendation's state: the checks, the reference, the search and the pick."""
 
     def __init__(self, loaded, text, questions, target, limit, engine, plans, cancel, on_progress):
         self.loaded, self.target, self.limit, self.engine = loaded, target, limit, engine
         self.cancel, self.on_progress, self.start, self.done = cancel, on_progress, time.perf_counter(), 0
-        self.specs = candidate_specs(loaded.config, engine)  # raises on an unknown engine
+        self.weights = read_weights(loaded)  # before anything runs: an outlier layer adds protected candidates
+        self.specs = candidate_specs(loaded.config, engine, self.weights.protect)  # raises on an unknown engine
         if len(self.specs) < 2:
             works = [e for e in (ANY_ENGINE, *ENGINES) if len(candidate_specs(loaded.config, e)) > 1]
             others = ", ".join(e for e in works if e != engine)
@@ -168,7 +167,7 @@ class _Run:
         self.plans = plans and engine in (ANY_ENGINE, "kvdemo")
         self.rows: dict[str, RecommendRow] = {}
         self.plan_line = ""
-        self.total = 3 + 2 * len(self.questions) + len(self.specs) + FULL_AT_MOST
+        self.total = 3 + 2 * len(self.questions) + len(self.specs) + 2
 
     def _split(self, text: str) -> tuple[str, list[int]]:
         """The context (the text less its held-out end) and the held-out token ids (none on a short text)."""
@@ -198,7 +197,7 @@ class _Run:
         return Recommendation(
             self.loaded.name, self.tokens, self.target, self.limit, self.engine, tuple(self.questions), LENGTHS,
             tuple(self.rows.values()), pick, why, self.plan_line, max(len(self.tail) - 1, 0),
-            time.perf_counter() - self.start, finished,
+            time.perf_counter() - self.start, finished, weights=self.weights.summary(),
         )  # fmt: skip
 
     def row(self, spec: CacheSpec, **figures) -> RecommendRow:
@@ -229,23 +228,16 @@ class _Run:
             self.step("scored dynamic's answer")
         if not self.answers:
             raise ValueError("dynamic answered none of the questions with a token; give other questions")
-        self.tail_nll = self._nll(self.reference)
+        self.positions = sum(len(ids) for _, ids in self.answers)
+        self.tail_rows = self.reference.score_text(self.tail) if len(self.tail) >= 2 else None
         dynamic = self.specs[0]
-        self.row(dynamic, probe_kl=0.0, mean_kl=0.0, same_top_p=100.0, p99_kl=0.0, perplexity_ratio=1.0, measured=FULL)
-        for spec in self.specs[1:]:
-            self._probe(spec)
-        pick = self._measure_kl() if self.target == "max_kl" else self._measure_budget()
-        self.done = self.total  # the estimate counted every full measurement the run may have skipped
+        self.row(dynamic, mean_kl=0.0, positions=self.positions, same_top_p=100.0, p99_kl=0.0, p999_kl=0.0,
+                 rms_dp=0.0, question_kl=(0.0,) * len(self.answers), held_out_kl=0.0 if self.tail_rows is not None
+                 else None, perplexity_ratio=1.0 if self.tail_rows is not None else None, measured=FULL)  # fmt: skip
+        pick = self._search_kl() if self.target == "max_kl" else self._search_budget()
+        self.done = self.total  # the estimate counted every candidate the search may have left unmeasured
         self.step(f"picked {pick.spec}", 0)
         return self.record(pick=pick.spec, why=self._why(pick))
-
-    def _nll(self, session: QASession) -> float | None:
-        """Mean negative log-likelihood of the held-out tokens through the session's cache (None without them)."""
-        if len(self.tail) < 2:
-            return None
-        rows = session.score_text(self.tail)
-        index = torch.tensor(self.tail[1:]).unsqueeze(-1)
-        return -float(rows.gather(-1, index).mean())
 
     def _session(self, spec: CacheSpec) -> QASession | None:
         """A session of `spec` prefilled from the reference, or None (the row notes why) where the model refuses it."""
@@ -253,91 +245,112 @@ class _Run:
             session = QASession(self.loaded, spec)
         except (ValueError, ImportError) as error:
             self.row(spec, note=f"refused: {str(error)[:200]}")
+            self.step(f"{spec.short_text}: refused by the model")
             return None
         session.prefill_from(self.reference)
         return session
 
-    def _probe(self, spec: CacheSpec) -> RecommendRow | None:
-        if self.target == "bytes_per_token" and self.bytes[spec.label][0] > self.limit:
-            self.step(f"{spec.short_text}: over the budget")
-            self.row(spec, note="over the byte budget")
-            return None
+    def _measure(self, spec: CacheSpec, over: float | None = None) -> RecommendRow | None:
+        """Score `spec` on every answer token, one decode step at a time, and stop as soon as the KL summed so far
+        passes `over` x every answer token (a `BOUND` row: its full mean is over `over`, see the module's
+        docstring); None: to the end. Measured to the end, the row is `FULL`: llama.cpp's report, each question's
+        KL, and the held-out tokens' KL and perplexity. None where the model refuses the spec."""
         session = self._session(spec)
         if session is None:
             return None
-        question, ids = self.answers[0]
-        probe = session.score(question, ids[:PROBE_TOKENS])
-        kl = float(kl_divergence(self.logprobs[0][:PROBE_TOKENS], probe).mean())
-        self.step(f"probed {spec.short_text}: KL {kl:.4f}")
-        return self.row(spec, probe_kl=kl, measured=PROBE)
+        bound = math.inf if over is None else over * self.positions
+        summed, scored, rows = 0.0, list[torch.Tensor](), list[torch.Tensor]()
 
-    def _full(self, spec: CacheSpec) -> RecommendRow | None:
-        session = self._session(spec)
-        if session is None:
-            return None
-        scored = [session.score(question, ids) for question, ids in self.answers]
+        def until(row: torch.Tensor) -> bool:  # each row as it comes: does the KL so far prove the mean over?
+            nonlocal summed
+            reference = self.logprobs[len(scored)][len(rows)]  # `dynamic`'s row at this question and token
+            summed += float(kl_divergence(reference.unsqueeze(0), row.unsqueeze(0)))
+            rows.append(row)
+            return summed > bound
+
+        for question, ids in self.answers:
+            rows = []
+            scored.append(session.score(question, ids, until=until))
+            if summed > bound:
+                tokens = sum(len(rows) for rows in scored)
+                self.step(f"{spec.short_text}: KL at least {summed / self.positions:.4f} after {tokens} tokens")
+                return self.row(spec, kl_at_least=summed / self.positions, positions=tokens, measured=BOUND)
         stats = kl_statistics(self.logprobs, scored, [ids for _, ids in self.answers])
-        nll = self._nll(session)
-        ratio = None if nll is None or self.tail_nll is None else math.exp(nll - self.tail_nll)
+        held_out_kl = ratio = None
+        if self.tail_rows is not None:
+            held_out = session.score_text(self.tail)
+            held_out_kl = float(kl_divergence(self.tail_rows, held_out).mean())
+            ratio = math.exp(self._nll(held_out) - self._nll(self.tail_rows))
         self.step(f"measured {spec.short_text}: mean KL {stats.mean_kld:.4f}")
         return self.row(
-            spec, mean_kl=stats.mean_kld, same_top_p=stats.same_top_p, p99_kl=stats.p99_kld,
+            spec, mean_kl=stats.mean_kld, kl_at_least=None, positions=stats.positions, same_top_p=stats.same_top_p,
+            p99_kl=stats.p99_kld, p999_kl=stats.p999_kld, rms_dp=stats.rms_dp, held_out_kl=held_out_kl,
+            question_kl=tuple(float(kl_divergence(r, s).mean()) for r, s in zip(self.logprobs, scored)),
             perplexity_ratio=ratio, measured=FULL,
         )  # fmt: skip
 
-    def _kept(self) -> list[RecommendRow]:
-        """The probed rows the probe does not rule out (see the module's docstring)."""
-        probed = [r for r in self.rows.values() if r.measured == PROBE and r.probe_kl is not None]
-        kept = []
-        for row in probed:
-            assert row.probe_kl is not None
-            if self.target == "max_kl" and row.probe_kl > PROBE_OUT * self.limit:
-                self.rows[self._label(row)] = RecommendRow(**{**row.__dict__, "note": "probe KL far over the ceiling"})
-                continue
-            beaten = [o for o in probed if o is not row and o.bytes_per_token[0] <= row.bytes_per_token[0]
-                      and o.probe_kl is not None and o.probe_kl * PROBE_MARGIN <= row.probe_kl]  # fmt: skip
-            if beaten:
-                note = f"beaten in the probe by {beaten[0].spec}"
-                self.rows[self._label(row)] = RecommendRow(**{**row.__dict__, "note": note})
-                continue
-            kept.append(row)
-        return kept
+    def _nll(self, rows: torch.Tensor) -> float:
+        """Mean negative log-likelihood of the held-out tokens from `score_text`'s rows."""
+        return -float(rows.gather(-1, torch.tensor(self.tail[1:]).unsqueeze(-1)).mean())
 
-    def _label(self, row: RecommendRow) -> str:
-        return next(label for label, r in self.rows.items() if r.spec == row.spec)
+    def _quantized(self) -> list[CacheSpec]:
+        """The quantized candidates with fewer bytes than `dynamic` (more could never be the answer), by bytes,
+        fewest first; the others' rows say why they were not measured."""
+        dynamic = self.bytes[self.specs[0].label][0]
+        ordered = sorted(self.specs[1:], key=lambda s: self.bytes[s.label][0])
+        for spec in ordered:
+            if self.bytes[spec.label][0] >= dynamic:
+                self.row(spec, note="not measured: no fewer bytes than dynamic")
+        return [s for s in ordered if self.bytes[s.label][0] < dynamic]
 
-    def _measure_kl(self) -> RecommendRow:
-        """Full measurement by bytes, fewest first, until one is within the ceiling; then the plan between it and
-        the next smaller one. Returns the pick (`dynamic`'s row when none is within)."""
+    def _search_kl(self) -> RecommendRow:
+        """The fewest bytes within the ceiling (see the module's docstring): `dynamic`'s row when none is."""
         pick = None
-        for row in sorted(self._kept(), key=lambda r: r.bytes_per_token[0])[:FULL_AT_MOST]:
-            full = self._full(CacheSpec.parse(row.spec))
-            if full is not None and full.mean_kl is not None and full.mean_kl <= self.limit:
-                pick = full
-                break
+        for spec in self._quantized():
+            if pick is not None:  # every candidate from here has at least the pick's bytes
+                self.row(spec, note=f"not measured: no fewer bytes than the pick, {pick.spec}")
+                continue
+            row = self._measure(spec, over=self.limit)
+            pick = row if row is not None and row.measured == FULL else None
         if pick is None:
             return self.rows[self.specs[0].label]
-        smaller = max(
-            (r for r in self.rows.values() if r.measured == FULL and r.bytes_per_token[0] < pick.bytes_per_token[0]),
-            key=lambda r: r.bytes_per_token[0],
-            default=None,
-        )
+        smaller = self._next_smaller(pick)
+        if smaller is not None and smaller.measured == BOUND:  # near the decision: the figures in full
+            smaller = self._measure(CacheSpec.parse(smaller.spec)) or smaller
         if self.plans and smaller is not None:  # a plan between the two may keep the ceiling with fewer bytes
             planned = self._plan(pick, (pick.bytes_per_token[0] + smaller.bytes_per_token[0]) / 2)
             if planned is not None and planned.mean_kl is not None and planned.mean_kl <= self.limit:
                 return planned if planned.bytes_per_token[0] < pick.bytes_per_token[0] else pick
         return pick
 
-    def _measure_budget(self) -> RecommendRow:
-        """Full measurement of the kept candidates by probe KL, lowest first; the pick has the lowest mean KL, a
-        per-layer plan at the budget included."""
-        kept = sorted(self._kept(), key=lambda r: (r.probe_kl, r.bytes_per_token[0]))[:FULL_AT_MOST]
-        measured = [f for row in kept if (f := self._full(CacheSpec.parse(row.spec))) is not None]
-        if self.plans and measured:
-            planned = self._plan(min(measured, key=lambda r: r.mean_kl or 0.0), self.limit)
-            measured += [planned] if planned is not None and planned.bytes_per_token[0] <= self.limit else []
-        quantized = [r for r in measured if r.mean_kl is not None]
-        return min(quantized, key=lambda r: r.mean_kl or 0.0) if quantized else self.rows[self.specs[0].label]
+    def _next_smaller(self, pick: RecommendRow) -> RecommendRow | None:
+        """The measured row with the most bytes under the pick's (the setting the pick was chosen over), or None."""
+        below = [r for r in self.rows.values() if r.measured in (FULL, BOUND) and r.bytes_per_token[0] <
+                 pick.bytes_per_token[0] and PLAN not in CacheSpec.parse(r.spec).given()]  # fmt: skip
+        return max(below, key=lambda r: r.bytes_per_token[0], default=None)
+
+    def _search_budget(self) -> RecommendRow:
+        """The lowest mean KL within the budget: by bytes, most first (more bytes, less error: the best is likely
+        found early), each measured until shown over the best mean so far; a per-layer plan at the budget too."""
+        best = None
+        for spec in reversed(self._quantized()):
+            if self.bytes[spec.label][0] > self.limit:
+                self.row(spec, note="over the byte budget")
+                continue
+            row = self._measure(spec, over=None if best is None else best.mean_kl)
+            if row is not None and row.measured == FULL and (best is None or self._better(row, best)):
+                best = row
+        if self.plans and best is not None:
+            planned = self._plan(best, self.limit)
+            if planned is not None and planned.measured == FULL and planned.bytes_per_token[0] <= self.limit:
+                best = planned if self._better(planned, best) else best
+        return best or self.rows[self.specs[0].label]
+
+    @staticmethod
+    def _better(row: RecommendRow, best: RecommendRow) -> bool:
+        """Lower mean KL, or the same with fewer bytes."""
+        assert row.mean_kl is not None and best.mean_kl is not None
+        return (row.mean_kl, row.bytes_per_token[0]) < (best.mean_kl, best.bytes_per_token[0])
 
     def _plan(self, near: RecommendRow, budget: float) -> RecommendRow | None:
         """The per-layer plan at `budget` bytes per token, on the backend of `near` where it takes plans (else the
@@ -360,29 +373,54 @@ class _Run:
             self.plan_line = f"no plan: {error}"
             return None
         self.plan_line = plan.summary()
-        return self._full(plan.spec.validate(self.loaded.config)) if plan.spec is not None else None
+        return self._measure(plan.spec.validate(self.loaded.config)) if plan.spec is not None else None
 
     def _why(self, pick: RecommendRow) -> str:
-        """One sentence: what the pick keeps, and what the next smaller measured setting would have cost."""
+        """One sentence: what the pick keeps and how it holds, and what the next smaller measured setting would have
+        cost. Every figure named is measured in full, or said to be a bound."""
         dynamic_bytes = self.rows[self.specs[0].label].bytes_per_token[0]
         share = f"{pick.bytes_per_token[0] / dynamic_bytes:.0%} of dynamic's bytes"
-        measured = [r for r in self.rows.values() if r.kl is not None and r.spec != pick.spec]
+        rows = [r for r in self.rows.values() if r.spec != self.specs[0].short_text]
         if not BACKENDS[pick.backend].quantized:
-            best = min((r for r in measured if BACKENDS[r.backend].quantized), key=lambda r: r.kl or 0.0, default=None)
-            closest = f" the closest, {best.spec}, moved it by KL {best.kl:.4f}" if best else ""
-            within = f"within mean KL {self.limit:g}" if self.target == "max_kl" else "within the budget"
-            return f"No quantized setting kept this model {within} on this text;{closest}: keep dynamic."
+            return self._why_dynamic(rows)
+        holds = _holds(pick)
         if self.target == "bytes_per_token":
             return (f"{pick.spec} moves this model least within {self.limit:,.0f} bytes per token: mean KL "
-                    f"{pick.mean_kl:.4f}, {pick.same_top_p:.1f} % the same top token, {share}.")  # fmt: skip
-        smaller = [r for r in measured if r.bytes_per_token[0] < pick.bytes_per_token[0]]
-        smaller = [r for r in smaller if r.measured == FULL] or smaller  # a full figure says more than a probe's
-        if not smaller:
-            return f"{pick.spec} is the smallest setting measured and keeps mean KL {pick.mean_kl:.4f}, {share}."
-        uniform = [r for r in smaller if PLAN not in CacheSpec.parse(r.spec).given()]
-        near = max(uniform or smaller, key=lambda r: (r.bytes_per_token[0], -(r.kl or 0.0)))  # a plain setting first
+                    f"{pick.mean_kl:.4f}{holds}, {pick.same_top_p:.1f} % the same top token, {share}.")  # fmt: skip
+        near = self._next_smaller(pick)
+        if near is None:
+            return f"{pick.spec} is the smallest setting measured and keeps mean KL {pick.mean_kl:.4f}{holds}, {share}."
         saved = 1 - near.bytes_per_token[0] / pick.bytes_per_token[0]
-        how = "mean KL" if near.mean_kl is not None else "KL (probe)"
-        return (f"{near.spec} would take {saved:.0%} fewer bytes but moves this model's answers by {how} "
-                f"{near.kl:.4f}, over the ceiling {self.limit:g}; {pick.spec} keeps them at {pick.mean_kl:.4f} "
-                f"with {share}.")  # fmt: skip
+        below = sum(1 for r in rows if r.measured in (FULL, BOUND) and r.bytes_per_token[0] < pick.bytes_per_token[0])
+        return (f"{near.spec} would take {saved:.0%} fewer bytes but moves this model's answers by {_figure(near)}, "
+                f"over the ceiling {self.limit:g}, as did all {below} settings with fewer bytes; {pick.spec} keeps "
+                f"them at {pick.mean_kl:.4f}{holds} with {share}.")  # fmt: skip
+
+    def _why_dynamic(self, rows: list[RecommendRow]) -> str:
+        """Why nothing quantized was picked: every smaller candidate's fate, counted."""
+        within = f"within mean KL {self.limit:g}" if self.target == "max_kl" else "within the budget"
+        over = [r for r in rows if r.measured in (FULL, BOUND)]
+        refused = [r for r in rows if r.note.startswith("refused")]
+        full = [r for r in over if r.measured == FULL]
+        closest = min(full or over, key=lambda r: r.kl or 0.0, default=None)
+        named = f"; the closest, {closest.spec}, moved it by {_figure(closest)}" if closest else ""
+        return (f"No quantized setting kept this model {within} on this text: {len(over)} measured over it ("
+                f"{len(full)} in full, {len(over) - len(full)} on a bound), {len(refused)} refused by the model"
+                f"{named}: keep dynamic.")  # fmt: skip
+
+
+def _figure(row: RecommendRow) -> str:
+    """A row's KL in words: the full mean, or the bound and the tokens it rests on."""
+    if row.mean_kl is not None:
+        return f"mean KL {row.mean_kl:.4f}"
+    return f"mean KL at least {row.kl_at_least:.4f} (a bound from {row.positions} answer tokens)"
+
+
+def _holds(row: RecommendRow) -> str:
+    """How the pick holds across questions and on the held-out text, in words ("" where not measured)."""
+    parts = []
+    if len(row.question_kl) > 1:
+        parts.append(f"{min(row.question_kl):.4f}-{max(row.question_kl):.4f} by question")
+    if row.held_out_kl is not None:
+        parts.append(f"{row.held_out_kl:.4f} on the held-out text")
+    return f" ({', '.join(parts)})" if parts else ""

@@ -11,10 +11,13 @@ from typing import Any
 
 import pandas as pd
 
-PROBE = "probe"
-"""A row measured by the probe alone (one question, its first tokens)."""
 FULL = "full"
-"""A row measured on every question, every answer token, and the held-out tokens' perplexity."""
+"""A row measured on every answer token of every question, and on the held-out tokens."""
+BOUND = "bound"
+"""A row measured until its KL, summed over the answer tokens scored so far, passed what the whole mean may hold
+(the ceiling, or under a byte budget the best mean so far, times every answer token): each token's KL is >= 0, so
+the mean over every token is at least that sum over their count (`RecommendRow.kl_at_least`), whatever the rest
+would add. The row is out on a figure it measured, not on a guess."""
 
 
 @dataclass(frozen=True)
@@ -25,22 +28,33 @@ class RecommendRow:
         spec: the spec's text (`CacheSpec.short_text`); backend: its backend.
         bytes_per_token: KV bytes per context token at the context's length (the registry's byte formula, every
             token stored: no residual), then at `Recommendation.lengths` (a window's bytes stop growing).
-        probe_kl: mean KL(P_dynamic || P_spec) over the probe's positions (nats/token); None before the probe.
-        mean_kl, same_top_p, p99_kl: over every position of `dynamic`'s answers, teacher-forced (None unless
-            measured in full); same_top_p in percent.
-        perplexity_ratio: perplexity of the held-out tokens through this cache over `dynamic`'s (None: not measured).
-        measured: `probe`, `full`, or "" (refused by the model: see `note`).
+        mean_kl: mean KL(P_dynamic || P_spec) over every answer token of every question, teacher-forced on
+            `dynamic`'s answers (nats/token; None unless measured in full).
+        kl_at_least: for a `BOUND` row, the lower bound its scored tokens prove on `mean_kl` (nats/token).
+        positions: the answer tokens scored (all of them for a `FULL` row).
+        same_top_p, p99_kl, p999_kl, rms_dp: llama.cpp's `--kl-divergence` report over the answer tokens (percent,
+            nats, nats, percent: `kvdemo.evals.fidelity.KLStats`); None unless measured in full.
+        question_kl: the mean KL of each question's answer tokens (a full row), in the order of the questions.
+        held_out_kl, perplexity_ratio: over the text's held-out end (read after the context, as text that
+            continues it): its mean KL to `dynamic`, and its perplexity through this cache over `dynamic`'s (None:
+            not measured).
+        measured: `full`, `bound`, or "" (refused by the model, or not measured: see `note`).
         deploy: the lines of the engines that store it the same way (`kvdemo.cache.deploy`), kvdemo's last.
-        note: why it was refused or left after the probe; "" otherwise.
+        note: why it was refused or not measured; "" otherwise.
     """
 
     spec: str
     backend: str
     bytes_per_token: tuple[float, ...]
-    probe_kl: float | None = None
     mean_kl: float | None = None
+    kl_at_least: float | None = None
+    positions: int = 0
     same_top_p: float | None = None
     p99_kl: float | None = None
+    p999_kl: float | None = None
+    rms_dp: float | None = None
+    question_kl: tuple[float, ...] = ()
+    held_out_kl: float | None = None
     perplexity_ratio: float | None = None
     measured: str = ""
     deploy: tuple[str, ...] = ()
@@ -48,8 +62,8 @@ class RecommendRow:
 
     @property
     def kl(self) -> float | None:
-        """The best KL figure it has: the full mean, else the probe's."""
-        return self.mean_kl if self.mean_kl is not None else self.probe_kl
+        """The KL figure it has: the full mean, else the lower bound a `BOUND` row proved."""
+        return self.mean_kl if self.mean_kl is not None else self.kl_at_least
 
 
 @dataclass(frozen=True)
@@ -84,6 +98,8 @@ class Recommendation:
     finished: bool = True
     source: str = field(default="", compare=False)
     """Where the text came from, for a stored page default ("the built-in Normans text"); "" otherwise."""
+    weights: str = ""
+    """What the weights say before anything runs (`kvdemo.compare.weights.WeightTraits.summary`)."""
 
     @property
     def picked(self) -> RecommendRow | None:
@@ -91,9 +107,9 @@ class Recommendation:
         return next((r for r in self.rows if r.spec == self.pick), None)
 
     def frontier(self) -> list[RecommendRow]:
-        """The measured rows no other measured row beats on both bytes (at the context's length) and KL, by
-        bytes: what the chart draws as a line."""
-        measured = sorted((r for r in self.rows if r.kl is not None), key=lambda r: (r.bytes_per_token[0], r.kl))
+        """The rows measured in full that no other full row beats on both bytes (at the context's length) and mean
+        KL, by bytes: what the chart draws as a line (a `BOUND` row's true KL is unknown above its bound)."""
+        measured = sorted((r for r in self.rows if r.mean_kl is not None), key=lambda r: (r.bytes_per_token[0], r.kl))
         best, found = math.inf, list[RecommendRow]()
         for row in measured:
             if row.kl is not None and row.kl < best:
@@ -108,7 +124,7 @@ class Recommendation:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Recommendation:
         rows = tuple(
-            RecommendRow(**{**r, "bytes_per_token": tuple(r["bytes_per_token"]), "deploy": tuple(r["deploy"])})
+            RecommendRow(**{**r, **{k: tuple(r[k]) for k in ("bytes_per_token", "deploy", "question_kl")}})
             for r in data["rows"]
         )
         fields = {**data, "rows": rows, "questions": tuple(data["questions"]), "lengths": tuple(data["lengths"])}
@@ -121,9 +137,10 @@ class Recommendation:
         return replace(self, rows=tuple(rows), **changes)
 
     def to_frame(self) -> pd.DataFrame:
-        """One row per candidate measured, by bytes: the spec, bytes per token (at the context's length and at
-        `lengths`), mean KL (the full figure, else the probe's: the `measured` column says which), same top token
-        %, perplexity ratio, how it was measured, and the first deploy line."""
+        """One row per candidate, by bytes: the spec, bytes per token (at the context's length and at `lengths`),
+        mean KL (the full figure; a `BOUND` row's lower bound as `>= x`), llama.cpp's report (same top token %, 99.9 %
+        KL, RMS Δp), the KL on the held-out text, the perplexity ratio, how it was measured, and the first deploy
+        line."""
         frontier = {r.spec for r in self.frontier()}
         rows = sorted(self.rows, key=lambda r: r.bytes_per_token[0])
         return pd.DataFrame(
@@ -134,10 +151,13 @@ class Recommendation:
                         f"B/token @{_k(n)}": round(b)
                         for n, b in zip((self.context_tokens, *self.lengths), r.bytes_per_token)
                     },
-                    "mean KL (full, else probe)": _round(r.kl),
+                    "mean KL": _kl_cell(r),
                     "same top %": _round(r.same_top_p, 1),
+                    "99.9% KL": _round(r.p999_kl, 4),
+                    "RMS Δp %": _round(r.rms_dp, 2),
+                    "held-out KL": _round(r.held_out_kl),
                     "PPL ratio": _round(r.perplexity_ratio, 4),
-                    "measured": r.measured + (" · frontier" if r.spec in frontier else "") or r.note[:60],
+                    "measured": _how(r) + (" · frontier" if r.spec in frontier else ""),
                     "deploy": r.deploy[0] if r.deploy else "",
                 }
                 for r in rows
@@ -151,6 +171,20 @@ def _k(tokens: int) -> str:
 
 def _round(value: float | None, digits: int = 5) -> float | None:
     return None if value is None else round(value, digits)
+
+
+def _kl_cell(row: RecommendRow) -> str:
+    """The mean KL as the table shows it: the full figure, `>= x` for a bound, empty where not measured."""
+    if row.mean_kl is not None:
+        return f"{row.mean_kl:.5f}"
+    return f">= {row.kl_at_least:.5f}" if row.kl_at_least is not None else ""
+
+
+def _how(row: RecommendRow) -> str:
+    """How a row was measured, in the table's words."""
+    if row.measured == BOUND:
+        return f"bound ({row.positions} tokens)"
+    return row.measured or row.note[:60]
 
 
 class RecommendationCancelled(Exception):

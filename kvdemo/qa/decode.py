@@ -108,12 +108,16 @@ def teacher_forced(
     q_ids: list[int],
     answer_ids: list[int],
     on_step: Callable[[int, Cache], None] | None = None,
+    until: Callable[[torch.Tensor], bool] | None = None,
 ) -> torch.Tensor:
     """The next-token log-probabilities of a given answer on `cache` (see `QASession.score`): the question's ids in
     one pass, then each answer token as a decode step; the cache restored to `saved` afterwards (also on error).
+    `until(row)`, given each row as it is computed, ends the scoring after that row when it returns True (a
+    measurement that has seen enough: `kvdemo.compare.recommend`).
 
     Returns:
-        float32 log-probabilities on the CPU, shape [len(answer_ids), vocab_size].
+        float32 log-probabilities on the CPU, shape [k, vocab_size]: k = len(answer_ids), or fewer where `until`
+        ended it.
     """
     rows = []
     inputs = torch.tensor([q_ids], device=loaded.device)
@@ -124,6 +128,8 @@ def teacher_forced(
             rows.append(torch.log_softmax(logits[0, -1].float(), dim=-1).cpu())
             if on_step is not None:
                 on_step(len(rows) - 1, cache)
+            if until is not None and until(rows[-1]):
+                break
             inputs = torch.tensor([[token]], device=loaded.device)
     finally:
         snapshot.restore(cache, saved)

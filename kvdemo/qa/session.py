@@ -387,7 +387,11 @@ class QASession:
         return greedy_decode(self.loaded, cache, saved, question, q_ids, max_new_tokens, self._stop, finished)
 
     def score(
-        self, question: str, answer_ids: Sequence[int], on_step: Callable[[int, Cache], None] | None = None
+        self,
+        question: str,
+        answer_ids: Sequence[int],
+        on_step: Callable[[int, Cache], None] | None = None,
+        until: Callable[[torch.Tensor], bool] | None = None,
     ) -> torch.Tensor:
         """Teacher-forced next-token log-probabilities of a given answer to `question` on this session's cache.
 
@@ -402,9 +406,10 @@ class QASession:
             answer_ids: the answer's token ids (length n >= 1), e.g. another backend's `Answer.token_ids`.
             on_step: called as `on_step(i, cache)` after the forward pass that gives row i, before the restore; it
                 may read the cache (e.g. `telemetry.flushed_layers`, `cache_error.dequantized_kv`), never change it.
+            until: called with each row ([vocab_size]) as it comes; True ends the scoring there.
 
         Returns:
-            float32 log-probabilities on the CPU, shape [n, vocab_size].
+            float32 log-probabilities on the CPU, shape [n, vocab_size] (fewer rows where `until` ended it).
 
         Raises:
             ValueError: no prefill yet, an empty question or answer, too many tokens, or a RoPE switch (`check_rope`).
@@ -422,7 +427,7 @@ class QASession:
             )
         check_rope(loaded, context_tokens, len(q_ids) + len(answer_ids), "Score a shorter answer")
         self._close_active()
-        return teacher_forced(loaded, cache, saved, q_ids, answer_ids, on_step)
+        return teacher_forced(loaded, cache, saved, q_ids, answer_ids, on_step, until)
 
     def score_text(self, ids: Sequence[int]) -> torch.Tensor:
         """Teacher-forced log-probabilities of token ids read straight after the prefilled context, inside the user

@@ -129,7 +129,8 @@ class McpTools:
             JSON: spec, context_tokens, prefill_seconds, kv_bytes, bytes_per_token, ratio_to_full_precision, model,
             prompt_note (why the prompt differs from the chat template's, or null), template_clock_note (the date a
             dated template writes for every question of this session, or null), deploy (the lines of the engines
-            that store this cache byte for byte, e.g. "llama.cpp: -ctk q4_0 -ctv q4_0 -fa on", kvdemo's last),
+            that store this cache byte for byte, e.g. "llama.cpp: llama-server -m MODEL.gguf -ctk q4_0 -ctv q4_0
+            -fa on", kvdemo's last),
             decode_read (how decode steps attend to it: "Decode attention reads the stored codes in 30 layers")
         """
         if not isinstance(spec, str):
@@ -315,8 +316,8 @@ class McpTools:
     ) -> str:
         """Which KV cache setting for the loaded model on this text: every candidate spec measured against dynamic
         (teacher-forced KL on dynamic's answers, same top token, held-out perplexity, bytes per token), and the one
-        with the fewest bytes within the KL ceiling, with the line that deploys it. About 100 s on 2 CPU cores with
-        the embedded model and a 900-token text. Progress about every second. At most 300 s per call: it then
+        with the fewest bytes within the KL ceiling, with the line that deploys it. About a minute on 2 CPU cores
+        with the embedded model and a 1,500-token text. Progress about every second. At most 300 s per call: it then
         returns what was measured, with no pick and a note.
 
         Args:
@@ -328,7 +329,8 @@ class McpTools:
 
         Returns:
             JSON: pick, why, deploy (the lines), finished, note, and rows (every candidate: spec, bytes_per_token,
-            probe_kl, mean_kl, same_top_p, perplexity_ratio, measured, deploy)
+            mean_kl, kl_at_least, positions, same_top_p, p99_kl, p999_kl, rms_dp, question_kl, held_out_kl,
+            perplexity_ratio, measured: full or bound, deploy, note)
         """
         key = self.key_of(session, request)
         if questions is not None and (

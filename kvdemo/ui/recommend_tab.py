@@ -40,9 +40,9 @@ CHART_CEILINGS = 4
 
 
 def frontier_frame(found: Recommendation) -> pd.DataFrame:
-    """The chart's points: every measured quantized candidate's bytes per token and KL (the full figure, else the
-    probe's; `dynamic`, at KL 0 and the most bytes, is left out so the axis fits the candidates), and which it is
-    (`pick`, `frontier`, `measured`, `over the chart`)."""
+    """The chart's points: every measured quantized candidate's bytes per token and KL (the full mean, else the lower
+    bound a `bound` row proved; `dynamic`, at KL 0 and the most bytes, is left out so the axis fits the candidates),
+    and which it is (`pick`, `frontier`, `measured`, `at least` for a bound, `over the chart`)."""
     frontier, top = {r.spec for r in found.frontier()}, CHART_CEILINGS * _ceiling(found)
     points = []
     for r in found.rows[1:]:  # `dynamic`'s row comes first
@@ -56,6 +56,8 @@ def frontier_frame(found: Recommendation) -> pd.DataFrame:
             else "frontier"
             if r.spec in frontier
             else "measured"
+            if r.mean_kl is not None
+            else "at least"
         )
         points.append({"spec": r.spec, "bytes per token": round(r.bytes_per_token[0]), "mean KL": min(r.kl, top),
                        "KL": r.kl, "point": kind, "how": r.measured})  # fmt: skip
@@ -75,6 +77,8 @@ def _view(found: Recommendation, status: str) -> RecommendView:
     lines = [f"### Pick: `{found.pick}`", why, *(f"- `{line}`" for line in picked.deploy)] if picked else []
     if found.plan:
         lines.append(f"\nPer-layer plan measured: `{found.plan}`")
+    if found.weights:
+        lines.append(f"\nWhat the weights say: {found.weights}.")
     lines.append(
         "\nThis holds for this model, this text and these questions: check the pick on another text in **Compare**."
     )
@@ -137,9 +141,10 @@ class RecommendTab:
         gr.Markdown(
             "Which KV cache setting for **this model** on **your text** (the Ask tab's Context box): every candidate "
             "the registry gives for the engine you deploy with is measured against `dynamic` (teacher-forced KL on "
-            "its answers, the same top token, the perplexity of the text's held-out end, bytes per token), first by "
-            "a short probe, then in full; the pick has the fewest bytes within the KL ceiling. About 1-2 minutes "
-            "for a 1,000-token text on 2 CPU cores with the embedded model."
+            "its answers, the same top token, the KL and perplexity of the text's held-out end, bytes per token), "
+            "fewest bytes first: each until its own tokens prove it over the ceiling (`bound`: at least that KL, "
+            "whatever the rest), or in full; the first within the ceiling is the pick. About a minute for a "
+            "1,500-token text on 2 idle CPU cores with the embedded model."
         )
         with gr.Row():
             with gr.Column(scale=1, min_width=260):
@@ -163,7 +168,8 @@ class RecommendTab:
             None, x="bytes per token", y="mean KL", color="point", title="Bytes against KL",
             x_title="KV bytes per context token", y_title="mean KL to dynamic (nats)", height=320,
             tooltip=["spec", "bytes per token", "KL", "how"], y_lim=[0, None],
-            color_map={"pick": "#d62728", "frontier": "#1f77b4", "measured": "#b0b0b0", "over the chart": "#ff9896"},
+            color_map={"pick": "#d62728", "frontier": "#1f77b4", "measured": "#b0b0b0", "at least": "#e0c080",
+                       "over the chart": "#ff9896"},
         )  # fmt: skip
         w["recommend_table"] = gr.Dataframe(label="every candidate, by bytes", interactive=False, wrap=False)
 
