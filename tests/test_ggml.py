@@ -203,3 +203,27 @@ def test_a_head_dim_off_the_blocks_is_refused_before_the_prefill(embedded):
         CacheSpec("ggml", type_k="q3_0").validate()
     with pytest.raises(ValueError, match="'q3_0' is neither nbits nor a preset of ggml; presets: q8_0, q4_0"):
         CacheSpec.parse("ggml:q3_0")
+
+
+@pytest.mark.parametrize("block_type", ["q5_1"])
+def test_a_decode_token_the_reference_writes_a_step_apart_is_not_blamed_on_the_model(embedded, monkeypatch, block_type):
+    """ggml quantizes each decode token as it is written, from keys that the earlier layers' attention moved by a float
+    rounding (query-side rotation and the code kernel against the probe's read-whole reference), so the reference can
+    write the same token a step apart, and the step cascades: Gemma 3 270M's q5_1 was refused as "the model changes the
+    keys and values" where one float16 scale of layer 1 fell either side of its midpoint (0.24102791 and 0.24102783,
+    the midpoint) and 40-120 codes per write differed by the last layers, the logits 0.73 apart against 0.80 of
+    quantization. The probe's reference now replays the checked run's bytes. Here the reference run's quantizer writes
+    each decode token half a level off (every code a step apart, as such a cascade leaves them): refused before."""
+    from kvdemo.cache.layers import flush, ggml
+    from kvdemo.qa.probe import check_model
+    from tests.quantized import GGML_STEP
+
+    def apart(tensor: torch.Tensor, kind: str) -> torch.Tensor:
+        if flush._READ_WHOLE.get() and tensor.shape[-2] == 1:  # the read-whole reference's decode writes
+            sign = torch.where(torch.arange(tensor.shape[-1]) % 2 == 0, 1.0, -1.0)
+            tensor = tensor + tensor.abs().amax(-1, keepdim=True) * GGML_STEP[kind] / 2 * sign
+        return quantize_rows(tensor, kind)
+
+    monkeypatch.setattr(ggml, "quantize_rows", apart)
+    tiny = make_tiny(embedded.tokenizer, kv_heads=1, head_dim=256, layers=4)  # Gemma 3 270M's KV shape, H_256 keys
+    check_model(tiny, CacheSpec.parse(f"ggml:{block_type}").validate(tiny.config))  # raises where it is refused

@@ -19,8 +19,9 @@ cache of the spec, decodes the last two, restores the cache and decodes them aga
    between the cache and attention.
 
 Any failure, or any exception the model raises, is an `UnsupportedModelError` (a `ValueError`) when the session is
-built, before the prefill: the message says what failed and what would work. A probe costs three to five forward
-passes of a few tokens, once per (model, spec).
+built, before the prefill: the message says what failed and what would work. A probe costs eight forward passes of
+a few tokens, once per (model, spec): five on kvdemo's read (a prefill, two decode steps, the restore, two again), three
+on the read-whole cache (a prefill, two decode steps); the cache-free pass is made once per model.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 from kvdemo.cache import snapshot
 from kvdemo.cache.layer_kinds import UnsupportedModelError
 from kvdemo.cache.layers.attention import materialized_blocks
-from kvdemo.cache.layers.flush import read_whole
+from kvdemo.cache.layers.flush import read_whole, recorded_writes, replayed_writes
 from kvdemo.cache.registry import BACKENDS
 from kvdemo.cache.spec import CacheSpec, build_cache
 from kvdemo.qa.models import LoadedModel
@@ -50,14 +51,19 @@ def _tolerance(loaded: LoadedModel, reference: torch.Tensor) -> float:
     return (1e-3 if loaded.dtype == torch.float32 else 5e-2) * scale
 
 
-def _run(loaded: LoadedModel, spec: CacheSpec, ids: torch.Tensor) -> tuple[torch.Tensor, str | None]:
+def _run(
+    loaded: LoadedModel, spec: CacheSpec, ids: torch.Tensor, restore: bool = True
+) -> tuple[torch.Tensor, str | None]:
     """Prefill, decode, restore, decode again on a new cache of `spec`: (the first decode's last logits, what went
-    wrong or None)."""
+    wrong or None). Without `restore`, only the prefill and the first decode (the reference run of the same cache:
+    the restore was checked on kvdemo's own read)."""
     cache, split, total = build_cache(spec, loaded.config), ids.shape[-1] - DECODED, ids.shape[-1]
     with torch.no_grad():
         loaded.forward(ids[:, :split], cache)
-        saved = snapshot.take(cache)
+        saved = snapshot.take(cache) if restore else None
         first = [loaded.forward(ids[:, i : i + 1], cache) for i in range(split, total)][-1][0, -1].float()
+        if saved is None:
+            return first, None
         held = snapshot.attention_length(cache)
         if held != total:
             return first, f"the cache holds {held} of the {total} tokens fed: the model keeps its state elsewhere"
@@ -68,30 +74,41 @@ def _run(loaded: LoadedModel, spec: CacheSpec, ids: torch.Tensor) -> tuple[torch
     return first, None
 
 
+def _cache_free(loaded: LoadedModel, ids: torch.Tensor) -> torch.Tensor:
+    """The last logits of one cache-free forward pass of `ids`, once per model (every spec's probe compares with it)."""
+    found: dict[tuple[int, ...], torch.Tensor] = loaded.__dict__.setdefault("_probe_free", {})
+    key = tuple(ids[0].tolist())
+    if key not in found:
+        with torch.no_grad():
+            found[key] = loaded.model(input_ids=ids, use_cache=False).logits[0, -1].float()
+    return found[key]
+
+
 def _probe(loaded: LoadedModel, spec: CacheSpec) -> str | None:
     """Why `spec` cannot be served right on this model, or None."""
     ids = torch.tensor([loaded.tokenizer(PROBE_TEXT)["input_ids"][: 8 + DECODED]], device=loaded.device)
     try:
-        logits, problem = _run(loaded, spec, ids)
+        with recorded_writes() as writes:
+            logits, problem = _run(loaded, spec, ids)
         if problem:
             return problem
-        with torch.no_grad():
-            free = loaded.model(input_ids=ids, use_cache=False).logits[0, -1].float()
+        free = _cache_free(loaded, ids)
         if not spec.info.quantized:
             gap = float((logits - free).abs().max())
             if gap > _tolerance(loaded, free):
                 return f"its cached forward pass differs from a cache-free one by {gap:.3g} in the logits"
             return None
-        with read_whole():
-            reference, _ = _run(loaded, spec, ids)
+        with read_whole(), replayed_writes(writes):  # the same bytes where a layer quantizes each token it writes
+            reference, _ = _run(loaded, spec, ids, restore=False)
     except Exception as error:  # the model's own failure, whatever its type: refused, never a traceback
         return f"a {len(ids[0])}-token run on a {spec.text} cache failed: {type(error).__name__}: {error}"
-    # the two reads hold the same stored values; a value within rounding of a level's midpoint may still round the
-    # other way (invariant 6), so the bar is half of what quantization itself moves the logits, plus float rounding
+    # the two reads hold the same stored values (a layer that quantizes each new token as it comes replays the first
+    # run's bytes); a value within rounding of a level's midpoint may still round the other way elsewhere (invariant
+    # 6), so the bar is half of what quantization itself moves the logits, plus float rounding
     gap, quantization = float((logits - reference).abs().max()), float((reference - free).abs().max())
     if gap > _tolerance(loaded, reference) + QUANTIZATION_SHARE * quantization:
-        with materialized_blocks():  # the marks kept, the blocks read whole: is it kvdemo's kernel or the model?
-            marked, _ = _run(loaded, spec, ids)
+        with materialized_blocks(), replayed_writes(writes):  # the marks kept, the blocks read whole: kvdemo or model?
+            marked, _ = _run(loaded, spec, ids, restore=False)
         if float((marked - reference).abs().max()) <= _tolerance(loaded, reference):
             return (
                 f"kvdemo's own block-wise read of this cache (torch's CPU flash kernel over the de-quantized blocks) "

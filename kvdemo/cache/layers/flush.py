@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import torch
 from transformers import PreTrainedConfig, QuantizedCache
@@ -56,6 +56,7 @@ from kvdemo.cache.policies import (
 )
 
 _READ_WHOLE: ContextVar[bool] = ContextVar("kvdemo_read_whole", default=False)
+_T = TypeVar("_T")
 
 
 @contextmanager
@@ -68,6 +69,47 @@ def read_whole() -> Iterator[None]:
         yield
     finally:
         _READ_WHOLE.reset(token)
+
+
+_WRITES: ContextVar[list | Iterator | None] = ContextVar("kvdemo_writes", default=None)
+
+
+@contextmanager
+def recorded_writes() -> Iterator[list]:
+    """Within it, what a layer that quantizes each new token as it is written hands `written` (the `ggml` backend's
+    rows) is kept in the list it yields, in order: the run `kvdemo.qa.probe` checks."""
+    writes: list = []
+    token = _WRITES.set(writes)
+    try:
+        yield writes
+    finally:
+        _WRITES.reset(token)
+
+
+@contextmanager
+def replayed_writes(writes: list) -> Iterator[None]:
+    """Within it, such a layer stores `writes`' entries, in order, instead of its own quantization of the same tokens:
+    a second run of the same tokens (the probe's read-whole reference) holds the very bytes of the run it checks. Its
+    new tokens' keys come from earlier layers whose attention took another float order, so without this a value within
+    a rounding of a level (or of a float16 scale's midpoint) can be written the other way, and the step cascades
+    through every later layer (Gemma 3 270M, ggml q5_1: one float16 scale one unit apart moved the logits 0.73)."""
+    token = _WRITES.set(iter(writes))
+    try:
+        yield
+    finally:
+        _WRITES.reset(token)
+
+
+def written(stored: _T) -> _T:
+    """`stored` (a layer's new quantized rows), kept where `recorded_writes` is open, or the recorded rows in its
+    place where `replayed_writes` is (`stored` once they run out)."""
+    writes = _WRITES.get()
+    if writes is None:
+        return stored
+    if isinstance(writes, list):
+        writes.append(stored)
+        return stored
+    return next(writes, stored)
 
 
 class AppendFlushMixin(LibraryLayer):

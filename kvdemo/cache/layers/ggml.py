@@ -48,7 +48,7 @@ from kvdemo.cache.layer_kinds import quantized_layers
 from kvdemo.cache.layers.blockwise import BLOCKS_MARK, StoreBlocks
 from kvdemo.cache.layers.by_kind import sliding_windows, with_kept_layers
 from kvdemo.cache.layers.code_attention import StoreCodes, ggml_codes, half_rows
-from kvdemo.cache.layers.flush import attends_through_kvdemo
+from kvdemo.cache.layers.flush import attends_through_kvdemo, written
 from kvdemo.cache.layers.ggml_blocks import BLOCK_BYTES, KERNEL_TYPES, dequantize_rows, quantize_rows
 from kvdemo.cache.layers.rotation import hadamard, mark_rotated
 from kvdemo.cache.layers.sliding import SlidingWindowMask
@@ -161,8 +161,8 @@ class GgmlLayer(BaseQuantizedLayer):
 
     def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Rotate and quantize the new tokens and append their rows to the store."""
-        keys = self._quantize(_rotate(key_states, self.query_rotation.key_block), self.type_k)
-        values = self._quantize(_rotate(value_states, self.query_rotation.value_block), self.type_v)
+        keys = written(self._quantize(_rotate(key_states, self.query_rotation.key_block), self.type_k))
+        values = written(self._quantize(_rotate(value_states, self.query_rotation.value_block), self.type_v))
         if self._quantized_keys is None:
             self._quantized_keys, self._quantized_values = keys, values
             return
