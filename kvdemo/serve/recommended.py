@@ -30,7 +30,7 @@ _log = logging.getLogger(__name__)
 BUILT_IN_CASE = "normans"
 BUILT_IN_PARAGRAPHS = "0-2"
 BUILT_IN_QUESTIONS = 2
-FORMAT = 1
+FORMAT = 2
 """The stored record's format: a file of another is measured again."""
 
 _LOCK = threading.Lock()
@@ -82,8 +82,15 @@ def page_default(
 
 
 if __name__ == "__main__":  # `make setup`: the embedded model's default, measured once
+    import time
+
     from kvdemo.qa.models import load_model
 
     model = load_model()
-    result = page_default(model, measure_missing=True)  # a failure is logged: the page then starts on its fixed spec
+    began = time.perf_counter()
+
+    def _say(done: int, total: int, what: str) -> None:  # a line per step: the install is never silent for long
+        print(f"  {time.perf_counter() - began:5.0f} s  {what}", flush=True)
+
+    result = page_default(model, measure_missing=True, on_progress=_say)  # a failure is logged: the fixed spec then
     print(f"recommended for {model.name}: {result.pick} ({result.why})" if result else "no recommended start stored")
