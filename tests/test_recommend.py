@@ -80,6 +80,19 @@ def test_prefill_from_equals_a_prefill(family, spec, embedded, text, questions):
     assert torch.equal(reference.score(questions[0], [1, 2, 3]), before)
 
 
+@pytest.mark.parametrize("spec", ["dynamic", "quanto:4,residual_length=4"])  # a residual that flushes mid-answer
+def test_an_answer_s_own_log_probabilities_are_its_score(tiny, short_text, questions, spec):
+    """`ask(..., logprobs=rows)` keeps each decode step's distribution: what `score` gives for the same answer, bit
+    for bit (the recommendation's reference answers and scores in one pass)."""
+    session = QASession(tiny, CacheSpec.parse(spec))
+    session.prefill(short_text)
+    rows: list[torch.Tensor] = []
+    answer = session.ask(questions[0], 12, logprobs=rows)
+    assert len(rows) == len(answer.token_ids) == 12
+    assert torch.equal(torch.stack(rows), session.score(questions[0], answer.token_ids))
+    assert [int(r.argmax()) for r in rows] == list(answer.token_ids)
+
+
 def test_prefill_from_refuses_what_it_cannot_hand_over(tiny, text):
     reference = QASession(tiny, CacheSpec.parse("quanto:4"))
     with pytest.raises(ValueError, match="prefill it with `prefill`"):

@@ -219,13 +219,12 @@ class _Run:
         self.answers: list[tuple[str, list[int]]] = []
         self.logprobs: list[torch.Tensor] = []
         for question in self.questions:
-            answer = self.reference.ask(question, MAX_NEW_TOKENS)
-            if not answer.token_ids:
-                continue
-            self.step(f"dynamic answered {len(self.answers) + 1} of {len(self.questions)}")
-            self.answers.append((question, list(answer.token_ids)))
-            self.logprobs.append(self.reference.score(question, answer.token_ids))
-            self.step("scored dynamic's answer")
+            rows: list[torch.Tensor] = []  # `score` of the answer, from the answer's own decode steps
+            answer = self.reference.ask(question, MAX_NEW_TOKENS, logprobs=rows)
+            self.step(f"dynamic answered {len(self.answers) + 1} of {len(self.questions)}", 2)
+            if answer.token_ids:
+                self.answers.append((question, list(answer.token_ids)))
+                self.logprobs.append(torch.stack(rows))
         if not self.answers:
             raise ValueError("dynamic answered none of the questions with a token; give other questions")
         self.positions = sum(len(ids) for _, ids in self.answers)
@@ -318,7 +317,7 @@ class _Run:
         if smaller is not None and smaller.measured == BOUND:  # near the decision: the figures in full
             smaller = self._measure(CacheSpec.parse(smaller.spec)) or smaller
         if self.plans and smaller is not None:  # a plan between the two may keep the ceiling with fewer bytes
-            planned = self._plan(pick, (pick.bytes_per_token[0] + smaller.bytes_per_token[0]) / 2)
+            planned = self._plan(pick, (pick.bytes_per_token[0] + smaller.bytes_per_token[0]) / 2, self.limit)
             if planned is not None and planned.mean_kl is not None and planned.mean_kl <= self.limit:
                 return planned if planned.bytes_per_token[0] < pick.bytes_per_token[0] else pick
         return pick
@@ -341,7 +340,7 @@ class _Run:
             if row is not None and row.measured == FULL and (best is None or self._better(row, best)):
                 best = row
         if self.plans and best is not None:
-            planned = self._plan(best, self.limit)
+            planned = self._plan(best, self.limit, best.mean_kl)
             if planned is not None and planned.measured == FULL and planned.bytes_per_token[0] <= self.limit:
                 best = planned if self._better(planned, best) else best
         return best or self.rows[self.specs[0].label]
@@ -352,9 +351,10 @@ class _Run:
         assert row.mean_kl is not None and best.mean_kl is not None
         return (row.mean_kl, row.bytes_per_token[0]) < (best.mean_kl, best.bytes_per_token[0])
 
-    def _plan(self, near: RecommendRow, budget: float) -> RecommendRow | None:
+    def _plan(self, near: RecommendRow, budget: float, over: float | None) -> RecommendRow | None:
         """The per-layer plan at `budget` bytes per token, on the backend of `near` where it takes plans (else the
-        first that does among the candidates), measured in full; None where no plan fits (the record says why)."""
+        first that does among the candidates), measured as `_measure` does (stopped once shown over `over`); None
+        where no plan fits (the record says why)."""
         backends = [near.backend, *(s.backend for s in self.specs)]
         name = next((b for b in backends if PLAN in CacheSpec(b).info.options), None)
         if name is None:
@@ -373,7 +373,7 @@ class _Run:
             self.plan_line = f"no plan: {error}"
             return None
         self.plan_line = plan.summary()
-        return self._measure(plan.spec.validate(self.loaded.config)) if plan.spec is not None else None
+        return self._measure(plan.spec.validate(self.loaded.config), over) if plan.spec is not None else None
 
     def _why(self, pick: RecommendRow) -> str:
         """One sentence: what the pick keeps and how it holds, and what the next smaller measured setting would have

@@ -30,11 +30,14 @@ def greedy_decode(
     max_new_tokens: int,
     stop: threading.Event,
     finished: Callable[[Answer], None],
+    logprobs: list[torch.Tensor] | None = None,
 ) -> Generator[StepEvent, None, None]:
     """Answer greedily on `cache` (prefilled; `saved` its post-prefill snapshot), yielding one `StepEvent` per
     decode step (the first is the question's pass over `q_ids`): token, text so far, seconds, memory, flushes.
     It ends at one of `loaded.eos_token_ids`, after `max_new_tokens` (checked >= 1), or after the step during which
-    `stop` is set; then, or on close (Stop) or on error, the cache is restored and `finished(answer)` is called."""
+    `stop` is set; then, or on close (Stop) or on error, the cache is restored and `finished(answer)` is called.
+    `logprobs`, where given, receives each step's float32 log-probabilities on the CPU ([vocab_size]): the rows
+    `teacher_forced` gives for this answer, from the same forward passes."""
     text = TextStream(loaded.tokenizer)
     flushes = [0] * len(cache.layers)
     token_ids: list[int] = []
@@ -48,6 +51,8 @@ def greedy_decode(
             with torch.no_grad():
                 logits = loaded.forward(inputs, cache)
             token = int(logits[0, -1].argmax())
+            if logprobs is not None:
+                logprobs.append(torch.log_softmax(logits[0, -1].float(), dim=-1).cpu())
             now = time.perf_counter()
             token_ids.append(token)  # one per forward pass done: len(token_ids) is the steps
             flushed = flushed_layers(cache)

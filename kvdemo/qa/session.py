@@ -339,7 +339,10 @@ class QASession:
         return PreparedQuestion(question, tuple(q_ids), max_new_tokens, self._prefilled()[2])
 
     def stream(
-        self, question: str | PreparedQuestion, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+        self,
+        question: str | PreparedQuestion,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+        logprobs: list[torch.Tensor] | None = None,
     ) -> Generator[StepEvent, None, None]:
         """Answer `question` greedily, one `StepEvent` per decode step.
 
@@ -352,6 +355,8 @@ class QASession:
             question: the question (blank is refused), or a `PreparedQuestion` of this prefill (`prepare_question`,
                 which carries its own max_new_tokens: not tokenized or checked again).
             max_new_tokens: most tokens to generate, >= 1; generation stops earlier at an EOS token.
+            logprobs: where given, each step's log-probabilities are appended ([vocab_size] each): `score` of the
+                answer's tokens, row for row, without a second pass.
 
         Raises:
             ValueError: no prefill yet, an empty question or one with a broken character (`check_text`),
@@ -366,7 +371,7 @@ class QASession:
             raise ValueError("the question was prepared for another prefill; prepare it again for this context")
         self._close_active()
         self._stop.clear()
-        self._active = self._decode(question.text, list(question.ids), question.max_new_tokens)
+        self._active = self._decode(question.text, list(question.ids), question.max_new_tokens, logprobs)
         return self._active
 
     def request_stop(self) -> None:
@@ -376,7 +381,9 @@ class QASession:
         prefill raises `PrefillStopped`. Does nothing when neither runs."""
         self._stop.set()
 
-    def _decode(self, question: str, q_ids: list[int], max_new_tokens: int) -> Generator[StepEvent, None, None]:
+    def _decode(
+        self, question: str, q_ids: list[int], max_new_tokens: int, logprobs: list[torch.Tensor] | None = None
+    ) -> Generator[StepEvent, None, None]:
         cache, saved, _ = self._prefilled()
 
         def finished(answer: Answer) -> None:  # the cache is restored already
@@ -384,7 +391,7 @@ class QASession:
                 self._active = None
             self.history.append(answer)
 
-        return greedy_decode(self.loaded, cache, saved, question, q_ids, max_new_tokens, self._stop, finished)
+        return greedy_decode(self.loaded, cache, saved, question, q_ids, max_new_tokens, self._stop, finished, logprobs)
 
     def score(
         self,
@@ -454,13 +461,19 @@ class QASession:
         self._close_active()
         return teacher_forced(loaded, cache, saved, ids[:1], ids[1:])
 
-    def ask(self, question: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> Answer:
-        """Answer `question` to the end and return the `Answer` (also appended to `history`).
+    def ask(
+        self,
+        question: str,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+        logprobs: list[torch.Tensor] | None = None,
+    ) -> Answer:
+        """Answer `question` to the end and return the `Answer` (also appended to `history`); `logprobs` as for
+        `stream`.
 
         Raises:
             ValueError: see `stream`. An exception inside a decode step propagates after the cache is restored.
         """
-        for _ in self.stream(question, max_new_tokens):
+        for _ in self.stream(question, max_new_tokens, logprobs):
             pass
         return self.history[-1]
 
