@@ -148,3 +148,30 @@ def test_gemma3_starts_on_its_own_recommended_spec(embedded, tmp_path, monkeypat
     backend, *_, note, memory = AskTab(app).start_spec(None, SimpleNamespace(session_hash="fresh"))
     assert CacheSpec.parse(found.pick).backend == backend and backend in memory
     assert note.startswith("ℹ Recommended for this model: `" + found.pick)
+
+
+def test_gemma3_recommends_a_quantized_setting_on_a_real_text():
+    """Issue 66: on Gemma 3 270M and a text it was not chosen on (a Wikipedia article of about 1,500 tokens, two of
+    its questions), the recommendation at the default ceiling is not `dynamic` while fp8 fits: every candidate with
+    fewer bytes than the pick was measured over the ceiling (or refused), the pick within it and within fp8's bytes,
+    and the sentence names only figures measured in full or bounds."""
+    from kvdemo.compare.recommend import DEFAULT_MAX_KL, recommend
+    from kvdemo.compare.recommendation import BOUND, FULL
+    from kvdemo.evals.cases import example_path, load_case
+    from kvdemo.qa.models import load_model
+
+    gemma = load_model(gemma3_path())
+    case = load_case(example_path("southern_california")).select("0-11")
+    found = recommend(gemma, case.context, [q.question for q in case.answerable(2)], plans=False)
+    picked = found.picked
+    assert picked is not None and picked.backend != "dynamic" and picked.measured == FULL
+    assert picked.mean_kl is not None and picked.mean_kl <= DEFAULT_MAX_KL
+    fp8 = next(row for row in found.rows if row.spec == "fp8")
+    assert picked.bytes_per_token[0] <= fp8.bytes_per_token[0]
+    smaller = [r for r in found.rows[1:] if r.bytes_per_token[0] < picked.bytes_per_token[0]]
+    assert smaller and all(
+        (r.measured in (FULL, BOUND) and r.kl > DEFAULT_MAX_KL) or r.note.startswith("refused")  # type: ignore[operator]
+        for r in smaller
+    )
+    assert not [r for r in found.rows if "q5_1" in r.spec and r.note.startswith("refused")]  # the replayed check
+    assert f"{picked.mean_kl:.4f}" in found.why and "KL (probe)" not in found.why

@@ -19,7 +19,7 @@ from kvdemo.cache.layers.attention import recording_queries
 from kvdemo.cache.spec import estimate_kv_bytes
 from kvdemo.cache.telemetry import kv_memory
 from kvdemo.compare.run import compare
-from kvdemo.evals.cache_error import reference_kv
+from kvdemo.evals.cache_error import full_precision_kv, reference_kv
 from kvdemo.evals.planner import choose_plan, layer_errors, plan_layers
 from tests.helpers import make_tiny
 
@@ -64,6 +64,21 @@ def test_queries_are_recorded_per_layer_in_this_thread_only(tiny, ids):
     with recording_queries(5) as chunked:  # two forward passes: the last five positions of both
         reference_kv(tiny, ids[:-3])
     assert chunked.queries[0].shape[-2] == 5
+
+
+def test_a_session_s_own_chunked_prefill_gives_the_same_errors(tiny, ids, quanto_errors):
+    """A recommendation hands the planner its reference's prefill (chunked, queries recorded) instead of a second
+    one: the errors equal the planner's own prefill's within float rounding; a prefill of other ids is refused."""
+    session = QASession(tiny)
+    with recording_queries(16) as record:
+        session.prefill(CONTEXT, chunk_tokens=16)  # several chunks
+    assert list(session.split.prefix) == list(ids)
+    prefilled = (full_precision_kv(session.cache), record)
+    again = layer_errors(tiny, ids, CacheSpec("quanto", q_group_size=32), query_tokens=16, prefilled=prefilled)
+    for ours, theirs in zip((*again.keys, *again.values), (*quanto_errors.keys, *quanto_errors.values)):
+        assert ours.keys() == theirs.keys() and all(ours[k] == pytest.approx(theirs[k], rel=1e-4) for k in ours)
+    with pytest.raises(ValueError, match="prefill these ids under recording_queries"):
+        layer_errors(tiny, ids[:-1], CacheSpec("quanto", q_group_size=32), query_tokens=16, prefilled=prefilled)
 
 
 def test_the_errors_fall_with_the_bits_and_are_zero_for_an_exact_side(quanto_errors):

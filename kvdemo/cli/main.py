@@ -95,7 +95,8 @@ def _compare_parser(sub: Any) -> None:
         description="Prefill the context and answer the questions once per --spec, one backend at a time, dynamic\n"
         "first (always included). Per spec: KV bytes after the prefill, bytes per context token, ratio to dynamic;\n"
         "answers identical to dynamic's, common prefix (tokens); over every position of dynamic's answers, both\n"
-        "teacher-forced on them: KL divergence to dynamic (mean, median, 99%, max; nats/token), same top token (%),\n"
+        "teacher-forced on them: KL divergence to dynamic (mean, median, 99%, 99.9%, max; nats/token), same top token\n"
+        "(%), RMS delta p (%),\n"
         "|delta log p| of dynamic's token (named as llama.cpp's --kl-divergence report names them); the relative\n"
         "error of the de-quantized keys and values after the prefill and its drift across flushes; with\n"
         "--perplexity-tokens N the perplexity of the N tokens after the context fed one decode step each, and its\n"
@@ -202,10 +203,11 @@ def _recommend_parser(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Prefill the text once into dynamic, answer the questions, then measure every candidate spec the\n"
         "registry gives for --engine against dynamic (teacher-forced KL on its answers, same top token, perplexity of\n"
-        "the text's held-out end, bytes per token): a short probe of each, then the full measurement of the rest.\n"
-        "The pick: the fewest bytes within --max-kl (default 0.02 nats/token), or the lowest KL within\n"
-        "--bytes-per-token; with its deploy line and why. Without --question, questions are taken from the text.\n"
-        "Example (about 2 minutes on 2 CPU cores):\n"
+        "the text's held-out end, bytes per token), fewest bytes first, each until its own answer tokens prove it\n"
+        "over the ceiling (a bound: every token's KL is >= 0) or to the end. The pick: the fewest bytes within\n"
+        "--max-kl (default 0.02 nats/token), or the lowest KL within --bytes-per-token; with its deploy line and\n"
+        "why. Without --question, questions are taken from the text.\n"
+        "Example (about a minute on 2 idle CPU cores):\n"
         "  python -m kvdemo recommend --context-file kvdemo/data/cases/normans.json --paragraphs 0-4",
     )
     _context_arguments(parser)  # no question: taken from the text

@@ -42,12 +42,14 @@ import torch
 
 from kvdemo.cache.deploy import ENGINES
 from kvdemo.cache.layer_plan import PLAN
+from kvdemo.cache.layers.attention import recording_queries
 from kvdemo.cache.registry import BACKENDS
 from kvdemo.cache.spec import CacheSpec, estimate_kv_bytes
 from kvdemo.compare.candidates import ANY_ENGINE, candidate_specs
 from kvdemo.compare.recommendation import BOUND, FULL, Recommendation, RecommendationCancelled, RecommendRow
 from kvdemo.compare.weights import read_weights
 from kvdemo.evals import planner
+from kvdemo.evals.cache_error import full_precision_kv
 from kvdemo.evals.fidelity import kl_statistics
 from kvdemo.evals.metrics import kl_divergence
 from kvdemo.qa.job import ProgressCallback
@@ -214,7 +216,8 @@ class _Run:
         self.step("prefilling dynamic (the reference)", 0)
         self.reference = QASession(self.loaded)
         chunk = lambda done, total: self.step(f"prefilling dynamic (the reference): {done:,} of {total:,} tokens", 0)  # noqa: E731
-        self.reference.prefill(self.prepared, max_new_tokens=MAX_NEW_TOKENS, on_progress=chunk)
+        with recording_queries(planner.QUERY_TOKENS) as self.queries:  # what a per-layer plan measures with
+            self.reference.prefill(self.prepared, max_new_tokens=MAX_NEW_TOKENS, on_progress=chunk)
         self.step("answering with dynamic")
         self.answers: list[tuple[str, list[int]]] = []
         self.logprobs: list[torch.Tensor] = []
@@ -368,7 +371,9 @@ class _Run:
         )
         self.step(f"planning {name} per layer at {budget:,.0f} bytes per token", 0)
         try:
-            plan = planner.plan_layers(self.loaded, self.reference.split.prefix, base, budget)
+            assert self.reference.cache is not None  # prefilled in `run`
+            prefilled = (full_precision_kv(self.reference.cache), self.queries)  # the reference's: no second prefill
+            plan = planner.plan_layers(self.loaded, self.reference.split.prefix, base, budget, prefilled=prefilled)
         except ValueError as error:
             self.plan_line = f"no plan: {error}"
             return None

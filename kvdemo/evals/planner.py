@@ -45,9 +45,9 @@ from transformers.cache_utils import DynamicLayer
 
 from kvdemo.cache.layer_kinds import is_latent, quantized_layers
 from kvdemo.cache.layer_plan import LayerPrecision, plan_text
-from kvdemo.cache.layers.attention import recording_queries, uses_query_rotation
+from kvdemo.cache.layers.attention import QueryRecord, recording_queries, uses_query_rotation
 from kvdemo.cache.spec import CacheSpec, build_cache
-from kvdemo.evals.cache_error import layer_kv, reference_kv
+from kvdemo.evals.cache_error import ReferenceKV, layer_kv, reference_kv
 from kvdemo.evals.plan_budget import (
     candidates,
     check_budget,
@@ -192,6 +192,7 @@ def layer_errors(
     base: CacheSpec,
     query_tokens: int = QUERY_TOKENS,
     context_tokens: int | None = None,
+    prefilled: tuple[ReferenceKV, QueryRecord] | None = None,
 ) -> LayerErrors:
     """Measure every quantized layer's error at every candidate precision of `base`'s backend on this context (see
     the module docstring).
@@ -207,6 +208,9 @@ def layer_errors(
             the layers planned).
         query_tokens: query positions per layer (the context's last ones).
         context_tokens: the context length the bytes per token are stated at; None: len(token_ids).
+        prefilled: the full-precision keys and values of `token_ids` and the queries recorded while they were
+            prefilled (`recording_queries(query_tokens)` around a `dynamic` prefill of the same ids: a
+            recommendation's reference), instead of a prefill here; None: one prefill here.
 
     Returns:
         The `LayerErrors`.
@@ -230,8 +234,16 @@ def layer_errors(
     if not bits:
         raise ValueError(f"no nbits of {base.backend} fits {base.short_text} on this model; change q_group_size")
     planned = _planned_layers(base, config)
-    with recording_queries(query_tokens) as record:
-        reference = reference_kv(loaded_model, token_ids)
+    if prefilled is None:
+        with recording_queries(query_tokens) as record:
+            reference = reference_kv(loaded_model, token_ids)
+    else:
+        reference, record = prefilled
+        if reference.tokens != len(token_ids) or record.last != query_tokens:
+            raise ValueError(
+                f"the prefilled keys hold {reference.tokens} tokens and {record.last} queries a layer, for "
+                f"{len(token_ids)} ids and {query_tokens} queries; prefill these ids under recording_queries"
+            )
     tokens = len(token_ids)
     windows, exact = _exact_outputs(reference, record, planned, tokens, config, latent)
     keys: list[dict[tuple[int, str], float]] = [{} for _ in planned]
@@ -364,12 +376,14 @@ def plan_layers(
     budget_bytes_per_token: float,
     query_tokens: int = QUERY_TOKENS,
     context_tokens: int | None = None,
+    prefilled: tuple[ReferenceKV, QueryRecord] | None = None,
 ) -> LayerPlan:
     """`choose_plan(layer_errors(...), budget)`: a per-layer plan for this model and context within the budget.
 
     Args:
         budget_bytes_per_token: bytes per context token at `context_tokens` (None: the context's own length), the
             layers the spec keeps at full precision included.
+        prefilled: see `layer_errors`.
 
     Example:
         >>> ids = QASession(loaded).context_ids(case.context)
@@ -383,4 +397,5 @@ def plan_layers(
     """
     at = len(token_ids) if context_tokens is None else context_tokens
     base = check_budget(loaded_model, base, budget_bytes_per_token, at)  # before the prefill
-    return choose_plan(layer_errors(loaded_model, token_ids, base, query_tokens, at), budget_bytes_per_token)
+    errors = layer_errors(loaded_model, token_ids, base, query_tokens, at, prefilled)
+    return choose_plan(errors, budget_bytes_per_token)
