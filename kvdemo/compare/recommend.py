@@ -41,6 +41,7 @@ from collections.abc import Sequence
 import torch
 
 from kvdemo.cache.deploy import ENGINES
+from kvdemo.cache.layer_kinds import layer_types
 from kvdemo.cache.layer_plan import PLAN
 from kvdemo.cache.layers.attention import recording_queries
 from kvdemo.cache.registry import BACKENDS
@@ -362,12 +363,15 @@ class _Run:
         name = next((b for b in backends if PLAN in CacheSpec(b).info.options), None)
         if name is None:
             return None
-        # the plan keeps which layers `near` quantizes (its sliding windows), and gives each its bits
-        sliding = CacheSpec.parse(near.spec).given().get("sliding")
+        # the plan keeps which layers `near` quantizes (its sliding windows: ggml quantizes them by default), and
+        # gives each its bits
+        sliding = CacheSpec.parse(near.spec).resolved().get("sliding")
+        windows = any("sliding" in kind or "chunked" in kind for kind in layer_types(self.loaded.config))
+        plain = CacheSpec(name)
         base = (
-            CacheSpec(name, sliding=sliding)
-            if sliding and "sliding" in CacheSpec(name).info.options
-            else CacheSpec(name)
+            plain.replace(sliding=sliding)
+            if windows and sliding and "sliding" in plain.info.options and sliding != plain.resolved().get("sliding")
+            else plain
         )
         self.step(f"planning {name} per layer at {budget:,.0f} bytes per token", 0)
         try:

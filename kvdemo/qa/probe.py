@@ -5,10 +5,11 @@ Some models keep state that transformers' cache layers do not hold (RWKV, xLSTM,
 modules; MiniMax builds a cache of its own), and some change the keys and values between `cache.update` and
 attention (DiffLlama, JetMoE, Doge), which kvdemo's block-wise read and query-side rotation cannot follow. Their
 configs look like any other. So, once per model and spec, `check_model` prefills `PROBE_TEXT`'s first tokens into a
-cache of the spec, decodes the last two, restores the cache and decodes them again, and checks:
+cache of the spec, decodes the last two, restores the cache and decodes the first again, and checks:
 
-1. the cache holds every token fed (its length), before and after the restore;
-2. the two decodes give the same logits, bit for bit (the restore restored everything the model reads);
+1. the cache holds every token fed (its length);
+2. the first decode gives the same logits before and after the restore, bit for bit (the restore restored
+   everything the model reads);
 3. for the full-precision backend, the logits are those of one cache-free forward pass of the same tokens (within
    float rounding);
 4. for a quantized backend, the logits are those of the same cache read whole (`kvdemo.cache.layers.flush.read_whole`:
@@ -19,14 +20,20 @@ cache of the spec, decodes the last two, restores the cache and decodes them aga
    between the cache and attention.
 
 Any failure, or any exception the model raises, is an `UnsupportedModelError` (a `ValueError`) when the session is
-built, before the prefill: the message says what failed and what would work. A probe costs eight forward passes of
-a few tokens, once per (model, spec): five on kvdemo's read (a prefill, two decode steps, the restore, two again), three
-on the read-whole cache (a prefill, two decode steps); the cache-free pass is made once per model.
+built, before the prefill: the message says what failed and what would work. A probe costs five forward passes of
+one token, once per (model, spec): three on kvdemo's read (two decode steps, the restore, one again), two on the
+read-whole cache. A quantized cache takes its context as a long prefill's last stage gives it, from a full-precision
+prefill (`kvdemo.qa.prefill.hand_over`); that prefill and the cache-free pass are made once per model.
 """
 
 from __future__ import annotations
 
+import copy
+from typing import cast
+
 import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from kvdemo.cache import snapshot
 from kvdemo.cache.layer_kinds import UnsupportedModelError
@@ -35,6 +42,7 @@ from kvdemo.cache.layers.flush import read_whole, recorded_writes, replayed_writ
 from kvdemo.cache.registry import BACKENDS
 from kvdemo.cache.spec import CacheSpec, build_cache
 from kvdemo.qa.models import LoadedModel
+from kvdemo.qa.prefill import hand_over
 
 PROBE_TEXT = "The Normans gave their name to Normandy, a region in the north of France."
 DECODED = 2
@@ -54,24 +62,41 @@ def _tolerance(loaded: LoadedModel, reference: torch.Tensor) -> float:
 def _run(
     loaded: LoadedModel, spec: CacheSpec, ids: torch.Tensor, restore: bool = True
 ) -> tuple[torch.Tensor, str | None]:
-    """Prefill, decode, restore, decode again on a new cache of `spec`: (the first decode's last logits, what went
-    wrong or None). Without `restore`, only the prefill and the first decode (the reference run of the same cache:
-    the restore was checked on kvdemo's own read)."""
+    """Prefill, decode `DECODED` tokens, restore, decode the first again, on a new cache of `spec`: (the last decode's
+    logits, what went wrong or None). Without `restore`, only the prefill and the decodes (the reference run of the
+    same cache: the restore was checked on kvdemo's own read). A quantized cache is prefilled as a long context's
+    prefill fills it, from a full-precision prefill of the same tokens (`hand_over`; that prefill made once per
+    model, each run given its own copy)."""
     cache, split, total = build_cache(spec, loaded.config), ids.shape[-1] - DECODED, ids.shape[-1]
     with torch.no_grad():
-        loaded.forward(ids[:, :split], cache)
+        if spec.info.quantized:
+            for index, layer in enumerate(_prefill_layers(loaded, ids[:, :split])):
+                hand_over(cache, index, layer)
+        else:
+            loaded.forward(ids[:, :split], cache)
         saved = snapshot.take(cache) if restore else None
-        first = [loaded.forward(ids[:, i : i + 1], cache) for i in range(split, total)][-1][0, -1].float()
+        decoded = [loaded.forward(ids[:, i : i + 1], cache)[0, -1].float() for i in range(split, total)]
         if saved is None:
-            return first, None
+            return decoded[-1], None
         held = snapshot.attention_length(cache)
         if held != total:
-            return first, f"the cache holds {held} of the {total} tokens fed: the model keeps its state elsewhere"
+            return decoded[-1], f"the cache holds {held} of the {total} tokens fed: the model keeps its state elsewhere"
         snapshot.restore(cache, saved)
-        again = [loaded.forward(ids[:, i : i + 1], cache) for i in range(split, total)][-1][0, -1].float()
-    if not torch.equal(first, again):
-        return first, "restoring the cache does not restore the model: it keeps state outside transformers' cache"
-    return first, None
+        again = loaded.forward(ids[:, split : split + 1], cache)[0, -1].float()
+    if not torch.equal(decoded[0], again):
+        return decoded[-1], "restoring the cache does not restore the model: it keeps state outside transformers' cache"
+    return decoded[-1], None
+
+
+def _prefill_layers(loaded: LoadedModel, ids: torch.Tensor) -> list[DynamicLayer]:
+    """A copy of each layer of a `DynamicCache` prefilled with `ids` (the prefill made once per model): what a
+    quantized cache takes its context from."""
+    found: dict[tuple[int, ...], DynamicCache] = loaded.__dict__.setdefault("_probe_prefill", {})
+    key = tuple(ids[0].tolist())
+    if key not in found:
+        found[key] = DynamicCache(config=loaded.config)
+        loaded.forward(ids, found[key])
+    return [cast(DynamicLayer, copy.deepcopy(layer)) for layer in found[key].layers]  # a decode may change one in place
 
 
 def _cache_free(loaded: LoadedModel, ids: torch.Tensor) -> torch.Tensor:
