@@ -19,11 +19,11 @@ of three reasons only, each sound for the full measurement:
 refused. With a byte budget the candidates within it are measured by bytes, most first, each until it is shown worse
 than the best mean so far (the same bound) or measured in full; the pick has the lowest mean KL.
 
-**Near the decision** the pick and the next smaller setting are measured in full: every question (each one's KL is
-kept) and the text's last `HELD_OUT_TOKENS` tokens (held out of the context, fed after it: their KL and perplexity
-against `dynamic`'s), so the record says how the pick holds on text it did not answer. With a KL ceiling a per-layer
-plan between the pick and the next smaller one is measured too (`kvdemo.evals.planner`) and wins only with fewer
-bytes within the ceiling.
+**Near the decision** the pick and the next smaller setting are measured on every question (each one's KL is kept),
+and the pick on the text's last `HELD_OUT_TOKENS` tokens too (held out of the context, fed after it: their KL and
+perplexity against `dynamic`'s), so the record says how the pick holds on text it did not answer. With a KL ceiling
+a per-layer plan between the pick and the next smaller one is measured too (`kvdemo.evals.planner`) and wins only
+with fewer bytes within the ceiling.
 
 Bytes per token come from the registry's formulas (every token stored, no residual), at the context's length and at
 `LENGTHS` (a sliding window's bytes stop growing). A recommendation holds for this model, this text and these
@@ -253,11 +253,11 @@ class _Run:
         session.prefill_from(self.reference)
         return session
 
-    def _measure(self, spec: CacheSpec, over: float | None = None) -> RecommendRow | None:
+    def _measure(self, spec: CacheSpec, over: float | None = None, held_out: bool = True) -> RecommendRow | None:
         """Score `spec` on every answer token, one decode step at a time, and stop as soon as the KL summed so far
         passes `over` x every answer token (a `BOUND` row: its full mean is over `over`, see the module's
         docstring); None: to the end. Measured to the end, the row is `FULL`: llama.cpp's report, each question's
-        KL, and the held-out tokens' KL and perplexity. None where the model refuses the spec."""
+        KL, and (with `held_out`) the held-out tokens' KL and perplexity. None where the model refuses the spec."""
         session = self._session(spec)
         if session is None:
             return None
@@ -280,10 +280,10 @@ class _Run:
                 return self.row(spec, kl_at_least=summed / self.positions, positions=tokens, measured=BOUND)
         stats = kl_statistics(self.logprobs, scored, [ids for _, ids in self.answers])
         held_out_kl = ratio = None
-        if self.tail_rows is not None:
-            held_out = session.score_text(self.tail)
-            held_out_kl = float(kl_divergence(self.tail_rows, held_out).mean())
-            ratio = math.exp(self._nll(held_out) - self._nll(self.tail_rows))
+        if self.tail_rows is not None and held_out:
+            tail = session.score_text(self.tail)
+            held_out_kl = float(kl_divergence(self.tail_rows, tail).mean())
+            ratio = math.exp(self._nll(tail) - self._nll(self.tail_rows))
         self.step(f"measured {spec.short_text}: mean KL {stats.mean_kld:.4f}")
         return self.row(
             spec, mean_kl=stats.mean_kld, kl_at_least=None, positions=stats.positions, same_top_p=stats.same_top_p,
@@ -318,8 +318,8 @@ class _Run:
         if pick is None:
             return self.rows[self.specs[0].label]
         smaller = self._next_smaller(pick)
-        if smaller is not None and smaller.measured == BOUND:  # near the decision: the figures in full
-            smaller = self._measure(CacheSpec.parse(smaller.spec)) or smaller
+        if smaller is not None and smaller.measured == BOUND:  # near the decision: its figures on every question
+            smaller = self._measure(CacheSpec.parse(smaller.spec), held_out=False) or smaller
         if self.plans and smaller is not None:  # a plan between the two may keep the ceiling with fewer bytes
             planned = self._plan(pick, (pick.bytes_per_token[0] + smaller.bytes_per_token[0]) / 2, self.limit)
             if planned is not None and planned.mean_kl is not None and planned.mean_kl <= self.limit:

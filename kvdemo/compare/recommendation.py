@@ -12,7 +12,7 @@ from typing import Any
 import pandas as pd
 
 FULL = "full"
-"""A row measured on every answer token of every question, and on the held-out tokens."""
+"""A row measured on every answer token of every question (and, where it could be the pick, on the held-out tokens)."""
 BOUND = "bound"
 """A row measured until its KL, summed over the answer tokens scored so far, passed what the whole mean may hold
 (the ceiling, or under a byte budget the best mean so far, times every answer token): each token's KL is >= 0, so
