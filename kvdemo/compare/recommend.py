@@ -275,7 +275,7 @@ class _Run:
             rows = []
             scored.append(session.score(question, ids, until=until))
             if summed > bound:
-                tokens = sum(len(rows) for rows in scored)
+                tokens = sum(len(part) for part in scored)
                 self.step(f"{spec.short_text}: KL at least {summed / self.positions:.4f} after {tokens} tokens")
                 return self.row(spec, kl_at_least=summed / self.positions, positions=tokens, measured=BOUND)
         stats = kl_statistics(self.logprobs, scored, [ids for _, ids in self.answers])
