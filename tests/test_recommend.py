@@ -217,12 +217,19 @@ def _row_of_kl(target: float, vocab: int) -> torch.Tensor:
 
 
 def _crafted_scores(monkeypatch, kl_at) -> None:
-    """`QASession.score` made to give known figures: `dynamic` a uniform distribution at every answer token, and a
-    quantized spec one whose KL to it is `kl_at(spec, question, token)` (None: 1 nat, far over any ceiling); `until`
-    is honoured as the real scoring honours it. Everything else (the model check, the hand-over, the held-out
-    tokens) runs for real."""
-    real_score = QASession.score
+    """`QASession.score` made to give known figures: `dynamic` a uniform distribution at every answer token (its
+    answers' own steps too, `ask(..., logprobs=)`), and a quantized spec one whose KL to it is `kl_at(spec, question,
+    token)` (None: 1 nat, far over any ceiling); `until` is honoured as the real scoring honours it. Everything else
+    (the answers' tokens, the model check, the hand-over, the held-out tokens) runs for real."""
+    real_score, real_ask = QASession.score, QASession.ask
     rows_of: dict[float, torch.Tensor] = {}
+
+    def ask(self, question, max_new_tokens=24, logprobs=None):
+        answer = real_ask(self, question, max_new_tokens, logprobs)
+        if logprobs is not None:  # the reference's rows: uniform, as its `score` gives them below
+            uniform = rows_of.setdefault(0.0, _row_of_kl(0.0, self.loaded.model.config.vocab_size))
+            logprobs[:] = [uniform] * len(logprobs)
+        return answer
 
     def score(self, question, answer_ids, on_step=None, until=None):
         real_score(self, question, answer_ids[:1])  # the checks and the forward pass of a real scoring
@@ -237,6 +244,7 @@ def _crafted_scores(monkeypatch, kl_at) -> None:
         return torch.stack(rows)
 
     monkeypatch.setattr(QASession, "score", score)
+    monkeypatch.setattr(QASession, "ask", ask)
 
 
 def test_recommend_is_not_misled_by_an_answer_s_first_tokens(tiny, short_text, questions, monkeypatch):

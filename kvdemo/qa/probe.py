@@ -93,9 +93,10 @@ def _prefill_layers(loaded: LoadedModel, ids: torch.Tensor) -> list[DynamicLayer
     quantized cache takes its context from."""
     found: dict[tuple[int, ...], DynamicCache] = loaded.__dict__.setdefault("_probe_prefill", {})
     key = tuple(ids[0].tolist())
-    if key not in found:
-        found[key] = DynamicCache(config=loaded.config)
-        loaded.forward(ids, found[key])
+    if key not in found:  # kept only once the forward pass has run
+        prefilled = DynamicCache(config=loaded.config)
+        loaded.forward(ids, prefilled)
+        found[key] = prefilled
     return [cast(DynamicLayer, copy.deepcopy(layer)) for layer in found[key].layers]  # a decode may change one in place
 
 
