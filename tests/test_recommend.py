@@ -1,8 +1,10 @@
 """The recommendation (`kvdemo.compare.recommend`): its one-prefill hand-over against a prefill of its own, its
-candidates and deploy lines from the registry, the pick against its target, progress, Stop, and every refusal before
+candidates and deploy lines from the registry, the search that cannot miss a fit (scores built by hand where a short
+probe would mislead), the pick against its target, what the weights say, progress, Stop, and every refusal before
 any forward pass.
 
-Cost: about 15 s on 2 cores (the tiny models; the embedded model only for the command line's refusals)."""
+Cost: 29 s in a pytest-xdist worker (the clean-clone CI of 2026-12-07: the tiny models; the embedded model only for
+the command line's refusal, 11 s)."""
 
 from __future__ import annotations
 
