@@ -69,7 +69,7 @@ def candidate_specs(model_config: PreTrainedConfig, engine: str = ANY_ENGINE, pr
 
 def _grid(model_config: PreTrainedConfig) -> list[CacheSpec]:
     """Every quantized installed backend's bits, K/V splits, `VARIED` choices and presets (not yet validated)."""
-    has_sliding = any("sliding" in kind or "chunked" in kind for kind in layer_types(model_config))
+    has_sliding = has_windows(model_config)
     specs = []
     for name, info in BACKENDS.items():
         if not info.quantized or not info.installed():
@@ -88,6 +88,11 @@ def _grid(model_config: PreTrainedConfig) -> list[CacheSpec]:
         for options in info.candidates:  # the backend's own further candidates (ggml's mixed key and value types)
             specs += [CacheSpec(name, **options).replace(**dict(zip(varied, w))) for w in _sliding(varied)]  # type: ignore[arg-type]
     return specs
+
+
+def has_windows(model_config: PreTrainedConfig) -> bool:
+    """Whether the model has sliding-window (or chunked) attention layers, which `sliding` acts on."""
+    return any("sliding" in kind or "chunked" in kind for kind in layer_types(model_config))
 
 
 def _keeps_sliding(info: Backend) -> bool:

@@ -41,12 +41,11 @@ from collections.abc import Sequence
 import torch
 
 from kvdemo.cache.deploy import ENGINES
-from kvdemo.cache.layer_kinds import layer_types
 from kvdemo.cache.layer_plan import PLAN
 from kvdemo.cache.layers.attention import recording_queries
 from kvdemo.cache.registry import BACKENDS
 from kvdemo.cache.spec import CacheSpec, estimate_kv_bytes
-from kvdemo.compare.candidates import ANY_ENGINE, candidate_specs
+from kvdemo.compare.candidates import ANY_ENGINE, candidate_specs, has_windows
 from kvdemo.compare.recommendation import BOUND, FULL, Recommendation, RecommendationCancelled, RecommendRow
 from kvdemo.compare.weights import read_weights
 from kvdemo.evals import planner
@@ -366,7 +365,7 @@ class _Run:
         # the plan keeps which layers `near` quantizes (its sliding windows: ggml quantizes them by default), and
         # gives each its bits
         sliding = CacheSpec.parse(near.spec).resolved().get("sliding")
-        windows = any("sliding" in kind or "chunked" in kind for kind in layer_types(self.loaded.config))
+        windows = has_windows(self.loaded.config)
         plain = CacheSpec(name)
         base = (
             plain.replace(sliding=sliding)
