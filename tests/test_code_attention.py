@@ -177,7 +177,7 @@ def test_the_embedded_model_decodes_the_same_tokens_with_logits_within_1e_3(embe
     cache = build_cache(
         CacheSpec.parse(text + ",residual_length=4") if spec.info.has_residual else spec, embedded.config
     )
-    run_prefill(embedded, cache, ids, quantized=True)
+    run_prefill(embedded, cache, ids, handed=spec.info.hands_over)
     token, gaps = 13, []
     with torch.no_grad():
         for _ in range(8):

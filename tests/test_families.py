@@ -48,11 +48,13 @@ so a quantized cache is filled from a full-precision one layer by layer (`kvdemo
 def _filled_like_dynamic(session: QASession, dynamic: QASession) -> None:
     """After the prefill (or a restore) every layer of a quantized session has seen the context's tokens, and every
     layer its backend keeps at full precision holds `dynamic`'s tensors bit for bit (the same chunks through the
-    same transformers layers): its window, its conv and recurrent states."""
+    same transformers layers): its window, its conv and recurrent states. Not for a backend whose prefill attends
+    through its own store (`ggml`, as llama.cpp): the hidden states after its first attention layer differ, so the
+    later kept layers' states do too, as they do in llama.cpp."""
     for index, (layer, reference) in enumerate(zip(session.cache.layers, dynamic.cache.layers)):
         if getattr(reference, "keys", None) is not None:
             assert layer.get_seq_length() == reference.get_seq_length(), index
-        if isinstance(layer, BaseQuantizedLayer):
+        if isinstance(layer, BaseQuantizedLayer) or not session.spec.info.hands_over:
             continue
         for name in ("keys", "values", *STATE_ATTRIBUTES):
             mine, theirs = getattr(layer, name, None), getattr(reference, name, None)

@@ -65,7 +65,8 @@ def _record_first_updates(monkeypatch) -> dict[int, dict[int, tuple[torch.Tensor
 def test_a_chunked_prefill_builds_the_cache_of_one_forward_pass(tiny, spec, monkeypatch):
     """What the invariant promises on every CPU (tests/quantized.py): the full-precision keys and values handed
     to the quantizer equal one pass's within float tolerance; the de-quantized stores within one quantization
-    step, with at most 1 % of the values apart; the answer the same up to the first near tie."""
+    step, with at most 1 % of the values apart; the answer the same up to the first near tie. A cache whose prefill
+    attends through its blocks (ggml, as llama.cpp) takes the chunks itself: its stores are compared the same way."""
     handed = _record_first_updates(monkeypatch)
     one = QASession(tiny, spec)
     handed.clear()  # the model-kind probe's caches (kvdemo.qa.probe), whose ids the sessions' caches may reuse
@@ -81,15 +82,15 @@ def test_a_chunked_prefill_builds_the_cache_of_one_forward_pass(tiny, spec, monk
     n = report.context_tokens
     assert n == one_report.context_tokens > 16 * 4
     assert progress == [(min(d, n), n) for d in range(16, n + 16, 16)]  # tokens done after each chunk, to the end
-    layers = tiny.config.num_hidden_layers  # the quantizer's stage, layer by layer; none without a quantizer
-    assert quantizing == ([(d, layers) for d in range(layers + 1)] if spec.info.quantized else [])
+    layers = tiny.config.num_hidden_layers  # the quantizer's stage, layer by layer; none where nothing is handed over
+    assert quantizing == ([(d, layers) for d in range(layers + 1)] if spec.info.hands_over else [])
     assert chunked.cache_length == one.cache_length == n
     if spec.resolved().get("storage") == "growing":  # the spare room follows the chunks; both within the bound
         bound = estimate_kv_bytes(spec, tiny.config, n, torch.float32)
         assert report.kv_bytes < one_report.kv_bytes == bound
     else:
         assert report.kv_bytes == one_report.kv_bytes
-    if spec.info.quantized:  # one update per layer with the whole context, equal within float tolerance
+    if spec.info.hands_over:  # one update per layer with the whole context, equal within float tolerance
         got, expected = handed[id(chunked.cache)], handed[id(one.cache)]
         assert sorted(got) == sorted(expected) == list(range(tiny.config.num_hidden_layers))
         for index in expected:

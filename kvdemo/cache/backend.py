@@ -48,6 +48,11 @@ class Backend:
         behaviour: one line on its residual and flushes, for the page.
         quantized: True for the `QuantizedCache` backends; they quantize the layers `kvdemo.cache.layer_kinds` says
             they take (full attention; sliding with `sliding=quantize`) and keep the others at full precision.
+        prefill_reads_cache: True where the engine's prefill attends through the stored cache (llama.cpp reads its
+            blocks for the prompt's own tokens): the prefill's chunks then run over the cache itself, never over a
+            full-precision `DynamicCache` handed over at the end (`kvdemo.qa.prefill.run_prefill`), and
+            `QASession.prefill_from` refuses it. False: the prefill attends in full precision, as transformers'
+            quantized layers return their first update's states as given.
         make_cache: `make_cache(name, options, model_config) -> Cache`, the empty cache of validated options (the
             backend's `name`, the options a spec sets: `CacheSpec.given()`), called by `Backend.empty_cache`.
         kv_bytes: its `BytesFormula`.
@@ -86,6 +91,13 @@ class Backend:
     combination_rule: Callable[[SpecOptions], str | None] | None = None
     deploy: DeployRule | None = None
     examples: dict[str, dict[str, int]] = field(default_factory=dict)
+    prefill_reads_cache: bool = False
+
+    @property
+    def hands_over(self) -> bool:
+        """Whether a long prefill runs over a full-precision `DynamicCache` and hands the context's keys and values
+        to this backend's cache in one update per layer (`kvdemo.qa.prefill.hand_over`)."""
+        return self.quantized and not self.prefill_reads_cache
 
     @property
     def has_residual(self) -> bool:

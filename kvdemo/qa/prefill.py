@@ -8,6 +8,9 @@ backend the chunks run over a plain `DynamicCache` (full precision, as inside on
 whole context's keys and values are then given to the quantized cache in one `update` per layer: its first
 update, the one a single forward pass makes. Memory: those full-precision keys and values are held until the
 last chunk, which a single pass over the whole context needs too (with its attention scores on top).
+The exception is a cache whose prefill attends through what it stores, as llama.cpp's does
+(`Backend.prefill_reads_cache`, the `ggml` backend): each chunk is written to it and attends to its blocks, exactly
+what one pass does there (each token's blocks are its own), so the chunks run over it directly.
 Pattern: the chunked prefill of vLLM and SGLang (`--chunked-prefill-size`), here for progress and a stop.
 
 "The same cache" means what two float paths can promise on any CPU (docs/DESIGN.md, invariant 6): the chunks'
@@ -122,7 +125,7 @@ def run_prefill(
     loaded: LoadedModel,
     cache: Cache,
     ids: Sequence[int],
-    quantized: bool,
+    handed: bool,
     chunk_tokens: int = PREFILL_CHUNK_TOKENS,
     on_progress: ProgressCallback | None = None,
     stop: threading.Event | None = None,
@@ -133,8 +136,10 @@ def run_prefill(
     Args:
         loaded: the model; cache: an empty cache built for it.
         ids: the prefix's token ids (length n >= 1); fed as input_ids of shape [1, chunk].
-        quantized: whether `cache` quantizes on update (the backend's registry entry says): then the chunks run
-            over a full-precision `DynamicCache` and the cache gets the whole context in one update per layer.
+        handed: whether `cache` takes the context handed over (`Backend.hands_over`: it quantizes on update and its
+            prefill attends in full precision): then the chunks run over a full-precision `DynamicCache` and the
+            cache gets the whole context in one update per layer. Otherwise (`dynamic`; `ggml`, whose prefill
+            attends through its blocks as llama.cpp's does) the chunks run over `cache` itself.
         chunk_tokens: tokens per forward pass (>= 1); a context that fits one chunk takes one pass, and so does
             every context of a model whose RoPE factors change between the first chunk's length and the whole
             context's (`rope_changes`): chunks would be given other factors than one pass gives them.
@@ -150,7 +155,7 @@ def run_prefill(
     total = len(ids)
     if total > chunk_tokens and rope_changes(loaded, chunk_tokens, total):
         chunk_tokens = total
-    work = DynamicCache(config=loaded.config) if quantized and total > chunk_tokens else cache
+    work = DynamicCache(config=loaded.config) if handed and total > chunk_tokens else cache
     for start in range(0, total, chunk_tokens):
         if stop is not None and stop.is_set():
             raise PrefillStopped(f"the prefill was stopped after {start:,} of {total:,} tokens")

@@ -69,7 +69,7 @@ def _run(
     model, each run given its own copy)."""
     cache, split, total = build_cache(spec, loaded.config), ids.shape[-1] - DECODED, ids.shape[-1]
     with torch.no_grad():
-        if spec.info.quantized:
+        if spec.info.hands_over:
             for index, layer in enumerate(_prefill_layers(loaded, ids[:, :split])):
                 hand_over(cache, index, layer)
         else:

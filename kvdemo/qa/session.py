@@ -228,8 +228,8 @@ class QASession:
         self._stop.clear()
         cache = build_cache(self.spec, self.loaded.config)
         start = time.perf_counter()
-        quantized = self.spec.info.quantized
-        run_prefill(self.loaded, cache, split.prefix, quantized, chunk_tokens, on_progress, self._stop, on_quantize)
+        handed = self.spec.info.hands_over
+        run_prefill(self.loaded, cache, split.prefix, handed, chunk_tokens, on_progress, self._stop, on_quantize)
         return self._install(cache, split, context, start)
 
     def prefill_from(self, reference: QASession) -> PrefillReport:
@@ -252,6 +252,11 @@ class QASession:
             raise ValueError("prefill_from takes a dynamic session (storage=concat) of the same loaded model")
         if not self.spec.info.quantized and self.spec.label != plain:
             raise ValueError(f"{self.spec.label} builds its own layers; prefill it with `prefill`")
+        if self.spec.info.prefill_reads_cache:
+            raise ValueError(
+                f"{self.spec.backend}'s prefill attends through its own stored cache, as its engine's does, so no "
+                "full-precision prefill can be handed over; prefill it with `prefill`"
+            )
         if reference.streaming:
             raise ValueError("the reference session is answering; prefill from it once its answer is closed")
         source, _, split = reference._prefilled()

@@ -125,6 +125,7 @@ BACKEND = Backend(
     "Every token is quantized as it is written, as llama.cpp does: no residual, never flushes; attention reads the "
     "whole cache from the blocks, the prefill included. Sliding-window layers take the same types.",
     quantized=True,
+    prefill_reads_cache=True,  # llama.cpp's prefill attends through its blocks (`kvdemo.cache.layers.ggml`)
     make_cache=_cache,
     kv_bytes=ggml_bytes,
     options={

@@ -8,12 +8,14 @@ What llama.cpp does with a quantized cache (llama.cpp commit 0c1e570 as vendored
   blocks, the tokens of the same forward pass included. `GgmlLayer.update` quantizes the new tokens
   (`kvdemo.cache.layers.ggml_blocks.quantize_rows`), appends their rows and returns the whole store de-quantized. The
   cost per decode step: one token quantized per layer (a few microseconds) and the whole store de-quantized (the
-  store's bytes read, its values written in the model's dtype). One exception: the prefill. kvdemo hands each layer
-  the whole context in one update (a chunked prefill runs in full precision, then each layer quantizes:
-  `kvdemo.qa.prefill`, docs/DESIGN.md invariant 2), and that update returns the states as given, as transformers'
-  quantized layers do; llama.cpp's prefill attends through its blocks. So the context's later layers see
-  full-precision attention in kvdemo and quantized attention in llama.cpp: their blocks hold the same quantizer's
-  bytes of slightly different keys and values (docs/ggml.md measures what this does).
+  store's bytes read, its values written in the model's dtype).
+- **The prefill attends through the blocks too**, as llama.cpp's does (`llm_graph_context::build_attn` stores the
+  batch with `cpy_k`/`cpy_v` and attends to `get_k`/`get_v`, views of the cache). So the first update returns the
+  store de-quantized like any other, the prefill's chunks run over this cache itself (`Backend.prefill_reads_cache`,
+  `kvdemo.qa.prefill.run_prefill`: each token's blocks are its own, so chunks equal one pass), and no full-precision
+  prefill is ever handed over. Until 2026-12-07 the first update returned the states as given, as transformers'
+  quantized layers do: on the Normans text the recommendation then read q4_0 at KL 0.019 where llama.cpp itself
+  gives 0.21, and Gemma 3's q5_1 at 0.011 where llama.cpp gives 0.040 (`recommend --verify`, docs/ggml.md).
 - **The rotation** (ggml-org/llama.cpp#21038, on by default since 2026-04): `attn_rot_k` is set where the key type is
   quantized and head_dim is a multiple of 64, `attn_rot_v` likewise for the values; `LLAMA_ATTN_ROT_DISABLE=1` turns
   both off (kvdemo's `rotation=none`). Keys are rotated by the block-diagonal Sylvester Hadamard matrix of the largest
@@ -183,16 +185,14 @@ class GgmlLayer(BaseQuantizedLayer):
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new tokens ([batch, kv_heads, new tokens, head_dim]) as blocks, then return every stored token
-        de-quantized ([batch, kv_heads, tokens, head_dim]), as llama.cpp's attention reads its cache; the first update
-        (the prefill, which kvdemo hands every layer in one update) returns the states as given (module docstring)."""
+        de-quantized ([batch, kv_heads, tokens, head_dim]), as llama.cpp's attention reads its cache, the prefill's
+        tokens included (module docstring)."""
         self.cumulative_length += key_states.shape[-2]
         first = not self.is_initialized
         if first:
             self.lazy_initialization(key_states, value_states)
         self._append(key_states, value_states)
-        if first:  # the prefill: the states as given, as every quantized layer of transformers returns them
-            return key_states, value_states
-        if self.reads_blocks and key_states.shape[-2] == 1 and key_states.device.type == "cpu":
+        if self.reads_blocks and not first and key_states.shape[-2] == 1 and key_states.device.type == "cpu":
             return self._blocks(key_states)
         return self._read(self._quantized_keys, self._quantized_values)
 
@@ -254,7 +254,7 @@ class SlidingGgmlLayer(SlidingWindowMask, GgmlLayer):
         self._append(key_states, value_states)
         visible = keep + key_states.shape[-2]
         keys, values = self._quantized_keys, self._quantized_values
-        returned = (key_states, value_states) if first else self._read(keys.tail(visible), values.tail(visible))
+        returned = self._read(keys.tail(visible), values.tail(visible))
         if keys.rows.shape[-2] > keep:  # compact: the longer rows are not pinned
             self._quantized_keys = keys._replace(rows=keys.rows[..., -keep:, :].clone())
             self._quantized_values = values._replace(rows=values.rows[..., -keep:, :].clone())
