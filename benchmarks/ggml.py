@@ -7,11 +7,14 @@ beside `dynamic`'s.
 1. **Mean KL of the quantized cache against the full-precision one**, teacher-forced on a real text: the context
    (a SQuAD article of `../shared/cases`) prefilled, then each token of a continuation fed one decode step at a time;
    at every step the next-token distribution with the quantized cache against the one with the full-precision cache:
-   - llama.cpp (llama-cpp-python, flash attention on, `type_k`/`type_v` q8_0 and q4_0 against f16), its own runs;
+   - llama.cpp (llama-cpp-python, `type_k`/`type_v` q8_0 and q4_0 against f16, flash attention on in both, as
+     `recommend --verify` runs it), its own runs; and its f16 cache with flash attention off, the floor its own
+     kernels set (an f16 V is accumulated in f16, a quantized one in f32);
    - kvdemo's matching `ggml` spec against `dynamic` (`QASession.score_text`).
-   Both read the same ids (kvdemo's prompt layout). What differs (docs/ggml.md): llama.cpp runs the GGUF's quantized
-   weights, kvdemo the de-quantized ones in float32; llama.cpp's prefill attends through its blocks, kvdemo's in full
-   precision; llama.cpp's attention takes dot products on the blocks with the query converted to q8_0.
+   Both read the same ids (kvdemo's prompt layout), and both prefills attend through the blocks. What differs
+   (docs/ggml.md): llama.cpp runs the GGUF's quantized weights, kvdemo the de-quantized ones in float32; llama.cpp's
+   attention takes dot products on the blocks with the query converted to q8_0, and its f16 and quantized kernels
+   accumulate differently.
 2. **The decode step** at about 2,048 context tokens: `dynamic`, `ggml:q8_0`, `ggml:q4_0` (and `quanto:4` for
    reference), interleaved rounds in one process, medians and ratios to `dynamic`'s.
 
@@ -39,10 +42,11 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from peer_runners import LlamaCppRunner  # noqa: E402
 
 from kvdemo import CacheSpec, QASession, load_model  # noqa: E402
 from kvdemo.cache.spec import build_cache  # noqa: E402
+from kvdemo.compare.llama_cpp_check import llama_cpp_logprobs  # noqa: E402
+from kvdemo.compare.recommendation import TokenIds  # noqa: E402
 from kvdemo.evals.cases import load_case  # noqa: E402
 from kvdemo.qa.models import embedded_gguf_path  # noqa: E402
 from kvdemo.qa.packaged import gemma3_path  # noqa: E402
@@ -126,22 +130,13 @@ def kvdemo_scores(loaded, context: str, ids: list[int]) -> dict[str, torch.Tenso
 
 
 def llama_cpp_scores(gguf: Path, prefix: list[int], ids: list[int], threads: int) -> dict[str, torch.Tensor]:
-    """llama.cpp's log-probabilities of `ids[1:]` after `prefix + ids[:1]`, one decode step per token, for the f16
-    cache and each of `TYPES` (`peer_runners.LlamaCppRunner`: flash attention on, llama.cpp's default rotation)."""
-    import numpy as np  # noqa: PLC0415
-
-    out = {}
-    for kv_type in ("f16", *TYPES):
-        llm = LlamaCppRunner(gguf, kv_type, len(prefix) + len(ids) + 16, threads, layers=0, kv_width=0).llm
-        llm.eval(prefix + ids[:1])
-        rows = []
-        for token in ids[1:]:
-            logits = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)).copy()
-            rows.append(torch.log_softmax(torch.from_numpy(logits).double(), -1).float())
-            llm.eval([token])
-        out[kv_type] = torch.stack(rows)
-        del llm
-    return out
+    """llama.cpp's log-probabilities of `ids[1:]` after `prefix + ids[:1]`, one decode step per token
+    (`kvdemo.compare.llama_cpp_check.llama_cpp_logprobs`, what `recommend --verify` runs; llama.cpp's default
+    rotation): the f16 cache with flash attention on (`f16`) and off (`f16 unfused`), and each of `TYPES` with it on
+    (a quantized V needs it)."""
+    text = TokenIds(tuple(prefix), ((ids[0],),), (tuple(ids[1:]),))
+    runs = {"f16": ("f16", True), "f16 unfused": ("f16", False), **{t: (t, True) for t in TYPES}}
+    return {name: llama_cpp_logprobs(gguf, text, t, t, flash, "auto", threads) for name, (t, flash) in runs.items()}
 
 
 def steps(loaded, tokens: int, rounds: int) -> dict[str, float]:
@@ -185,7 +180,9 @@ def main() -> None:
     out["kvdemo_kl"] = {t: kl(ours["dynamic"], ours[f"ggml:{t}"]) for t in TYPES}
     try:
         theirs = llama_cpp_scores(gguf, prefix, ids, args.threads)
-        out["llama_cpp_kl"] = {t: kl(theirs["f16"], theirs[t]) for t in TYPES}
+        out["llama_cpp_kl"] = {t: kl(theirs["f16"], theirs[t]) for t in TYPES}  # flash attention on in both
+        out["llama_cpp_kl_against_unfused_f16"] = {t: kl(theirs["f16 unfused"], theirs[t]) for t in TYPES}
+        out["llama_cpp_kernel_kl"] = kl(theirs["f16 unfused"], theirs["f16"])  # its own arithmetic's difference
         out["f16_vs_dynamic_kl"] = kl(ours["dynamic"], theirs["f16"])  # the weights' own difference
     except ImportError:
         out["llama_cpp_kl"] = "llama-cpp-python is not installed: make bench-peers"

@@ -8,8 +8,12 @@ the command line's refusal, 11 s)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import sys
 import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,8 +22,17 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 from kvdemo.cache.spec import CacheSpec
 from kvdemo.cli.main import main
 from kvdemo.compare.candidates import candidate_specs
+from kvdemo.compare.llama_cpp_check import verify
 from kvdemo.compare.recommend import check_target, recommend, text_questions
-from kvdemo.compare.recommendation import BOUND, FULL, Recommendation, RecommendationCancelled
+from kvdemo.compare.recommendation import (
+    BOUND,
+    FULL,
+    EngineCheck,
+    Recommendation,
+    RecommendationCancelled,
+    RecommendRow,
+    TokenIds,
+)
 from kvdemo.compare.weights import read_weights
 from kvdemo.evals.cases import example_path
 from kvdemo.qa.models import LoadedModel
@@ -199,7 +212,13 @@ def test_recommend_picks_the_fewest_bytes_within_the_ceiling(tiny, short_text, q
     assert picked.deploy[-1].endswith(f'in Python CacheSpec.parse("{picked.spec}")')
     assert seen and all(d <= t for d, t in seen) and [d for d, _ in seen] == sorted(d for d, _ in seen)
     again = Recommendation.from_dict(found.to_dict())
-    assert again == found and again.to_frame().equals(found.to_frame())
+    assert again == found and again.to_frame().equals(found.to_frame()) and again.token_ids == found.token_ids
+    # the ids scored, for an engine to read the same (`--verify`): the prefill's, each question's, dynamic's answers
+    ids, decode = found.token_ids, tiny.tokenizer.decode
+    assert ids is not None and len(ids.answers) == len(ids.questions) == len(questions)
+    assert short_text[:40] in decode(ids.prefix) and short_text[-200:] not in decode(ids.prefix)  # the end held out
+    assert all(q in decode(q_ids) for q, q_ids in zip(questions, ids.questions))
+    assert sum(len(a) for a in ids.answers) == picked.positions
 
 
 PLAN_WORD = "plan="
@@ -366,6 +385,52 @@ def test_cli_recommend_refuses_with_exit_2(capsys):
     case = str(example_path("normans"))
     assert main(["recommend", "--context-file", case, "--max-kl", "0"]) == 2
     assert "must be a number > 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--verify"], "add --engine llama.cpp (not any)"),
+        (["--verify", "--engine", "llama.cpp", "--model", "HuggingFaceTB/SmolLM2-135M"], "is not one: give --model"),
+        (["--verify", "--engine", "llama.cpp", "--model", "missing.gguf"], "missing.gguf: no such file"),
+        (["--verify", "--engine", "llama.cpp", "LLAMA"], "make bench-peers"),
+    ],
+)
+def test_cli_verify_refuses_before_the_model_loads_with_exit_2(args, message, capsys, monkeypatch):
+    if "LLAMA" in args:  # llama-cpp-python not installed (as in CI), whether or not this machine has it
+        monkeypatch.setitem(sys.modules, "llama_cpp", None)
+        args = args[:-1]
+    start = time.perf_counter()
+    assert main(["recommend", "--context-file", str(example_path("normans")), "--no-progress", *args]) == 2
+    assert message in capsys.readouterr().err
+    assert time.perf_counter() - start < 5  # no model was loaded (that takes 10 s and more)
+
+
+def test_the_engine_check_reads_its_figures_above_the_engine_s_own_floor():
+    check = EngineCheck(
+        "llama.cpp", "0.3.36", "ggml:q5_1", "llama.cpp: llama-server ...", 0.0398, 0.0128, 0.0150, 98.6, 72, 68.0
+    )  # fmt: skip  (Gemma 3 270M on the Normans text, 2026-12-07)
+    assert check.ratio == pytest.approx(0.0398 / 0.0128) and check.above_floor == pytest.approx(0.0248)
+    assert "0.03980; kvdemo's: 0.01280 (3.11x)" in check.lines()[1]
+    assert (
+        "gives 0.01500: its quantized-cache arithmetic's floor; above it the pick adds 0.02480, 1.94x"
+        in (check.lines()[2])
+    )
+    assert "(within 2x)" in check.lines()[2] and "at 98.6 % of positions" in check.lines()[2]
+    far = dataclasses.replace(check, kl=0.206, floor_kl=0.0057, kvdemo_kl=0.019)  # ggml's prefill before 2026-12-07
+    assert "(not within 2x)" in far.lines()[2]
+    below = dataclasses.replace(check, kl=0.004, floor_kl=0.0057)
+    assert below.above_floor == 0.0
+
+
+def test_verify_refuses_a_pick_llama_cpp_does_not_store():
+    row = RecommendRow("quanto:4", "quanto", (1.0,), mean_kl=0.01, positions=1, measured=FULL)
+    found = Recommendation("m", 10, "max_kl", 0.02, "any", ("q",), (), (row,), "quanto:4",
+                           token_ids=TokenIds((1,), ((2,),), ((3,),)))  # fmt: skip
+    with pytest.raises(ValueError, match="quanto:4, not one of llama.cpp's cache types"):
+        verify(found, Path("model.gguf"))
+    with pytest.raises(ValueError, match="no pick to verify"):
+        verify(dataclasses.replace(found, pick=""), Path("model.gguf"))
 
 
 @pytest.mark.model  # the refusal reads the model's candidates: main() loads the embedded model itself

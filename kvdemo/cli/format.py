@@ -139,5 +139,7 @@ def format_recommendation(found: Recommendation) -> str:
     ]
     if found.plan:
         lines.append(f"plan: {found.plan}")
+    if found.engine_check is not None:
+        lines += ["verify: " + found.engine_check.lines()[0], *found.engine_check.lines()[1:]]
     lines.append("This holds for this model, this text and these questions; check it on another text (compare).")
     return "\n".join(lines)

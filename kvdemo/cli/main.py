@@ -218,6 +218,13 @@ def _recommend_parser(sub: Any) -> None:
         "--engine", default="any", choices=["any", *ENGINES], help="only specs this engine stores the same way"
     )
     parser.add_argument("--no-plan", action="store_true", help="measure no per-layer plan (kvdemo's own)")
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="with --engine llama.cpp and a .gguf model: run the pick in llama.cpp itself (llama-cpp-python, `make "
+        "bench-peers`) on the same ids against its f16 cache, flash attention on in both, and print its KL beside "
+        "kvdemo's (about 3 more passes of the text)",
+    )
     parser.add_argument("--model", help="a Hub id, a local folder or a .gguf file (default: the embedded SmolLM2-135M)")
     parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--json", action="store_true", help="print every measured row as one JSON object")
@@ -290,6 +297,7 @@ def run_recommend(args: argparse.Namespace) -> Recommendation:
     from kvdemo.qa.text import check_question
 
     check_target(args.max_kl, args.bytes_per_token)
+    gguf = _verify_gguf(args)
     case = load_case(args.context_file).select(args.paragraphs)
     questions = [check_question(q, f"--question number {i}") for i, q in enumerate(args.question, 1)]
     if args.questions_from_case is not None:
@@ -297,7 +305,7 @@ def run_recommend(args: argparse.Namespace) -> Recommendation:
             raise ValueError("--questions-from-case needs N >= 1 and a case file with questions")
         questions += [q.question for q in case.answerable(args.questions_from_case)]
     with _long_job(args) as job, _ProgressBar(args.no_progress) as on_progress:
-        return job.recommend(
+        found = job.recommend(
             case.context,
             questions,
             max_kl=args.max_kl,
@@ -306,6 +314,36 @@ def run_recommend(args: argparse.Namespace) -> Recommendation:
             plans=not args.no_plan,
             on_progress=on_progress,
         )
+    if gguf is None:
+        return found
+    if found.picked is None or found.picked.backend != "ggml":
+        print(f"--verify: the pick is {found.pick}, llama.cpp's f16 cache: nothing quantized to run", file=sys.stderr)
+        return found
+    from dataclasses import replace
+
+    from kvdemo.compare.llama_cpp_check import verify
+
+    if not args.no_progress:
+        print(f"running {found.pick} in llama.cpp: three passes of the text ...", file=sys.stderr)
+    return replace(found, engine_check=verify(found, gguf))
+
+
+def _verify_gguf(args: argparse.Namespace) -> Path | None:
+    """`--verify`'s GGUF file (None without it), checked before the model loads.
+
+    Raises:
+        ValueError, ImportError, OSError: --verify without --engine llama.cpp, without llama-cpp-python, or with a
+            model that is not a .gguf file.
+    """
+    if not args.verify:
+        return None
+    if args.engine != "llama.cpp":
+        raise ValueError(f"--verify runs the pick in llama.cpp; add --engine llama.cpp (not {args.engine})")
+    from kvdemo.compare.llama_cpp_check import check_available, check_gguf
+
+    gguf = check_gguf(args.model)
+    check_available()
+    return gguf
 
 
 def run_needle(args: argparse.Namespace) -> NeedleGrid:

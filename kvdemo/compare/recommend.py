@@ -4,7 +4,9 @@
 How, in one prefill: the text is prefilled once into `dynamic`, which answers every question greedily. Each candidate
 then takes that prefill's full-precision keys and values (`QASession.prefill_from`: the cache a prefill of its own
 gives, tensor for tensor, without the forward passes), and is scored teacher-forced on `dynamic`'s answers
-(`QASession.score`: the same decode steps, flushes included), one answer token at a time.
+(`QASession.score`: the same decode steps, flushes included), one answer token at a time. A `ggml` candidate, whose
+prefill attends through its own blocks as llama.cpp's does (`Backend.prefill_reads_cache`), prefills on its own:
+once, when it is measured.
 
 **The search cannot miss a setting that fits.** With a KL ceiling the pick is the candidate with the fewest bytes
 whose mean KL over every answer token is within it; candidates are measured by bytes, fewest first, so every one
@@ -46,7 +48,14 @@ from kvdemo.cache.layers.attention import recording_queries
 from kvdemo.cache.registry import BACKENDS
 from kvdemo.cache.spec import CacheSpec, estimate_kv_bytes
 from kvdemo.compare.candidates import ANY_ENGINE, candidate_specs, has_windows
-from kvdemo.compare.recommendation import BOUND, FULL, Recommendation, RecommendationCancelled, RecommendRow
+from kvdemo.compare.recommendation import (
+    BOUND,
+    FULL,
+    Recommendation,
+    RecommendationCancelled,
+    RecommendRow,
+    TokenIds,
+)
 from kvdemo.compare.weights import read_weights
 from kvdemo.evals import planner
 from kvdemo.evals.cache_error import full_precision_kv
@@ -168,6 +177,8 @@ class _Run:
             )
         self.plans = plans and engine in (ANY_ENGINE, "kvdemo")
         self.rows: dict[str, RecommendRow] = {}
+        self.answers: list[tuple[str, list[int]]] = []  # each question and `dynamic`'s answer ids, once answered
+        self.positions = 0  # the answer tokens every candidate is scored on
         self.plan_line = ""
         self.total = 3 + 2 * len(self.questions) + len(self.specs) + 2
 
@@ -199,8 +210,18 @@ class _Run:
         return Recommendation(
             self.loaded.name, self.tokens, self.target, self.limit, self.engine, tuple(self.questions), LENGTHS,
             tuple(self.rows.values()), pick, why, self.plan_line, max(len(self.tail) - 1, 0),
-            time.perf_counter() - self.start, finished, weights=self.weights.summary(),
+            time.perf_counter() - self.start, finished, weights=self.weights.summary(), token_ids=self._token_ids(),
         )  # fmt: skip
+
+    def _token_ids(self) -> TokenIds | None:
+        """The ids scored, once `dynamic` has answered (None before)."""
+        if not self.positions:
+            return None
+        return TokenIds(
+            tuple(self.prepared.split.prefix),
+            tuple(tuple(self.reference.question_ids(q)) for q, _ in self.answers),
+            tuple(tuple(ids) for _, ids in self.answers),
+        )
 
     def row(self, spec: CacheSpec, **figures) -> RecommendRow:
         label = spec.label
@@ -219,7 +240,6 @@ class _Run:
         with recording_queries(planner.QUERY_TOKENS) as self.queries:  # what a per-layer plan measures with
             self.reference.prefill(self.prepared, max_new_tokens=MAX_NEW_TOKENS, on_progress=chunk)
         self.step("answering with dynamic")
-        self.answers: list[tuple[str, list[int]]] = []
         self.logprobs: list[torch.Tensor] = []
         for question in self.questions:
             rows: list[torch.Tensor] = []  # `score` of the answer, from the answer's own decode steps
@@ -249,7 +269,10 @@ class _Run:
             self.row(spec, note=f"refused: {str(error)[:200]}")
             self.step(f"{spec.short_text}: refused by the model")
             return None
-        session.prefill_from(self.reference)
+        if spec.info.prefill_reads_cache:  # its prefill attends through its own cache (ggml: llama.cpp's blocks)
+            session.prefill(self.prepared, reserve_tokens=self.reference.reserve_tokens)
+        else:
+            session.prefill_from(self.reference)
         return session
 
     def _measure(self, spec: CacheSpec, over: float | None = None, held_out: bool = True) -> RecommendRow | None:

@@ -67,6 +67,82 @@ class RecommendRow:
 
 
 @dataclass(frozen=True)
+class TokenIds:
+    """The token ids a recommendation scored, so an engine can read the very same ones (`--verify`).
+
+    Attributes:
+        prefix: the prefill's ids (the template's opening and the context, `PromptSplit.prefix`).
+        questions: each question's ids fed after the prefix (`QASession.question_ids`), in the order asked.
+        answers: `dynamic`'s greedy answer to each (the answer tokens every candidate was scored on).
+    """
+
+    prefix: tuple[int, ...]
+    questions: tuple[tuple[int, ...], ...]
+    answers: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TokenIds:
+        return cls(tuple(data["prefix"]), *(tuple(tuple(ids) for ids in data[k]) for k in ("questions", "answers")))
+
+
+@dataclass(frozen=True)
+class EngineCheck:
+    """The pick run in the engine itself, on the same GGUF and `TokenIds` (`kvdemo.compare.llama_cpp_check`).
+
+    Attributes:
+        engine: `llama.cpp`; version: its binding's version (llama-cpp-python).
+        spec: the pick checked; command: the deploy line the engine ran it as.
+        kl: the engine's mean KL of the pick's cache against its own f16 cache, both with flash attention on, over
+            the same answer tokens as `kvdemo_kl` (nats/token).
+        kvdemo_kl: kvdemo's mean KL of the pick against `dynamic` (`RecommendRow.mean_kl`).
+        floor_kl: the engine's q8_0 cache against its f16 one on the same tokens (nats/token). q8_0 stores keys and
+            values within KL 0.0003-0.0005 (kvdemo's figure, docs/ggml.md), so this is what the engine's
+            quantized-cache arithmetic costs by itself (the query rounded to 8 bits for the dot products, the values
+            accumulated otherwise): a floor under any quantized type's figure there.
+        same_top_p: the percentage of answer tokens that are the engine's own top token with its f16 cache: the
+            two engines read the same text (near 100 %; far below, the ids or the weights differ).
+        positions: answer tokens scored. seconds: the engine's three runs.
+    """
+
+    engine: str
+    version: str
+    spec: str
+    command: str
+    kl: float
+    kvdemo_kl: float
+    floor_kl: float
+    same_top_p: float
+    positions: int
+    seconds: float
+
+    @property
+    def ratio(self) -> float:
+        """The engine's KL over kvdemo's."""
+        return self.kl / self.kvdemo_kl if self.kvdemo_kl > 0 else math.inf
+
+    @property
+    def above_floor(self) -> float:
+        """The engine's figure less its q8_0 floor (`floor_kl`): what the pick's storage adds there, to first order
+        (small independent errors add their KL)."""
+        return max(self.kl - self.floor_kl, 0.0)
+
+    def lines(self) -> list[str]:
+        """What the command line prints: the two figures side by side, the engine's floor, and how they agree."""
+        ratio = self.above_floor / self.kvdemo_kl if self.kvdemo_kl > 0 else math.inf
+        agree = "within 2x" if 0.5 <= ratio <= 2 else "not within 2x"
+        return [
+            f"{self.engine} {self.version} on the same GGUF and ids ({self.positions} answer tokens, "
+            f"{self.seconds:.0f} s): `{self.command}`",
+            f"  mean KL against its f16 cache (flash attention on in both): {self.kl:.5f}; kvdemo's: "
+            f"{self.kvdemo_kl:.5f} ({self.ratio:.2f}x)",
+            f"  its q8_0 cache, whose storage moves this little (kvdemo: 0.0003-0.0005), gives {self.floor_kl:.5f}: "
+            f"its quantized-cache arithmetic's floor; above it the pick adds {self.above_floor:.5f}, {ratio:.2f}x "
+            "kvdemo's "
+            f"({agree}). Its f16 run's top token is dynamic's answer token at {self.same_top_p:.1f} % of positions",
+        ]
+
+
+@dataclass(frozen=True)
 class Recommendation:
     """A recommendation for one model on one text.
 
@@ -100,6 +176,10 @@ class Recommendation:
     """Where the text came from, for a stored page default ("the built-in Normans text"); "" otherwise."""
     weights: str = ""
     """What the weights say before anything runs (`kvdemo.compare.weights.WeightTraits.summary`)."""
+    token_ids: TokenIds | None = field(default=None, compare=False)
+    """The ids scored (None before `dynamic` answered)."""
+    engine_check: EngineCheck | None = None
+    """The pick run in the engine itself (`recommend --verify`); None unless asked."""
 
     @property
     def picked(self) -> RecommendRow | None:
@@ -128,6 +208,10 @@ class Recommendation:
             for r in data["rows"]
         )
         fields = {**data, "rows": rows, "questions": tuple(data["questions"]), "lengths": tuple(data["lengths"])}
+        if data.get("token_ids") is not None:
+            fields["token_ids"] = TokenIds.from_dict(data["token_ids"])
+        if data.get("engine_check") is not None:
+            fields["engine_check"] = EngineCheck(**data["engine_check"])
         return cls(**fields)
 
     def to_json(self) -> str:
