@@ -5,11 +5,13 @@ Cost: 98 s for 52 tests in one process on 2 idle cores (2026-12-04, before two w
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -246,6 +248,36 @@ def test_python_m_kvdemo_exits_with_mains_status(argv, status, message):
     assert run.returncode == status, (run.returncode, run.stderr[-2000:])
     assert message in run.stderr and run.stdout == ""
     assert ("Loading weights" in run.stderr) is ("--q-group-size" in argv)
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("command", ["ask", "compare", "recommend"])
+def test_a_missing_context_file_is_refused_before_any_heavy_import(command, tmp_path):
+    """Issue 67: a missing --context-file exits 2 at once, without importing torch (the imports take seconds)."""
+    script = (
+        "import sys; from kvdemo.cli.main import main; status = main(sys.argv[1:]); "
+        "print(status, 'torch' in sys.modules)"
+    )
+    missing = str(tmp_path / "missing.txt")
+    run = subprocess.run(
+        [sys.executable, "-c", script, command, "--context-file", missing, "--question", "Who?"],
+        capture_output=True, text=True, timeout=60, env=dict(os.environ, HF_HUB_OFFLINE="1"),
+    )  # fmt: skip
+    assert run.stdout.split() == ["2", "False"], run.stderr[-2000:]
+    assert f"--context-file {missing}: no such file" in run.stderr
+
+
+def test_a_context_from_standard_input(monkeypatch):
+    """`--context-file -` reads standard input: a text, or a case file's JSON."""
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"Rollo led the Vikings.\n")))
+    case = load_case("-")
+    assert case.context == "Rollo led the Vikings.\n" and case.source == "standard input" and not case.questions
+    normans = Path(NORMANS).read_bytes()
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(normans)))
+    assert load_case("-").questions == load_case(NORMANS).questions
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"  ")))
+    with pytest.raises(ValueError, match="standard input is empty"):
+        load_case("-")
 
 
 def test_a_failure_at_run_time_is_a_message_and_status_1(monkeypatch, capsys):

@@ -244,7 +244,8 @@ def _context_arguments(parser: argparse.ArgumentParser, required: bool = True) -
     parser.add_argument(
         "--context-file",
         required=required,
-        help="a UTF-8 text file, or a SQuAD case file (JSON with 'paragraphs', e.g. kvdemo/data/cases/normans.json)"
+        help="a UTF-8 text file (- reads standard input), or a SQuAD case file (JSON with 'paragraphs', e.g. "
+        "kvdemo/data/cases/normans.json)"
         + ("" if required else "; or give --session"),
     )
     parser.add_argument("--paragraphs", help="case files: paragraphs to use, e.g. 0-7 or 0,2,5-7 (default: all)")
@@ -415,6 +416,10 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    given = getattr(args, "context_file", None)
+    if given not in (None, "-") and not Path(given).expanduser().is_file():  # before any heavy import: under a second
+        print(f"error: --context-file {given}: no such file", file=sys.stderr)
+        return 2
     args.no_progress = args.no_progress or (args.json and not args.progress)
     if args.no_progress:
         quiet()

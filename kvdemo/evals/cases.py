@@ -108,8 +108,13 @@ def parse_ranges(text: str, count: int) -> list[int]:
     return out
 
 
+STDIN = "-"
+"""The path that reads standard input (a UTF-8 text, one context; or a case file's JSON), as Unix tools take `-`."""
+
+
 def load_case(path: str | Path) -> Case:
-    """Read a SQuAD case file (JSON with `paragraphs`) or a UTF-8 text file (one context, no questions).
+    """Read a SQuAD case file (JSON with `paragraphs`) or a UTF-8 text file (one context, no questions); `-`
+    (`STDIN`) reads standard input, a case file where it parses as JSON with `paragraphs`, else a text.
 
     Raises:
         FileNotFoundError: no such file.
@@ -117,10 +122,17 @@ def load_case(path: str | Path) -> Case:
             surrogate, e.g. a JSON escape `"\\ud83d"` (`kvdemo.qa.text.check_text`; the message names the file, the
             paragraph or question, and the position).
     """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no such file: {path}")
-    raw = path.read_bytes()
+    if str(path) == STDIN:
+        import sys  # noqa: PLC0415
+
+        raw, path = sys.stdin.buffer.read(), Path("standard input")
+        if raw.lstrip().startswith(b"{"):
+            path = Path("standard input.json")  # read as a case file below
+    else:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"no such file: {path}")
+        raw = path.read_bytes()
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
