@@ -406,21 +406,17 @@ def test_cli_verify_refuses_before_the_model_loads_with_exit_2(args, message, ca
     assert time.perf_counter() - start < 5  # no model was loaded (that takes 10 s and more)
 
 
-def test_the_engine_check_reads_its_figures_above_the_engine_s_own_floor():
+def test_the_engine_check_says_whether_the_engines_agree_within_2x():
     check = EngineCheck(
-        "llama.cpp", "0.3.36", "ggml:q5_1", "llama.cpp: llama-server ...", 0.0398, 0.0128, 0.0150, 98.6, 72, 68.0
-    )  # fmt: skip  (Gemma 3 270M on the Normans text, 2026-12-07)
-    assert check.ratio == pytest.approx(0.0398 / 0.0128) and check.above_floor == pytest.approx(0.0248)
-    assert "0.03980; kvdemo's: 0.01280 (3.11x)" in check.lines()[1]
-    assert (
-        "gives 0.01500: its quantized-cache arithmetic's floor; above it the pick adds 0.02480, 1.94x"
-        in (check.lines()[2])
-    )
-    assert "(within 2x)" in check.lines()[2] and "at 98.6 % of positions" in check.lines()[2]
-    far = dataclasses.replace(check, kl=0.206, floor_kl=0.0057, kvdemo_kl=0.019)  # ggml's prefill before 2026-12-07
-    assert "(not within 2x)" in far.lines()[2]
-    below = dataclasses.replace(check, kl=0.004, floor_kl=0.0057)
-    assert below.above_floor == 0.0
+        "llama.cpp", "0.3.36", "ggml:q5_0", "llama.cpp: llama-server ...", 0.00638, 0.0094, 0.00198, 97.2, 72, 36.0
+    )  # fmt: skip  (the embedded model on the Normans text, 2026-12-07)
+    assert check.ratio == pytest.approx(0.00638 / 0.0094) and check.agrees
+    assert "0.00638; kvdemo's: 0.00940; 0.68x, within 2x" in check.lines()[1]
+    assert "of which its q8_0 cache already gives 0.00198" in check.lines()[2]
+    assert "at 97.2 % of positions" in check.lines()[2]
+    gemma = dataclasses.replace(check, kl=0.0398, kvdemo_kl=0.0128)  # Gemma 3 270M's q5_1 there
+    assert not gemma.agrees and "3.11x, NOT within 2x" in gemma.lines()[1]
+    assert not dataclasses.replace(check, kl=0.004, kvdemo_kl=0.0094).agrees  # under half: not agreeing either
 
 
 def test_verify_refuses_a_pick_llama_cpp_does_not_store():

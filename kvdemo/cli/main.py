@@ -245,8 +245,7 @@ def _context_arguments(parser: argparse.ArgumentParser, required: bool = True) -
         "--context-file",
         required=required,
         help="a UTF-8 text file (- reads standard input), or a SQuAD case file (JSON with 'paragraphs', e.g. "
-        "kvdemo/data/cases/normans.json)"
-        + ("" if required else "; or give --session"),
+        "kvdemo/data/cases/normans.json)" + ("" if required else "; or give --session"),
     )
     parser.add_argument("--paragraphs", help="case files: paragraphs to use, e.g. 0-7 or 0,2,5-7 (default: all)")
     parser.add_argument("--question", action="append", default=[], help="a question (repeat for several)")

@@ -139,9 +139,11 @@ def llama_cpp_logprobs(
     import llama_cpp  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
     import torch  # noqa: PLC0415
+    from llama_cpp._utils import suppress_stdout_stderr  # noqa: PLC0415
 
     longest = max(len(q) + len(a) for q, a in zip(ids.questions, ids.answers))
-    with _rotation(rotation):
+    # llama.cpp's own log lines ("using full-size SWA cache") go to stderr whatever `verbose` says
+    with _rotation(rotation), suppress_stdout_stderr(disable=False):
         llm = llama_cpp.Llama(
             model_path=str(gguf),
             n_ctx=len(ids.prefix) + longest + 8,
