@@ -415,8 +415,8 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
-    given = getattr(args, "context_file", None)
-    if given not in (None, "-") and not Path(given).expanduser().is_file():  # before any heavy import: under a second
+    given: str | None = getattr(args, "context_file", None)
+    if given is not None and given != "-" and not Path(given).expanduser().is_file():  # before any heavy import: under a second
         print(f"error: --context-file {given}: no such file", file=sys.stderr)
         return 2
     args.no_progress = args.no_progress or (args.json and not args.progress)
