@@ -419,6 +419,23 @@ def test_the_engine_check_says_whether_the_engines_agree_within_2x():
     assert not dataclasses.replace(check, kl=0.004, kvdemo_kl=0.0094).agrees  # under half: not agreeing either
 
 
+def test_the_printed_recommendation_says_how_to_check_a_ggml_pick_in_llama_cpp():
+    from kvdemo.cli.format import format_recommendation
+
+    row = RecommendRow("ggml,type_k=q5_0", "ggml", (7920.0,), mean_kl=0.0094, positions=72, measured=FULL,
+                       deploy=("llama.cpp: llama-server -m MODEL.gguf -ctk q5_0 -ctv q5_0 -fa on",))  # fmt: skip
+    found = Recommendation("m", 900, "max_kl", 0.02, "llama.cpp", ("q",), (), (row,), row.spec)
+    assert "verify: run it in llama.cpp itself with --engine llama.cpp --verify" in format_recommendation(found)
+    check = EngineCheck("llama.cpp", "0.3.36", row.spec, row.deploy[0], 0.00638, 0.0094, 0.00198, 97.2, 72, 36.0)
+    printed = format_recommendation(dataclasses.replace(found, engine_check=check)).splitlines()
+    assert (
+        printed[-4] == f"verify: llama.cpp 0.3.36 on the same GGUF and ids (72 answer tokens, 36 s): `{row.deploy[0]}`"
+    )
+    assert printed[-3:-1] == check.lines()[1:]
+    again = Recommendation.from_dict(dataclasses.replace(found, engine_check=check).to_dict())
+    assert again.engine_check == check
+
+
 def test_verify_refuses_a_pick_llama_cpp_does_not_store():
     row = RecommendRow("quanto:4", "quanto", (1.0,), mean_kl=0.01, positions=1, measured=FULL)
     found = Recommendation("m", 10, "max_kl", 0.02, "any", ("q",), (), (row,), "quanto:4",
