@@ -426,6 +426,7 @@ def test_the_printed_recommendation_says_how_to_check_a_ggml_pick_in_llama_cpp()
                        deploy=("llama.cpp: llama-server -m MODEL.gguf -ctk q5_0 -ctv q5_0 -fa on",))  # fmt: skip
     found = Recommendation("m", 900, "max_kl", 0.02, "llama.cpp", ("q",), (), (row,), row.spec)
     assert "verify: run it in llama.cpp itself with --engine llama.cpp --verify" in format_recommendation(found)
+    assert "NaN" not in format_recommendation(found)  # figures not measured (same top %, 99.9 % KL) left blank
     check = EngineCheck("llama.cpp", "0.3.36", row.spec, row.deploy[0], 0.00638, 0.0094, 0.00198, 97.2, 72, 36.0)
     printed = format_recommendation(dataclasses.replace(found, engine_check=check)).splitlines()
     assert (

@@ -123,7 +123,7 @@ def format_recommendation(found: Recommendation) -> str:
     """The table printed without `--json`: every measured candidate by bytes, then the pick, why, and how to deploy
     it."""
     with pd.option_context("display.width", 400, "display.max_columns", None, "display.max_colwidth", 70):
-        table = found.to_frame().drop(columns="deploy").to_string(index=False)
+        table = found.to_frame().drop(columns="deploy").to_string(index=False, na_rep="")  # unmeasured: blank
     target = f"mean KL <= {found.limit:g}" if found.target == "max_kl" else f"<= {found.limit:,.0f} bytes per token"
     picked = found.picked
     lines = [
