@@ -141,7 +141,7 @@ def format_recommendation(found: Recommendation) -> str:
         lines.append(f"plan: {found.plan}")
     if found.engine_check is not None:
         lines += ["verify: " + found.engine_check.lines()[0], *found.engine_check.lines()[1:]]
-    elif picked is not None and picked.backend == "ggml":  # kvdemo's model of llama.cpp's cache, not llama.cpp
+    elif picked is not None and picked.llama_cpp_command:  # kvdemo's model of llama.cpp's cache, not llama.cpp
         lines.append(
             "verify: run it in llama.cpp itself with --engine llama.cpp --verify (on Gemma 3 270M llama.cpp read "
             "q5_1 at 3x kvdemo's KL: docs/recommend.md)"

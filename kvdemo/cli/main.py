@@ -316,7 +316,7 @@ def run_recommend(args: argparse.Namespace) -> Recommendation:
         )
     if gguf is None:
         return found
-    if found.picked is None or found.picked.backend != "ggml":
+    if found.picked is None or found.picked.llama_cpp_command is None:
         print(f"--verify: the pick is {found.pick}, llama.cpp's f16 cache: nothing quantized to run", file=sys.stderr)
         return found
     from dataclasses import replace
@@ -415,8 +415,8 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
-    given: str | None = getattr(args, "context_file", None)
-    if given is not None and given != "-" and not Path(given).expanduser().is_file():  # before any heavy import: under a second
+    given: str | None = getattr(args, "context_file", None)  # checked before any heavy import: under a second
+    if given is not None and given != "-" and not Path(given).expanduser().is_file():
         print(f"error: --context-file {given}: no such file", file=sys.stderr)
         return 2
     args.no_progress = args.no_progress or (args.json and not args.progress)

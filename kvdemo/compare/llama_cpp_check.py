@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -90,20 +91,21 @@ def verify(found: Recommendation, gguf: Path, threads: int | None = None) -> Eng
     """
     import torch  # noqa: PLC0415
 
-    from kvdemo.cache.spec import CacheSpec  # noqa: PLC0415
     from kvdemo.evals.metrics import kl_divergence  # noqa: PLC0415
 
     picked, ids = found.picked, found.token_ids
     if picked is None or ids is None:
         raise ValueError("the recommendation has no pick to verify (it was stopped, or found no answer tokens)")
-    if picked.backend != "ggml":
+    command = picked.llama_cpp_command
+    found_types = re.search(r" -ctk (\S+) -ctv (\S+)", command or "")
+    if command is None or found_types is None:
         raise ValueError(
             f"the pick is {picked.spec}, not one of llama.cpp's cache types, so there is nothing to run in llama.cpp; "
             "--verify needs --engine llama.cpp"
         )
     version = check_available()
-    resolved = CacheSpec.parse(picked.spec).resolved()
-    type_k, type_v, rotation = str(resolved["type_k"]), str(resolved["type_v"]), str(resolved["rotation"])
+    type_k, type_v = found_types.groups()  # what the deploy line runs, as it says it
+    rotation = "none" if "LLAMA_ATTN_ROT_DISABLE=1" in command else "auto"
     threads = threads or torch.get_num_threads()
     start = time.perf_counter()
     reference = llama_cpp_logprobs(gguf, ids, "f16", "f16", True, "auto", threads)
@@ -116,7 +118,7 @@ def verify(found: Recommendation, gguf: Path, threads: int | None = None) -> Eng
         engine="llama.cpp",
         version=version,
         spec=picked.spec,
-        command=next((line for line in picked.deploy if line.startswith("llama.cpp")), picked.spec),
+        command=command,
         kl=float(kl_divergence(reference, pick).mean()),
         kvdemo_kl=picked.mean_kl if picked.mean_kl is not None else math.nan,
         floor_kl=float(kl_divergence(reference, floor).mean()),

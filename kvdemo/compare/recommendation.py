@@ -61,6 +61,13 @@ class RecommendRow:
     note: str = ""
 
     @property
+    def llama_cpp_command(self) -> str | None:
+        """The deploy line that runs this row's cache in llama.cpp with a quantized type (`llama.cpp: [LLAMA_ATTN_ROT_
+        DISABLE=1] llama-server ... -ctk q5_0 -ctv q5_0 -fa on ...`), or None (llama.cpp stores it otherwise, or it is
+        llama.cpp's default f16 cache)."""
+        return next((line for line in self.deploy if line.startswith("llama.cpp:") and " -ctk " in line), None)
+
+    @property
     def kl(self) -> float | None:
         """The KL figure it has: the full mean, else the lower bound a `BOUND` row proved."""
         return self.mean_kl if self.mean_kl is not None else self.kl_at_least
