@@ -138,9 +138,10 @@ def per_step(loaded, kv, length: int, rounds: int, bandwidth: float, specs) -> d
     return out
 
 
-def greedy(loaded, cache, prefix: list[int], question: list[int], new_tokens: int) -> list[int]:
-    """`new_tokens` greedy token ids after a prefill of `prefix` (kvdemo's chunked prefill) and the question."""
-    run_prefill(loaded, cache, prefix, quantized=True)
+def greedy(loaded, cache, prefix: list[int], question: list[int], new_tokens: int, handed: bool) -> list[int]:
+    """`new_tokens` greedy token ids after a prefill of `prefix` (kvdemo's chunked prefill: `handed` as
+    `Backend.hands_over` says for the spec) and the question."""
+    run_prefill(loaded, cache, prefix, handed=handed)
     logits = forward(loaded, cache, question)
     out = [int(logits.argmax())]
     for _ in range(new_tokens - 1):
@@ -167,7 +168,7 @@ def same_answers(loaded, specs, questions: int, new_tokens: int) -> dict:
         same = 0
         for prefix, question in prompts:
             answers = [
-                greedy(loaded, make(spec, loaded.config), prefix, question, new_tokens)
+                greedy(loaded, make(spec, loaded.config), prefix, question, new_tokens, spec.info.hands_over)
                 for make in (before_cache, build_cache)
             ]
             same += answers[0] == answers[1]

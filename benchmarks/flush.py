@@ -93,7 +93,7 @@ def base_kv(loaded, tokens: int, ids: list[int] | None = None) -> list[tuple[tor
         ids = QASession(loaded).context_ids(load_case(example_path("normans")).context)
     ids = ids[:tokens]
     cache = DynamicCache(config=loaded.config)
-    run_prefill(loaded, cache, ids, quantized=False)
+    run_prefill(loaded, cache, ids, handed=False)
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 
@@ -262,7 +262,7 @@ def fidelity(loaded, tokens: int) -> dict[str, Any]:
     for name, spec in FLUSH_SPECS.items():
         specs[name] = spec.replace(residual_length=16)
     prefill = DynamicCache(config=loaded.config)
-    run_prefill(loaded, prefill, list(inputs.context_ids), quantized=False)
+    run_prefill(loaded, prefill, list(inputs.context_ids), handed=False)
     kv = [(layer.keys, layer.values) for layer in prefill.layers]
     fed, scored = list(inputs.continuation_ids[:-1]), list(inputs.continuation_ids[1:])
     logprobs = {}

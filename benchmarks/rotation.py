@@ -74,7 +74,7 @@ def fidelity(loaded, example: str, tokens: int, compared: list[CacheSpec] | None
     inputs = perplexity_inputs(loaded, case.context, tokens, case.continuation)
     context_ids = list(inputs.context_ids)
     prefill = DynamicCache(config=loaded.config)
-    run_prefill(loaded, prefill, context_ids, quantized=False)
+    run_prefill(loaded, prefill, context_ids, handed=False)
     kv = [(layer.keys, layer.values) for layer in prefill.layers]
     fed, scored = list(inputs.continuation_ids[:-1]), list(inputs.continuation_ids[1:])
     specs = {"dynamic": CacheSpec("dynamic")} | {spec.text: spec for spec in compared or rotation_specs()}
@@ -109,7 +109,7 @@ def step_cost(loaded, rounds: int) -> dict:
     stem, paragraphs = EXAMPLES["Normans"]
     ids = perplexity_inputs(loaded, load_case(example_path(stem)).select(paragraphs).context, 8, None).context_ids
     prefill = DynamicCache(config=loaded.config)
-    run_prefill(loaded, prefill, list(ids), quantized=False)
+    run_prefill(loaded, prefill, list(ids), handed=False)
     kv = [(layer.keys, layer.values) for layer in prefill.layers]
     out: dict = {}
     for length in (len(ids), 4 * len(ids)):

@@ -125,7 +125,7 @@ def sweep(loaded, ids: list[int], lengths: list[int], rounds: int, steps: int, t
     default = torch.get_num_threads()
     torch.set_num_threads(min(threads))  # on a busy 2-core machine 2 threads can be 10x slower (docs/benchmarks.md)
     start = time.perf_counter()
-    run_prefill(loaded, plain, ids[: max(lengths)], quantized=False)
+    run_prefill(loaded, plain, ids[: max(lengths)], handed=False)
     prefill_seconds = time.perf_counter() - start
     torch.set_num_threads(default)
     caches = {"DynamicLayer": plain, "GrowingLayer": _copy_of(plain, LAYERS["GrowingLayer"], config)}
