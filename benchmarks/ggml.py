@@ -42,10 +42,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-
 from kvdemo import CacheSpec, QASession, load_model  # noqa: E402
 from kvdemo.cache.spec import build_cache  # noqa: E402
-from kvdemo.compare.llama_cpp_check import llama_cpp_logprobs  # noqa: E402
+from kvdemo.compare.llama_cpp_check import GGML_TYPE_IDS, llama_cpp_logprobs  # noqa: E402
 from kvdemo.compare.recommendation import TokenIds  # noqa: E402
 from kvdemo.evals.cases import load_case  # noqa: E402
 from kvdemo.qa.models import embedded_gguf_path  # noqa: E402
@@ -53,10 +52,6 @@ from kvdemo.qa.packaged import gemma3_path  # noqa: E402
 
 TYPES = ("q8_0", "q4_0")
 CASES = ROOT.parent / "shared" / "cases"
-
-
-GGML_CPU_TYPES = {"q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "iq4_nl": 20}
-"""ggml.h's type numbers of the block types."""
 
 
 def engine_blocks(rows: torch.Tensor) -> dict[str, dict[str, float]]:
@@ -79,7 +74,9 @@ def engine_blocks(rows: torch.Tensor) -> dict[str, dict[str, float]]:
     from_float_type = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
     rows = rows.float().contiguous()
     out = {}
-    for name, number in GGML_CPU_TYPES.items():
+    for name, number in GGML_TYPE_IDS.items():
+        if name not in BLOCK_BYTES:  # f16: no blocks
+            continue
         from_float = from_float_type(library.ggml_get_type_traits_cpu(number).contents.from_float)
         theirs = torch.empty(rows.shape[0], rows.shape[1] // 32 * BLOCK_BYTES[name], dtype=torch.uint8)
         for i in range(rows.shape[0]):

@@ -33,12 +33,11 @@ from transformers.generation.streamers import BaseStreamer
 from kvdemo import CacheSpec, QASession
 from kvdemo.cache import snapshot
 from kvdemo.cache.speedlimit import SpeedLimit, speed_limit
+from kvdemo.compare.llama_cpp_check import GGML_TYPE_IDS
 
 GGML_TYPE_BYTES = {"f16": (2, 1), "q8_0": (34, 32), "q4_0": (18, 32)}
 """ggml's storage per KV type: (bytes, values) of one block (ggml/src/ggml.c `type_traits`: q8_0 is 32 int8 values
 and one float16 scale, q4_0 is 32 4-bit values and one float16 scale)."""
-GGML_TYPE_IDS = {"f16": 1, "q8_0": 8, "q4_0": 2}
-"""`enum ggml_type` (ggml/include/ggml.h), the values llama-cpp-python's `type_k`/`type_v` take."""
 
 
 @dataclass

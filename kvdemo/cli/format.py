@@ -140,7 +140,8 @@ def format_recommendation(found: Recommendation) -> str:
     if found.plan:
         lines.append(f"plan: {found.plan}")
     if found.engine_check is not None:
-        lines += ["verify: " + found.engine_check.lines()[0], *found.engine_check.lines()[1:]]
+        first, *rest = found.engine_check.lines()
+        lines += ["verify: " + first, *rest]
     elif picked is not None and picked.llama_cpp_command:  # kvdemo's model of llama.cpp's cache, not llama.cpp
         lines.append(
             "verify: run it in llama.cpp itself with --engine llama.cpp --verify (on Gemma 3 270M llama.cpp read "

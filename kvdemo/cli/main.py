@@ -324,7 +324,7 @@ def run_recommend(args: argparse.Namespace) -> Recommendation:
     from kvdemo.compare.llama_cpp_check import verify
 
     if not args.no_progress:
-        print(f"running {found.pick} in llama.cpp: three passes of the text ...", file=sys.stderr)
+        print(f"running {found.pick} in llama.cpp beside its f16 and q8_0 caches ...", file=sys.stderr)
     return replace(found, engine_check=verify(found, gguf))
 
 
