@@ -116,6 +116,10 @@ def test_prefill_from_refuses_what_it_cannot_hand_over(tiny, text):
         QASession(tiny, CacheSpec.parse("fp8")).prefill_from(reference)
     with pytest.raises(ValueError, match="prefill a context"):  # a dynamic session not yet prefilled
         QASession(tiny, CacheSpec.parse("fp8")).prefill_from(QASession(tiny))
+    dynamic = QASession(tiny)
+    dynamic.prefill("Rollo led the Vikings to Normandy.")
+    with pytest.raises(ValueError, match="ggml's prefill attends through its own stored cache"):  # as llama.cpp's
+        QASession(tiny, CacheSpec.parse("ggml:q4_0")).prefill_from(dynamic)
 
 
 # ---- candidates and deploy lines ---------------------------------------------------------------------------------
@@ -435,6 +439,13 @@ def test_the_printed_recommendation_says_how_to_check_a_ggml_pick_in_llama_cpp()
     assert printed[-3:-1] == check.lines()[1:]
     again = Recommendation.from_dict(dataclasses.replace(found, engine_check=check).to_dict())
     assert again.engine_check == check
+
+
+def test_the_llama_cpp_release_named_is_the_one_make_bench_peers_installs():
+    from kvdemo.compare.llama_cpp_check import LLAMA_CPP_VERSION
+
+    makefile = (Path(__file__).resolve().parents[1] / "Makefile").read_text()
+    assert f"LLAMA_CPP_VERSION := {LLAMA_CPP_VERSION}\n" in makefile
 
 
 def test_verify_refuses_a_pick_llama_cpp_does_not_store():
