@@ -30,6 +30,21 @@ and every 16 tokens after. `hqq:4,residual_length=16` took 4.5x there (each flus
 the whole layer; 2.4x with `flush=append`)."""
 
 
+PAGE_RESIDUAL_LENGTH = 16
+"""The residual the page starts at (tokens): a flush shows within the first answer. The residual is empty after the
+prefill (`kvdemo.cache.budget.held_bytes_estimate`), and a question with the chat template's tokens takes 15-30
+tokens on the shipped models, so the question's own pass flushes and an answer of 16 more tokens flushes again. A
+recommendation measured at 128 would show a straight ramp and no flush on the short answers of a QA text."""
+
+
+def page_start(pick: CacheSpec) -> CacheSpec:
+    """The spec the page's fields start at for a recommended `pick`: the pick, with a residual longer than
+    `PAGE_RESIDUAL_LENGTH` cut to it (the note under the fields says so: `views.recommended_note`)."""
+    if pick.info.has_residual and pick.resolved()["residual_length"] > PAGE_RESIDUAL_LENGTH:
+        return pick.replace(residual_length=PAGE_RESIDUAL_LENGTH)
+    return pick
+
+
 FIRST_FIELDS = ("nbits", "nbits_value", "residual_length", "flush", "rotation", "storage")
 """The option fields shown first, those a user of the field sets most (precision, residual, flush, rotation;
 `dynamic`'s storage); the others sit under "More options" (each still shown only for a backend that takes it)."""
@@ -49,6 +64,7 @@ class PrefillView(NamedTuple):
     notice: Any = views.KEEP
     ask_button: Any = views.KEEP
     speed_limit: Any = views.KEEP  # the new cache's floor (no step measured yet); a refusal keeps the line
+    reference: Any = views.KEEP  # the full-precision answer beside the last one: emptied by a new cache
 
     @classmethod
     def prefilled(
@@ -80,6 +96,7 @@ class PrefillView(NamedTuple):
             notice="",
             ask_button=gr.update(interactive=False),
             speed_limit="",
+            reference="",
         )
 
     @classmethod
@@ -99,6 +116,7 @@ class AnswerView(NamedTuple):
     step_plot: Any = views.KEEP
     answers_table: Any = views.KEEP
     speed_limit: Any = views.KEEP  # the line under the step-time chart, at the answer's end
+    reference: Any = views.KEEP  # the full-precision answer beside this one (`Door.reference`), once it is made
 
     @classmethod
     def refused(cls, message: str, chat: Any = views.KEEP) -> AnswerView:
@@ -113,36 +131,44 @@ class AskWidgets:
     w: dict[str, Any]
 
     def build(self) -> None:
-        """The tab's widgets (inside a `gr.Blocks` and `gr.Tab` context), kept in `self.w` by name: the options, the
-        context and the questions side by side (at 1,400 × 900 the question box and Ask show without scrolling after a
-        prefill), then the charts in a row, the answers table and the explainer."""
+        """The tab's widgets (inside a `gr.Blocks` and `gr.Tab` context), kept in `self.w` by name. At 1,400 × 900,
+        without scrolling (issue 67): the explainer's fold, the options in one row (backend and the fields a user of
+        the field sets most; the rest and the backend's description folded under them), then the context with
+        Prefill, the chat with Ask, and the memory and residual charts side by side, so that the charts and the chat
+        are in view together while an answer streams. Below: the step-time chart, the answers table."""
         w = self.w
+        with gr.Accordion("What am I looking at? The KV cache, the residual, a flush, the restore", open=False):
+            gr.Markdown(views.EXPLAINER)
+        self._build_options()
         with gr.Row(equal_height=False):
-            with gr.Column(scale=1, min_width=260):
-                self._build_options()
-            with gr.Column(scale=2, min_width=380):
+            with gr.Column(scale=2, min_width=300):
                 self._build_context()
-            with gr.Column(scale=2, min_width=380):
+            with gr.Column(scale=2, min_width=340):
                 self._build_questions()
+            with gr.Column(scale=3, min_width=480):  # wide enough for the memory chart's legend on one line
+                self._build_live_charts()
         # what a reload should keep: the Context box and the options, in the browser's localStorage, encrypted with
         # a secret that a restarted server finds again (kvdemo.serve.secret)
         w["saved"] = gr.BrowserState(None, storage_key="kvdemo-ask-tab", secret=browser_state_secret())
-        self._build_charts()
+        with gr.Row(equal_height=False):
+            with gr.Column(scale=3, min_width=480):
+                # a log axis: matplotlib's (`views.step_times`), a PNG
+                w["step_plot"] = gr.Plot(views.step_times([]), show_label=False, format="png", elem_id="step-times")
+            with gr.Column(scale=2, min_width=320):
+                w["speed_limit"] = gr.Markdown("")
         w["answers_table"] = gr.Dataframe(
             answers_frame([]),
             label="this session's answers (spec: nbits and the options that differ from the defaults; the line "
             "under Prefill gives the whole spec)",
             interactive=False,
-            wrap=False,  # each column as wide as its widest cell: a narrow one would break its header mid-word
+            wrap=True,  # the question and the answer wrap in their columns; no horizontal scroll hides them
         )
-        with gr.Accordion("What am I looking at?", open=False):
-            gr.Markdown(views.EXPLAINER)
 
     def _build_context(self) -> None:
         """The Context box, its upload and examples, Prefill with its refusals and its line right under it, and the
         session file box."""
         w = self.w
-        w["context"] = gr.Textbox(label="context", lines=8, max_lines=12, placeholder="Paste a long text…")
+        w["context"] = gr.Textbox(label="context", lines=6, max_lines=10, placeholder="Paste a long text…")
         w["context_note"] = gr.Markdown("")  # a large context: what a reload keeps (`context_box`)
         # what the server's gate sees of the box: its text, or a large one's fingerprint (`context_box`)
         w["context_sent"] = gr.Textbox("", visible=False)
@@ -151,7 +177,7 @@ class AskWidgets:
                 label="or upload .txt / .md (≤ 2 MiB, UTF-8)",
                 file_types=[".txt", ".md"],
                 type="filepath",
-                height=110,
+                height=90,
                 scale=3,
             )
             with gr.Column(scale=2, min_width=120):
@@ -173,7 +199,7 @@ class AskWidgets:
         """The chat, the question box with Ask and Stop, the line beside Ask (an answer's figures, or a refusal that
         stays until the user acts again) and the example questions."""
         w = self.w
-        w["chat"] = gr.Chatbot(label="answers", height=300)
+        w["chat"] = gr.Chatbot(label="answers", height=260)
         w["question"] = gr.Textbox(label="question", placeholder="Ask about the context…")
         with gr.Row():
             # no precision or minimum: Gradio would round 2.5 silently and refuse 0 with a bare "Error"
@@ -183,33 +209,41 @@ class AskWidgets:
             # enabled while a prefill or an answer runs or waits (`AskTab.stop_state`)
             w["stop_button"] = gr.Button("Stop", variant="stop", interactive=False, min_width=80)
         w["stats"] = gr.Markdown("")
+        w["reference"] = gr.Markdown("")  # the full-precision answer beside the quantized one (`AskTab._reference`)
         w["example_questions"] = gr.Dataset(
             components=[w["question"]], samples=[], label="example questions", visible=False
         )
 
     def _build_options(self) -> None:
-        """The backend radio and one field per option in `GROUP_OPTIONS`, set to `START_SPEC` from the registry:
-        `FIRST_FIELDS` first, the others under "More options"."""
+        """The backend radio and one field per option in `GROUP_OPTIONS`, set to `START_SPEC` from the registry: the
+        backend and `FIRST_FIELDS` in one row, the recommendation's note under them, and the other fields with the
+        backend's description folded under "More options" (each field still shown only for a backend that takes
+        it)."""
         w = self.w
-        w["backend"] = gr.Radio(list(BACKENDS), value=START_SPEC.backend, label="cache backend")
-        w["recommend_note"] = gr.Markdown("")  # the model's recommended start (`AskTab.start_spec`), and whence
-        w["backend_note"] = gr.Markdown(option_fields.backend_option_updates(START_SPEC.backend)[-1])
         # each option as the registry has it, START_SPEC's backend's own first
         options = {n: opt for b in reversed(list(BACKENDS.values())) for n, opt in b.options.items()}
         options.update(START_SPEC.info.options)
         start, start_values = START_SPEC.resolved(), {}
-        for name in FIRST_FIELDS:
-            start_values[name] = self._build_field(options[name], start)
-        with gr.Accordion("More options", open=False):
-            for name in GROUP_OPTIONS:
-                if name not in FIRST_FIELDS:
-                    start_values[name] = self._build_field(options[name], start)
+        with gr.Row(equal_height=False):
+            w["backend"] = gr.Radio(
+                list(BACKENDS), value=START_SPEC.backend, label="cache backend", scale=3, min_width=300
+            )
+            for name in FIRST_FIELDS:
+                start_values[name] = self._build_field(options[name], start, scale=1, min_width=150)
+        w["recommend_note"] = gr.Markdown("")  # the model's recommended start (`AskTab.start_spec`), and whence
+        with gr.Accordion("More options, and what this backend does", open=False):
+            w["backend_note"] = gr.Markdown(option_fields.backend_option_updates(START_SPEC.backend)[-1])
+            with gr.Row(equal_height=False):
+                for name in GROUP_OPTIONS:
+                    if name not in FIRST_FIELDS:
+                        start_values[name] = self._build_field(options[name], start, min_width=200)
         # backend -> the values last set on it (`option_fields.remember`), so a switch never carries another's
         w["fields_memory"] = gr.State({START_SPEC.backend: [start_values[name] for name in GROUP_OPTIONS]})
 
-    def _build_field(self, option: Option, start: Mapping[str, Any]) -> int | str | None:
+    def _build_field(self, option: Option, start: Mapping[str, Any], **layout: Any) -> int | str | None:
         """The field of `option`, shown when `START_SPEC`'s backend takes it, set to its value in `start`
-        (`START_SPEC.resolved()`); returns that value (None when hidden)."""
+        (`START_SPEC.resolved()`); returns that value (None when hidden). `layout`: its place in a row (`scale`,
+        `min_width`)."""
         name = option.name
         value = cast("int | str", start.get(name, option.default))
         if option.same_as is not None and name not in START_SPEC.given():
@@ -226,50 +260,40 @@ class AskWidgets:
                 info=option.help,
                 visible=visible,
                 allow_custom_value=True,
+                **layout,
             )
         else:  # no precision or minimum, as max_new_tokens: the registry's check names the option
-            self.w[name] = gr.Number(cast(int, value), label=name, info=option.help, visible=visible)
+            self.w[name] = gr.Number(cast(int, value), label=name, info=option.help, visible=visible, **layout)
         return value if visible else None
 
-    def _build_charts(self) -> None:
-        """The memory and residual charts side by side, then the step-time chart beside the speed-limit line (each
-        chart titled and with its whole legend from the start)."""
+    def _build_live_charts(self) -> None:
+        """The memory and residual charts one above the other, each titled and with its whole legend from the start:
+        what an answer redraws as it streams (the step-time chart, drawn at its end, sits below)."""
         w = self.w
-        with gr.Row(equal_height=False):
-            with gr.Column(scale=3, min_width=480):  # wide enough for the memory chart's legend on one line
-                # each chart starts empty with its title and legend (`views`); a bare None draws an untitled box
-                w["memory_plot"] = gr.LinePlot(
-                    views.memory_data([], START_SPEC),
-                    x="step",
-                    y="MiB",
-                    color="series",
-                    title=f"{views.MEMORY_TITLE}: ask a question to see it",
-                    x_title="decode step",
-                    y_title="MiB",
-                    height=260,
-                    x_lim=[0, views.MIN_STEPS_SHOWN],
-                    y_lim=[0, 1],
-                    color_map=dict(
-                        zip((*MEMORY_SERIES, KEPT_SERIES), ("#1f77b4", "#ff7f0e", "#d62728", "#7f7f7f", "#2ca02c"))
-                    ),
-                )
-            with gr.Column(scale=2, min_width=320):
-                w["residual_plot"] = gr.LinePlot(
-                    views.residual_data([], START_SPEC),
-                    x="step",
-                    y="residual tokens",
-                    color="series",
-                    title="Residual fill (layer 0): prefill a context and ask to see it",
-                    x_title="decode step",
-                    y_title="tokens",
-                    height=260,
-                    x_lim=[0, views.MIN_STEPS_SHOWN],
-                    y_lim=[0, START_SPEC.resolved()["residual_length"] * 1.1],
-                    color_map=dict(zip(views.RESIDUAL_SERIES, ("#ff7f0e", "#7f7f7f"))),
-                )
-        with gr.Row(equal_height=False):
-            with gr.Column(scale=3, min_width=480):
-                # a log axis: matplotlib's (`views.step_times`), a PNG
-                w["step_plot"] = gr.Plot(views.step_times([]), show_label=False, format="png", elem_id="step-times")
-            with gr.Column(scale=2, min_width=320):
-                w["speed_limit"] = gr.Markdown("")
+        # each chart starts empty with its title and legend (`views`); a bare None draws an untitled box
+        w["memory_plot"] = gr.LinePlot(
+            views.memory_data([], START_SPEC),
+            x="step",
+            y="MiB",
+            color="series",
+            title=f"{views.MEMORY_TITLE}: ask a question to see it",
+            x_title="decode step",
+            y_title="MiB",
+            height=230,
+            x_lim=[0, views.MIN_STEPS_SHOWN],
+            y_lim=[0, 1],
+            color_map=dict(zip((*MEMORY_SERIES, KEPT_SERIES), ("#1f77b4", "#ff7f0e", "#d62728", "#7f7f7f", "#2ca02c"))),
+        )
+        w["residual_plot"] = gr.LinePlot(
+            views.residual_data([], START_SPEC),
+            x="step",
+            y="residual tokens",
+            color="series",
+            title="Residual fill (layer 0): prefill a context and ask to see it",
+            x_title="decode step",
+            y_title="tokens",
+            height=200,
+            x_lim=[0, views.MIN_STEPS_SHOWN],
+            y_lim=[0, START_SPEC.resolved()["residual_length"] * 1.1],
+            color_map=dict(zip(views.RESIDUAL_SERIES, ("#ff7f0e", "#7f7f7f"))),
+        )
