@@ -189,6 +189,27 @@ class Recommendation:
         """The pick's row (None before the pick)."""
         return next((r for r in self.rows if r.spec == self.pick), None)
 
+    def nearest_deployed(self, engines: tuple[str, ...] = ("llama.cpp", "vLLM")) -> list[tuple[RecommendRow, str]]:
+        """For a pick that no engine in `engines` stores byte for byte: per engine, its candidate with the fewest
+        bytes per token at or above the pick's (measured or not: `RecommendRow.measured` says), with that engine's
+        deploy line; by bytes. Empty when there is no pick, or when an engine in `engines` runs the pick itself.
+        `engines`: the deploy lines' prefixes (`kvdemo.cache.deploy`)."""
+        pick = self.picked
+        if pick is None or any(line.startswith(f"{e}:") for line in pick.deploy for e in engines):
+            return []
+        found = []
+        for engine in engines:
+            rows = [
+                (row, line)
+                for row in self.rows
+                if row.bytes_per_token[0] >= pick.bytes_per_token[0] and row.spec != self.rows[0].spec
+                for line in row.deploy
+                if line.startswith(f"{engine}:")
+            ]  # `dynamic` (the first row, the reference) is every engine's default: no setting to name
+            if rows:
+                found.append(min(rows, key=lambda pair: (pair[0].bytes_per_token[0], pair[0].measured != "full")))
+        return sorted(found, key=lambda pair: pair[0].bytes_per_token[0])
+
     def frontier(self) -> list[RecommendRow]:
         """The rows measured in full that no other full row beats on both bytes (at the context's length) and mean
         KL, by bytes: what the chart draws as a line (a `BOUND` row's true KL is unknown above its bound)."""

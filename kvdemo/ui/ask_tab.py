@@ -21,7 +21,7 @@ from kvdemo.serve.door import ANSWER_BUSY, AnswerRun, Session
 from kvdemo.serve.server import App, switched_reason
 from kvdemo.serve.store import UserSession, request_key
 from kvdemo.ui import context_box, option_fields, page_state, session_box, views
-from kvdemo.ui.ask_widgets import START_SPEC, AnswerView, AskWidgets, PrefillView
+from kvdemo.ui.ask_widgets import START_SPEC, AnswerView, AskWidgets, PrefillView, page_start
 from kvdemo.ui.examples import example, suggested_questions
 from kvdemo.ui.inputs import page_event, read_upload, refusal, spec_from_inputs
 
@@ -168,6 +168,32 @@ class AskTab(AskWidgets):
                 yield AnswerView.refused(refusal(error, "a question"), list(held.chat) if held is not None else [])
                 return
             yield from self._answer(user, run)
+        yield from self._reference(user, request, run)
+
+    def _reference(self, user: UserSession, request: gr.Request, run: AnswerRun) -> Iterator[AnswerView]:
+        """The full-precision answer beside the one just given (`Door.reference`, after the answer's lock is let
+        go): said at once with its estimated time, then shown with where the two first differ. None for a cache that
+        is full precision already, or an answer stopped or failed (Stop also ends the reference)."""
+        qa, answer = run.session, run.answer
+        if not qa.spec.info.quantized:
+            yield AnswerView(
+                reference=f"This cache is full precision (`{qa.spec.label}`): its answer is the reference."
+            )
+            return
+        if answer.finish_reason in ("stopped", "error") or user.answer_stop.is_set():
+            yield AnswerView(reference="The answer was stopped: no full-precision answer beside it.")
+            return
+        yield AnswerView(reference=views.reference_estimate(qa))
+        try:
+            made = self.app.door.reference(request_key(request), run.question.text, run.question.max_new_tokens)
+        except PrefillStopped:
+            yield AnswerView(reference="Stopped: no full-precision answer beside this one.")
+            return
+        except ValueError as error:
+            yield AnswerView(reference=refusal(error, "the full-precision answer"))
+            return
+        tokenizer = qa.loaded.tokenizer
+        yield AnswerView(reference=views.reference_line(answer, made, lambda tid: tokenizer.decode([tid])))
 
     def _answer(self, user: UserSession, run: AnswerRun) -> Iterator[AnswerView]:
         """The answer's updates, with the session's lock held (`Door.answer`)."""
@@ -184,6 +210,7 @@ class AskTab(AskWidgets):
             chat=list(user.chat),
             stats=f"reading the question ({len(question.ids):,} tokens) on top of the {qa.cache_length:,}-token "
             "context…",
+            reference="",
             step_plot=views.step_times([], streaming=True),  # drawn once, when the answer ends (`views.step_times`)
             speed_limit=views.speed_limit_after(self.app.door.speed(qa), []),  # the floor now, not the last step's
         )
@@ -304,19 +331,21 @@ class AskTab(AskWidgets):
     def start_spec(self, saved: Any, request: gr.Request) -> list[Any]:
         """The backend, its option fields, its note, the recommendation's note and the fields' memory at the page's
         load and after a Load: the loaded model's recommended spec (`App.recommended`: `kvdemo.serve.recommended`)
-        and where it came from; unchanged where the browser kept the user's own (`page_state.restore` set them), where
-        this tab holds a prefilled cache (the page shows the cache's spec), or where none is stored."""
+        with the page's residual (`page_start`) and where it came from; unchanged where the browser kept the user's
+        own (`page_state.restore` set them), where this tab holds a prefilled cache (the page shows the cache's
+        spec), or where none is stored."""
         keep = [views.KEEP] * (len(GROUP_OPTIONS) + 4)
         user, found, loaded = self.app.sessions.peek_request(request), self.app.recommended, self.app.loaded
         if found is None or loaded is None or found.model != loaded.name or not self.app.recommended_start:
             return [*keep[:-2], "", views.KEEP]
-        note = views.recommended_note(found)
-        if (isinstance(saved, dict) and saved.get("backend")) or (user is not None and user.qa is not None):
-            return [*keep[:-2], note, views.KEEP]
         try:
-            backend, values = session_box.spec_fields(CacheSpec.parse(found.pick))
+            shown = page_start(CacheSpec.parse(found.pick))
+            backend, values = session_box.spec_fields(shown)
         except ValueError:  # a pick the fields cannot show (none is stored so; a guard): the fixed start stays
             return [*keep[:-2], "", views.KEEP]
+        note = views.recommended_note(found, shown)
+        if (isinstance(saved, dict) and saved.get("backend")) or (user is not None and user.qa is not None):
+            return [*keep[:-2], note, views.KEEP]
         *fields, backend_note = option_fields.backend_option_updates(backend, *values)
         start = dict([session_box.spec_fields(START_SPEC)])  # a click on the page's fixed start still gives its values
         return [backend, *fields, backend_note, note, {**start, backend: values}]
