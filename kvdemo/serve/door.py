@@ -87,6 +87,17 @@ class AnswerRun:
         return self.session.history[-1]
 
 
+@dataclass(frozen=True)
+class Reference:
+    """A full-precision answer as `Door.reference` gives it: the `Answer` of a `dynamic` cache, the seconds it took
+    (its prefill, or the session file opened, and its decode steps; 0 when `cached`), and whether it was kept from
+    an earlier ask of the same question."""
+
+    answer: Answer
+    seconds: float
+    cached: bool
+
+
 class Served(Protocol):
     """What the door reads of the shared state (`kvdemo.serve.server.App`, which makes the door: the server sits
     above the door, not beside it)."""
@@ -368,6 +379,76 @@ class Door:
                 finally:
                     if isinstance(session, RemoteSession):  # also an answer closed before its first step
                         session.end_job()
+        finally:
+            self.app.sessions.touch(user)
+            user.lock.release()
+
+    def reference(
+        self, key: str, question: str, max_new_tokens: Any, on_progress: Callable[[int, int], None] | None = None
+    ) -> Reference:
+        """The full-precision answer to `question` on the context prefilled in the session of `key`: a `dynamic`
+        (`BASELINE`) session of the same model prefilled with the same text (a saved session file opened in its
+        place where the app's folder holds one), asked the same question greedily, then dropped. Made once per
+        (model, context, question, max_new_tokens) and kept in the session (`UserSession.references`) across its
+        prefills of that text, whatever their spec: what the page shows beside a quantized answer. The session's lock
+        is held meanwhile; Stop ends it as it ends an answer (`UserSession.interrupt`: the reference answer is then
+        `stopped`, and not kept); its cache is reserved as `reference:<key>` within the server's KV budget and
+        released after.
+
+        Raises:
+            ValueError(ANSWER_BUSY): another answer or a prefill runs in this session.
+            ValueError: nothing is prefilled, the model changed, or what `reserve_answer`'s checks raise.
+            ServerKVBudgetError (a ValueError): the reference cache would pass the server's budget.
+            PrefillStopped: Stop came during its prefill.
+        """
+        max_new_tokens = checks.max_new_tokens(max_new_tokens)
+        user = self.app.sessions.peek(key)
+        if user is None or user.qa is None:
+            raise ValueError("prefill a context before asking for the full-precision answer")
+        if not user.lock.acquire(blocking=False):
+            raise ValueError(ANSWER_BUSY)
+        began = time.monotonic()
+        try:
+            session = user.qa
+            if self.app.loaded is not session.loaded or session.context is None:
+                raise ValueError("The model changed since your prefill; prefill again to rebuild the cache on it")
+            found = (id(session.loaded), session.context, question.strip(), max_new_tokens)
+            if found in user.references:
+                return Reference(user.references[found], 0.0, cached=True)
+            baseline = self.new_session(session.loaded, CacheSpec.parse(BASELINE))
+            context = session.loaded.prepare(session.context)
+            tokens, reserve = prefill_tokens(session.loaded, context), QUESTION_RESERVE_TOKENS + max_new_tokens
+            holder = f"reference:{key}"
+            self.app.kv.reserve(
+                holder,
+                session_kv_bytes(baseline.spec, baseline.loaded, tokens, reserve),
+                f"the full-precision ({BASELINE}) reference cache for {tokens:,} context tokens",
+            )
+            user.reference = baseline
+            try:
+                self._prefill_or_open(baseline, context, max_new_tokens, on_progress, None)
+                prepared = baseline.prepare_question(question, max_new_tokens)
+                if isinstance(baseline, RemoteSession):
+                    assert self.device is not None
+                    stream = self.device.answer(baseline, prepared)
+                else:
+                    stream = baseline.stream(prepared)
+                if user.answer_stop.is_set():
+                    baseline.request_stop()
+                try:
+                    with closing(stream):
+                        for _ in stream:
+                            pass
+                finally:
+                    if isinstance(baseline, RemoteSession):
+                        baseline.end_job()
+                answer = baseline.history[-1]
+            finally:
+                user.reference = None
+                self.app.kv.release(holder)
+            if answer.finish_reason != "stopped":
+                user.references[found] = answer
+            return Reference(answer, time.monotonic() - began, cached=False)
         finally:
             self.app.sessions.touch(user)
             user.lock.release()

@@ -11,7 +11,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvdemo.cache.spec import CacheSpec
 from kvdemo.qa.session import QASession
@@ -52,6 +52,9 @@ class UserSession:
             counts its time from; None where no page clicked (an API caller).
         prefill_timing: what the prefill's line says of the time from that click (`kvdemo.ui.views.from_click`),
             kept with the cache so that the line says it each time it is shown; "" for a cache opened from a file.
+        references: the full-precision answers made for this tab (`Door.reference`), by (model, context, question,
+            max_new_tokens): kept across prefills of the same text, whatever their spec.
+        reference: the `dynamic` session `Door.reference` runs now (Stop reaches it), else None.
     """
 
     qa: QASession | RemoteSession | None = None
@@ -70,13 +73,15 @@ class UserSession:
     answer_line: str = ""
     prefill_clicked: float | None = None
     prefill_timing: str = ""
+    references: dict[tuple, Any] = field(default_factory=dict)
+    reference: QASession | RemoteSession | None = None
 
     def interrupt(self) -> None:
         """Stop this session's answer after its current decode step (also one asked that has not begun: see
         `answering`) and its prefill before its next chunk (Stop, or a new prefill); a comparison has its own
         Cancel."""
         self.answer_stop.set()
-        for qa in (self.qa, self.prefilling):
+        for qa in (self.qa, self.prefilling, self.reference):
             if qa is not None:
                 qa.request_stop()
 

@@ -4,7 +4,7 @@ the comparison's outputs. They read records and the registry, never a live cache
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -12,6 +12,8 @@ from typing import Any
 import gradio as gr
 import pandas as pd
 
+from kvdemo.cache.budget import held_bytes_estimate
+from kvdemo.cache.geometry import element_size
 from kvdemo.cache.spec import CacheSpec
 from kvdemo.cache.speedlimit import SpeedLimit
 from kvdemo.charts.reports import comparison_display_frame, kv_error_figure, speed_frame, tradeoff_frame
@@ -27,7 +29,8 @@ from kvdemo.charts.steps import (
 from kvdemo.compare.recommendation import Recommendation
 from kvdemo.compare.records import ComparisonReport
 from kvdemo.qa.models import LoadedModel
-from kvdemo.serve.door import Session
+from kvdemo.qa.records import Answer
+from kvdemo.serve.door import Reference, Session
 from kvdemo.serve.session_files import SAVED_COPY
 
 EXPLAINER = """
@@ -119,10 +122,35 @@ def prefill_summary(qa: Session, timing: str = "") -> str:
     return (
         f"{done} with **{qa.spec.label}**{timing} · "
         f"KV cache {r.kv_bytes / 2**20:.2f} MiB ({r.bytes_per_token:,.0f} bytes/token{kept_part}) · "
-        f"**{r.ratio_to_full_precision:.3f}×** a full-precision cache of these tokens "
-        f"({r.full_precision_bytes / 2**20:.2f} MiB)\n\n{deploy_text(r.deploy)}"
-        + (f"\n\n{r.decode_read}." if r.decode_read else "")
+        f"{memory_against_full(qa)}\n\n{deploy_text(r.deploy)}" + (f"\n\n{r.decode_read}." if r.decode_read else "")
     ) + "".join(notes)
+
+
+def memory_against_full(qa: Session) -> str:
+    """The prefilled cache's bytes against full precision, each ratio naming its baseline: the model's own dtype
+    (float32 on a CPU) and, where that is wider, f16, the default cache of llama.cpp and vLLM; then the most the
+    session holds during an answer of its reserve (`QASession.reserve_tokens`: a question and `max_new_tokens`):
+    the cache grown by it plus the snapshot's post-prefill copies the restore puts back
+    (`kvdemo.cache.budget.held_bytes_estimate`, the estimate the server's KV account reserves)."""
+    r = qa.prefill_report
+    assert r is not None  # shown after a prefill
+    loaded = qa.loaded
+    width = element_size(loaded.dtype)
+    own = str(loaded.dtype).removeprefix("torch.")
+    parts = [
+        f"**{r.ratio_to_full_precision:.3f}×** a {own} cache "
+        f"({r.full_precision_bytes / 2**20:.2f} MiB, this model's dtype)"
+    ]
+    if width > 2:
+        f16 = r.full_precision_bytes * 2 / width
+        parts.append(f"**{r.kv_bytes / f16:.3f}×** an f16 one ({f16 / 2**20:.2f} MiB, the engines' default cache)")
+    peak = held_bytes_estimate(qa.spec, loaded.config, loaded.dtype, r.context_tokens, qa.reserve_tokens)
+    copies = " plus the snapshot's post-prefill copies" if qa.spec.info.quantized else ""
+    parts.append(
+        f"**up to {peak / 2**20:.2f} MiB during an answer** (the cache grown by {qa.reserve_tokens} tokens of "
+        f"question and answer{copies})"
+    )
+    return " · ".join(parts)
 
 
 def deploy_text(lines: tuple[str, ...]) -> str:
@@ -186,6 +214,44 @@ def answer_stats(qa: Session, first_token_seconds: float | None, events: list | 
     restored = "context" if a.cache_length_after == context else f"MISMATCH: context is {context:,}"
     parts.append(f"**cache length after restore = {a.cache_length_after:,} ({restored})**")
     return " · ".join(parts)
+
+
+def reference_estimate(qa: Session) -> str:
+    """What the page says while the full-precision answer runs (`Door.reference`): what it does and about how long
+    it takes, from this session's own prefill time and last answer's (a `dynamic` prefill of the same tokens and
+    the same number of decode steps take about as long)."""
+    assert qa.prefill_report is not None and qa.history  # after an answer on a prefilled cache
+    estimate = qa.prefill_report.seconds + qa.history[-1].seconds
+    return (
+        f"Making the full-precision answer: a `dynamic` cache of the same {qa.prefill_report.context_tokens:,} tokens, "
+        f"asked the same question (about {estimate:,.0f} s here: this prefill's time and this answer's; once per "
+        "question, kept for later asks on this text)…"
+    )
+
+
+def reference_line(quantized: Answer, reference: Reference, token_text: Callable[[int], str]) -> str:
+    """The full-precision answer (`Door.reference`) beside the quantized one: its text, its cost, and where the two
+    first differ (the first differing token id, each side's token text by `token_text`), or that they are the same
+    tokens (as far as a stopped answer went)."""
+    ref = reference.answer
+    cost = "kept from an earlier ask" if reference.cached else f"{reference.seconds:,.1f} s, once per question"
+    head = f"**Full precision** (`dynamic`, {cost}): «{ref.text.strip()}»"
+    if ref.finish_reason == "stopped":
+        return head + " · stopped before its end: not compared"
+    mine, theirs = quantized.token_ids, ref.token_ids
+    common = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+    if mine == theirs:
+        return head + " · **the same tokens** as this cache's answer"
+    if common == len(mine) and quantized.finish_reason == "stopped":
+        return head + f" · the same tokens as far as this cache's stopped answer went ({len(mine):,})"
+
+    def shown(ids: tuple[int, ...]) -> str:
+        return repr(token_text(ids[common])) if common < len(ids) else "the end"
+
+    return head + (
+        f" · **first differs at token {common + 1:,}**: {shown(mine)} with this cache, {shown(theirs)} at full "
+        "precision (the tokens before it are the same)"
+    )
 
 
 def step_line(event: Any, spec: CacheSpec) -> str:
@@ -461,8 +527,11 @@ def speed_limit_after(limit: SpeedLimit, events: list) -> str:
     return speed_limit_line(limit, flush_timing(events)[2])
 
 
-def recommended_note(found: Recommendation) -> str:
-    """The line under the backend that says where the starting spec came from (`kvdemo.serve.recommended`)."""
+def recommended_note(found: Recommendation, shown: CacheSpec | None = None) -> str:
+    """The line under the options that says where the starting spec came from (`kvdemo.serve.recommended`), why the
+    page's residual differs from the pick's where it does (`shown`: the spec the fields start at; None: the pick),
+    and, for a pick no engine runs, the nearest settings llama.cpp and vLLM run (`Recommendation.nearest_deployed`)
+    with their deploy lines."""
     row = found.picked
     if row is None:
         return ""
@@ -472,8 +541,29 @@ def recommended_note(found: Recommendation) -> str:
         if row.mean_kl is None
         else f": mean KL {row.mean_kl:.4f} to full precision, {row.same_top_p:.0f} % the same top token"
     )
-    return (
+    parts = [
         f"ℹ Recommended for this model: `{found.pick}`{kl}, {share:.0%} of dynamic's bytes, measured on "
         f"{found.source or 'a text'} ({found.context_tokens:,} tokens). It holds for that text: the **Recommend** "
         "tab measures every setting on yours."
-    )
+    ]
+    picked = CacheSpec.parse(found.pick)
+    if shown is not None and shown.info.has_residual:
+        page, measured = shown.resolved()["residual_length"], picked.resolved()["residual_length"]
+        if page != measured:
+            parts.append(
+                f"The page starts at `residual_length={page}`, not the measured {measured}, so that a flush shows "
+                f"within the first answer (a flush comes every {page} tokens; the residual holds them at full "
+                f"precision until then). Set {measured} to run what was measured."
+            )
+    nearest = found.nearest_deployed()
+    if nearest:
+        named = "; ".join(
+            f"`{line}` ({r.bytes_per_token[0] / row.bytes_per_token[0]:.2f}× the pick's bytes, "
+            + (f"mean KL {r.mean_kl:.4f})" if r.mean_kl is not None else "not measured on that text)")
+            for r, line in nearest
+        )
+        parts.append(
+            f"No engine stores `{found.pick}` byte for byte (kvdemo only). The nearest settings engines run: {named}. "
+            "The **Recommend** tab with an engine chosen measures a pick it runs."
+        )
+    return "\n\n".join(parts)
