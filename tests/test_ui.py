@@ -96,7 +96,40 @@ def test_prefill_then_ask_streams_and_restores(handlers, tiny):
     assert qa.history[-1].token_ids == fresh.ask("Who led the Normans?", 6).token_ids
     # a second question: the table grows, the chat keeps both turns
     chat, *_, table, _ = _ask(fns, "Where is Normandy?", 4)[-1]
-    assert len(chat) == 4 and table["answer"].tolist() == [1, 2]
+    assert len(chat) == 4 and table["question"].tolist() == ["Who led the Normans?", "Where is Normandy?"]
+    assert table["answer"].tolist() == [a.text for a in qa.history]
+
+
+def test_the_full_precision_answer_beside_a_quantized_one(handlers, tiny):
+    """After an answer, the page's next event (`reference`) puts `dynamic`'s answer beside it: the same tokens a
+    fresh `dynamic` session answers, where the two first differ, made once per question (a second ask keeps it),
+    its cache released from the server's KV account; nothing for a refused answer, nor for a `dynamic` cache."""
+    app, fns = handlers
+    spec = CacheSpec("quanto", nbits=2, q_group_size=32, residual_length=1, axis_key=0, axis_value=0)  # departs
+    fns["prefill"](CONTEXT, "quanto", 2, 32, 1, 0, 0, _request())
+    assert app.sessions.get("tab-1").qa.spec.text == spec.text
+    _ask(fns, "Who led the Normans?", 8)
+    waiting, shown = list(fns["reference"](8, _request()))
+    assert waiting.startswith("Making the full-precision answer: a `dynamic` cache of the same ")
+    full = QASession(tiny, CacheSpec())
+    full.prefill(CONTEXT)
+    expected = full.ask("Who led the Normans?", 8)
+    assert shown.startswith("**Full precision** (`dynamic`, ") and f"«{expected.text.strip()}»" in shown
+    mine = app.sessions.get("tab-1").qa.history[-1].token_ids
+    common = next((i for i, (a, b) in enumerate(zip(mine, expected.token_ids)) if a != b), None)
+    if common is None:
+        assert "the same tokens" in shown
+    else:
+        assert f"first differs at token {common + 1}:" in shown
+    assert not any(holder.startswith("reference:") for holder in app.kv.holders())  # released
+    assert list(fns["reference"](8, _request())) == [views.KEEP]  # once per answer: no new answer, no new line
+    _ask(fns, "Who led the Normans?", 8)  # the same question again: the reference is kept, not made again
+    assert "kept from an earlier ask" in list(fns["reference"](8, _request()))[-1]
+    fns["prefill"](CONTEXT, "dynamic", _request())
+    _ask(fns, "Who led the Normans?", 8)
+    assert list(fns["reference"](8, _request())) == [
+        "This cache is full precision (`dynamic`): its answer is the reference."
+    ]
 
 
 def test_stop_ends_the_answer_and_restores(handlers):
@@ -115,7 +148,8 @@ def test_stop_ends_the_answer_and_restores(handlers):
 def test_stop_pressed_while_the_answer_waits_in_the_queue_stops_it_after_one_step(handlers):
     app, fns = handlers
     fns["prefill"](CONTEXT, *HQQ, _request())
-    ask, stop, chat = fns["before_answer"]("Who led the Normans?", _request())  # the click
+    ask, stop, chat, beside = fns["before_answer"]("Who led the Normans?", _request())  # the click
+    assert beside == ""  # the last answer's full-precision line emptied
     assert ask["interactive"] is False and stop["interactive"] is True  # Ask disabled, Stop enabled and applies
     assert chat[-2:] == [
         {"role": "user", "content": "Who led the Normans?"},
@@ -825,7 +859,7 @@ def test_the_click_echoes_the_question_and_a_refusal_takes_it_back(handlers):
     _ask(fns, "Who led the Normans?", 3)
     before = list(app.sessions.get("tab-1").chat)
     assert len(before) == 2
-    _, _, echoed = fns["before_answer"]("  Where?  ", _request())
+    _, _, echoed, _ = fns["before_answer"]("  Where?  ", _request())
     assert echoed[:2] == before and echoed[2] == {"role": "user", "content": "Where?"}
     assert fns["before_answer"]("   ", _request())[2] is views.KEEP
     refused_view = list(fns["ask"]("Where?", 3, _request(), "another text"))[-1]  # the Context box changed

@@ -126,9 +126,9 @@ def flush_timing(events: Sequence[StepEvent]) -> tuple[int, float | None, float 
 
 
 ANSWER_COLUMNS = [
+    "question",
     "answer",
     "spec",
-    "question",
     "tokens",
     "question s",
     "decode tokens/s",
@@ -141,17 +141,17 @@ ANSWER_COLUMNS = [
 
 def answers_frame(records: Iterable[Mapping[str, Any]]) -> pd.DataFrame:
     """One row per answer of a session, from `Answer.to_dict()` records (with a `spec` key: the cache it was
-    answered on, `CacheSpec.full_text`; the page keeps answers across prefills).
+    answered on, `CacheSpec.short_text`; the page keeps answers across prefills).
 
     Returns:
-        Columns `ANSWER_COLUMNS`; `answer` counts from 1; `question s` is the question's own pass, apart from
-        the decode speed.
+        Columns `ANSWER_COLUMNS`, the question and the answer's text first (what a reader looks for); `question s`
+        is the question's own pass, apart from the decode speed.
     """
     rows = [
         (
-            i,
-            r.get("spec", ""),
             r["question"],
+            r["answer"],
+            r.get("spec", ""),
             len(r["token_ids"]),
             r["question_seconds"],
             r["decode_tokens_per_second"],
@@ -160,7 +160,7 @@ def answers_frame(records: Iterable[Mapping[str, Any]]) -> pd.DataFrame:
             r["cache_length_after"],
             r["finish_reason"],
         )
-        for i, r in enumerate(records, 1)
+        for r in records
     ]
     return pd.DataFrame(rows, columns=ANSWER_COLUMNS)
 

@@ -168,32 +168,35 @@ class AskTab(AskWidgets):
                 yield AnswerView.refused(refusal(error, "a question"), list(held.chat) if held is not None else [])
                 return
             yield from self._answer(user, run)
-        yield from self._reference(user, request, run)
 
-    def _reference(self, user: UserSession, request: gr.Request, run: AnswerRun) -> Iterator[AnswerView]:
-        """The full-precision answer beside the one just given (`Door.reference`, after the answer's lock is let
-        go): said at once with its estimated time, then shown with where the two first differ. None for a cache that
-        is full precision already, or an answer stopped or failed (Stop also ends the reference)."""
-        qa, answer = run.session, run.answer
+    def reference(self, max_new_tokens: float, request: gr.Request) -> Iterator[Any]:
+        """The full-precision answer beside the last answer of this tab's session (`Door.reference`; the page runs it
+        after each answer, once the answer's lock is let go): said at once with its estimated time, then shown with
+        where the two first differ. None for a cache that is full precision already, nor for an answer stopped or
+        failed (Stop also ends the reference); after a refused question the line stays as it was."""
+        user = self.app.sessions.peek_request(request)
+        qa = user.qa if user is not None else None
+        if user is None or qa is None or not qa.history or not user.reference_due:
+            yield views.KEEP  # no answer was given (a refusal beside Ask says why): the line stays
+            return
+        user.reference_due, answer = False, qa.history[-1]
         if not qa.spec.info.quantized:
-            yield AnswerView(
-                reference=f"This cache is full precision (`{qa.spec.label}`): its answer is the reference."
-            )
+            yield f"This cache is full precision (`{qa.spec.label}`): its answer is the reference."
             return
-        if answer.finish_reason in ("stopped", "error") or user.answer_stop.is_set():
-            yield AnswerView(reference="The answer was stopped: no full-precision answer beside it.")
+        if answer.finish_reason in ("stopped", "error"):
+            yield "The answer was stopped: no full-precision answer beside it."
             return
-        yield AnswerView(reference=views.reference_estimate(qa))
+        yield views.reference_estimate(qa)
         try:
-            made = self.app.door.reference(request_key(request), run.question.text, run.question.max_new_tokens)
+            made = self.app.door.reference(request_key(request), answer.question, max_new_tokens)
         except PrefillStopped:
-            yield AnswerView(reference="Stopped: no full-precision answer beside this one.")
+            yield "Stopped: no full-precision answer beside this one."
             return
         except ValueError as error:
-            yield AnswerView(reference=refusal(error, "the full-precision answer"))
+            yield refusal(error, "the full-precision answer")
             return
         tokenizer = qa.loaded.tokenizer
-        yield AnswerView(reference=views.reference_line(answer, made, lambda tid: tokenizer.decode([tid])))
+        yield views.reference_line(answer, made, lambda tid: tokenizer.decode([tid]))
 
     def _answer(self, user: UserSession, run: AnswerRun) -> Iterator[AnswerView]:
         """The answer's updates, with the session's lock held (`Door.answer`)."""
@@ -210,7 +213,6 @@ class AskTab(AskWidgets):
             chat=list(user.chat),
             stats=f"reading the question ({len(question.ids):,} tokens) on top of the {qa.cache_length:,}-token "
             "context…",
-            reference="",
             step_plot=views.step_times([], streaming=True),  # drawn once, when the answer ends (`views.step_times`)
             speed_limit=views.speed_limit_after(self.app.door.speed(qa), []),  # the floor now, not the last step's
         )
@@ -235,6 +237,7 @@ class AskTab(AskWidgets):
         if not user.events:
             user.chat[-1] = {"role": "assistant", "content": qa.history[-1].text}
         user.answer_line = views.answer_stats(qa, first_token, user.events)
+        user.reference_due = True  # the page's next event puts the full-precision answer beside it (`reference`)
         yield AnswerView(
             chat=user.chat,
             stats=user.answer_line,
@@ -251,8 +254,9 @@ class AskTab(AskWidgets):
         next chunk. (No output of its own: a reply racing the answer's last update could overwrite it.)"""
         self.app.door.stop(request_key(request))
 
-    def before_answer(self, question: str, request: gr.Request) -> tuple[Any, Any, Any]:
-        """(Ask, Stop, chat) at an Ask click (or Enter), before the answer waits in the queue: Ask disabled, Stop
+    def before_answer(self, question: str, request: gr.Request) -> tuple[Any, Any, Any, str]:
+        """(Ask, Stop, chat, the full-precision line) at an Ask click (or Enter), before the answer waits in the
+        queue: the last answer's full-precision line emptied, Ask disabled, Stop
         enabled and applying to this answer from now (`UserSession.queue_answer`), and the question in the chat
         at once with a waiting reply, so that a queued user sees what they asked (when the answer is refused, its
         refusal puts the chat back)."""
@@ -266,7 +270,7 @@ class AskTab(AskWidgets):
                     {"role": "user", "content": question.strip()},
                     {"role": "assistant", "content": "… waiting for the model"},
                 ]
-        return gr.update(interactive=False), gr.update(interactive=True), chat
+        return gr.update(interactive=False), gr.update(interactive=True), chat, ""
 
     def before_prefill(self, request: gr.Request) -> tuple[Any, Any]:
         """(Ask, Stop) at a Prefill click, before it waits in the queue: stop what runs in this session, disable
@@ -429,7 +433,7 @@ class AskTab(AskWidgets):
             trigger(
                 self.before_answer,
                 inputs=w["question"],
-                outputs=[w["ask_button"], w["stop_button"], w["chat"]],
+                outputs=[w["ask_button"], w["stop_button"], w["chat"], w["reference"]],
                 **private,
             ).then(
                 self.ask,
@@ -438,7 +442,14 @@ class AskTab(AskWidgets):
                 show_progress_on=w["chat"],  # the queue's place and the wait, once, over the chat
                 **api,
                 **model_work,
-            ).then(**after_answer).then(**stop_state)
+            ).then(**after_answer).then(
+                self.reference,
+                inputs=w["max_new_tokens"],
+                outputs=w["reference"],
+                show_progress="hidden",  # the line itself says what runs and for about how long
+                **({"api_name": "reference"} if "api_name" in api else {"api_visibility": "private"}),
+                **model_work,
+            ).then(**stop_state)
         w["stop_button"].click(self.stop, api_name="stop", queue=False)
         session_box.wire(self.app, w, self.before_prefill, stop_state)
         self.reopen = page_event(session_box.reopener(self.app, self.prefill))

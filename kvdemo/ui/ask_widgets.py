@@ -45,9 +45,10 @@ def page_start(pick: CacheSpec) -> CacheSpec:
     return pick
 
 
-FIRST_FIELDS = ("nbits", "nbits_value", "residual_length", "flush", "rotation", "storage")
-"""The option fields shown first, those a user of the field sets most (precision, residual, flush, rotation;
-`dynamic`'s storage); the others sit under "More options" (each still shown only for a backend that takes it)."""
+FIRST_FIELDS = ("type_k", "type_v", "nbits", "nbits_value", "residual_length", "flush", "rotation", "storage")
+"""The option fields shown first, those a user of the field sets most (precision: llama.cpp's `-ctk`/`-ctv` types or
+nbits; residual, flush, rotation; `dynamic`'s storage); the others sit under "More options" (each still shown only
+for a backend that takes it)."""
 
 
 class PrefillView(NamedTuple):
@@ -61,10 +62,10 @@ class PrefillView(NamedTuple):
     residual_plot: Any = views.KEEP
     step_plot: Any = views.KEEP
     answers_table: Any = views.KEEP
+    reference: Any = views.KEEP  # the full-precision answer beside the last one: emptied by a new cache
     notice: Any = views.KEEP
     ask_button: Any = views.KEEP
     speed_limit: Any = views.KEEP  # the new cache's floor (no step measured yet); a refusal keeps the line
-    reference: Any = views.KEEP  # the full-precision answer beside the last one: emptied by a new cache
 
     @classmethod
     def prefilled(
@@ -93,10 +94,10 @@ class PrefillView(NamedTuple):
             residual_plot=views.residual_chart([], spec),
             step_plot=views.step_times([]),
             answers_table=views.answers_table([]),
+            reference="",
             notice="",
             ask_button=gr.update(interactive=False),
             speed_limit="",
-            reference="",
         )
 
     @classmethod
@@ -116,7 +117,6 @@ class AnswerView(NamedTuple):
     step_plot: Any = views.KEEP
     answers_table: Any = views.KEEP
     speed_limit: Any = views.KEEP  # the line under the step-time chart, at the answer's end
-    reference: Any = views.KEEP  # the full-precision answer beside this one (`Door.reference`), once it is made
 
     @classmethod
     def refused(cls, message: str, chat: Any = views.KEEP) -> AnswerView:
@@ -209,7 +209,7 @@ class AskWidgets:
             # enabled while a prefill or an answer runs or waits (`AskTab.stop_state`)
             w["stop_button"] = gr.Button("Stop", variant="stop", interactive=False, min_width=80)
         w["stats"] = gr.Markdown("")
-        w["reference"] = gr.Markdown("")  # the full-precision answer beside the quantized one (`AskTab._reference`)
+        w["reference"] = gr.Markdown("")  # the full-precision answer beside the last one (`AskTab.reference`)
         w["example_questions"] = gr.Dataset(
             components=[w["question"]], samples=[], label="example questions", visible=False
         )

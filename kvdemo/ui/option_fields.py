@@ -33,8 +33,8 @@ def field_start(option: Option) -> int | str:
 
 
 def backend_option_updates(backend: str, *current: Any) -> tuple[Any, ...]:
-    """Visibility, choices and values of the option fields (`GROUP_OPTIONS`) for a backend, from `BACKENDS`, and the
-    backend's description. A field keeps its current value when the new backend allows it (so switching
+    """Visibility, choices, values and help of the option fields (`GROUP_OPTIONS`) for a backend, from `BACKENDS`, and
+    the backend's description. A field keeps its current value when the new backend allows it (so switching
     away and back restores what was there), else it takes the backend's default.
 
     Args:
@@ -55,10 +55,15 @@ def backend_option_updates(backend: str, *current: Any) -> tuple[Any, ...]:
             assert option.minimum is not None  # an option without choices has a minimum
             allowed = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= option.minimum
         keep = value if allowed else field_start(option)
+        # each backend's own help (`rotation` means Hadamard for quanto and hqq, llama.cpp's rule for ggml)
         if option.choices is not None:
-            updates.append(gr.update(visible=True, choices=field_choices(option), value="" if keep is None else keep))
+            updates.append(
+                gr.update(
+                    visible=True, choices=field_choices(option), value="" if keep is None else keep, info=option.help
+                )
+            )
         else:
-            updates.append(gr.update(visible=True, value=keep))
+            updates.append(gr.update(visible=True, value=keep, info=option.help))
     note = f"{info.summary}. {info.behaviour}"
     return (*updates, note)
 
