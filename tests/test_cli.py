@@ -548,7 +548,7 @@ def test_compare_help_documents_the_spec_syntax():
         [sys.executable, "-m", "kvdemo", "compare", "--help"], capture_output=True, text=True, check=True
     ).stdout
     assert "backend[:nbits][,option=value...]" in out and "--spec dynamic --spec hqq:4" in out
-    assert "Default specs: dynamic quanto:4 quanto:4,rotation=hadamard hqq:4 hqq:4,rotation=hadamard fp8" in out
+    assert "Default specs: dynamic quanto:4 hqq:4 fp8 turboquant:4 ggml" in out
 
 
 def test_needle_json_and_csv_on_the_embedded_model(embedded, capsys, tmp_path):

@@ -14,7 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 CALLERS = {
-    "kvdemo/ui/ask_tab.py": {"prefill", "answer", "stop", "speed"},
+    "kvdemo/ui/ask_tab.py": {"prefill", "answer", "stop", "speed", "reference"},
     "kvdemo/ui/session_box.py": {"open_file", "save_file", "speed"},
     "kvdemo/ui/mcp_tools.py": {"prefill", "answer", "stop", "long_job", "job.compare", "job.recommend"},
     "kvdemo/ui/compare_tab.py": {"long_job", "job.compare"},

@@ -117,7 +117,7 @@ def test_a_client_that_leaves_frees_the_comparison_slot(mcp_url, tiny, normans, 
 
     with caplog.at_level(logging.INFO, logger="kvdemo.ui.mcp_calls"):
         left, second, sent = anyio.run(both)
-    assert "left" in left and "result" not in left  # it left 1 unit into a comparison of 7 specs x 17 units
+    assert "left" in left and "result" not in left  # it left 1 unit into a comparison of 6 specs x 17 units
     assert not second["result"].isError and second["seconds"] < 8.0, second
     assert "an MCP client left its call (cancelled); stopping its tool" in caplog.text
     assert not app.sessions.peek("mcp:leaver").compare_lock.locked()  # its comparison ended

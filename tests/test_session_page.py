@@ -179,7 +179,7 @@ def test_files_the_page_cannot_open_are_refused_and_the_cache_stays(tiny, tmp_pa
         (tmp_path / "text.kvsession", "is not a session file, or it was cut short"),
     ):
         out = fns["opening"](str(path), request)
-        notice = out[2 + len(GROUP_OPTIONS) + 7]
+        notice = out[2 + len(GROUP_OPTIONS) + PrefillView._fields.index("notice")]
         assert notice.startswith("⚠ ") and message in notice, notice
         assert out[0] == gr.skip() and app.sessions.get("a").qa is held
         assert out[-1] is None  # the refused file is taken out of the box

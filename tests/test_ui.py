@@ -455,8 +455,13 @@ def test_compare_tab_runs_and_leaves_the_session_cache_untouched(handlers, tiny)
     assert table["spec"].tolist() == ["dynamic", "fp8", "hqq:2,residual_length=2"]
     assert table["mean KLD"].iloc[0] == 0.0 and table["mean KLD"].iloc[2] > 0 and table["restored"].all()
     assert "contains gold" not in table and "PPL" not in table  # columns with no value are not shown
-    assert tradeoff["bytes per token"].round(0).tolist() == table["bytes/token"].tolist()
-    assert tradeoff["spec"].tolist() == table["spec"].tolist()  # one point per spec, named in the legend
+    # one point per spec, named in the legend, but dynamic: the reference, named in the title, would squeeze them
+    points = tradeoff["value"]
+    assert points["bytes per token"].round(0).tolist() == table["bytes/token"].tolist()[1:]
+    assert points["spec"].tolist() == table["spec"].tolist()[1:]
+    assert "(dynamic, the reference: " in tradeoff["title"] and "off the chart" in tradeoff["title"]
+    assert tradeoff["x_lim"] == [0, pytest.approx(points["bytes per token"].max() * 1.1)]  # no point clipped
+    assert tradeoff["y_lim"] == [0, pytest.approx(points["KL (nats)"].max() * 1.15)]
     # the same figures as kvdemo.compare.run called directly
     direct = compare(
         tiny,

@@ -59,7 +59,7 @@ class Backend:
         options: the options it takes, by name (only `storage` for `dynamic`, only `sliding` for `fp8`).
         group_rule: its `GroupRule` for q_group_size, or None when it takes no q_group_size.
         compare_nbits: the nbits it is compared at by default (`(None,)`: the backend as it is; `()`: not at all),
-            each at every `rotation` it takes (`kvdemo.cache.catalogue.default_compare_specs`).
+            its other options at their defaults (`kvdemo.cache.catalogue.default_compare_specs`).
         module: the Python module it needs, or None; pip: the command that installs it.
         width_rule: its `WidthRule`, or None where any width is stored.
         presets: named option sets a spec may give after the colon instead of nbits (`turboquant:k8v4`: vLLM's

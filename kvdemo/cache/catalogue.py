@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Any, cast
 
 from kvdemo.cache.registry import BACKENDS
 from kvdemo.cache.spec import CacheSpec
@@ -63,17 +63,27 @@ def examples(purpose: str) -> tuple[str, ...]:
 
 
 def default_compare_specs() -> list[CacheSpec]:
-    """The specs compared when none are chosen: each backend at each of its `compare_nbits`, each at every
-    `rotation` the backend takes (unset where it is the default: the plain spec, then its rotated twin).
+    """The specs compared when none are chosen: each backend at each of its `compare_nbits`, its other options at
+    their defaults (a rotated twin is one click away: `all_specs`). Six specs, one per backend: a first comparison
+    stays quick on every model offered, and the Compare tab adds the Ask tab's own start to them.
 
     Example:
         >>> [s.text for s in default_compare_specs()]
-        ['dynamic', 'quanto:4', 'quanto:4,rotation=hadamard', 'hqq:4', 'hqq:4,rotation=hadamard', 'fp8']
+        ['dynamic', 'quanto:4', 'hqq:4', 'fp8', 'turboquant:4', 'ggml']
     """
-    specs = []
-    for name, info in BACKENDS.items():
-        rotation = info.options.get("rotation")
-        others = [str(r) for r in rotation.choices or () if r != rotation.default] if rotation else []
-        rotations: list[str | None] = [None, *others]
-        specs += [CacheSpec(name, nbits=n, rotation=r) for n in info.compare_nbits for r in rotations]
-    return specs
+    return [CacheSpec(name, nbits=n) for name, info in BACKENDS.items() for n in info.compare_nbits]
+
+
+def defaults_for(model_config: Any) -> tuple[list[CacheSpec], list[str]]:
+    """`default_compare_specs` on one model: the specs it serves, and a line for each it refuses (`CacheSpec.validate`:
+    ggml's blocks of 32 on a head_dim of 80, a backend that cannot serve the model's layer kinds), to say beside the
+    results; a refusal of the whole default set would leave a first comparison with nothing. An explicit choice is
+    refused as it stands (`compare` validates every spec first)."""
+    kept, left_out = [], []
+    for spec in default_compare_specs():
+        try:
+            spec.validate(model_config)
+            kept.append(spec)
+        except ValueError as error:  # ImportError (a missing package) is the user's to fix: it is raised
+            left_out.append(f"{spec.text} left out: {error}")
+    return kept, left_out

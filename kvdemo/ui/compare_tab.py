@@ -5,20 +5,23 @@ and owns the handlers; the user's own prefilled cache is never touched."""
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 from typing import Any, NamedTuple
 
 import gradio as gr
 
-from kvdemo.cache.catalogue import all_specs, default_compare_specs, examples
+from kvdemo.cache.catalogue import all_specs, default_compare_specs, defaults_for, examples
 from kvdemo.cache.options import SPEC_OPTIONS
 from kvdemo.cache.registry import BACKENDS
+from kvdemo.cache.spec import CacheSpec
 from kvdemo.charts.reports import DISPLAY_HELP
 from kvdemo.compare.records import ComparisonCancelled, ComparisonReport
 from kvdemo.evals.cases import continuation_for, gold_answers_for
 from kvdemo.serve.store import request_key
 from kvdemo.ui import views
 from kvdemo.ui.ask_tab import AskTab
+from kvdemo.ui.ask_widgets import START_SPEC, page_start
 from kvdemo.ui.examples import suggested_questions
 from kvdemo.ui.inputs import (
     COMPARE_MAX_NEW_TOKENS,
@@ -54,14 +57,15 @@ class CompareView(NamedTuple):
         return cls(compare_status=message)
 
 
-def _view(report: ComparisonReport, note: str) -> CompareView:
+def _view(report: ComparisonReport, note: str, load: tuple[float, float] | None = None) -> CompareView:
     """The outputs of a (possibly partial) report: table, charts, the CSV and JSON files, and the KV error heatmap
-    of the quantized spec with the fewest bytes (the one whose error is largest to see)."""
+    of the quantized spec with the fewest bytes (the one whose error is largest to see). `load`: the 1-minute load
+    average at the run's start and end (`views.comparison_outputs`)."""
     specs = [r.spec_text for r in report.results]
     quantized = [r for r in report.results if BACKENDS[r.backend].quantized]
     chosen = min(quantized, key=lambda r: r.kv_bytes).spec_text if quantized else (specs[0] if specs else None)
     files = views.comparison_files(report, tempfile.mkdtemp(prefix="kvdemo-compare-")) if report.results else None
-    status, table, tradeoff, speed = views.comparison_outputs(report, note)
+    status, table, tradeoff, speed = views.comparison_outputs(report, note, load)
     return CompareView(
         compare_status=status,
         compare_table=table,
@@ -124,8 +128,14 @@ class CompareTab:
         """Run `kvdemo.compare.run` on the Context box's text and the questions, one spec at a time, in fresh
         sessions: this session's own cache is untouched. Cancel stops it at the next decode step. A refusal is
         a message in the status line; the last results stay."""
+        began_load = os.getloadavg()[0]  # the speeds move with the machine's load: the chart says when it changed
         try:
             with self.app.door.long_job(request_key(request), BUSY) as job:
+                left_out: list[str] = []
+                loaded = self.app.loaded
+                if loaded is not None and sorted(chosen or []) == sorted(s.text for s in default_compare_specs()):
+                    kept, left_out = defaults_for(loaded.config)  # the defaults this model serves
+                    chosen = [s.text for s in kept]
                 specs, questions, max_new_tokens = compare_inputs(chosen, more, questions_text, max_new_tokens)
                 ppl_tokens = perplexity_tokens(perplexity)
                 plans = plan_request(plan_base, plan_budget)
@@ -148,9 +158,11 @@ class CompareTab:
                     " (scored against the example's gold answers)." if golds else " (no gold answers for this text)."
                 )
                 note += "".join(f"\n\nPer-layer plan: `{line}`" for line in report.plans)
-                return _view(report, note)
+                note += "".join(f"\n\n⚠ A default spec {line}" for line in left_out)
+                return _view(report, note, (began_load, os.getloadavg()[0]))
         except ComparisonCancelled as cancelled:
-            return _view(cancelled.report, f"Cancelled after {len(cancelled.report.results)} spec(s).")
+            note = f"Cancelled after {len(cancelled.report.results)} spec(s)."
+            return _view(cancelled.report, note, (began_load, os.getloadavg()[0]))
         except (ValueError, ImportError) as error:
             return CompareView.refused(refusal(error, "a comparison"))
         except Exception as error:  # a fault inside a decode step: every session it used has restored
@@ -158,6 +170,20 @@ class CompareTab:
             return CompareView.refused(
                 f"⚠ The comparison failed ({type(error).__name__}: {str(error)[:200]}); your own session is untouched"
             )
+
+    def start_more(self, more: str) -> Any:
+        """The "more specs" box at the page's load and after a model Load: the Ask tab's starting spec for the model
+        loaded (`kvdemo.ui.ask_widgets.page_start` of its recommended pick, else `START_SPEC`), so that the default
+        comparison includes what the Ask tab starts on; what the user typed stays."""
+        if isinstance(more, str) and more.strip():
+            return views.KEEP
+        found, loaded = self.app.recommended, self.app.loaded
+        if found is not None and loaded is not None and found.model == loaded.name and self.app.recommended_start:
+            try:
+                return page_start(CacheSpec.parse(found.pick)).text
+            except ValueError:  # a pick the page cannot show (none is stored so; a guard): the fixed start
+                pass
+        return START_SPEC.text
 
     def cancel_state(self, request: gr.Request) -> Any:
         """Cancel enabled only while a comparison or a grid runs or waits in this session (before a click and after
@@ -184,40 +210,53 @@ class CompareTab:
         self._build_results()
 
     def _build_inputs(self) -> None:
-        """The specs, max_new_tokens, perplexity tokens, the questions and the buttons."""
+        """The questions with the buttons and the status line under them, beside the numbers and the specs (the
+        checkboxes folded: a comparison's results come right under the status line, in view after a run)."""
         w = self.w
         defaults = {
             name: opt.default for b in BACKENDS.values() for name, opt in b.options.items() if opt.canonical is None
         }  # not the plan: none by default, and written per model (below, Per-layer plan)
-        with gr.Row():
-            with gr.Column(scale=1, min_width=280):
-                w["choice"] = gr.CheckboxGroup(
-                    [s.text for s in all_specs()],
-                    value=[s.text for s in default_compare_specs()],
-                    label="specs",
-                    info="backend:nbits; other options at their defaults ("
-                    + ", ".join(f"{k} {v}" for k, v in defaults.items() if k != "nbits")
-                    + ")",
+        chosen = [s.text for s in default_compare_specs()]
+        with gr.Row(equal_height=False):
+            with gr.Column(scale=3):
+                w["questions"] = gr.Textbox(
+                    label="questions, one per line", lines=4, placeholder="Who was the Norse leader?"
                 )
+                with gr.Row():
+                    w["fill_button"] = gr.Button("Fill in questions (asked so far, or the example's)", size="sm")
+                    w["compare_button"] = gr.Button("Run comparison", variant="primary")
+                    w["cancel_button"] = gr.Button("Cancel", variant="stop", interactive=False)  # `cancel_state`
+                w["compare_status"] = gr.Markdown("")  # right under the buttons: progress, refusals, the summary
+            with gr.Column(scale=2, min_width=320):
                 w["more"] = gr.Textbox(
                     label="more specs, one per line",
                     lines=2,
                     placeholder="\n".join(examples("more")),
-                    info="backend[:nbits][,option=value...]; options "
-                    + ", ".join(name for name in SPEC_OPTIONS if name != "nbits"),
+                    info="the Ask tab's starting spec at the page's load; backend[:nbits][,option=value...]; "
+                    "options " + ", ".join(name for name in SPEC_OPTIONS if name != "nbits"),
                 )
-                # no precision or bounds on the numbers: `compare_inputs` and `perplexity_tokens` refuse what
-                # Gradio would round silently or refuse with a bare "Error", and say what to change
-                w["max_new_tokens"] = gr.Number(
-                    32, label="max_new_tokens", info=f"1 to {COMPARE_MAX_NEW_TOKENS} tokens per answer"
-                )
-                w["perplexity"] = gr.Number(
-                    0,
-                    label="perplexity tokens",
-                    info=f"0 to {COMPARE_MAX_PERPLEXITY_TOKENS}. 0: none. N > 0: read N tokens of the text that "
-                    "follows (an example's next paragraphs, or the tail of your text) one decode step at a time "
-                    "through each cache: perplexity and its ratio to dynamic",
-                )
+                with gr.Row():
+                    # no precision or bounds on the numbers: `compare_inputs` and `perplexity_tokens` refuse what
+                    # Gradio would round silently or refuse with a bare "Error", and say what to change
+                    w["max_new_tokens"] = gr.Number(
+                        32, label="max_new_tokens", info=f"1 to {COMPARE_MAX_NEW_TOKENS} tokens per answer"
+                    )
+                    w["perplexity"] = gr.Number(
+                        0,
+                        label="perplexity tokens",
+                        info=f"0 to {COMPARE_MAX_PERPLEXITY_TOKENS}. 0: none. N > 0: read N tokens of the text that "
+                        "follows (an example's next paragraphs, or the tail of your text) one decode step at a time "
+                        "through each cache: perplexity and its ratio to dynamic",
+                    )
+                with gr.Accordion(f"specs to compare: {', '.join(chosen)} (change)", open=False):
+                    w["choice"] = gr.CheckboxGroup(
+                        [s.text for s in all_specs()],
+                        value=chosen,
+                        label="specs",
+                        info="backend:nbits; other options at their defaults ("
+                        + ", ".join(f"{k} {v}" for k, v in defaults.items() if k != "nbits")
+                        + ")",
+                    )
                 with gr.Accordion("Per-layer plan", open=False):
                     w["plan_base"] = gr.Dropdown(
                         list(PLAN_BACKENDS),
@@ -236,15 +275,6 @@ class CompareTab:
                         "quanto:4 7,200). One more full-precision prefill and a measure: 12 s (quanto) or 47 s "
                         "(hqq) at 1,341 tokens, growing with the text",
                     )
-            with gr.Column(scale=2):
-                w["questions"] = gr.Textbox(
-                    label="questions, one per line", lines=6, placeholder="Who was the Norse leader?"
-                )
-                with gr.Row():
-                    w["fill_button"] = gr.Button("Fill in questions (asked so far, or the example's)", size="sm")
-                    w["compare_button"] = gr.Button("Run comparison", variant="primary")
-                    w["cancel_button"] = gr.Button("Cancel", variant="stop", interactive=False)  # `cancel_state`
-                w["compare_status"] = gr.Markdown("")  # right under the buttons: progress, refusals, the summary
 
     def _build_results(self) -> None:
         """The table and its files, the tradeoff and speed plots, the KV error heatmap."""

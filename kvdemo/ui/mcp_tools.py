@@ -32,7 +32,7 @@ from typing import Any
 
 import gradio as gr
 
-from kvdemo.cache.catalogue import default_compare_specs
+from kvdemo.cache.catalogue import defaults_for
 from kvdemo.cache.spec import CacheSpec
 from kvdemo.compare.candidates import ANY_ENGINE
 from kvdemo.compare.recommend import DEFAULT_MAX_KL, check_target
@@ -256,7 +256,7 @@ class McpTools:
         """Compare KV cache backends on one text: each spec prefills it in a fresh cache and answers the
         questions; gives memory, agreement with dynamic (identical answers, KL divergence) and speed. About 10 s
         per spec and question at 32 tokens on 2 CPU cores with the embedded 135M model and a 775-token text (the
-        default 7 specs, 2 questions: 2.5 minutes), more with more tokens or a longer text. Progress about every
+        default 6 specs, 2 questions: about 2 minutes), more with more tokens or a longer text. Progress about every
         second (per spec, prefill chunk, answer, 8 tokens), at most 10 s apart: let it reset your timeout. One
         comparison runs at a time on the server. One call runs for at most 300 seconds: it then returns the specs
         finished so far, with a note; closing the connection stops it within a second.
@@ -277,7 +277,8 @@ class McpTools:
             raise ValueError("questions must be a list of 1-20 question texts")
         if specs is not None and (not isinstance(specs, list) or not all(isinstance(s, str) for s in specs)):
             raise ValueError("specs must be a list of spec texts like hqq:4 (or empty for the default set)")
-        chosen = specs or [s.text for s in default_compare_specs()]
+        loaded = self.app.wait_for_model()
+        chosen = specs or [s.text for s in defaults_for(loaded.config)[0]]  # the defaults this model serves
         if any(not q.strip() for q in questions):
             raise ValueError("a question is empty; give the text of every question")
         questions_text = "\n".join(" ".join(q.split()) for q in questions)  # one line each, for compare_inputs

@@ -135,10 +135,13 @@ def build_demo(app: App) -> gr.Blocks:
         private: dict[str, Any] = {"api_visibility": "private", "queue": False}
         status = demo.load(bar.on_page_load, outputs=bar.line, api_name="model_status")
         status.then(bar.box, outputs=bar.source, **private)
+        # the default comparison includes the Ask tab's start, once the model (and its recommendation) is there
+        status.then(compare.start_more, inputs=compare.w["more"], outputs=compare.w["more"], **private)
         load = bar.button.click(
             bar.load, inputs=bar.source, outputs=bar.line, api_name="load_model", concurrency_id="model"
         )
         load.then(bar.box, outputs=bar.source, **private)
+        load.then(compare.start_more, inputs=compare.w["more"], outputs=compare.w["more"], **private)
         bar.source.focus(bar.refresh, outputs=bar.source, **private)
         ask.wire(demo)
         ask.wire_model_load(load)

@@ -4,6 +4,7 @@ the comparison's outputs. They read records and the registry, never a live cache
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterable
 from functools import cache
 from pathlib import Path
@@ -14,6 +15,7 @@ import pandas as pd
 
 from kvdemo.cache.budget import held_bytes_estimate
 from kvdemo.cache.geometry import element_size
+from kvdemo.cache.registry import BASELINE
 from kvdemo.cache.spec import CacheSpec
 from kvdemo.cache.speedlimit import SpeedLimit
 from kvdemo.charts.reports import comparison_display_frame, kv_error_figure, speed_frame, tradeoff_frame
@@ -274,12 +276,19 @@ def step_line(event: Any, spec: CacheSpec) -> str:
     return line
 
 
-def comparison_outputs(report: ComparisonReport, note: str) -> tuple[str, Any, Any, Any]:
+def comparison_outputs(
+    report: ComparisonReport, note: str, load: tuple[float, float] | None = None
+) -> tuple[str, Any, Any, Any]:
     """The Compare tab's status line, the short table a reader sees (`charts.comparison_display_frame`: MiB,
-    rounded, grouped memory · fidelity · speed, empty columns dropped) and two chart frames, for a (possibly
+    rounded, grouped memory · fidelity · speed, empty columns dropped) and the two charts' updates, for a (possibly
     partial) report. A spec whose mean KL is infinite (its cache gives zero probability to a token `dynamic`
     does not: `kvdemo.evals.metrics.kl_divergence`) shows `inf` in the table, and the line says that the chart,
-    which cannot place it, leaves it out."""
+    which cannot place it, leaves it out.
+
+    The memory-against-fidelity chart leaves out `dynamic`, the reference (KL 0 at the most bytes, which would
+    squeeze every other point into a corner), and names it in its title; its axes hold every point it draws. The
+    speed chart's title says when other work shared the cores (`load`: the 1-minute load average at the run's start
+    and end, over the core count; None: not measured), which moves the speeds more than the caches do."""
     frame = report.to_frame()
     if report.results:
         tokens = report.results[0].context_tokens
@@ -293,7 +302,32 @@ def comparison_outputs(report: ComparisonReport, note: str) -> tuple[str, Any, A
                 "dynamic's does not, so the memory-against-fidelity chart leaves it out"
             )
     tradeoff = tradeoff_frame(frame)  # one point per spec, coloured and named by its spec
-    return note, comparison_display_frame(frame), tradeoff, speed_frame(frame)
+    reference = tradeoff["backend"] == BASELINE
+    drawn = tradeoff[~reference & tradeoff["KL (nats)"].map(math.isfinite)]
+    title = "Memory against fidelity"
+    if reference.any():
+        bytes_ = tradeoff.loc[reference, "bytes per token"].iloc[0]
+        title += f" (dynamic, the reference: {bytes_:,.0f} bytes/token at KL 0, off the chart)"
+    x_top = float(drawn["bytes per token"].max()) * 1.1 if len(drawn) else None
+    y_top = float(drawn["KL (nats)"].max()) * 1.15 if len(drawn) else None
+    speed_title = "Decode speed"
+    cores = os.cpu_count() or 1
+    if load is not None and max(load) > cores + 0.5:  # the run's own threads fill the cores; more is other work
+        speed_title += (
+            f": ⚠ measured on a busy machine (1-min load average {load[0]:.1f} → {load[1]:.1f} on {cores} cores): "
+            "other work shared the cores, so the speeds differ by more than the caches do"
+        )
+    return (
+        note,
+        comparison_display_frame(frame),
+        gr.update(
+            value=tradeoff[~reference],
+            title=title,
+            x_lim=[0, x_top] if x_top else None,
+            y_lim=[0, y_top] if y_top else None,
+        ),
+        gr.update(value=speed_frame(frame), title=speed_title),
+    )
 
 
 def empty_comparison() -> tuple[Any, Any]:

@@ -158,7 +158,7 @@ BACKEND = Backend(
             "them at full precision (kvdemo only)",
         ),
     },
-    compare_nbits=(),  # not in the default comparison (kept quick); the Compare tab offers it, the recommender tries it
+    compare_nbits=(None,),  # q8_0, llama.cpp's most deployed quantized cache, in the default comparison
     width_rule=ggml_width_problem,
     presets={name: {"type_k": name, "type_v": name} for name in CACHE_TYPES},
     candidates=tuple(

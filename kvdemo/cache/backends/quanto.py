@@ -62,7 +62,7 @@ BACKEND = Backend(
     kv_bytes=group_bytes(quanto_packed_bytes),
     options=group_options(nbits=(2, 4), axes=(0, -1)),
     group_rule=quanto_group_problem,
-    compare_nbits=(4,),  # the Compare tab starts with seven specs: one per backend, and the rotated twins
+    compare_nbits=(4,),  # the default comparison: one spec per backend (`default_compare_specs`)
     module="optimum.quanto",
     pip="pip install optimum-quanto==0.2.7",
     deploy=transformers_rule,
