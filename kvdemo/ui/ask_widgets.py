@@ -32,9 +32,10 @@ the whole layer; 2.4x with `flush=append`)."""
 
 PAGE_RESIDUAL_LENGTH = 16
 """The residual the page starts at (tokens): a flush shows within the first answer. The residual is empty after the
-prefill (`kvdemo.cache.budget.held_bytes_estimate`), and a question with the chat template's tokens takes 15-30
-tokens on the shipped models, so the question's own pass flushes and an answer of 16 more tokens flushes again. A
-recommendation measured at 128 would show a straight ramp and no flush on the short answers of a QA text."""
+prefill (`kvdemo.cache.budget.held_bytes_estimate`); a question with the chat template's tokens takes 10-30 tokens on
+the shipped models (14 for "Which newspaper defined southern California?" on the embedded model), so the residual
+fills within the question's pass or the answer's first tokens, and again every 16 tokens. At the 128 a
+recommendation measures, the short answers of a QA text show a straight ramp and no flush."""
 
 
 def page_start(pick: CacheSpec) -> CacheSpec:

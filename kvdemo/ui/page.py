@@ -102,7 +102,8 @@ class ModelBar:
                     self.source = gr.Dropdown(
                         choices=self.choices(),
                         value="",
-                        label="Model: a Hub id, a folder or a .gguf, or one installed here",
+                        label="Model",
+                        info="Hub id, folder or .gguf, or one installed here",
                         allow_custom_value=True,
                         filterable=True,
                         scale=3,

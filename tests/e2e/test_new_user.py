@@ -20,13 +20,14 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import Page, expect
 
+from kvdemo import QASession
 from kvdemo.cache.spec import CacheSpec
 from kvdemo.evals.cases import example_path, load_case
 from kvdemo.qa.models import load_model
 from kvdemo.qa.packaged import GEMMA3_PIP, OfferedModel, gemma3_installed
 from kvdemo.serve.server import App
 from kvdemo.ui import page as page_module
-from kvdemo.ui.ask_widgets import START_SPEC
+from kvdemo.ui.ask_widgets import PAGE_RESIDUAL_LENGTH, START_SPEC, page_start
 
 from .conftest import opened_tab, serve
 
@@ -96,6 +97,50 @@ def test_after_a_prefill_ask_shows_and_a_refusal_beside_it_stays(page, normans):
     expect(refusal).to_have_count(0)
 
 
+def _wholly_in_view(page: Page, locator) -> bool:
+    """Whether `locator` lies wholly inside the viewport where the page is scrolled now."""
+    box = locator.bounding_box()
+    return box is not None and box["y"] >= 0 and box["y"] + box["height"] <= page.viewport_size["height"]
+
+
+def test_the_first_answer_at_the_defaults_in_view_with_a_flush_and_full_precision_beside_it(page, app_and_url):
+    """The page's first minute at 1,400 × 900 (issue 67) on paragraphs no other test reads, at the page's start (the
+    recommended spec, its residual cut so that a flush shows): the prefill line names f16 and the peak; while the
+    first answer streams, the chat and the memory and residual charts are in view together; the answer flushes;
+    the full-precision answer shows beside it, the one a fresh `dynamic` session gives."""
+    app = app_and_url[0]
+    case = load_case(example_path("southern_california")).select("12-18")
+    question = case.answerable(1)[0].question
+    _prefill(page, case.context)
+    summary = page.get_by_text(re.compile(r"^(Prefilled|Opened) "))
+    expect(summary).to_contain_text(re.compile(r"×\*?\*? a float32 cache .* this model's dtype"))
+    expect(summary).to_contain_text(re.compile(r"× an f16 one \([\d.]+ MiB, the engines' default cache\)"))
+    expect(summary).to_contain_text(re.compile(r"up to [\d.]+ MiB during an answer .* the snapshot's post-prefill"))
+    page.get_by_label("question", exact=True).fill(question)
+    _ask_button(page).click()
+    expect(page.get_by_text(re.compile(r"^step \d+ ·"))).to_be_visible(timeout=120_000)
+    chat = page.get_by_label("answers", exact=True).or_(page.locator(".bubble-wrap")).first
+    memory = page.locator(".vega-embed").filter(has_text="KV cache memory")
+    residual = page.locator(".vega-embed").filter(has_text="Residual fill (layer 0)")
+    assert all(_wholly_in_view(page, part) for part in (chat, memory, residual)), [
+        (part, part.bounding_box()) for part in (chat, memory, residual)
+    ]
+    _shot(page, "3-first-answer-streaming-1400x900")
+    stats = page.locator("p", has_text="cache length after restore").first  # the whole line, not its bold part
+    expect(stats).to_be_visible(timeout=240_000)
+    flushes = int(re.search(r"([\d,]+) in all", stats.inner_text()).group(1).replace(",", ""))
+    assert flushes > 0, stats.inner_text()  # the first answer at the defaults flushes
+    expect(residual).to_contain_text(f"flushes at residual_length={PAGE_RESIDUAL_LENGTH}")
+    beside = page.get_by_text(re.compile(r"^Full precision \(dynamic, "))
+    expect(beside).to_be_visible(timeout=240_000)
+    full = QASession(app.loaded, CacheSpec())
+    full.prefill(case.context)
+    expected = full.ask(question).text.strip()
+    assert " ".join(expected.split()) in " ".join(beside.inner_text().split())
+    expect(beside).to_contain_text(re.compile(r"the same tokens|first differs at token \d+"))
+    _shot(page, "4-full-precision-beside-1400x900")
+
+
 def test_a_backend_click_gives_its_own_defaults_or_what_was_set_on_it(page, app_and_url):
     """The page starts on the model's recommended spec (`App.recommended`, stored by `make setup`), says so under the
     backend, and a click on a backend gives its own values."""
@@ -104,16 +149,19 @@ def test_a_backend_click_gives_its_own_defaults_or_what_was_set_on_it(page, app_
     residual = page.get_by_label("residual_length", exact=True)
     found = app_and_url[0].recommended
     assert found is not None, "no recommended start stored for the embedded model: run make setup"
-    expect(line.first).to_contain_text(CacheSpec.parse(found.pick).full_text)
+    shown = page_start(CacheSpec.parse(found.pick))  # the pick, its residual cut so that a flush shows
+    expect(line.first).to_contain_text(shown.full_text)
     expect(page.get_by_text("Recommended for this model:")).to_contain_text(found.pick)
+    if shown != CacheSpec.parse(found.pick):
+        expect(page.get_by_text(f"The page starts at residual_length={PAGE_RESIDUAL_LENGTH}")).to_be_visible()
     page.get_by_label("quanto", exact=True).check()
     expect(flush).to_have_value("requantize")
     expect(residual).to_have_value(str(START_SPEC.resolved()["residual_length"]))  # the page's fixed start, quanto's
     page.get_by_label("turboquant", exact=True).check()
     # turboquant's own flush (append), not quanto's requantize riding along; the line says what a Prefill runs
     expect(flush).to_have_value("append")
-    expect(residual).to_have_value("128")
-    expect(line.first).to_contain_text("residual_length=128,flush=append")
+    expect(residual).to_have_value(str(PAGE_RESIDUAL_LENGTH))  # the page's start, the recommendation's backend
+    expect(line.first).to_contain_text(f"residual_length={PAGE_RESIDUAL_LENGTH},flush=append")
     residual.fill("64")
     residual.blur()
     page.get_by_label("quanto", exact=True).check()
@@ -187,7 +235,7 @@ def test_gemma_3_from_the_model_box_and_its_memory_named(page, app_and_url, embe
         # the bytes kept at full precision (15 sliding windows) and what the ratio compares
         summary = page.get_by_text(re.compile(r"^(Prefilled|Opened) "))
         expect(summary).to_contain_text(re.compile(r"of which [\d.]+ MiB in layers kept at full precision"))
-        expect(summary).to_contain_text("a full-precision cache of these tokens")
+        expect(summary).to_contain_text(re.compile(r"a float32 cache .* an f16 one"))
         page.get_by_label("max_new_tokens", exact=True).fill("24")
         page.get_by_label("question", exact=True).fill(southern_california.answerable(1)[0].question)
         _ask_button(page).click()
