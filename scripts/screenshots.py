@@ -3,18 +3,19 @@
 1. Start the app in this process on a free loopback port (the embedded model, the page's defaults), as `app.py`
    does, and wait for the model.
 2. Drive Debian's chromium through Playwright for Python (`executable_path=shutil.which("chromium")`; never
-   `playwright install`) at 1,280 px wide.
-3. Ask tab (`docs/images/ask.png`): load the Normans example with its button, prefill, ask one example question
-   to the end (so the answers table and the step-time chart have a row), then ask a longer question and take the
-   picture while its answer streams: the chat, the live memory and residual charts, the step line, the speed limit.
+   `playwright install`) at 1,400 × 900, the screen issue 67 fits the page's first minute to.
+3. Ask tab (`docs/images/ask.png`): load the Normans example with its button, prefill at the page's start, ask one
+   example question to the end and wait for the full-precision answer beside it; the picture is the screen as the
+   user sees it then (scrolled to the chat): the chat, the memory and residual charts with the answer's flushes, the
+   full-precision answer under them, the answer's line.
 4. Compare tab (`docs/images/compare.png`): `--specs` (by default the tab's own start,
-   `kvdemo.cache.catalogue.default_compare_specs`: one spec per backend and the 4-bit ones' rotated twins) on one
-   question with `--compare-tokens` new tokens, and the picture of the results once the run ends: the status, the
-   table, the answers side by side, the two charts.
+   `kvdemo.cache.catalogue.default_compare_specs`: one spec per backend, and the Ask tab's start in "more specs")
+   on one question with `--compare-tokens` new tokens, and the picture of the results once the run ends: the
+   status, the table, the answers side by side, the two charts.
 
 Each picture is cropped to its region and, when over `--max-kib`, scaled down with Pillow until it fits.
-About 2-3 minutes on 2 near-idle cores (128 s at load ~0.5 with four specs, before the twins: model load, a
-1,341-token prefill, two answers, the comparison), 4-7 minutes under load 4-5.
+About 2-4 minutes on 2 near-idle cores (model load, a 1,341-token prefill, an answer and its full-precision twin,
+the comparison), more under load.
 
 Example:
     .venv/bin/python scripts/screenshots.py                    # writes docs/images/{ask,compare}.png
@@ -45,7 +46,7 @@ from kvdemo.cache.catalogue import all_specs, default_compare_specs  # noqa: E40
 from kvdemo.quiet import quiet  # noqa: E402
 from kvdemo.ui.examples import example  # noqa: E402
 
-WIDTH = 1280
+WIDTH, HEIGHT = 1400, 900
 STREAMING_QUESTION = "Who were the Normans, where did they come from, and what did they do?"
 COMPARE_QUESTION = "Who was the Norse leader?"
 
@@ -102,51 +103,37 @@ def save_small(png: bytes, path: Path, max_kib: int) -> tuple[int, int, int]:
 
 
 def shoot_ask(page: Page, timeout_ms: int) -> bytes:
-    """The Ask tab mid-answer, after one answer to the end."""
+    """The Ask tab at 1,400 × 900 after one answer at the page's start and the full-precision answer beside it."""
+    page.set_viewport_size({"width": WIDTH, "height": HEIGHT})
     page.get_by_role("button", name="Example: Normans").click()
     page.get_by_role("button", name="Prefill", exact=True).click()
     summary = page.get_by_text(re.compile(r"^Prefilled [\d,]+ tokens in [\d.]+ s"))
     expect(summary).to_be_visible(timeout=timeout_ms)
     ask = page.get_by_role("button", name="Ask", exact=True)
-    # one example question to the end: the answers table and the step-time chart get a row
     page.get_by_role("button", name=example("Normans")[1][0], exact=True).click()
     ask.click()
     expect(page.get_by_text("cache length after restore")).to_be_visible(timeout=timeout_ms)
-    expect(ask).to_be_enabled(timeout=timeout_ms)
-    # the picture's answer: a long one, taken while it streams
-    page.get_by_label("max_new_tokens", exact=True).first.fill("96")
-    page.get_by_label("question", exact=True).fill(STREAMING_QUESTION)
-    ask.click()
-    bot = page.locator('[data-testid="bot"]').nth(1)
-    expect(page.get_by_text(re.compile(r"^step \d+ ·"))).to_be_visible(timeout=timeout_ms)
-    deadline = time.monotonic() + timeout_ms / 1000
-    while len(bot.inner_text().split()) < 20 and time.monotonic() < deadline:
-        page.wait_for_timeout(200)
-    page.wait_for_timeout(300)  # the charts' last frame drawn
-    clip = union_clip(
-        page,
-        page.get_by_role("radio", name="quanto"),  # the tab's top: options, context and questions side by side
-        page.locator('[data-testid="bot"]').last,
-        page.get_by_text(re.compile(r"^step \d+ ·")),
-        page.locator("#step-times"),
-        page.locator("p", has_text=re.compile(r"^Speed limit")),  # the line under the step-time chart
-    )
-    png = page.screenshot(clip=clip, full_page=True)
-    expect(page.get_by_text("cache length after restore")).to_be_visible(timeout=timeout_ms)  # let it finish
-    return png
+    expect(page.get_by_text(re.compile(r"^Full precision \(dynamic, "))).to_be_visible(timeout=timeout_ms)
+    page.get_by_text("answers", exact=True).first.scroll_into_view_if_needed()  # the row: chat and live charts
+    page.evaluate("window.scrollBy(0, -60)")  # the options' note above the row's top, as a user scrolls
+    page.wait_for_timeout(1000)  # the charts' last frame drawn
+    return page.screenshot()
 
 
 def shoot_compare(page: Page, specs: list[str], tokens: int, timeout_ms: int) -> bytes:
     """The Compare tab after a run of `specs` on one question (the Ask tab's Normans context)."""
+    page.set_viewport_size({"width": WIDTH, "height": 1600})
     page.get_by_role("tab", name="Compare backends").click()
+    page.get_by_text("specs to compare:").click()  # the checkboxes, folded
     for spec in all_specs():  # tick `specs`, untick the others
         box = page.get_by_role("checkbox", name=spec.text, exact=True)
         if box.is_checked() != (spec.text in specs):
             box.click()
+    page.get_by_text("specs to compare:").click()  # folded again, as a user leaves it
     page.get_by_label("max_new_tokens", exact=True).locator("visible=true").fill(str(tokens))
     page.get_by_label("questions, one per line").fill(COMPARE_QUESTION)
     page.get_by_role("button", name="Run comparison").click()
-    done = page.get_by_text(re.compile(rf"^Compared {len(specs)} specs on 1 question"))
+    done = page.get_by_text(re.compile(r"^Compared \d+ specs on 1 question"))  # and the Ask tab's start
     expect(done).to_be_visible(timeout=timeout_ms)
     page.wait_for_timeout(1500)  # the charts drawn
     clip = union_clip(
@@ -183,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with sync_playwright() as playwright:
             browser = playwright.chromium.launch(executable_path=chromium)
-            page = browser.new_page(viewport={"width": WIDTH, "height": 1600})
+            page = browser.new_page(viewport={"width": WIDTH, "height": HEIGHT})
             page.goto(f"http://127.0.0.1:{port}/")
             expect(page.get_by_text("135 M parameters")).to_be_visible(timeout=timeout_ms)
             shots = {"ask.png": shoot_ask(page, timeout_ms)}

@@ -210,7 +210,6 @@ class AskWidgets:
             # enabled while a prefill or an answer runs or waits (`AskTab.stop_state`)
             w["stop_button"] = gr.Button("Stop", variant="stop", interactive=False, min_width=80)
         w["stats"] = gr.Markdown("")
-        w["reference"] = gr.Markdown("")  # the full-precision answer beside the last one (`AskTab.reference`)
         w["example_questions"] = gr.Dataset(
             components=[w["question"]], samples=[], label="example questions", visible=False
         )
@@ -269,7 +268,8 @@ class AskWidgets:
 
     def _build_live_charts(self) -> None:
         """The memory and residual charts one above the other, each titled and with its whole legend from the start:
-        what an answer redraws as it streams (the step-time chart, drawn at its end, sits below)."""
+        what an answer redraws as it streams (the step-time chart, drawn at its end, sits below); under them the
+        full-precision answer beside the last one."""
         w = self.w
         # each chart starts empty with its title and legend (`views`); a bare None draws an untitled box
         w["memory_plot"] = gr.LinePlot(
@@ -298,3 +298,5 @@ class AskWidgets:
             y_lim=[0, START_SPEC.resolved()["residual_length"] * 1.1],
             color_map=dict(zip(views.RESIDUAL_SERIES, ("#ff7f0e", "#7f7f7f"))),
         )
+        # the full-precision answer beside the last one (`AskTab.reference`), in view with the chat and the charts
+        w["reference"] = gr.Markdown("")

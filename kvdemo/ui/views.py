@@ -40,16 +40,22 @@ EXPLAINER = """
 vector per token: the **KV cache**. Answers are generated on top of it, one **decode step** per token,
 without reading the context again.
 
-**Quantized cache.** `quanto` and `hqq` store the cache in 1-8 bit integers, in groups of `q_group_size`
-values that share one scale and zero point; `fp8` stores 8-bit floats with one scale per tensor. The
-memory chart shows the bytes really held against what full precision (`dynamic`) would hold.
+**Quantized cache.** `quanto`, `hqq` and `turboquant` store the cache in 1-8 bit integers (`nbits`; `nbits_value`
+for the values alone), `ggml` in llama.cpp's blocks (`type_k`/`type_v`: q8_0, q4_0, ...), `fp8` in 8-bit floats.
+The **memory chart** shows the bytes really held against what full precision would hold; the line under Prefill
+gives the ratio to this machine's dtype (float32 on a CPU) and to f16, the engines' default, and the most the
+session holds during an answer.
 
-**Residual and flush.** `quanto` and `hqq` keep the newest tokens in full precision, the **residual**.
-When it reaches `residual_length` tokens, the layer **flushes** and the residual empties: with
+**Residual and flush.** `quanto`, `hqq` and `turboquant` keep the newest tokens in full precision, the
+**residual**. When it reaches `residual_length` tokens, the layer **flushes** and the residual empties: with
 `flush=requantize` (transformers') the whole layer is de-quantized, joined with the residual and quantized
-again; with `flush=append` (KIVI's way) only the residual block is quantized and appended. The flush chart
-marks each one; the residual chart shows the sawtooth. `fp8` has no residual: it appends with the scale frozen
-at the prefill.
+again; with `flush=append` (KIVI's way) only the residual block is quantized and appended. The **residual chart**
+shows the sawtooth; the step-time chart marks each flush step. The page starts at `residual_length=16` so that the
+first answer flushes; `fp8` and `ggml` have no residual (every token is quantized as it is written).
+
+**Full precision beside it.** After each answer the page asks the same question of a `dynamic` (full-precision)
+cache of the same text, once per question, and says where the two answers first differ: the cache's fault, not the
+model's.
 
 **Storage of `dynamic`.** transformers' `DynamicCache` (`storage=concat`) copies the whole cache into a new
 tensor at every decode step; `storage=growing` writes only the new token into spare room it keeps (counted in

@@ -138,6 +138,7 @@ def test_the_first_answer_at_the_defaults_in_view_with_a_flush_and_full_precisio
     expected = full.ask(question).text.strip()
     assert " ".join(expected.split()) in " ".join(beside.inner_text().split())
     expect(beside).to_contain_text(re.compile(r"the same tokens|first differs at token \d+"))
+    assert _wholly_in_view(page, beside) and _wholly_in_view(page, residual)  # under the charts, in view with them
     _shot(page, "4-full-precision-beside-1400x900")
 
 
