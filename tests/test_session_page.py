@@ -150,7 +150,7 @@ def test_save_session_then_open_it_in_another_tab(tiny, tmp_path):
     assert path is not None and notice.startswith("⚠ nothing is prefilled in this tab")
     fns["prefill"](CONTEXT, *HQQ, request)
     path, notice = fns["saving"](request)
-    assert path.endswith(".kvsession") and "download it above" in notice
+    assert path.endswith(".kvsession") and "download it from the session file box below" in notice
     qa = app.sessions.get("a").qa
     assert notice.startswith(f"Saved the cache's `{qa.spec.full_text}` over {qa.prefill_report.context_tokens} tokens")
     assert qa.spec.full_text.startswith("hqq:4,q_group_size=64,residual_length=4,axis_key=0,axis_value=0,")

@@ -142,6 +142,7 @@ def test_stop_ends_the_answer_and_restores(handlers):
     qa = app.sessions.get("tab-1").qa
     assert qa.history[-1].finish_reason == "stopped" and qa.history[-1].steps == 2
     assert "stopped" in final[1] and f"cache length after restore = {qa.prefill_report.context_tokens:,}" in final[1]
+    assert final.chat[-1]["content"] == f"{qa.history[-1].text} [stopped]"  # marked in the chat too
     assert fns["stop"](_request("other-tab")) is None  # nothing streams there: nothing happens
 
 
@@ -953,3 +954,10 @@ def test_live_charts_redraw_four_times_a_second_and_at_every_flush():
             drawn_at = elapsed
             drawn.append(elapsed)
     assert drawn == [0.0, 0.26, 0.34, 0.6]
+
+
+def test_the_answers_table_names_each_spec_with_its_precision():
+    """A backend without nbits is named with its types (ggml's `-ctk`/`-ctv`), not by its bare name."""
+    assert views.table_spec(CacheSpec.parse("ggml")) == "ggml,type_k=q8_0,rotation=auto"
+    assert views.table_spec(CacheSpec.parse("quanto:4,residual_length=16")) == "quanto:4,residual_length=16"
+    assert views.table_spec(CacheSpec.parse("dynamic")) == "dynamic"

@@ -233,9 +233,11 @@ class AskTab(AskWidgets):
         finally:  # also a stopped, disconnected or failed answer: the session recorded it when its stream closed
             run.events.close()
             if len(qa.history) > answered:
-                user.answers.append(dict(qa.history[-1].to_dict(), spec=qa.spec.short_text))
+                user.answers.append(dict(qa.history[-1].to_dict(), spec=views.table_spec(qa.spec)))
         if not user.events:
             user.chat[-1] = {"role": "assistant", "content": qa.history[-1].text}
+        if qa.history[-1].finish_reason == "stopped":  # marked where the reader looks, not only in the line
+            user.chat[-1] = {"role": "assistant", "content": f"{qa.history[-1].text} [stopped]"}
         user.answer_line = views.answer_stats(qa, first_token, user.events)
         user.reference_due = True  # the page's next event puts the full-precision answer beside it (`reference`)
         yield AnswerView(

@@ -68,7 +68,7 @@ def save(app: App, request: gr.Request) -> tuple[Any, Any]:
     tokens = qa.prefill_report.context_tokens if qa.prefill_report else 0
     return str(saved.path), (
         f"Saved the cache's `{qa.spec.full_text}` over {tokens:,} tokens ({saved.bytes / 2**20:,.2f} MiB in "
-        f"{saved.seconds:.2f} s): download it above."
+        f"{saved.seconds:.2f} s): download it from the session file box below."
     )
 
 

@@ -460,6 +460,13 @@ def with_every_series(frame: Any, column: str, names: Iterable[str]) -> Any:
     return pd.concat([frame, pd.DataFrame(rows).astype(frame.dtypes.to_dict())], ignore_index=True)
 
 
+def table_spec(spec: CacheSpec) -> str:
+    """A spec as the answers table names it: `CacheSpec.short_text` (nbits and the options off their defaults), or,
+    for a quantized backend that takes no nbits, `full_text`, so that its precision shows
+    (`ggml,type_k=q8_0,rotation=auto`, not a bare `ggml`)."""
+    return spec.full_text if spec.info.quantized and "nbits" not in spec.info.options else spec.short_text
+
+
 def answers_table(records: list[dict]) -> Any:
     """The Ask tab's answers table: `charts.answers_frame` with the figures rounded for reading."""
     return answers_frame(records).round({"question s": 2, "decode tokens/s": 1, "seconds": 2})
