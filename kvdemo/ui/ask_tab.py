@@ -423,7 +423,7 @@ class AskTab(AskWidgets):
             inputs=state_inputs,
             outputs=[w[name] for name in PrefillView._fields],
             api_name="prefill",
-            show_progress_on=w["prefill_info"],  # the bar where the user looks, not over every chart
+            show_progress_on=w["notice"],  # the bar where the user looks (under Prefill), over no other text
             **model_work,
         ).then(**stop_state)
         answer_outputs = [w[name] for name in AnswerView._fields]

@@ -184,7 +184,9 @@ class AskWidgets:
             with gr.Column(scale=2, min_width=120):
                 w["examples"] = {name: gr.Button(f"Example: {name}", size="sm") for name in EXAMPLES}
         w["prefill_button"] = gr.Button("Prefill", variant="primary")
-        w["notice"] = gr.Markdown("")  # refusals, right under the button they refuse
+        # refusals, right under the button they refuse; and the prefill's progress (`show_progress_on`), drawn over
+        # this line, empty meanwhile, not over the spec line below it
+        w["notice"] = gr.Markdown("", min_height=60)
         w["prefill_info"] = gr.Markdown(f"**spec** `{START_SPEC.full_text}` · nothing prefilled in this tab yet")
         with gr.Accordion("Session file: save this session, or open a saved one", open=False):
             # `session_box`: a download after Save session; an upload is opened instead of a prefill

@@ -226,6 +226,8 @@ class CompareTab:
                     w["fill_button"] = gr.Button("Fill in questions (asked so far, or the example's)", size="sm")
                     w["compare_button"] = gr.Button("Run comparison", variant="primary")
                     w["cancel_button"] = gr.Button("Cancel", variant="stop", interactive=False)  # `cancel_state`
+                # the run's progress bar, on a line of its own: drawn over the status line it covered its text
+                w["compare_progress"] = gr.Markdown("", min_height=60)
                 w["compare_status"] = gr.Markdown("")  # right under the buttons: progress, refusals, the summary
             with gr.Column(scale=2, min_width=320):
                 w["more"] = gr.Textbox(
@@ -359,7 +361,7 @@ class CompareTab:
             inputs=[self.ask.w["context"], *settings, w["perplexity"], w["plan_base"], w["plan_budget"]],
             outputs=[w[name] for name in CompareView._fields],
             api_name="compare",
-            show_progress_on=w["compare_status"],  # one bar, on the status line, not over every table and chart
+            show_progress_on=w["compare_progress"],  # one bar, under the buttons, over no text
             concurrency_limit=1,
             concurrency_id="compare",
         ).then(self.cancel_state, outputs=w["cancel_button"], queue=False, api_visibility="private")

@@ -181,6 +181,8 @@ class NeedleTab:
                 with gr.Row():
                     w["run_button"] = gr.Button("Run grid", variant="primary")
                     w["cancel_button"] = gr.Button("Cancel", variant="stop", interactive=False)  # `cancel_state`
+                # the run's progress bar, on a line of its own: drawn over the status line it covered its text
+                w["needle_progress"] = gr.Markdown("", min_height=60)
                 w["needle_status"] = gr.Markdown("")  # right under the buttons: progress, refusals, the summary
         with gr.Row():
             # the figures carry their own titles; Gradio's label would be drawn over them
@@ -201,7 +203,7 @@ class NeedleTab:
             inputs=[w["specs"], w["lengths"], w["depths"], w["seed"], w["max_new_tokens"], w["one_needle"]],
             outputs=[w[name] for name in NeedleView._fields],
             api_name="needle",
-            show_progress_on=w["needle_status"],  # one bar, on the status line, not over every table and chart
+            show_progress_on=w["needle_progress"],  # one bar, under the buttons, over no text
             concurrency_limit=1,
             concurrency_id="compare",
         ).then(self.cancel_state, outputs=w["cancel_button"], queue=False, api_visibility="private")

@@ -93,9 +93,9 @@ class ModelBar:
 
     def build(self) -> None:
         with gr.Row():
-            with gr.Column(scale=3):
+            with gr.Column(scale=5):
                 self.line = gr.Markdown("Loading the model…")
-            with gr.Column(scale=2):
+            with gr.Column(scale=4):  # wide enough for a model's whole name in the box
                 with gr.Row():
                     # the models installed here (the start-up one; Gemma 3 270M after `make gemma`), or any typed;
                     # read again when the box is opened (`refresh`)
@@ -106,9 +106,9 @@ class ModelBar:
                         info="Hub id, folder or .gguf, or one installed here",
                         allow_custom_value=True,
                         filterable=True,
-                        scale=3,
+                        scale=5,
                     )
-                    self.button = gr.Button("Load", scale=1)
+                    self.button = gr.Button("Load", scale=1, min_width=80)
 
 
 def build_demo(app: App) -> gr.Blocks:

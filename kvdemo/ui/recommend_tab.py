@@ -162,6 +162,8 @@ class RecommendTab:
                 with gr.Row():
                     w["button"] = gr.Button("Recommend", variant="primary")
                     w["cancel"] = gr.Button("Cancel", variant="stop", interactive=False)  # `cancel_state`
+                # the run's progress bar, on a line of its own: drawn over the status line it covered its text
+                w["recommend_progress"] = gr.Markdown("", min_height=60)
                 w["recommend_status"] = gr.Markdown("")
         w["pick"] = gr.Markdown("")
         w["frontier_plot"] = gr.ScatterPlot(
@@ -183,7 +185,7 @@ class RecommendTab:
             inputs=[self.ask.w["context"], w["questions"], w["max_kl"], w["engine"]],
             outputs=[w[name] for name in RecommendView._fields],
             api_name="recommend",
-            show_progress_on=w["recommend_status"],
+            show_progress_on=w["recommend_progress"],  # one bar, under the buttons, over no text
             concurrency_limit=1,
             concurrency_id="compare",
         ).then(self.cancel_state, outputs=w["cancel"], **private)
