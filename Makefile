@@ -18,7 +18,7 @@ $(APP_STAMP): requirements.txt
 	$(PY) -m pip install --quiet --no-deps --editable .
 	@echo "warming up the quantized backends (optimum-quanto compiles its extension once per machine, into the kvdemo cache folder: 30-60 s on 2 idle cores)..."
 	$(PY) -c "from kvdemo.cache.warmup import warm_up; print({k: round(v, 1) for k, v in warm_up().items()}, 'seconds')"
-	@echo "measuring the embedded model's recommended KV setting once (the page's starting spec): about 40 s, a line per step..."
+	@echo "measuring the embedded model's recommended KV setting once (the page's starting spec): about 40 s idle, a line per step with the time left..."
 	HF_HUB_OFFLINE=1 $(PY) -m kvdemo.serve.recommended
 	touch $@
 

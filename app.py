@@ -245,7 +245,8 @@ def main(argv: list[str] | None = None) -> None:
         _log.info("ZeroGPU: the page's model work runs in @spaces.GPU jobs")
     demo = build_demo(app)
     demo.queue(default_concurrency_limit=args.concurrency, max_size=args.queue_size or None)
-    model = f"model loaded: {app.loaded.name}" if app.loaded is not None else "model loading in the background"
+    loaded = app.loaded  # the start-up load runs in a thread: done already, or not yet
+    model = f"model loaded: {loaded.name}" if loaded is not None else "model loading in the background"
     _log.info("serving on http://%s:%s (%s)", args.host, args.port, model)
     # Gradio keeps each browser session's component updates (charts, chat) until it has seen this many newer
     # sessions (default 10,000): bound it by the sessions the app itself keeps

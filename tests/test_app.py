@@ -93,6 +93,8 @@ def fake_page(env):
     made = {}
 
     class FakeApp:
+        loaded = None  # the start-up load has not finished: the log says it runs in the background
+
         def __init__(self, **kwargs):
             made["app"] = kwargs
 

@@ -383,3 +383,22 @@ def test_mcp_recommend_uses_the_sessions_context_and_refuses_bad_input(tiny, nor
     ]:
         with pytest.raises(gr.Error, match=message):
             call()
+
+
+def test_the_app_probes_the_pages_start_while_the_page_is_served(tiny, monkeypatch):
+    """The probe of the page's starting spec (the recommendation's pick, its residual cut) runs in the start-up load,
+    keyed by the spec's every option resolved, so that the first Prefill at the page's fields does not pay it."""
+    from kvdemo.serve import server
+    from kvdemo.serve.recommended import page_start
+    from kvdemo.ui.inputs import spec_from_inputs
+
+    monkeypatch.setattr(server, "page_default", lambda loaded, measure_missing: SimpleNamespace(pick="turboquant:4"))
+    probes = tiny.__dict__.setdefault("_probes", {})
+    start = page_start(CacheSpec.parse("turboquant:4")).validate(tiny.config)
+    probes.pop(start.full_text, None)
+    app = App(loader=lambda source: tiny)
+    app.start_loading()
+    assert app.wait_for_model() is tiny
+    assert start.full_text in probes and probes[start.full_text] is None  # probed, and it serves the model
+    fields = spec_from_inputs(start.backend, dict(start.resolved()))  # the spec the page's fields send
+    assert fields.validate(tiny.config).full_text == start.full_text  # the same probe: no set-up at the Prefill

@@ -961,3 +961,34 @@ def test_the_answers_table_names_each_spec_with_its_precision():
     assert views.table_spec(CacheSpec.parse("ggml")) == "ggml,type_k=q8_0,rotation=auto"
     assert views.table_spec(CacheSpec.parse("quanto:4,residual_length=16")) == "quanto:4,residual_length=16"
     assert views.table_spec(CacheSpec.parse("dynamic")) == "dynamic"
+
+
+def test_long_jobs_say_the_time_left_at_their_own_pace():
+    """The bar of Compare, Needle and Recommend: no promise before a unit is done, then the seconds per unit so far ×
+    the units left, revised at every update."""
+    shown, now = [], [100.0]
+    paced = views.Paced(lambda value, desc, unit: shown.append((value, desc)), clock=lambda: now[0])
+    paced(0, 10, "dynamic: prefilling")
+    now[0] = 130.0
+    paced(3, 10, "dynamic: answering 1/2")
+    now[0] = 400.0
+    paced(5, 10, "fp8: prefilling")
+    assert shown == [
+        ((0, 10), "dynamic: prefilling"),
+        ((3, 10), "dynamic: answering 1/2 · about 70 s left at this run's pace"),
+        ((5, 10), "fp8: prefilling · about 5 min 00 s left at this run's pace"),  # a busier machine: revised
+    ]
+
+
+def test_compare_estimates_its_time_from_the_tabs_own_measurements(handlers):
+    app, fns = handlers
+    assert views.compare_estimate(6, 1, 32, None, []) == ""  # nothing measured here yet: no promise
+    fns["prefill"](CONTEXT, *HQQ, _request())
+    user = app.sessions.get("tab-1")
+    assert views.compare_estimate(6, 1, 32, user.qa, user.events) == ""  # a prefill, no decode step yet
+    _ask(fns, "Who led the Normans?", 6)
+    step = sorted(e.seconds for e in user.events if e.kind == "decode step")
+    text = views.compare_estimate(6, 2, 32, user.qa, user.events)
+    assert text.startswith(" (about ") and "6 prefills of " in text and "768 decode steps of " in text
+    seconds = 6 * (user.qa.prefill_report.seconds + 2 * 2 * 32 * views.flush_timing(user.events)[2])
+    assert f"about {views.duration(seconds)}:" in text and step

@@ -161,9 +161,10 @@ def check_model(loaded: LoadedModel, spec: CacheSpec) -> None:
         UnsupportedModelError (a ValueError): the message says what failed and what would work.
     """
     found: dict[str, str | None] = loaded.__dict__.setdefault("_probes", {})
-    if spec.text not in found:
-        found[spec.text] = _probe(loaded, spec)
-    problem = found[spec.text]
+    key = spec.full_text  # every option resolved: the page's fields and a typed spec of the same cache share it
+    if key not in found:
+        found[key] = _probe(loaded, spec)
+    problem = found[key]
     if problem is None:
         return
     baseline = CacheSpec(next(name for name, backend in BACKENDS.items() if not backend.quantized))

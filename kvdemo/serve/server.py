@@ -16,12 +16,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvdemo.cache.spec import CacheSpec
 from kvdemo.compare.recommendation import Recommendation
 from kvdemo.qa.models import LoadedModel, is_hub_id, load_model
+from kvdemo.qa.probe import check_model
 from kvdemo.serve.accounting import KVAccount
 from kvdemo.serve.device import Device
 from kvdemo.serve.door import Door
-from kvdemo.serve.recommended import page_default
+from kvdemo.serve.recommended import page_default, page_start
 from kvdemo.serve.session_files import SessionFiles
 from kvdemo.serve.store import SessionStore
 
@@ -121,6 +123,7 @@ class App:
             self.loaded = self.loader(self.model_source)
             _log.info("model loaded: %s", self.loaded.name)
             self.recommended = page_default(self.loaded, measure_missing=False)  # a stored one: milliseconds
+            self._probe_start()
         except Exception as error:  # shown on the page; the user can load another model
             self.load_error = f"{type(error).__name__}: {error}"
             _log.warning("the model did not load (%s); load another on the page", self.load_error)
@@ -132,6 +135,19 @@ class App:
             found = page_default(loaded, measure_missing=True)
             if self.loaded is loaded:  # not replaced by a Load meanwhile
                 self.recommended = found
+
+    def _probe_start(self) -> None:
+        """Run the probe of the page's starting spec (`kvdemo.qa.probe.check_model`, a few tokens through its cache,
+        kept on the model) while the page is served, so that the first Prefill at the page's start does not pay it
+        (1-2 s idle, 13-17 s on a busy machine). It is per process and per model object: `make setup` cannot pay it.
+        A refusal is left to the Prefill, which says it."""
+        if self.recommended is None or not self.recommended_start or self.loaded is None:
+            return
+        try:
+            spec = page_start(CacheSpec.parse(self.recommended.pick)).validate(self.loaded.config)
+            check_model(self.loaded, spec)
+        except ValueError as error:
+            _log.info("the page's start does not serve %s: %s", self.loaded.name, error)
 
     def wait_for_model(self, timeout: float | None = None) -> LoadedModel:
         """The shared model, once the start-up load is done.

@@ -17,6 +17,7 @@ from kvdemo.cache.speedlimit import SpeedLimit
 from kvdemo.charts.steps import KEPT_SERIES, MEMORY_SERIES, answers_frame
 from kvdemo.qa.limits import DEFAULT_MAX_NEW_TOKENS
 from kvdemo.serve.door import Session
+from kvdemo.serve.recommended import PAGE_RESIDUAL_LENGTH, page_start
 from kvdemo.serve.secret import browser_state_secret
 from kvdemo.ui import option_fields, views
 from kvdemo.ui.examples import EXAMPLES
@@ -30,21 +31,7 @@ and every 16 tokens after. `hqq:4,residual_length=16` took 4.5x there (each flus
 the whole layer; 2.4x with `flush=append`)."""
 
 
-PAGE_RESIDUAL_LENGTH = 16
-"""The residual the page starts at (tokens): a flush shows within the first answer. The residual is empty after the
-prefill (`kvdemo.cache.budget.held_bytes_estimate`); a question with the chat template's tokens takes 10-30 tokens on
-the shipped models (14 for "Which newspaper defined southern California?" on the embedded model), so the residual
-fills within the question's pass or the answer's first tokens, and again every 16 tokens. At the 128 a
-recommendation measures, the short answers of a QA text show a straight ramp and no flush."""
-
-
-def page_start(pick: CacheSpec) -> CacheSpec:
-    """The spec the page's fields start at for a recommended `pick`: the pick, with a residual longer than
-    `PAGE_RESIDUAL_LENGTH` cut to it (the note under the fields says so: `views.recommended_note`)."""
-    if pick.info.has_residual and pick.resolved()["residual_length"] > PAGE_RESIDUAL_LENGTH:
-        return pick.replace(residual_length=PAGE_RESIDUAL_LENGTH)
-    return pick
-
+__all__ = ["PAGE_RESIDUAL_LENGTH", "START_SPEC", "AnswerView", "AskWidgets", "PrefillView", "page_start"]
 
 FIRST_FIELDS = ("type_k", "type_v", "nbits", "nbits_value", "residual_length", "flush", "rotation", "storage")
 """The option fields shown first, those a user of the field sets most (precision: llama.cpp's `-ctk`/`-ctv` types or

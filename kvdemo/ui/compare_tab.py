@@ -140,7 +140,10 @@ class CompareTab:
                 ppl_tokens = perplexity_tokens(perplexity)
                 plans = plan_request(plan_base, plan_budget)
                 golds = gold_answers_for(context, questions)
-                progress(0, desc="Starting the comparison…")
+                user = self.app.sessions.peek_request(request)
+                qa, events = (user.qa, user.events) if user is not None else (None, [])
+                estimate = views.compare_estimate(len(specs) + len(plans), len(questions), max_new_tokens, qa, events)
+                progress(0, desc=f"Starting the comparison{estimate}…")
                 report = job.compare(
                     context,
                     questions,
@@ -150,7 +153,7 @@ class CompareTab:
                     perplexity_tokens=ppl_tokens,
                     continuation=continuation_for(context) if ppl_tokens else None,
                     plans=plans,
-                    on_progress=lambda done, total, what: progress((done, total), desc=what, unit="steps"),
+                    on_progress=views.Paced(progress),
                 )
                 plural = "s" if len(questions) > 1 else ""
                 note = f"Compared {len(report.results)} specs on {len(questions)} question{plural}"

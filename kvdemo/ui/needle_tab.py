@@ -133,7 +133,7 @@ class NeedleTab:
                     answer_tokens,
                     needles_per_context=1 if one_needle else None,
                     seed=needle_seed,
-                    on_progress=lambda done, total, what: progress((done, total), desc=what, unit="steps"),
+                    on_progress=views.Paced(progress),
                 )
                 return _view(grid, f"{len(grid.cells):,} cells in {grid.seconds:,.0f} s on {grid.device}.")
         except needle_records.NeedleCancelled as cancelled:

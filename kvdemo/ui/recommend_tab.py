@@ -120,7 +120,7 @@ class RecommendTab:
                 progress(0, desc="Starting the recommendation…")
                 found = job.recommend(
                     context, questions, max_kl=max_kl, engine=str(engine),
-                    on_progress=lambda done, total, what: progress((done, total), desc=what, unit="steps"),
+                    on_progress=views.Paced(progress),
                 )  # fmt: skip
                 done = f"{len(found.rows)} candidates in {found.seconds:.0f} s on {found.context_tokens:,} tokens"
                 return _view(found, f"Measured {done}.")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections.abc import Callable, Iterable
 from functools import cache
 from pathlib import Path
@@ -77,6 +78,44 @@ SUBMITTED = (
 )
 """What a long job's status says at the click (Compare, Needle): true whether it waits or starts at once (the bar
 that Gradio draws over the status tells which; a "Queued" line stayed under a running job's progress)."""
+
+
+class Paced:
+    """The `on_progress(done, total, what)` of a long job (Compare, Needle, Recommend) drawing its bar on `progress`
+    (`gr.Progress`), with the time left once a unit is done: the seconds per unit so far × the units left, this
+    machine's measured pace under its load now, revised at every update (an estimate promised in advance did not
+    follow a busy machine: "about 1-2 minutes" had done 16 of 68 steps after 200 s)."""
+
+    def __init__(self, progress: Any, clock: Callable[[], float] = time.monotonic):
+        self.progress, self.clock, self.began = progress, clock, clock()
+
+    def __call__(self, done: float, total: float, what: str) -> None:
+        elapsed = self.clock() - self.began
+        if done >= 1 and total > done:
+            what += f" · about {duration(elapsed / done * (total - done))} left at this run's pace"
+        self.progress((done, total), desc=what, unit="steps")
+
+
+def compare_estimate(specs: int, questions: int, max_new_tokens: int, qa: Session | None, events: list) -> str:
+    """What Compare says before its first unit: about how long it will take, from this tab's own measurements on this
+    machine (its prefill's seconds and its last answer's median decode step, `flush_timing`): per spec one prefill
+    and 2 × questions × max_new_tokens decode steps (the answers, and each scored teacher-forced), `specs` times; ""
+    where the tab has measured neither (the bar's pace says it once the first unit is done)."""
+    step = flush_timing(events)[2] if events else None
+    if qa is None or qa.prefill_report is None or step is None:
+        return ""
+    seconds = specs * (qa.prefill_report.seconds + 2 * questions * max_new_tokens * step)
+    return (
+        f" (about {duration(seconds)}: {specs} prefills of {qa.prefill_report.seconds:.1f} s and "
+        f"{2 * questions * max_new_tokens * specs:,} decode steps of {step * 1000:,.0f} ms, as this tab measured them; "
+        "at most, since answers often end early)"
+    )
+
+
+def duration(seconds: float) -> str:
+    """`seconds` as a reader takes it in: `40 s`, `3 min 20 s`."""
+    seconds = max(round(seconds), 0)
+    return f"{seconds} s" if seconds < 90 else f"{seconds // 60} min {seconds % 60:02d} s"
 
 
 def acknowledge_cancel(cancelled: bool, job: str) -> None:
