@@ -109,7 +109,7 @@ def test_the_full_precision_answer_beside_a_quantized_one(handlers, tiny):
     fns["prefill"](CONTEXT, "quanto", 2, 32, 1, 0, 0, _request())
     assert app.sessions.get("tab-1").qa.spec.text == spec.text
     _ask(fns, "Who led the Normans?", 8)
-    waiting, shown = list(fns["reference"](8, _request()))
+    waiting, shown = list(fns["reference"](_request()))
     assert waiting.startswith("Making the full-precision answer: a `dynamic` cache of the same ")
     full = QASession(tiny, CacheSpec())
     full.prefill(CONTEXT)
@@ -122,12 +122,12 @@ def test_the_full_precision_answer_beside_a_quantized_one(handlers, tiny):
     else:
         assert f"first differs at token {common + 1}:" in shown
     assert not any(holder.startswith("reference:") for holder in app.kv.holders())  # released
-    assert list(fns["reference"](8, _request())) == [views.KEEP]  # once per answer: no new answer, no new line
+    assert list(fns["reference"](_request())) == [views.KEEP]  # once per answer: no new answer, no new line
     _ask(fns, "Who led the Normans?", 8)  # the same question again: the reference is kept, not made again
-    assert "kept from an earlier ask" in list(fns["reference"](8, _request()))[-1]
+    assert "kept from an earlier ask" in list(fns["reference"](_request()))[-1]
     fns["prefill"](CONTEXT, "dynamic", _request())
     _ask(fns, "Who led the Normans?", 8)
-    assert list(fns["reference"](8, _request())) == [
+    assert list(fns["reference"](_request())) == [
         "This cache is full precision (`dynamic`): its answer is the reference."
     ]
 

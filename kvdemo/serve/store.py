@@ -55,8 +55,8 @@ class UserSession:
         references: the full-precision answers made for this tab (`Door.reference`), by (model, context, question,
             max_new_tokens): kept across prefills of the same text, whatever their spec.
         reference: the `dynamic` session `Door.reference` runs now (Stop reaches it), else None.
-        reference_due: an answer ended since the page last put the full-precision answer beside one (the Ask tab's
-            `reference` runs it once per answer).
+        reference_due: the max_new_tokens of an answer that ended since the page last put the full-precision
+            answer beside one (the Ask tab's `reference` runs it once per answer); None: none is due.
     """
 
     qa: QASession | RemoteSession | None = None
@@ -77,7 +77,7 @@ class UserSession:
     prefill_timing: str = ""
     references: dict[tuple, Any] = field(default_factory=dict)
     reference: QASession | RemoteSession | None = None
-    reference_due: bool = False
+    reference_due: int | None = None
 
     def interrupt(self) -> None:
         """Stop this session's answer after its current decode step (also one asked that has not begun: see

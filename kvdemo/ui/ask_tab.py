@@ -169,22 +169,24 @@ class AskTab(AskWidgets):
                 return
             yield from self._answer(user, run)
 
-    def reference(self, max_new_tokens: float, request: gr.Request) -> Iterator[Any]:
-        """The full-precision answer beside the last answer of this tab's session (`Door.reference`; the page runs it
-        after each answer, once the answer's lock is let go): said at once with its estimated time, then shown with
-        where the two first differ. None for a cache that is full precision already, nor for an answer stopped or
-        failed (Stop also ends the reference); after a refused question the line stays as it was."""
+    def reference(self, request: gr.Request) -> Iterator[Any]:
+        """The full-precision answer beside the last answer of this tab's session (`Door.reference`, at that answer's
+        max_new_tokens; the page runs it after each answer, once the answer's lock is let go): said at once with its
+        estimated time, then shown with where the two first differ. None for a cache that is full precision already,
+        nor for an answer stopped or failed (Stop also ends the reference); after a refused question the line stays
+        as it was."""
         user = self.app.sessions.peek_request(request)
         qa = user.qa if user is not None else None
-        if user is None or qa is None or not qa.history or not user.reference_due:
+        if user is None or qa is None or not qa.history or user.reference_due is None:
             yield views.KEEP  # no answer was given (a refusal beside Ask says why): the line stays
             return
-        user.reference_due, answer = False, qa.history[-1]
+        (max_new_tokens, user.reference_due), answer = (user.reference_due, None), qa.history[-1]
         if not qa.spec.info.quantized:
             yield f"This cache is full precision (`{qa.spec.label}`): its answer is the reference."
             return
         if answer.finish_reason in ("stopped", "error"):
-            yield "The answer was stopped: no full-precision answer beside it."
+            ended = "was stopped" if answer.finish_reason == "stopped" else "failed"
+            yield f"The answer {ended}: no full-precision answer beside it."
             return
         yield views.reference_estimate(qa)
         try:
@@ -239,7 +241,7 @@ class AskTab(AskWidgets):
         if qa.history[-1].finish_reason == "stopped":  # marked where the reader looks, not only in the line
             user.chat[-1] = {"role": "assistant", "content": f"{qa.history[-1].text} [stopped]"}
         user.answer_line = views.answer_stats(qa, first_token, user.events)
-        user.reference_due = True  # the page's next event puts the full-precision answer beside it (`reference`)
+        user.reference_due = question.max_new_tokens  # the page's next event puts the full-precision one beside it
         yield AnswerView(
             chat=user.chat,
             stats=user.answer_line,
@@ -446,7 +448,6 @@ class AskTab(AskWidgets):
                 **model_work,
             ).then(**after_answer).then(
                 self.reference,
-                inputs=w["max_new_tokens"],
                 outputs=w["reference"],
                 show_progress="hidden",  # the line itself says what runs and for about how long
                 **({"api_name": "reference"} if "api_name" in api else {"api_visibility": "private"}),

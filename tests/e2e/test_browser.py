@@ -1,8 +1,8 @@
 """The first ten minutes of a new user, in a real browser (Debian's chromium, driven by Playwright), at every tab's
 defaults as the page sets them: open the page, load an example, prefill, ask three of the example questions, change
-an option and set it back, stop an answer, compare seven specs, cancel a comparison, run the needle grid. Each step
-asserts what the page shows (the answers equal a fresh `QASession`'s on the same spec). Screenshots at 1,400 and
-1,024 px under artifacts/walk/ (not committed).
+an option and set it back, stop an answer, compare the default specs, cancel a comparison, run the needle grid. Each
+step asserts what the page shows (the answers equal a fresh `QASession`'s on the same spec). Screenshots at 1,400
+and 1,024 px under artifacts/walk/ (not committed).
 
 Cost: 181 s for 1 tests in one process on 2 idle cores (2026-12-04, before two workers).
 """
@@ -138,22 +138,15 @@ def test_the_first_ten_minutes(page, embedded):
     expect(stop).to_be_disabled()
     expect(bots).to_have_count(4)
 
-    # Compare at its defaults (seven specs: one per backend and the rotated twins), on the questions asked so far
+    # Compare at its defaults (one spec per backend, and the Ask tab's start in "more specs"), on the questions asked
     page.get_by_role("tab", name="Compare backends").click()
-    specs = [s.text for s in default_compare_specs()]
-    assert specs == [
-        "dynamic",
-        "quanto:4",
-        "quanto:4,rotation=hadamard",
-        "hqq:4",
-        "hqq:4,rotation=hadamard",
-        "fp8",
-        "turboquant:4",
-    ]
+    assert [s.text for s in default_compare_specs()] == ["dynamic", "quanto:4", "hqq:4", "fp8", "turboquant:4", "ggml"]
+    expect(page.get_by_label("more specs, one per line")).to_have_value(START_SPEC.text)
+    specs = [*(s.text for s in default_compare_specs()), START_SPEC.text]
     page.get_by_role("button", name=re.compile("Fill in questions")).click()
     asked = "\n".join([*questions[:3], "Tell me everything about the Normans."])
     expect(page.get_by_label("questions, one per line")).to_have_value(asked)
-    page.get_by_label("questions, one per line").fill(questions[0])  # one: the defaults' seven specs are the lesson
+    page.get_by_label("questions, one per line").fill(questions[0])  # one: the defaults' specs are the lesson
     page.get_by_role("button", name="Run comparison").click()
     expect(page.get_by_text(re.compile(r"prefilling [\d,]+ of [\d,]+ tokens")).first).to_be_visible(timeout=120_000)
     done = page.get_by_text(re.compile(r"Compared 7 specs on 1 question \(scored against the example's gold"))
