@@ -21,6 +21,7 @@ from kvdemo.serve.recommended import PAGE_RESIDUAL_LENGTH, page_start
 from kvdemo.serve.secret import browser_state_secret
 from kvdemo.ui import option_fields, views
 from kvdemo.ui.examples import EXAMPLES
+from kvdemo.ui.option_fields import FIRST_FIELDS
 
 START_SPEC = CacheSpec.parse(examples("start")[0])
 """The Ask tab's starting spec: a short residual, so that flushes show within the first answers, on the backend
@@ -32,11 +33,6 @@ the whole layer; 2.4x with `flush=append`)."""
 
 
 __all__ = ["PAGE_RESIDUAL_LENGTH", "START_SPEC", "AnswerView", "AskWidgets", "PrefillView", "page_start"]
-
-FIRST_FIELDS = ("type_k", "type_v", "nbits", "nbits_value", "residual_length", "flush", "rotation", "storage")
-"""The option fields shown first, those a user of the field sets most (precision: llama.cpp's `-ctk`/`-ctv` types or
-nbits; residual, flush, rotation; `dynamic`'s storage); the others sit under "More options" (each still shown only
-for a backend that takes it)."""
 
 
 class PrefillView(NamedTuple):
@@ -120,13 +116,12 @@ class AskWidgets:
 
     def build(self) -> None:
         """The tab's widgets (inside a `gr.Blocks` and `gr.Tab` context), kept in `self.w` by name. At 1,400 × 900,
-        without scrolling (issue 67): the explainer's fold, the options in one row (backend and the fields a user of
+        without scrolling (issue 67): the options in one row (backend and the fields a user of
         the field sets most; the rest and the backend's description folded under them), then the context with
         Prefill, the chat with Ask, and the memory and residual charts side by side, so that the charts and the chat
-        are in view together while an answer streams. Below: the step-time chart, the answers table."""
+        are in view together while an answer streams. Below: the step-time chart, the answers table. (The explainer,
+        "What am I looking at?", sits in the page's header: `kvdemo.ui.page.build_demo`.)"""
         w = self.w
-        with gr.Accordion("What am I looking at? The KV cache, the residual, a flush, the restore", open=False):
-            gr.Markdown(views.EXPLAINER)
         self._build_options()
         with gr.Row(equal_height=False):
             with gr.Column(scale=2, min_width=300):
@@ -153,13 +148,18 @@ class AskWidgets:
         )
 
     def _build_context(self) -> None:
-        """The Context box, its upload and examples, Prefill with its refusals and its line right under it, and the
-        session file box."""
+        """The Context box with Prefill right under it (in view at 1,400 × 900), its progress and refusals and its line
+        under it, then the upload and the examples, and the session file box."""
         w = self.w
         w["context"] = gr.Textbox(label="context", lines=6, max_lines=10, placeholder="Paste a long text…")
         w["context_note"] = gr.Markdown("")  # a large context: what a reload keeps (`context_box`)
         # what the server's gate sees of the box: its text, or a large one's fingerprint (`context_box`)
         w["context_sent"] = gr.Textbox("", visible=False)
+        w["prefill_button"] = gr.Button("Prefill", variant="primary")
+        # refusals, right under the button they refuse; and the prefill's progress (`show_progress_on`), drawn over
+        # this line, empty meanwhile, not over the spec line below it
+        w["notice"] = gr.Markdown("", min_height=60)
+        w["prefill_info"] = gr.Markdown(f"**spec** `{START_SPEC.full_text}` · nothing prefilled in this tab yet")
         with gr.Row(equal_height=True):
             w["upload"] = gr.File(
                 label="or upload .txt / .md (≤ 2 MiB, UTF-8)",
@@ -170,11 +170,6 @@ class AskWidgets:
             )
             with gr.Column(scale=2, min_width=120):
                 w["examples"] = {name: gr.Button(f"Example: {name}", size="sm") for name in EXAMPLES}
-        w["prefill_button"] = gr.Button("Prefill", variant="primary")
-        # refusals, right under the button they refuse; and the prefill's progress (`show_progress_on`), drawn over
-        # this line, empty meanwhile, not over the spec line below it
-        w["notice"] = gr.Markdown("", min_height=60)
-        w["prefill_info"] = gr.Markdown(f"**spec** `{START_SPEC.full_text}` · nothing prefilled in this tab yet")
         with gr.Accordion("Session file: save this session, or open a saved one", open=False):
             # `session_box`: a download after Save session; an upload is opened instead of a prefill
             w["session_file"] = gr.File(
@@ -189,7 +184,7 @@ class AskWidgets:
         """The chat, the question box with Ask and Stop, the line beside Ask (an answer's figures, or a refusal that
         stays until the user acts again) and the example questions."""
         w = self.w
-        w["chat"] = gr.Chatbot(label="answers", height=260)
+        w["chat"] = gr.Chatbot(label="answers", height=220)
         w["question"] = gr.Textbox(label="question", placeholder="Ask about the context…")
         with gr.Row():
             # no precision or minimum: Gradio would round 2.5 silently and refuse 0 with a bare "Error"
@@ -205,8 +200,8 @@ class AskWidgets:
 
     def _build_options(self) -> None:
         """The backend radio and one field per option in `GROUP_OPTIONS`, set to `START_SPEC` from the registry: the
-        backend and `FIRST_FIELDS` in one row, the recommendation's note under them, and the other fields with the
-        backend's description folded under "More options" (each field still shown only for a backend that takes
+        backend and `FIRST_FIELDS` in one row; under it the recommendation's note beside the other fields and the
+        backend's description, folded under "More options" (each field still shown only for a backend that takes
         it)."""
         w = self.w
         # each option as the registry has it, START_SPEC's backend's own first
@@ -215,17 +210,19 @@ class AskWidgets:
         start, start_values = START_SPEC.resolved(), {}
         with gr.Row(equal_height=False):
             w["backend"] = gr.Radio(
-                list(BACKENDS), value=START_SPEC.backend, label="cache backend", scale=3, min_width=300
-            )
+                list(BACKENDS), value=START_SPEC.backend, label="cache backend", scale=5, min_width=600
+            )  # wide enough for every backend on one line
             for name in FIRST_FIELDS:
-                start_values[name] = self._build_field(options[name], start, scale=1, min_width=150)
-        w["recommend_note"] = gr.Markdown("")  # the model's recommended start (`AskTab.start_spec`), and whence
-        with gr.Accordion("More options, and what this backend does", open=False):
-            w["backend_note"] = gr.Markdown(option_fields.backend_option_updates(START_SPEC.backend)[-1])
-            with gr.Row(equal_height=False):
-                for name in GROUP_OPTIONS:
-                    if name not in FIRST_FIELDS:
-                        start_values[name] = self._build_field(options[name], start, min_width=200)
+                start_values[name] = self._build_field(options[name], start, scale=1, min_width=120)
+        with gr.Row(equal_height=False):
+            with gr.Column(scale=3):
+                w["recommend_note"] = gr.Markdown("")  # the model's recommended start (`AskTab.start_spec`), whence
+            with gr.Column(scale=1, min_width=260):  # folded: it opens downward, in this column
+                with gr.Accordion("More options, and what this backend does", open=False):
+                    w["backend_note"] = gr.Markdown(option_fields.backend_option_updates(START_SPEC.backend)[-1])
+                    for name in GROUP_OPTIONS:
+                        if name not in FIRST_FIELDS:
+                            start_values[name] = self._build_field(options[name], start)
         # backend -> the values last set on it (`option_fields.remember`), so a switch never carries another's
         w["fields_memory"] = gr.State({START_SPEC.backend: [start_values[name] for name in GROUP_OPTIONS]})
 
@@ -246,13 +243,14 @@ class AskWidgets:
                 option_fields.field_choices(option),
                 value=value,
                 label=name,
-                info=option.help,
+                info=None if name in FIRST_FIELDS else option.help,  # the first row's help: in the backend's note
                 visible=visible,
                 allow_custom_value=True,
                 **layout,
             )
         else:  # no precision or minimum, as max_new_tokens: the registry's check names the option
-            self.w[name] = gr.Number(cast(int, value), label=name, info=option.help, visible=visible, **layout)
+            info = None if name in FIRST_FIELDS else option.help
+            self.w[name] = gr.Number(cast(int, value), label=name, info=info, visible=visible, **layout)
         return value if visible else None
 
     def _build_live_charts(self) -> None:
@@ -269,7 +267,7 @@ class AskWidgets:
             title=f"{views.MEMORY_TITLE}: ask a question to see it",
             x_title="decode step",
             y_title="MiB",
-            height=230,
+            height=200,
             x_lim=[0, views.MIN_STEPS_SHOWN],
             y_lim=[0, 1],
             color_map=dict(zip((*MEMORY_SERIES, KEPT_SERIES), ("#1f77b4", "#ff7f0e", "#d62728", "#7f7f7f", "#2ca02c"))),
@@ -282,7 +280,7 @@ class AskWidgets:
             title="Residual fill (layer 0): prefill a context and ask to see it",
             x_title="decode step",
             y_title="tokens",
-            height=200,
+            height=170,
             x_lim=[0, views.MIN_STEPS_SHOWN],
             y_lim=[0, START_SPEC.resolved()["residual_length"] * 1.1],
             color_map=dict(zip(views.RESIDUAL_SERIES, ("#ff7f0e", "#7f7f7f"))),

@@ -15,6 +15,12 @@ import gradio as gr
 from kvdemo.cache.options import GROUP_OPTIONS, Option
 from kvdemo.cache.registry import BACKENDS
 
+FIRST_FIELDS = ("type_k", "type_v", "nbits", "nbits_value", "residual_length", "flush", "rotation", "storage")
+"""The option fields shown first, in one row with the backend, those a user of the field sets most (precision:
+llama.cpp's `-ctk`/`-ctv` types or nbits; residual, flush, rotation; `dynamic`'s storage), without their help, which
+the backend's note gives (a row of help texts four lines deep pushed the chat and Ask below a 900-px screen); the
+others sit under "More options", each with its help (each still shown only for a backend that takes it)."""
+
 
 def field_choices(option: Option) -> list[Any]:
     """What an option's Dropdown offers: its registry choices; for a `same_as` option (`nbits_value`) first
@@ -55,16 +61,16 @@ def backend_option_updates(backend: str, *current: Any) -> tuple[Any, ...]:
             assert option.minimum is not None  # an option without choices has a minimum
             allowed = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= option.minimum
         keep = value if allowed else field_start(option)
-        # each backend's own help (`rotation` means Hadamard for quanto and hqq, llama.cpp's rule for ggml)
+        # each backend's own help (`rotation` is Hadamard for quanto and hqq, llama.cpp's rule for ggml); the first
+        # row's in the note
+        helped = {} if name in FIRST_FIELDS else {"info": option.help}
         if option.choices is not None:
-            updates.append(
-                gr.update(
-                    visible=True, choices=field_choices(option), value="" if keep is None else keep, info=option.help
-                )
-            )
+            choices = field_choices(option)
+            updates.append(gr.update(visible=True, choices=choices, value="" if keep is None else keep, **helped))
         else:
-            updates.append(gr.update(visible=True, value=keep, info=option.help))
-    note = f"{info.summary}. {info.behaviour}"
+            updates.append(gr.update(visible=True, value=keep, **helped))
+    helps = "".join(f"\n- **{name}**: {info.options[name].help}" for name in FIRST_FIELDS if name in info.options)
+    note = f"{info.summary}. {info.behaviour}" + (f"\n\nThe fields above:{helps}" if helps else "")
     return (*updates, note)
 
 

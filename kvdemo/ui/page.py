@@ -102,8 +102,7 @@ class ModelBar:
                     self.source = gr.Dropdown(
                         choices=self.choices(),
                         value="",
-                        label="Model",
-                        info="Hub id, folder or .gguf, or one installed here",
+                        label="Model",  # a Hub id, a folder or a .gguf typed, or one installed here
                         allow_custom_value=True,
                         filterable=True,
                         scale=5,
@@ -120,10 +119,16 @@ def build_demo(app: App) -> gr.Blocks:
     bar, ask = ModelBar(app), AskTab(app)
     compare, grid, recommend = CompareTab(ask), NeedleTab(ask), RecommendTab(ask)
     with gr.Blocks(title="kvdemo: KV cache quantization, live") as demo:
-        gr.Markdown(
-            "# kvdemo: a quantized KV cache, live\nPrefill a long context once, ask questions in turn, and watch "
-            "the cache's real memory and every residual flush. After each answer the cache is restored exactly."
-        )
+        with gr.Row(equal_height=False):
+            with gr.Column(scale=3):
+                gr.Markdown(
+                    "## kvdemo: a quantized KV cache, live\nPrefill a long context once, ask questions in turn, and "
+                    "watch the cache's real memory and every residual flush. After each answer the cache is restored "
+                    "exactly."
+                )
+            with gr.Column(scale=2, min_width=300):  # where a first visitor looks; it opens downward, in this column
+                with gr.Accordion("What am I looking at? The KV cache, the residual, a flush, the restore", open=False):
+                    gr.Markdown(views.EXPLAINER)
         bar.build()
         with gr.Tab("Ask", id="ask"):
             ask.build()

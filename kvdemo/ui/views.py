@@ -614,42 +614,37 @@ def speed_limit_after(limit: SpeedLimit, events: list) -> str:
 
 
 def recommended_note(found: Recommendation, shown: CacheSpec | None = None) -> str:
-    """The line under the options that says where the starting spec came from (`kvdemo.serve.recommended`), why the
-    page's residual differs from the pick's where it does (`shown`: the spec the fields start at; None: the pick),
-    and, for a pick no engine runs, the nearest settings llama.cpp and vLLM run (`Recommendation.nearest_deployed`)
-    with their deploy lines."""
+    """The line under the options that says where the starting spec came from (`kvdemo.serve.recommended`), why
+    the page's residual differs from the pick's where it does (`shown`: the spec the fields start at; None: the
+    pick), and, for a pick no engine runs, the nearest settings llama.cpp and vLLM run
+    (`Recommendation.nearest_deployed`) with their deploy lines (the command, without its comment)."""
     row = found.picked
     if row is None:
         return ""
     share = row.bytes_per_token[0] / found.rows[0].bytes_per_token[0]  # `dynamic`'s row comes first
-    kl = (
-        ""
-        if row.mean_kl is None
-        else f": mean KL {row.mean_kl:.4f} to full precision, {row.same_top_p:.0f} % the same top token"
+    kl = "" if row.mean_kl is None else f"mean KL {row.mean_kl:.4f}, {row.same_top_p:.0f} % the same top token, "
+    source = found.source or "a text"
+    line = (
+        f"ℹ Recommended for this model: `{found.pick}` ({kl}{share:.0%} of dynamic's bytes, on {source} of "
+        f"{found.context_tokens:,} tokens; the **Recommend** tab measures yours)"
     )
-    parts = [
-        f"ℹ Recommended for this model: `{found.pick}`{kl}, {share:.0%} of dynamic's bytes, measured on "
-        f"{found.source or 'a text'} ({found.context_tokens:,} tokens). It holds for that text: the **Recommend** "
-        "tab measures every setting on yours."
-    ]
     picked = CacheSpec.parse(found.pick)
     if shown is not None and shown.info.has_residual:
         page, measured = shown.resolved()["residual_length"], picked.resolved()["residual_length"]
         if page != measured:
-            parts.append(
-                f"The page starts at `residual_length={page}`, not the measured {measured}, so that a flush shows "
-                f"within the first answer (a flush comes every {page} tokens; the residual holds them at full "
-                f"precision until then). Set {measured} to run what was measured."
-            )
+            line += f", shown at `residual_length={page}` so that the first answer flushes (measured at {measured})"
     nearest = found.nearest_deployed()
-    if nearest:
-        named = "; ".join(
-            f"`{line}` ({r.bytes_per_token[0] / row.bytes_per_token[0]:.2f}× the pick's bytes, "
-            + (f"mean KL {r.mean_kl:.4f})" if r.mean_kl is not None else "not measured on that text)")
-            for r, line in nearest
-        )
-        parts.append(
-            f"No engine stores `{found.pick}` byte for byte (kvdemo only). The nearest settings engines run: {named}. "
-            "The **Recommend** tab with an engine chosen measures a pick it runs."
-        )
-    return "\n\n".join(parts)
+    if not nearest:
+        return line + "."
+    named = ", ".join(
+        f"`{deploy.split(': ', 1)[1].split('  #')[0]}` ({deploy.split(':')[0]}, "
+        f"{r.bytes_per_token[0] / row.bytes_per_token[0]:.2f}× its bytes"
+        + (f", mean KL {r.mean_kl:.4f})" if r.mean_kl is not None else ")")
+        for r, deploy in nearest
+    )
+    unmeasured = any(r.mean_kl is None for r, _ in nearest)
+    return (
+        f"{line}. No engine stores it byte for byte (kvdemo only); the nearest settings engines run: {named}"
+        + ("; not measured on that text" if unmeasured else "")
+        + "."
+    )

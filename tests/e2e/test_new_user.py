@@ -98,9 +98,10 @@ def test_after_a_prefill_ask_shows_and_a_refusal_beside_it_stays(page, normans):
 
 
 def _wholly_in_view(page: Page, locator) -> bool:
-    """Whether `locator` lies wholly inside the viewport where the page is scrolled now."""
+    """Whether `locator` lies wholly inside the viewport where the page is scrolled now (to a pixel: a box scrolled
+    into view ends a fraction past it)."""
     box = locator.bounding_box()
-    return box is not None and box["y"] >= 0 and box["y"] + box["height"] <= page.viewport_size["height"]
+    return box is not None and box["y"] >= -1 and box["y"] + box["height"] <= page.viewport_size["height"] + 1
 
 
 def test_the_first_answer_at_the_defaults_in_view_with_a_flush_and_full_precision_beside_it(page, app_and_url):
@@ -112,6 +113,7 @@ def test_the_first_answer_at_the_defaults_in_view_with_a_flush_and_full_precisio
     case = load_case(example_path("southern_california")).select("12-18")
     question = case.answerable(1)[0].question
     _prefill(page, case.context)
+    assert page.evaluate("window.scrollY") == 0  # Prefill, and then Ask, in view without scrolling
     summary = page.get_by_text(re.compile(r"^(Prefilled|Opened) "))
     expect(summary).to_contain_text(re.compile(r"×\*?\*? a float32 cache .* this model's dtype"))
     expect(summary).to_contain_text(re.compile(r"× an f16 one \([\d.]+ MiB, the engines' default cache\)"))
@@ -119,6 +121,7 @@ def test_the_first_answer_at_the_defaults_in_view_with_a_flush_and_full_precisio
     page.get_by_label("question", exact=True).fill(question)
     _ask_button(page).click()
     expect(page.get_by_text(re.compile(r"^step \d+ ·"))).to_be_visible(timeout=120_000)
+    assert page.evaluate("window.scrollY") == 0  # what follows is the first screen, unscrolled
     chat = page.get_by_label("answers", exact=True).or_(page.locator(".bubble-wrap")).first
     memory = page.locator(".vega-embed").filter(has_text="KV cache memory")
     residual = page.locator(".vega-embed").filter(has_text="Residual fill (layer 0)")
@@ -138,7 +141,10 @@ def test_the_first_answer_at_the_defaults_in_view_with_a_flush_and_full_precisio
     expected = full.ask(question).text.strip()
     assert " ".join(expected.split()) in " ".join(beside.inner_text().split())
     expect(beside).to_contain_text(re.compile(r"the same tokens|first differs at token \d+"))
-    assert _wholly_in_view(page, beside) and _wholly_in_view(page, residual)  # under the charts, in view with them
+    beside.scroll_into_view_if_needed()  # under the charts, in view with them and the chat
+    assert all(_wholly_in_view(page, part) for part in (beside, residual, chat)), [
+        part.bounding_box() for part in (beside, residual, chat)
+    ]
     _shot(page, "4-full-precision-beside-1400x900")
 
 
@@ -154,7 +160,8 @@ def test_a_backend_click_gives_its_own_defaults_or_what_was_set_on_it(page, app_
     expect(line.first).to_contain_text(shown.full_text)
     expect(page.get_by_text("Recommended for this model:")).to_contain_text(found.pick)
     if shown != CacheSpec.parse(found.pick):
-        expect(page.get_by_text(f"The page starts at residual_length={PAGE_RESIDUAL_LENGTH}")).to_be_visible()
+        cut = re.compile(f"shown at residual_length={PAGE_RESIDUAL_LENGTH} so that the first answer flushes")
+        expect(page.get_by_text(cut)).to_be_visible()
     page.get_by_label("quanto", exact=True).check()
     expect(flush).to_have_value("requantize")
     expect(residual).to_have_value(str(START_SPEC.resolved()["residual_length"]))  # the page's fixed start, quanto's
