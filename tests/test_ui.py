@@ -49,7 +49,8 @@ def _ask(fns, question, max_new_tokens=6, request=None):
 def test_prefill_then_ask_streams_and_restores(handlers, tiny):
     app, fns = handlers
     assert fns["model_status"]().startswith("**tiny-llama-2x2x64** · 7 M parameters · 2 layers · 2 KV heads")
-    summary, chat, *_, ask_button, floor = fns["prefill"](CONTEXT, *HQQ, _request())
+    summary, chat, *_, ask_button, floor, beside = fns["prefill"](CONTEXT, *HQQ, _request())
+    assert beside == ""  # no full-precision answer of an earlier cache left
     assert "Prefilled **" in summary and "hqq nbits=4 q_group_size=64 residual_length=4" in summary
     assert chat == [] and ask_button["interactive"] is True
     assert floor.startswith("**Speed limit**: a decode step reads ") and "measured" not in floor  # no step yet

@@ -46,10 +46,11 @@ class PrefillView(NamedTuple):
     residual_plot: Any = views.KEEP
     step_plot: Any = views.KEEP
     answers_table: Any = views.KEEP
-    reference: Any = views.KEEP  # the full-precision answer beside the last one: emptied by a new cache
     notice: Any = views.KEEP
     ask_button: Any = views.KEEP
     speed_limit: Any = views.KEEP  # the new cache's floor (no step measured yet); a refusal keeps the line
+    reference: Any = views.KEEP  # the full-precision answer beside the last one: emptied by a new cache (last: the
+    # API's outputs keep their places)
 
     @classmethod
     def prefilled(
@@ -78,10 +79,10 @@ class PrefillView(NamedTuple):
             residual_plot=views.residual_chart([], spec),
             step_plot=views.step_times([]),
             answers_table=views.answers_table([]),
-            reference="",
             notice="",
             ask_button=gr.update(interactive=False),
             speed_limit="",
+            reference="",
         )
 
     @classmethod
