@@ -993,3 +993,16 @@ def test_compare_estimates_its_time_from_the_tabs_own_measurements(handlers):
     assert text.startswith(" (about ") and "6 prefills of " in text and "768 decode steps of " in text
     seconds = 6 * (user.qa.prefill_report.seconds + 2 * 2 * 32 * views.flush_timing(user.events)[2])
     assert f"about {views.duration(seconds)}:" in text and step
+
+
+def test_compare_says_when_its_speeds_were_measured_on_a_busy_machine(tiny):
+    """A load average above the core count at the run's start or end: the speed chart and the line say so; an idle
+    machine: nothing is said."""
+    import os
+
+    report = compare(tiny, CONTEXT, ["Who led the Normans?"], [CacheSpec("fp8")], 2)
+    cores = os.cpu_count() or 1
+    note, _, _, speed = views.comparison_outputs(report, "Compared", (0.2, cores + 3.0))
+    assert speed["title"] == "Decode speed ⚠ on a busy machine" and f"{cores + 3.0:.1f} on {cores} cores" in note
+    note, _, _, speed = views.comparison_outputs(report, "Compared", (0.2, 0.4))
+    assert speed["title"] == "Decode speed" and "busy" not in note

@@ -332,8 +332,8 @@ def comparison_outputs(
 
     The memory-against-fidelity chart leaves out `dynamic`, the reference (KL 0 at the most bytes, which would
     squeeze every other point into a corner), and names it in its title; its axes hold every point it draws. The
-    speed chart's title says when other work shared the cores (`load`: the 1-minute load average at the run's start
-    and end, over the core count; None: not measured), which moves the speeds more than the caches do."""
+    speed chart's title and the line say when other work shared the cores (`load`: the 1-minute load average at the
+    run's start and end, over the core count; None: not measured), which moves the speeds more than the caches do."""
     frame = report.to_frame()
     if report.results:
         tokens = report.results[0].context_tokens
@@ -358,9 +358,10 @@ def comparison_outputs(
     speed_title = "Decode speed"
     cores = os.cpu_count() or 1
     if load is not None and max(load) > cores + 0.5:  # the run's own threads fill the cores; more is other work
-        speed_title += (
-            f": ⚠ measured on a busy machine (1-min load average {load[0]:.1f} → {load[1]:.1f} on {cores} cores): "
-            "other work shared the cores, so the speeds differ by more than the caches do"
+        speed_title += " ⚠ on a busy machine"  # short: a long title squeezes Vega's plot to nothing
+        note += (
+            f" · ⚠ decode speeds measured on a busy machine (1-min load average {load[0]:.1f} → {load[1]:.1f} on "
+            f"{cores} cores): other work shared the cores, so they differ by more than the caches do"
         )
     return (
         note,
