@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
+import re
 import types
 from pathlib import Path
 
@@ -119,6 +120,10 @@ def _page_run(app: App, fns: dict, harness: Harness | None = None) -> dict:
     out["stopped"] = (stopped.finish_reason, stopped.cache_length_after, 1 <= len(stopped.token_ids) < 60)
     list(fns["ask"](QUESTIONS[0], TOKENS, _request("a")))  # after the Stop: the restored cache answers as before
     out["after stop"] = app.sessions.peek("a").qa.history[-1].token_ids
+    # the full-precision answer beside it: a `dynamic` prefill and answer, in the worker on a device
+    made, shown = list(fns["reference"](_request("a")))
+    assert made.startswith("Making the full-precision answer") and shown.startswith("**Full precision**"), shown
+    out["reference"] = re.sub(r"[\d.]+ s, once per question", "", shown)  # its time left out
     compared = fns["compare"](CONTEXTS["a"], [SPEC], "", QUESTIONS[0], TOKENS, _request("a"))
     report = compared.report
     out["compare"] = [(r.spec_text, r.kv_bytes, [q.answer for q in r.questions]) for r in report.results]
@@ -178,7 +183,7 @@ def test_the_page_runs_its_model_work_in_the_worker_under_every_policy(served, i
         ]  # fmt: skip
         assert warm[:4] == WARM_PATTERN[policy]
         kinds = [v[0][0].kind for kind, _, v in harness.crossed if kind == "args"]
-        assert kinds == ["prefill"] * 2 + ["answer"] * 6 + ["compare", "needle"]
+        assert kinds == ["prefill"] * 2 + ["answer"] * 6 + ["prefill", "answer"] + ["compare", "needle"]
         assert harness.durations == [job_seconds(v[0][0]) for kind, _, v in harness.crossed if kind == "args"]
         for kind, size, value in harness.crossed:
             _no_tensor(value, kind)
