@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from types import SimpleNamespace
 
 import gradio as gr
 import pytest
@@ -1006,3 +1007,15 @@ def test_compare_says_when_its_speeds_were_measured_on_a_busy_machine(tiny):
     assert speed["title"] == "Decode speed ⚠ on a busy machine" and f"{cores + 3.0:.1f} on {cores} cores" in note
     note, _, _, speed = views.comparison_outputs(report, "Compared", (0.2, 0.4))
     assert speed["title"] == "Decode speed" and "busy" not in note
+
+
+def test_recommend_estimates_its_time_from_the_page_default_measured_here():
+    """Before its first unit, Recommend scales the page default's measured seconds to the text's tokens (never below
+    them: a shorter text still reads the same candidates); nothing without one for this model."""
+    found = SimpleNamespace(model="m", seconds=40.0, context_tokens=500)
+    assert views.recommend_estimate(found, "m", 1500) == (
+        " (about 2 min 00 s at most: the page's default took 40 s on 500 tokens here, and this text has 1,500)"
+    )
+    assert views.recommend_estimate(found, "m", 100).startswith(" (about 40 s at most")
+    assert views.recommend_estimate(found, "another model", 1500) == ""
+    assert views.recommend_estimate(None, "m", 1500) == ""

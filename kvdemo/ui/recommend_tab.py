@@ -117,7 +117,10 @@ class RecommendTab:
                 raise ValueError("the Context box is empty; paste or upload a text (or pick an example) in Ask")
             questions = [q.strip() for q in str(questions_text or "").splitlines() if q.strip()]
             with self.app.door.long_job(request_key(request), BUSY) as job:
-                progress(0, desc="Starting the recommendation…")
+                loaded = self.app.wait_for_model()
+                tokens = len(loaded.prepare(context).ids)  # tokenized once more here: milliseconds
+                estimate = views.recommend_estimate(self.app.recommended, loaded.name, tokens)
+                progress(0, desc=f"Starting the recommendation{estimate}…")
                 found = job.recommend(
                     context, questions, max_kl=max_kl, engine=str(engine),
                     on_progress=views.Paced(progress),

@@ -112,6 +112,19 @@ def compare_estimate(specs: int, questions: int, max_new_tokens: int, qa: Sessio
     )
 
 
+def recommend_estimate(found: Recommendation | None, model: str, tokens: int) -> str:
+    """What Recommend says before its first unit: about how long it may take, from the page default this machine
+    measured for the model (`kvdemo.serve.recommended`: its seconds over its tokens, scaled to `tokens` of the user's
+    text; at most, since the search stops once the pick is sure); "" where none was measured for `model`."""
+    if found is None or found.model != model or not found.seconds or not found.context_tokens:
+        return ""
+    seconds = found.seconds * max(tokens / found.context_tokens, 1.0)
+    return (
+        f" (about {duration(seconds)} at most: the page's default took {found.seconds:.0f} s on "
+        f"{found.context_tokens:,} tokens here, and this text has {tokens:,})"
+    )
+
+
 def duration(seconds: float) -> str:
     """`seconds` as a reader takes it in: `40 s`, `3 min 20 s`."""
     seconds = max(round(seconds), 0)
