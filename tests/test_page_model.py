@@ -15,7 +15,7 @@ from kvdemo.cache.telemetry import LayerMemory, MemoryReport
 from kvdemo.qa.session import QASession
 from kvdemo.serve.server import App
 from kvdemo.serve.session_files import SessionFiles
-from kvdemo.ui import build_demo, option_fields, page_state, session_box, views
+from kvdemo.ui import build_demo, option_fields, page_state, session_box, times, views
 from kvdemo.ui.ask_widgets import START_SPEC
 from tests.helpers import named_handlers
 
@@ -68,13 +68,13 @@ def test_the_prefill_line_counts_from_the_click(tiny):
     qa = QASession(tiny, START_SPEC)
     qa.prefill(CONTEXT)
     prefill = qa.prefill_report.seconds
-    assert views.from_click(qa, prefill + 0.2, 0.1, 0.05, True) == ""  # within half a second: nothing to add
-    line = views.from_click(qa, prefill + 9.0, 2.0, 6.0, True)
+    assert times.from_click(qa, prefill + 0.2, 0.1, 0.05, True) == ""  # within half a second: nothing to add
+    line = times.from_click(qa, prefill + 9.0, 2.0, 6.0, True)
     assert line == (
         f" · **{prefill + 9.0:.1f} s from the click** (2.0 s waiting in the queue; 6.0 s one-off set-up: the first "
         "quanto cache on this model here; 1.0 s installing and saving the cache)"
     )
-    assert "6.0 s set-up;" in views.from_click(qa, prefill + 9.0, 2.0, 6.0, False)
+    assert "6.0 s set-up;" in times.from_click(qa, prefill + 9.0, 2.0, 6.0, False)
     assert line in views.prefill_summary(qa, line)
 
 

@@ -20,7 +20,7 @@ from kvdemo.charts.steps import MEMORY_SERIES
 from kvdemo.compare.run import compare
 from kvdemo.serve.server import App
 from kvdemo.serve.store import SessionStore
-from kvdemo.ui import build_demo, views
+from kvdemo.ui import build_demo, times, views
 from kvdemo.ui.examples import EXAMPLES, example
 from kvdemo.ui.inputs import MAX_UPLOAD_BYTES, read_upload, spec_from_inputs
 from kvdemo.ui.option_fields import backend_option_updates
@@ -969,7 +969,7 @@ def test_long_jobs_say_the_time_left_at_their_own_pace():
     """The bar of Compare, Needle and Recommend: no promise before a unit is done, then the seconds per unit so far ×
     the units left, revised at every update."""
     shown, now = [], [100.0]
-    paced = views.Paced(lambda value, desc, unit: shown.append((value, desc)), clock=lambda: now[0])
+    paced = times.Paced(lambda value, desc, unit: shown.append((value, desc)), clock=lambda: now[0])
     paced(0, 10, "dynamic: prefilling")
     now[0] = 130.0
     paced(3, 10, "dynamic: answering 1/2")
@@ -984,16 +984,16 @@ def test_long_jobs_say_the_time_left_at_their_own_pace():
 
 def test_compare_estimates_its_time_from_the_tabs_own_measurements(handlers):
     app, fns = handlers
-    assert views.compare_estimate(6, 1, 32, None, []) == ""  # nothing measured here yet: no promise
+    assert times.compare_estimate(6, 1, 32, None, []) == ""  # nothing measured here yet: no promise
     fns["prefill"](CONTEXT, *HQQ, _request())
     user = app.sessions.get("tab-1")
-    assert views.compare_estimate(6, 1, 32, user.qa, user.events) == ""  # a prefill, no decode step yet
+    assert times.compare_estimate(6, 1, 32, user.qa, user.events) == ""  # a prefill, no decode step yet
     _ask(fns, "Who led the Normans?", 6)
     step = sorted(e.seconds for e in user.events if e.kind == "decode step")
-    text = views.compare_estimate(6, 2, 32, user.qa, user.events)
+    text = times.compare_estimate(6, 2, 32, user.qa, user.events)
     assert text.startswith(" (about ") and "6 prefills of " in text and "768 decode steps of " in text
     seconds = 6 * (user.qa.prefill_report.seconds + 2 * 2 * 32 * views.flush_timing(user.events)[2])
-    assert f"about {views.duration(seconds)}:" in text and step
+    assert f"about {times.duration(seconds)}:" in text and step
 
 
 def test_compare_says_when_its_speeds_were_measured_on_a_busy_machine(tiny):
@@ -1013,9 +1013,9 @@ def test_recommend_estimates_its_time_from_the_page_default_measured_here():
     """Before its first unit, Recommend scales the page default's measured seconds to the text's tokens (never below
     them: a shorter text still reads the same candidates); nothing without one for this model."""
     found = SimpleNamespace(model="m", seconds=40.0, context_tokens=500)
-    assert views.recommend_estimate(found, "m", 1500) == (
+    assert times.recommend_estimate(found, "m", 1500) == (
         " (about 2 min 00 s at most: the page's default took 40 s on 500 tokens here, and this text has 1,500)"
     )
-    assert views.recommend_estimate(found, "m", 100).startswith(" (about 40 s at most")
-    assert views.recommend_estimate(found, "another model", 1500) == ""
-    assert views.recommend_estimate(None, "m", 1500) == ""
+    assert times.recommend_estimate(found, "m", 100).startswith(" (about 40 s at most")
+    assert times.recommend_estimate(found, "another model", 1500) == ""
+    assert times.recommend_estimate(None, "m", 1500) == ""

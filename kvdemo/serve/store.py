@@ -50,7 +50,7 @@ class UserSession:
             when a refusal beside Ask no longer applies; "" before the first answer on this cache.
         prefill_clicked: `time.monotonic()` at the last Prefill click (before the queue), which the prefill's line
             counts its time from; None where no page clicked (an API caller).
-        prefill_timing: what the prefill's line says of the time from that click (`kvdemo.ui.views.from_click`),
+        prefill_timing: what the prefill's line says of the time from that click (`kvdemo.ui.times.from_click`),
             kept with the cache so that the line says it each time it is shown; "" for a cache opened from a file.
         references: the full-precision answers made for this tab (`Door.reference`), by (model, context, question,
             max_new_tokens): kept across prefills of the same text, whatever their spec.

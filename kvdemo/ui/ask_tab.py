@@ -17,11 +17,13 @@ import gradio as gr
 from kvdemo.cache.options import GROUP_OPTIONS
 from kvdemo.cache.spec import CacheSpec
 from kvdemo.qa.prefill import PrefillStopped
-from kvdemo.serve.door import ANSWER_BUSY, AnswerRun, Session
+from kvdemo.serve.door import ANSWER_BUSY, Session
+from kvdemo.serve.recommended import page_start
+from kvdemo.serve.runs import AnswerRun
 from kvdemo.serve.server import App, switched_reason
 from kvdemo.serve.store import UserSession, request_key
-from kvdemo.ui import context_box, option_fields, page_state, session_box, views
-from kvdemo.ui.ask_widgets import START_SPEC, AnswerView, AskWidgets, PrefillView, page_start
+from kvdemo.ui import context_box, option_fields, page_state, session_box, times, views
+from kvdemo.ui.ask_widgets import START_SPEC, AnswerView, AskWidgets, PrefillView
 from kvdemo.ui.examples import example, suggested_questions
 from kvdemo.ui.inputs import page_event, read_upload, refusal, spec_from_inputs
 
@@ -110,7 +112,7 @@ class AskTab(AskWidgets):
         )
         queued = asked - clicked + done.queued_seconds
         total = time.monotonic() - clicked
-        user.prefill_timing = views.from_click(qa, total, queued, done.set_up_seconds, _first_use(qa))
+        user.prefill_timing = times.from_click(qa, total, queued, done.set_up_seconds, _first_use(qa))
         # Ask as the page now stands: the options may have changed meanwhile
         matches = page_state.page_differs(user) is None
         return PrefillView.prefilled(qa, self.app.door.speed(qa), user.answers, matches, cleared, user.prefill_timing)
@@ -188,7 +190,7 @@ class AskTab(AskWidgets):
             ended = "was stopped" if answer.finish_reason == "stopped" else "failed"
             yield f"The answer {ended}: no full-precision answer beside it."
             return
-        yield views.reference_estimate(qa)
+        yield times.reference_estimate(qa)
         try:
             made = self.app.door.reference(request_key(request), answer.question, max_new_tokens)
         except PrefillStopped:

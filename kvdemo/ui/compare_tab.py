@@ -18,10 +18,11 @@ from kvdemo.cache.spec import CacheSpec
 from kvdemo.charts.reports import DISPLAY_HELP
 from kvdemo.compare.records import ComparisonCancelled, ComparisonReport
 from kvdemo.evals.cases import continuation_for, gold_answers_for
+from kvdemo.serve.recommended import page_start
 from kvdemo.serve.store import request_key
-from kvdemo.ui import views
+from kvdemo.ui import times, views
 from kvdemo.ui.ask_tab import AskTab
-from kvdemo.ui.ask_widgets import START_SPEC, page_start
+from kvdemo.ui.ask_widgets import START_SPEC
 from kvdemo.ui.examples import suggested_questions
 from kvdemo.ui.inputs import (
     COMPARE_MAX_NEW_TOKENS,
@@ -142,7 +143,7 @@ class CompareTab:
                 golds = gold_answers_for(context, questions)
                 user = self.app.sessions.peek_request(request)
                 qa, events = (user.qa, user.events) if user is not None else (None, [])
-                estimate = views.compare_estimate(len(specs) + len(plans), len(questions), max_new_tokens, qa, events)
+                estimate = times.compare_estimate(len(specs) + len(plans), len(questions), max_new_tokens, qa, events)
                 progress(0, desc=f"Starting the comparison{estimate}…")
                 report = job.compare(
                     context,
@@ -153,7 +154,7 @@ class CompareTab:
                     perplexity_tokens=ppl_tokens,
                     continuation=continuation_for(context) if ppl_tokens else None,
                     plans=plans,
-                    on_progress=views.Paced(progress),
+                    on_progress=times.Paced(progress),
                 )
                 plural = "s" if len(questions) > 1 else ""
                 note = f"Compared {len(report.results)} specs on {len(questions)} question{plural}"

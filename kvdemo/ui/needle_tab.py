@@ -18,7 +18,7 @@ from kvdemo.needle import grid as needle
 from kvdemo.needle import records as needle_records
 from kvdemo.needle.inputs import DEFAULT_MAX_NEW_TOKENS, DEFAULT_SPECS, parse_depths, parse_lengths
 from kvdemo.serve.store import request_key
-from kvdemo.ui import views
+from kvdemo.ui import times, views
 from kvdemo.ui.ask_tab import AskTab
 from kvdemo.ui.inputs import NEEDLE_MAX_NEW_TOKENS, refusal
 
@@ -133,7 +133,7 @@ class NeedleTab:
                     answer_tokens,
                     needles_per_context=1 if one_needle else None,
                     seed=needle_seed,
-                    on_progress=views.Paced(progress),
+                    on_progress=times.Paced(progress),
                 )
                 return _view(grid, f"{len(grid.cells):,} cells in {grid.seconds:,.0f} s on {grid.device}.")
         except needle_records.NeedleCancelled as cancelled:

@@ -16,7 +16,7 @@ from kvdemo.compare.candidates import ANY_ENGINE
 from kvdemo.compare.recommend import DEFAULT_MAX_KL, check_target
 from kvdemo.compare.recommendation import Recommendation, RecommendationCancelled
 from kvdemo.serve.store import request_key
-from kvdemo.ui import views
+from kvdemo.ui import times, views
 from kvdemo.ui.ask_tab import AskTab
 from kvdemo.ui.inputs import refusal
 
@@ -119,11 +119,11 @@ class RecommendTab:
             with self.app.door.long_job(request_key(request), BUSY) as job:
                 loaded = self.app.wait_for_model()
                 tokens = len(loaded.prepare(context).ids)  # tokenized once more here: milliseconds
-                estimate = views.recommend_estimate(self.app.recommended, loaded.name, tokens)
+                estimate = times.recommend_estimate(self.app.recommended, loaded.name, tokens)
                 progress(0, desc=f"Starting the recommendation{estimate}…")
                 found = job.recommend(
                     context, questions, max_kl=max_kl, engine=str(engine),
-                    on_progress=views.Paced(progress),
+                    on_progress=times.Paced(progress),
                 )  # fmt: skip
                 done = f"{len(found.rows)} candidates in {found.seconds:.0f} s on {found.context_tokens:,} tokens"
                 return _view(found, f"Measured {done}.")
