@@ -22,28 +22,27 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import closing, contextmanager, nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeAlias
 
 from kvdemo import checks
 from kvdemo.cache.registry import BASELINE
 from kvdemo.cache.spec import CacheSpec
-from kvdemo.cache.telemetry import StepEvent
 from kvdemo.compare.recommendation import Recommendation, RecommendationCancelled
 from kvdemo.compare.records import ComparisonCancelled, ComparisonReport
 from kvdemo.needle.records import NeedleCancelled, NeedleGrid
 from kvdemo.qa.limits import DEFAULT_MAX_NEW_TOKENS, QUESTION_RESERVE_TOKENS
 from kvdemo.qa.models import LoadedModel
 from kvdemo.qa.prompt import PreparedContext, PreparedQuestion
-from kvdemo.qa.records import Answer, PrefillReport
+from kvdemo.qa.records import PrefillReport
 from kvdemo.qa.session import QASession
 from kvdemo.qa.session_file import SavedSession, check_fits, open_session, read_manifest, save_session
 from kvdemo.serve.accounting import KVAccount, prefill_tokens, session_kv_bytes
 from kvdemo.serve.device import Device, RemoteSession
 from kvdemo.serve.gpu_job import GpuRequest
+from kvdemo.serve.runs import AnswerRun, FullPrecisionAnswer, Prefilled
 from kvdemo.serve.session_files import SessionFiles
 from kvdemo.serve.store import SessionStore, UserSession
 
@@ -56,46 +55,6 @@ thousands of tokens, tens of KiB of text, and a megabytes-long paste would only 
 before the window refuses it."""
 
 ANSWER_BUSY = "An answer or a prefill is already running in this session; wait for it to end (or press Stop)"
-
-
-@dataclass(frozen=True)
-class Prefilled:
-    """A prefill's end as the door gives it: the session (installed in the store) and where the time went before
-    the prefill itself: `queued_seconds` waiting for the session's lock (its running answer), `set_up_seconds`
-    building the session (a backend's first use on a model probes it and warms its kernels)."""
-
-    session: Session
-    queued_seconds: float
-    set_up_seconds: float
-
-
-@dataclass
-class AnswerRun:
-    """An answer as it runs (`Door.answer`): iterate it for its `StepEvent`s; `answer` is the finished `Answer`
-    once the iteration has ended (stopped, finished or failed: the session restored its cache)."""
-
-    session: Session
-    question: PreparedQuestion
-    events: Generator[StepEvent, None, None]
-
-    def __iter__(self) -> Iterator[StepEvent]:
-        return self.events
-
-    @property
-    def answer(self) -> Answer:
-        """The session's last answer (this one, once ended)."""
-        return self.session.history[-1]
-
-
-@dataclass(frozen=True)
-class Reference:
-    """A full-precision answer as `Door.reference` gives it: the `Answer` of a `dynamic` cache, the seconds it took
-    (its prefill, or the session file opened, and its decode steps; 0 when `cached`), and whether it was kept from
-    an earlier ask of the same question."""
-
-    answer: Answer
-    seconds: float
-    cached: bool
 
 
 class Served(Protocol):
@@ -385,7 +344,7 @@ class Door:
 
     def reference(
         self, key: str, question: str, max_new_tokens: Any, on_progress: Callable[[int, int], None] | None = None
-    ) -> Reference:
+    ) -> FullPrecisionAnswer:
         """The full-precision answer to `question` on the context prefilled in the session of `key`: a `dynamic`
         (`BASELINE`) session of the same model prefilled with the same text (a saved session file opened in its
         place where the app's folder holds one), asked the same question greedily, then dropped. Made once per
@@ -414,7 +373,7 @@ class Door:
                 raise ValueError("The model changed since your prefill; prefill again to rebuild the cache on it")
             found = (id(session.loaded), session.context, question.strip(), max_new_tokens)
             if found in user.references:
-                return Reference(user.references[found], 0.0, cached=True)
+                return FullPrecisionAnswer(user.references[found], 0.0, cached=True)
             baseline = self.new_session(session.loaded, CacheSpec.parse(BASELINE))
             context = session.loaded.prepare(session.context)
             tokens, reserve = prefill_tokens(session.loaded, context), QUESTION_RESERVE_TOKENS + max_new_tokens
@@ -448,7 +407,7 @@ class Door:
                 self.app.kv.release(holder)
             if answer.finish_reason != "stopped":
                 user.references[found] = answer
-            return Reference(answer, time.monotonic() - began, cached=False)
+            return FullPrecisionAnswer(answer, time.monotonic() - began, cached=False)
         finally:
             self.app.sessions.touch(user)
             user.lock.release()

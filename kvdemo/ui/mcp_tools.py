@@ -40,7 +40,7 @@ from kvdemo.compare.recommendation import RecommendationCancelled
 from kvdemo.compare.records import ComparisonCancelled, ComparisonReport, json_ready
 from kvdemo.evals.cases import gold_answers_for
 from kvdemo.qa.limits import DEFAULT_MAX_NEW_TOKENS
-from kvdemo.serve.door import AnswerRun
+from kvdemo.serve.runs import AnswerRun
 from kvdemo.serve.server import App
 from kvdemo.serve.store import UserSession
 from kvdemo.ui import views
