@@ -93,7 +93,10 @@ def test_a_fifth_backend_reaches_the_page(with_dummy, tiny):
     assert ("dummy:16", "dummy:16") in boxes[0].choices and "dummy:16" in boxes[0].value
     *fields, note = backend_option_updates("dummy")
     assert fields[0]["visible"] and fields[0]["choices"] == [16] and not any(f["visible"] for f in fields[1:])
-    assert note == "DynamicCache under another name, for the registry test. It never flushes."
+    assert note == (  # the first row's fields' help, in the backend's own words
+        "DynamicCache under another name, for the registry test. It never flushes.\n\nThe fields above:\n"
+        "- **nbits**: bits per value (ignored)"
+    )
     assert spec_from_inputs("dummy", dict(nbits=16, q_group_size=64, residual_length=4)) == CacheSpec("dummy", nbits=16)
 
 

@@ -17,7 +17,6 @@ from kvdemo.cache.speedlimit import SpeedLimit
 from kvdemo.charts.steps import KEPT_SERIES, MEMORY_SERIES, answers_frame
 from kvdemo.qa.limits import DEFAULT_MAX_NEW_TOKENS
 from kvdemo.serve.door import Session
-from kvdemo.serve.recommended import PAGE_RESIDUAL_LENGTH, page_start
 from kvdemo.serve.secret import browser_state_secret
 from kvdemo.ui import option_fields, views
 from kvdemo.ui.examples import EXAMPLES
@@ -30,9 +29,6 @@ whose flush (transformers' own, `flush=requantize`) costs least. Measured by `be
 Normans example (1,341 tokens) and 1.02x on 4,707 tokens, with a flush of every layer at the question's pass
 and every 16 tokens after. `hqq:4,residual_length=16` took 4.5x there (each flush re-runs hqq's optimiser over
 the whole layer; 2.4x with `flush=append`)."""
-
-
-__all__ = ["PAGE_RESIDUAL_LENGTH", "START_SPEC", "AnswerView", "AskWidgets", "PrefillView", "page_start"]
 
 
 class PrefillView(NamedTuple):

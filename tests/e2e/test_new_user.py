@@ -25,9 +25,10 @@ from kvdemo.cache.spec import CacheSpec
 from kvdemo.evals.cases import example_path, load_case
 from kvdemo.qa.models import load_model
 from kvdemo.qa.packaged import GEMMA3_PIP, OfferedModel, gemma3_installed
+from kvdemo.serve.recommended import PAGE_RESIDUAL_LENGTH, page_start
 from kvdemo.serve.server import App
 from kvdemo.ui import page as page_module
-from kvdemo.ui.ask_widgets import PAGE_RESIDUAL_LENGTH, START_SPEC, page_start
+from kvdemo.ui.ask_widgets import START_SPEC
 
 from .conftest import opened_tab, serve
 
