@@ -392,7 +392,10 @@ def test_the_app_probes_the_pages_start_while_the_page_is_served(tiny, monkeypat
     from kvdemo.serve.recommended import page_start
     from kvdemo.ui.inputs import spec_from_inputs
 
-    monkeypatch.setattr(server, "page_default", lambda loaded, measure_missing: SimpleNamespace(pick="turboquant:4"))
+    def stored(loaded, measure_missing):  # a recommendation stored for this model
+        return SimpleNamespace(pick="turboquant:4", model=loaded.name)
+
+    monkeypatch.setattr(server, "page_default", stored)
     probes = tiny.__dict__.setdefault("_probes", {})
     start = page_start(CacheSpec.parse("turboquant:4")).validate(tiny.config)
     probes.pop(start.full_text, None)

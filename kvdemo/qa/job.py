@@ -18,6 +18,12 @@ ProgressCallback = Callable[[int, int, str], None]
 """`on_progress(done, total, what)`: units of work done so far, the total, and what runs now."""
 
 
+def seconds_left(elapsed: float, done: float, total: float) -> float | None:
+    """The time a job has left at its own pace so far: `elapsed` seconds over `done` units × the units left; None
+    before a unit is done or once all are (what a progress line then leaves out)."""
+    return elapsed / done * (total - done) if 0 < done < total else None
+
+
 class JobCancelled(Exception):
     """Raised inside a job's work once its cancel event is set (the session it was using restores or drops its
     cache as it unwinds)."""

@@ -22,7 +22,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import closing, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Protocol, TypeAlias
@@ -30,6 +30,7 @@ from typing import Any, Protocol, TypeAlias
 from kvdemo import checks
 from kvdemo.cache.registry import BASELINE
 from kvdemo.cache.spec import CacheSpec
+from kvdemo.cache.telemetry import StepEvent
 from kvdemo.compare.recommendation import Recommendation, RecommendationCancelled
 from kvdemo.compare.records import ComparisonCancelled, ComparisonReport
 from kvdemo.needle.records import NeedleCancelled, NeedleGrid
@@ -326,21 +327,29 @@ class Door:
                 if self.app.loaded is not session.loaded:
                     raise ValueError("The model changed since your prefill; prefill again to rebuild the cache on it")
                 prepared = self.reserve_answer(key, session, question, max_new_tokens)
-                if isinstance(session, RemoteSession):
-                    assert self.device is not None
-                    stream = self.device.answer(session, prepared)
-                else:
-                    stream = session.stream(prepared)
-                began(session)  # a Stop pressed while the answer waited applies now
-                try:
-                    with closing(stream):
-                        yield AnswerRun(session, prepared, stream)
-                finally:
-                    if isinstance(session, RemoteSession):  # also an answer closed before its first step
-                        session.end_job()
+                with self._streaming(session, prepared) as stream:
+                    began(session)  # a Stop pressed while the answer waited applies now
+                    yield AnswerRun(session, prepared, stream)
         finally:
             self.app.sessions.touch(user)
             user.lock.release()
+
+    @contextmanager
+    def _streaming(self, session: Session, prepared: PreparedQuestion) -> Iterator[Generator[StepEvent, None, None]]:
+        """`session`'s answer to `prepared` as a stream of `StepEvent`s, in this process or in the device's worker,
+        for the `with` block: leaving it closes the stream (the cache restored, the answer recorded in the session's
+        history) and, on a device, ends the session's job (also for an answer closed before its first step)."""
+        if isinstance(session, RemoteSession):
+            assert self.device is not None
+            stream = self.device.answer(session, prepared)
+        else:
+            stream = session.stream(prepared)
+        try:
+            with closing(stream):
+                yield stream
+        finally:
+            if isinstance(session, RemoteSession):
+                session.end_job()
 
     def reference(
         self, key: str, question: str, max_new_tokens: Any, on_progress: Callable[[int, int], None] | None = None
@@ -386,21 +395,11 @@ class Door:
             user.reference = baseline
             try:
                 self._prefill_or_open(baseline, context, max_new_tokens, on_progress, None)
-                prepared = baseline.prepare_question(question, max_new_tokens)
-                if isinstance(baseline, RemoteSession):
-                    assert self.device is not None
-                    stream = self.device.answer(baseline, prepared)
-                else:
-                    stream = baseline.stream(prepared)
-                if user.answer_stop.is_set():
-                    baseline.request_stop()
-                try:
-                    with closing(stream):
-                        for _ in stream:
-                            pass
-                finally:
-                    if isinstance(baseline, RemoteSession):
-                        baseline.end_job()
+                with self._streaming(baseline, baseline.prepare_question(question, max_new_tokens)) as stream:
+                    if user.answer_stop.is_set():  # a Stop since the Ask click
+                        baseline.request_stop()
+                    for _ in stream:
+                        pass
                 answer = baseline.history[-1]
             finally:
                 user.reference = None

@@ -102,6 +102,7 @@ def page_default(
 if __name__ == "__main__":  # `make setup`: the embedded model's default, measured once
     import time
 
+    from kvdemo.qa.job import seconds_left
     from kvdemo.qa.models import load_model
 
     model = load_model()
@@ -109,8 +110,9 @@ if __name__ == "__main__":  # `make setup`: the embedded model's default, measur
 
     def _say(done: int, total: int, what: str) -> None:  # a line per step: the install is never silent for long
         elapsed = time.perf_counter() - began
-        left = f", at most {elapsed / done * (total - done):.0f} s left at this pace" if 0 < done < total else ""
-        print(f"  {elapsed:5.0f} s  step {done}/{total}{left}: {what}", flush=True)
+        left = seconds_left(elapsed, done, total)
+        pace = "" if left is None else f", at most {left:.0f} s left at this pace"
+        print(f"  {elapsed:5.0f} s  step {done}/{total}{pace}: {what}", flush=True)
 
     result = page_default(model, measure_missing=True, on_progress=_say)  # a failure is logged: the fixed spec then
     print(f"recommended for {model.name}: {result.pick} ({result.why})" if result else "no recommended start stored")

@@ -136,16 +136,28 @@ class App:
             if self.loaded is loaded:  # not replaced by a Load meanwhile
                 self.recommended = found
 
+    def page_start(self) -> CacheSpec | None:
+        """The Ask tab's starting spec for the model loaded now: its recommendation's pick with the page's residual
+        (`kvdemo.serve.recommended.page_start`); None where the page starts on its fixed spec: `recommended_start`
+        off, no recommendation for this model, or a pick that does not parse (none is stored so; a guard)."""
+        found, loaded = self.recommended, self.loaded
+        if found is None or loaded is None or found.model != loaded.name or not self.recommended_start:
+            return None
+        try:
+            return page_start(CacheSpec.parse(found.pick))
+        except ValueError:
+            return None
+
     def _probe_start(self) -> None:
         """Run the probe of the page's starting spec (`kvdemo.qa.probe.check_model`, a few tokens through its cache,
         kept on the model) while the page is served, so that the first Prefill at the page's start does not pay it
         (1-2 s idle, 13-17 s on a busy machine). It is per process and per model object: `make setup` cannot pay it.
         A refusal is left to the Prefill, which says it."""
-        if self.recommended is None or not self.recommended_start or self.loaded is None:
+        start = self.page_start()
+        if start is None or self.loaded is None:
             return
         try:
-            spec = page_start(CacheSpec.parse(self.recommended.pick)).validate(self.loaded.config)
-            check_model(self.loaded, spec)
+            check_model(self.loaded, start.validate(self.loaded.config))
         except ValueError as error:
             _log.info("the page's start does not serve %s: %s", self.loaded.name, error)
 

@@ -15,10 +15,8 @@ from typing import Any
 import gradio as gr
 
 from kvdemo.cache.options import GROUP_OPTIONS
-from kvdemo.cache.spec import CacheSpec
 from kvdemo.qa.prefill import PrefillStopped
 from kvdemo.serve.door import ANSWER_BUSY, Session
-from kvdemo.serve.recommended import page_start
 from kvdemo.serve.runs import AnswerRun
 from kvdemo.serve.server import App, switched_reason
 from kvdemo.serve.store import UserSession, request_key
@@ -182,7 +180,8 @@ class AskTab(AskWidgets):
         if user is None or qa is None or not qa.history or user.reference_due is None:
             yield views.KEEP  # no answer was given (a refusal beside Ask says why): the line stays
             return
-        (max_new_tokens, user.reference_due), answer = (user.reference_due, None), qa.history[-1]
+        max_new_tokens, answer = user.reference_due, qa.history[-1]
+        user.reference_due = None  # once per answer
         if not qa.spec.info.quantized:
             yield f"This cache is full precision (`{qa.spec.label}`): its answer is the reference."
             return
@@ -340,16 +339,15 @@ class AskTab(AskWidgets):
 
     def start_spec(self, saved: Any, request: gr.Request) -> list[Any]:
         """The backend, its option fields, its note, the recommendation's note and the fields' memory at the page's
-        load and after a Load: the loaded model's recommended spec (`App.recommended`: `kvdemo.serve.recommended`)
-        with the page's residual (`page_start`) and where it came from; unchanged where the browser kept the user's
+        load and after a Load: the loaded model's recommended spec with the page's residual (`App.page_start`) and
+        where it came from (`App.recommended`); unchanged where the browser kept the user's
         own (`page_state.restore` set them), where this tab holds a prefilled cache (the page shows the cache's
         spec), or where none is stored."""
         keep = [views.KEEP] * (len(GROUP_OPTIONS) + 4)
-        user, found, loaded = self.app.sessions.peek_request(request), self.app.recommended, self.app.loaded
-        if found is None or loaded is None or found.model != loaded.name or not self.app.recommended_start:
+        user, found, shown = self.app.sessions.peek_request(request), self.app.recommended, self.app.page_start()
+        if found is None or shown is None:
             return [*keep[:-2], "", views.KEEP]
         try:
-            shown = page_start(CacheSpec.parse(found.pick))
             backend, values = session_box.spec_fields(shown)
         except ValueError:  # a pick the fields cannot show (none is stored so; a guard): the fixed start stays
             return [*keep[:-2], "", views.KEEP]

@@ -14,11 +14,9 @@ import gradio as gr
 from kvdemo.cache.catalogue import all_specs, default_compare_specs, defaults_for, examples
 from kvdemo.cache.options import SPEC_OPTIONS
 from kvdemo.cache.registry import BACKENDS
-from kvdemo.cache.spec import CacheSpec
 from kvdemo.charts.reports import DISPLAY_HELP
 from kvdemo.compare.records import ComparisonCancelled, ComparisonReport
 from kvdemo.evals.cases import continuation_for, gold_answers_for
-from kvdemo.serve.recommended import page_start
 from kvdemo.serve.store import request_key
 from kvdemo.ui import times, views
 from kvdemo.ui.ask_tab import AskTab
@@ -177,17 +175,11 @@ class CompareTab:
 
     def start_more(self, more: str) -> Any:
         """The "more specs" box at the page's load and after a model Load: the Ask tab's starting spec for the model
-        loaded (`kvdemo.ui.ask_widgets.page_start` of its recommended pick, else `START_SPEC`), so that the default
-        comparison includes what the Ask tab starts on; what the user typed stays."""
+        loaded (`App.page_start`, else `START_SPEC`), so that the default comparison includes what the Ask tab starts
+        on; what the user typed stays."""
         if isinstance(more, str) and more.strip():
             return views.KEEP
-        found, loaded = self.app.recommended, self.app.loaded
-        if found is not None and loaded is not None and found.model == loaded.name and self.app.recommended_start:
-            try:
-                return page_start(CacheSpec.parse(found.pick)).text
-            except ValueError:  # a pick the page cannot show (none is stored so; a guard): the fixed start
-                pass
-        return START_SPEC.text
+        return (self.app.page_start() or START_SPEC).text
 
     def cancel_state(self, request: gr.Request) -> Any:
         """Cancel enabled only while a comparison or a grid runs or waits in this session (before a click and after

@@ -11,6 +11,7 @@ from typing import Any
 
 from kvdemo.charts.steps import flush_timing
 from kvdemo.compare.recommendation import Recommendation
+from kvdemo.qa.job import seconds_left
 from kvdemo.serve.door import Session
 
 
@@ -57,9 +58,9 @@ class Paced:
         self.progress, self.clock, self.began = progress, clock, clock()
 
     def __call__(self, done: float, total: float, what: str) -> None:
-        elapsed = self.clock() - self.began
-        if done >= 1 and total > done:
-            what += f" · about {duration(elapsed / done * (total - done))} left at this run's pace"
+        left = seconds_left(self.clock() - self.began, done, total)
+        if left is not None:
+            what += f" · about {duration(left)} left at this run's pace"
         self.progress((done, total), desc=what, unit="steps")
 
 

@@ -30,6 +30,7 @@ from kvdemo.charts.steps import (
 )
 from kvdemo.compare.recommendation import Recommendation
 from kvdemo.compare.records import ComparisonReport
+from kvdemo.evals.metrics import common_prefix
 from kvdemo.qa.models import LoadedModel
 from kvdemo.qa.records import Answer
 from kvdemo.serve.door import Session
@@ -215,7 +216,7 @@ def reference_line(quantized: Answer, reference: FullPrecisionAnswer, token_text
     if ref.finish_reason == "stopped":
         return head + " · stopped before its end: not compared"
     mine, theirs = quantized.token_ids, ref.token_ids
-    common = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+    common = common_prefix(mine, theirs)
     if mine == theirs:
         return head + " · **the same tokens** as this cache's answer"
     if common == len(mine) and quantized.finish_reason == "stopped":
