@@ -96,7 +96,7 @@ def _print_restore(results: dict[str, Any]) -> None:
 
 def _print_bytes(results: dict[str, Any]) -> None:
     print(
-        "\n3. KV bytes per token, measured (kvdemo.cache.telemetry) / theoretical (bits per value + a scale and a "
+        "\n3. KV bytes per token, measured (kvdemo.cache.state.telemetry) / theoretical (bits per value + a scale and a "
         "zero point per group + the residual)"
     )
     print(

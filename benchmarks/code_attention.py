@@ -5,9 +5,9 @@ with the load average beside the figures.
 For each length: a `dynamic` cache and one cache per quantized spec hold the same keys and values (the embedded
 model's over the first 2,048 tokens of a text no test prefills, the project's own docs/*.md joined, tiled to the
 length, as `benchmarks/decode.py` fills them). Every round times one decode step of `dynamic`, then of each spec on
-both paths: `codes` (kvdemo's build: `kvdemo.cache.layers.code_attention`) and `dequantize` (the same cache read as
+both paths: `codes` (kvdemo's build: `kvdemo.cache.read.code_attention`) and `dequantize` (the same cache read as
 before it, each block de-quantized and read by torch's flash kernel: `blockwise.dequantized_reads`). Printed per
-spec and path: the median step, its ratio to `dynamic`'s, its floor (`kvdemo.cache.speedlimit.speed_limit`: weights
+spec and path: the median step, its ratio to `dynamic`'s, its floor (`kvdemo.cache.state.speedlimit.speed_limit`: weights
 and KV bytes over the measured copy bandwidth) and the ratio to it; and, from the same cache state, the largest
 |logit difference| between the two paths beside the one between torch's own two reads of the de-quantized store
 (block by block with the flash kernel, whole with sdpa), with whether the greedy tokens agree.
@@ -42,11 +42,11 @@ from flush import base_kv as flush_base_kv  # noqa: E402  (benchmarks/flush.py's
 from flush import fill, forward, log  # noqa: E402
 
 from kvdemo import CacheSpec, load_model  # noqa: E402
-from kvdemo.cache import snapshot  # noqa: E402
-from kvdemo.cache.layers.attention import decode_read, materialized_blocks  # noqa: E402
-from kvdemo.cache.layers.blockwise import dequantized_reads  # noqa: E402
+from kvdemo.cache.read.attention import decode_read, materialized_blocks  # noqa: E402
+from kvdemo.cache.read.blockwise import dequantized_reads  # noqa: E402
 from kvdemo.cache.spec import build_cache  # noqa: E402
-from kvdemo.cache.speedlimit import probe_bandwidth, speed_limit  # noqa: E402
+from kvdemo.cache.state import snapshot  # noqa: E402
+from kvdemo.cache.state.speedlimit import probe_bandwidth, speed_limit  # noqa: E402
 
 SPECS = (
     "quanto:4", "hqq:4", "turboquant:4", "turboquant:3", "quanto:2", "hqq:4,flush=append", "ggml:q4_0", "ggml:q8_0",
@@ -68,7 +68,7 @@ def base_kv(loaded, tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def logit_gaps(loaded, cache) -> tuple[float, float, bool]:
-    """From the same cache state (restored after each step: `kvdemo.cache.snapshot`), one step's logits on the codes
+    """From the same cache state (restored after each step: `kvdemo.cache.state.snapshot`), one step's logits on the codes
     path, the de-quantize path and torch's sdpa over the whole store de-quantized and joined
     (`attention.materialized_blocks`): max |codes - dequantize|, max |dequantize - whole| (how far torch's own two
     orders of sums part, the scale the first is read against), and whether the three top tokens agree."""

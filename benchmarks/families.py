@@ -26,7 +26,7 @@ def main() -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from kvdemo.cache.layer_kinds import layer_types, quantized_layers
+    from kvdemo.cache.model.layer_kinds import layer_types, quantized_layers
     from kvdemo.cache.spec import CacheSpec
     from kvdemo.evals.cases import example_path, load_case
     from kvdemo.evals.metrics import kl_divergence

@@ -3,7 +3,7 @@
 
 1. flush step / normal step, for quanto:4 and hqq:4 (residual_length 128) with `flush=requantize` (transformers)
    and `flush=append` (`kvdemo.cache.layers.flush`), and hqq:4 with its optimiser off (`optimize=false`,
-   `kvdemo.cache.layers.hqq_optimize`) under both, at 1,024, 2,048, 4,096 and 7,680 context tokens. Each round fills
+   `kvdemo.cache.formats.hqq.optimize`) under both, at 1,024, 2,048, 4,096 and 7,680 context tokens. Each round fills
    every cache's residual to residual_length - 1 with one untimed forward pass, then times the flush step and
    `--normal` steps after it; the caches take turns within a round (interleaved), and the medians are compared.
    The context's keys and values are the embedded model's on the Normans article (2,048 real tokens, tiled
@@ -46,7 +46,7 @@ from transformers import DynamicCache  # noqa: E402
 
 from kvdemo import CacheSpec, QASession, load_model  # noqa: E402
 from kvdemo.cache.spec import build_cache  # noqa: E402
-from kvdemo.cache.telemetry import flushed_layers  # noqa: E402
+from kvdemo.cache.state.telemetry import flushed_layers  # noqa: E402
 from kvdemo.evals.cases import example_path, load_case  # noqa: E402
 from kvdemo.evals.fidelity import kl_statistics, perplexity_inputs  # noqa: E402
 from kvdemo.qa.prefill import run_prefill  # noqa: E402
@@ -63,7 +63,7 @@ FLUSH_SPECS = {
 }
 HQQ_OWN = "hqq:4,flush=append,hqq's solver"
 """hqq:4,flush=append with hqq's own torch solver (`hqq.core.quantize.Quantizer`) in place of kvdemo's fused one
-(`kvdemo.cache.layers.hqq_optimize.ProximalQuantizer`): the same iterations, the before and after of issue 57."""
+(`kvdemo.cache.formats.hqq.optimize.ProximalQuantizer`): the same iterations, the before and after of issue 57."""
 FLUSH_SPECS[HQQ_OWN] = FLUSH_SPECS["hqq:4,flush=append"]
 OTHER_SPECS = {"dynamic": CacheSpec("dynamic"), "fp8": CacheSpec("fp8")}
 FILLER = 1000  # a token id fed to fill the residuals (timing does not depend on it)
@@ -224,12 +224,12 @@ def profile_step(loaded, kv, length: int, steps: int = 3) -> dict[str, dict[str,
 
 
 def fp8_exact(kv, rounds: int = 20) -> dict[str, Any]:
-    """fp8's exact de-quantization by bit placement (the fp8 backend's own, `kvdemo.cache.layers.fp8.ExactFp8Layer`: the
+    """fp8's exact de-quantization by bit placement (the fp8 backend's own, `kvdemo.cache.formats.fp8.layers.ExactFp8Layer`: the
     same bits as `q.float() * scale`), measured against transformers' own on one layer's keys of 2,048 tokens;
     `benchmarks/fp8.py` measures it per decode step."""
     from transformers.cache_utils import Fp8QuantizedLayer
 
-    from kvdemo.cache.layers.fp8 import ExactFp8Layer
+    from kvdemo.cache.formats.fp8.layers import ExactFp8Layer
 
     layer, exact_layer = Fp8QuantizedLayer(), ExactFp8Layer()
     keys = kv[0][0].contiguous()

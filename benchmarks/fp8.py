@@ -1,4 +1,4 @@
-"""The `fp8` backend's de-quantization by bit placement (`kvdemo/cache/layers/fp8.py`) against transformers' own
+"""The `fp8` backend's de-quantization by bit placement (`kvdemo/cache/formats/fp8/layers.py`) against transformers' own
 `Fp8QuantizedLayer` and against the 256-entry table kvdemo used before it (2026-12-02 to 12-03; defined here as
 `TableFp8Layer`), measured side by side in one process and written to `artifacts/bench/fp8.json` with the load
 average beside the figures.
@@ -8,7 +8,7 @@ average beside the figures.
    repeats, `torch.equal` checked.
 2. Per decode step on the embedded model, at 2,048 and 8,000 tokens (the Normans article's keys and values tiled):
    `dynamic` and the three fp8 layers, interleaved in rounds; the medians, their ratios and each step's floor
-   (`kvdemo.cache.speedlimit.speed_limit`: the bytes a step must read over the measured bandwidth). Before
+   (`kvdemo.cache.state.speedlimit.speed_limit`: the bytes a step must read over the measured bandwidth). Before
    timing, one step on each fp8 cache must give the same logits bit for bit.
 
     .venv/bin/python benchmarks/fp8.py            # about 4 minutes on 2 cores
@@ -39,7 +39,7 @@ from transformers.cache_utils import Fp8QuantizedLayer  # noqa: E402
 
 from kvdemo import CacheSpec, load_model  # noqa: E402
 from kvdemo.cache.spec import build_cache  # noqa: E402
-from kvdemo.cache.speedlimit import probe_bandwidth, speed_limit  # noqa: E402
+from kvdemo.cache.state.speedlimit import probe_bandwidth, speed_limit  # noqa: E402
 
 FILLER = 13
 """The token fed at every timed step."""

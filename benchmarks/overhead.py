@@ -39,7 +39,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from restore_mechanisms import bare_decode  # noqa: E402
 
 from kvdemo import CacheSpec, QASession, load_model  # noqa: E402
-from kvdemo.cache import snapshot  # noqa: E402
+from kvdemo.cache.state import snapshot  # noqa: E402
 from kvdemo.ui import views  # noqa: E402
 from kvdemo.ui.ask_widgets import START_SPEC  # noqa: E402
 from kvdemo.ui.examples import example  # noqa: E402

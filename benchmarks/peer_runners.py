@@ -31,8 +31,8 @@ from transformers import DynamicCache, QuantizedCache
 from transformers.generation.streamers import BaseStreamer
 
 from kvdemo import CacheSpec, QASession
-from kvdemo.cache import snapshot
-from kvdemo.cache.speedlimit import SpeedLimit, speed_limit
+from kvdemo.cache.state import snapshot
+from kvdemo.cache.state.speedlimit import SpeedLimit, speed_limit
 from kvdemo.compare.llama_cpp_check import GGML_TYPE_IDS
 
 GGML_TYPE_BYTES = {"f16": (2, 1), "q8_0": (34, 32), "q4_0": (18, 32)}
@@ -146,7 +146,7 @@ class KvdemoRunner:
         return Answered(list(answer.token_ids), seconds, first, sum(restore_seconds), held)
 
     def floor(self) -> SpeedLimit:
-        """The floor of a decode step on the prefilled cache (`kvdemo.cache.speedlimit`)."""
+        """The floor of a decode step on the prefilled cache (`kvdemo.cache.state.speedlimit`)."""
         return speed_limit(self.loaded.model, self.session.cache)
 
 

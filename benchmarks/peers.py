@@ -9,7 +9,7 @@ within a round and the rounds' ratios are summarised (median, and the range). Pr
 
 - per system: prefill seconds, seconds per answer, first token, decode tokens/s, the mechanism that keeps the
   prefix (seconds per question), KV bytes held at an answer's last step, the step's floor (bytes a decode step must
-  read over the one-thread bandwidth, `kvdemo.cache.speedlimit`), and how many answers equal kvdemo `dynamic`'s;
+  read over the one-thread bandwidth, `kvdemo.cache.state.speedlimit`), and how many answers equal kvdemo `dynamic`'s;
 - the ratios kvdemo / peer of the pairs in `PAIRS`.
 
 Written to `artifacts/bench/peers.json` with the load average at the start and the end.
@@ -47,8 +47,8 @@ from peer_runners import (  # noqa: E402
 )
 
 from kvdemo import CacheSpec, load_model  # noqa: E402
-from kvdemo.cache.geometry import kv_geometry  # noqa: E402
-from kvdemo.cache.speedlimit import probe_bandwidth  # noqa: E402
+from kvdemo.cache.model.geometry import kv_geometry  # noqa: E402
+from kvdemo.cache.state.speedlimit import probe_bandwidth  # noqa: E402
 from kvdemo.evals.cases import example_path, load_case  # noqa: E402
 from kvdemo.qa.models import embedded_gguf_path  # noqa: E402
 

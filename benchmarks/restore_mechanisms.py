@@ -11,21 +11,21 @@ from typing import Any
 import torch
 
 from kvdemo import QASession
-from kvdemo.cache import snapshot
-from kvdemo.cache.telemetry import storage_bytes
+from kvdemo.cache.state import snapshot
+from kvdemo.cache.state.telemetry import storage_bytes
 
 
 def held_bytes(*objects: Any) -> int:
     """Bytes of every distinct tensor storage held by `objects`: caches (every attribute of every layer) and
     `snapshot.CacheSnapshot`s (every saved attribute); each storage counted once across all of them, quantized
-    tensors opened to their packed data, scales and zero points as `kvdemo.cache.telemetry.kv_memory` does."""
+    tensors opened to their packed data, scales and zero points as `kvdemo.cache.state.telemetry.kv_memory` does."""
     values = []
     for obj in objects:
         if isinstance(obj, snapshot.CacheSnapshot):
             values += [v for layer in obj.layers if layer.attributes for v in layer.attributes.values()]
         else:
             values += [v for layer in obj.layers for v in vars(layer).values()]
-    return storage_bytes(values)  # the one byte count (kvdemo.cache.telemetry), each storage once
+    return storage_bytes(values)  # the one byte count (kvdemo.cache.state.telemetry), each storage once
 
 
 def answer_with_restore(session: QASession, question: str, max_new_tokens: int) -> dict[str, Any]:

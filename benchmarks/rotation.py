@@ -42,12 +42,17 @@ from flush import fill, filled, forward, log  # noqa: E402  (benchmarks/flush.py
 from transformers import DynamicCache  # noqa: E402
 
 from kvdemo import CacheSpec, load_model  # noqa: E402
+from kvdemo.cache.formats.hqq.layers import HQQ_LAYERS
+from kvdemo.cache.formats.quanto.layers import QUANTO_LAYERS
 from kvdemo.cache.layers.flush import quantized_cache  # noqa: E402
 from kvdemo.cache.spec import estimate_kv_bytes  # noqa: E402
 from kvdemo.evals.cases import example_path, load_case  # noqa: E402
 from kvdemo.evals.fidelity import kl_statistics, perplexity_inputs  # noqa: E402
 from kvdemo.qa.prefill import run_prefill  # noqa: E402
 from kvdemo.ui.examples import EXAMPLES  # noqa: E402
+
+RESIDUAL_LAYERS = {"quanto": QUANTO_LAYERS, "hqq": HQQ_LAYERS}
+"""The residual formats' layer families, by backend name."""
 
 PAIRS = [(backend, nbits) for backend, bits in (("quanto", (2, 4)), ("hqq", (2, 4, 8))) for nbits in bits]
 
@@ -104,7 +109,7 @@ READ_SIDE = " (read side)"
 def step_cost(loaded, rounds: int) -> dict:
     """Median decode-step seconds of quanto:4 and hqq:4, rotation off and on, at the Normans example's length and
     4x it (interleaved). Rotated, both ways: the query side (what `rotation=hadamard` builds for the embedded model,
-    `kvdemo.cache.layers.attention`) and the read side (`name + READ_SIDE`: the whole store rotated back at every
+    `kvdemo.cache.read.attention`) and the read side (`name + READ_SIDE`: the whole store rotated back at every
     step)."""
     stem, paragraphs = EXAMPLES["Normans"]
     ids = perplexity_inputs(loaded, load_case(example_path(stem)).select(paragraphs).context, 8, None).context_ids
@@ -118,7 +123,7 @@ def step_cost(loaded, rounds: int) -> dict:
         caches = {name: filled(s, loaded, kv, length) for name, s in specs.items()}
         for name, spec in list(specs.items()):
             if spec.rotation == "hadamard":  # the same spec's layers rotating on read (the library call)
-                read_side = quantized_cache(spec.backend, loaded.config, rotate_query=False, **spec.resolved())
+                read_side = quantized_cache(RESIDUAL_LAYERS[spec.backend], loaded.config, rotate_query=False, **spec.resolved())
                 caches[name + READ_SIDE] = fill(read_side, kv, length)
         times: dict[str, list[float]] = {name: [] for name in caches}
         for _ in range(rounds):

@@ -10,7 +10,7 @@ answers flush. Sections:
    answer decoded on the copy): the mechanism's own seconds per question, each question's seconds, and the
    extra bytes held while an answer decodes; where deepcopy fails, the error.
 2. memory during an answer: the peak bytes held by the cache and the restore mechanism, against the cache
-   alone, for both mechanisms. Bytes are counted from the tensors really held (`kvdemo.cache.telemetry`), each
+   alone, for both mechanisms. Bytes are counted from the tensors really held (`kvdemo.cache.state.telemetry`), each
    storage once across the cache and what the mechanism keeps (the snapshot, or the prefilled original).
 3. KV bytes per token per backend and nbits against the theoretical bytes (`theoretical_kv_bytes`).
 4. decode speed per backend relative to `dynamic`: the median seconds of decode steps without a flush, and
@@ -47,10 +47,10 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from kvdemo import CacheSpec, QASession, load_model  # noqa: E402
-from kvdemo.cache import snapshot  # noqa: E402
-from kvdemo.cache.geometry import full_precision_bytes  # noqa: E402
+from kvdemo.cache.model.geometry import full_precision_bytes  # noqa: E402
 from kvdemo.cache.spec import build_cache, estimate_kv_bytes  # noqa: E402
-from kvdemo.cache.telemetry import kv_memory  # noqa: E402
+from kvdemo.cache.state import snapshot  # noqa: E402
+from kvdemo.cache.state.telemetry import kv_memory  # noqa: E402
 from kvdemo.charts.steps import answers_frame, memory_frame, residual_frame, step_time_frame  # noqa: E402
 from kvdemo.evals.cases import example_path, load_case  # noqa: E402
 

@@ -1,13 +1,13 @@
 """The decode step against its speed limit, measured side by side in one process (`make bench` runs it after
 `run_all.py`; about 3 minutes on 2 cores, most of it the 8,000-token prefill).
 
-1. bandwidth: `kvdemo.cache.speedlimit.probe_bandwidth` (STREAM copy) at torch's thread count and at 1 thread.
+1. bandwidth: `kvdemo.cache.state.speedlimit.probe_bandwidth` (STREAM copy) at torch's thread count and at 1 thread.
 2. products: the effective GB/s of the model's matrix-vector products (every `nn.Linear` once, on one token:
    the weight bytes over the time), interleaved with a copy of the same thread count, at torch's threads and at 1.
 3. step ÷ floor: a `dynamic` decode step (bare loop: forward + argmax) on the Normans context (paragraphs 0-11)
    with transformers' `DynamicLayer` (`dynamic`, `storage=concat`) and with `kvdemo.cache.layers.storage.GrowingLayer`
    (`storage=growing`), against the floor
-   (`kvdemo.cache.speedlimit.speed_limit`: weights + KV bytes over the copy bandwidth).
+   (`kvdemo.cache.state.speedlimit.speed_limit`: weights + KV bytes over the copy bandwidth).
 4. context sweep: the same step at 1k, 2k, 4k and 8k tokens of context (SQuAD articles joined), both layers in
    interleaved rounds, and the step's growth from 1k to 8k over what reading the extra KV bytes costs at the copy
    bandwidth (1.0 = the growth is only the KV read).
@@ -36,7 +36,7 @@ import torch  # noqa: E402
 import kvdemo  # noqa: E402, F401  (first: it sets libgomp's GOMP_SPINCOUNT before torch loads)
 from kvdemo import load_model  # noqa: E402
 from kvdemo.cache.spec import CacheSpec, build_cache  # noqa: E402
-from kvdemo.cache.speedlimit import probe_bandwidth, speed_limit, weight_bytes  # noqa: E402
+from kvdemo.cache.state.speedlimit import probe_bandwidth, speed_limit, weight_bytes  # noqa: E402
 from kvdemo.evals.cases import example_path, load_case  # noqa: E402
 from kvdemo.qa.prefill import run_prefill  # noqa: E402
 

@@ -9,7 +9,7 @@ average beside every figure.
 2. The needle grid (`kvdemo.needle.grid.needle_grid`): hits at two lengths and three depths per spec.
 3. Speed: the decode step of `dynamic`, `turboquant:4`, `turboquant:k8v4`, `quanto:4`, `hqq:4` and `fp8` at 2,048 and
    8,000 tokens (the Normans article's keys and values tiled, as `benchmarks/decode.py` fills them), interleaved in
-   rounds, medians, ratios to `dynamic` and each step's floor (`kvdemo.cache.speedlimit.speed_limit`).
+   rounds, medians, ratios to `dynamic` and each step's floor (`kvdemo.cache.state.speedlimit.speed_limit`).
 
     .venv/bin/python benchmarks/turboquant.py             # about 25 minutes on 2 idle cores
     .venv/bin/python benchmarks/turboquant.py --speed-only
@@ -38,7 +38,7 @@ from flush import base_kv, fill, forward, log  # noqa: E402  (benchmarks/flush.p
 
 from kvdemo import CacheSpec, load_model  # noqa: E402
 from kvdemo.cache.spec import build_cache  # noqa: E402
-from kvdemo.cache.speedlimit import probe_bandwidth, speed_limit  # noqa: E402
+from kvdemo.cache.state.speedlimit import probe_bandwidth, speed_limit  # noqa: E402
 
 SPECS = (
     "turboquant:k8v4",

@@ -40,7 +40,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from flush import log  # noqa: E402  (benchmarks/flush.py's helper)
 
 from kvdemo import QASession, load_model  # noqa: E402
-from kvdemo.cache.speedlimit import probe_bandwidth, speed_limit  # noqa: E402
+from kvdemo.cache.state.speedlimit import probe_bandwidth, speed_limit  # noqa: E402
 from kvdemo.evals.cases import example_path, load_case  # noqa: E402
 from kvdemo.qa.models import LoadedModel  # noqa: E402
 from kvdemo.ui.examples import EXAMPLES  # noqa: E402

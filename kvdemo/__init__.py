@@ -32,12 +32,12 @@ _PUBLIC = {
     "Answer": "kvdemo.qa.records",
     "CacheSpec": "kvdemo.cache.spec",
     "LoadedModel": "kvdemo.qa.models",
-    "MemoryReport": "kvdemo.cache.telemetry",
+    "MemoryReport": "kvdemo.cache.state.telemetry",
     "PrefillReport": "kvdemo.qa.records",
     "QASession": "kvdemo.qa.session",
-    "StepEvent": "kvdemo.cache.telemetry",
+    "StepEvent": "kvdemo.cache.state.telemetry",
     "build_cache": "kvdemo.cache.spec",
-    "kv_memory": "kvdemo.cache.telemetry",
+    "kv_memory": "kvdemo.cache.state.telemetry",
     "load_model": "kvdemo.qa.models",
 }
 __all__ = [  # quiet and the keys of _PUBLIC (tests/test_cli.py checks it), written out for mypy and ruff
@@ -58,7 +58,7 @@ __all__ = [  # quiet and the keys of _PUBLIC (tests/test_cli.py checks it), writ
 if TYPE_CHECKING:
     from kvdemo.cache.registry import BACKENDS
     from kvdemo.cache.spec import CacheSpec, build_cache
-    from kvdemo.cache.telemetry import MemoryReport, StepEvent, kv_memory
+    from kvdemo.cache.state.telemetry import MemoryReport, StepEvent, kv_memory
     from kvdemo.qa.models import LoadedModel, load_model
     from kvdemo.qa.records import Answer, PrefillReport
     from kvdemo.qa.session import QASession

@@ -1,7 +1,7 @@
 """The user's kvdemo cache folder, where work done once per machine is kept: converted GGUF weights
 (`kvdemo.qa.models`), the joined Gemma 3 file (`kvdemo.qa.packaged`), the browser-state secret
-(`kvdemo.serve.secret`), optimum-quanto's compiled extension (`kvdemo.cache.quanto_build`) and kvdemo's own C
-kernels (`kvdemo.cache.c_build`)."""
+(`kvdemo.serve.secret`), optimum-quanto's compiled extension (`kvdemo.cache.formats.quanto.build`) and kvdemo's own C
+kernels (`kvdemo.cache.read.c_build`)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from transformers import AutoConfig, PreTrainedConfig
 
-from kvdemo.cache.layer_kinds import kinds_text, layer_types, quantized_layers
+from kvdemo.cache.model.layer_kinds import kinds_text, layer_types, quantized_layers
 from kvdemo.cache.policies import SLIDING_CHOICES
 from kvdemo.cache.spec import CacheSpec
 from kvdemo.qa.models import LoadedModel

@@ -17,10 +17,10 @@ import math
 import torch
 
 from kvdemo import CacheSpec
-from kvdemo.cache.layers.ggml import VALUE_ROTATION_BLOCK, GgmlRotation, key_rotation_block
-from kvdemo.cache.layers.lloyd_max import exact_marginal
+from kvdemo.cache.formats.ggml.layers import VALUE_ROTATION_BLOCK, GgmlRotation, key_rotation_block
+from kvdemo.cache.formats.turboquant.layers import KEY_ROTATION
+from kvdemo.cache.formats.turboquant.lloyd_max import exact_marginal
 from kvdemo.cache.layers.rotation import hadamard
-from kvdemo.cache.layers.turboquant import KEY_ROTATION
 
 FLOAT_ATOL = 1e-4
 """Full-precision keys, values and de-quantized values that did not change level: equal within this (measured:
@@ -89,7 +89,7 @@ def levels(spec: CacheSpec, store: torch.Tensor, what: str = "keys") -> torch.Te
     value moved by a level stays one value; rotated back it would move every value of its
     token by step / sqrt(head_dim). turboquant's keys (not its 8-bit ones) lie on their levels after its signed
     rotation (`KEY_ROTATION`); its values are not rotated. `what` names the store (`... values ...` or keys)."""
-    if spec.backend == "ggml":  # llama.cpp's rotation of the type's store (kvdemo.cache.layers.ggml)
+    if spec.backend == "ggml":  # llama.cpp's rotation of the type's store (kvdemo.cache.formats.ggml.layers)
         opts, width = spec.resolved(), store.shape[-1]
         if opts["rotation"] == "none" or opts["type_v" if "values" in what else "type_k"] == "f16":
             return store

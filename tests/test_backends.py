@@ -12,9 +12,10 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, QuantizedC
 from transformers.cache_utils import Fp8QuantizedLayer, HQQQuantizedLayer, QuantoQuantizedLayer
 
 from kvdemo import BACKENDS, CacheSpec, build_cache
-from kvdemo.cache.groups import allowed_group_sizes
-from kvdemo.cache.layer_kinds import UnsupportedModelError
-from kvdemo.cache.layers.dequantize import ExactHQQLayer, ExactQuantoLayer
+from kvdemo.cache.formats.hqq.layers import ExactHQQLayer
+from kvdemo.cache.formats.quanto.layers import ExactQuantoLayer
+from kvdemo.cache.model.groups import allowed_group_sizes
+from kvdemo.cache.model.layer_kinds import UnsupportedModelError
 
 
 def _config(kv_heads=3, head_dim=64, layers=1, **extra) -> LlamaConfig:

@@ -1,4 +1,4 @@
-"""Block-wise reads (`kvdemo.cache.layers.blockwise`): the merge by log-sum-exp is attention over the joined blocks, a
+"""Block-wise reads (`kvdemo.cache.read.blockwise`): the merge by log-sum-exp is attention over the joined blocks, a
 block-wise layer keeps the same state as transformers' layer at every step, and kvdemo's attention falls back to the
 whole store for a call the block-wise path does not take. No model."""
 
@@ -9,11 +9,12 @@ import torch
 from transformers import LlamaConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from kvdemo.cache.layers.attention import kvdemo_attention
-from kvdemo.cache.layers.blockwise import BLOCKS_MARK, StoreBlocks, attend_blockwise, blocks_of, blockwise_layer
-from kvdemo.cache.layers.dequantize import ExactHQQLayer, ExactQuantoLayer
-from kvdemo.cache.layers.flush import AppendHQQLayer, quantized_cache
-from kvdemo.cache.layers.rotation import ROTATED_MARK, QueryRotatedQuantoLayer, rotate
+from kvdemo.cache.formats.hqq.layers import HQQ_LAYERS, AppendHQQLayer, ExactHQQLayer
+from kvdemo.cache.formats.quanto.layers import QUANTO_LAYERS, ExactQuantoLayer, QueryRotatedQuantoLayer
+from kvdemo.cache.layers.flush import quantized_cache
+from kvdemo.cache.layers.rotation import ROTATED_MARK, rotate
+from kvdemo.cache.read.attention import kvdemo_attention
+from kvdemo.cache.read.blockwise import BLOCKS_MARK, StoreBlocks, attend_blockwise, blocks_of, blockwise_layer
 
 
 class _Attention(torch.nn.Module):
@@ -123,5 +124,5 @@ def test_kvdemos_attention_reads_blocks_and_falls_back_to_the_whole_store():
 def test_blockwise_needs_kvdemos_attention():
     config = LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=256)
     with pytest.raises(ValueError, match="blockwise needs a model that attends through kvdemo_attention"):
-        quantized_cache("quanto", config, blockwise=True)
-    assert not isinstance(quantized_cache("hqq", config).layers[0], type(blockwise_layer(ExactHQQLayer)))
+        quantized_cache(QUANTO_LAYERS, config, blockwise=True)
+    assert not isinstance(quantized_cache(HQQ_LAYERS, config).layers[0], type(blockwise_layer(ExactHQQLayer)))

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from kvdemo import CacheSpec, QASession
-from kvdemo.cache.budget import KVBudgetError
 from kvdemo.cache.layouts import store_blocks
 from kvdemo.cache.spec import estimate_kv_bytes
+from kvdemo.cache.state.budget import KVBudgetError
 from tests.helpers import ALL_SPECS, make_tiny, spec_id
 
 CONTEXT = " ".join(["The Normans were the people who gave their name to Normandy, a region in France."] * 12)

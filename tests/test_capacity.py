@@ -10,8 +10,6 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from kvdemo import CacheSpec, QASession, kv_memory
-from kvdemo.cache import snapshot
-from kvdemo.cache.budget import KVBudgetError
 from kvdemo.cache.layers.storage import (
     GROWTH,
     MIN_HEADROOM,
@@ -21,6 +19,8 @@ from kvdemo.cache.layers.storage import (
     grown_capacity,
 )
 from kvdemo.cache.spec import build_cache, estimate_kv_bytes
+from kvdemo.cache.state import snapshot
+from kvdemo.cache.state.budget import KVBudgetError
 from kvdemo.cli.main import build_parser
 from kvdemo.ui.inputs import spec_from_inputs
 from tests.test_snapshot import held_bytes

@@ -8,11 +8,16 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig
 
+from kvdemo.cache.formats.hqq.layers import HQQ_LAYERS
+from kvdemo.cache.formats.quanto.layers import QUANTO_LAYERS
 from kvdemo.cache.layers.flush import quantized_cache
 from kvdemo.cache.layers.rotation import hadamard
 from kvdemo.cache.registry import BACKENDS
 from kvdemo.charts.rotation import channel_max_figure, group_span_figure
 from kvdemo.evals.channel_spread import channel_max, group_spans, spread
+
+RESIDUAL_LAYERS = {"quanto": QUANTO_LAYERS, "hqq": HQQ_LAYERS}
+"""The residual formats' layer families, by backend name."""
 
 CONFIG = LlamaConfig(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_hidden_layers=2)
 
@@ -26,7 +31,7 @@ def _keys(tokens: int = 256) -> torch.Tensor:
 
 
 def _prefilled(backend: str, keys: torch.Tensor, **options):
-    cache = quantized_cache(backend, CONFIG, nbits=2, residual_length=1024, rotate_query=False, **options)
+    cache = quantized_cache(RESIDUAL_LAYERS[backend], CONFIG, nbits=2, residual_length=1024, rotate_query=False, **options)
     for layer in cache.layers:
         layer.update(keys, keys / 2)
     return cache
@@ -62,7 +67,7 @@ def test_quantos_spans_are_its_groups_ranges_and_shrink_when_rotated():
 
 def test_an_append_stores_spans_are_its_blocks_spans_in_order():
     keys = _keys(40)
-    cache = quantized_cache("quanto", CONFIG, nbits=2, residual_length=8, flush="append", rotate_query=False)
+    cache = quantized_cache(QUANTO_LAYERS, CONFIG, nbits=2, residual_length=8, flush="append", rotate_query=False)
     layer = cache.layers[0]
     layer.update(keys[..., :32, :], keys[..., :32, :])  # the prefill: one block of 32 tokens
     for token in range(32, 40):  # the eighth decode step flushes the residual as a second block
@@ -101,7 +106,7 @@ def test_group_spans_refuses_what_has_no_groups():
     with pytest.raises(ValueError, match="layer 0 is DynamicLayer, not quantized"):
         group_spans(dynamic, 0)
     with pytest.raises(ValueError, match="no quantized store yet; prefill the cache first"):
-        group_spans(quantized_cache("quanto", CONFIG, nbits=2), 1)
+        group_spans(quantized_cache(QUANTO_LAYERS, CONFIG, nbits=2), 1)
     fp8 = BACKENDS["fp8"].empty_cache({}, CONFIG)
     fp8.layers[0].update(keys, keys)
     with pytest.raises(ValueError, match="is not group-wise"):

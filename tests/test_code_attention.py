@@ -1,4 +1,4 @@
-"""Decode attention over the stored codes (`kvdemo.cache.layers.code_attention`): the kernel reads every store it
+"""Decode attention over the stored codes (`kvdemo.cache.read.code_attention`): the kernel reads every store it
 serves as the library de-quantizes it, bit for bit; its attention equals torch's kernel over the de-quantized store
 within the stated float bound, alone and merged with other blocks and the residual; the embedded model decodes the
 same tokens with logits within 1e-3 of the de-quantize path; every store, layer or call it does not serve takes the
@@ -13,22 +13,14 @@ import torch
 from transformers import LlamaConfig
 
 from kvdemo import CacheSpec, QASession
-from kvdemo.cache import snapshot
-from kvdemo.cache.layers.attention import ATTENTION, _joined_layers, decode_read
-from kvdemo.cache.layers.blockwise import _FLASH, StoreBlocks, attend_blockwise, code_reader, dequantized_reads
-from kvdemo.cache.layers.code_attention import (
-    MAX_DIM,
-    attend_codes,
-    dequantize_codes,
-    hqq_codes,
-    kernel,
-    quanto_codes,
-    uniform_codes,
-)
-from kvdemo.cache.layers.flush import AppendQuantoLayer
-from kvdemo.cache.layers.rotation import RotatedQuantoLayer
-from kvdemo.cache.layers.turboquant import quantize_uniform
+from kvdemo.cache.formats.hqq.layers import hqq_codes
+from kvdemo.cache.formats.quanto.layers import AppendQuantoLayer, RotatedQuantoLayer, quanto_codes
+from kvdemo.cache.formats.turboquant.layers import quantize_uniform, uniform_codes
+from kvdemo.cache.read.attention import ATTENTION, _joined_layers, decode_read
+from kvdemo.cache.read.blockwise import _FLASH, StoreBlocks, attend_blockwise, code_reader, dequantized_reads
+from kvdemo.cache.read.code_attention import MAX_DIM, attend_codes, dequantize_codes, kernel
 from kvdemo.cache.spec import build_cache
+from kvdemo.cache.state import snapshot
 from kvdemo.qa.prefill import run_prefill
 from tests.families import tiny_family
 from tests.helpers import filled_layer

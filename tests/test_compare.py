@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kvdemo import CacheSpec, QASession
-from kvdemo.cache.telemetry import flushed_layers, kv_memory
+from kvdemo.cache.state.telemetry import flushed_layers, kv_memory
 from kvdemo.compare.measure import ComparisonRun, first_departure, measure_spec
 from kvdemo.compare.records import ComparisonCancelled, json_ready
 from kvdemo.compare.run import compare

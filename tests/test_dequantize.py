@@ -1,4 +1,4 @@
-"""The in-place de-quantization (`kvdemo.cache.layers.dequantize`): the same bits as the libraries' own `_dequantize`, a
+"""The in-place de-quantization (`kvdemo.cache.formats.quanto.layers`): the same bits as the libraries' own `_dequantize`, a
 new tensor each time (the store untouched), and the libraries' path for a store of another form. No model."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ import pytest
 import torch
 from transformers.cache_utils import HQQQuantizedLayer, QuantoQuantizedLayer
 
-from kvdemo.cache.layers import dequantize
-from kvdemo.cache.layers.dequantize import ExactHQQLayer, ExactQuantoLayer, dequantize_hqq, dequantize_quanto
+from kvdemo.cache.formats.hqq.layers import ExactHQQLayer, dequantize_hqq
+from kvdemo.cache.formats.quanto import layers as dequantize
+from kvdemo.cache.formats.quanto.layers import ExactQuantoLayer, dequantize_quanto
 
 
 def _states(tokens: int = 128, seed: int = 0) -> torch.Tensor:

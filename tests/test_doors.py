@@ -23,8 +23,8 @@ from functools import cache
 import pytest
 import torch
 
-from kvdemo.cache.geometry import split_geometry
-from kvdemo.cache.layer_kinds import KEEP, QUANTIZE, is_latent, layer_actions, layer_types
+from kvdemo.cache.model.geometry import split_geometry
+from kvdemo.cache.model.layer_kinds import KEEP, QUANTIZE, is_latent, layer_actions, layer_types
 from kvdemo.cache.spec import CacheSpec, estimate_kv_bytes
 from kvdemo.charts.reports import kv_error_figure, layer_labels
 from kvdemo.charts.steps import KEPT_SERIES, memory_frame
@@ -351,7 +351,7 @@ def test_docs_show_the_doors_table():
 
 def test_the_kinds_cover_every_layer_kind_kvdemo_knows():
     """Every layer type of `LAYER_KINDS` that a model of the matrix can have is in one kind's model."""
-    from kvdemo.cache.layer_kinds import LAYER_KINDS
+    from kvdemo.cache.model.layer_kinds import LAYER_KINDS
 
     seen = {t for kind in KINDS.values() for t in layer_types(family_config(kind.family))}
     assert seen >= set(LAYER_KINDS) - {"chunked_attention", "hybrid_sliding"}  # no tiny family has these two

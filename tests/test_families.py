@@ -16,14 +16,15 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.cache_utils import BaseQuantizedLayer
 
-from kvdemo.cache.layer_kinds import (
+from kvdemo.cache.layers import flush
+from kvdemo.cache.model.layer_kinds import (
     LAYER_KINDS,
     STATE_ATTRIBUTES,
     UnsupportedModelError,
     layer_types,
     quantized_layers,
 )
-from kvdemo.cache.layers import attention, flush
+from kvdemo.cache.read import attention
 from kvdemo.cache.spec import CacheSpec, build_cache
 from kvdemo.qa.models import LoadedModel
 from kvdemo.qa.session import QASession
@@ -166,7 +167,7 @@ def test_deepseek_v3_bytes_from_the_formula_match_its_tensors(text):
     from transformers import AutoConfig
 
     from kvdemo.cache.spec import CacheSpec, build_cache, estimate_kv_bytes
-    from kvdemo.cache.telemetry import kv_memory
+    from kvdemo.cache.state.telemetry import kv_memory
 
     config, tokens = AutoConfig.for_model("deepseek_v3"), 300
     spec = CacheSpec.parse(text)
@@ -185,9 +186,9 @@ def test_full_precision_bytes_follow_each_layer(family, embedded, normans):
     """Per-layer geometry: the full-precision formula (each layer's own heads and head_dim, a sliding layer its
     window, a KV-shared or recurrent layer nothing) equals the keys and values a `dynamic` session holds; the
     recurrent states are counted apart (`state_bytes`)."""
-    from kvdemo.cache.geometry import full_precision_bytes
+    from kvdemo.cache.model.geometry import full_precision_bytes
     from kvdemo.cache.spec import CacheSpec
-    from kvdemo.cache.telemetry import kv_memory
+    from kvdemo.cache.state.telemetry import kv_memory
 
     loaded = tiny_family(family, embedded.tokenizer)
     session = _session(loaded, CacheSpec("dynamic"), normans.paragraphs[0])
@@ -301,7 +302,7 @@ def test_a_wrong_blockwise_read_is_reported_as_kvdemos_bug_not_the_models(embedd
     (the path `dequantized_reads` keeps)."""
     from contextlib import nullcontext
 
-    from kvdemo.cache.layers import blockwise
+    from kvdemo.cache.read import blockwise
 
     if read == "codes":
         codes = blockwise.attend_codes

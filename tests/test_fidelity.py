@@ -11,9 +11,9 @@ import torch
 from transformers import LlamaConfig
 
 from kvdemo import CacheSpec, QASession
-from kvdemo.cache.budget import KVBudgetError
 from kvdemo.cache.spec import build_cache
-from kvdemo.cache.telemetry import expected_flush_steps
+from kvdemo.cache.state.budget import KVBudgetError
+from kvdemo.cache.state.telemetry import expected_flush_steps
 from kvdemo.evals.cache_error import context_error, dequantized_kv, drift_ratio, kv_error, reference_kv
 from kvdemo.evals.fidelity import (
     KLStats,

@@ -9,12 +9,13 @@ import torch
 from transformers.cache_utils import HQQQuantizedLayer
 
 from kvdemo import CacheSpec, QASession
-from kvdemo.cache import snapshot
-from kvdemo.cache.layers.blockwise import blockwise_layer
-from kvdemo.cache.layers.dequantize import ExactHQQLayer, ExactQuantoLayer
-from kvdemo.cache.layers.flush import AppendFlushMixin, AppendHQQLayer, AppendQuantoLayer, quantized_cache
+from kvdemo.cache.formats.hqq.layers import HQQ_LAYERS, AppendHQQLayer, ExactHQQLayer
+from kvdemo.cache.formats.quanto.layers import AppendQuantoLayer, ExactQuantoLayer
+from kvdemo.cache.layers.flush import AppendFlushMixin, quantized_cache
+from kvdemo.cache.read.blockwise import blockwise_layer
 from kvdemo.cache.spec import build_cache
-from kvdemo.cache.telemetry import kv_memory
+from kvdemo.cache.state import snapshot
+from kvdemo.cache.state.telemetry import kv_memory
 
 APPEND = [CacheSpec("quanto", nbits=4, flush="append"), CacheSpec("hqq", nbits=4, flush="append")]
 
@@ -32,7 +33,7 @@ def test_the_registry_builds_each_policy(tiny):
     )
     assert type(build_cache(APPEND[0], tiny.config).layers[0]) is blockwise_layer(AppendQuantoLayer)
     assert type(build_cache(APPEND[1], tiny.config).layers[0]) is blockwise_layer(AppendHQQLayer)
-    whole = quantized_cache("hqq", tiny.config, flush="append", blockwise=False, nbits=4)
+    whole = quantized_cache(HQQ_LAYERS, tiny.config, flush="append", blockwise=False, nbits=4)
     assert type(whole.layers[0]) is AppendHQQLayer and issubclass(AppendHQQLayer, HQQQuantizedLayer)
     assert CacheSpec.parse("hqq:4,flush=append") == APPEND[1] and APPEND[1].text == "hqq:4,flush=append"
     assert CacheSpec("hqq", nbits=4).label == "hqq nbits=4 q_group_size=64 residual_length=128"
@@ -176,7 +177,7 @@ def test_append_holds_the_bytes_of_the_formula_after_many_flushes(text):
 
 
 def test_the_step_time_chart_marks_append_flush_steps(tiny, normans):
-    from kvdemo.cache.telemetry import expected_flush_steps
+    from kvdemo.cache.state.telemetry import expected_flush_steps
     from kvdemo.charts.steps import step_time_frame
 
     session = QASession(tiny, APPEND[1].replace(residual_length=4))

@@ -1,4 +1,4 @@
-"""The `fp8` backend's de-quantization by bit placement (`kvdemo.cache.layers.fp8`): the same bits as transformers' own
+"""The `fp8` backend's de-quantization by bit placement (`kvdemo.cache.formats.fp8.layers`): the same bits as transformers' own
 `Fp8QuantizedLayer._dequantize`, for every code at every kind of scale and on decode steps; NaN codes read the
 library's way; the bytes the library's."""
 
@@ -10,9 +10,10 @@ from transformers import PretrainedConfig, QuantizedCache
 from transformers.cache_utils import Fp8QuantizedLayer
 
 from kvdemo import CacheSpec, QASession
-from kvdemo.cache.layers.fp8 import ExactFp8Layer, dequantize_e4m3, has_nan_codes
-from kvdemo.cache.snapshot import restore, take
+from kvdemo.cache.formats.fp8.layers import ExactFp8Layer
+from kvdemo.cache.layers.float8 import dequantize_e4m3, has_nan_codes
 from kvdemo.cache.spec import estimate_kv_bytes
+from kvdemo.cache.state.snapshot import restore, take
 
 EVERY_CODE = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).reshape(1, 1, 32, 8)
 NAN_CODES = [0x7F, 0xFF]

@@ -14,10 +14,8 @@ from gguf.constants import GGMLQuantizationType
 from transformers import LlamaConfig
 
 from kvdemo import CacheSpec, QASession
-from kvdemo.cache.backends import ggml as ggml_backend
-from kvdemo.cache.layers.blockwise import blocks_of
-from kvdemo.cache.layers.ggml import VALUE_ROTATION_BLOCK, GgmlLayer, GgmlRotation, _block_hadamard, key_rotation_block
-from kvdemo.cache.layers.ggml_blocks import (
+from kvdemo.cache.formats import ggml as ggml_backend
+from kvdemo.cache.formats.ggml.blocks import (
     BLOCK_BYTES,
     KVALUES_IQ4NL,
     dequantize_rows,
@@ -26,7 +24,15 @@ from kvdemo.cache.layers.ggml_blocks import (
     row_bytes,
     torch_dequantize_rows,
 )
+from kvdemo.cache.formats.ggml.layers import (
+    VALUE_ROTATION_BLOCK,
+    GgmlLayer,
+    GgmlRotation,
+    _block_hadamard,
+    key_rotation_block,
+)
 from kvdemo.cache.layers.rotation import to_model_basis
+from kvdemo.cache.read.blockwise import blocks_of
 from kvdemo.cache.spec import estimate_kv_bytes
 from kvdemo.ui.views import prefill_summary
 from tests.helpers import make_tiny
@@ -214,7 +220,8 @@ def test_a_decode_token_the_reference_writes_a_step_apart_is_not_blamed_on_the_m
     the midpoint) and 40-120 codes per write differed by the last layers, the logits 0.73 apart against 0.80 of
     quantization. The probe's reference now replays the checked run's bytes. Here the reference run's quantizer writes
     each decode token half a level off (every code a step apart, as such a cascade leaves them): refused before."""
-    from kvdemo.cache.layers import flush, ggml
+    from kvdemo.cache.formats.ggml import layers as ggml
+    from kvdemo.cache.layers import flush
     from kvdemo.qa.probe import check_model
     from tests.quantized import GGML_STEP
 

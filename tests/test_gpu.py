@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvdemo import CacheSpec, QASession, load_model
-from kvdemo.cache.telemetry import _plain_tensors
+from kvdemo.cache.state.telemetry import _plain_tensors
 from tests.helpers import ALL_SPECS, spec_id
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -1,4 +1,4 @@
-"""hqq's `optimize` option (`kvdemo.cache.layers.hqq_optimize`): `optimize=false` stores exactly what hqq's own
+"""hqq's `optimize` option (`kvdemo.cache.formats.hqq.optimize`): `optimize=false` stores exactly what hqq's own
 `Quantizer.quantize(..., optimize=False)` makes, with every flush policy, rotation and value precision; `true` is
 hqq's solver fused into one C loop (`hqq_proximal.c`), equal to hqq's own within float rounding, and hqq's own
 where the kernel cannot be built; the bytes do not change; bad values and other backends are refused with what to
@@ -13,13 +13,14 @@ from hqq.core.quantize import Quantizer
 from transformers import LlamaConfig
 
 from kvdemo import CacheSpec
-from kvdemo.cache import c_build
-from kvdemo.cache.layers import hqq_optimize
-from kvdemo.cache.layers.dequantize import ExactHQQLayer
+from kvdemo.cache.formats.hqq import optimize as hqq_optimize
+from kvdemo.cache.formats.hqq.layers import ExactHQQLayer, hqq_cache, set_quantizer
+from kvdemo.cache.formats.hqq.optimize import MinMaxQuantizer, ProximalQuantizer, fused_solver, solve_zero
+from kvdemo.cache.formats.quanto.layers import QUANTO_LAYERS
 from kvdemo.cache.layers.flush import quantized_cache
-from kvdemo.cache.layers.hqq_optimize import MinMaxQuantizer, ProximalQuantizer, fused_solver, solve_zero
+from kvdemo.cache.read import c_build
 from kvdemo.cache.spec import build_cache, estimate_kv_bytes
-from kvdemo.cache.telemetry import kv_memory
+from kvdemo.cache.state.telemetry import kv_memory
 from tests.helpers import filled_layer
 
 CONFIG = LlamaConfig(
@@ -175,6 +176,6 @@ def test_bad_optimize_values_are_refused_with_what_to_change():
     with pytest.raises(ValueError, match="not an option of the quanto backend.*leave it unset"):
         CacheSpec.parse("quanto:4,optimize=false")
     with pytest.raises(ValueError, match="hqq's option"):
-        quantized_cache("quanto", CONFIG, optimize="false", nbits=4)
+        set_quantizer(quantized_cache(QUANTO_LAYERS, CONFIG, nbits=4), "false")
     with pytest.raises(ValueError, match="optimize='maybe' is not one of true, false"):
-        quantized_cache("hqq", CONFIG, optimize="maybe", nbits=4)
+        hqq_cache({"optimize": "maybe", "nbits": 4}, CONFIG)

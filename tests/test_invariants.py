@@ -12,7 +12,7 @@ import torch
 from transformers.cache_utils import BaseQuantizedLayer
 
 from kvdemo import CacheSpec, QASession
-from kvdemo.cache.telemetry import expected_flush_steps
+from kvdemo.cache.state.telemetry import expected_flush_steps
 from tests.helpers import ALL_SPECS, fail_forward_at, spec_id
 
 QUESTIONS = ["Who was the Norse leader?", "In what country is Normandy located?", "When were the Normans in Normandy?"]

@@ -13,7 +13,7 @@ from kvdemo import CacheSpec
 from kvdemo.cache.layer_plan import LayerPrecision, canonical_plan, mean_bits, parse_plan, plan_text
 from kvdemo.cache.layers.rotation import to_model_basis
 from kvdemo.cache.spec import build_cache, estimate_kv_bytes
-from kvdemo.cache.telemetry import kv_memory
+from kvdemo.cache.state.telemetry import kv_memory
 
 LAYERS = 4
 CONFIG = LlamaConfig(

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvdemo import CacheSpec, QASession
-from kvdemo.cache.budget import KVBudgetError
+from kvdemo.cache.state.budget import KVBudgetError
 from kvdemo.needle.grid import hit, longest_length, needle_grid, plan_contexts
 from kvdemo.needle.haystack import _SENTENCE_END, build_context, haystack_text, make_needles
 from kvdemo.needle.inputs import parse_depths, parse_lengths

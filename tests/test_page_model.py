@@ -11,7 +11,7 @@ import dataclasses
 from types import SimpleNamespace
 
 from kvdemo.cache.options import GROUP_OPTIONS
-from kvdemo.cache.telemetry import LayerMemory, MemoryReport
+from kvdemo.cache.state.telemetry import LayerMemory, MemoryReport
 from kvdemo.qa.session import QASession
 from kvdemo.serve.server import App
 from kvdemo.serve.session_files import SessionFiles

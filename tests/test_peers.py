@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvdemo import CacheSpec
-from kvdemo.cache.geometry import full_precision_bytes
+from kvdemo.cache.model.geometry import full_precision_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from peer_runners import (  # noqa: E402

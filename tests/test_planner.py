@@ -15,9 +15,9 @@ import torch
 
 from kvdemo import CacheSpec, QASession
 from kvdemo.cache.layer_plan import LayerPrecision, parse_plan
-from kvdemo.cache.layers.attention import recording_queries
+from kvdemo.cache.read.attention import recording_queries
 from kvdemo.cache.spec import estimate_kv_bytes
-from kvdemo.cache.telemetry import kv_memory
+from kvdemo.cache.state.telemetry import kv_memory
 from kvdemo.compare.run import compare
 from kvdemo.evals.cache_error import full_precision_kv, reference_kv
 from kvdemo.evals.planner import choose_plan, layer_errors, plan_layers

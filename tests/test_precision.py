@@ -11,7 +11,7 @@ from transformers import LlamaConfig
 
 from kvdemo import CacheSpec, QASession
 from kvdemo.cache.spec import build_cache, estimate_kv_bytes
-from kvdemo.cache.telemetry import kv_memory
+from kvdemo.cache.state.telemetry import kv_memory
 from tests.helpers import filled_layer
 
 CONFIG = LlamaConfig(
@@ -111,7 +111,7 @@ def test_each_tensor_group_rule_takes_its_own_bits():
     CacheSpec.parse("hqq:4,q_group_size=2").validate(CONFIG)
     with pytest.raises(ValueError, match=r"q_group_size=2 \(axis_value=0\): hqq packs 4 2-bit values"):
         CacheSpec.parse("hqq:4,nbits_value=2,q_group_size=2").validate(CONFIG)
-    from kvdemo.cache.groups import allowed_group_sizes
+    from kvdemo.cache.model.groups import allowed_group_sizes
 
     sizes = allowed_group_sizes(CacheSpec.parse("hqq:4,nbits_value=2"), CONFIG)
     assert 2 in sizes["axis_key"] and 2 not in sizes["axis_value"] and 4 in sizes["axis_value"]

@@ -1,7 +1,7 @@
-"""`protect=first:last` on every quantized backend (`kvdemo.cache.layer_kinds.layer_actions`): the protected layers are
+"""`protect=first:last` on every quantized backend (`kvdemo.cache.model.layer_kinds.layer_actions`): the protected layers are
 transformers' own full-precision layers holding exactly `dynamic`'s keys and values, the others the backend's; the
 bytes are the formula's; answers equal a fresh run and the cache restores; protecting every layer is refused before
-the prefill. And fp8's per-token-head scales (`kvdemo.cache.layers.fp8.PerTokenHeadFp8Layer`): the library's
+the prefill. And fp8's per-token-head scales (`kvdemo.cache.formats.fp8.layers.PerTokenHeadFp8Layer`): the library's
 arithmetic per token, exact bytes, and no clipping of a later outlier token.
 
 Cost: about 6 s."""
@@ -13,7 +13,8 @@ import torch
 from transformers.cache_utils import BaseQuantizedLayer, DynamicLayer
 
 from kvdemo import CacheSpec, QASession, kv_memory
-from kvdemo.cache.layers.fp8 import ExactFp8Layer, PerTokenHeadFp8Layer, dequantize_per_token_head
+from kvdemo.cache.formats.fp8.layers import ExactFp8Layer, PerTokenHeadFp8Layer
+from kvdemo.cache.layers.float8 import dequantize_per_token_head
 from kvdemo.cache.registry import BACKENDS
 from kvdemo.cache.spec import estimate_kv_bytes
 from tests.helpers import make_tiny

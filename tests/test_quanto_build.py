@@ -1,4 +1,4 @@
-"""optimum-quanto's extension is built once per machine (`kvdemo.cache.quanto_build`): every other process, of any
+"""optimum-quanto's extension is built once per machine (`kvdemo.cache.formats.quanto.build`): every other process, of any
 kind and with another compiler in its environment, loads that build and runs no compile step.
 
 Cost: about 6 s (one more Python process warming up quanto); up to a minute more where nothing built it before."""
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from kvdemo.cache.quanto_build import build_key, share_quanto_build
+from kvdemo.cache.formats.quanto.build import build_key, share_quanto_build
 from kvdemo.cache.warmup import warm_up
 
 pytest.importorskip("optimum.quanto")  # a pinned requirement: present wherever the set-up ran

@@ -120,8 +120,8 @@ def _choice_lists() -> set[str]:
 def test_no_backend_facts_written_by_hand_outside_the_registry():
     """Backend names with their allowed values, and the lists of allowed values, appear only in the registry
     (and the README table generated from it)."""
-    backends = ROOT / "kvdemo" / "cache" / "backends"
-    sources = [p for p in (ROOT / "kvdemo").rglob("*.py") if p.name != "registry.py" and backends not in p.parents]
+    formats = ROOT / "kvdemo" / "cache" / "formats"
+    sources = [p for p in (ROOT / "kvdemo").rglob("*.py") if p.name != "registry.py" and formats not in p.parents]
     sources += [ROOT / "app.py"]
     pattern = re.compile(r"\b(quanto|hqq)\b[^\n]{0,12}\b[0-9]\|[0-9]")
     for path in sources:
@@ -130,7 +130,8 @@ def test_no_backend_facts_written_by_hand_outside_the_registry():
             assert written not in text, f"{path.relative_to(ROOT)} writes the registry's choices {written!r} by hand"
         assert not pattern.search(text), f"{path.relative_to(ROOT)} writes a backend's allowed values by hand"
     # the backend names themselves are switched on nowhere but the registry
-    switch = re.compile(r"""(==|!=|\bin\b)\s*\(?["'](dynamic|quanto|hqq|fp8)["']""")
+    names = "|".join(map(re.escape, BACKENDS))
+    switch = re.compile(rf"""(==|!=|\bin\b)\s*\(?["']({names})["']""")
     for path in sources:
         match = switch.search(path.read_text(encoding="utf-8"))
         assert match is None, f"{path.relative_to(ROOT)} switches on a backend name: {match.group(0)!r}"
@@ -154,26 +155,40 @@ def _code_strings(path: Path) -> list[tuple[int, str]]:
     ]
 
 
-def test_a_backend_is_named_only_in_its_module_and_the_registry():
-    """No code outside `kvdemo/cache/backends/<name>.py` and the registry writes a backend's name or a spec of it
-    (`"hqq:4"`, `"fp8,scale=..."`): a default spec comes from `catalogue.examples`, the baseline from
-    `registry.BASELINE`. The layers that implement a backend (`kvdemo/cache/layers`, quanto's build) are its code, and
-    docstrings may give examples."""
+def _format_of(path: Path) -> str | None:
+    """The format whose folder holds `path` (`kvdemo/cache/formats/<name>/...`), or None."""
+    parts = path.relative_to(ROOT).parts
+    return parts[3] if parts[:3] == ("kvdemo", "cache", "formats") and len(parts) > 4 else None
+
+
+def test_a_format_is_named_only_in_its_folder_and_the_registry():
+    """No code outside `kvdemo/cache/formats/<name>/` and the registry writes a format's name or a spec of it
+    (`"hqq:4"`, `"fp8,scale=..."`) or imports its folder: a default spec comes from `catalogue.examples`, the baseline
+    from `registry.BASELINE`, a store type, a decode read, a deploy line or a rotation's cost from the format's card or
+    its layers. Docstrings may give examples."""
     names = "|".join(map(re.escape, BACKENDS))
     spec_text = re.compile(rf"^({names})([:,]|$)")
-    exempt = [ROOT / "kvdemo" / "cache" / "backends", ROOT / "kvdemo" / "cache" / "layers"]
-    sources = [p for p in (ROOT / "kvdemo").rglob("*.py") if not any(folder in p.parents for folder in exempt)]
-    sources = [p for p in sources if p.name not in ("registry.py", "quanto_build.py")] + [ROOT / "app.py"]
+    sources = [p for p in (ROOT / "kvdemo").rglob("*.py") if p.name != "registry.py"] + [ROOT / "app.py"]
+    modules = {path: _format_of(path) for path in sources}
     found = [
         f"{path.relative_to(ROOT)}:{line} {text!r}"
-        for path in sources
+        for path, own in modules.items()
         for line, text in _code_strings(path)
-        if spec_text.match(text)
+        if (match := spec_text.match(text)) and match.group(1) != own
     ]
-    assert not found, f"backend names outside their modules: {found}"
-    for name, backend in BACKENDS.items():  # and each module holds its own entry
-        module = importlib.import_module(f"kvdemo.cache.backends.{name}")
-        assert module.BACKEND is backend
+    assert not found, f"format names outside their folders: {found}"
+    imported = [
+        f"{path.relative_to(ROOT)}:{node.lineno} imports {node.module}"
+        for path, own in modules.items()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.ImportFrom)
+        and (node.module or "").startswith("kvdemo.cache.formats.")
+        and node.module.split(".")[3] != own
+    ]
+    assert not imported, f"a format's folder imported from outside it: {imported}"
+    for name, backend in BACKENDS.items():  # and each folder holds its own entry
+        module = importlib.import_module(f"kvdemo.cache.formats.{name}")
+        assert module.BACKEND is backend and module.NAME == name
 
 
 def test_every_backend_entry_is_complete():

@@ -1,4 +1,4 @@
-"""kvdemo.cache.layers.rotation and kvdemo.cache.layers.attention: the Hadamard matrix, rotated layers that store the
+"""kvdemo.cache.layers.rotation and kvdemo.cache.read.attention: the Hadamard matrix, rotated layers that store the
 library's own quantization of the rotated keys and values (rotated back on read, or kept in the rotated basis for
 kvdemo's attention function, which rotates the query), what rotation buys on keys with outlier channels, and its
 refusals. The restore and fresh-run invariants of the rotated specs run in tests/test_invariants.py (`all_specs`)."""
@@ -11,22 +11,23 @@ from transformers import LlamaConfig
 from transformers.cache_utils import HQQQuantizedLayer, QuantoQuantizedLayer
 
 from kvdemo import CacheSpec, QASession
-from kvdemo.cache.layers.attention import ATTENTION, install, uses_query_rotation
-from kvdemo.cache.layers.blockwise import blockwise_layer
-from kvdemo.cache.layers.flush import AppendQueryRotatedHQQLayer, AppendRotatedHQQLayer, quantized_cache
-from kvdemo.cache.layers.rotation import (
-    HADAMARD,
-    ROTATED_MARK,
-    QueryRotatedQuantoLayer,
+from kvdemo.cache.formats.hqq.layers import (
+    HQQ_LAYERS,
+    AppendQueryRotatedHQQLayer,
+    AppendRotatedHQQLayer,
     RotatedHQQLayer,
-    RotatedQuantoLayer,
-    hadamard,
-    hadamard_block,
-    rotation_problem,
 )
+from kvdemo.cache.formats.quanto.layers import QUANTO_LAYERS, QueryRotatedQuantoLayer, RotatedQuantoLayer
+from kvdemo.cache.layers.flush import quantized_cache
+from kvdemo.cache.layers.rotation import HADAMARD, ROTATED_MARK, hadamard, hadamard_block, rotation_problem
+from kvdemo.cache.read.attention import ATTENTION, install, uses_query_rotation
+from kvdemo.cache.read.blockwise import blockwise_layer
 from kvdemo.cache.spec import build_cache
 from kvdemo.evals.cache_error import dequantized_kv
 from tests.helpers import logits_through, make_tiny
+
+RESIDUAL_LAYERS = {"quanto": QUANTO_LAYERS, "hqq": HQQ_LAYERS}
+"""The residual formats' layer families, by backend name."""
 
 
 def test_the_hadamard_matrix_is_symmetric_orthonormal_and_flat():
@@ -103,20 +104,20 @@ def test_rotation_is_refused_where_it_cannot_run():
         with pytest.raises(ValueError, match=f"rotation=hadamard is not an option of the {backend} backend"):
             CacheSpec.parse(f"{backend},rotation=hadamard")
     with pytest.raises(ValueError, match="rotation='x' is not a rotation; choose one of none, hadamard"):
-        quantized_cache("quanto", _config(64), rotation="x")
+        quantized_cache(QUANTO_LAYERS, _config(64), rotation="x")
 
 
 def test_rotation_with_the_append_flush_builds_both_layers(tiny):
     assert uses_query_rotation(tiny.config)  # a LoadedModel's attention is kvdemo's
     cache = build_cache(CacheSpec.parse("hqq:4,flush=append,rotation=hadamard"), tiny.config)
     assert all(type(layer) is blockwise_layer(AppendQueryRotatedHQQLayer) for layer in cache.layers)
-    read_side = quantized_cache("hqq", tiny.config, flush="append", rotation="hadamard", rotate_query=False)
+    read_side = quantized_cache(HQQ_LAYERS, tiny.config, flush="append", rotation="hadamard", rotate_query=False)
     assert all(type(layer) is blockwise_layer(AppendRotatedHQQLayer) for layer in read_side.layers)
 
 
 def test_kvdemos_attention_gives_sdpas_own_bits_for_an_unrotated_cache(embedded):
     """Without a rotation kvdemo's attention is sdpa's, bit for bit, for a cache read whole; a quantized cache read
-    block-wise (the default under kvdemo's attention, `kvdemo.cache.layers.blockwise`) agrees to float rounding."""
+    block-wise (the default under kvdemo's attention, `kvdemo.cache.read.blockwise`) agrees to float rounding."""
     tiny = make_tiny(embedded.tokenizer, seed=3)  # its own model: the attention is switched below
     assert tiny.config._attn_implementation == ATTENTION
     ids = embedded.tokenizer("The Normans held Rouen. Rollo led them, and Normandy was named after them.")["input_ids"]
@@ -126,7 +127,7 @@ def test_kvdemos_attention_gives_sdpas_own_bits_for_an_unrotated_cache(embedded)
         tiny.model.set_attn_implementation(implementation)
         caches = {text: build_cache(CacheSpec.parse(text), tiny.config) for text in texts}
         if implementation == ATTENTION:
-            caches["whole"] = quantized_cache("quanto", tiny.config, blockwise=False, nbits=4, residual_length=4)
+            caches["whole"] = quantized_cache(QUANTO_LAYERS, tiny.config, blockwise=False, nbits=4, residual_length=4)
         for text, cache in caches.items():
             prefill = logits_through(tiny, cache, ids[:-6])
             steps = [logits_through(tiny, cache, [token]) for token in ids[-6:]]  # decode steps, one flush (residual 4)
@@ -147,7 +148,7 @@ def test_the_query_side_rotation_attends_as_the_read_side_one(tiny, embedded, te
     quantization of the same rotated tensors, so what attention reads and the logits agree to float rounding."""
     spec = CacheSpec.parse(text + ",rotation=hadamard")
     query_side = build_cache(spec, tiny.config)
-    read_side = quantized_cache(spec.backend, tiny.config, rotate_query=False, **spec.resolved())
+    read_side = quantized_cache(RESIDUAL_LAYERS[spec.backend], tiny.config, rotate_query=False, **spec.resolved())
     assert isinstance(query_side.layers[0], QueryRotatedQuantoLayer) == text.startswith("quanto")
     ids = embedded.tokenizer("The Normans held Rouen. Rollo led them, and Normandy was named after them.")["input_ids"]
     for cache in (query_side, read_side):
@@ -171,7 +172,7 @@ def test_a_model_whose_attention_is_not_sdpa_keeps_it_and_rotates_on_read(embedd
     cache = build_cache(CacheSpec.parse("quanto:4,rotation=hadamard"), tiny.config)
     assert all(type(layer) is RotatedQuantoLayer for layer in cache.layers)
     with pytest.raises(ValueError, match="rotate_query needs a model that attends through kvdemo_attention"):
-        quantized_cache("quanto", tiny.config, rotation="hadamard", rotate_query=True)
+        quantized_cache(QUANTO_LAYERS, tiny.config, rotation="hadamard", rotate_query=True)
     context = "The Normans were the people who gave their name to Normandy, a region in France. Rollo led them."
     answers = []
     for implementation in ("eager", ATTENTION):  # the same answer through either attention (the tiny model)

@@ -17,7 +17,7 @@ import pytest
 
 from kvdemo import CacheSpec, QASession
 from kvdemo.cache.spec import estimate_kv_bytes
-from kvdemo.cache.telemetry import _bytes
+from kvdemo.cache.state.telemetry import _bytes
 from kvdemo.qa.limits import QUESTION_RESERVE_TOKENS
 from kvdemo.serve.accounting import KVAccount, ServerKVBudgetError, prefill_tokens, session_kv_bytes
 from kvdemo.serve.server import App
@@ -77,7 +77,7 @@ def test_what_a_session_may_hold_bounds_its_cache_and_snapshot_during_an_answer(
     assert peak <= limit
     # once the answer has flushed, the snapshot keeps the post-prefill store alive (fp8 appends: from the first
     # step); before, it shares the cache's store; dynamic's restore slices back and keeps nothing
-    # the estimate (kvdemo.cache.budget.held_bytes_estimate) counts the snapshot's store only where a flush frees the
+    # the estimate (kvdemo.cache.state.budget.held_bytes_estimate) counts the snapshot's store only where a flush frees the
     # cache from it, so it is tight for every kind
     assert peak == pytest.approx(limit, rel=0.03)
     store = estimate_kv_bytes(qa.spec, tiny.config, qa.prefill_report.context_tokens, tiny.dtype)

@@ -11,12 +11,12 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.cache_utils import DynamicSlidingWindowLayer, QuantizedLayer
 
-from kvdemo.cache import snapshot
-from kvdemo.cache.geometry import split_geometry
-from kvdemo.cache.layers.fp8 import ExactFp8Layer
-from kvdemo.cache.layers.sliding import SlidingFp8Layer, sliding_layer
+from kvdemo.cache.formats.fp8.layers import ExactFp8Layer, SlidingFp8Layer
+from kvdemo.cache.layers.sliding import sliding_layer
+from kvdemo.cache.model.geometry import split_geometry
 from kvdemo.cache.spec import CacheSpec, build_cache, estimate_kv_bytes
-from kvdemo.cache.telemetry import kv_memory
+from kvdemo.cache.state import snapshot
+from kvdemo.cache.state.telemetry import kv_memory
 from tests.families import family_config
 
 CHUNKS = (7, 1, 1, 2, 1, 1, 1, 4, 1, 1, 1, 1, 9, 1)

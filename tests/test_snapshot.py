@@ -12,7 +12,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MistralCon
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from kvdemo import CacheSpec, QASession, build_cache, kv_memory, load_model
-from kvdemo.cache import snapshot
+from kvdemo.cache.state import snapshot
 
 
 def held_bytes(cache, saved: snapshot.CacheSnapshot | None = None) -> int:

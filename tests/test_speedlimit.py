@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from kvdemo import CacheSpec, QASession
-from kvdemo.cache.layers.blockwise import dequantized_reads
-from kvdemo.cache.speedlimit import SpeedLimit, probe_bandwidth, speed_limit, weight_bytes
+from kvdemo.cache.formats.quanto.layers import QUANTO_LAYERS
+from kvdemo.cache.read.blockwise import dequantized_reads
+from kvdemo.cache.state.speedlimit import SpeedLimit, probe_bandwidth, speed_limit, weight_bytes
 from kvdemo.ui import views
 from tests.helpers import make_tiny
 
@@ -130,9 +131,9 @@ def test_the_rotation_costs_flops_not_bytes(small):
     assert "rotation" not in views.speed_limit_line(plain, None)
     # the read side: every stored token's key and value per KV head (the prefill is all in the store)
     from kvdemo.cache.layers.flush import quantized_cache
-    from kvdemo.cache.speedlimit import rotation_flops
+    from kvdemo.cache.state.speedlimit import rotation_flops
 
-    read = quantized_cache("quanto", small.config, rotation="hadamard", rotate_query=False, residual_length=8)
+    read = quantized_cache(QUANTO_LAYERS, small.config, rotation="hadamard", rotate_query=False, residual_length=8)
     n = qa.cache_length
     for index in range(len(qa.cache.layers)):
         keys, values = (torch.randn(1, 2, n, 64) for _ in range(2))

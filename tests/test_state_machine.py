@@ -52,7 +52,7 @@ from hypothesis.stateful import (
 from kvdemo import CacheSpec, QASession
 from kvdemo.cache.catalogue import all_specs
 from kvdemo.cache.spec import estimate_kv_bytes
-from kvdemo.cache.telemetry import kv_memory
+from kvdemo.cache.state.telemetry import kv_memory
 from kvdemo.qa.models import LoadedModel
 from tests.families import tiny_family
 from tests.helpers import fail_forward_at

@@ -11,9 +11,9 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from kvdemo import CacheSpec, QASession, build_cache, kv_memory
-from kvdemo.cache import snapshot
-from kvdemo.cache.geometry import full_precision_bytes
-from kvdemo.cache.telemetry import expected_flush_steps, flushed_layers
+from kvdemo.cache.model.geometry import full_precision_bytes
+from kvdemo.cache.state import snapshot
+from kvdemo.cache.state.telemetry import expected_flush_steps, flushed_layers
 from tests.test_snapshot import held_bytes
 
 HEADS, DIM, TOKENS, LAYERS = 2, 64, 37, 2

@@ -1,4 +1,4 @@
-"""The `turboquant` backend (`kvdemo.cache.layers.turboquant`, `kvdemo.cache.layers.lloyd_max`): its key code against
+"""The `turboquant` backend (`kvdemo.cache.formats.turboquant.layers`, `kvdemo.cache.formats.turboquant.lloyd_max`): its key code against
 the paper's MSE table and the Lloyd-Max centroids, the dense packing, the query side against the read side, vLLM's
 presets, its refusals, and its fidelity on text the project has never seen against quanto at the same bytes. Restore,
 fresh-run equality and the bytes of every turboquant spec run in the matrices (`all_specs`: tests/test_invariants.py,
@@ -16,10 +16,7 @@ import pytest
 import torch
 
 from kvdemo import CacheSpec, QASession
-from kvdemo.cache.layers.flush import read_whole
-from kvdemo.cache.layers.lloyd_max import exact_marginal, gaussian, pack_codes, unpack_codes
-from kvdemo.cache.layers.rotation import ROTATED_MARK, QueryRotationMixin
-from kvdemo.cache.layers.turboquant import (
+from kvdemo.cache.formats.turboquant.layers import (
     KEY_ROTATION,
     TurboKeys,
     TurboQuantLayer,
@@ -27,6 +24,9 @@ from kvdemo.cache.layers.turboquant import (
     dequantize_keys,
     quantize_keys,
 )
+from kvdemo.cache.formats.turboquant.lloyd_max import exact_marginal, gaussian, pack_codes, unpack_codes
+from kvdemo.cache.layers.flush import read_whole
+from kvdemo.cache.layers.rotation import ROTATED_MARK, QueryRotationMixin
 from kvdemo.cache.spec import build_cache, estimate_kv_bytes
 from kvdemo.evals.cache_error import dequantized_kv
 from tests.helpers import logits_through, make_tiny

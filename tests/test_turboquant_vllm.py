@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from kvdemo import CacheSpec, QASession
-from kvdemo.cache.layer_kinds import layer_actions
-from kvdemo.cache.layers.turboquant_vllm import (
+from kvdemo.cache.formats.turboquant.vllm import (
     VllmFp8Keys,
     quantize_keys,
     quantize_values,
@@ -21,6 +20,7 @@ from kvdemo.cache.layers.turboquant_vllm import (
     vllm_midpoints,
     vllm_slots,
 )
+from kvdemo.cache.model.layer_kinds import layer_actions
 from kvdemo.cache.spec import estimate_kv_bytes
 from tests.families import family_config
 from tests.helpers import make_tiny

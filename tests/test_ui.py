@@ -724,7 +724,7 @@ def test_a_new_prefill_replaces_the_speed_limit_line(handlers):
     """Seen in a browser: after an answer on `dynamic,storage=growing`, a quanto prefill cleared the charts but
     kept the old answer's speed-limit line (its floor, measured step and spare room). The prefill now shows the
     new cache's floor; a refused prefill keeps the line of the cache that stays."""
-    from kvdemo.cache.speedlimit import speed_limit
+    from kvdemo.cache.state.speedlimit import speed_limit
 
     app, fns = handlers
     fns["prefill"](CONTEXT, "dynamic", None, None, None, None, None, None, "growing", _request())

@@ -24,8 +24,9 @@ import psutil
 import pytest
 import torch
 
+from kvdemo.cache.formats.quanto.device import FALLBACK_NOTE, pure_torch_unpack, quanto_on_device
 from kvdemo.cache.spec import CacheSpec
-from kvdemo.cache.telemetry import StepEvent
+from kvdemo.cache.state.telemetry import StepEvent
 from kvdemo.charts.steps import memory_frame, residual_frame
 from kvdemo.compare.records import ComparisonCancelled
 from kvdemo.qa.records import Answer, PrefillReport
@@ -35,7 +36,7 @@ from kvdemo.serve import gpu_job as job_module
 from kvdemo.serve.device import Device, GpuJobError, RemoteSession
 from kvdemo.serve.gpu_job import AnswerDone, GpuRequest, JobProgress, PrefillDone, gpu_job, job_seconds, serve_model
 from kvdemo.serve.server import App
-from kvdemo.serve.warm_sessions import FALLBACK_NOTE, WARM, WarmSessions, pure_torch_unpack, quanto_on_device
+from kvdemo.serve.warm_sessions import WARM, WarmSessions
 from kvdemo.ui import build_demo, session_box
 from tests.helpers import named_handlers
 from tests.zerogpu_harness import POLICIES, Harness, WorkerError

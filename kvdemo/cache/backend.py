@@ -1,5 +1,5 @@
 """`Backend`: a KV cache backend as the registry (`kvdemo.cache.registry.BACKENDS`) knows it, and the types of the
-rules it carries. Each backend fills one in its own module (`kvdemo.cache.backends`). No torch: the command line's
+rules it carries. Each backend fills one in its own module (`kvdemo.cache.formats`). No torch: the command line's
 `--help` reads them.
 """
 
@@ -13,11 +13,12 @@ from typing import TYPE_CHECKING
 from kvdemo.cache.options import Option, SpecOptions
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedConfig
     from transformers.cache_utils import Cache
 
     from kvdemo.cache.deploy import Deployment
-    from kvdemo.cache.geometry import KVGeometry
+    from kvdemo.cache.model.geometry import KVGeometry
 
 BytesFormula = Callable[[SpecOptions, "KVGeometry", int, int, int, bool, "Sequence[int] | None"], float]
 """`formula(options, geometry, tokens, residual_tokens, element_bytes, nominal_bits, blocks) -> bytes` (see
@@ -46,7 +47,7 @@ class Backend:
         name: the name a spec uses (`dynamic`, `quanto`, `hqq`, `fp8`).
         summary: one line for the page, `--help` and the README: what stores the cache.
         behaviour: one line on its residual and flushes, for the page.
-        quantized: True for the `QuantizedCache` backends; they quantize the layers `kvdemo.cache.layer_kinds` says
+        quantized: True for the `QuantizedCache` backends; they quantize the layers `kvdemo.cache.model.layer_kinds` says
             they take (full attention; sliding with `sliding=quantize`) and keep the others at full precision.
         prefill_reads_cache: True where the engine's prefill attends through the stored cache (llama.cpp reads its
             blocks for the prompt's own tokens): the prefill's chunks then run over the cache itself, never over a
@@ -69,6 +70,10 @@ class Backend:
         combination_rule: `rule(resolved options) -> why they cannot go together, or None`, for options that are
             each allowed but not together (turboquant's norm correction at nbits 8); None where any go together.
         deploy: its `DeployRule`: the engines that store a spec's cache the same way (None: kvdemo only).
+        stored: `stored() -> {name: type}`, the store types a session file writes (`store_types`); None: plain tensors
+            only.
+        on_device: `on_device(device) -> a note or None`, what a GPU job sets up for this format before it runs
+            (quanto's unpacking on CUDA, `kvdemo.cache.formats.quanto.device`); None: nothing.
         examples: named spec texts the rest of kvdemo starts from (`kvdemo.cache.catalogue.examples`): purpose ->
             {text of this backend: its place among every backend's texts for that purpose}, e.g.
             `{"needle": {"hqq:2": 1, "hqq:4": 2}}`, so that no other module names a backend.
@@ -92,6 +97,18 @@ class Backend:
     deploy: DeployRule | None = None
     examples: dict[str, dict[str, int]] = field(default_factory=dict)
     prefill_reads_cache: bool = False
+    stored: Callable[[], dict[str, type]] | None = None
+    on_device: Callable[[torch.device], str | None] | None = None
+
+    def set_up(self, device: torch.device) -> str | None:
+        """Its set-up on `device` before a GPU job runs (`on_device`), or None where it has none."""
+        return self.on_device(device) if self.on_device is not None else None
+
+    def store_types(self) -> dict[str, type]:
+        """The types of its store a session file writes (`kvdemo.cache.state.serialize`), by the name the file gives
+        them: its records (named tuples of tensors) and tensor subclasses; imported only now (the card needs no
+        torch). A store type no format declares is refused at save."""
+        return self.stored() if self.stored is not None else {}
 
     @property
     def hands_over(self) -> bool:

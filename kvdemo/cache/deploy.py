@@ -1,6 +1,6 @@
 """Deploy lines: which engine stores a spec's cache the same way, and the line that asks it to (`Deployment`).
 
-Each backend says its own engines (`Backend.deploy`, in its module under `kvdemo.cache.backends`);
+Each backend says its own engines (`Backend.deploy`, in its module under `kvdemo.cache.formats`);
 `kvdemo.cache.spec.CacheSpec.deployments` asks it and adds kvdemo's own line last. A line is given only where the
 engine's store is the one kvdemo measures, byte for byte: a close variant is not the same bytes, and its line would
 promise figures kvdemo did not measure. The helpers here are the lines shared by several backends: each engine's
@@ -16,7 +16,7 @@ import shlex
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvdemo.cache.layer_kinds import layer_types
+from kvdemo.cache.model.layer_kinds import layer_types
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig

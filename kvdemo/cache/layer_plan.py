@@ -116,7 +116,7 @@ def canonical_plan(text: str) -> str:
 
 
 def plan_problem(layers: Sequence[LayerPrecision], model_layers: int, allowed_bits: Sequence[int]) -> str | None:
-    """Why a plan cannot run on a model with `model_layers` quantized layers (`kvdemo.cache.layer_kinds
+    """Why a plan cannot run on a model with `model_layers` quantized layers (`kvdemo.cache.model.layer_kinds
     .quantized_layers`: a plan gives bits only to the layers that take them) and a backend taking `allowed_bits`,
     or None.
 

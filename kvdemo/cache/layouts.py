@@ -1,4 +1,4 @@
-"""The layout rules shared by the group-wise backends with a residual (quanto, hqq: `kvdemo.cache.backends`): the
+"""The layout rules shared by the group-wise backends with a residual (quanto, hqq: `kvdemo.cache.formats`): the
 blocks of their store after a prefill and its flushes (`store_blocks`) and their byte formula (`group_bytes`), to which
 each backend hands its own packing of codes. Each backend's other rules (its packing, its group rule, its own formula)
 live in its module. No torch: the command line's `--help` reads the registry.
@@ -6,7 +6,7 @@ live in its module. No torch: the command line's `--help` reads the registry.
 The packing rules were found by running every backend over every nbits, q_group_size and axis on the embedded
 model's shapes (3 KV heads, head_dim 64) and on the test model's, for prefill lengths 1, 5, 37, 64 and 130 followed
 by decode steps with flushes; `tests/test_backends.py::test_validation_predicts_what_runs` repeats that sweep. The
-byte formulas are checked against the real tensors (`kvdemo.cache.telemetry.kv_memory`) in `tests/test_budget.py`.
+byte formulas are checked against the real tensors (`kvdemo.cache.state.telemetry.kv_memory`) in `tests/test_budget.py`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from kvdemo.cache.layer_plan import PLAN, parse_plan
 from kvdemo.cache.policies import FLUSH_POLICIES
 
 if TYPE_CHECKING:
-    from kvdemo.cache.geometry import KVGeometry
+    from kvdemo.cache.model.geometry import KVGeometry
 
 
 def store_blocks(

@@ -1,6 +1,6 @@
 """The one registry of KV cache backends: `BACKENDS`, one `Backend` entry each, listed from the backends' modules.
 
-Each backend is one module under `kvdemo.cache.backends` that holds everything kvdemo knows of it (its options and
+Each backend is one module under `kvdemo.cache.formats` that holds everything kvdemo knows of it (its options and
 their words, presets, byte formula, layout rules, cache factory, deploy line and the spec texts it offers as
 examples), as transformers' cache-layer subclasses carry their own rules; `kvdemo.cache.spec` validates a
 `CacheSpec` and builds its cache from them. The page, the command line, the tests and the README's backend table read
@@ -11,7 +11,7 @@ line here (CONTRIBUTING.md, "Adding a backend").
 from __future__ import annotations
 
 from kvdemo.cache.backend import Backend
-from kvdemo.cache.backends import dynamic, fp8, ggml, hqq, quanto, turboquant
+from kvdemo.cache.formats import dynamic, fp8, ggml, hqq, quanto, turboquant
 
 BACKENDS: dict[str, Backend] = {
     module.BACKEND.name: module.BACKEND for module in (dynamic, quanto, hqq, fp8, turboquant, ggml)

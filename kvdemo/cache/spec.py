@@ -51,11 +51,11 @@ class CacheSpec:
             (`concat`, `growing`: `kvdemo.cache.layers.storage`); rotation: `hadamard` rotates keys and values before
             quantizing (`kvdemo.cache.layers.rotation`), `none` does not; nbits_value: bits per quantized value of the
             values alone (`kvdemo.cache.layers.precision`; None: nbits, as transformers); optimize: hqq's optimiser of
-            zero points on (`true`, hqq's default) or off (`false`: `kvdemo.cache.layers.hqq_optimize`); sliding: `keep`
-            the sliding-window layers at full precision or `quantize` them (`kvdemo.cache.layer_kinds`); protect:
+            zero points on (`true`, hqq's default) or off (`false`: `kvdemo.cache.formats.hqq.optimize`); sliding: `keep`
+            the sliding-window layers at full precision or `quantize` them (`kvdemo.cache.model.layer_kinds`); protect:
             `first:last` quantized layers kept at full precision (`kvdemo.cache.policies.PROTECT_CHOICES`); scale: fp8's
-            scales per tensor or per token and head (`kvdemo.cache.layers.fp8`); norm_correction: TurboQuant's
-            (`kvdemo.cache.layers.turboquant`); type_k, type_v: llama.cpp's cache types (`ggml`); layout:
+            scales per tensor or per token and head (`kvdemo.cache.formats.fp8.layers`); norm_correction: TurboQuant's
+            (`kvdemo.cache.formats.turboquant.layers`); type_k, type_v: llama.cpp's cache types (`ggml`); layout:
             TurboQuant's store, kvdemo's or vLLM's; plan: each
             layer's nbits, nbits_value and rotation (`kvdemo.cache.layer_plan`, e.g. `k4v2h*12+k2v2h*18`; set, it
             replaces those three options, which stay unset). Which backend takes which, and the values allowed,
@@ -248,7 +248,7 @@ class CacheSpec:
 
         Args:
             model_config: the model's config; gives the layer kinds, each layer's num_key_value_heads and
-                head_dim (or a latent's widths: `kvdemo.cache.geometry.kv_geometry`).
+                head_dim (or a latent's widths: `kvdemo.cache.model.geometry.kv_geometry`).
 
         Returns:
             The spec, so that `spec = spec.validate(cfg)` can be chained: with a model, the spec fitted to it
@@ -257,7 +257,7 @@ class CacheSpec:
 
         Raises:
             UnsupportedModelError (a ValueError): the backend cannot serve the model's kind of layers
-                (`kvdemo.cache.layer_kinds.serving_problem`: the message names them and what would work).
+                (`kvdemo.cache.model.layer_kinds.serving_problem`: the message names them and what would work).
             ValueError: naming the option, the value given and the values allowed: an unknown backend, an
                 option the backend does not take, a value outside the registry's
                 choices, a q_group_size that does not fit head_dim or the backend's bit packing, a
@@ -307,7 +307,7 @@ class CacheSpec:
             raise ImportError(f"the {self.backend} backend needs the {info.module} package: {info.pip}")
         if model_config is None:
             return self
-        from kvdemo.cache.model_checks import check_on_model
+        from kvdemo.cache.model.model_checks import check_on_model
 
         fitted = self.fit(model_config)
         check_on_model(fitted, model_config)
@@ -325,7 +325,7 @@ class CacheSpec:
         try:
             if not self._group_problem(model_config):
                 return self
-            from kvdemo.cache.groups import allowed_group_sizes
+            from kvdemo.cache.model.groups import allowed_group_sizes
 
             sizes = allowed_group_sizes(self, model_config)
         except (ValueError, LookupError):  # a spec that does not validate (bits no packing knows): `validate` says why
@@ -357,7 +357,7 @@ class CacheSpec:
 
     def _group_problem(self, model_config: PreTrainedConfig) -> tuple[str, int, str, int, str] | None:
         """The first stored tensor whose group rule refuses this spec's q_group_size (`groups.first_problem`)."""
-        from kvdemo.cache.groups import first_problem
+        from kvdemo.cache.model.groups import first_problem
 
         return first_problem(self.info.group_rule, self.resolved(), model_config)
 
@@ -376,7 +376,7 @@ def estimate_kv_bytes(
     runs (the out-of-memory guard of `QASession`, and the theoretical figure of `benchmarks/run_all.py`).
 
     The formula is the backend's own (`Backend.kv_bytes`, `kvdemo.cache.layouts`: each gives its sources); the
-    layers a quantized backend keeps (`kvdemo.cache.layer_kinds`) count as `dynamic`'s. Equal to the bytes of
+    layers a quantized backend keeps (`kvdemo.cache.model.layer_kinds`) count as `dynamic`'s. Equal to the bytes of
     `telemetry.kv_memory` for every backend and option, block by block (`tests/test_budget.py`).
 
     Args:
@@ -393,7 +393,7 @@ def estimate_kv_bytes(
     Raises:
         ValueError, ImportError: see `CacheSpec.validate`; ValueError: `blocks` do not sum to the stored tokens.
     """
-    from kvdemo.cache.geometry import KVGeometry, element_size, kv_geometry, split_geometry
+    from kvdemo.cache.model.geometry import KVGeometry, element_size, kv_geometry, split_geometry
 
     spec = spec.validate(model_config)
     opts = spec.resolved()

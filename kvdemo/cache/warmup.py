@@ -1,7 +1,7 @@
 """One-time work of the quantized backends done at install time (`make` runs `warm_up` once): optimum-quanto
 compiles its C++ extension on its first de-quantize in a fresh install, hqq's first quantization compiles kvdemo's
-fused solver (`kvdemo.cache.layers.hqq_optimize`, about a second), and the decode kernel over the stored codes
-(`kvdemo.cache.layers.code_attention`, about 2 seconds) is compiled."""
+fused solver (`kvdemo.cache.formats.hqq.optimize`, about a second), and the decode kernel over the stored codes
+(`kvdemo.cache.read.code_attention`, about 2 seconds) is compiled."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ def warm_up(backends: tuple[str, ...] | None = None) -> dict[str, float]:
     """Run one prefill-sized update and one decode-step update through each installed quantized backend's
     own cache layer, on random tensors of shape [1, 1, 8, 64], so that one-time work happens now: optimum-quanto
     compiles its C++ extension on its first de-quantize on a machine (23-45 s on 2 cores, written into the kvdemo
-    cache folder by `kvdemo.cache.quanto_build`, needs g++ and ninja); hqq's first quantization compiles kvdemo's
-    fused solver (`kvdemo.cache.c_build`). `make` runs this once after installing.
+    cache folder by `kvdemo.cache.formats.quanto.build`, needs g++ and ninja); hqq's first quantization compiles kvdemo's
+    fused solver (`kvdemo.cache.read.c_build`). `make` runs this once after installing.
 
     Returns:
         Seconds spent per backend.
@@ -47,7 +47,7 @@ def warm_up(backends: tuple[str, ...] | None = None) -> dict[str, float]:
         layer.update(states, states)
         layer.update(states[:, :, :1], states[:, :, :1])
         seconds[name] = time.perf_counter() - start
-    from kvdemo.cache.layers import code_attention
+    from kvdemo.cache.read import code_attention
 
     start = time.perf_counter()
     code_attention.kernel()  # compiled once per machine into the cache folder

@@ -17,7 +17,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import LogLocator, MaxNLocator, NullFormatter, StrMethodFormatter
 
-from kvdemo.cache.telemetry import STEP_KINDS, StepEvent
+from kvdemo.cache.state.telemetry import STEP_KINDS, StepEvent
 from kvdemo.charts.frames import MIB, typed_frame
 
 MEMORY_SERIES = ("quantized store", "KV cache", "held (cache + snapshot)", "full precision")
@@ -29,7 +29,7 @@ never under-reports); and what a `DynamicCache` in the model's dtype would hold.
 KEPT_SERIES = "kept layers"
 """The memory chart's series (short, so the legend shows it whole) for what a quantized backend keeps at full
 precision on a model of several layer kinds (sliding-window layers with `sliding=keep`, conv and recurrent states,
-combined layers: `kvdemo.cache.layer_kinds`): flat once a sliding layer holds its window, while the quantized layers
+combined layers: `kvdemo.cache.model.layer_kinds`): flat once a sliding layer holds its window, while the quantized layers
 grow with the context."""
 
 

@@ -20,7 +20,7 @@ import itertools
 from typing import TYPE_CHECKING, cast
 
 from kvdemo.cache.deploy import ENGINES
-from kvdemo.cache.layer_kinds import layer_types
+from kvdemo.cache.model.layer_kinds import layer_types
 from kvdemo.cache.policies import SLIDING_CHOICES
 from kvdemo.cache.registry import BACKENDS, BASELINE
 from kvdemo.cache.spec import CacheSpec

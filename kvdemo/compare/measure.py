@@ -11,9 +11,9 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from kvdemo.cache.layer_kinds import is_latent
+from kvdemo.cache.model.layer_kinds import is_latent
 from kvdemo.cache.spec import CacheSpec
-from kvdemo.cache.telemetry import flushed_layers
+from kvdemo.cache.state.telemetry import flushed_layers
 from kvdemo.compare.records import Departure, QuestionResult, SpecResult
 from kvdemo.evals import cache_error, fidelity
 from kvdemo.evals.fidelity import PerplexityInputs

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdemo.cache.geometry import kv_geometry
+from kvdemo.cache.model.geometry import kv_geometry
 from kvdemo.cache.policies import PROTECT_CHOICES
 from kvdemo.qa.models import LoadedModel
 

@@ -3,7 +3,7 @@ full-precision ones of the same tokens, per layer and KV head (`reference_kv`, `
 context's error measured again after each flush (`context_error`, `drift_ratio`). De-quantizing uses each backend's
 own code, never a quantizer of ours; see `kvdemo.evals.fidelity` for the method and its sources.
 
-Every layer kind (`kvdemo.cache.layer_kinds`) is compared with what it holds (`LayerRead`, one per layer):
+Every layer kind (`kvdemo.cache.model.layer_kinds`) is compared with what it holds (`LayerRead`, one per layer):
 - a full-attention layer: every context token (`ALL_TOKENS`); on a latent (MLA) model the latent and the rotary key
   part it caches, latent to latent (`KVError.latent`);
 - a sliding-window layer (kept or `sliding=quantize`): the tokens it holds after the prefill, the context's last
@@ -24,8 +24,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import BaseQuantizedLayer, Cache, DynamicLayer
 
-from kvdemo.cache.layer_kinds import STATE_ATTRIBUTES
 from kvdemo.cache.layers.rotation import to_model_basis
+from kvdemo.cache.model.layer_kinds import STATE_ATTRIBUTES
 from kvdemo.qa.models import LoadedModel
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]
@@ -277,7 +277,7 @@ def kv_error(reference: Sequence[LayerKV | None], cache: Cache, latent: bool = F
             a plain sequence of per-layer (keys, values) is taken as a context of its longest layer's tokens.
         cache: the cache under test, holding at least those tokens first (after the prefill, or later: then the
             context's positions are compared and a moved window is left out; see `context_error`).
-        latent: the model caches a latent (MLA, `kvdemo.cache.layer_kinds.is_latent`): labels the result.
+        latent: the model caches a latent (MLA, `kvdemo.cache.model.layer_kinds.is_latent`): labels the result.
 
     Returns:
         A `KVError` ([layers][kv_heads] matrices, what each layer compared, and the totals).

@@ -38,9 +38,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdemo.cache.budget import KVBudgetError
 from kvdemo.cache.spec import CacheSpec, build_cache, estimate_kv_bytes
-from kvdemo.cache.telemetry import flushed_layers
+from kvdemo.cache.state.budget import KVBudgetError
+from kvdemo.cache.state.telemetry import flushed_layers
 from kvdemo.evals.cache_error import KV, ReferenceKV, as_reference, context_error
 from kvdemo.evals.metrics import kl_divergence
 from kvdemo.qa.models import LoadedModel

@@ -14,8 +14,8 @@ import math
 from collections.abc import Sequence
 from typing import cast
 
-from kvdemo.cache.geometry import KVGeometry, element_size, split_geometry
 from kvdemo.cache.layer_plan import PLAN
+from kvdemo.cache.model.geometry import KVGeometry, element_size, split_geometry
 from kvdemo.cache.options import PLANNED
 from kvdemo.cache.registry import BACKENDS
 from kvdemo.cache.spec import CacheSpec

@@ -2,7 +2,7 @@
 values get more bits, and which are rotated (`kvdemo.cache.layer_plan` writes the result as a spec's `plan`).
 
 The measure (`layer_errors`): one full-precision prefill of the context through the model, which also records the
-last `query_tokens` queries of every layer (`kvdemo.cache.layers.attention.recording_queries`). Then, for every
+last `query_tokens` queries of every layer (`kvdemo.cache.read.attention.recording_queries`). Then, for every
 candidate precision the backend takes (each nbits, each rotation), the context's keys and values are quantized by
 the library's own layers (the cache a spec of that precision builds: its prefill update, as a real prefill does)
 and read back in the model's basis (`cache_error.layer_kv`), one layer at a time. A layer's error for a candidate
@@ -15,7 +15,7 @@ so the keys' and the values' errors are in the same units, what attention hands 
 error is not (a key error moves every score through the softmax; KIVI, Liu et al. 2024). A layer's error at
 (key bits, value bits, rotation) is its key error plus its value error.
 
-On every layer kind (`kvdemo.cache.layer_kinds`) the plan gives bits to the layers the spec quantizes and to no other:
+On every layer kind (`kvdemo.cache.model.layer_kinds`) the plan gives bits to the layers the spec quantizes and to no other:
 full-attention layers, sliding-window ones with `sliding=quantize` (their attention is measured over their window,
 with the window's mask), less those `protect` keeps. On a latent (MLA) model, whose attention sees the cached latent
 only up-projected, a layer's error is the relative squared error of the latent and the rotary key part it stores
@@ -43,9 +43,9 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicLayer
 
-from kvdemo.cache.layer_kinds import is_latent, quantized_layers
 from kvdemo.cache.layer_plan import LayerPrecision, plan_text
-from kvdemo.cache.layers.attention import QueryRecord, recording_queries, uses_query_rotation
+from kvdemo.cache.model.layer_kinds import is_latent, quantized_layers
+from kvdemo.cache.read.attention import QueryRecord, recording_queries, uses_query_rotation
 from kvdemo.cache.spec import CacheSpec, build_cache
 from kvdemo.evals.cache_error import ReferenceKV, layer_kv, reference_kv
 from kvdemo.evals.plan_budget import (

@@ -56,8 +56,8 @@ import threading
 import time
 from collections.abc import Sequence
 
-from kvdemo.cache.budget import KVBudgetError
 from kvdemo.cache.spec import CacheSpec
+from kvdemo.cache.state.budget import KVBudgetError
 from kvdemo.checks import shown
 from kvdemo.needle.haystack import (
     Needle,

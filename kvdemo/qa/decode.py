@@ -13,9 +13,9 @@ from collections.abc import Callable, Generator
 import torch
 from transformers.cache_utils import Cache
 
-from kvdemo.cache import snapshot
-from kvdemo.cache.geometry import full_precision_bytes
-from kvdemo.cache.telemetry import StepEvent, flushed_layers, kv_memory
+from kvdemo.cache.model.geometry import full_precision_bytes
+from kvdemo.cache.state import snapshot
+from kvdemo.cache.state.telemetry import StepEvent, flushed_layers, kv_memory
 from kvdemo.qa.models import LoadedModel
 from kvdemo.qa.records import Answer
 from kvdemo.qa.text import TextStream

@@ -89,7 +89,7 @@ class LoadedModel:
             safetensors copy of a GGUF, see the module docstring), or `"pretrained"` (a folder or Hub id).
         load_seconds: wall time of the load (seconds), 0.0 when not measured.
 
-    Made, it points the model's attention at kvdemo's (`kvdemo.cache.layers.attention.install`: transformers' sdpa, plus
+    Made, it points the model's attention at kvdemo's (`kvdemo.cache.read.attention.install`: transformers' sdpa, plus
     the query side of a rotated cache; every other cache gets sdpa's own bits).
     """
 
@@ -105,7 +105,7 @@ class LoadedModel:
     load_seconds: float = 0.0
 
     def __post_init__(self) -> None:
-        from kvdemo.cache.layers.attention import install
+        from kvdemo.cache.read.attention import install
 
         install(self.model)
 
@@ -154,7 +154,7 @@ class LoadedModel:
         """One forward pass of `input_ids` ([1, new tokens], on `device`) over `cache`, which it extends: the
         logits of the last position, [1, 1, vocab_size]. The positions are given (the cache's length onwards), as
         `generate` gives them: transformers' Bamba counts from 0 when none are given (wrong over a filled cache)."""
-        from kvdemo.cache.snapshot import attention_length
+        from kvdemo.cache.state.snapshot import attention_length
 
         past = attention_length(cache)
         positions = torch.arange(past, past + input_ids.shape[-1], device=input_ids.device).unsqueeze(0)
@@ -164,8 +164,8 @@ class LoadedModel:
     def describe(self) -> dict[str, Any]:
         """Name, parameters, layers and kinds (`cache_by_kind`: `geometry.kinds_summary`), KV heads and head_dim as
         stored (`a / b` where layers differ; MLA: latent widths), max context (tokens), device and dtype."""
-        from kvdemo.cache.geometry import kinds_summary, kv_geometry
-        from kvdemo.cache.layer_kinds import is_latent, kinds_text, layer_types
+        from kvdemo.cache.model.geometry import kinds_summary, kv_geometry
+        from kvdemo.cache.model.layer_kinds import is_latent, kinds_text, layer_types
 
         geo = kv_geometry(self.config)
         heads, dims = ({shape[i] for shape in geo.shapes("keys")} for i in (0, 1))

@@ -110,7 +110,7 @@ def hand_over(cache: Cache, index: int, layer: DynamicLayer) -> None:
     """Give layer `index` of the quantized `cache` what the full-precision prefill put in `layer`, the same layer of
     a `DynamicCache(config=...)`: a quantized layer takes its keys and values in one update (a sliding layer's are its
     window, and it is told how many tokens the context held, for its mask), and a layer the backend keeps at full
-    precision (`kvdemo.cache.layer_kinds`: sliding with `sliding=keep`, linear attention, conv, hybrid, KV-shared)
+    precision (`kvdemo.cache.model.layer_kinds`: sliding with `sliding=keep`, linear attention, conv, hybrid, KV-shared)
     is that very layer, with its window, its conv and recurrent states and its token count."""
     if not isinstance(cache.layers[index], BaseQuantizedLayer):  # the same class `DynamicCache(config)` builds
         cache.layers[index] = layer

@@ -21,11 +21,11 @@ from transformers import Cache, PreTrainedConfig
 from transformers.cache_utils import DynamicLayer
 
 from kvdemo import checks
-from kvdemo.cache import budget, snapshot
-from kvdemo.cache.geometry import full_precision_bytes
-from kvdemo.cache.layers.attention import decode_read
+from kvdemo.cache.model.geometry import full_precision_bytes
+from kvdemo.cache.read.attention import decode_read
 from kvdemo.cache.spec import CacheSpec, build_cache
-from kvdemo.cache.telemetry import StepEvent, kv_memory
+from kvdemo.cache.state import budget, snapshot
+from kvdemo.cache.state.telemetry import StepEvent, kv_memory
 from kvdemo.qa.decode import greedy_decode, teacher_forced
 from kvdemo.qa.limits import DEFAULT_MAX_NEW_TOKENS, QUESTION_RESERVE_TOKENS
 from kvdemo.qa.models import LoadedModel
@@ -326,7 +326,7 @@ class QASession:
 
     def estimate_kv_bytes(self, context_tokens: int, reserve_tokens: int) -> int:
         """The bytes held for this session's cache with `context_tokens` prefilled and `reserve_tokens` more
-        decoded, the snapshot's share included: `kvdemo.cache.budget.held_bytes_estimate`."""
+        decoded, the snapshot's share included: `kvdemo.cache.state.budget.held_bytes_estimate`."""
         return budget.held_bytes_estimate(*self._budget_of[:3], context_tokens, reserve_tokens)
 
     # ---- answers ------------------------------------------------------------------------------

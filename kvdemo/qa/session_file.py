@@ -2,7 +2,7 @@
 `--prompt-cache` and slot save/restore, LMCache's stored KV), and the file a ZeroGPU job hands on.
 
 The file is safetensors (no pickle: opening it runs no code): the cache's plain tensors
-(`kvdemo.cache.serialize.cache_state`), the context's ids as the tensor `context_ids` (int64, [tokens]), and in the
+(`kvdemo.cache.state.serialize.cache_state`), the context's ids as the tensor `context_ids` (int64, [tokens]), and in the
 header's metadata a JSON manifest under `kvdemo.session`: the format, the kvdemo and transformers versions, the spec,
 the model's identity (`model_identity`), the context text and its split (`kvdemo.qa.prompt.PromptSplit`: the ids'
 tail, the template's clock), the prefill's seconds and the cache's manifest. `kvdemo.digest` holds the SHA-256 of
@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-from kvdemo.cache.serialize import CacheFileError, cache_state, load_cache_state
 from kvdemo.cache.spec import CacheSpec, build_cache
+from kvdemo.cache.state.serialize import CacheFileError, cache_state, load_cache_state
 from kvdemo.qa.models import LoadedModel
 from kvdemo.qa.prompt import PromptSplit
 from kvdemo.qa.session import QASession
@@ -45,7 +45,7 @@ _log = logging.getLogger(__name__)
 
 FORMAT = 2
 """The session file's format: its layout and the model identity it is bound to (the cache's layout has its own,
-`kvdemo.cache.serialize.FORMAT`). A file opens in any kvdemo of the same format and cache format: raise it when either
+`kvdemo.cache.state.serialize.FORMAT`). A file opens in any kvdemo of the same format and cache format: raise it when either
 changes (2: the whole tokenizer in the identity, the prefill's reserve kept), never for a kvdemo release alone."""
 SUFFIX = ".kvsession"
 """The file name's suffix the page and the command line give a session file (a safetensors file)."""
@@ -147,7 +147,7 @@ def save_session(session: QASession, path: str | os.PathLike[str]) -> SavedSessi
 
     Raises:
         ValueError: the session holds no prefill, or an answer is streaming (save after it ends).
-        TypeError: a layer holds a tensor layout kvdemo cannot write (`kvdemo.cache.serialize`).
+        TypeError: a layer holds a tensor layout kvdemo cannot write (`kvdemo.cache.state.serialize`).
         OSError: the file cannot be written (a missing folder, a full disk); nothing is left at `path`.
     """
     if session.cache is None or session.prefill_report is None or session.context is None:
@@ -156,7 +156,7 @@ def save_session(session: QASession, path: str | os.PathLike[str]) -> SavedSessi
         raise ValueError("an answer is streaming; save the session after it ends")
     start = time.perf_counter()
     split, report = session.split, session.prefill_report
-    tensors, cache_manifest = cache_state(session.cache)
+    tensors, cache_manifest = cache_state(session.cache, session.spec.info.store_types())
     tensors[_IDS] = torch.tensor(split.prefix, dtype=torch.int64)
     manifest = {
         "format": FORMAT,
@@ -336,7 +336,7 @@ def open_session(
     )
     cache = build_cache(session.spec, loaded.config)
     try:
-        load_cache_state(cache, manifest["cache"], tensors.__getitem__, loaded.device)
+        load_cache_state(cache, manifest["cache"], tensors.__getitem__, loaded.device, session.spec.info.store_types())
     except (CacheFileError, KeyError) as error:
         raise SessionFileError(f"{path.name}'s cache does not fit `{session.spec.text}` here: {error}") from None
     opened = (shown_as or path.name, float(manifest["prefill_seconds"]))

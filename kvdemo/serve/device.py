@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kvdemo.cache.spec import CacheSpec
-from kvdemo.cache.telemetry import StepEvent
+from kvdemo.cache.state.telemetry import StepEvent
 from kvdemo.qa.limits import DEFAULT_MAX_NEW_TOKENS, QUESTION_RESERVE_TOKENS
 from kvdemo.qa.models import LoadedModel
 from kvdemo.qa.prefill import PrefillStopped

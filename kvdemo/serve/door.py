@@ -30,7 +30,7 @@ from typing import Any, Protocol, TypeAlias
 from kvdemo import checks
 from kvdemo.cache.registry import BASELINE
 from kvdemo.cache.spec import CacheSpec
-from kvdemo.cache.telemetry import StepEvent
+from kvdemo.cache.state.telemetry import StepEvent
 from kvdemo.compare.recommendation import Recommendation, RecommendationCancelled
 from kvdemo.compare.records import ComparisonCancelled, ComparisonReport
 from kvdemo.needle.records import NeedleCancelled, NeedleGrid
@@ -420,11 +420,11 @@ class Door:
 
     @staticmethod
     def speed(session: Session) -> Any:
-        """The decode floor of the session's cache as it is now (`kvdemo.cache.speedlimit.SpeedLimit`): measured here,
+        """The decode floor of the session's cache as it is now (`kvdemo.cache.state.speedlimit.SpeedLimit`): measured here,
         or as the device worker last measured it."""
         if isinstance(session, RemoteSession):
             return session.speed
-        from kvdemo.cache.speedlimit import speed_limit
+        from kvdemo.cache.state.speedlimit import speed_limit
 
         assert session.cache is not None  # asked once prefilled
         return speed_limit(session.loaded.model, session.cache)

@@ -39,11 +39,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kvdemo.cache.registry import BASELINE
+from kvdemo.cache.registry import BACKENDS, BASELINE
 from kvdemo.qa.limits import DEFAULT_MAX_NEW_TOKENS
 from kvdemo.qa.models import LoadedModel
 from kvdemo.serve.session_files import SessionFiles
-from kvdemo.serve.warm_sessions import WARM, device_model, quanto_on_device
+from kvdemo.serve.warm_sessions import WARM, device_model
 
 KINDS = ("prefill", "open", "answer", "compare", "needle", "recommend")
 """The jobs `gpu_job` runs."""
@@ -154,7 +154,7 @@ class JobProgress:
 @dataclass(frozen=True)
 class PrefillDone:
     """A prefill's (or an opened file's) end: the session file, whether it was opened rather than prefilled, the
-    spec it holds, the `PrefillReport` and the cache's decode floor (`kvdemo.cache.speedlimit.SpeedLimit`)."""
+    spec it holds, the `PrefillReport` and the cache's decode floor (`kvdemo.cache.state.speedlimit.SpeedLimit`)."""
 
     session_path: str
     file_bytes: int
@@ -306,7 +306,7 @@ def _threaded(request: GpuRequest, work: Callable[[Callable[..., None]], Any], o
 
 
 def _speed(session: Any) -> Any:
-    from kvdemo.cache.speedlimit import speed_limit
+    from kvdemo.cache.state.speedlimit import speed_limit
 
     return speed_limit(session.loaded.model, session.cache)
 
@@ -484,7 +484,8 @@ def _gpu_job(request: GpuRequest) -> Generator[Any, None, None]:
             if request.kind not in _JOBS:
                 raise ValueError(f"kind={request.kind!r} is not a GPU job; use one of {', '.join(KINDS)}")
             loaded = device_model(_model())
-            quanto_on_device(loaded.device)
+            for backend in BACKENDS.values():  # each format's own set-up on the device (quanto's unpacking)
+                backend.set_up(loaded.device)
             yield from _JOBS[request.kind](loaded, request)
         except (ValueError, ImportError) as error:
             yield JobRefused(type(error).__name__, str(error))

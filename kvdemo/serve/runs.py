@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 
-from kvdemo.cache.telemetry import StepEvent
+from kvdemo.cache.state.telemetry import StepEvent
 from kvdemo.qa.prompt import PreparedQuestion
 from kvdemo.qa.records import Answer
 from kvdemo.qa.session import QASession

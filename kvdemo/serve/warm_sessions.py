@@ -1,5 +1,6 @@
-"""What a GPU job's worker keeps between calls (`kvdemo.serve.gpu_job`): the model on the device, a few prefilled
-sessions warm, and quanto's unpacking on CUDA.
+"""What a GPU job's worker keeps between calls (`kvdemo.serve.gpu_job`): the model on the device and a few prefilled
+sessions warm (each format's own set-up on the device is its card's `on_device`: quanto's unpacking on CUDA,
+`kvdemo.cache.formats.quanto.device`).
 
 - **Warm sessions** (`WarmSessions`, one per process: `WARM`): the sessions of the latest session files, least
   recently used first out, bounded in KV bytes (`PrefillReport.kv_bytes`, the snapshot's included) and in number. A
@@ -8,11 +9,6 @@ sessions warm, and quanto's unpacking on CUDA.
   Nothing relies on a hit: a ZeroGPU worker may be replaced at any call, and a miss opens the file.
 - **The model on the device** (`device_model`): a model loaded on the CPU is moved to CUDA once per worker, when
   CUDA is available there; `torch.cuda.is_available()` is asked only inside a job.
-- **quanto on CUDA** (`quanto_on_device`): optimum-quanto 0.2.7 de-quantizes a CUDA tensor with its CUDA extension
-  (`quanto_cuda`), which it JIT-builds with nvcc on first use (minutes, inside a GPU call whose duration is counted).
-  A build already in the kvdemo cache folder (`kvdemo.cache.quanto_build`) is loaded; else the extension's library
-  is replaced by quanto's own pure-torch unpacking (`pure_torch_unpack`, the same integers), unless
-  `KVDEMO_QUANTO_CUDA_BUILD=1` asks quanto to build it.
 """
 
 from __future__ import annotations
@@ -21,7 +17,6 @@ import dataclasses
 import os
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -122,55 +117,3 @@ def device_model(loaded: LoadedModel) -> LoadedModel:
     return moved
 
 
-def pure_torch_unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """optimum-quanto 0.2.7's default `quanto::unpack` (`optimum/quanto/library/unpack.py`), the same operations (that
-    module's `unpack` cannot be imported: `torch.library.impl`'s decorator leaves the name None, and the op dispatches
-    a CUDA tensor to the extension this stands in for):
-    each uint8 of `packed` ([n, ...]) holds 8 / `bits` values of `bits` bits; returns them as uint8,
-    [n x 8 / bits, ...], the lowest bits first. Runs on any device."""
-    unpacked = [(packed & (2 ** (bits * (i + 1)) - 1)) >> (bits * i) for i in range(8 // bits)]
-    return torch.cat(unpacked).to(torch.uint8)
-
-
-class PureTorchUnpack:
-    """Stands in for quanto's CUDA extension library: its `unpack` is `pure_torch_unpack`."""
-
-    unpack = staticmethod(pure_torch_unpack)
-
-
-FALLBACK_NOTE = (
-    "optimum-quanto: its CUDA extension is not built here (building it takes minutes of GPU time); quanto's pure-torch "
-    "unpacking runs instead (the same integers)"
-)
-
-
-def quanto_on_device(device: torch.device, extensions: Any = None) -> str | None:
-    """Probe quanto's CUDA extension on `device` (nothing on the CPU) and choose what unpacks quanto's stores there.
-
-    Args:
-        device: the job's device.
-        extensions: quanto's extension module (`optimum.quanto.library.extensions.extension`); None imports it.
-
-    Returns:
-        None on the CPU; else a line saying what runs: the built extension, `FALLBACK_NOTE`, quanto's default
-        unpacking (no CUDA extension registered), or that optimum-quanto is not installed.
-    """
-    if device.type != "cuda":
-        return None
-    if extensions is None:
-        try:
-            from optimum.quanto.library.extensions import extension  # type: ignore[import-untyped]
-        except ImportError:
-            return "optimum-quanto is not installed: the quanto backend is refused"
-        extensions = extension
-    if not extensions.is_extension_available("quanto_cuda"):
-        return "optimum-quanto: no CUDA extension is registered; quanto's default (pure-torch) unpacking runs"
-    from kvdemo.cache.quanto_build import share_quanto_build
-
-    share_quanto_build()  # loads a build already in the kvdemo cache folder
-    ext = extensions.get_extension("quanto_cuda")
-    if ext._lib is None and os.environ.get("KVDEMO_QUANTO_CUDA_BUILD") != "1":
-        ext._lib = PureTorchUnpack()
-    if ext._lib is None:
-        return "optimum-quanto: its CUDA extension is built on first use (KVDEMO_QUANTO_CUDA_BUILD=1; needs nvcc)"
-    return FALLBACK_NOTE if isinstance(ext._lib, PureTorchUnpack) else "optimum-quanto: its CUDA extension runs"

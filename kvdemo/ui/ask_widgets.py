@@ -13,7 +13,7 @@ from kvdemo.cache.catalogue import examples
 from kvdemo.cache.options import GROUP_OPTIONS, Option
 from kvdemo.cache.registry import BACKENDS
 from kvdemo.cache.spec import CacheSpec
-from kvdemo.cache.speedlimit import SpeedLimit
+from kvdemo.cache.state.speedlimit import SpeedLimit
 from kvdemo.charts.steps import KEPT_SERIES, MEMORY_SERIES, answers_frame
 from kvdemo.qa.limits import DEFAULT_MAX_NEW_TOKENS
 from kvdemo.serve.door import Session

@@ -13,11 +13,11 @@ from typing import Any
 import gradio as gr
 import pandas as pd
 
-from kvdemo.cache.budget import held_bytes_estimate
-from kvdemo.cache.geometry import element_size
+from kvdemo.cache.model.geometry import element_size
 from kvdemo.cache.registry import BASELINE
 from kvdemo.cache.spec import CacheSpec
-from kvdemo.cache.speedlimit import SpeedLimit
+from kvdemo.cache.state.budget import held_bytes_estimate
+from kvdemo.cache.state.speedlimit import SpeedLimit
 from kvdemo.charts.reports import comparison_display_frame, kv_error_figure, speed_frame, tradeoff_frame
 from kvdemo.charts.steps import (
     answers_frame,
@@ -141,7 +141,7 @@ def memory_against_full(qa: Session) -> str:
     (float32 on a CPU) and, where that is wider, f16, the default cache of llama.cpp and vLLM; then the most the
     session holds during an answer of its reserve (`QASession.reserve_tokens`: a question and `max_new_tokens`):
     the cache grown by it plus the snapshot's post-prefill copies the restore puts back
-    (`kvdemo.cache.budget.held_bytes_estimate`, the estimate the server's KV account reserves)."""
+    (`kvdemo.cache.state.budget.held_bytes_estimate`, the estimate the server's KV account reserves)."""
     r = qa.prefill_report
     assert r is not None  # shown after a prefill
     loaded = qa.loaded
@@ -491,7 +491,7 @@ def residual_chart(events: list, spec: CacheSpec) -> dict[str, Any]:
 
 def speed_limit_line(limit: SpeedLimit, step_seconds: float | None) -> str:
     """The line under the step-time chart: the floor of a decode step on this machine (bytes read ÷ bandwidth,
-    `kvdemo.cache.speedlimit`), the median measured step beside it, and the context above which the KV cache is read
+    `kvdemo.cache.state.speedlimit`), the median measured step beside it, and the context above which the KV cache is read
     more than the weights (below it, no smaller KV cache can even halve the step)."""
     parts = [
         f"**Speed limit**: a decode step reads {limit.weight_bytes / 2**20:,.0f} MiB of weights + "

@@ -1,4 +1,4 @@
-"""A quantized backend's cache built layer by layer from the model's layer kinds (`kvdemo.cache.layer_kinds`):
+"""A quantized backend's cache built layer by layer from the model's layer kinds (`kvdemo.cache.model.layer_kinds`):
 the layers the backend quantizes get its layer (`kvdemo.cache.layers.flush.quantized_cache` chooses which), every other
 layer is the one transformers' `DynamicCache(config=...)` builds for its type (a `DynamicSlidingWindowLayer`, a
 `LinearAttentionLayer` with its conv and recurrent states, a combined attention-and-Mamba layer, a `DummyLayer`).
@@ -17,7 +17,7 @@ from typing import TypeVar
 from transformers import PreTrainedConfig, QuantizedCache
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
 
-from kvdemo.cache.layer_kinds import QUANTIZE, layer_actions
+from kvdemo.cache.model.layer_kinds import QUANTIZE, layer_actions
 
 CacheT = TypeVar("CacheT", bound=Cache)
 

@@ -3,7 +3,7 @@
 - `requantize` (transformers' `QuantizedLayer.update`, the default): at a flush the whole layer is de-quantized,
   the residual appended, and everything quantized again into one new store. A flush step's cost grows with the
   context (it touches every token); tokens quantized at one flush are quantized again at the next.
-- `append` (`AppendQuantoLayer`, `AppendHQQLayer`, here): at a flush only the residual block (the residual
+- `append` (`AppendFlushMixin`, here; each residual format's `Append*` layers): at a flush only the residual block (the residual
   and the step's new tokens) is quantized, with the layer's own `_quantize` (optimum-quanto's / hqq's own
   quantizer: kvdemo has no quantization code), and appended to the store, which becomes a list of blocks: the
   prefill's block, then one block per flush. Attention reads the blocks de-quantized (each with the library's
@@ -21,39 +21,22 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 import torch
 from transformers import PreTrainedConfig, QuantizedCache
-from transformers.cache_utils import Cache, HQQQuantizedLayer, QuantizedLayer, QuantoQuantizedLayer
+from transformers.cache_utils import QuantizedLayer
 
-from kvdemo.cache.layer_kinds import is_latent, quantized_layers
 from kvdemo.cache.layer_plan import PLAN, LayerPrecision, parse_plan
-from kvdemo.cache.layers.attention import uses_query_rotation
-from kvdemo.cache.layers.blockwise import blockwise_layer
 from kvdemo.cache.layers.by_kind import library_cache, sliding_windows, with_kept_layers
-from kvdemo.cache.layers.dequantize import EXACT_LAYERS, ExactHQQLayer, ExactQuantoLayer
-from kvdemo.cache.layers.fp8 import ExactFp8Layer, PerTokenHeadFp8Layer
 from kvdemo.cache.layers.precision import value_precision_layer
-from kvdemo.cache.layers.rotation import (
-    QUERY_ROTATED_LAYERS,
-    ROTATED_LAYERS,
-    LibraryLayer,
-    QueryRotatedHQQLayer,
-    QueryRotatedQuantoLayer,
-    QueryRotationMixin,
-    RotatedHQQLayer,
-    RotatedQuantoLayer,
-)
-from kvdemo.cache.layers.sliding import SlidingFp8Layer, SlidingPerTokenHeadFp8Layer, sliding_layer
-from kvdemo.cache.policies import (
-    FLUSH_POLICIES,
-    FP8_SCALES,
-    OPTIMIZE_CHOICES,
-    PROTECT_CHOICES,
-    ROTATIONS,
-    SLIDING_CHOICES,
-)
+from kvdemo.cache.layers.rotation import LibraryLayer
+from kvdemo.cache.layers.sliding import sliding_layer
+from kvdemo.cache.model.layer_kinds import is_latent, quantized_layers
+from kvdemo.cache.policies import FLUSH_POLICIES, PROTECT_CHOICES, ROTATIONS, SLIDING_CHOICES
+from kvdemo.cache.read.attention import uses_query_rotation
+from kvdemo.cache.read.blockwise import blockwise_layer
 
 _READ_WHOLE: ContextVar[bool] = ContextVar("kvdemo_read_whole", default=False)
 _T = TypeVar("_T")
@@ -118,7 +101,7 @@ class AppendFlushMixin(LibraryLayer):
     (a quanto `QTensor`, an hqq `(W_q, meta)` pair)."""
 
     dequantize_delegates = True
-    """A single block's `_dequantize` is the next class's (`kvdemo.cache.layers.blockwise.code_reader`)."""
+    """A single block's `_dequantize` is the next class's (`kvdemo.cache.read.blockwise.code_reader`)."""
 
     def _dequantize(self, store):
         """The store de-quantized, [batch, kv_heads, tokens, head_dim]: each block by the library's own
@@ -168,65 +151,45 @@ class AppendFlushMixin(LibraryLayer):
         return keys_to_return, values_to_return
 
 
-class AppendQuantoLayer(AppendFlushMixin, ExactQuantoLayer):
-    """transformers' `QuantoQuantizedLayer` with the `append` flush policy."""
+@dataclass(frozen=True)
+class ResidualLayers:
+    """One transformers `QuantizedLayer` family as a residual format (quanto, hqq) hands it to `quantized_cache`: the
+    library's layer de-quantizing in place and the same layer under each rotation and flush policy, each a class of
+    the format's own folder (so that a session file names them as before).
+
+    Attributes:
+        library: transformers' backend name, for `QuantizedCache(library, ...)` (`kvdemo.cache.layers.by_kind`).
+        plain: the library's layer de-quantizing in place (its `_dequantize` the library's bits, its `_codes_of` the
+            store as the decode kernel reads it).
+        rotated, query_rotated: `plain` with `RotationMixin` (rotated back on read) or `QueryRotationMixin`
+            (`kvdemo.cache.layers.rotation`).
+        append, append_rotated, append_query_rotated: the three with the `append` flush (`AppendFlushMixin`).
+    """
+
+    library: str
+    plain: type[QuantizedLayer]
+    rotated: type[QuantizedLayer]
+    query_rotated: type[QuantizedLayer]
+    append: type[QuantizedLayer]
+    append_rotated: type[QuantizedLayer]
+    append_query_rotated: type[QuantizedLayer]
+
+    def pick(self, flush: str, rotation: str, rotate_query: bool) -> type[QuantizedLayer]:
+        """The class for `flush` (`requantize`, `append`) and `rotation` (`none`, `hadamard`) on the query side or
+        the read side."""
+        rotated = rotation != ROTATIONS[0]
+        if flush == "append":
+            return self.append_query_rotated if rotated and rotate_query else (
+                self.append_rotated if rotated else self.append
+            )
+        return (self.query_rotated if rotate_query else self.rotated) if rotated else self.plain
 
 
-class AppendHQQLayer(AppendFlushMixin, ExactHQQLayer):
-    """transformers' `HQQQuantizedLayer` with the `append` flush policy."""
-
-
-class AppendRotatedQuantoLayer(AppendFlushMixin, RotatedQuantoLayer):
-    """`RotatedQuantoLayer` (`kvdemo.cache.layers.rotation`) with the `append` flush policy: each block is stored
-    rotated and read back un-rotated (the mixin's `super()._dequantize` is the rotated layer's)."""
-
-
-class AppendRotatedHQQLayer(AppendFlushMixin, RotatedHQQLayer):
-    """`RotatedHQQLayer` with the `append` flush policy."""
-
-
-class AppendQueryRotatedQuantoLayer(QueryRotationMixin, AppendFlushMixin, ExactQuantoLayer):
-    """`QueryRotatedQuantoLayer` with the `append` flush policy: the rotation's `update` comes first and hands the
-    rotated states to the append policy's."""
-
-
-class AppendQueryRotatedHQQLayer(QueryRotationMixin, AppendFlushMixin, ExactHQQLayer):
-    """`QueryRotatedHQQLayer` with the `append` flush policy."""
-
-
-APPEND_LAYERS: dict[type, type[QuantizedLayer]] = {
-    QuantoQuantizedLayer: AppendQuantoLayer,
-    HQQQuantizedLayer: AppendHQQLayer,
-    RotatedQuantoLayer: AppendRotatedQuantoLayer,
-    RotatedHQQLayer: AppendRotatedHQQLayer,
-    QueryRotatedQuantoLayer: AppendQueryRotatedQuantoLayer,
-    QueryRotatedHQQLayer: AppendQueryRotatedHQQLayer,
-}
-"""A layer class -> the same layer with the `append` flush policy."""
-
-
-def _layer_class(library_class: type, flush: str, rotation: str, rotate_query: bool, blockwise: bool) -> type:
-    """The layer class for one layer: transformers' own `library_class` (`QuantoQuantizedLayer`,
-    `HQQQuantizedLayer`, or another backend's) de-quantizing in place (`kvdemo.cache.layers.dequantize`), rotated by
-    `rotation` (query or read side) and with the `flush` policy, read block-wise at decode steps if `blockwise`
-    (`kvdemo.cache.layers.blockwise`; residual layers only).
-
-    Raises:
-        ValueError: a rotation or `append` on a layer without a residual (fp8)."""
-    layer_class = library_class
-    steps = (
-        (rotation != "none", QUERY_ROTATED_LAYERS if rotate_query else ROTATED_LAYERS, f"rotation={rotation}"),
-        (flush == "append", APPEND_LAYERS, "flush=append"),
-    )
-    for wanted, table, what in steps:  # the rotation first: the append layers of the rotated ones
-        if wanted:
-            if layer_class not in table:
-                raise ValueError(f"{what} needs a layer with a residual; {layer_class.__name__} has none")
-            layer_class = table[layer_class]
-    layer_class = EXACT_LAYERS.get(layer_class, layer_class)  # the in-place de-quantization under every layer
-    if blockwise and issubclass(layer_class, QuantizedLayer):  # residual layers (quanto, hqq); not fp8's
-        layer_class = blockwise_layer(layer_class)
-    return layer_class
+def _layer_class(layers: ResidualLayers, flush: str, rotation: str, rotate_query: bool, blockwise: bool) -> type:
+    """The layer class for one layer of the family `layers`: rotated by `rotation` (query or read side), with the
+    `flush` policy, read block-wise at decode steps if `blockwise` (`kvdemo.cache.read.blockwise`)."""
+    layer_class = layers.pick(flush, rotation, rotate_query)
+    return blockwise_layer(layer_class) if blockwise else layer_class
 
 
 def _per_layer(
@@ -241,7 +204,7 @@ def _per_layer(
     values' `nbits_value`, `rotation`). Raises ValueError: a plan with nbits, nbits_value or a rotation, or a plan
     whose length is not `layers`."""
     if plan is None:
-        nbits = getattr(first, "nbits", 0)  # fp8's layer has none (and no layer of its own to build)
+        nbits = int(first.nbits)
         return [LayerPrecision(nbits, nbits_value or nbits, rotation)] * layers
     if nbits_value is not None or rotation != "none" or nbits_given:
         raise ValueError("a plan sets each layer's nbits, nbits_value and rotation; leave those out")
@@ -254,7 +217,7 @@ def attends_through_kvdemo(config: PreTrainedConfig) -> bool:
     """Whether a cache built now for `config` may hand attention what `kvdemo_attention` reads (keys in a rotated
     basis, a store to read block by block): the model attends through it, caches its attention's keys and values (a
     latent, MLA, is up-projected between `update` and attention, so its layers must return the whole store in the
-    model's basis: `kvdemo.cache.layer_kinds`), and no `read_whole` block is open."""
+    model's basis: `kvdemo.cache.model.layer_kinds`), and no `read_whole` block is open."""
     return uses_query_rotation(config) and not is_latent(config) and not _READ_WHOLE.get()
 
 
@@ -262,7 +225,6 @@ def _checked(
     config: PreTrainedConfig,
     flush: str,
     rotation: str,
-    optimize: str,
     rotate_query: bool | None,
     blockwise: bool | None,
 ) -> tuple[bool, bool]:
@@ -272,8 +234,6 @@ def _checked(
         raise ValueError(f"flush={flush!r} is not a flush policy; choose one of {', '.join(FLUSH_POLICIES)}")
     if rotation not in ROTATIONS:
         raise ValueError(f"rotation={rotation!r} is not a rotation; choose one of {', '.join(ROTATIONS)}")
-    if optimize not in OPTIMIZE_CHOICES:
-        raise ValueError(f"optimize={optimize!r} is not one of {', '.join(OPTIMIZE_CHOICES)}")
     latent, own_attention = is_latent(config), attends_through_kvdemo(config)
     for name, wanted in (("rotate_query", rotate_query), ("blockwise", blockwise)):
         if wanted and latent:
@@ -286,39 +246,31 @@ def _checked(
 
 
 def _own_layer(
+    layers: ResidualLayers,
     first: QuantizedLayer,
     precision: LayerPrecision,
     flush: str,
     window: int | None,
     rotate_query: bool,
     blockwise: bool,
-    scale: str = FP8_SCALES[0],
-):
-    """kvdemo's layer for one quantized layer of precision `precision` (a sliding one of `window` tokens), built
-    with the options of transformers' own layer `first` (fp8's with `scale`); None where transformers' own layer is
-    that layer.
+) -> QuantizedLayer:
+    """kvdemo's layer of the family `layers` for one quantized layer of precision `precision` (a sliding one of
+    `window` tokens), built with the options of transformers' own layer `first`.
 
     A sliding layer (`kvdemo.cache.layers.sliding`) re-quantizes its window at a flush and reads it whole, rotated back
     on read: no `append`, no block-wise read, no query-side rotation."""
-    library_class: type = type(first)
     layer_class = _layer_class(
-        library_class,
+        layers,
         flush if window is None else FLUSH_POLICIES[0],
         precision.rotation,
         rotate_query and window is None,
         blockwise and window is None,
     )
-    if not issubclass(layer_class, QuantizedLayer):  # fp8, de-quantized by bit placement
-        if scale == FP8_SCALES[0]:  # per tensor
-            return ExactFp8Layer() if window is None else SlidingFp8Layer(window)
-        return PerTokenHeadFp8Layer() if window is None else SlidingPerTokenHeadFp8Layer(window)
     extra: dict = {}
     if precision.nbits_value != precision.nbits:
         layer_class, extra = value_precision_layer(layer_class), {"nbits_value": precision.nbits_value}
     if window is not None:
         layer_class, extra = sliding_layer(layer_class), {**extra, "sliding_window": window}
-    if layer_class is library_class and precision.nbits == getattr(first, "nbits", 0):
-        return None  # transformers' own layer, as QuantizedCache built it
     # the same options as transformers' own layers (built from the same keywords, so validated the same way)
     kwargs = {name: getattr(first, name) for name in ("axis_key", "axis_value")}
     kwargs.update(nbits=precision.nbits, q_group_size=first.q_group_size, residual_length=first.residual_length)
@@ -326,115 +278,79 @@ def _own_layer(
 
 
 def quantized_cache(
-    backend: str,
+    layers: ResidualLayers,
     config: PreTrainedConfig,
     flush: str = "requantize",
     rotation: str = "none",
     nbits_value: int | None = None,
-    optimize: str = OPTIMIZE_CHOICES[0],
     rotate_query: bool | None = None,
     plan: Sequence[LayerPrecision] | None = None,
     blockwise: bool | None = None,
     sliding: str = SLIDING_CHOICES[0],
     protect: str = PROTECT_CHOICES[0],
-    scale: str = FP8_SCALES[0],
     **options,
 ) -> QuantizedCache:
-    """transformers' `QuantizedCache(backend, config, **options)` built layer by layer from the model's layer kinds
-    (`kvdemo.cache.layers.by_kind`: the full-attention layers quantized, the others as `sliding` says and transformers
-    builds them), with its quantized layers given the flush policy `flush`, the rotation `rotation`
-    (`kvdemo.cache.layers.rotation`), the values' own precision `nbits_value` (`kvdemo.cache.layers.precision`) and,
-    for hqq, its optimiser fused or switched off by `optimize` (`kvdemo.cache.layers.hqq_optimize`); or, with a
-    `plan`, each layer its own nbits, nbits_value and rotation (`kvdemo.cache.layer_plan`).
+    """transformers' `QuantizedCache(layers.library, config, **options)` built layer by layer from the model's layer
+    kinds (`kvdemo.cache.layers.by_kind`: the full-attention layers quantized, the others as `sliding` says and
+    transformers builds them), each quantized layer a class of the family `layers` (a residual format's:
+    `ResidualLayers`) with the flush policy `flush`, the rotation `rotation` (`kvdemo.cache.layers.rotation`) and the
+    values' own precision `nbits_value` (`kvdemo.cache.layers.precision`); or, with a `plan`, each layer its own nbits,
+    nbits_value and rotation (`kvdemo.cache.layer_plan`).
 
     Args:
-        backend: `quanto` or `hqq` for `append`, a rotation, `nbits_value` or a plan; any `QuantizedCache` one else.
+        layers: the format's `ResidualLayers` (quanto's, hqq's: `kvdemo.cache.formats.<name>.layers`).
         flush: one of `FLUSH_POLICIES`.
         rotation: one of `ROTATIONS`.
         nbits_value: bits per quantized value of the values; None (or nbits): nbits, as transformers.
-        optimize: one of `OPTIMIZE_CHOICES`; `false` (hqq only) quantizes by min-max rounding alone.
         rotate_query: with a rotation, keep the layers in the rotated basis and let attention rotate the query
-            (`kvdemo.cache.layers.rotation.QueryRotationMixin`, needs
-            `kvdemo.cache.layers.attention.kvdemo_attention`), or
-            rotate every read back (`RotationMixin`, any attention); None: the query side exactly when `config`
-            attends through `kvdemo_attention` (`kvdemo.cache.layers.attention.install`) and caches its keys and values
-            as attention reads them (not a latent: `kvdemo.cache.layer_kinds.is_latent`).
-        plan: one `LayerPrecision` per quantized layer (`kvdemo.cache.layer_kinds.quantized_layers`), replacing
+            (`kvdemo.cache.layers.rotation.QueryRotationMixin`, needs `kvdemo.cache.read.attention.kvdemo_attention`),
+            or rotate every read back (`RotationMixin`, any attention); None: the query side exactly when `config`
+            attends through `kvdemo_attention` (`kvdemo.cache.read.attention.install`) and caches its keys and values
+            as attention reads them (not a latent: `kvdemo.cache.model.layer_kinds.is_latent`).
+        plan: one `LayerPrecision` per quantized layer (`kvdemo.cache.model.layer_kinds.quantized_layers`), replacing
             `nbits`, `nbits_value`, `rotation` (left unset); None: alike.
-        blockwise: decode steps attend to the store block by block (`kvdemo.cache.layers.blockwise`, needs
+        blockwise: decode steps attend to the store block by block (`kvdemo.cache.read.blockwise`, needs
             `kvdemo_attention`), or read it whole as transformers does (False); None: block-wise exactly when
             `config` attends through `kvdemo_attention` and is not latent.
         sliding: `keep` the sliding-window layers at full precision (transformers' `DynamicSlidingWindowLayer`) or
             `quantize` them (`kvdemo.cache.layers.sliding`: the window re-quantized at each flush, read whole, a
             rotation on the read side). Linear-attention, conv, hybrid and KV-shared layers are always transformers' own
             (`kvdemo.cache.layers.by_kind`).
-        protect: `first:last` quantized layers kept at full precision (`kvdemo.cache.layer_kinds.layer_actions`).
-        scale: fp8's scales, one per tensor (transformers') or per token and head
-            (`kvdemo.cache.layers.fp8.PerTokenHeadFp8Layer`).
+        protect: `first:last` quantized layers kept at full precision (`kvdemo.cache.model.layer_kinds.layer_actions`).
         options: the group-wise options (nbits, q_group_size, residual_length, axis_key, axis_value).
 
     Raises:
-        ValueError: an unknown policy, rotation or optimize word, `append`, a rotation or `nbits_value` on a layer
-            without a residual (fp8), an `nbits_value` the library's layer does not take (the library's message),
-            or `optimize=false` on a layer that is not hqq's; `rotate_query=True` or `blockwise=True` for a
-            config whose attention is not `kvdemo_attention`; a plan whose length is not the model's layer count,
-            or given with nbits, nbits_value or a rotation; `rotate_query=True` or `blockwise=True` on a latent (MLA)
-            model.
+        ValueError: an unknown policy or rotation word, an `nbits_value` the library's layer does not take (the
+            library's message); `rotate_query=True` or `blockwise=True` for a config whose attention is not
+            `kvdemo_attention`, or on a latent (MLA) model; a plan whose length is not the model's count of quantized
+            layers, or given with nbits, nbits_value or a rotation.
 
     Example:
-        >>> cache = quantized_cache("hqq", model.config, flush="append", rotation="hadamard", nbits=4, nbits_value=2)
-        >>> cache = quantized_cache("quanto", model.config, plan=parse_plan("k4v2h*20+k2v2h*10"))
+        >>> cache = quantized_cache(HQQ_LAYERS, model.config, flush="append", rotation="hadamard", nbits=4, nbits_value=2)
+        >>> cache = quantized_cache(QUANTO_LAYERS, model.config, plan=parse_plan("k4v2h*20+k2v2h*10"))
     """
-    rotate_query, blockwise = _checked(config, flush, rotation, optimize, rotate_query, blockwise)
-    cache = library_cache(backend, config, **options)
+    rotate_query, blockwise = _checked(config, flush, rotation, rotate_query, blockwise)
+    cache = library_cache(layers.library, config, **options)
     first = cast(QuantizedLayer, cache.layers[0])
     quantized, windows = quantized_layers(config, sliding, protect), sliding_windows(config)
     plan = _per_layer(plan, first, len(quantized), nbits_value, rotation, "nbits" in options)
-    layers: list = list(cache.layers)
+    built: list = list(cache.layers)
     for index, precision in zip(quantized, plan):
-        own = _own_layer(first, precision, flush, windows[index], rotate_query, blockwise, scale)
-        layers[index] = layers[index] if own is None else own
-    cache.layers = layers
-    _set_hqq_quantizer(cache, optimize)
+        built[index] = _own_layer(layers, first, precision, flush, windows[index], rotate_query, blockwise)
+    cache.layers = built
     return with_kept_layers(cache, config, sliding, protect)
 
 
-def _set_hqq_quantizer(cache: QuantizedCache, optimize: str) -> None:
-    """Give hqq's layers of `cache` the quantizer `optimize` asks for (`kvdemo.cache.layers.hqq_optimize`: the fused
-    solver, or min-max rounding alone). Raises ValueError: `optimize=false` on a cache that is not hqq's."""
-    if optimize == "false" and not isinstance(cache.layers[0], HQQQuantizedLayer):
-        name = type(cache.layers[0]).__name__
-        raise ValueError(f"optimize=false is hqq's option; {name} has no optimiser to switch off")
-    if isinstance(cache.layers[0], HQQQuantizedLayer):
-        from kvdemo.cache.layers.hqq_optimize import MinMaxQuantizer, ProximalQuantizer
-
-        quantizer = MinMaxQuantizer if optimize == "false" else ProximalQuantizer
-        for layer in cache.layers:
-            if isinstance(layer, HQQQuantizedLayer):
-                layer.quantizer = quantizer  # the library's layer calls `self.quantizer`
-
-
-def residual_cache(name: str, options: dict[str, Any], config: PreTrainedConfig) -> Cache:
-    """`quantized_cache` of a quanto or hqq spec's options (those a spec sets, `CacheSpec.given()`): the layers flush by
-    the `flush` option's policy and rotate by the `rotation` option, or take each its own precision from the `plan`;
-    for `requantize` and `none`, transformers' own layers de-quantizing in place with the same bits
-    (`kvdemo.cache.layers.dequantize`), read block-wise under kvdemo's attention (`kvdemo.cache.layers.blockwise`)."""
+def residual_cache(layers: ResidualLayers, options: dict[str, Any], config: PreTrainedConfig) -> QuantizedCache:
+    """`quantized_cache` of the family `layers` with a spec's options (those a spec sets, `CacheSpec.given()`): the
+    layers flush by the `flush` option's policy and rotate by the `rotation` option, or take each its own precision
+    from the `plan`; read block-wise under kvdemo's attention (`kvdemo.cache.read.blockwise`)."""
     options = dict(options)
     flush, rotation = str(options.pop("flush", FLUSH_POLICIES[0])), str(options.pop("rotation", ROTATIONS[0]))
     nbits_value = options.pop("nbits_value", None)
-    optimize = str(options.pop("optimize", OPTIMIZE_CHOICES[0]))
     sliding = str(options.pop("sliding", SLIDING_CHOICES[0]))
     protect = str(options.pop("protect", PROTECT_CHOICES[0]))
     plan = parse_plan(str(options.pop(PLAN))) if options.get(PLAN) else None
     return quantized_cache(
-        name,
-        config,
-        flush,
-        rotation,
-        nbits_value=nbits_value,
-        optimize=optimize,
-        plan=plan,
-        sliding=sliding,
-        protect=protect,
-        **options,
+        layers, config, flush, rotation, nbits_value=nbits_value, plan=plan, sliding=sliding, protect=protect, **options
     )

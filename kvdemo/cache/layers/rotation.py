@@ -14,7 +14,7 @@ a quantized KV cache (ggml-org/llama.cpp#21038), ik_llama.cpp's `-khad`/`-vhad`.
 Two ways, the same arithmetic in exact terms (`benchmarks/rotation.py` measures both per decode step):
 
 - **query side** (`QueryRotationMixin`, what `rotation=hadamard` builds when the model attends through
-  `kvdemo.cache.layers.attention.kvdemo_attention`): the layer rotates each new token's key and value once, on entry,
+  `kvdemo.cache.read.attention.kvdemo_attention`): the layer rotates each new token's key and value once, on entry,
   and keeps everything (store and residual) in the rotated basis; attention rotates the query and rotates its
   output back. O(new tokens x head_dim^2) per layer and step.
 - **read side** (`RotationMixin`, for a model whose attention is not kvdemo's, e.g. `eager`): the library
@@ -30,9 +30,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING
 
 import torch
-from transformers.cache_utils import HQQQuantizedLayer, QuantizedLayer, QuantoQuantizedLayer
-
-from kvdemo.cache.layers.dequantize import ExactHQQLayer, ExactQuantoLayer
+from transformers.cache_utils import QuantizedLayer
 
 if TYPE_CHECKING:
 
@@ -122,9 +120,9 @@ def random_signs(size: int, dtype: torch.dtype = torch.float32, device: str = "c
 @dataclass(frozen=True)
 class QueryRotation:
     """How a query-side rotated layer's keys (and values) are rotated, as the mark on its keys tells
-    `kvdemo.cache.layers.attention.kvdemo_attention`: x -> x H (`rotation=hadamard`, keys and values), or the
+    `kvdemo.cache.read.attention.kvdemo_attention`: x -> x H (`rotation=hadamard`, keys and values), or the
     randomized Hadamard transform x -> (x D) H with D the diagonal of `random_signs` (TurboQuant's keys,
-    `kvdemo.cache.layers.turboquant`; the signs before H make the rotated coordinates of any vector random, as a
+    `kvdemo.cache.formats.turboquant.layers`; the signs before H make the rotated coordinates of any vector random, as a
     random rotation does: a Hadamard row itself would come out as one spike). Both are orthonormal, so attention
     rotates the query the same way and sees the same scores.
 
@@ -159,7 +157,7 @@ HADAMARD = QueryRotation()
 
 ROTATED_MARK = "_kvdemo_rotated"
 """The attribute a query-side rotated layer sets (a `QueryRotation`) on the key tensor its `update` returns; read by
-`kvdemo.cache.layers.attention.kvdemo_attention`."""
+`kvdemo.cache.read.attention.kvdemo_attention`."""
 
 
 def mark_rotated(keys: torch.Tensor, rotation: QueryRotation = HADAMARD) -> torch.Tensor:
@@ -182,6 +180,11 @@ class RotationMixin(LibraryLayer):
     def _dequantize(self, q_tensor):
         """The library's de-quantization, rotated back: [batch, kv_heads, tokens, head_dim]."""
         return rotate(super()._dequantize(q_tensor))
+
+    def rotation_cost(self, query_heads: int, kv_heads: int, stored_tokens: int) -> tuple[int, str]:
+        """(head_dim x head_dim products a decode step spends rotating, side): the store's keys and values rotated back
+        at every read, 2 x stored tokens x KV heads (`kvdemo.cache.state.speedlimit.rotation_flops`)."""
+        return 2 * stored_tokens * kv_heads, "read"
 
 
 class QueryRotationMixin(LibraryLayer):
@@ -211,6 +214,11 @@ class QueryRotationMixin(LibraryLayer):
         keys, values = super().update(*self.rotate_new(key_states, value_states), *args, **kwargs)
         return mark_rotated(keys, self.query_rotation), values
 
+    def rotation_cost(self, query_heads: int, kv_heads: int, stored_tokens: int) -> tuple[int, str]:
+        """(head_dim x head_dim products a decode step spends rotating, side): the query and the new key, and the output
+        and the new value where values rotate too (TurboQuant's do not), whatever the tokens stored."""
+        return (2 if self.query_rotation.values else 1) * (query_heads + kv_heads), "query"
+
 
 def to_model_basis(layer, tensor: torch.Tensor, values: bool = False) -> torch.Tensor:
     """`tensor` (keys, or with `values` the values, read from `layer`'s store or residual, [..., head_dim]) in the
@@ -219,32 +227,3 @@ def to_model_basis(layer, tensor: torch.Tensor, values: bool = False) -> torch.T
     if rotation is None or (values and not rotation.values):
         return tensor
     return rotation.back_values(tensor) if values else rotation.back(tensor)
-
-
-class RotatedQuantoLayer(RotationMixin, ExactQuantoLayer):
-    """transformers' `QuantoQuantizedLayer` storing rotated keys and values, rotated back on read."""
-
-
-class RotatedHQQLayer(RotationMixin, ExactHQQLayer):
-    """transformers' `HQQQuantizedLayer` storing rotated keys and values, rotated back on read."""
-
-
-class QueryRotatedQuantoLayer(QueryRotationMixin, ExactQuantoLayer):
-    """transformers' `QuantoQuantizedLayer` in the rotated basis, for `kvdemo_attention`."""
-
-
-class QueryRotatedHQQLayer(QueryRotationMixin, ExactHQQLayer):
-    """transformers' `HQQQuantizedLayer` in the rotated basis, for `kvdemo_attention`."""
-
-
-ROTATED_LAYERS: dict[type, type[QuantizedLayer]] = {
-    QuantoQuantizedLayer: RotatedQuantoLayer,
-    HQQQuantizedLayer: RotatedHQQLayer,
-}
-"""transformers' layer class -> the same layer storing rotated keys and values, rotated back on read."""
-
-QUERY_ROTATED_LAYERS: dict[type, type[QuantizedLayer]] = {
-    QuantoQuantizedLayer: QueryRotatedQuantoLayer,
-    HQQQuantizedLayer: QueryRotatedHQQLayer,
-}
-"""transformers' layer class -> the same layer in the rotated basis (the query-side rotation)."""

@@ -9,12 +9,12 @@ tokens under the same mask (`get_mask_sizes` is the sliding layer's own).
   returns. At a flush the window is re-quantized (a window is small: 511 tokens on Gemma 3), so `flush=append` does
   not apply to these layers. Between flushes the store may still hold up to `residual_length - 1` tokens that have
   left the window (never returned to attention): held bytes are at most (window + residual_length - 1) tokens.
-- fp8 (`SlidingFp8Layer`): transformers' per-tensor scale frozen at the first update; each step appends the new
+- fp8 (`kvdemo.cache.formats.fp8.layers.SlidingFp8Layer`, on `SlidingWindowMask`): transformers' per-tensor scale frozen at the first update; each step appends the new
   codes and keeps the last `sliding_window - 1` (a compact copy, so no longer storage stays pinned); with
   `scale=per_token_head` (`SlidingPerTokenHeadFp8Layer`) each kept token keeps its own scales.
 
 Both assign new tensors at every update, so the snapshot's `vars(layer).copy()` restores them exactly
-(`kvdemo.cache.snapshot`). Pattern: llama.cpp quantizes its sliding-window (SWA) KV cache with the same
+(`kvdemo.cache.state.snapshot`). Pattern: llama.cpp quantizes its sliding-window (SWA) KV cache with the same
 `-ctk`/`-ctv` types as the full one (`llama-kv-cache-iswa`).
 """
 
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import torch
 
-from kvdemo.cache.layers.fp8 import ExactFp8Layer, PerTokenHeadFp8Layer
 from kvdemo.cache.layers.rotation import LibraryLayer
 
 
@@ -100,39 +99,3 @@ def sliding_layer(layer_class: type) -> type:
         name = "Sliding" + layer_class.__name__
         _SLIDING_LAYERS[layer_class] = type(name, (SlidingQuantizedMixin, layer_class), {"__module__": __name__})
     return _SLIDING_LAYERS[layer_class]
-
-
-class SlidingFp8Layer(SlidingWindowMask, ExactFp8Layer):
-    """transformers' `Fp8QuantizedLayer` (de-quantizing by bit placement, `kvdemo.cache.layers.fp8`) over the window."""
-
-    def __init__(self, sliding_window: int) -> None:
-        super().__init__()
-        self.sliding_window = sliding_window
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """transformers' fp8 update (scale frozen at the first update, new codes appended) keeping the last
-        `sliding_window - 1` codes; returns what `DynamicSlidingWindowLayer.update` returns, de-quantized (the
-        prefill's first chunk: the new states as given)."""
-        keep = self.sliding_window - 1
-        first = not self.is_initialized
-        keys, values = super().update(key_states, value_states, *args, **kwargs)
-        stores = []
-        for store in (self._quantized_keys, self._quantized_values):
-            codes, scale = store
-            if codes.shape[-2] > keep:
-                codes = codes[..., -keep:, :].clone()  # compact: the longer codes are not pinned
-                if scale.dim() == codes.dim():  # a scale per token and head: kept with its tokens
-                    scale = scale[..., -keep:, :].clone()
-            stores.append((codes, scale))
-        self._quantized_keys, self._quantized_values = stores
-        if first:
-            return keys, values
-        visible = keep + key_states.shape[-2]
-        return keys[..., -visible:, :], values[..., -visible:, :]
-
-
-class SlidingPerTokenHeadFp8Layer(SlidingFp8Layer, PerTokenHeadFp8Layer):
-    """`fp8,scale=per_token_head` over the window (`kvdemo.cache.layers.fp8.PerTokenHeadFp8Layer`): the last
-    `sliding_window - 1` codes kept with their scales."""

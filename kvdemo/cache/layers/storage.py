@@ -10,7 +10,7 @@ them as they read a `DynamicLayer`'s tensors. When a write does not fit, the buf
 (`grown_capacity`): the only copy of the cache, amortised over the tokens that fill the new room.
 
 Growth factor 1.125 with at least `MIN_HEADROOM` tokens of room (why not x2 or x1.5): this is a demo of KV memory,
-and the spare capacity is real memory that `kvdemo.cache.telemetry.kv_memory` counts (the view's storage is counted
+and the spare capacity is real memory that `kvdemo.cache.state.telemetry.kv_memory` counts (the view's storage is counted
 whole), so it must stay small against the cache: at most 1/9 of the storage (11%) with x1.125, where x2 would
 let the baseline hold up to twice its keys and values. The price is amortised copying of 1/(1.125 - 1) = 8 tokens
 per token appended, against the whole context per token with `torch.cat`; and since the context is prefilled once
@@ -18,7 +18,7 @@ and each answer is restored away, the room left after the prefill (at least 256 
 usually holds every answer: the buffer is then never reallocated after the prefill.
 
 Restore (docs/DESIGN.md, invariant 3, the in-place clause): decode steps write only at positions >= the post-prefill
-length, so the prefix's bytes are never written after the prefill; `kvdemo.cache.snapshot.restore` assigns
+length, so the prefix's bytes are never written after the prefill; `kvdemo.cache.state.snapshot.restore` assigns
 `layer.keys = layer.keys[..., :length, :]`, which this layer reads as "set the length back" (a view of its own
 buffer from position 0), copy-free. Assigning any other tensor (transformers' `reset`, `batch_select_indices`,
 `batch_repeat_interleave`) makes it the new buffer, filled to its length.
