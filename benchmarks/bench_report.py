@@ -96,8 +96,8 @@ def _print_restore(results: dict[str, Any]) -> None:
 
 def _print_bytes(results: dict[str, Any]) -> None:
     print(
-        "\n3. KV bytes per token, measured (kvdemo.cache.state.telemetry) / theoretical (bits per value + a scale and a "
-        "zero point per group + the residual)"
+        "\n3. KV bytes per token, measured (kvdemo.cache.state.telemetry) / theoretical (bits per value + a scale "
+        "and a zero point per group + the residual)"
     )
     print(
         "| spec | bytes/token after prefill | theoretical | ratio | with a 3-token residual: ratio | "

@@ -7,8 +7,8 @@ model's over the first 2,048 tokens of a text no test prefills, the project's ow
 length, as `benchmarks/decode.py` fills them). Every round times one decode step of `dynamic`, then of each spec on
 both paths: `codes` (kvdemo's build: `kvdemo.cache.read.code_attention`) and `dequantize` (the same cache read as
 before it, each block de-quantized and read by torch's flash kernel: `blockwise.dequantized_reads`). Printed per
-spec and path: the median step, its ratio to `dynamic`'s, its floor (`kvdemo.cache.state.speedlimit.speed_limit`: weights
-and KV bytes over the measured copy bandwidth) and the ratio to it; and, from the same cache state, the largest
+spec and path: the median step, its ratio to `dynamic`'s, its floor (`kvdemo.cache.state.speedlimit.speed_limit`:
+weights and KV bytes over the measured copy bandwidth) and the ratio to it; and, from the same cache state, the largest
 |logit difference| between the two paths beside the one between torch's own two reads of the de-quantized store
 (block by block with the flash kernel, whole with sdpa), with whether the greedy tokens agree.
 
@@ -68,8 +68,8 @@ def base_kv(loaded, tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def logit_gaps(loaded, cache) -> tuple[float, float, bool]:
-    """From the same cache state (restored after each step: `kvdemo.cache.state.snapshot`), one step's logits on the codes
-    path, the de-quantize path and torch's sdpa over the whole store de-quantized and joined
+    """From the same cache state (restored after each step: `kvdemo.cache.state.snapshot`), one step's logits on the
+    codes path, the de-quantize path and torch's sdpa over the whole store de-quantized and joined
     (`attention.materialized_blocks`): max |codes - dequantize|, max |dequantize - whole| (how far torch's own two
     orders of sums part, the scale the first is read against), and whether the three top tokens agree."""
     saved = snapshot.take(cache)

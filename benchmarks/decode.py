@@ -3,19 +3,20 @@ measured side by side in one process and written to `artifacts/bench/decode.json
 figures.
 
 1. Per store: one layer's key store of 2,048 tokens ([1, 3, 2,048, 64]) de-quantized by the library's own
-   `_dequantize` and in place (`kvdemo.cache.formats.quanto.layers`), medians of interleaved repeats, `torch.equal` checked.
+   `_dequantize` and in place (`kvdemo.cache.formats.quanto.layers`), medians of interleaved repeats, `torch.equal`
+   checked.
 2. Per decode step on the embedded model at 2,048 and 8,000 tokens (the Normans article's keys and values tiled,
    as `benchmarks/flush.py` fills them): `dynamic`; each quantized spec as transformers builds it (`before`: its own
    `QuantizedCache` layers, the whole store de-quantized by the library and joined at every step), in place but
    whole (`in place`: `quantized_cache(blockwise=False)`), and as kvdemo builds it now (`after`: in place and
    block-wise); interleaved in rounds, medians, ratios to `dynamic` and each step's floor
-   (`kvdemo.cache.state.speedlimit.speed_limit`: the bytes a step must read over the measured bandwidth). The greedy token
-   of every timed step is compared between `before` and `after`.
+   (`kvdemo.cache.state.speedlimit.speed_limit`: the bytes a step must read over the measured bandwidth). The greedy
+   token of every timed step is compared between `before` and `after`.
 3. The same greedy answers: each shipped example's context and its first `--questions` questions (2), 32 new
    tokens, greedy, on `before` and `after` caches of every spec: the token ids compared.
 
-fp8 is measured beside them (kvdemo's layer, `kvdemo.cache.formats.fp8.layers`: the whole store de-quantized by bit placement;
-`benchmarks/fp8.py` compares it with transformers' layer and the table it replaced).
+fp8 is measured beside them (kvdemo's layer, `kvdemo.cache.formats.fp8.layers`: the whole store de-quantized by bit
+placement; `benchmarks/fp8.py` compares it with transformers' layer and the table it replaced).
 
     .venv/bin/python benchmarks/decode.py            # about 6 minutes of steps, then 10 of greedy answers (2 cores)
     .venv/bin/python benchmarks/decode.py --quick    # 1,024 tokens, 2 rounds, one question
@@ -88,7 +89,9 @@ def variants(spec_text: str, config) -> dict:
     spec = CacheSpec.parse(spec_text)
     resolved = spec.resolved()
     options = {name: value for name, value in resolved.items() if name in GROUP_OPTIONS}
-    whole = quantized_cache(RESIDUAL_LAYERS[spec.backend], config, flush=str(resolved["flush"]), blockwise=False, **options)
+    whole = quantized_cache(
+        RESIDUAL_LAYERS[spec.backend], config, flush=str(resolved["flush"]), blockwise=False, **options
+    )
     return {"before": before_cache(spec, config), "in place": whole, "after": build_cache(spec, config)}
 
 

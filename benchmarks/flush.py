@@ -224,9 +224,9 @@ def profile_step(loaded, kv, length: int, steps: int = 3) -> dict[str, dict[str,
 
 
 def fp8_exact(kv, rounds: int = 20) -> dict[str, Any]:
-    """fp8's exact de-quantization by bit placement (the fp8 backend's own, `kvdemo.cache.formats.fp8.layers.ExactFp8Layer`: the
-    same bits as `q.float() * scale`), measured against transformers' own on one layer's keys of 2,048 tokens;
-    `benchmarks/fp8.py` measures it per decode step."""
+    """fp8's exact de-quantization by bit placement (the fp8 backend's own,
+    `kvdemo.cache.formats.fp8.layers.ExactFp8Layer`: the same bits as `q.float() * scale`), measured against
+    transformers' own on one layer's keys of 2,048 tokens; `benchmarks/fp8.py` measures it per decode step."""
     from transformers.cache_utils import Fp8QuantizedLayer
 
     from kvdemo.cache.formats.fp8.layers import ExactFp8Layer

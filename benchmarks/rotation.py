@@ -42,7 +42,7 @@ from flush import fill, filled, forward, log  # noqa: E402  (benchmarks/flush.py
 from transformers import DynamicCache  # noqa: E402
 
 from kvdemo import CacheSpec, load_model  # noqa: E402
-from kvdemo.cache.formats.hqq.layers import HQQ_LAYERS
+from kvdemo.cache.formats.hqq.layers import HQQ_LAYERS, set_quantizer
 from kvdemo.cache.formats.quanto.layers import QUANTO_LAYERS
 from kvdemo.cache.layers.flush import quantized_cache  # noqa: E402
 from kvdemo.cache.spec import estimate_kv_bytes  # noqa: E402
@@ -123,7 +123,11 @@ def step_cost(loaded, rounds: int) -> dict:
         caches = {name: filled(s, loaded, kv, length) for name, s in specs.items()}
         for name, spec in list(specs.items()):
             if spec.rotation == "hadamard":  # the same spec's layers rotating on read (the library call)
-                read_side = quantized_cache(RESIDUAL_LAYERS[spec.backend], loaded.config, rotate_query=False, **spec.resolved())
+                options = dict(spec.resolved())
+                optimize = options.pop("optimize", None)  # hqq's quantizer, set by its own format
+                read_side = quantized_cache(RESIDUAL_LAYERS[spec.backend], loaded.config, rotate_query=False, **options)
+                if optimize is not None:
+                    set_quantizer(read_side, str(optimize))
                 caches[name + READ_SIDE] = fill(read_side, kv, length)
         times: dict[str, list[float]] = {name: [] for name in caches}
         for _ in range(rounds):

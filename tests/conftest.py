@@ -9,8 +9,8 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # the kvdemo cache folder is the user's, as for the app (`kvdemo.paths.cache_dir`): the tests reuse the converted
-# embedded GGUF and optimum-quanto's extension that the set-up's warm-up built (`kvdemo.cache.formats.quanto.build`); tests of
-# a fresh cache set their own folder
+# embedded GGUF and optimum-quanto's extension that the set-up's warm-up built (`kvdemo.cache.formats.quanto.build`);
+# tests of a fresh cache set their own folder
 
 import pytest
 import torch

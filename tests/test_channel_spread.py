@@ -31,7 +31,9 @@ def _keys(tokens: int = 256) -> torch.Tensor:
 
 
 def _prefilled(backend: str, keys: torch.Tensor, **options):
-    cache = quantized_cache(RESIDUAL_LAYERS[backend], CONFIG, nbits=2, residual_length=1024, rotate_query=False, **options)
+    cache = quantized_cache(
+        RESIDUAL_LAYERS[backend], CONFIG, nbits=2, residual_length=1024, rotate_query=False, **options
+    )
     for layer in cache.layers:
         layer.update(keys, keys / 2)
     return cache

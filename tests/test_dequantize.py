@@ -1,5 +1,6 @@
-"""The in-place de-quantization (`kvdemo.cache.formats.quanto.layers`): the same bits as the libraries' own `_dequantize`, a
-new tensor each time (the store untouched), and the libraries' path for a store of another form. No model."""
+"""The in-place de-quantization (`kvdemo.cache.formats.quanto.layers`): the same bits as the libraries' own
+`_dequantize`, a new tensor each time (the store untouched), and the libraries' path for a store of another form. No
+model."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""The `fp8` backend's de-quantization by bit placement (`kvdemo.cache.formats.fp8.layers`): the same bits as transformers' own
-`Fp8QuantizedLayer._dequantize`, for every code at every kind of scale and on decode steps; NaN codes read the
-library's way; the bytes the library's."""
+"""The `fp8` backend's de-quantization by bit placement (`kvdemo.cache.formats.fp8.layers`): the same bits as
+transformers' own `Fp8QuantizedLayer._dequantize`, for every code at every kind of scale and on decode steps; NaN codes
+read the library's way; the bytes the library's."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""`protect=first:last` on every quantized backend (`kvdemo.cache.model.layer_kinds.layer_actions`): the protected layers are
-transformers' own full-precision layers holding exactly `dynamic`'s keys and values, the others the backend's; the
-bytes are the formula's; answers equal a fresh run and the cache restores; protecting every layer is refused before
-the prefill. And fp8's per-token-head scales (`kvdemo.cache.formats.fp8.layers.PerTokenHeadFp8Layer`): the library's
-arithmetic per token, exact bytes, and no clipping of a later outlier token.
+"""`protect=first:last` on every quantized backend (`kvdemo.cache.model.layer_kinds.layer_actions`): the protected
+layers are transformers' own full-precision layers holding exactly `dynamic`'s keys and values, the others the
+backend's; the bytes are the formula's; answers equal a fresh run and the cache restores; protecting every layer is
+refused before the prefill. And fp8's per-token-head scales (`kvdemo.cache.formats.fp8.layers.PerTokenHeadFp8Layer`):
+the library's arithmetic per token, exact bytes, and no clipping of a later outlier token.
 
 Cost: about 6 s."""
 

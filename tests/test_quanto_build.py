@@ -1,5 +1,5 @@
-"""optimum-quanto's extension is built once per machine (`kvdemo.cache.formats.quanto.build`): every other process, of any
-kind and with another compiler in its environment, loads that build and runs no compile step.
+"""optimum-quanto's extension is built once per machine (`kvdemo.cache.formats.quanto.build`): every other process, of
+any kind and with another compiler in its environment, loads that build and runs no compile step.
 
 Cost: about 6 s (one more Python process warming up quanto); up to a minute more where nothing built it before."""
 

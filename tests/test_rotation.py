@@ -16,6 +16,7 @@ from kvdemo.cache.formats.hqq.layers import (
     AppendQueryRotatedHQQLayer,
     AppendRotatedHQQLayer,
     RotatedHQQLayer,
+    set_quantizer,
 )
 from kvdemo.cache.formats.quanto.layers import QUANTO_LAYERS, QueryRotatedQuantoLayer, RotatedQuantoLayer
 from kvdemo.cache.layers.flush import quantized_cache
@@ -148,7 +149,11 @@ def test_the_query_side_rotation_attends_as_the_read_side_one(tiny, embedded, te
     quantization of the same rotated tensors, so what attention reads and the logits agree to float rounding."""
     spec = CacheSpec.parse(text + ",rotation=hadamard")
     query_side = build_cache(spec, tiny.config)
-    read_side = quantized_cache(RESIDUAL_LAYERS[spec.backend], tiny.config, rotate_query=False, **spec.resolved())
+    options = dict(spec.resolved())
+    optimize = options.pop("optimize", None)  # hqq's quantizer, set by its own format
+    read_side = quantized_cache(RESIDUAL_LAYERS[spec.backend], tiny.config, rotate_query=False, **options)
+    if optimize is not None:
+        set_quantizer(read_side, str(optimize))
     assert isinstance(query_side.layers[0], QueryRotatedQuantoLayer) == text.startswith("quanto")
     ids = embedded.tokenizer("The Normans held Rouen. Rollo led them, and Normandy was named after them.")["input_ids"]
     for cache in (query_side, read_side):

@@ -77,8 +77,8 @@ def test_what_a_session_may_hold_bounds_its_cache_and_snapshot_during_an_answer(
     assert peak <= limit
     # once the answer has flushed, the snapshot keeps the post-prefill store alive (fp8 appends: from the first
     # step); before, it shares the cache's store; dynamic's restore slices back and keeps nothing
-    # the estimate (kvdemo.cache.state.budget.held_bytes_estimate) counts the snapshot's store only where a flush frees the
-    # cache from it, so it is tight for every kind
+    # the estimate (kvdemo.cache.state.budget.held_bytes_estimate) counts the snapshot's store only where a flush frees
+    # the cache from it, so it is tight for every kind
     assert peak == pytest.approx(limit, rel=0.03)
     store = estimate_kv_bytes(qa.spec, tiny.config, qa.prefill_report.context_tokens, tiny.dtype)
     assert qa.estimate_kv_bytes(qa.prefill_report.context_tokens, decoded) == limit

@@ -1,8 +1,8 @@
-"""The `turboquant` backend (`kvdemo.cache.formats.turboquant.layers`, `kvdemo.cache.formats.turboquant.lloyd_max`): its key code against
-the paper's MSE table and the Lloyd-Max centroids, the dense packing, the query side against the read side, vLLM's
-presets, its refusals, and its fidelity on text the project has never seen against quanto at the same bytes. Restore,
-fresh-run equality and the bytes of every turboquant spec run in the matrices (`all_specs`: tests/test_invariants.py,
-tests/test_budget.py; the model families: tests/test_families.py).
+"""The `turboquant` backend (`kvdemo.cache.formats.turboquant.layers`, `kvdemo.cache.formats.turboquant.lloyd_max`): its
+key code against the paper's MSE table and the Lloyd-Max centroids, the dense packing, the query side against the read
+side, vLLM's presets, its refusals, and its fidelity on text the project has never seen against quanto at the same
+bytes. Restore, fresh-run equality and the bytes of every turboquant spec run in the matrices (`all_specs`:
+tests/test_invariants.py, tests/test_budget.py; the model families: tests/test_families.py).
 
 Cost: about 20 s (the embedded model's comparison 8-10 s, the sliding and latent families 4 s)."""
 

@@ -47,8 +47,8 @@ class Backend:
         name: the name a spec uses (`dynamic`, `quanto`, `hqq`, `fp8`).
         summary: one line for the page, `--help` and the README: what stores the cache.
         behaviour: one line on its residual and flushes, for the page.
-        quantized: True for the `QuantizedCache` backends; they quantize the layers `kvdemo.cache.model.layer_kinds` says
-            they take (full attention; sliding with `sliding=quantize`) and keep the others at full precision.
+        quantized: True for the `QuantizedCache` backends; they quantize the layers `kvdemo.cache.model.layer_kinds`
+            says they take (full attention; sliding with `sliding=quantize`) and keep the others at full precision.
         prefill_reads_cache: True where the engine's prefill attends through the stored cache (llama.cpp reads its
             blocks for the prompt's own tokens): the prefill's chunks then run over the cache itself, never over a
             full-precision `DynamicCache` handed over at the end (`kvdemo.qa.prefill.run_prefill`), and

@@ -144,7 +144,8 @@ SLIDING_OPTION = Option(
     acts_on=("sliding_attention", "chunked_attention"),
     quiet=True,
 )
-"""The quantized backends' `sliding` option (`kvdemo.cache.policies.SLIDING_CHOICES`, `kvdemo.cache.model.layer_kinds`)."""
+"""The quantized backends' `sliding` option (`kvdemo.cache.policies.SLIDING_CHOICES`,
+`kvdemo.cache.model.layer_kinds`)."""
 
 PROTECT_OPTION = Option(
     "protect",
@@ -155,7 +156,8 @@ PROTECT_OPTION = Option(
     in_matrix=False,
     quiet=True,
 )
-"""The quantized backends' `protect` option (`kvdemo.cache.policies.PROTECT_CHOICES`, `kvdemo.cache.model.layer_kinds`)."""
+"""The quantized backends' `protect` option (`kvdemo.cache.policies.PROTECT_CHOICES`,
+`kvdemo.cache.model.layer_kinds`)."""
 
 
 def group_options(nbits: tuple[int, ...], axes: tuple[int, ...]) -> dict[str, Option]:

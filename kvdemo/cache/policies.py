@@ -1,9 +1,9 @@
 """The words of the cache options that take words: the flush policies of the residual backends
 (`kvdemo.cache.layers.flush`), `dynamic`'s storage policies (`kvdemo.cache.layers.storage`), the rotations
 (`kvdemo.cache.layers.rotation`), hqq's `optimize` switch (`kvdemo.cache.formats.hqq.optimize`) and what a quantized
-backend does with sliding-window layers (`kvdemo.cache.model.layer_kinds`, `kvdemo.cache.layers.sliding`), the edge layers a
-quantized backend protects (`protect`), fp8's scales (`kvdemo.cache.formats.fp8.layers`) and TurboQuant's norm correction
-(`kvdemo.cache.formats.turboquant.layers`).
+backend does with sliding-window layers (`kvdemo.cache.model.layer_kinds`, `kvdemo.cache.layers.sliding`), the edge
+layers a quantized backend protects (`protect`), fp8's scales (`kvdemo.cache.formats.fp8.layers`) and TurboQuant's norm
+correction (`kvdemo.cache.formats.turboquant.layers`).
 
 Plain tuples that import nothing, so that the registry, and with it the command line's `--help`, reads the
 allowed values without loading torch or transformers (which the modules that implement the policies need)."""
@@ -29,8 +29,8 @@ the default), or `quantize` it like the full-attention layers, forgetting the to
 
 PROTECT_CHOICES = ("0:0", "1:1", "2:2", "3:3", "4:4", "vllm")
 """The `protect` option of the quantized backends, `first:last`: how many of the layers a backend quantizes, counted
-from the first and from the last, it keeps at full precision instead (`kvdemo.cache.model.layer_kinds.layer_actions`). vLLM's
-TurboQuant keeps the first 2 and last 2 attention layers of dense models ("without it GSM8K drops ~30 points on
+from the first and from the last, it keeps at full precision instead (`kvdemo.cache.model.layer_kinds.layer_actions`).
+vLLM's TurboQuant keeps the first 2 and last 2 attention layers of dense models ("without it GSM8K drops ~30 points on
 Qwen3-4B", `TurboQuantConfig.get_boundary_skip_layers`); off (`0:0`) by default. `vllm` is vLLM's own rule, on its
 TurboQuant presets: decoder layers 0, 1, L-2 and L-1 (min(2, L // 2) at each end, whatever their kind) on a model
 without state layers, none on a hybrid one (a linear-attention, conv or Mamba layer: vLLM's `is_hybrid`)."""
@@ -40,7 +40,8 @@ VLLM_PROTECT = PROTECT_CHOICES[-1]
 
 FP8_SCALES = ("per_tensor", "per_token_head")
 """fp8's `scale` option: transformers' one scale per tensor frozen at the first update (the default), or one scale per
-token and KV head (vLLM's per-token-head dynamic KV scales, #38378; `kvdemo.cache.formats.fp8.layers.PerTokenHeadFp8Layer`)."""
+token and KV head (vLLM's per-token-head dynamic KV scales, #38378;
+`kvdemo.cache.formats.fp8.layers.PerTokenHeadFp8Layer`)."""
 
 NORM_CORRECTION_CHOICES = ("false", "true")
 """TurboQuant's `norm_correction`: store each key's norm as it is (the paper), or divided by its code's norm so the

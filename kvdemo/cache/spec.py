@@ -51,7 +51,8 @@ class CacheSpec:
             (`concat`, `growing`: `kvdemo.cache.layers.storage`); rotation: `hadamard` rotates keys and values before
             quantizing (`kvdemo.cache.layers.rotation`), `none` does not; nbits_value: bits per quantized value of the
             values alone (`kvdemo.cache.layers.precision`; None: nbits, as transformers); optimize: hqq's optimiser of
-            zero points on (`true`, hqq's default) or off (`false`: `kvdemo.cache.formats.hqq.optimize`); sliding: `keep`
+            zero points on (`true`, hqq's default) or off (`false`: `kvdemo.cache.formats.hqq.optimize`); sliding:
+            `keep`
             the sliding-window layers at full precision or `quantize` them (`kvdemo.cache.model.layer_kinds`); protect:
             `first:last` quantized layers kept at full precision (`kvdemo.cache.policies.PROTECT_CHOICES`); scale: fp8's
             scales per tensor or per token and head (`kvdemo.cache.formats.fp8.layers`); norm_correction: TurboQuant's

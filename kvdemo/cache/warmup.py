@@ -16,8 +16,8 @@ def warm_up(backends: tuple[str, ...] | None = None) -> dict[str, float]:
     """Run one prefill-sized update and one decode-step update through each installed quantized backend's
     own cache layer, on random tensors of shape [1, 1, 8, 64], so that one-time work happens now: optimum-quanto
     compiles its C++ extension on its first de-quantize on a machine (23-45 s on 2 cores, written into the kvdemo
-    cache folder by `kvdemo.cache.formats.quanto.build`, needs g++ and ninja); hqq's first quantization compiles kvdemo's
-    fused solver (`kvdemo.cache.read.c_build`). `make` runs this once after installing.
+    cache folder by `kvdemo.cache.formats.quanto.build`, needs g++ and ninja); hqq's first quantization compiles
+    kvdemo's fused solver (`kvdemo.cache.read.c_build`). `make` runs this once after installing.
 
     Returns:
         Seconds spent per backend.

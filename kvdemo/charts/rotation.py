@@ -73,9 +73,9 @@ def code_fit_figure(
     density: tuple[torch.Tensor, torch.Tensor],
     title: str = "One fixed code for every coordinate",
 ) -> Figure:
-    """TurboQuant's "why" (`kvdemo.cache.formats.turboquant.layers`): the histogram of the coordinates of unit key vectors as
-    the model writes them (`before`) and rotated by (x D) H (`after`), each a flat tensor of coordinates times
-    sqrt(head_dim) so that N(0, 1) is the scale; the density the code was solved for (`density`: (x, f(x)) on that
+    """TurboQuant's "why" (`kvdemo.cache.formats.turboquant.layers`): the histogram of the coordinates of unit key
+    vectors as the model writes them (`before`) and rotated by (x D) H (`after`), each a flat tensor of coordinates
+    times sqrt(head_dim) so that N(0, 1) is the scale; the density the code was solved for (`density`: (x, f(x)) on that
     scale), and the code's centroids (`centroids`, the same scale) as vertical lines. Two panels, one per histogram;
     coordinates beyond the axis (the outliers) are drawn in its end bins, as the left panel's title says.
 

@@ -29,8 +29,8 @@ never under-reports); and what a `DynamicCache` in the model's dtype would hold.
 KEPT_SERIES = "kept layers"
 """The memory chart's series (short, so the legend shows it whole) for what a quantized backend keeps at full
 precision on a model of several layer kinds (sliding-window layers with `sliding=keep`, conv and recurrent states,
-combined layers: `kvdemo.cache.model.layer_kinds`): flat once a sliding layer holds its window, while the quantized layers
-grow with the context."""
+combined layers: `kvdemo.cache.model.layer_kinds`): flat once a sliding layer holds its window, while the quantized
+layers grow with the context."""
 
 
 def memory_series(has_quantized_store: bool, has_residual: bool, has_kept: bool = False) -> tuple[str, ...]:

@@ -15,10 +15,10 @@ so the keys' and the values' errors are in the same units, what attention hands 
 error is not (a key error moves every score through the softmax; KIVI, Liu et al. 2024). A layer's error at
 (key bits, value bits, rotation) is its key error plus its value error.
 
-On every layer kind (`kvdemo.cache.model.layer_kinds`) the plan gives bits to the layers the spec quantizes and to no other:
-full-attention layers, sliding-window ones with `sliding=quantize` (their attention is measured over their window,
-with the window's mask), less those `protect` keeps. On a latent (MLA) model, whose attention sees the cached latent
-only up-projected, a layer's error is the relative squared error of the latent and the rotary key part it stores
+On every layer kind (`kvdemo.cache.model.layer_kinds`) the plan gives bits to the layers the spec quantizes and to no
+other: full-attention layers, sliding-window ones with `sliding=quantize` (their attention is measured over their
+window, with the window's mask), less those `protect` keeps. On a latent (MLA) model, whose attention sees the cached
+latent only up-projected, a layer's error is the relative squared error of the latent and the rotary key part it stores
 (e_K = ||K^ - K||^2 / ||K||^2 of the latent, e_V of the rotary part): the same units across its layers.
 
 The budget is in bytes per context token at a stated context length (by default the context's own): the layers the

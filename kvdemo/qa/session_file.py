@@ -2,9 +2,9 @@
 `--prompt-cache` and slot save/restore, LMCache's stored KV), and the file a ZeroGPU job hands on.
 
 The file is safetensors (no pickle: opening it runs no code): the cache's plain tensors
-(`kvdemo.cache.state.serialize.cache_state`), the context's ids as the tensor `context_ids` (int64, [tokens]), and in the
-header's metadata a JSON manifest under `kvdemo.session`: the format, the kvdemo and transformers versions, the spec,
-the model's identity (`model_identity`), the context text and its split (`kvdemo.qa.prompt.PromptSplit`: the ids'
+(`kvdemo.cache.state.serialize.cache_state`), the context's ids as the tensor `context_ids` (int64, [tokens]), and in
+the header's metadata a JSON manifest under `kvdemo.session`: the format, the kvdemo and transformers versions, the
+spec, the model's identity (`model_identity`), the context text and its split (`kvdemo.qa.prompt.PromptSplit`: the ids'
 tail, the template's clock), the prefill's seconds and the cache's manifest. `kvdemo.digest` holds the SHA-256 of
 that manifest and of every tensor's name, dtype, shape and bytes.
 
@@ -45,8 +45,9 @@ _log = logging.getLogger(__name__)
 
 FORMAT = 2
 """The session file's format: its layout and the model identity it is bound to (the cache's layout has its own,
-`kvdemo.cache.state.serialize.FORMAT`). A file opens in any kvdemo of the same format and cache format: raise it when either
-changes (2: the whole tokenizer in the identity, the prefill's reserve kept), never for a kvdemo release alone."""
+`kvdemo.cache.state.serialize.FORMAT`). A file opens in any kvdemo of the same format and cache format: raise it when
+either changes (2: the whole tokenizer in the identity, the prefill's reserve kept), never for a kvdemo release
+alone."""
 SUFFIX = ".kvsession"
 """The file name's suffix the page and the command line give a session file (a safetensors file)."""
 _MANIFEST, _DIGEST, _IDS = "kvdemo.session", "kvdemo.digest", "context_ids"

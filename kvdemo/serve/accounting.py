@@ -138,8 +138,8 @@ def prefill_tokens(loaded: LoadedModel, context: object) -> int:
 def session_kv_bytes(spec: CacheSpec, loaded: LoadedModel, context_tokens: int, reserve_tokens: int) -> int:
     """The most bytes a session of `spec` holds with `context_tokens` prefilled: its cache with `reserve_tokens`
     more decoded (a question and its answer, `QASession.estimate_kv_bytes`), plus what the snapshot keeps alive
-    during an answer once the cache replaces its post-prefill store (`kvdemo.cache.state.budget.held_bytes_estimate`). For
-    `dynamic` nothing: the restore slices back instead of holding a copy (docs/DESIGN.md, invariant 3).
+    during an answer once the cache replaces its post-prefill store (`kvdemo.cache.state.budget.held_bytes_estimate`).
+    For `dynamic` nothing: the restore slices back instead of holding a copy (docs/DESIGN.md, invariant 3).
 
     Returns:
         Bytes (int).

@@ -420,8 +420,8 @@ class Door:
 
     @staticmethod
     def speed(session: Session) -> Any:
-        """The decode floor of the session's cache as it is now (`kvdemo.cache.state.speedlimit.SpeedLimit`): measured here,
-        or as the device worker last measured it."""
+        """The decode floor of the session's cache as it is now (`kvdemo.cache.state.speedlimit.SpeedLimit`): measured
+        here, or as the device worker last measured it."""
         if isinstance(session, RemoteSession):
             return session.speed
         from kvdemo.cache.state.speedlimit import speed_limit

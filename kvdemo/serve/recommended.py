@@ -40,8 +40,8 @@ _LOCK = threading.Lock()
 
 PAGE_RESIDUAL_LENGTH = 16
 """The residual the page starts at (tokens): a flush shows within the first answer. The residual is empty after the
-prefill (`kvdemo.cache.state.budget.held_bytes_estimate`); a question with the chat template's tokens takes 10-30 tokens on
-the shipped models (14 for "Which newspaper defined southern California?" on the embedded model), so the residual
+prefill (`kvdemo.cache.state.budget.held_bytes_estimate`); a question with the chat template's tokens takes 10-30 tokens
+on the shipped models (14 for "Which newspaper defined southern California?" on the embedded model), so the residual
 fills within the question's pass or the answer's first tokens, and again every 16 tokens. At the 128 a
 recommendation measures, the short answers of a QA text show a straight ramp and no flush."""
 

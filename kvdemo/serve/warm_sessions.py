@@ -115,5 +115,3 @@ def device_model(loaded: LoadedModel) -> LoadedModel:
     _MOVED[:] = [(loaded, moved)]
     WARM.clear()
     return moved
-
-

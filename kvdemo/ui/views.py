@@ -491,8 +491,8 @@ def residual_chart(events: list, spec: CacheSpec) -> dict[str, Any]:
 
 def speed_limit_line(limit: SpeedLimit, step_seconds: float | None) -> str:
     """The line under the step-time chart: the floor of a decode step on this machine (bytes read ÷ bandwidth,
-    `kvdemo.cache.state.speedlimit`), the median measured step beside it, and the context above which the KV cache is read
-    more than the weights (below it, no smaller KV cache can even halve the step)."""
+    `kvdemo.cache.state.speedlimit`), the median measured step beside it, and the context above which the KV cache is
+    read more than the weights (below it, no smaller KV cache can even halve the step)."""
     parts = [
         f"**Speed limit**: a decode step reads {limit.weight_bytes / 2**20:,.0f} MiB of weights + "
         f"{limit.kv_bytes / 2**20:,.1f} MiB of KV cache at {limit.bandwidth / 1e9:,.1f} GB/s (copy bandwidth): "

@@ -3,8 +3,8 @@
 - `requantize` (transformers' `QuantizedLayer.update`, the default): at a flush the whole layer is de-quantized,
   the residual appended, and everything quantized again into one new store. A flush step's cost grows with the
   context (it touches every token); tokens quantized at one flush are quantized again at the next.
-- `append` (`AppendFlushMixin`, here; each residual format's `Append*` layers): at a flush only the residual block (the residual
-  and the step's new tokens) is quantized, with the layer's own `_quantize` (optimum-quanto's / hqq's own
+- `append` (`AppendFlushMixin`, here; each residual format's `Append*` layers): at a flush only the residual block (the
+  residual and the step's new tokens) is quantized, with the layer's own `_quantize` (optimum-quanto's / hqq's own
   quantizer: kvdemo has no quantization code), and appended to the store, which becomes a list of blocks: the
   prefill's block, then one block per flush. Attention reads the blocks de-quantized (each with the library's
   own `_dequantize`) and concatenated, then the residual. A flush step costs one block's quantization, whatever
@@ -179,8 +179,10 @@ class ResidualLayers:
         the read side."""
         rotated = rotation != ROTATIONS[0]
         if flush == "append":
-            return self.append_query_rotated if rotated and rotate_query else (
-                self.append_rotated if rotated else self.append
+            return (
+                self.append_query_rotated
+                if rotated and rotate_query
+                else (self.append_rotated if rotated else self.append)
             )
         return (self.query_rotated if rotate_query else self.rotated) if rotated else self.plain
 
@@ -326,7 +328,8 @@ def quantized_cache(
             layers, or given with nbits, nbits_value or a rotation.
 
     Example:
-        >>> cache = quantized_cache(HQQ_LAYERS, model.config, flush="append", rotation="hadamard", nbits=4, nbits_value=2)
+        >>> cache = quantized_cache(HQQ_LAYERS, model.config, flush="append", rotation="hadamard", nbits=4,
+        nbits_value=2)
         >>> cache = quantized_cache(QUANTO_LAYERS, model.config, plan=parse_plan("k4v2h*20+k2v2h*10"))
     """
     rotate_query, blockwise = _checked(config, flush, rotation, rotate_query, blockwise)

@@ -9,9 +9,10 @@ tokens under the same mask (`get_mask_sizes` is the sliding layer's own).
   returns. At a flush the window is re-quantized (a window is small: 511 tokens on Gemma 3), so `flush=append` does
   not apply to these layers. Between flushes the store may still hold up to `residual_length - 1` tokens that have
   left the window (never returned to attention): held bytes are at most (window + residual_length - 1) tokens.
-- fp8 (`kvdemo.cache.formats.fp8.layers.SlidingFp8Layer`, on `SlidingWindowMask`): transformers' per-tensor scale frozen at the first update; each step appends the new
-  codes and keeps the last `sliding_window - 1` (a compact copy, so no longer storage stays pinned); with
-  `scale=per_token_head` (`SlidingPerTokenHeadFp8Layer`) each kept token keeps its own scales.
+- fp8 (`kvdemo.cache.formats.fp8.layers.SlidingFp8Layer`, on `SlidingWindowMask`): transformers' per-tensor scale frozen
+  at the first update; each step appends the new codes and keeps the last `sliding_window - 1` (a compact copy, so no
+  longer storage stays pinned); with `scale=per_token_head` (`SlidingPerTokenHeadFp8Layer`) each kept token keeps its
+  own scales.
 
 Both assign new tensors at every update, so the snapshot's `vars(layer).copy()` restores them exactly
 (`kvdemo.cache.state.snapshot`). Pattern: llama.cpp quantizes its sliding-window (SWA) KV cache with the same

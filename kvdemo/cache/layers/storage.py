@@ -10,8 +10,8 @@ them as they read a `DynamicLayer`'s tensors. When a write does not fit, the buf
 (`grown_capacity`): the only copy of the cache, amortised over the tokens that fill the new room.
 
 Growth factor 1.125 with at least `MIN_HEADROOM` tokens of room (why not x2 or x1.5): this is a demo of KV memory,
-and the spare capacity is real memory that `kvdemo.cache.state.telemetry.kv_memory` counts (the view's storage is counted
-whole), so it must stay small against the cache: at most 1/9 of the storage (11%) with x1.125, where x2 would
+and the spare capacity is real memory that `kvdemo.cache.state.telemetry.kv_memory` counts (the view's storage is
+counted whole), so it must stay small against the cache: at most 1/9 of the storage (11%) with x1.125, where x2 would
 let the baseline hold up to twice its keys and values. The price is amortised copying of 1/(1.125 - 1) = 8 tokens
 per token appended, against the whole context per token with `torch.cat`; and since the context is prefilled once
 and each answer is restored away, the room left after the prefill (at least 256 tokens, 12.5% of the context)

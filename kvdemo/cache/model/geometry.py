@@ -132,8 +132,8 @@ def kv_geometry(model_config: PreTrainedConfig) -> KVGeometry:
 
 def split_geometry(model_config: PreTrainedConfig, sliding: str, protect: str = "0:0") -> tuple[KVGeometry, KVGeometry]:
     """(quantized, kept): the layers a quantized backend stores quantized and the layers it keeps at full precision
-    (`kvdemo.cache.model.layer_kinds.layer_actions` with the spec's `sliding` and `protect`); layers that hold nothing in
-    neither."""
+    (`kvdemo.cache.model.layer_kinds.layer_actions` with the spec's `sliding` and `protect`); layers that hold nothing
+    in neither."""
     geo, actions = kv_geometry(model_config), layer_actions(model_config, True, sliding, protect)
     return (
         KVGeometry(tuple(layer for layer, action in zip(geo.per_layer, actions) if action == QUANTIZE)),

@@ -2,8 +2,9 @@
 `config.layer_types` (as `transformers.cache_utils.get_layer_types_and_kwargs` reads them, KV-shared and MLP-only
 layers turned into `dummy`) to what a backend does with a layer (`LayerKind.action`: quantize it, keep it as
 transformers builds it, or hold nothing), what the snapshot keeps of it, and what the geometry counts. The spec's
-checks (`kvdemo.cache.spec`), the cache builder (`kvdemo.cache.layers.by_kind`), the geometry (`kvdemo.cache.model.geometry`),
-the telemetry, the planner (which plans the quantized layers only) and the snapshot (`kvdemo.cache.state.snapshot`) read it.
+checks (`kvdemo.cache.spec`), the cache builder (`kvdemo.cache.layers.by_kind`), the geometry
+(`kvdemo.cache.model.geometry`), the telemetry, the planner (which plans the quantized layers only) and the snapshot
+(`kvdemo.cache.state.snapshot`) read it.
 
 - `full_attention`: keys and values that grow with the context; every backend stores them (quantized on the
   quantized backends).

@@ -110,7 +110,8 @@ class BlockwiseReadMixin(LibraryLayer):
     `kvdemo.cache.read.attention.kvdemo_attention`; `kvdemo.cache.layers.flush.quantized_cache` checks that."""
 
     reads_blocks = True
-    """Decode steps hand attention the store's blocks (`BLOCKS_MARK`); `kvdemo.cache.formats.ggml.layers.GgmlLayer` too."""
+    """Decode steps hand attention the store's blocks (`BLOCKS_MARK`); `kvdemo.cache.formats.ggml.layers.GgmlLayer`
+    too."""
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs

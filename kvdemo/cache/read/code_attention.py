@@ -4,8 +4,8 @@ straight from their packed codes, one tile of 32 tokens at a time, and never bui
 Before, a decode step de-quantized each stored block whole (`kvdemo.cache.read.blockwise.attend_blockwise`: a float
 tensor of every stored token, written then read again by torch's flash kernel), so a 4-bit step moved more bytes
 than `dynamic`'s: the codes, then 32-bit floats out and in. Here a C kernel (`code_attention.c`, compiled once per
-machine by `kvdemo.cache.read.c_build`, OpenMP over ranges of tokens of each KV head) reads each block's codes, scales and
-zeros, de-quantizes one tile of keys and values into a buffer on its stack (at most 2 x 32 x head_dim floats per
+machine by `kvdemo.cache.read.c_build`, OpenMP over ranges of tokens of each KV head) reads each block's codes, scales
+and zeros, de-quantizes one tile of keys and values into a buffer on its stack (at most 2 x 32 x head_dim floats per
 thread), scores the tile for every query head that shares the KV head, and keeps FlashAttention's running maximum
 and sum (Dao et al. 2022, arXiv:2205.14135); the ranges are merged by log-sum-exp, as Flash-Decoding splits a long
 cache (Dao, Haziza, Massa, Sizov 2023). `attend_blockwise` hands it every block and the full-precision residual
@@ -71,8 +71,8 @@ AFFINE, LOOKUP, UNIFORM, FLOAT, GGML, HALF = 0, 1, 2, 3, 4, 5
 residual), llama.cpp's blocks, float16 rows (llama.cpp's f16)."""
 
 FIELDS = (
-    "kind", "bits", "codes", "word_bytes", "shift0", "shift_step", "by_row", "zero_first", "half", "rows", "cols", "step",
-    "row_bytes", "scale", "zero", "table", "row_scale", "row_zero", "tokens",
+    "kind", "bits", "codes", "word_bytes", "shift0", "shift_step", "by_row", "zero_first", "half", "rows", "cols",
+    "step", "row_bytes", "scale", "zero", "table", "row_scale", "row_zero", "tokens",
 )  # fmt: skip
 """The C `Codes` descriptor's fields, in order, each an int64 (pointers as addresses; `code_attention.c`)."""
 

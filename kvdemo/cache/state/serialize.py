@@ -171,7 +171,9 @@ class _Reader:
             if cls is None:
                 raise CacheFileError(f"{where}: unknown tensor layout {node['cls']!r}")
             inner = {n: self.value(v, None, f"{where}.{n}") for n, v in node["inner"].items()}
-            return cls.__tensor_unflatten__(inner, {str(k): str(v) for k, v in node["meta"].items()}, None, None)
+            return cls.__tensor_unflatten__(  # type: ignore[attr-defined]  # a subclass of the format's
+                inner, {str(k): str(v) for k, v in node["meta"].items()}, None, None
+            )
         if kind in ("list", "tuple", "named"):
             own = list(fresh) if isinstance(fresh, (list, tuple)) else []
             items = [self.value(v, _at(own, i), f"{where}.{i}") for i, v in enumerate(node["items"])]

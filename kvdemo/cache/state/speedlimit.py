@@ -10,8 +10,8 @@ of the same model and cache can beat (the roofline model, Williams, Waterman and
 - weight bytes: every parameter once (`model.parameters()` yields a tied embedding / LM head once; the
   embedding lookup reads one row of it, the LM head reads all of it);
 - KV bytes: what attention reads of the live cache: the quantized store with its scales and zero points (as
-  `kvdemo.cache.state.telemetry.kv_memory` counts it) and the full-precision keys and values of the tokens held (a quantized
-  layer's residual, all of a dynamic layer: tokens x the model's per-token bytes). Storage held beyond those
+  `kvdemo.cache.state.telemetry.kv_memory` counts it) and the full-precision keys and values of the tokens held (a
+  quantized layer's residual, all of a dynamic layer: tokens x the model's per-token bytes). Storage held beyond those
   tokens (`storage=growing`'s spare room, `kvdemo.cache.layers.storage`; a view not yet replaced after a restore) is
   memory, not read: `SpeedLimit.unread_bytes`, outside the floor;
 - bandwidth: `probe_bandwidth`, a large tensor copy timed once per process (STREAM's "copy" kernel,

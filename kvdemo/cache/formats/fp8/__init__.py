@@ -1,5 +1,6 @@
 """`fp8`: transformers' `QuantizedCache(backend="fp8")`, float8_e4m3 codes with one scale per tensor frozen at the first
-update, or one per token and KV head (`scale=per_token_head`, vLLM's); no residual (`kvdemo.cache.formats.fp8.layers`)."""
+update, or one per token and KV head (`scale=per_token_head`, vLLM's); no residual
+(`kvdemo.cache.formats.fp8.layers`)."""
 
 from __future__ import annotations
 
@@ -23,9 +24,9 @@ NAME = __name__.rsplit(".", 1)[-1]
 
 def fp8_bytes(opts, geo: KVGeometry, tokens, residual, element, nominal, blocks=None) -> float:
     """One byte per value held (float8_e4m3; a sliding layer its window, `kvdemo.cache.layers.sliding`) plus one float32
-    scale per layer and tensor (transformers' `Fp8QuantizedLayer`; kvdemo's de-quantization, `kvdemo.cache.formats.fp8.layers`,
-    holds nothing more), or with `scale=per_token_head` one float32 scale per token held, head and tensor
-    (`kvdemo.cache.formats.fp8.layers.PerTokenHeadFp8Layer`). `geo`: the quantized layers."""
+    scale per layer and tensor (transformers' `Fp8QuantizedLayer`; kvdemo's de-quantization,
+    `kvdemo.cache.formats.fp8.layers`, holds nothing more), or with `scale=per_token_head` one float32 scale per token
+    held, head and tensor (`kvdemo.cache.formats.fp8.layers.PerTokenHeadFp8Layer`). `geo`: the quantized layers."""
     if opts.get("scale", "per_tensor") == "per_tensor":
         return geo.values_held(tokens) + 2 * len(geo.kv_layers) * 4
     scales = sum(4 * (layer.key_heads + layer.value_heads) * layer.tokens_held(tokens) for layer in geo.per_layer)

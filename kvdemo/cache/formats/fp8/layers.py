@@ -92,7 +92,8 @@ class PerTokenHeadFp8Layer(ExactFp8Layer):
 
 
 class SlidingFp8Layer(SlidingWindowMask, ExactFp8Layer):
-    """transformers' `Fp8QuantizedLayer` (de-quantizing by bit placement, `kvdemo.cache.formats.fp8.layers`) over the window."""
+    """transformers' `Fp8QuantizedLayer` (de-quantizing by bit placement, `kvdemo.cache.formats.fp8.layers`) over the
+    window."""
 
     def __init__(self, sliding_window: int) -> None:
         super().__init__()

@@ -192,8 +192,8 @@ KERNEL_TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl")
 
 
 def kernel():
-    """The C function `ggml_dequantize` (`ggml_dequant.c`, compiled once per machine by `kvdemo.cache.read.c_build`), its
-    argument types set; None where no C compiler built it (`c_build.build_problem(SOURCE)` says why)."""
+    """The C function `ggml_dequantize` (`ggml_dequant.c`, compiled once per machine by `kvdemo.cache.read.c_build`),
+    its argument types set; None where no C compiler built it (`c_build.build_problem(SOURCE)` says why)."""
     arguments = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_int]
     return c_build.function(SOURCE, "ggml_dequantize", ctypes.c_int, arguments)
 

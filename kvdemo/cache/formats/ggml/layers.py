@@ -289,8 +289,8 @@ class SlidingGgmlLayer(SlidingWindowMask, GgmlLayer):
 
 def ggml_cache(config: PreTrainedConfig, type_k: str, type_v: str, rotation: str, sliding: str, protect: str) -> Cache:
     """The empty `ggml` cache of a model: one `GgmlLayer` (a `SlidingGgmlLayer` on a sliding window) per layer the
-    backend quantizes (`kvdemo.cache.model.layer_kinds.quantized_layers` with `sliding` and `protect`), every other layer
-    transformers' own (`kvdemo.cache.layers.by_kind.with_kept_layers`).
+    backend quantizes (`kvdemo.cache.model.layer_kinds.quantized_layers` with `sliding` and `protect`), every other
+    layer transformers' own (`kvdemo.cache.layers.by_kind.with_kept_layers`).
 
     Args:
         type_k, type_v: llama.cpp's `--cache-type-k` and `--cache-type-v` (validated by `CacheSpec.validate`).

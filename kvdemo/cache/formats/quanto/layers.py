@@ -12,10 +12,10 @@ At every decode step a quantized layer de-quantizes its whole store (or, read bl
 Here the same operations, in the same order and dtypes, run on the one float tensor the unpacking gives:
 `unpack(data).to(scale.dtype).mul_(scale).sub_(shift)` for quanto (a product is the same in either order) and
 `unpack(W_q).sub_(zero).mul_(scale)` for hqq (`kvdemo.cache.formats.hqq.layers`), each with the library's own
-unpacking (`PackedTensor.unpack`, `Quantizer.unpack[packing]`) and shaping (`ungroup`, `reshape`). Every rounding is the one the library's operation
-does, so the result is equal bit for bit (`tests/test_dequantize.py` checks `torch.equal` with the library's
-`_dequantize` for every nbits, axis and group size kvdemo offers). A store of another form (quanto's integer shift or
-float qtype, hqq's unpacked or mixed-dtype store) takes the library's own path.
+unpacking (`PackedTensor.unpack`, `Quantizer.unpack[packing]`) and shaping (`ungroup`, `reshape`). Every rounding is the
+one the library's operation does, so the result is equal bit for bit (`tests/test_dequantize.py` checks `torch.equal`
+with the library's `_dequantize` for every nbits, axis and group size kvdemo offers). A store of another form (quanto's
+integer shift or float qtype, hqq's unpacked or mixed-dtype store) takes the library's own path.
 
 Measured (`benchmarks/decode.py`, 2026-12-03): one warm key store of 2,048 tokens ([1, 3, 2,048, 64]) quanto
 0.65 -> 0.55 ms, hqq 0.46 -> 0.50 ms (no faster alone); in whole decode steps (30 layers, cold stores) the in-place

@@ -1,5 +1,5 @@
-"""`turboquant`: kvdemo's TurboQuant (arXiv:2504.19874, as vLLM serves it; `kvdemo.cache.formats.turboquant.layers`): keys
-randomly rotated and coded by Lloyd-Max with a norm, values uniform per token and head, a full-precision residual;
+"""`turboquant`: kvdemo's TurboQuant (arXiv:2504.19874, as vLLM serves it; `kvdemo.cache.formats.turboquant.layers`):
+keys randomly rotated and coded by Lloyd-Max with a norm, values uniform per token and head, a full-precision residual;
 vLLM's `kv_cache_dtype` presets."""
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ TURBOQUANT_FP8_KEYS = 8
 
 
 def turboquant_bytes(opts, geo: KVGeometry, tokens, residual, element, nominal, blocks=None) -> float:
-    """kvdemo's TurboQuant layout (`kvdemo.cache.formats.turboquant.layers`, vLLM's `TurboQuantConfig.key_packed_size` and
-    `value_packed_size`), per quantized layer, token and head: keys head_dim x nbits / 8 bytes of packed Lloyd-Max
+    """kvdemo's TurboQuant layout (`kvdemo.cache.formats.turboquant.layers`, vLLM's `TurboQuantConfig.key_packed_size`
+    and `value_packed_size`), per quantized layer, token and head: keys head_dim x nbits / 8 bytes of packed Lloyd-Max
     codes and a float16 norm (nbits 8: head_dim float8 codes and a float32 scale); values head_dim x nbits_value / 8
     bytes and a float16 scale and zero point; `residual` tokens in the model's dtype. With `layout=vllm` the same but
     for the float8 keys, which carry no scale (`kvdemo.cache.formats.turboquant.vllm`; vLLM's slot padding to an even
@@ -164,7 +164,8 @@ def _deploy(backend: Backend, given, resolved, config: PreTrainedConfig) -> tupl
 
 
 def _cache(name: str, options: Mapping[str, Any], config: PreTrainedConfig) -> Cache:
-    """kvdemo's TurboQuant cache (`kvdemo.cache.formats.turboquant.layers.turboquant_cache`) of the options a spec sets."""
+    """kvdemo's TurboQuant cache (`kvdemo.cache.formats.turboquant.layers.turboquant_cache`) of the options a spec
+    sets."""
     from kvdemo.cache.formats.turboquant.layers import turboquant_cache
 
     return turboquant_cache(config, **options)

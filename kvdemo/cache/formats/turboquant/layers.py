@@ -10,10 +10,10 @@ serves it (`vllm/model_executor/layers/quantization/turboquant`, the `turboquant
   fixed seed, H the orthonormal Hadamard matrix), so that the coordinates of y / |k| follow the marginal of a
   uniform random unit vector whatever k was: an outlier channel is spread over all d coordinates. Each coordinate
   of y / |k| is stored as the index of its nearest centroid in the Lloyd-Max code of that marginal at d
-  (`kvdemo.cache.formats.turboquant.lloyd_max.exact_marginal`), nbits bits packed densely, and |k| as one float16 per token and
-  head. With `norm_correction=true` (vLLM's `_nc` presets) the stored norm is |k| / |c|, c the vector of centroids,
-  so that the de-quantized key has exactly the key's norm (vLLM renormalises c at de-quantization; dividing the
-  stored norm once is the same product, at no cost per read). QJL, the paper's second stage, is left out, as vLLM
+  (`kvdemo.cache.formats.turboquant.lloyd_max.exact_marginal`), nbits bits packed densely, and |k| as one float16 per
+  token and head. With `norm_correction=true` (vLLM's `_nc` presets) the stored norm is |k| / |c|, c the vector of
+  centroids, so that the de-quantized key has exactly the key's norm (vLLM renormalises c at de-quantization; dividing
+  the stored norm once is the same product, at no cost per read). QJL, the paper's second stage, is left out, as vLLM
   leaves it out ("community consensus (5+ independent groups) found it hurts attention quality").
 - **Keys** at nbits 8 (vLLM's `k8v4`): float8_e4m3 codes with a scale per token and head, no rotation
   (`kvdemo.cache.formats.fp8.layers.quantize_per_token_head`).
@@ -286,8 +286,8 @@ def turboquant_cache(
     layout: str = TURBOQUANT_LAYOUTS[0],
 ) -> Cache:
     """The empty `turboquant` cache of a model: one TurboQuant layer per layer the backend quantizes
-    (`kvdemo.cache.model.layer_kinds.quantized_layers` with `sliding` and `protect`), every other layer transformers' own
-    (`kvdemo.cache.layers.by_kind.with_kept_layers`).
+    (`kvdemo.cache.model.layer_kinds.quantized_layers` with `sliding` and `protect`), every other layer transformers'
+    own (`kvdemo.cache.layers.by_kind.with_kept_layers`).
 
     Args:
         config: the model's config.
