@@ -96,8 +96,13 @@ def test_iq4_nl_codes_are_the_nearest_values_and_the_scale_the_least_squares_one
     assert np.allclose(stored[:, :2].copy().view(np.float16)[:, 0], d.astype(np.float16), rtol=1e-3)
 
 
-def test_the_backend_and_the_layers_agree_on_the_block_sizes():
-    assert ggml_backend.BLOCK_BYTES == BLOCK_BYTES
+def test_the_block_sizes_are_ggmls():
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    assert BLOCK_BYTES is ggml_backend.BLOCK_BYTES  # one table for the byte formula and the blocks
+    assert {name: GGML_QUANT_SIZES[GGMLQuantizationType[name.upper()]] for name in BLOCK_BYTES} == {
+        name: (32, size) for name, size in BLOCK_BYTES.items()
+    }
     assert set(ggml_backend.CACHE_TYPES) == {*BLOCK_BYTES, "f16"}
     assert row_bytes("q4_0", 32) == 18 and row_bytes("q8_0", 32) == 34 and row_bytes("q4_0", 128) == 72
 

@@ -1,25 +1,31 @@
-"""The one registry of KV cache backends: `BACKENDS`, one `Backend` entry each, listed from the backends' modules.
+"""The one registry of KV cache formats (backends): `BACKENDS`, one `Backend` card each, read from the formats'
+folders.
 
-Each backend is one module under `kvdemo.cache.formats` that holds everything kvdemo knows of it (its options and
-their words, presets, byte formula, layout rules, cache factory, deploy line and the spec texts it offers as
-examples), as transformers' cache-layer subclasses carry their own rules; `kvdemo.cache.spec` validates a
-`CacheSpec` and builds its cache from them. The page, the command line, the tests and the README's backend table read
-`BACKENDS` (and `kvdemo.cache.catalogue`'s specs); nothing else names a backend. Adding a backend is one module and one
-line here (CONTRIBUTING.md, "Adding a backend").
+Each format is one folder, `kvdemo/cache/formats/<name>/`, that holds everything kvdemo knows of it: its card in
+`__init__.py` (its options and their words, presets, byte formula, layout rules, cache factory, deploy rule, store
+types and the spec texts it offers as examples) and its layers, blocks and codes beside it, as transformers'
+cache-layer subclasses carry their own rules; `kvdemo.cache.spec` validates a `CacheSpec` and builds its cache from
+the card. The page, the command line, the tests and the README's backend table read `BACKENDS` (and
+`kvdemo.cache.catalogue`'s specs); nothing else names a format. Adding a format is one folder and one name in `FORMATS`
+(CONTRIBUTING.md, "Adding a format").
 """
 
 from __future__ import annotations
 
+import importlib
+
 from kvdemo.cache.backend import Backend
-from kvdemo.cache.formats import dynamic, fp8, ggml, hqq, quanto, turboquant
+
+FORMATS = ("dynamic", "quanto", "hqq", "fp8", "turboquant", "ggml")
+"""The formats' folders under `kvdemo.cache.formats`, in the order the page, `--help` and the README list them;
+`dynamic` (the full-precision baseline) first. A folder's name is its format's name in a spec."""
 
 BACKENDS: dict[str, Backend] = {
-    module.BACKEND.name: module.BACKEND for module in (dynamic, quanto, hqq, fp8, turboquant, ggml)
+    card.name: card for card in (importlib.import_module(f"kvdemo.cache.formats.{name}").BACKEND for name in FORMATS)
 }
-"""Every backend by name, in the order the page, `--help` and the README list them; `dynamic` (the full-precision
-baseline) first."""
+"""Every format's card by name, in `FORMATS`' order."""
 
-BASELINE = dynamic.NAME
+BASELINE = FORMATS[0]
 """The full-precision backend every comparison measures against."""
 
 

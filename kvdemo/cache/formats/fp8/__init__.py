@@ -36,7 +36,7 @@ def fp8_bytes(opts, geo: KVGeometry, tokens, residual, element, nominal, blocks=
 def _cache(name: str, options: Mapping[str, Any], config: PreTrainedConfig) -> Cache:
     """`kvdemo.cache.formats.fp8.layers.fp8_cache` of the spec's options: transformers' fp8 layers de-quantizing by
     bit placement (the same bits, the same store)."""
-    from kvdemo.cache.formats.fp8.layers import fp8_cache
+    from .layers import fp8_cache
 
     return fp8_cache(
         config,

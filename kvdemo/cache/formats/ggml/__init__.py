@@ -25,8 +25,8 @@ NAME = __name__.rsplit(".", 1)[-1]
 """The format's name in a spec: its folder's name (a copy of the folder under another name is another format)."""
 
 BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "iq4_nl": 18}
-"""Bytes of one block of 32 values of each quantized type (ggml-common.h; the same table as
-`kvdemo.cache.formats.ggml.blocks.BLOCK_BYTES`, which the layers read: a test keeps them equal)."""
+"""Bytes of one block of 32 values of each quantized type (`sizeof(block_q4_0)` and the others in ggml-common.h): the
+byte formula's and the blocks' (`kvdemo.cache.formats.ggml.blocks`) one table."""
 
 CACHE_TYPES = (*BLOCK_BYTES, "f16")
 """The `type_k`/`type_v` words: llama.cpp's `--cache-type-k`/`--cache-type-v` values kvdemo stores."""
@@ -81,7 +81,7 @@ def ggml_width_problem(opts, tensor: str, width: int) -> str | None:
 
 def _cache(name: str, options: Mapping[str, Any], config: PreTrainedConfig) -> Cache:
     """`kvdemo.cache.formats.ggml.layers.ggml_cache` of the spec's options."""
-    from kvdemo.cache.formats.ggml.layers import ggml_cache
+    from .layers import ggml_cache
 
     type_k = str(options.get("type_k", CACHE_TYPES[0]))
     return ggml_cache(
@@ -122,7 +122,7 @@ def _deploy(backend: Backend, given: SpecOptions, resolved: SpecOptions, config:
 
 def _stored() -> dict[str, type]:
     """llama.cpp's rows of blocks (`kvdemo.cache.formats.ggml.layers.GgmlRows`)."""
-    from kvdemo.cache.formats.ggml.layers import GgmlRows
+    from .layers import GgmlRows
 
     return {"GgmlRows": GgmlRows}
 

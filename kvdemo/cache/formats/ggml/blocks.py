@@ -34,11 +34,10 @@ import torch
 
 from kvdemo.cache.read import c_build
 
+from . import BLOCK_BYTES  # the card's table (ggml-common.h's sizes), one table for the bytes and the blocks
+
 BLOCK = 32
 """Values per block (QK8_0 = QK4_0 = ... = QK4_NL = 32)."""
-
-BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "iq4_nl": 18}
-"""Bytes of one block of each type (`sizeof(block_q4_0)` and the others)."""
 
 KVALUES_IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 """iq4_nl's 16 non-uniform values (`kvalues_iq4nl` of ggml-common.h)."""

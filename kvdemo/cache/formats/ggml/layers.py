@@ -47,7 +47,6 @@ import torch
 from transformers import PreTrainedConfig
 from transformers.cache_utils import BaseQuantizedLayer, Cache
 
-from kvdemo.cache.formats.ggml.blocks import BLOCK_BYTES, KERNEL_TYPES, dequantize_rows, quantize_rows
 from kvdemo.cache.layers.by_kind import sliding_windows, with_kept_layers
 from kvdemo.cache.layers.flush import attends_through_kvdemo, written
 from kvdemo.cache.layers.rotation import hadamard, mark_rotated
@@ -55,6 +54,8 @@ from kvdemo.cache.layers.sliding import SlidingWindowMask
 from kvdemo.cache.model.layer_kinds import quantized_layers
 from kvdemo.cache.read.blockwise import BLOCKS_MARK, StoreBlocks
 from kvdemo.cache.read.code_attention import GGML, HALF, StoreCodes, store_codes
+
+from .blocks import BLOCK_BYTES, KERNEL_TYPES, dequantize_rows, quantize_rows
 
 F16 = "f16"
 """llama.cpp's default cache type: float16 values, not quantized, not rotated."""

@@ -68,7 +68,7 @@ def hqq_group_problem(nbits: int, group: int, axis: int, heads: int, width: int)
 
 def _cache(name: str, options: SpecOptions, config: PreTrainedConfig) -> Cache:
     """`kvdemo.cache.formats.hqq.layers.hqq_cache` of the spec's options."""
-    from kvdemo.cache.formats.hqq.layers import hqq_cache
+    from .layers import hqq_cache
 
     return hqq_cache(dict(options), config)
 

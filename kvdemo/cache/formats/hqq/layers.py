@@ -121,7 +121,7 @@ def set_quantizer(cache: QuantizedCache, optimize: str) -> QuantizedCache:
 
     Raises:
         ValueError: `optimize` is not one of `OPTIMIZE_CHOICES`; `optimize=false` on a cache without hqq layers."""
-    from kvdemo.cache.formats.hqq.optimize import MinMaxQuantizer, ProximalQuantizer
+    from .optimize import MinMaxQuantizer, ProximalQuantizer
 
     if optimize not in OPTIMIZE_CHOICES:
         raise ValueError(f"optimize={optimize!r} is not one of {', '.join(OPTIMIZE_CHOICES)}")

@@ -47,9 +47,10 @@ def _cache(name: str, options: SpecOptions, config: PreTrainedConfig) -> Cache:
     """`kvdemo.cache.layers.flush.residual_cache` of quanto's layers (`kvdemo.cache.formats.quanto.layers`), once
     optimum-quanto's extension is pointed at its one build per machine (`kvdemo.cache.formats.quanto.build`: compiled
     by the first process, only loaded by the others)."""
-    from kvdemo.cache.formats.quanto.build import share_quanto_build
-    from kvdemo.cache.formats.quanto.layers import QUANTO_LAYERS
     from kvdemo.cache.layers.flush import residual_cache
+
+    from .build import share_quanto_build
+    from .layers import QUANTO_LAYERS
 
     share_quanto_build()
     return residual_cache(QUANTO_LAYERS, dict(options), config)
@@ -66,7 +67,7 @@ def _stored() -> dict[str, type]:
 
 def _on_device(device) -> str | None:
     """`kvdemo.cache.formats.quanto.device.quanto_on_device`: what unpacks quanto's stores on a GPU."""
-    from kvdemo.cache.formats.quanto.device import quanto_on_device
+    from .device import quanto_on_device
 
     return quanto_on_device(device)
 

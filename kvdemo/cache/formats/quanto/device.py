@@ -56,7 +56,7 @@ def quanto_on_device(device: torch.device, extensions: Any = None) -> str | None
         extensions = extension
     if not extensions.is_extension_available("quanto_cuda"):
         return "optimum-quanto: no CUDA extension is registered; quanto's default (pure-torch) unpacking runs"
-    from kvdemo.cache.formats.quanto.build import share_quanto_build
+    from .build import share_quanto_build
 
     share_quanto_build()  # loads a build already in the kvdemo cache folder
     ext = extensions.get_extension("quanto_cuda")

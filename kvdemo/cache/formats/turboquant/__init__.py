@@ -166,15 +166,15 @@ def _deploy(backend: Backend, given, resolved, config: PreTrainedConfig) -> tupl
 def _cache(name: str, options: Mapping[str, Any], config: PreTrainedConfig) -> Cache:
     """kvdemo's TurboQuant cache (`kvdemo.cache.formats.turboquant.layers.turboquant_cache`) of the options a spec
     sets."""
-    from kvdemo.cache.formats.turboquant.layers import turboquant_cache
+    from .layers import turboquant_cache
 
     return turboquant_cache(config, **options)
 
 
 def _stored() -> dict[str, type]:
     """TurboQuant's records, kvdemo's layout and vLLM's (`kvdemo.cache.formats.turboquant.layers`, `.vllm`)."""
-    from kvdemo.cache.formats.turboquant.layers import TurboKeys, UniformValues
-    from kvdemo.cache.formats.turboquant.vllm import VllmFp8Keys, VllmKeys, VllmValues
+    from .layers import TurboKeys, UniformValues
+    from .vllm import VllmFp8Keys, VllmKeys, VllmValues
 
     return {cls.__name__: cls for cls in (TurboKeys, UniformValues, VllmKeys, VllmFp8Keys, VllmValues)}
 

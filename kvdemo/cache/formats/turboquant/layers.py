@@ -39,12 +39,6 @@ import torch
 from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache, QuantizedLayer
 
-from kvdemo.cache.formats.turboquant.lloyd_max import decode_integers, decode_packed, exact_marginal, pack_codes
-from kvdemo.cache.formats.turboquant.vllm import VllmFp8Keys, VllmKeys, VllmValues
-from kvdemo.cache.formats.turboquant.vllm import dequantize_keys as vllm_dequantize_keys
-from kvdemo.cache.formats.turboquant.vllm import dequantize_values as vllm_dequantize_values
-from kvdemo.cache.formats.turboquant.vllm import quantize_keys as vllm_quantize_keys
-from kvdemo.cache.formats.turboquant.vllm import quantize_values as vllm_quantize_values
 from kvdemo.cache.layers.by_kind import sliding_windows, with_kept_layers
 from kvdemo.cache.layers.float8 import dequantize_per_token_head, placeable, quantize_per_token_head
 from kvdemo.cache.layers.flush import AppendFlushMixin, attends_through_kvdemo
@@ -61,6 +55,13 @@ from kvdemo.cache.policies import (
 )
 from kvdemo.cache.read.blockwise import blockwise_layer
 from kvdemo.cache.read.code_attention import LOOKUP, UNIFORM, StoreCodes, float32_table, row_values, store_codes
+
+from .lloyd_max import decode_integers, decode_packed, exact_marginal, pack_codes
+from .vllm import VllmFp8Keys, VllmKeys, VllmValues
+from .vllm import dequantize_keys as vllm_dequantize_keys
+from .vllm import dequantize_values as vllm_dequantize_values
+from .vllm import quantize_keys as vllm_quantize_keys
+from .vllm import quantize_values as vllm_quantize_values
 
 KEY_ROTATION = QueryRotation(signed=True, values=False)
 """TurboQuant's rotation of the keys: (k D) H, the values left in the model's basis."""

@@ -37,8 +37,9 @@ from typing import NamedTuple
 
 import torch
 
-from kvdemo.cache.formats.turboquant.lloyd_max import decode_integers, pack_codes, unpack_codes
 from kvdemo.cache.layers.rotation import hadamard
+
+from .lloyd_max import decode_integers, pack_codes, unpack_codes
 
 FP8_MAX = 448.0
 """float8_e4m3fn's largest finite value: vLLM's Triton cast saturates there (`satfinite`)."""

@@ -1,0 +1,73 @@
+"""The contract of a format's folder (docs/DESIGN.md, "One format, one folder"): a copy of one format's folder under
+a new name, and that name added to the registry's `FORMATS`, is a working format through every door: the command
+line's `ask` and `compare`, a session file saved and reopened, the page's `/prefill` and `/ask` through gradio_client,
+the MCP tools, and `recommend`'s candidates; nothing else of the package is edited.
+
+Cost: one child process (the embedded model, the page and its MCP server): about 40 s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvdemo.ui.examples import example
+
+ROOT = Path(__file__).resolve().parents[1]
+COPIED, NEW = "turboquant", "turbocopy"
+
+
+@pytest.mark.process
+def test_a_copied_format_folder_and_one_registry_line_work_through_every_door(tmp_path):
+    package = tmp_path / "kvdemo"
+    shutil.copytree(ROOT / "kvdemo", package, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    formats = package / "cache" / "formats"
+    shutil.copytree(formats / COPIED, formats / NEW)
+    registry = package / "cache" / "registry.py"
+    before = registry.read_text(encoding="utf-8").splitlines()
+    after = [line.replace('"ggml")', f'"ggml", "{NEW}")') if line.startswith("FORMATS = ") else line for line in before]
+    assert sum(a != b for a, b in zip(before, after)) == 1  # the one registry line
+    registry.write_text("\n".join(after) + "\n", encoding="utf-8")
+
+    context_file = tmp_path / "normans.txt"
+    context_file.write_text(example("Normans")[0][:2000], encoding="utf-8")  # about 450 tokens
+    environment = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}", "GRADIO_ANALYTICS_ENABLED": "False"}
+    run = subprocess.run(
+        [sys.executable, "-m", "tests.format_doors", NEW, COPIED, str(context_file), str(tmp_path / "copy.kvsession")],
+        cwd=tmp_path,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    doors = json.loads(run.stdout.strip().splitlines()[-1])
+
+    assert doors["package"] == str(package)  # the copy ran, not the project's package
+    assert doors["formats"][-2:] == ["ggml", NEW]
+    # the same code under another name: the same bytes and tokens as the original format, through every door
+    tokens, answer = doors["original"], doors["text"]
+    assert len(tokens) == 6 and doors["session"] == doors["reopened"] == tokens
+    assert doors["kv_bytes"][NEW] == doors["kv_bytes"][COPIED]
+    assert doors["reopened_spec"] == f"{NEW}:4"
+    assert doors["stored_modules"] == [f"kvdemo.cache.formats.{NEW}.layers"]  # its own store types were saved
+    assert doors["ask_status"] == 0 and doors["ask"]["backend"] == NEW
+    assert [tokens] == [a["token_ids"] for a in doors["ask"]["answers"]]
+    assert doors["ask"]["kv_bytes"] == doors["kv_bytes"][NEW] and f"--backend {NEW}" in doors["ask"]["deploy"][-1]
+    assert doors["compare_status"] == 0
+    rows = {row["spec_text"]: row for row in doors["compare"]["results"]}
+    assert (
+        rows[f"{NEW}:4"]["questions"][0]["token_ids"] == tokens
+        and rows[f"{NEW}:4"]["kv_bytes"] < rows["dynamic"]["kv_bytes"]
+    )
+    assert doors["candidates"] == [text.replace(COPIED, NEW, 1) for text in doors["original_candidates"]]
+    assert NEW in doors["page_backend_choices"]
+    assert f"with **{NEW} nbits=4" in doors["page_summary"] and doors["page_answer"] == answer
+    assert f'"spec": "{NEW}:4"' in doors["mcp_prefill"] and f'"answer": {json.dumps(answer)}' in doors["mcp_answer"]
