@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import json
 import struct
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -270,6 +271,48 @@ def test_a_failed_write_leaves_no_file(written, tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(OSError):
         save_session(written[1], tmp_path / "no" / "such" / "folder.kvsession")
+
+
+class MadeForTheTest(NamedTuple):
+    """A store type no format declares: a record of tensors, as TurboQuant's and ggml's stores are."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+
+
+class HeldForTheTest:
+    """Not a record, but holding a tensor as an attribute: a store type too."""
+
+    def __init__(self) -> None:
+        self.codes = torch.zeros(4, dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("store", [MadeForTheTest(torch.zeros(2, 4), torch.ones(2, 1)), HeldForTheTest()])
+def test_a_store_type_no_format_declares_is_refused_at_save(written, tmp_path, monkeypatch, store):
+    """A session file never leaves a store out: a layer holding a store type its format does not declare
+    (`Backend.store_types`) is refused at save with what to change, and no file is left."""
+    session = written[1]
+    layer = session.cache.layers[0]
+    monkeypatch.setattr(layer, "_kvdemo_extra", store, raising=False)
+    with pytest.raises(TypeError, match=rf"{type(store).__name__} holding tensors, a store type no format declares"):
+        save_session(session, tmp_path / "lost.kvsession")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_declared_store_type_is_written_and_rebuilt(small, tmp_path):
+    from kvdemo.cache.spec import build_cache
+    from kvdemo.cache.state.serialize import CacheFileError, cache_state, load_cache_state
+
+    cache = build_cache(CacheSpec("dynamic"), small.config)
+    record = MadeForTheTest(torch.arange(8.0).reshape(2, 4), torch.ones(2, 1))
+    cache.layers[0]._kvdemo_extra = record
+    tensors, manifest = cache_state(cache, {"MadeForTheTest": MadeForTheTest})
+    again = build_cache(CacheSpec("dynamic"), small.config)
+    load_cache_state(again, manifest, tensors.__getitem__, torch.device("cpu"), {"MadeForTheTest": MadeForTheTest})
+    rebuilt = again.layers[0]._kvdemo_extra
+    assert type(rebuilt) is MadeForTheTest and all(map(torch.equal, rebuilt, record))
+    with pytest.raises(CacheFileError, match="unknown record 'MadeForTheTest'"):
+        load_cache_state(build_cache(CacheSpec("dynamic"), small.config), manifest, tensors.__getitem__, "cpu", {})
 
 
 def write_fixture() -> None:
