@@ -61,7 +61,8 @@ def engine_blocks(rows: torch.Tensor) -> dict[str, dict[str, float]]:
 
     import llama_cpp  # noqa: PLC0415  (optional: `make bench-peers` builds it)
 
-    from kvdemo.cache.formats.ggml.blocks import BLOCK_BYTES, quantize_rows  # noqa: PLC0415
+    from kvdemo.cache.formats.ggml import BLOCK_BYTES
+    from kvdemo.cache.formats.ggml.blocks import quantize_rows
 
     library = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-cpu.so"))
     library.ggml_cpu_init()

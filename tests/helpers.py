@@ -94,7 +94,7 @@ def named_handlers(demo) -> dict:
     click's first step (no API name of its own)."""
     from gradio.helpers import special_args
 
-    from kvdemo.cache.options import GROUP_OPTIONS
+    from kvdemo.cache.registry import GROUP_OPTIONS
 
     def as_the_page_calls(fn):
         def called(*args, progress=None):

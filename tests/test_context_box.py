@@ -9,7 +9,7 @@ import zlib
 
 import gradio as gr
 
-from kvdemo.cache.options import GROUP_OPTIONS
+from kvdemo.cache.registry import GROUP_OPTIONS
 from kvdemo.serve.server import App
 from kvdemo.ui import build_demo, context_box, page_state, views
 from kvdemo.ui.page_state import FINGERPRINT_PREFIX, LARGE_CONTEXT_CHARS, fingerprint, restore, same_context

@@ -125,7 +125,7 @@ def test_update_assigns_a_new_list_at_each_flush(tiny):
 
 
 def test_the_option_reaches_the_command_line_and_the_page(capsys):
-    from kvdemo.cache.options import GROUP_OPTIONS
+    from kvdemo.cache.registry import GROUP_OPTIONS
     from kvdemo.cli.main import build_parser
     from kvdemo.ui.inputs import spec_from_inputs
     from kvdemo.ui.option_fields import backend_option_updates

@@ -15,8 +15,8 @@ from transformers import LlamaConfig
 
 from kvdemo import CacheSpec, QASession
 from kvdemo.cache.formats import ggml as ggml_backend
+from kvdemo.cache.formats.ggml import BLOCK_BYTES
 from kvdemo.cache.formats.ggml.blocks import (
-    BLOCK_BYTES,
     KVALUES_IQ4NL,
     dequantize_rows,
     kernel,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from types import SimpleNamespace
 
-from kvdemo.cache.options import GROUP_OPTIONS
+from kvdemo.cache.registry import GROUP_OPTIONS
 from kvdemo.cache.state.telemetry import LayerMemory, MemoryReport
 from kvdemo.qa.session import QASession
 from kvdemo.serve.server import App

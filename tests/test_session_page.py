@@ -12,7 +12,7 @@ from pathlib import Path
 import gradio as gr
 import pytest
 
-from kvdemo.cache.options import GROUP_OPTIONS
+from kvdemo.cache.registry import GROUP_OPTIONS
 from kvdemo.cache.spec import CacheSpec
 from kvdemo.qa.session import QASession
 from kvdemo.qa.session_file import open_session, save_session

@@ -14,7 +14,7 @@ import pytest
 
 from kvdemo import CacheSpec, QASession
 from kvdemo.cache.layers.storage import GrowingLayer
-from kvdemo.cache.options import GROUP_OPTIONS
+from kvdemo.cache.registry import GROUP_OPTIONS
 from kvdemo.cache.spec import estimate_kv_bytes
 from kvdemo.charts.steps import MEMORY_SERIES
 from kvdemo.compare.run import compare

@@ -1,7 +1,6 @@
-"""The options a backend may take, as the registry (`kvdemo.cache.registry.BACKENDS`) declares them: `Option`, the
-option names in the order the page and the command line show them, the options shared by several backends (the
-group-wise integer ones, `sliding`, `protect`) and TurboQuant's, with vLLM's presets. No torch: the command line's
-`--help` reads them.
+"""The options a format may take, as its card (`kvdemo.cache.backend.Backend.options`) declares them: `Option`, the
+order the page and the command line show them in, and the options several formats share (the group-wise integer ones,
+`sliding`, `protect`). No torch: the command line's `--help` reads them.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from kvdemo.cache.policies import (
     SLIDING_CHOICES,
 )
 
-GROUP_OPTIONS = (
+SHOWN_ORDER = (
     "nbits",
     "q_group_size",
     "residual_length",
@@ -37,22 +36,21 @@ GROUP_OPTIONS = (
     "type_k",
     "type_v",
     "layout",
+    PLAN,
 )
-"""Every option a backend may take that the Ask tab shows as a field, in the order the page and the command line show
-them (one added later goes last: the page state a browser keeps lists the values in this order)."""
-
-SPEC_OPTIONS = (*GROUP_OPTIONS, PLAN)
-"""Every option a spec may set: `GROUP_OPTIONS` and `PLAN` (`kvdemo.cache.layer_plan`: a spec option like the others,
-with its syntax, check and byte formula, but no field of the Ask tab: a plan is made for one model and one text,
-`kvdemo.evals.planner`, in the Compare tab, the command line or Python)."""
+"""The order in which the page's fields, the command line's flags and the tables' columns show the options kvdemo's
+formats have taken so far (the page's `/prefill` API takes them in this order, so a browser's kept state and a client's
+positional call keep meaning what they meant). An option a format adds later goes after them
+(`kvdemo.cache.registry.SPEC_OPTIONS`); the options themselves are each format's (`Backend.options`)."""
 
 PLANNED = ("nbits", "nbits_value", "rotation")
 """The options a plan sets per layer: a spec with a plan leaves them unset (`CacheSpec.validate`)."""
 
 
 class SpecOptions(TypedDict, total=False):
-    """Options by name, as `CacheSpec.given()` and `CacheSpec.resolved()` give them: the keys are `GROUP_OPTIONS`,
-    integers but for the text options (`flush`, `storage`, `rotation`, `optimize`, `type_k`, ...)."""
+    """Options by name, as `CacheSpec.given()` and `CacheSpec.resolved()` give them, for the type checker: the keys of
+    the options formats have taken so far (`SHOWN_ORDER`), integers but for the text options (`flush`, `storage`,
+    `rotation`, `optimize`, `type_k`, ...); a later format's options are read with `.get`."""
 
     nbits: int
     nbits_value: int

@@ -15,6 +15,8 @@ from __future__ import annotations
 import importlib
 
 from kvdemo.cache.backend import Backend
+from kvdemo.cache.layer_plan import PLAN
+from kvdemo.cache.options import SHOWN_ORDER
 
 FORMATS = ("dynamic", "quanto", "hqq", "fp8", "turboquant", "ggml")
 """The formats' folders under `kvdemo.cache.formats`, in the order the page, `--help` and the README list them;
@@ -27,6 +29,19 @@ BACKENDS: dict[str, Backend] = {
 
 BASELINE = FORMATS[0]
 """The full-precision backend every comparison measures against."""
+
+_DECLARED = [name for card in BACKENDS.values() for name in card.options]
+SPEC_OPTIONS: tuple[str, ...] = (
+    *[name for name in SHOWN_ORDER if name in _DECLARED],
+    *dict.fromkeys(name for name in _DECLARED if name not in SHOWN_ORDER),
+)
+"""Every option some format takes, by name: a spec sets some of them (`kvdemo.cache.spec.CacheSpec`), the page, the
+command line and the tables show them in this order (`kvdemo.cache.options.SHOWN_ORDER`, then any a format added later,
+in `FORMATS`' order)."""
+
+GROUP_OPTIONS: tuple[str, ...] = tuple(name for name in SPEC_OPTIONS if name != PLAN)
+"""`SPEC_OPTIONS` but the per-layer `plan` (`kvdemo.cache.layer_plan`): the Ask tab's option fields, in order (a plan is
+made for one model and one text, in the Compare tab, the command line or Python)."""
 
 
 def option_choices_text(option: str) -> str:

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any, cast
 from kvdemo.cache.backend import Backend
 from kvdemo.cache.deploy import Deployment, kvdemo_line
 from kvdemo.cache.layer_plan import PLAN, canonical_plan
-from kvdemo.cache.options import PLANNED, SPEC_OPTIONS, SpecOptions
+from kvdemo.cache.options import PLANNED, SpecOptions
 from kvdemo.cache.policies import PROTECT_CHOICES, SLIDING_CHOICES
-from kvdemo.cache.registry import BACKENDS, BASELINE
+from kvdemo.cache.registry import BACKENDS, BASELINE, SPEC_OPTIONS
 from kvdemo.checks import shown
 
 # A spec is parsed, shown and checked against the registry without torch or transformers (the command line's
@@ -39,63 +39,57 @@ MAX_OPTION_VALUE = 1 << 20
 """No option means anything above this (1,048,576 tokens or values); larger numbers are refused."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class CacheSpec:
-    """A KV cache backend and its options; `None` means the backend's default (see `BACKENDS`).
+    """A KV cache format (backend) and the options a spec sets; an option left unset takes the format's default.
+
+    The options are the format's own, as its card declares them (`Backend.options`, in
+    `kvdemo/cache/formats/<name>/__init__.py`): a spec holds only those it sets, so no format's option is a field of
+    another's spec, and a format that adds an option needs no change here. Each is read by name as an attribute
+    (`spec.nbits`, `spec.type_k`: None where unset) or with `given()` and `resolved()`; `validate` checks them against
+    the card (an option the format does not take is refused there, with what it takes).
 
     Attributes:
         backend: a name in `BACKENDS`.
-        nbits: bits per quantized value; q_group_size: values per scale/zero-point group; residual_length:
-            full-precision tokens held before a flush (>= 1); axis_key, axis_value: grouping axes; flush: the
-            flush policy (`requantize`, `append`: `kvdemo.cache.layers.flush`); storage: how `dynamic` stores tensors
-            (`concat`, `growing`: `kvdemo.cache.layers.storage`); rotation: `hadamard` rotates keys and values before
-            quantizing (`kvdemo.cache.layers.rotation`), `none` does not; nbits_value: bits per quantized value of the
-            values alone (`kvdemo.cache.layers.precision`; None: nbits, as transformers); optimize: hqq's optimiser of
-            zero points on (`true`, hqq's default) or off (`false`: `kvdemo.cache.formats.hqq.optimize`); sliding:
-            `keep`
-            the sliding-window layers at full precision or `quantize` them (`kvdemo.cache.model.layer_kinds`); protect:
-            `first:last` quantized layers kept at full precision (`kvdemo.cache.policies.PROTECT_CHOICES`); scale: fp8's
-            scales per tensor or per token and head (`kvdemo.cache.formats.fp8.layers`); norm_correction: TurboQuant's
-            (`kvdemo.cache.formats.turboquant.layers`); type_k, type_v: llama.cpp's cache types (`ggml`); layout:
-            TurboQuant's store, kvdemo's or vLLM's; plan: each
-            layer's nbits, nbits_value and rotation (`kvdemo.cache.layer_plan`, e.g. `k4v2h*12+k2v2h*18`; set, it
-            replaces those three options, which stay unset). Which backend takes which, and the values allowed,
-            are in its registry entry (`Backend.options`).
+        options: the options set, (name, value) pairs in `kvdemo.cache.registry.SPEC_OPTIONS`' order; a `plan` kept in
+            its one canonical text (`kvdemo.cache.layer_plan.canonical_plan`), so that two texts of one plan make one
+            spec (a text that does not parse is kept as given, for `validate` to refuse).
 
     Example:
         >>> CacheSpec.parse("hqq:4,residual_length=16").label
         'hqq nbits=4 q_group_size=64 residual_length=16'
+        >>> CacheSpec("hqq", nbits=4, residual_length=16) == CacheSpec.parse("hqq:4,residual_length=16")
+        True
 
     """
 
-    backend: str = BASELINE
-    nbits: int | None = None
-    q_group_size: int | None = None
-    residual_length: int | None = None
-    axis_key: int | None = None
-    axis_value: int | None = None
-    flush: str | None = None
-    storage: str | None = None
-    rotation: str | None = None
-    nbits_value: int | None = None
-    optimize: str | None = None
-    sliding: str | None = None
-    protect: str | None = None
-    scale: str | None = None
-    norm_correction: str | None = None
-    type_k: str | None = None
-    type_v: str | None = None
-    layout: str | None = None
-    plan: str | None = None
+    backend: str
+    options: tuple[tuple[str, int | str], ...]
 
-    def __post_init__(self) -> None:
-        """A plan is kept in its one canonical text (`kvdemo.cache.layer_plan.canonical_plan`), so that two texts
-        of one plan make one spec; a text that does not parse is kept as given, for `validate` to refuse."""
-        if isinstance(self.plan, str):
+    def __init__(
+        self, backend: str = BASELINE, options: tuple[tuple[str, int | str], ...] = (), **given: int | str | None
+    ) -> None:
+        """`CacheSpec(backend, **options)`: options by name, None for unset (`options`: pairs, as
+        `dataclasses.replace` hands them back). Raises TypeError: a name no format takes as an option."""
+        values: dict[str, Any] = dict(options)
+        values.update(given)
+        unknown = [name for name in values if name not in SPEC_OPTIONS]
+        if unknown:
+            raise TypeError(f"CacheSpec() got an unexpected option {unknown[0]!r}; options: {', '.join(SPEC_OPTIONS)}")
+        if isinstance(values.get(PLAN), str):
             try:
-                object.__setattr__(self, "plan", canonical_plan(self.plan))
+                values[PLAN] = canonical_plan(values[PLAN])
             except ValueError:
                 pass
+        pairs = tuple((name, values[name]) for name in SPEC_OPTIONS if values.get(name) is not None)
+        object.__setattr__(self, "backend", backend)
+        object.__setattr__(self, "options", pairs)
+
+    def __getattr__(self, name: str) -> Any:
+        """An option's value by name (`spec.nbits`), None where unset."""
+        if name in SPEC_OPTIONS:
+            return dict(self.__dict__.get("options", ())).get(name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def info(self) -> Backend:
@@ -106,9 +100,7 @@ class CacheSpec:
 
     def given(self) -> SpecOptions:
         """The options set on this spec (not None), by name."""
-        return cast(
-            SpecOptions, {name: getattr(self, name) for name in SPEC_OPTIONS if getattr(self, name) is not None}
-        )
+        return cast(SpecOptions, dict(self.options))
 
     def resolved(self) -> SpecOptions:
         """Every option the backend takes, with its default filled in where unset (an unset `same_as` option, such

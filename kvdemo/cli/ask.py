@@ -9,8 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kvdemo import checks
-from kvdemo.cache.options import SPEC_OPTIONS
-from kvdemo.cache.registry import BASELINE
+from kvdemo.cache.registry import BASELINE, SPEC_OPTIONS
 from kvdemo.cache.spec import CacheSpec
 
 

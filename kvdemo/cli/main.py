@@ -21,8 +21,14 @@ from typing import TYPE_CHECKING, Any
 from kvdemo import checks
 from kvdemo.cache.catalogue import default_compare_specs, examples
 from kvdemo.cache.deploy import ENGINES
-from kvdemo.cache.options import GROUP_OPTIONS, SPEC_OPTIONS
-from kvdemo.cache.registry import BACKENDS, backends_help, option_choices_text, presets_help
+from kvdemo.cache.registry import (
+    BACKENDS,
+    GROUP_OPTIONS,
+    SPEC_OPTIONS,
+    backends_help,
+    option_choices_text,
+    presets_help,
+)
 from kvdemo.cache.spec import CacheSpec
 from kvdemo.cli.ask import case_questions, run_ask
 from kvdemo.needle import inputs as needle

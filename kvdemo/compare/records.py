@@ -12,8 +12,8 @@ from typing import Any, cast
 
 import pandas as pd
 
-from kvdemo.cache.options import SPEC_OPTIONS, SpecOptions
-from kvdemo.cache.registry import BACKENDS
+from kvdemo.cache.options import SpecOptions
+from kvdemo.cache.registry import BACKENDS, SPEC_OPTIONS
 from kvdemo.evals.cache_error import KVError
 from kvdemo.evals.fidelity import KLStats, PerplexityResult
 

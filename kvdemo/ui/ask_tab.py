@@ -14,7 +14,7 @@ from typing import Any
 
 import gradio as gr
 
-from kvdemo.cache.options import GROUP_OPTIONS
+from kvdemo.cache.registry import GROUP_OPTIONS
 from kvdemo.qa.prefill import PrefillStopped
 from kvdemo.serve.door import ANSWER_BUSY, Session
 from kvdemo.serve.runs import AnswerRun

@@ -10,8 +10,8 @@ from typing import Any, NamedTuple, cast
 import gradio as gr
 
 from kvdemo.cache.catalogue import examples
-from kvdemo.cache.options import GROUP_OPTIONS, Option
-from kvdemo.cache.registry import BACKENDS
+from kvdemo.cache.options import Option
+from kvdemo.cache.registry import BACKENDS, GROUP_OPTIONS
 from kvdemo.cache.spec import CacheSpec
 from kvdemo.cache.state.speedlimit import SpeedLimit
 from kvdemo.charts.steps import KEPT_SERIES, MEMORY_SERIES, answers_frame

@@ -12,8 +12,7 @@ from typing import Any, NamedTuple
 import gradio as gr
 
 from kvdemo.cache.catalogue import all_specs, default_compare_specs, defaults_for, examples
-from kvdemo.cache.options import SPEC_OPTIONS
-from kvdemo.cache.registry import BACKENDS
+from kvdemo.cache.registry import BACKENDS, SPEC_OPTIONS
 from kvdemo.charts.reports import DISPLAY_HELP
 from kvdemo.compare.records import ComparisonCancelled, ComparisonReport
 from kvdemo.evals.cases import continuation_for, gold_answers_for

@@ -17,8 +17,8 @@ import gradio as gr
 
 from kvdemo import checks
 from kvdemo.cache.layer_plan import PLAN
-from kvdemo.cache.options import GROUP_OPTIONS, Option
-from kvdemo.cache.registry import BACKENDS
+from kvdemo.cache.options import Option
+from kvdemo.cache.registry import BACKENDS, GROUP_OPTIONS
 from kvdemo.cache.spec import CacheSpec
 from kvdemo.qa.text import check_text
 from kvdemo.serve.door import MAX_CONTEXT_BYTES

@@ -12,8 +12,8 @@ from typing import Any
 
 import gradio as gr
 
-from kvdemo.cache.options import GROUP_OPTIONS, Option
-from kvdemo.cache.registry import BACKENDS
+from kvdemo.cache.options import Option
+from kvdemo.cache.registry import BACKENDS, GROUP_OPTIONS
 
 FIRST_FIELDS = ("type_k", "type_v", "nbits", "nbits_value", "residual_length", "flush", "rotation", "storage")
 """The option fields shown first, in one row with the backend, those a user of the field sets most (precision:

@@ -13,8 +13,7 @@ import functools
 import zlib
 from typing import Any
 
-from kvdemo.cache.options import GROUP_OPTIONS
-from kvdemo.cache.registry import BACKENDS
+from kvdemo.cache.registry import BACKENDS, GROUP_OPTIONS
 from kvdemo.cache.spec import CacheSpec
 from kvdemo.serve.store import UserSession
 from kvdemo.ui import views

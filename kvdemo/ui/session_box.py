@@ -16,8 +16,7 @@ from typing import Any
 
 import gradio as gr
 
-from kvdemo.cache.options import GROUP_OPTIONS
-from kvdemo.cache.registry import BACKENDS
+from kvdemo.cache.registry import BACKENDS, GROUP_OPTIONS
 from kvdemo.cache.spec import CacheSpec
 from kvdemo.qa.session_file import SUFFIX
 from kvdemo.serve.door import Session
