@@ -159,6 +159,62 @@ def test_imports_point_down_the_package_order():
     assert not wrong, "imports that do not point down the package order:\n" + "\n".join(wrong)
 
 
+CACHE_ROOMS: tuple[tuple[str, ...], ...] = (
+    ("kvdemo.cache.state",),
+    ("kvdemo.cache.catalogue", "kvdemo.cache.warmup"),
+    ("kvdemo.cache.spec",),
+    ("kvdemo.cache.registry",),
+    ("kvdemo.cache.formats",),
+    ("kvdemo.cache.layers", "kvdemo.cache.read"),
+    (
+        "kvdemo.cache.backend",
+        "kvdemo.cache.deploy",
+        "kvdemo.cache.layouts",
+        "kvdemo.cache.options",
+        "kvdemo.cache.model",
+    ),
+    ("kvdemo.cache.layer_plan", "kvdemo.cache.policies"),
+)
+"""docs/DESIGN.md, "The rooms of kvdemo.cache": a module of `kvdemo.cache` may import the rooms on its own floor and on
+the floors below, never one above. The shared layers and the read path share a floor (a layer hands its blocks and
+codes to the read path, which asks the layer for them); so do a format's card and what a model config says."""
+
+
+def _cache_floor(module: str) -> int | None:
+    """The floor of a `kvdemo.cache` module in `CACHE_ROOMS`, None for the package's face."""
+    for floor, rooms in enumerate(CACHE_ROOMS):
+        if any(module == room or module.startswith(room + ".") for room in rooms):
+            return floor
+    if module == "kvdemo.cache":
+        return None
+    raise AssertionError(f"{module} is in no room of CACHE_ROOMS: add it there and to docs/DESIGN.md")
+
+
+def test_the_cache_rooms_import_down_their_order():
+    modules = _modules()
+    wrong = []
+    for name, path in sorted(modules.items()):
+        if not name.startswith("kvdemo.cache.") or (here := _cache_floor(name)) is None:
+            continue
+        for line, target, _ in _imports(path, modules):
+            there = _cache_floor(target) if target.startswith("kvdemo.cache.") else None
+            if there is not None and there < here:
+                wrong.append(f"{path.relative_to(ROOT)}:{line} imports {target} (floor {there} from floor {here})")
+    assert not wrong, "imports that point up the rooms of kvdemo.cache:\n" + "\n".join(wrong)
+
+
+def test_each_package_map_names_its_modules():
+    """Each package of `kvdemo.cache` says in its `__init__` docstring what each of its modules and folders holds:
+    every one is named there (`name`)."""
+    unnamed = []
+    for init in sorted((ROOT / "kvdemo" / "cache").rglob("__init__.py")):
+        named = set(re.findall(r"`(\w+)", ast.get_docstring(ast.parse(init.read_text(encoding="utf-8"))) or ""))
+        parts = [p.stem for p in init.parent.glob("*.py") if p.stem != "__init__"]
+        parts += [d.name for d in init.parent.iterdir() if (d / "__init__.py").is_file()]
+        unnamed += [f"{init.parent.relative_to(ROOT)}/{part}" for part in sorted(parts) if part not in named]
+    assert not unnamed, f"modules their package's map does not name: {unnamed}"
+
+
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     """An import cycle of `graph` (module -> the modules it imports), as the modules along it back to the first, or
     None: a depth-first search that marks each module done once (linear in the imports; following every simple path

@@ -20,7 +20,8 @@ from kvdemo.cache.formats.hqq.layers import (
 )
 from kvdemo.cache.formats.quanto.layers import QUANTO_LAYERS, QueryRotatedQuantoLayer, RotatedQuantoLayer
 from kvdemo.cache.layers.flush import quantized_cache
-from kvdemo.cache.layers.rotation import HADAMARD, ROTATED_MARK, hadamard, hadamard_block, rotation_problem
+from kvdemo.cache.layers.rotation import HADAMARD, ROTATED_MARK, hadamard
+from kvdemo.cache.model.geometry import hadamard_block, rotation_problem
 from kvdemo.cache.read.attention import ATTENTION, install, uses_query_rotation
 from kvdemo.cache.read.blockwise import blockwise_layer
 from kvdemo.cache.spec import build_cache

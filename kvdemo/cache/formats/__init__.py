@@ -1,6 +1,11 @@
-"""One module per KV cache backend, each holding everything kvdemo knows of it: its options and their words, its
-presets, its byte formula and layout rules, how its cache is built and which engine deploys it (`BACKEND`, a
-`kvdemo.cache.backend.Backend`). `kvdemo.cache.registry.BACKENDS` lists the modules; no other module names a backend
-(`tests/test_registry.py`). No torch at import: the modules that build a cache are imported by the function that
-builds one.
+"""One folder per KV cache format, each holding everything kvdemo knows of it: its card in `__init__.py` (`BACKEND`, a
+`kvdemo.cache.backend.Backend`: options and their words, presets, byte formula, layout rules, cache factory, deploy
+rule, store types, examples) and beside it its layers, blocks and codes. The folders: `dynamic` (the full-precision
+baseline), `quanto`, `hqq`, `fp8` (transformers' `QuantizedCache` backends), `turboquant` (TurboQuant, kvdemo's and
+vLLM's layouts) and `ggml` (llama.cpp's cache types).
+
+A folder's modules import each other relatively (`from .layers import ...`) and the shared rooms absolutely; no module
+outside a folder and `kvdemo.cache.registry` imports it or names its format (`tests/test_registry.py`), so a copy of a
+folder under another name, added to `registry.FORMATS`, is another format (`tests/test_format_folder.py`). No torch at
+import: a card imports its layers in the function that builds a cache.
 """

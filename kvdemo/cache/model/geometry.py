@@ -187,3 +187,25 @@ def full_precision_bytes(model_config: PreTrainedConfig, tokens: int, dtype: tor
         46080000
     """
     return kv_geometry(model_config).values_held(tokens) * element_size(dtype)
+
+
+MIN_HADAMARD_BLOCK = 8
+"""The smallest Hadamard block a rotation takes: a head_dim whose largest power-of-two divisor is below it (an odd
+one, 4 x an odd one) is refused, since a rotation within blocks of 2 or 4 channels barely spreads an outlier."""
+
+
+def hadamard_block(head_dim: int) -> int:
+    """The size of the Hadamard blocks that rotate a `head_dim`: head_dim itself when it is a power of two, else the
+    largest power of two that divides it (32 for 96 = 3 x 32, 16 for 80 = 5 x 16, 64 for 192 = 3 x 64)."""
+    return head_dim & -head_dim if head_dim > 0 else 0
+
+
+def rotation_problem(head_dim: int) -> str | None:
+    """Why `rotation=hadamard` cannot run for this head_dim (its power-of-two block, `hadamard_block`, is below
+    `MIN_HADAMARD_BLOCK`), or None."""
+    if hadamard_block(head_dim) < MIN_HADAMARD_BLOCK:
+        return (
+            f"rotation=hadamard needs head_dim to be a multiple of {MIN_HADAMARD_BLOCK} (this model's is {head_dim}: "
+            "its largest power-of-two block is too small to spread an outlier); use rotation=none"
+        )
+    return None

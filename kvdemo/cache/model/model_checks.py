@@ -42,8 +42,7 @@ def check_on_model(spec: _Spec, model_config: PreTrainedConfig) -> None:
     Raises:
         UnsupportedModelError, ValueError: see `CacheSpec.validate`."""
     info = spec.info
-    from kvdemo.cache.layers.rotation import rotation_problem
-    from kvdemo.cache.model.geometry import kv_geometry
+    from kvdemo.cache.model.geometry import kv_geometry, rotation_problem
     from kvdemo.cache.model.groups import allowed_group_sizes, first_problem
     from kvdemo.cache.model.layer_kinds import UnsupportedModelError, quantized_layers, serving_problem
 

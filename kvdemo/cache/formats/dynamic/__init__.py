@@ -1,5 +1,8 @@
 """`dynamic`: transformers' `DynamicCache`, keys and values in the model's dtype, the full-precision baseline; with
-`storage=growing`, kvdemo's `GrowingLayer` (`kvdemo.cache.layers.storage`)."""
+`storage=growing`, kvdemo's `GrowingLayer` (`kvdemo.cache.layers.storage`).
+
+Its folder: the card alone (its layers are transformers' and `kvdemo.cache.layers.storage`'s).
+"""
 
 from __future__ import annotations
 

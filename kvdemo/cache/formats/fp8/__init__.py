@@ -1,6 +1,9 @@
 """`fp8`: transformers' `QuantizedCache(backend="fp8")`, float8_e4m3 codes with one scale per tensor frozen at the first
 update, or one per token and KV head (`scale=per_token_head`, vLLM's); no residual
-(`kvdemo.cache.formats.fp8.layers`)."""
+(`kvdemo.cache.formats.fp8.layers`).
+
+Its folder: the card (here) and its layers and cache (`layers`).
+"""
 
 from __future__ import annotations
 

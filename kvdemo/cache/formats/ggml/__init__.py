@@ -1,7 +1,10 @@
 """`ggml`: llama.cpp's KV cache types (`-ctk`/`-ctv`: q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl, f16), blocks of 32 values
 byte for byte as ggml writes them, every token quantized as it is written (no residual, no flush), llama.cpp's
 Hadamard rotation where llama.cpp applies it, sliding-window layers quantized too
-(`kvdemo.cache.formats.ggml.layers`)."""
+(`kvdemo.cache.formats.ggml.layers`).
+
+Its folder: the card (here), the layers (`layers`) and llama.cpp's blocks byte for byte (`blocks`).
+"""
 
 from __future__ import annotations
 

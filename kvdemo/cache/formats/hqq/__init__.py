@@ -1,6 +1,10 @@
 """`hqq`: transformers' `QuantizedCache(backend="hqq")`, HQQ's 1-8 bit group-wise codes with a full-precision
 residual (its `optimize` switch: `kvdemo.cache.formats.hqq.optimize`); kvdemo's flush, rotation, K/V precision and
-per-layer plan on top (`kvdemo.cache.layers.flush`)."""
+per-layer plan on top (`kvdemo.cache.layers.flush`).
+
+Its folder: the card (here), its layers and their store as codes (`layers`), the fused optimiser (`optimize`, its C
+solver `proximal.c`).
+"""
 
 from __future__ import annotations
 

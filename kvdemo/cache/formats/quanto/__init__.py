@@ -1,6 +1,10 @@
 """`quanto`: transformers' `QuantizedCache(backend="quanto")`, optimum-quanto's int2/int4 group-wise codes with a
 full-precision residual; kvdemo's flush, rotation, K/V precision and per-layer plan on top
-(`kvdemo.cache.layers.flush`)."""
+(`kvdemo.cache.layers.flush`).
+
+Its folder: the card (here), its layers and their store as codes (`layers`), optimum-quanto's extension built once per
+machine (`build`) and its unpacking on CUDA (`device`).
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,10 @@
 """`turboquant`: kvdemo's TurboQuant (arXiv:2504.19874, as vLLM serves it; `kvdemo.cache.formats.turboquant.layers`):
 keys randomly rotated and coded by Lloyd-Max with a norm, values uniform per token and head, a full-precision residual;
-vLLM's `kv_cache_dtype` presets."""
+vLLM's `kv_cache_dtype` presets.
+
+Its folder: the card (here), kvdemo's layout and the cache (`layers`), vLLM's layout (`vllm`) and the Lloyd-Max codes
+(`lloyd_max`).
+"""
 
 from __future__ import annotations
 
@@ -78,7 +82,7 @@ def turboquant_width_problem(opts, tensor: str, width: int) -> str | None:
             f"{width} (vLLM's too); use layout=kvdemo (block-diagonal) or nbits=8"
         )
     if tensor == "keys":
-        from kvdemo.cache.layers.rotation import rotation_problem  # torch: only once a model is given
+        from kvdemo.cache.model.geometry import rotation_problem  # torch: only once a model is given
 
         problem = rotation_problem(width)
         if problem:
