@@ -1,6 +1,6 @@
 """hqq's `optimize` option (`kvdemo.cache.formats.hqq.optimize`): `optimize=false` stores exactly what hqq's own
 `Quantizer.quantize(..., optimize=False)` makes, with every flush policy, rotation and value precision; `true` is
-hqq's solver fused into one C loop (`hqq_proximal.c`), equal to hqq's own within float rounding, and hqq's own
+hqq's solver fused into one C loop (`proximal.c`), equal to hqq's own within float rounding, and hqq's own
 where the kernel cannot be built; the bytes do not change; bad values and other backends are refused with what to
 change."""
 

@@ -155,7 +155,7 @@ class GgmlLayer(BaseQuantizedLayer):
     `keys`, `values` stay empty (no residual).
 
     Attributes:
-        type_k, type_v: the keys' and the values' types (`ggml_blocks.BLOCK_BYTES` or `f16`).
+        type_k, type_v: the keys' and the values' types (`kvdemo.cache.formats.ggml.BLOCK_BYTES` or `f16`).
         query_rotation: the layer's `GgmlRotation` (its store is in that basis; `to_model_basis` reads it);
             query_side: attention rotates the query (the keys returned carry the mark), else every read is rotated
             back.

@@ -11,7 +11,7 @@ min-max rounding: `round(x * scale + zero)` clamped, what optimum-quanto does to
   128-token block of 3 heads of 64: 24,576 values) each operation costs 3-5 us of dispatch and the power 55 us, so
   one tensor takes about 3 ms and a flush of the embedded model's 30 layers (keys and values) 180 ms, 3.4 plain
   decode steps (issue 57). `ProximalQuantizer` runs the same iterations with the same stopping rule in one C loop
-  per group (`hqq_proximal.c`, compiled once per machine by `kvdemo.cache.read.c_build`), about 4 times faster. It
+  per group (`proximal.c`, compiled once per machine by `kvdemo.cache.read.c_build`), about 4 times faster. It
   differs from hqq's solver in float rounding only (the power as expf(p * logf(a)), sums in another order): the
   tests bound the zero points and codes against hqq's own solver on real keys and values. Where the kernel cannot
   be built (no C compiler), on CUDA tensors, and for hqq's other paths (`channel_wise=False`, no groups), it is
@@ -62,7 +62,7 @@ class MinMaxQuantizer(Quantizer):
 
 
 def fused_solver():
-    """The C function `hqq_proximal` (`hqq_proximal.c`), its argument types set; None where it cannot be used:
+    """The C function `hqq_proximal` (`proximal.c`), its argument types set; None where it cannot be used:
     no compiler (`c_build.build_problem(SOURCE)` says why), or an hqq whose `Quantizer.optimize_weights` is no longer
     the legacy proximal solver the kernel repeats."""
     if Quantizer.optimize_weights is not optimize_weights_proximal_legacy:
