@@ -1,6 +1,6 @@
-"""`Backend`: a KV cache backend as the registry (`kvdemo.cache.registry.BACKENDS`) knows it, and the types of the
-rules it carries. Each backend fills one in its own module (`kvdemo.cache.formats`). No torch: the command line's
-`--help` reads them.
+"""`Backend`: a KV cache format's card, as the registry (`kvdemo.cache.registry.BACKENDS`) knows it, and the types of
+the rules it carries. Each format fills one in its folder's `__init__.py` (`kvdemo.cache.formats`). No torch: the
+command line's `--help` reads them.
 """
 
 from __future__ import annotations
