@@ -16,7 +16,7 @@ from kvdemo import QASession, kv_memory
 from kvdemo.cache.backend import Backend
 from kvdemo.cache.catalogue import all_specs, default_compare_specs
 from kvdemo.cache.options import Option
-from kvdemo.cache.registry import BACKENDS, markdown_table
+from kvdemo.cache.registry import BACKENDS, FORMATS, markdown_table
 from kvdemo.cache.spec import CacheSpec, estimate_kv_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,15 +80,7 @@ def test_a_fifth_backend_reaches_the_page(with_dummy, tiny):
 
     demo = build_demo(App(loader=lambda source=None: tiny))
     radios = [b for b in demo.blocks.values() if isinstance(b, gr.Radio) and b.label == "cache backend"]
-    assert [choice[1] for choice in radios[0].choices] == [
-        "dynamic",
-        "quanto",
-        "hqq",
-        "fp8",
-        "turboquant",
-        "ggml",
-        "dummy",
-    ]
+    assert [choice[1] for choice in radios[0].choices] == [*FORMATS, "dummy"]
     boxes = [b for b in demo.blocks.values() if isinstance(b, gr.CheckboxGroup)]
     assert ("dummy:16", "dummy:16") in boxes[0].choices and "dummy:16" in boxes[0].value
     *fields, note = backend_option_updates("dummy")

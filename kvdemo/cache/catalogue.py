@@ -64,7 +64,8 @@ def examples(purpose: str) -> tuple[str, ...]:
 
 def default_compare_specs() -> list[CacheSpec]:
     """The specs compared when none are chosen: each backend at each of its `compare_nbits`, its other options at
-    their defaults (a rotated twin is one click away: `all_specs`). Six specs, one per backend: a first comparison
+    their defaults (a rotated twin is one click away: `all_specs`). One spec per backend (six today; a format sets
+    `compare_nbits=()` to stay out): a first comparison
     stays quick on every model offered, and the Compare tab adds the Ask tab's own start to them.
 
     Example:

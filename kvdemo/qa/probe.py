@@ -122,7 +122,10 @@ def _probe(loaded: LoadedModel, spec: CacheSpec) -> str | None:
         if not spec.info.quantized:
             gap = float((logits - free).abs().max())
             if gap > _tolerance(loaded, free):
-                return f"its cached forward pass differs from a cache-free one by {gap:.3g} in the logits"
+                return (
+                    f"its cached forward pass differs from a cache-free one by {gap:.3g} in the logits (a "
+                    f"{spec.backend} cache stores exactly what the model wrote: its card says quantized=False)"
+                )
             return None
         with read_whole(), replayed_writes(writes):  # the same bytes where a layer quantizes each token it writes
             reference, _ = _run(loaded, spec, ids, restore=False)

@@ -1,8 +1,7 @@
 """One folder per KV cache format, each holding everything kvdemo knows of it: its card in `__init__.py` (`BACKEND`, a
 `kvdemo.cache.backend.Backend`: options and their words, presets, byte formula, layout rules, cache factory, deploy
-rule, store types, examples) and beside it its layers, blocks and codes. The folders: `dynamic` (the full-precision
-baseline), `quanto`, `hqq`, `fp8` (transformers' `QuantizedCache` backends), `turboquant` (TurboQuant, kvdemo's and
-vLLM's layouts) and `ggml` (llama.cpp's cache types).
+rule, store types, examples) and beside it its layers, blocks and codes. `kvdemo.cache.registry.FORMATS` lists the
+folders, in the order the page shows them.
 
 A folder's modules import each other relatively (`from .layers import ...`) and the shared rooms absolutely; no module
 outside a folder and `kvdemo.cache.registry` imports it or names its format (`tests/test_registry.py`), so a copy of a

@@ -1,8 +1,9 @@
 """kvdemo's own C kernels, compiled once per machine into the kvdemo cache folder and loaded with ctypes.
 
-A kernel is one C file beside the module that uses it (`kvdemo/cache/formats/hqq/proximal.c`, `kvdemo/cache/read/code_attention.c`), with no torch or
-Python headers: it takes pointers to contiguous float32 buffers (`tensor.data_ptr()`), so it compiles in about a
-second with the system's C compiler (`$CC`, else `cc`), and `make` compiles it during the set-up
+A kernel is one C file beside the module that uses it (`kvdemo/cache/formats/hqq/proximal.c`,
+`kvdemo/cache/read/code_attention.c`), with no torch or Python headers: it takes pointers to contiguous float32
+buffers (`tensor.data_ptr()`), so it compiles in about a second with the system's C compiler (`$CC`, else `cc`), and
+`make` compiles it during the set-up
 (`kvdemo.cache.warmup.warm_up`). The library lands in `cache_dir() / "c" / <name>-<key>.so`, keyed by what it
 depends on: the source, the flags, the compiler's version and this machine's CPU flags (`-march=native`). A build is
 written under a temporary name and renamed into place, so processes that compile at once never load half a file.

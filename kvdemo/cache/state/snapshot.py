@@ -158,7 +158,8 @@ def _kv_rule(index: int, layer: object) -> str:
     raise TypeError(
         f"layer {index} is a {type(layer).__name__}; kvdemo can only snapshot layers that assign new tensors on "
         "update (DynamicLayer, DynamicSlidingWindowLayer and the QuantizedCache layers), in-place recurrent states "
-        "and layers that hold nothing"
+        "and layers that hold nothing; a format's own layer subclasses transformers' BaseQuantizedLayer, restored by "
+        "its attributes, as ggml's and TurboQuant's are"
     )
 
 
