@@ -67,9 +67,9 @@ class CacheSpec:
     options: tuple[tuple[str, int | str], ...]
 
     def __init__(
-        self, backend: str = BASELINE, options: tuple[tuple[str, int | str], ...] = (), **given: int | str | None
+        self, backend: str = BASELINE, *, options: tuple[tuple[str, int | str], ...] = (), **given: int | str | None
     ) -> None:
-        """`CacheSpec(backend, **options)`: options by name, None for unset (`options`: pairs, as
+        """`CacheSpec(backend, **options)`: options by name, None for unset (`options=`: pairs, as
         `dataclasses.replace` hands them back). Raises TypeError: a name no format takes as an option."""
         values: dict[str, Any] = dict(options)
         values.update(given)

@@ -179,12 +179,12 @@ class ResidualLayers:
         the read side."""
         rotated = rotation != ROTATIONS[0]
         if flush == "append":
-            return (
-                self.append_query_rotated
-                if rotated and rotate_query
-                else (self.append_rotated if rotated else self.append)
-            )
-        return (self.query_rotated if rotate_query else self.rotated) if rotated else self.plain
+            if not rotated:
+                return self.append
+            return self.append_query_rotated if rotate_query else self.append_rotated
+        if not rotated:
+            return self.plain
+        return self.query_rotated if rotate_query else self.rotated
 
 
 def _layer_class(layers: ResidualLayers, flush: str, rotation: str, rotate_query: bool, blockwise: bool) -> type:
