@@ -42,8 +42,8 @@ from flush import base_kv as flush_base_kv  # noqa: E402  (benchmarks/flush.py's
 from flush import fill, forward, log  # noqa: E402
 
 from kvdemo import CacheSpec, load_model  # noqa: E402
-from kvdemo.cache.read.attention import decode_read, materialized_blocks  # noqa: E402
-from kvdemo.cache.read.blockwise import dequantized_reads  # noqa: E402
+from kvdemo.cache.layers.attention import decode_read, materialized_blocks  # noqa: E402
+from kvdemo.cache.layers.blockwise import dequantized_reads  # noqa: E402
 from kvdemo.cache.spec import build_cache  # noqa: E402
 from kvdemo.cache.state import snapshot  # noqa: E402
 from kvdemo.cache.state.speedlimit import probe_bandwidth, speed_limit  # noqa: E402

@@ -109,7 +109,7 @@ READ_SIDE = " (read side)"
 def step_cost(loaded, rounds: int) -> dict:
     """Median decode-step seconds of quanto:4 and hqq:4, rotation off and on, at the Normans example's length and
     4x it (interleaved). Rotated, both ways: the query side (what `rotation=hadamard` builds for the embedded model,
-    `kvdemo.cache.read.attention`) and the read side (`name + READ_SIDE`: the whole store rotated back at every
+    `kvdemo.cache.layers.attention`) and the read side (`name + READ_SIDE`: the whole store rotated back at every
     step)."""
     stem, paragraphs = EXAMPLES["Normans"]
     ids = perplexity_inputs(loaded, load_case(example_path(stem)).select(paragraphs).context, 8, None).context_ids

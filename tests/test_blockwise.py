@@ -1,4 +1,4 @@
-"""Block-wise reads (`kvdemo.cache.read.blockwise`): the merge by log-sum-exp is attention over the joined blocks, a
+"""Block-wise reads (`kvdemo.cache.layers.blockwise`): the merge by log-sum-exp is attention over the joined blocks, a
 block-wise layer keeps the same state as transformers' layer at every step, and kvdemo's attention falls back to the
 whole store for a call the block-wise path does not take. No model."""
 
@@ -11,10 +11,10 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvdemo.cache.formats.hqq.layers import HQQ_LAYERS, AppendHQQLayer, ExactHQQLayer
 from kvdemo.cache.formats.quanto.layers import QUANTO_LAYERS, ExactQuantoLayer, QueryRotatedQuantoLayer
+from kvdemo.cache.layers.attention import kvdemo_attention
+from kvdemo.cache.layers.blockwise import BLOCKS_MARK, StoreBlocks, attend_blockwise, blocks_of, blockwise_layer
 from kvdemo.cache.layers.flush import quantized_cache
 from kvdemo.cache.layers.rotation import ROTATED_MARK, rotate
-from kvdemo.cache.read.attention import kvdemo_attention
-from kvdemo.cache.read.blockwise import BLOCKS_MARK, StoreBlocks, attend_blockwise, blocks_of, blockwise_layer
 
 
 class _Attention(torch.nn.Module):

@@ -16,8 +16,8 @@ from kvdemo import CacheSpec, QASession
 from kvdemo.cache.formats.hqq.layers import hqq_codes
 from kvdemo.cache.formats.quanto.layers import AppendQuantoLayer, RotatedQuantoLayer, quanto_codes
 from kvdemo.cache.formats.turboquant.layers import quantize_uniform, uniform_codes
-from kvdemo.cache.read.attention import ATTENTION, _joined_layers, decode_read
-from kvdemo.cache.read.blockwise import _FLASH, StoreBlocks, attend_blockwise, code_reader, dequantized_reads
+from kvdemo.cache.layers.attention import ATTENTION, _joined_layers, decode_read
+from kvdemo.cache.layers.blockwise import _FLASH, StoreBlocks, attend_blockwise, code_reader, dequantized_reads
 from kvdemo.cache.read.code_attention import MAX_DIM, attend_codes, dequantize_codes, kernel
 from kvdemo.cache.spec import build_cache
 from kvdemo.cache.state import snapshot

@@ -16,7 +16,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.cache_utils import BaseQuantizedLayer
 
-from kvdemo.cache.layers import flush
+from kvdemo.cache.layers import attention, flush
 from kvdemo.cache.model.layer_kinds import (
     LAYER_KINDS,
     STATE_ATTRIBUTES,
@@ -24,7 +24,6 @@ from kvdemo.cache.model.layer_kinds import (
     layer_types,
     quantized_layers,
 )
-from kvdemo.cache.read import attention
 from kvdemo.cache.spec import CacheSpec, build_cache
 from kvdemo.qa.models import LoadedModel
 from kvdemo.qa.session import QASession
@@ -302,7 +301,7 @@ def test_a_wrong_blockwise_read_is_reported_as_kvdemos_bug_not_the_models(embedd
     (the path `dequantized_reads` keeps)."""
     from contextlib import nullcontext
 
-    from kvdemo.cache.read import blockwise
+    from kvdemo.cache.layers import blockwise
 
     if read == "codes":
         codes = blockwise.attend_codes

@@ -11,8 +11,8 @@ from transformers.cache_utils import HQQQuantizedLayer
 from kvdemo import CacheSpec, QASession
 from kvdemo.cache.formats.hqq.layers import HQQ_LAYERS, AppendHQQLayer, ExactHQQLayer
 from kvdemo.cache.formats.quanto.layers import AppendQuantoLayer, ExactQuantoLayer
+from kvdemo.cache.layers.blockwise import blockwise_layer
 from kvdemo.cache.layers.flush import AppendFlushMixin, quantized_cache
-from kvdemo.cache.read.blockwise import blockwise_layer
 from kvdemo.cache.spec import build_cache
 from kvdemo.cache.state import snapshot
 from kvdemo.cache.state.telemetry import kv_memory

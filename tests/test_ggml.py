@@ -31,8 +31,8 @@ from kvdemo.cache.formats.ggml.layers import (
     _block_hadamard,
     key_rotation_block,
 )
+from kvdemo.cache.layers.blockwise import blocks_of
 from kvdemo.cache.layers.rotation import to_model_basis
-from kvdemo.cache.read.blockwise import blocks_of
 from kvdemo.cache.spec import estimate_kv_bytes
 from kvdemo.ui.views import prefill_summary
 from tests.helpers import make_tiny

@@ -165,7 +165,7 @@ CACHE_ROOMS: tuple[tuple[str, ...], ...] = (
     ("kvdemo.cache.spec",),
     ("kvdemo.cache.registry",),
     ("kvdemo.cache.formats",),
-    ("kvdemo.cache.layers", "kvdemo.cache.read"),
+    ("kvdemo.cache.layers",),
     (
         "kvdemo.cache.backend",
         "kvdemo.cache.deploy",
@@ -173,11 +173,12 @@ CACHE_ROOMS: tuple[tuple[str, ...], ...] = (
         "kvdemo.cache.options",
         "kvdemo.cache.model",
     ),
-    ("kvdemo.cache.layer_plan", "kvdemo.cache.policies"),
+    ("kvdemo.cache.layer_plan", "kvdemo.cache.policies", "kvdemo.cache.read"),
 )
 """docs/DESIGN.md, "The rooms of kvdemo.cache": a module of `kvdemo.cache` may import the rooms on its own floor and on
-the floors below, never one above. The shared layers and the read path share a floor (a layer hands its blocks and
-codes to the read path, which asks the layer for them); so do a format's card and what a model config says."""
+the floors below, never one above. A format's card and what a model config says share a floor (a card's rules take a
+model's geometry; a spec's checks on a model read the card's rules, named for the type checker only); the decode
+kernel (`read`) imports no other room."""
 
 
 def _cache_floor(module: str) -> int | None:

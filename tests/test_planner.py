@@ -15,7 +15,7 @@ import torch
 
 from kvdemo import CacheSpec, QASession
 from kvdemo.cache.layer_plan import LayerPrecision, parse_plan
-from kvdemo.cache.read.attention import recording_queries
+from kvdemo.cache.layers.attention import recording_queries
 from kvdemo.cache.spec import estimate_kv_bytes
 from kvdemo.cache.state.telemetry import kv_memory
 from kvdemo.compare.run import compare

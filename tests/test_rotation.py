@@ -1,4 +1,4 @@
-"""kvdemo.cache.layers.rotation and kvdemo.cache.read.attention: the Hadamard matrix, rotated layers that store the
+"""kvdemo.cache.layers.rotation and kvdemo.cache.layers.attention: the Hadamard matrix, rotated layers that store the
 library's own quantization of the rotated keys and values (rotated back on read, or kept in the rotated basis for
 kvdemo's attention function, which rotates the query), what rotation buys on keys with outlier channels, and its
 refusals. The restore and fresh-run invariants of the rotated specs run in tests/test_invariants.py (`all_specs`)."""
@@ -19,11 +19,11 @@ from kvdemo.cache.formats.hqq.layers import (
     set_quantizer,
 )
 from kvdemo.cache.formats.quanto.layers import QUANTO_LAYERS, QueryRotatedQuantoLayer, RotatedQuantoLayer
+from kvdemo.cache.layers.attention import ATTENTION, install, uses_query_rotation
+from kvdemo.cache.layers.blockwise import blockwise_layer
 from kvdemo.cache.layers.flush import quantized_cache
 from kvdemo.cache.layers.rotation import HADAMARD, ROTATED_MARK, hadamard
 from kvdemo.cache.model.geometry import hadamard_block, rotation_problem
-from kvdemo.cache.read.attention import ATTENTION, install, uses_query_rotation
-from kvdemo.cache.read.blockwise import blockwise_layer
 from kvdemo.cache.spec import build_cache
 from kvdemo.evals.cache_error import dequantized_kv
 from tests.helpers import logits_through, make_tiny
@@ -119,7 +119,7 @@ def test_rotation_with_the_append_flush_builds_both_layers(tiny):
 
 def test_kvdemos_attention_gives_sdpas_own_bits_for_an_unrotated_cache(embedded):
     """Without a rotation kvdemo's attention is sdpa's, bit for bit, for a cache read whole; a quantized cache read
-    block-wise (the default under kvdemo's attention, `kvdemo.cache.read.blockwise`) agrees to float rounding."""
+    block-wise (the default under kvdemo's attention, `kvdemo.cache.layers.blockwise`) agrees to float rounding."""
     tiny = make_tiny(embedded.tokenizer, seed=3)  # its own model: the attention is switched below
     assert tiny.config._attn_implementation == ATTENTION
     ids = embedded.tokenizer("The Normans held Rouen. Rollo led them, and Normandy was named after them.")["input_ids"]

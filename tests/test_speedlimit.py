@@ -10,7 +10,7 @@ import torch
 
 from kvdemo import CacheSpec, QASession
 from kvdemo.cache.formats.quanto.layers import QUANTO_LAYERS
-from kvdemo.cache.read.blockwise import dequantized_reads
+from kvdemo.cache.layers.blockwise import dequantized_reads
 from kvdemo.cache.state.speedlimit import SpeedLimit, probe_bandwidth, speed_limit, weight_bytes
 from kvdemo.ui import views
 from tests.helpers import make_tiny

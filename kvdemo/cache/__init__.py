@@ -7,9 +7,9 @@
   one-off warm-up (`warmup`);
 - `formats`: one folder per format, everything kvdemo knows of it (its card, layers, blocks, codes, store types);
 - `layers`: the layer mixins every format shares (flush policies, rotation, K/V precision, sliding windows, float8
-  arithmetic, the cache built by layer kind, `dynamic`'s growing storage);
-- `read`: the decode read path (kvdemo's attention function, the block-wise read, the kernel over the stored codes
-  and its C build);
+  arithmetic, the cache built by layer kind, `dynamic`'s growing storage), the block-wise read and kvdemo's attention
+  function;
+- `read`: the decode kernel over the stored codes and the build of kvdemo's C kernels (it imports no other room);
 - `model`: what a model's config says the cache holds (geometry, layer kinds, q_group_size against the shapes, a
   spec's checks on a model);
 - `state`: the live cache's state (the post-prefill snapshot, a cache as a file, its real memory, the out-of-memory

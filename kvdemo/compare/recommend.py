@@ -44,7 +44,7 @@ import torch
 
 from kvdemo.cache.deploy import ENGINES
 from kvdemo.cache.layer_plan import PLAN
-from kvdemo.cache.read.attention import recording_queries
+from kvdemo.cache.layers.attention import recording_queries
 from kvdemo.cache.registry import BACKENDS
 from kvdemo.cache.spec import CacheSpec, estimate_kv_bytes
 from kvdemo.compare.candidates import ANY_ENGINE, candidate_specs, has_windows

@@ -2,7 +2,7 @@
 values get more bits, and which are rotated (`kvdemo.cache.layer_plan` writes the result as a spec's `plan`).
 
 The measure (`layer_errors`): one full-precision prefill of the context through the model, which also records the
-last `query_tokens` queries of every layer (`kvdemo.cache.read.attention.recording_queries`). Then, for every
+last `query_tokens` queries of every layer (`kvdemo.cache.layers.attention.recording_queries`). Then, for every
 candidate precision the backend takes (each nbits, each rotation), the context's keys and values are quantized by
 the library's own layers (the cache a spec of that precision builds: its prefill update, as a real prefill does)
 and read back in the model's basis (`cache_error.layer_kv`), one layer at a time. A layer's error for a candidate
@@ -44,8 +44,8 @@ import torch.nn.functional as F
 from transformers.cache_utils import DynamicLayer
 
 from kvdemo.cache.layer_plan import LayerPrecision, plan_text
+from kvdemo.cache.layers.attention import QueryRecord, recording_queries, uses_query_rotation
 from kvdemo.cache.model.layer_kinds import is_latent, quantized_layers
-from kvdemo.cache.read.attention import QueryRecord, recording_queries, uses_query_rotation
 from kvdemo.cache.spec import CacheSpec, build_cache
 from kvdemo.evals.cache_error import ReferenceKV, layer_kv, reference_kv
 from kvdemo.evals.plan_budget import (

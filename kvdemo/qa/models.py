@@ -89,7 +89,7 @@ class LoadedModel:
             safetensors copy of a GGUF, see the module docstring), or `"pretrained"` (a folder or Hub id).
         load_seconds: wall time of the load (seconds), 0.0 when not measured.
 
-    Made, it points the model's attention at kvdemo's (`kvdemo.cache.read.attention.install`: transformers' sdpa, plus
+    Made, it points the model's attention at kvdemo's (`kvdemo.cache.layers.attention.install`: transformers' sdpa, plus
     the query side of a rotated cache; every other cache gets sdpa's own bits).
     """
 
@@ -105,7 +105,7 @@ class LoadedModel:
     load_seconds: float = 0.0
 
     def __post_init__(self) -> None:
-        from kvdemo.cache.read.attention import install
+        from kvdemo.cache.layers.attention import install
 
         install(self.model)
 

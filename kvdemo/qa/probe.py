@@ -15,7 +15,7 @@ cache of the spec, decodes the last two, restores the cache and decodes the firs
 4. for a quantized backend, the logits are those of the same cache read whole (`kvdemo.cache.layers.flush.read_whole`:
    no block-wise read, a rotation undone on read), within half of what quantization moves them from a cache-free pass.
    Where they are not, the run is made once more with the block-wise marks kept but the blocks read whole
-   (`kvdemo.cache.read.attention.materialized_blocks`): if that agrees with the read-whole cache, kvdemo's own
+   (`kvdemo.cache.layers.attention.materialized_blocks`): if that agrees with the read-whole cache, kvdemo's own
    block-wise read is wrong, and the refusal says so (a kvdemo bug); if not, the model changes the keys and values
    between the cache and attention.
 
@@ -35,9 +35,9 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from kvdemo.cache.layers.attention import materialized_blocks
 from kvdemo.cache.layers.flush import read_whole, recorded_writes, replayed_writes
 from kvdemo.cache.model.layer_kinds import UnsupportedModelError
-from kvdemo.cache.read.attention import materialized_blocks
 from kvdemo.cache.registry import BACKENDS
 from kvdemo.cache.spec import CacheSpec, build_cache
 from kvdemo.cache.state import snapshot

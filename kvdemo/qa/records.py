@@ -34,7 +34,7 @@ class PrefillReport:
         deploy: the lines of the engines that store this cache the same way, kvdemo's last
             (`kvdemo.cache.spec.CacheSpec.deployments`: "llama.cpp: llama-server -m MODEL.gguf -ctk q4_0 -ctv q4_0
             -fa on").
-        decode_read: how the decode steps attend to this cache (`kvdemo.cache.read.attention.decode_read`:
+        decode_read: how the decode steps attend to this cache (`kvdemo.cache.layers.attention.decode_read`:
             "Decode attention reads the stored codes in 30 layers").
     """
 

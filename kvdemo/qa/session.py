@@ -21,8 +21,8 @@ from transformers import Cache, PreTrainedConfig
 from transformers.cache_utils import DynamicLayer
 
 from kvdemo import checks
+from kvdemo.cache.layers.attention import decode_read
 from kvdemo.cache.model.geometry import full_precision_bytes
-from kvdemo.cache.read.attention import decode_read
 from kvdemo.cache.spec import CacheSpec, build_cache
 from kvdemo.cache.state import budget, snapshot
 from kvdemo.cache.state.telemetry import StepEvent, kv_memory

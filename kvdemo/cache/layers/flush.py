@@ -29,14 +29,14 @@ from transformers import PreTrainedConfig, QuantizedCache
 from transformers.cache_utils import QuantizedLayer
 
 from kvdemo.cache.layer_plan import PLAN, LayerPrecision, parse_plan
+from kvdemo.cache.layers.attention import uses_query_rotation
+from kvdemo.cache.layers.blockwise import blockwise_layer
 from kvdemo.cache.layers.by_kind import library_cache, sliding_windows, with_kept_layers
 from kvdemo.cache.layers.precision import value_precision_layer
 from kvdemo.cache.layers.rotation import LibraryLayer
 from kvdemo.cache.layers.sliding import sliding_layer
 from kvdemo.cache.model.layer_kinds import is_latent, quantized_layers
 from kvdemo.cache.policies import FLUSH_POLICIES, PROTECT_CHOICES, ROTATIONS, SLIDING_CHOICES
-from kvdemo.cache.read.attention import uses_query_rotation
-from kvdemo.cache.read.blockwise import blockwise_layer
 
 _READ_WHOLE: ContextVar[bool] = ContextVar("kvdemo_read_whole", default=False)
 _T = TypeVar("_T")
@@ -101,7 +101,7 @@ class AppendFlushMixin(LibraryLayer):
     (a quanto `QTensor`, an hqq `(W_q, meta)` pair)."""
 
     dequantize_delegates = True
-    """A single block's `_dequantize` is the next class's (`kvdemo.cache.read.blockwise.code_reader`)."""
+    """A single block's `_dequantize` is the next class's (`kvdemo.cache.layers.blockwise.code_reader`)."""
 
     def _dequantize(self, store):
         """The store de-quantized, [batch, kv_heads, tokens, head_dim]: each block by the library's own
@@ -189,7 +189,7 @@ class ResidualLayers:
 
 def _layer_class(layers: ResidualLayers, flush: str, rotation: str, rotate_query: bool, blockwise: bool) -> type:
     """The layer class for one layer of the family `layers`: rotated by `rotation` (query or read side), with the
-    `flush` policy, read block-wise at decode steps if `blockwise` (`kvdemo.cache.read.blockwise`)."""
+    `flush` policy, read block-wise at decode steps if `blockwise` (`kvdemo.cache.layers.blockwise`)."""
     layer_class = layers.pick(flush, rotation, rotate_query)
     return blockwise_layer(layer_class) if blockwise else layer_class
 
@@ -305,13 +305,13 @@ def quantized_cache(
         rotation: one of `ROTATIONS`.
         nbits_value: bits per quantized value of the values; None (or nbits): nbits, as transformers.
         rotate_query: with a rotation, keep the layers in the rotated basis and let attention rotate the query
-            (`kvdemo.cache.layers.rotation.QueryRotationMixin`, needs `kvdemo.cache.read.attention.kvdemo_attention`),
+            (`kvdemo.cache.layers.rotation.QueryRotationMixin`, needs `kvdemo.cache.layers.attention.kvdemo_attention`),
             or rotate every read back (`RotationMixin`, any attention); None: the query side exactly when `config`
-            attends through `kvdemo_attention` (`kvdemo.cache.read.attention.install`) and caches its keys and values
+            attends through `kvdemo_attention` (`kvdemo.cache.layers.attention.install`) and caches its keys and values
             as attention reads them (not a latent: `kvdemo.cache.model.layer_kinds.is_latent`).
         plan: one `LayerPrecision` per quantized layer (`kvdemo.cache.model.layer_kinds.quantized_layers`), replacing
             `nbits`, `nbits_value`, `rotation` (left unset); None: alike.
-        blockwise: decode steps attend to the store block by block (`kvdemo.cache.read.blockwise`, needs
+        blockwise: decode steps attend to the store block by block (`kvdemo.cache.layers.blockwise`, needs
             `kvdemo_attention`), or read it whole as transformers does (False); None: block-wise exactly when
             `config` attends through `kvdemo_attention` and is not latent.
         sliding: `keep` the sliding-window layers at full precision (transformers' `DynamicSlidingWindowLayer`) or
@@ -347,7 +347,7 @@ def quantized_cache(
 def residual_cache(layers: ResidualLayers, options: dict[str, Any], config: PreTrainedConfig) -> QuantizedCache:
     """`quantized_cache` of the family `layers` with a spec's options (those a spec sets, `CacheSpec.given()`): the
     layers flush by the `flush` option's policy and rotate by the `rotation` option, or take each its own precision
-    from the `plan`; read block-wise under kvdemo's attention (`kvdemo.cache.read.blockwise`)."""
+    from the `plan`; read block-wise under kvdemo's attention (`kvdemo.cache.layers.blockwise`)."""
     options = dict(options)
     flush, rotation = str(options.pop("flush", FLUSH_POLICIES[0])), str(options.pop("rotation", ROTATIONS[0]))
     nbits_value = options.pop("nbits_value", None)

@@ -14,7 +14,7 @@ a quantized KV cache (ggml-org/llama.cpp#21038), ik_llama.cpp's `-khad`/`-vhad`.
 Two ways, the same arithmetic in exact terms (`benchmarks/rotation.py` measures both per decode step):
 
 - **query side** (`QueryRotationMixin`, what `rotation=hadamard` builds when the model attends through
-  `kvdemo.cache.read.attention.kvdemo_attention`): the layer rotates each new token's key and value once, on entry,
+  `kvdemo.cache.layers.attention.kvdemo_attention`): the layer rotates each new token's key and value once, on entry,
   and keeps everything (store and residual) in the rotated basis; attention rotates the query and rotates its
   output back. O(new tokens x head_dim^2) per layer and step.
 - **read side** (`RotationMixin`, for a model whose attention is not kvdemo's, e.g. `eager`): the library
@@ -100,7 +100,7 @@ def random_signs(size: int, dtype: torch.dtype = torch.float32, device: str = "c
 @dataclass(frozen=True)
 class QueryRotation:
     """How a query-side rotated layer's keys (and values) are rotated, as the mark on its keys tells
-    `kvdemo.cache.read.attention.kvdemo_attention`: x -> x H (`rotation=hadamard`, keys and values), or the
+    `kvdemo.cache.layers.attention.kvdemo_attention`: x -> x H (`rotation=hadamard`, keys and values), or the
     randomized Hadamard transform x -> (x D) H with D the diagonal of `random_signs` (TurboQuant's keys,
     `kvdemo.cache.formats.turboquant.layers`; the signs before H make the rotated coordinates of any vector random, as a
     random rotation does: a Hadamard row itself would come out as one spike). Both are orthonormal, so attention
@@ -137,7 +137,7 @@ HADAMARD = QueryRotation()
 
 ROTATED_MARK = "_kvdemo_rotated"
 """The attribute a query-side rotated layer sets (a `QueryRotation`) on the key tensor its `update` returns; read by
-`kvdemo.cache.read.attention.kvdemo_attention`."""
+`kvdemo.cache.layers.attention.kvdemo_attention`."""
 
 
 def mark_rotated(keys: torch.Tensor, rotation: QueryRotation = HADAMARD) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""The decode read path: kvdemo's attention function (`attention`: the query side of a rotated cache, which path each
-layer takes, `decode_read`), the block-wise read of a quantized store (`blockwise`), decode attention over the stored
-codes (`code_attention`, its C kernel `code_attention.c` with llama.cpp's block arithmetic `ggml_dequant.c`) and the
-one-per-machine build of kvdemo's C kernels (`c_build`). A format hands this path its store as codes
-(`code_attention.StoreCodes`, from its layer's `_codes_of`), or none."""
+"""The decode kernel over the stored codes: decode attention that reads each block's codes a tile at a time
+(`code_attention`, its C source `code_attention.c` with llama.cpp's block arithmetic `ggml_dequant.c`), and the
+one-per-machine build of kvdemo's C kernels (`c_build`). It imports nothing else of `kvdemo.cache`: a format's layer
+describes its store as codes (`code_attention.StoreCodes`, from the layer's `_codes_of`), and the block-wise read
+(`kvdemo.cache.layers.blockwise`) hands the kernel those descriptors."""

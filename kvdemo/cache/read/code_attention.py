@@ -1,7 +1,7 @@
 """Decode attention over a quantized store's codes: a decode step scores the stored keys and sums the stored values
 straight from their packed codes, one tile of 32 tokens at a time, and never builds a float copy of the store.
 
-Before, a decode step de-quantized each stored block whole (`kvdemo.cache.read.blockwise.attend_blockwise`: a float
+Before, a decode step de-quantized each stored block whole (`kvdemo.cache.layers.blockwise.attend_blockwise`: a float
 tensor of every stored token, written then read again by torch's flash kernel), so a 4-bit step moved more bytes
 than `dynamic`'s: the codes, then 32-bit floats out and in. Here a C kernel (`code_attention.c`, compiled once per
 machine by `kvdemo.cache.read.c_build`, OpenMP over ranges of tokens of each KV head) reads each block's codes, scales
@@ -43,7 +43,7 @@ kernel does (`benchmarks/code_attention.py` and docs/benchmarks.md give the logi
 
 It serves float32 queries and stores on the CPU, one decode step (no mask), head_dim up to 256 and up to 64 query
 rows per KV head; any other call, a store of another dtype (a bfloat16 model's), or a machine with no C compiler
-(`c_build.build_problem`) takes the de-quantize path, and `kvdemo.cache.read.attention.decode_read` says which one
+(`c_build.build_problem`) takes the de-quantize path, and `kvdemo.cache.layers.attention.decode_read` says which one
 each of a cache's layers takes.
 """
 

@@ -100,7 +100,7 @@ class SpeedLimit:
         dequantized_bytes: bytes of full-precision keys and values a step of a quantized cache makes by
             de-quantizing its whole store in every layer (every stored token at each step, no copy kept between
             steps: joined whole by transformers' `QuantizedLayer.update` and the fp8 layer, block by block by
-            `kvdemo.cache.read.blockwise`; `benchmarks/flush.py` and `benchmarks/decode.py` measure the time); 0 for
+            `kvdemo.cache.layers.blockwise`; `benchmarks/flush.py` and `benchmarks/decode.py` measure the time); 0 for
             `dynamic` and for the layers whose decode attention reads the stored codes (`code_layers`). Not in the
             floor.
         code_layers: layers whose decode attention reads the stored codes with no de-quantized copy
@@ -194,7 +194,7 @@ def speed_limit(model: PreTrainedModel, cache: Cache, bandwidth: float | None = 
         >>> limit = speed_limit(loaded.model, session.cache)
         >>> f"{limit.floor_seconds * 1000:.1f} ms, step / floor {limit.ratio(0.082):.1f}x"
     """
-    from kvdemo.cache.read.attention import layer_reads
+    from kvdemo.cache.layers.attention import layer_reads
 
     memory = kv_memory(cache)
     # keys and values of one token in one layer, in the model's dtype (what a layer de-quantizes each step)

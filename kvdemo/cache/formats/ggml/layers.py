@@ -24,7 +24,7 @@ What llama.cpp does with a quantized cache (llama.cpp commit 0c1e570 as vendored
   H_64 blocks (`build_input_v_rot`: "using smaller rotation matrices for V seems beneficial"); both orthonormal and
   symmetric, no random signs. llama.cpp rotates Q and K before the store and V before the store, and rotates the
   attention output back by the values' matrix. kvdemo does the same under its attention function (`GgmlRotation`,
-  read by `kvdemo.cache.read.attention.kvdemo_attention`), or undoes both rotations on read for any other attention
+  read by `kvdemo.cache.layers.attention.kvdemo_attention`), or undoes both rotations on read for any other attention
   (and for a latent, MLA, model).
 - **Sliding-window layers** take the same types (`llama_kv_cache_iswa` builds both caches with `type_k`/`type_v`):
   the layer keeps the last `sliding_window - 1` tokens' rows, as transformers' `DynamicSlidingWindowLayer` keeps its
@@ -47,12 +47,12 @@ import torch
 from transformers import PreTrainedConfig
 from transformers.cache_utils import BaseQuantizedLayer, Cache
 
+from kvdemo.cache.layers.blockwise import BLOCKS_MARK, StoreBlocks
 from kvdemo.cache.layers.by_kind import sliding_windows, with_kept_layers
 from kvdemo.cache.layers.flush import attends_through_kvdemo, written
 from kvdemo.cache.layers.rotation import hadamard, mark_rotated
 from kvdemo.cache.layers.sliding import SlidingWindowMask
 from kvdemo.cache.model.layer_kinds import quantized_layers
-from kvdemo.cache.read.blockwise import BLOCKS_MARK, StoreBlocks
 from kvdemo.cache.read.code_attention import GGML, HALF, StoreCodes, store_codes
 
 from .blocks import BLOCK_BYTES, KERNEL_TYPES, dequantize_rows, quantize_rows
@@ -222,7 +222,7 @@ class GgmlLayer(BaseQuantizedLayer):
 
     def _blocks(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A decode step's (keys, values) for kvdemo's attention: no tail ([batch, kv_heads, 0, head_dim]), the keys
-        marked with the store as one block (`kvdemo.cache.read.blockwise.StoreBlocks`: read from its codes, or
+        marked with the store as one block (`kvdemo.cache.layers.blockwise.StoreBlocks`: read from its codes, or
         de-quantized where attention cannot) and with the rotation."""
         keys = like.new_empty(*like.shape[:2], 0, like.shape[-1])
         read = cast("Callable[[object], torch.Tensor]", self._dequantize)  # handed this layer's blocks only

@@ -2,7 +2,7 @@
 instead of three), its store as the decode kernel reads it, and the layers under each rotation and flush.
 
 At every decode step a quantized layer de-quantizes its whole store (or, read block-wise, each block:
-`kvdemo.cache.read.blockwise`). The libraries' own code allocates a new float tensor at each element-wise operation:
+`kvdemo.cache.layers.blockwise`). The libraries' own code allocates a new float tensor at each element-wise operation:
 
 - optimum-quanto (`QBitsDequantizer.forward`): `dqt = scale * unpack(data)` (uint8 promoted to float inside the
   product), then `dqt -= shift`, then `ungroup`; behind an autograd `Function` on a tensor subclass.

@@ -23,7 +23,7 @@ serves it (`vllm/model_executor/layers/quantization/turboquant`, the `turboquant
   pack (measured with hqq 0.2.8 at axis 1, group = head_dim: 2-bit at 1, 2, 5, 37 and 130 tokens; 3-bit at all).
 
 The rotation runs once per token: on the query side (`QueryTurboQuantLayer`, when the model attends through
-`kvdemo.cache.read.attention.kvdemo_attention`) the layer rotates each new key on entry and keeps store and
+`kvdemo.cache.layers.attention.kvdemo_attention`) the layer rotates each new key on entry and keeps store and
 residual keys rotated, and attention rotates the query by the same (x D) H (the values stay in the model's basis, so
 the output needs no rotation); on the read side (`TurboQuantLayer`: a latent (MLA) model, another attention, a
 quantized sliding window) the store's keys are rotated back at every read. Norms are stored in float16 (vLLM's
@@ -39,6 +39,7 @@ import torch
 from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache, QuantizedLayer
 
+from kvdemo.cache.layers.blockwise import blockwise_layer
 from kvdemo.cache.layers.by_kind import sliding_windows, with_kept_layers
 from kvdemo.cache.layers.float8 import dequantize_per_token_head, placeable, quantize_per_token_head
 from kvdemo.cache.layers.flush import AppendFlushMixin, attends_through_kvdemo
@@ -53,7 +54,6 @@ from kvdemo.cache.policies import (
     SLIDING_CHOICES,
     TURBOQUANT_LAYOUTS,
 )
-from kvdemo.cache.read.blockwise import blockwise_layer
 from kvdemo.cache.read.code_attention import LOOKUP, UNIFORM, StoreCodes, float32_table, row_values, store_codes
 
 from .lloyd_max import decode_integers, decode_packed, exact_marginal, pack_codes

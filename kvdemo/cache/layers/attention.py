@@ -11,7 +11,7 @@ function attends with the query rotated and rotates the output back:
 so attention's scores and output are those of the unrotated keys and values in exact arithmetic, at a cost of
 O(new tokens x head_dim^2) per layer and step (the query and the output), not O(cached tokens x head_dim^2) (the
 read-side rotation of `kvdemo.cache.layers.rotation.RotationMixin`, which rotates the whole de-quantized store back at
-every step). Keys marked by a block-wise layer (`kvdemo.cache.read.blockwise.BLOCKS_MARK`: quanto and hqq at a decode
+every step). Keys marked by a block-wise layer (`kvdemo.cache.layers.blockwise.BLOCKS_MARK`: quanto and hqq at a decode
 step) are the residual, and the mark names the quantized store's blocks: `attend_blockwise` attends to each block as
 the layer de-quantizes it and merges the parts by log-sum-exp; a call it does not take (a mask, several new tokens,
 another device than the CPU) reads the whole store joined, as transformers' layer returns it. Unmarked keys (every
@@ -41,9 +41,9 @@ from transformers.cache_utils import BaseQuantizedLayer, Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from kvdemo.cache.layers.blockwise import attend_blockwise, blocks_of, code_reader, codes_read
 from kvdemo.cache.layers.rotation import ROTATED_MARK, QueryRotation
 from kvdemo.cache.read import c_build, code_attention
-from kvdemo.cache.read.blockwise import attend_blockwise, blocks_of, code_reader, codes_read
 
 ATTENTION = "kvdemo_sdpa"
 """The name kvdemo's attention function is registered under (`config._attn_implementation` of an installed model)."""
@@ -62,7 +62,7 @@ def kvdemo_attention(
     rotated basis), with the query rotated the same way (`QueryRotation.forward`: `query @ H`, or TurboQuant's
     `(query D) @ H`) and the output rotated back where the values were rotated; for keys marked by a block-wise
     layer, over the store's blocks and the residual
-    (`kvdemo.cache.read.blockwise.attend_blockwise`).
+    (`kvdemo.cache.layers.blockwise.attend_blockwise`).
 
     Args:
         query: [batch, heads, new tokens, head_dim]; key, value: [batch, kv_heads, tokens, head_dim] (for
@@ -212,7 +212,7 @@ def layer_reads(cache: Cache, model: torch.nn.Module) -> list[str | None]:
       blocks the kernel reads, the model in float32 on the CPU, the kernel built, outside `dequantized_reads`, and an
       attention module that passes none of the options `attend_blockwise` does not take (`_blockwise_call`: a
       sliding window, attention sinks, a soft cap);
-    - `blocks` where it de-quantizes block by block (`kvdemo.cache.read.blockwise`);
+    - `blocks` where it de-quantizes block by block (`kvdemo.cache.layers.blockwise`);
     - `whole` for another quantized layer, or one whose attention takes the whole store joined (a GPU, one of those
       options);
     - `full` for a full-precision layer; None for a layer that holds no keys (a KV-shared or recurrent layer).

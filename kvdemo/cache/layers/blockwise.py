@@ -7,7 +7,7 @@ whole store de-quantized (one float tensor of every stored token) and copied onc
 by attention. Here a decode step's `update` (one new token, no flush) only appends the token to the residual and
 returns the residual (the "tail", [batch, kv_heads, residual tokens, head_dim]) with a mark (`BLOCKS_MARK`, a
 Python attribute on the returned key tensor) that names the store's blocks and the layer's own `_dequantize`.
-`kvdemo.cache.read.attention.kvdemo_attention` sees the mark and calls `attend_blockwise`: for each block, the
+`kvdemo.cache.layers.attention.kvdemo_attention` sees the mark and calls `attend_blockwise`: for each block, the
 library's de-quantization of that block alone (quanto's, hqq's, through any kvdemo rotation or value precision
 layered on it), then torch's CPU flash-attention kernel (`aten._scaled_dot_product_flash_attention_for_cpu`,
 what `scaled_dot_product_attention` runs on CPU), which also returns each query's log-sum-exp of its scores;
@@ -48,7 +48,7 @@ from kvdemo.cache.read.code_attention import StoreCodes, attend_codes, float_row
 
 BLOCKS_MARK = "_kvdemo_blocks"
 """The attribute `BlockwiseReadMixin.update` sets on the key tensor it returns (a `StoreBlocks`); read by
-`kvdemo.cache.read.attention.kvdemo_attention`."""
+`kvdemo.cache.layers.attention.kvdemo_attention`."""
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
@@ -107,7 +107,7 @@ def blocks_of(keys: torch.Tensor) -> StoreBlocks | None:
 class BlockwiseReadMixin(LibraryLayer):
     """Block-wise decode reads for a transformers `QuantizedLayer` subclass (or kvdemo's flush, rotation and value
     precision layers): see the module docstring. Only for a model that attends through
-    `kvdemo.cache.read.attention.kvdemo_attention`; `kvdemo.cache.layers.flush.quantized_cache` checks that."""
+    `kvdemo.cache.layers.attention.kvdemo_attention`; `kvdemo.cache.layers.flush.quantized_cache` checks that."""
 
     reads_blocks = True
     """Decode steps hand attention the store's blocks (`BLOCKS_MARK`); `kvdemo.cache.formats.ggml.layers.GgmlLayer`
