@@ -22,8 +22,9 @@ $(APP_STAMP): requirements.txt
 	HF_HUB_OFFLINE=1 $(PY) -m kvdemo.serve.recommended
 	touch $@
 
-$(DEV_STAMP): $(APP_STAMP) requirements-dev.txt
+$(DEV_STAMP): $(APP_STAMP) requirements-dev.txt requirements-oracles.txt
 	$(PY) -m pip install --quiet --no-compile -r requirements-dev.txt
+	$(PY) -m pip install --quiet --no-compile --no-deps --upgrade --target $(VENV)/oracles -r requirements-oracles.txt
 	@# the browser test drives Debian's chromium with Playwright (never `playwright install`)
 	command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) \
 		|| (echo "the browser test needs Debian's chromium: sudo apt-get install chromium" && exit 1)

@@ -32,8 +32,8 @@ def _config(kv_heads=3, head_dim=64, layers=1, **extra) -> LlamaConfig:
     )
 
 
-def test_registry_lists_the_six_backends_and_their_options():
-    assert list(BACKENDS) == ["dynamic", "quanto", "hqq", "fp8", "turboquant", "ggml"]
+def test_registry_lists_the_formats_and_their_options():
+    assert list(BACKENDS) == ["dynamic", "quanto", "hqq", "fp8", "turboquant", "ggml", "nvfp4"]
     assert BACKENDS["quanto"].options["nbits"].choices == (2, 4)
     assert BACKENDS["hqq"].options["nbits"].choices == (1, 2, 3, 4, 8)
     assert BACKENDS["turboquant"].options["nbits"].choices == (2, 3, 4, 8)

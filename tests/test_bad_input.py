@@ -390,6 +390,16 @@ CLI_TABLE: list[tuple[str, list[str], str]] = [
     ),
     ("ask: no question", ["ask", "--context-file", NORMANS], "no question: give --question"),
     (
+        "ask: a block rule nvfp4 does not take",
+        ["ask", "--context-file", NORMANS, "--question", "Who?", "--backend", "nvfp4", "--block-rule", "max5"],
+        "block_rule='max5' is not allowed for nvfp4; allowed: max6, 4over6",
+    ),
+    (
+        "compare: a preset vLLM does not have",
+        ["compare", "--context-file", NORMANS, "--question", "Who?", "--spec", "nvfp4:nvfp4_4over5"],
+        "presets: nvfp4, nvfp4_4over6, fp8_k_nvfp4_v (e.g. nvfp4:nvfp4)\n",
+    ),
+    (
         "ask: max_new_tokens -1",
         ["ask", "--context-file", NORMANS, "--question", "Who?", "--max-new-tokens", "-1"],
         "max_new_tokens=-1 must be a whole number >= 1",

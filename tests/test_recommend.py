@@ -143,8 +143,11 @@ def test_candidates_come_from_the_registry_for_each_engine():
                                                     "hqq:8", "fp8"]  # fmt: skip
     served = candidate_specs(LLAMA, "vllm")
     assert served[0].text == "dynamic" and [s.deployments(LLAMA)[0].line for s in served[1:]] == [
-        f"vLLM: --kv-cache-dtype turboquant_{name}" for name in ("k8v4", "4bit_nc", "k3v4_nc", "3bit_nc")
+        *(f"vLLM: --kv-cache-dtype turboquant_{name}" for name in ("k8v4", "4bit_nc", "k3v4_nc", "3bit_nc")),
+        *(f"vLLM: --kv-cache-dtype {name}" for name in ("nvfp4", "nvfp4_4over6", "fp8_k_nvfp4_v")),
     ]
+    assert [s.short_text for s in candidate_specs(LLAMA, "sglang")] == ["dynamic", "nvfp4"]
+    assert [s.short_text for s in candidate_specs(LLAMA, "tensorrt-llm")] == ["dynamic", "nvfp4,tensor_scale=prefill"]
     with pytest.raises(ValueError, match="not one of any, llama.cpp"):
         candidate_specs(LLAMA, "tensorrt")
 
@@ -181,7 +184,7 @@ def test_deploy_lines_name_only_what_the_engine_stores():
     ):
         assert len(lines[own]) == 1 and lines[own][0].startswith("kvdemo: python -m kvdemo ask")  # kvdemo's own
         assert lines[own][0].endswith(f'CacheSpec.parse("{own}")')  # options: no engine stores them so
-    assert len(lines["dynamic"]) == 5 and lines["dynamic"][0].startswith("llama.cpp:")
+    assert len(lines["dynamic"]) == 7 and lines["dynamic"][0].startswith("llama.cpp:")
     assert lines["dynamic,storage=growing"] == [
         "kvdemo: python -m kvdemo ask --backend dynamic --storage growing ...; in Python "
         'CacheSpec.parse("dynamic,storage=growing")'

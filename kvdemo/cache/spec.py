@@ -224,11 +224,13 @@ class CacheSpec:
         presets = BACKENDS[backend].presets if backend in BACKENDS else {}
         if not presets:
             return None
-        name = word.lower().removeprefix(f"{backend}_")
+        name = word.lower()
+        name = name if name in presets else name.removeprefix(f"{backend}_")  # vLLM's `turboquant_k8v4` too
         if name not in presets:
+            nbits = f", or give nbits, e.g. {backend}:4" if "nbits" in BACKENDS[backend].options else ""
             raise ValueError(
                 f"spec {text!r}: {word!r} is neither nbits nor a preset of {backend}; presets: {', '.join(presets)} "
-                f"(e.g. {backend}:{next(iter(presets))}), or give nbits, e.g. {backend}:4"
+                f"(e.g. {backend}:{next(iter(presets))}){nbits}"
             )
         return presets[name]
 

@@ -25,6 +25,8 @@ NAME = __name__.rsplit(".", 1)[-1]
 DEFAULT_LINES = {
     "llama.cpp": "llama.cpp: the default f16 cache (no -ctk/-ctv)",
     "vllm": "vLLM: --kv-cache-dtype auto (the default)",
+    "sglang": "SGLang: --kv-cache-dtype auto (the default)",
+    "tensorrt-llm": 'TensorRT-LLM: KvCacheConfig(dtype="auto") (the default)',
     "transformers": "transformers: the default DynamicCache",
     "mlx": "mlx-lm: the default cache (no --kv-bits)",
 }

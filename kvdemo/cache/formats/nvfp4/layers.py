@@ -1,0 +1,141 @@
+"""The `nvfp4` format's layers: NVFP4 blocks for keys and values (or float8 keys, `fp8_k_nvfp4_v`), every token coded
+as it is written (no residual, never flushes), over a sliding window where the layer has one, and the cache of them.
+
+The prefill attends in full precision and hands the whole context over in one update per layer
+(`kvdemo.qa.prefill.hand_over`), which sets each tensor's scale (`tensor_scale=one`: 1.0; `prefill`: from that
+update's amax) and codes it; each decode step codes its new token under the same tensor scale, with its own block
+scales, and appends it, as the engines write a token into their paged cache
+(`kvdemo.cache.formats.nvfp4.blocks`).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedConfig
+from transformers.cache_utils import BaseQuantizedLayer, Cache
+
+from kvdemo.cache.layers.by_kind import sliding_windows, with_kept_layers
+from kvdemo.cache.layers.sliding import SlidingWindowMask
+from kvdemo.cache.model.layer_kinds import quantized_layers
+
+from . import BLOCK_RULES, KEY_FORMATS, TENSOR_SCALES
+from .blocks import (
+    Fp8Store,
+    Nvfp4Store,
+    amax_scale,
+    dequantize_fp8,
+    dequantize_nvfp4,
+    quantize_fp8,
+    quantize_nvfp4,
+)
+
+Store = Nvfp4Store | Fp8Store
+
+
+def _append(store: Store, new: Store) -> Store:
+    """`store` with `new`'s tokens after its own (new tensors, so a snapshot's `vars(layer).copy()` restores it); the
+    tensor scale is the store's."""
+    return type(store)(*(torch.cat([a, b], dim=-2) if a.dim() else a for a, b in zip(store, new)))  # type: ignore[arg-type]
+
+
+class Nvfp4Layer(BaseQuantizedLayer):
+    """One decoder layer's keys and values as NVFP4 blocks (see the module docstring).
+
+    Attributes:
+        key_format: `KEY_FORMATS`; block_rule: `kvdemo.cache.formats.nvfp4.blocks.BLOCK_RULES`; tensor_rule:
+            `TENSOR_SCALES`.
+        _quantized_keys, _quantized_values: an `Nvfp4Store` each (the keys an `Fp8Store` with `key_format=fp8`).
+    """
+
+    def __init__(self, key_format: str = KEY_FORMATS[0], block_rule: str = BLOCK_RULES[0], tensor_rule: str = "one"):
+        super().__init__()
+        self.key_format, self.block_rule, self.tensor_rule = key_format, block_rule, tensor_rule
+
+    def _quantize(self, tensor: torch.Tensor, keys: bool = False, scale: torch.Tensor | None = None) -> Store:
+        """`tensor` ([batch, kv_heads, tokens, head_dim]) coded as this layer stores keys (`keys`) or values, under
+        `scale` (the store's tensor scale) or, at the first update, the one `tensor_rule` gives."""
+        fp8 = keys and self.key_format == KEY_FORMATS[1]
+        if scale is None:
+            one = torch.tensor(1.0, device=tensor.device)
+            scale = one if self.tensor_rule == TENSOR_SCALES[0] else amax_scale(tensor, fp8)
+        return quantize_fp8(tensor, scale) if fp8 else quantize_nvfp4(tensor, scale, self.block_rule)
+
+    def _dequantize(self, q_tensor: Store) -> torch.Tensor:
+        """The store read back, [batch, kv_heads, tokens, head_dim] of the model's dtype."""
+        assert self.keys is not None  # set by the first update
+        if isinstance(q_tensor, Fp8Store):
+            return dequantize_fp8(q_tensor, self.keys.dtype)
+        return dequantize_nvfp4(q_tensor, self.keys.dtype)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Code the new tokens ([batch, kv_heads, new tokens, head_dim]) and append them; returns every stored token
+        read back (the first update: the new states as given, as transformers' fp8 layer does)."""
+        self.cumulative_length += key_states.shape[-2]
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)  # DynamicLayer's: dtype, device, empty keys
+            self._quantized_keys = self._quantize(key_states, keys=True)
+            self._quantized_values = self._quantize(value_states)
+            return key_states, value_states
+        keys = self._quantize(key_states, True, self._quantized_keys.tensor_scale)
+        values = self._quantize(value_states, False, self._quantized_values.tensor_scale)
+        self._quantized_keys = _append(self._quantized_keys, keys)
+        self._quantized_values = _append(self._quantized_values, values)
+        return self._dequantize(self._quantized_keys), self._dequantize(self._quantized_values)
+
+
+class SlidingNvfp4Layer(SlidingWindowMask, Nvfp4Layer):
+    """`Nvfp4Layer` over a sliding window: the last `sliding_window - 1` tokens' codes and block scales kept, as
+    `DynamicSlidingWindowLayer` keeps its states (`kvdemo.cache.layers.sliding`)."""
+
+    def __init__(self, sliding_window: int, **options: str) -> None:
+        super().__init__(**options)
+        self.sliding_window = sliding_window
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`Nvfp4Layer.update` keeping the last `sliding_window - 1` tokens (compact copies, so the longer store is
+        not pinned); returns what `DynamicSlidingWindowLayer.update` returns, read back (the first update: the new
+        states as given)."""
+        keep, first = self.sliding_window - 1, not self.is_initialized
+        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        self._quantized_keys, self._quantized_values = (
+            type(s)(*(t[..., -keep:, :].clone() if t.dim() and t.shape[-2] > keep else t for t in s))
+            for s in (self._quantized_keys, self._quantized_values)
+        )
+        if first:
+            return keys, values
+        visible = keep + key_states.shape[-2]
+        return keys[..., -visible:, :], values[..., -visible:, :]
+
+
+def nvfp4_cache(
+    config: PreTrainedConfig,
+    keys: str = KEY_FORMATS[0],
+    block_rule: str = BLOCK_RULES[0],
+    tensor_scale: str = TENSOR_SCALES[0],
+    sliding: str = "quantize",
+    protect: str = "0:0",
+) -> Cache:
+    """A transformers `Cache` whose quantized layers (`kvdemo.cache.model.layer_kinds`: `sliding`, `protect`) are
+    `Nvfp4Layer`s, a sliding one over its window; the others as `DynamicCache(config=...)` builds them.
+
+    Raises:
+        ValueError: an option's word is not one it takes."""
+    given = (
+        ("keys", keys, KEY_FORMATS),
+        ("block_rule", block_rule, BLOCK_RULES),
+        ("tensor_scale", tensor_scale, TENSOR_SCALES),
+    )
+    for name, word, words in given:
+        if word not in words:
+            raise ValueError(f"{name}={word!r} is not one of {', '.join(words)}")
+    windows = sliding_windows(config)
+    options = {"key_format": keys, "block_rule": block_rule, "tensor_rule": tensor_scale}
+    layers: list = [None] * len(windows)  # the layers kept at full precision: `with_kept_layers`
+    for index in quantized_layers(config, sliding, protect):
+        window = windows[index]
+        layers[index] = Nvfp4Layer(**options) if window is None else SlidingNvfp4Layer(window, **options)
+    return with_kept_layers(Cache(layers=layers), config, sliding, protect)
