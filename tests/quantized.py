@@ -41,7 +41,8 @@ def quantization_step(spec: CacheSpec, reference: torch.Tensor, what: str = "key
     """The widest distance between two neighbouring levels a store of `reference` can have (an upper bound).
 
     Args:
-        spec: the cache's spec; `nbits` for the group-wise backends, fp8's format otherwise.
+        spec: the cache's spec; `nbits` for the group-wise backends (mlx's affine groups too), fp8's and NVFP4's
+            formats otherwise.
         reference: a de-quantized store, any shape, in the domain of `levels`.
         what: a name of the store that says whether it holds values (`... values ...`) or keys.
 
@@ -49,7 +50,8 @@ def quantization_step(spec: CacheSpec, reference: torch.Tensor, what: str = "key
         group-wise (quanto, hqq) and turboquant's values: (max - min) / (2^nbits - 1) of the whole tensor, which no
         group's step exceeds (a group's range lies within the tensor's; x ~ scale * (q - zero) with scale = range /
         (2^nbits - 1)). fp8 and turboquant's 8-bit keys: the spacing of float8_e4m3 at the largest magnitude,
-        2^(floor(log2 max|x|) - 3). turboquant's keys: the code's widest gap between centroids times the largest
+        2^(floor(log2 max|x|) - 3). NVFP4: its widest gap (2) times the largest block scale, amax / 6 rounded up
+        to e4m3 or its floor. turboquant's keys: the code's widest gap between centroids times the largest
         vector norm (a coordinate is centroid x norm).
     """
     values = "values" in what
@@ -57,7 +59,10 @@ def quantization_step(spec: CacheSpec, reference: torch.Tensor, what: str = "key
     if spec.backend == "ggml":
         return _ggml_step(opts["type_v" if values else "type_k"], float(reference.abs().max()))
     nbits = int(opts.get("nbits_value", opts.get("nbits", 0)) if values else opts.get("nbits", 0))
-    if spec.backend == "fp8" or (spec.backend == "turboquant" and not values and nbits == 8):
+    if spec.backend == "nvfp4" and (values or opts["keys"] == "nvfp4"):  # E2M1's widest gap (4 to 6) x block scale
+        return 2 * max(float(reference.abs().max()) / 6 * (1 + 2**-FP8_MANTISSA_BITS), NVFP4_SCALE_FLOOR)
+    float8 = spec.backend in ("fp8", "nvfp4")  # nvfp4's float8 keys (`keys=e4m3`)
+    if float8 or (spec.backend == "turboquant" and not values and nbits == 8):
         top = float(reference.abs().max())
         return 2.0 ** (math.floor(math.log2(top)) - FP8_MANTISSA_BITS) if top > 0 else 0.0
     if spec.backend == "turboquant" and not values:
@@ -68,6 +73,9 @@ def quantization_step(spec: CacheSpec, reference: torch.Tensor, what: str = "key
         nbits = int(opts["nbits"])  # the group-wise backends' bound as before: the keys' bits
     return float(reference.max() - reference.min()) / (2**nbits - 1)
 
+
+NVFP4_SCALE_FLOOR = 2.0**-6
+"""The smallest NVFP4 block scale under a tensor scale of at most 1 (torchao's clamp at e4m3's smallest normal)."""
 
 GGML_STEP = {"q8_0": 1 / 127, "q4_0": 1 / 8, "q5_0": 1 / 16, "q4_1": 2 / 15, "q5_1": 2 / 31, "iq4_nl": 2 * 24 / 127}
 """ggml's widest step between levels over the largest magnitude of a block (ggml-quants.c): d = amax / 127 (q8_0),

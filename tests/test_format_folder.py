@@ -33,7 +33,7 @@ def _copied(tmp_path: Path, copied: str, new: str) -> Path:
     shutil.copytree(formats / copied, formats / new)
     registry = package / "cache" / "registry.py"
     before = registry.read_text(encoding="utf-8").splitlines()
-    after = [line.replace('"ggml")', f'"ggml", "{new}")') if line.startswith("FORMATS = ") else line for line in before]
+    after = [line.replace(")", f', "{new}")') if line.startswith("FORMATS = ") else line for line in before]
     assert sum(a != b for a, b in zip(before, after)) == 1  # the one registry line
     registry.write_text("\n".join(after) + "\n", encoding="utf-8")
     return formats / new

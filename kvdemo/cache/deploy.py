@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
     from kvdemo.cache.options import Option, SpecOptions
 
-ENGINES = ("llama.cpp", "vllm", "sglang", "tensorrt-llm", "transformers", "mlx", "kvdemo")
+ENGINES = ("llama.cpp", "vllm", "sglang", "tensorrt-llm", "transformers", "mlx-lm", "kvdemo")
 """The engines a deployment names, as `recommend --engine` takes them (`any`: every one)."""
 
 TRANSFORMERS_OPTIONS = ("nbits", "axis_key", "axis_value", "q_group_size", "residual_length")

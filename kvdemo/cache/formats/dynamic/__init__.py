@@ -28,7 +28,7 @@ DEFAULT_LINES = {
     "sglang": "SGLang: --kv-cache-dtype auto (the default)",
     "tensorrt-llm": 'TensorRT-LLM: KvCacheConfig(dtype="auto") (the default)',
     "transformers": "transformers: the default DynamicCache",
-    "mlx": "mlx-lm: the default cache (no --kv-bits)",
+    "mlx-lm": "mlx-lm: the default cache (no --kv-bits)",
 }
 """Each engine's full-precision cache, the `dynamic` baseline (in the engine's own dtype)."""
 
