@@ -38,17 +38,15 @@ class AffineStore(NamedTuple):
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Codes ([..., n] integers below 2^bits, n a multiple of 8) as MLX's bitstream: [..., n * bits / 8] uint8."""
     eights = codes.reshape(*codes.shape[:-1], -1, 8).long()
-    word = sum(eights[..., k] << (bits * k) for k in range(8))
-    packed = torch.stack([(word >> (8 * j)) & 0xFF for j in range(bits)], dim=-1)
-    return packed.to(torch.uint8).flatten(-2)
+    word = (eights << (torch.arange(8) * bits)).sum(dim=-1, keepdim=True)  # the 8 codes' bits do not overlap
+    return ((word >> (torch.arange(bits) * 8)) & 0xFF).to(torch.uint8).flatten(-2)
 
 
 def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """`pack` undone: [..., n * bits / 8] uint8 -> [..., n] int64 codes."""
     chunks = packed.reshape(*packed.shape[:-1], -1, bits).long()
-    word = sum(chunks[..., j] << (8 * j) for j in range(bits))
-    codes = torch.stack([(word >> (bits * k)) & ((1 << bits) - 1) for k in range(8)], dim=-1)
-    return codes.flatten(-2)
+    word = (chunks << (torch.arange(bits) * 8)).sum(dim=-1, keepdim=True)
+    return ((word >> (torch.arange(8) * bits)) & ((1 << bits) - 1)).flatten(-2)
 
 
 def quantize_affine(tensor: torch.Tensor, bits: int, group_size: int) -> AffineStore:
