@@ -105,3 +105,67 @@ def test_a_scale_too_large_for_bit_placement_is_read_the_library_s_way():
     assert dequantize_e4m3(mine._quantized_keys[0], scale, torch.float32).isinf().any()  # why the layer checks
     ours = mine._dequantize(mine._quantized_keys)
     assert torch.equal(ours, library._dequantize(library._quantized_keys)) and ours.isfinite().all()
+
+
+# ---- the engines' scale rules ----------------------------------------------------------------------------------
+def _layer(text, tiny):
+    from kvdemo.cache.spec import build_cache
+
+    return build_cache(CacheSpec.parse(text), tiny.config).layers[0]
+
+
+def test_scale_one_saturates_as_vllm_and_sglang_write_fp8(tiny):
+    layer = _layer("fp8,scale=one", tiny)
+    keys = torch.tensor([1000.0, -1000.0, 0.3, -0.01]).reshape(1, 1, 1, 4).expand(1, 2, 3, 4).contiguous()
+    layer.update(keys, keys * 0.5)
+    codes, scale = layer._quantized_keys
+    assert scale.item() == 1.0 and codes[0, 0, 0].float().tolist() == [448.0, -448.0, 0.3125, -0.009765625]
+    e5m2 = _layer("fp8,scale=one,float8=e5m2", tiny)
+    e5m2.update(keys * 100, keys)
+    codes, _ = e5m2._quantized_keys
+    assert codes.dtype == torch.float8_e5m2 and codes[0, 0, 0, :2].float().tolist() == [57344.0, -57344.0]  # no inf
+    assert torch.equal(e5m2.update(keys, keys)[1][..., -1:, :], (keys.to(torch.float8_e5m2).float())[..., -1:, :])
+
+
+def test_calculated_scales_are_vllm_s_amax_over_200_and_100_frozen_at_the_prefill(tiny):
+    layer = _layer("fp8,scale=calculated", tiny)
+    torch.manual_seed(3)
+    keys, values = torch.randn(1, 2, 20, 64) * 4, torch.randn(1, 2, 20, 64)
+    layer.update(keys, values)
+    assert layer._quantized_keys[1].item() == (keys.abs().amax() / 200).item()
+    assert layer._quantized_values[1].item() == (values.abs().amax() / 100).item()
+    k, v = layer.update(keys[..., :1, :] * 50, values[..., :1, :])  # a later token 50x larger: saturates at 448 x scale
+    assert layer._quantized_keys[1].item() == (keys.abs().amax() / 200).item()
+    assert k[..., -1, :].abs().max().item() == pytest.approx(448 * keys.abs().amax().item() / 200, rel=1e-6)
+
+
+def test_per_token_head_is_vllm_s_reference_arithmetic(tiny):
+    # vLLM's `_quantize_per_token_head_ref` (tests/quantization/test_per_token_kv_cache.py), written out
+    torch.manual_seed(4)
+    states = torch.randn(1, 2, 30, 64) * torch.logspace(-3, 2, 30).reshape(1, 1, 30, 1)
+    states[0, 0, 0] = 0
+    scales = (states.float().abs().amax(dim=-1) / 448.0).clamp(min=1e-6)
+    codes = (states.float() * (1.0 / scales.unsqueeze(-1))).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    layer = _layer("fp8,scale=per_token_head", tiny)
+    layer.update(states, states)
+    got_codes, got_scales = layer._quantized_keys
+    assert torch.equal(got_codes.view(torch.uint8), codes.view(torch.uint8))
+    assert torch.equal(got_scales.squeeze(-1), scales)
+
+
+def test_fp8_deploy_lines_follow_the_scale_rule(tiny, embedded):
+    def lines(text):
+        return [d.line for d in CacheSpec.parse(text).deployments(tiny.config)][:-1]  # kvdemo's own line is last
+
+    assert [line.split(":")[0] for line in lines("fp8")] == ["transformers", "TensorRT-LLM"]
+    assert lines("fp8,scale=one") == ["vLLM: --kv-cache-dtype fp8_e4m3", "SGLang: --kv-cache-dtype fp8_e4m3"]
+    assert lines("fp8,scale=one,float8=e5m2") == [
+        "vLLM: --kv-cache-dtype fp8_e5m2",
+        "SGLang: --kv-cache-dtype fp8_e5m2",
+    ]
+    assert lines("fp8,scale=calculated")[0].startswith("vLLM: --kv-cache-dtype fp8_e4m3 --calculate-kv-scales")
+    assert lines("fp8,scale=per_token_head") == ["vLLM: --kv-cache-dtype fp8_per_token_head"]
+    protected = CacheSpec.parse("fp8,scale=one,protect=1:1").deployments(embedded.config)  # 30 layers
+    assert [d.line for d in protected][:-1] == ["vLLM: --kv-cache-dtype fp8_e4m3 --kv-cache-dtype-skip-layers 0 29"]
+    with pytest.raises(ValueError, match="float8=e5m2 is stored unscaled .* so it takes scale=one"):
+        CacheSpec.parse("fp8,float8=e5m2")

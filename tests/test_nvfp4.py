@@ -149,7 +149,10 @@ def test_deploy_lines_name_each_engine_that_stores_it(embedded):
     assert lines["nvfp4:nvfp4_4over6"][0] == "vLLM: --kv-cache-dtype nvfp4_4over6"
     assert lines["nvfp4:fp8_k_nvfp4_v"][0] == "vLLM: --kv-cache-dtype fp8_k_nvfp4_v"
     assert lines["nvfp4,tensor_scale=prefill"][0].startswith("TensorRT-LLM: ModelOpt hf_ptq.py --kv_cache_qformat")
-    assert [line.split(":")[0] for line in lines["nvfp4,protect=1:1"]] == ["kvdemo"]  # no engine keeps layers 0, 1
+    protected = lines["nvfp4,protect=1:1"]  # vLLM keeps layers in the model's dtype by index; no other engine does
+    layers = embedded.config.num_hidden_layers
+    assert protected[0] == f"vLLM: --kv-cache-dtype nvfp4 --kv-cache-dtype-skip-layers 0 {layers - 1}"
+    assert [line.split(":")[0] for line in protected] == ["vLLM", "kvdemo"]
 
 
 def test_a_head_dim_off_the_block_is_refused_before_the_prefill(embedded):

@@ -284,12 +284,14 @@ def test_session_store_is_bounded_and_frees_the_least_recently_used():
 def test_backend_options_shown_from_the_registry():
     *hqq, note = backend_option_updates("hqq")
     # all but dynamic's storage, fp8's scale and turboquant's norm correction
-    assert [u["visible"] for u in hqq] == [True] * 6 + [False, True, True, True, True, True, False, False] + [False] * 6
+    assert [u["visible"] for u in hqq] == [True] * 6 + [False, True, True, True, True, True, False, False] + [False] * 9
     assert hqq[0]["choices"] == [1, 2, 3, 4, 8] and hqq[3]["choices"] == [0, 1]
     *quanto, _ = backend_option_updates("quanto")
     assert quanto[0]["choices"] == [2, 4] and quanto[4]["choices"] == [0, -1]
     *fp8, note = backend_option_updates("fp8")
-    assert [u["visible"] for u in fp8] == [False] * 10 + [True] * 3 + [False] * 7 and "never flushes" in note
+    assert [u["visible"] for u in fp8] == [False] * 10 + [True] * 3 + [False] * 4 + [True] + [
+        False
+    ] * 5 and "never flushes" in note
     assert fp8[10]["choices"] == ["keep", "quantize"] and fp8[10]["value"] == "keep"
     assert fp8[11]["choices"] == ["0:0", "1:1", "2:2", "3:3", "4:4", "vllm"] and fp8[12]["value"] == "per_tensor"
     *turbo, note = backend_option_updates("turboquant")
@@ -302,14 +304,14 @@ def test_backend_options_shown_from_the_registry():
         False,
         False,
         True,
-    ] + [False] * 3 and "coded and appended" in note
+    ] + [False] * 6 and "coded and appended" in note
     assert turbo[16]["choices"] == ["kvdemo", "vllm"] and turbo[16]["value"] == "kvdemo"  # layout
     *ggml, note = backend_option_updates("ggml")
     assert [i for i, u in enumerate(ggml) if u["visible"]] == [7, 10, 14, 15] and "no residual" in note
     assert ggml[14]["value"] == "q8_0" and ggml[7]["choices"] == ["auto", "none"] and ggml[10]["value"] == "quantize"
     assert turbo[0]["choices"] == [2, 3, 4, 8] and turbo[5]["value"] == "append" and turbo[13]["value"] == "false"
     *dynamic, note = backend_option_updates("dynamic")
-    assert [u["visible"] for u in dynamic] == [False] * 6 + [True] + [False] * 13 and "storage=growing" in note
+    assert [u["visible"] for u in dynamic] == [False] * 6 + [True] + [False] * 16 and "storage=growing" in note
     assert dynamic[6]["choices"] == ["concat", "growing"] and dynamic[6]["value"] == "concat"
     assert hqq[7]["choices"] == ["none", "hadamard"] and hqq[7]["value"] == "none"  # rotation
     # nbits_value: first the empty field, "same as nbits" (the option unset), then the values' own bits
@@ -317,8 +319,12 @@ def test_backend_options_shown_from_the_registry():
     # optimize: hqq's alone
     assert hqq[9]["choices"] == ["true", "false"] and hqq[9]["value"] == "true" and not quanto[9]["visible"]
     *nvfp4, note = backend_option_updates("nvfp4")
-    assert [i for i, u in enumerate(nvfp4) if u["visible"]] == [10, 11, 17, 18, 19] and "never flushes" in note
-    assert [nvfp4[i]["value"] for i in (10, 17, 18, 19)] == ["quantize", "nvfp4", "max6", "one"]
+    assert [i for i, u in enumerate(nvfp4) if u["visible"]] == [10, 11, 18, 19, 20] and "never flushes" in note
+    assert [nvfp4[i]["value"] for i in (10, 18, 19, 20)] == ["quantize", "nvfp4", "max6", "one"]
+    assert fp8[17]["choices"] == ["e4m3", "e5m2"] and fp8[12]["choices"][2:] == ["one", "calculated"]
+    *mlx, note = backend_option_updates("mlx")
+    assert [i for i, u in enumerate(mlx) if u["visible"]] == [0, 21, 22] and "quantized_kv_start" in note
+    assert mlx[0]["choices"] == [2, 3, 4, 5, 6, 8] and mlx[21]["value"] == 64 and mlx[22]["value"] == 0
 
 
 def test_switching_backend_keeps_the_values_the_new_backend_allows():
@@ -326,7 +332,7 @@ def test_switching_backend_keeps_the_values_the_new_backend_allows():
     assert [u.get("value") for u in hqq] == [3, 32, 16, 1, 0, "requantize", None, "none", "", "true", "keep", "0:0"] + [
         None,
         None,
-    ] + [None] * 6
+    ] + [None] * 9
     *quanto, _ = backend_option_updates("quanto", 3, 32, 16, 1, 0)
     assert [u.get("value") for u in quanto] == [
         4,
@@ -349,13 +355,16 @@ def test_switching_backend_keeps_the_values_the_new_backend_allows():
         None,
         None,
         None,
+        None,
+        None,
+        None,
     ]  # nbits 3 and axis 1 are not quanto's: defaults; storage and optimize are hidden (not quanto's)
     *hqq, _ = backend_option_updates("hqq", None, None, 0, None, None)
     assert [u.get("value") for u in hqq] == [4, 64, 128, 0, 0, "requantize", None, "none", "", "true", "keep"] + [
         "0:0",
         None,
         None,
-    ] + [None] * 6
+    ] + [None] * 9
     *dynamic, _ = backend_option_updates("dynamic", 4, 64, 128, 0, 0, "append", "growing")
     assert dynamic[6]["value"] == "growing" and not any(u["visible"] for i, u in enumerate(dynamic) if i != 6)
     # the values' bits kept where the backend takes them, hqq's 8 is not quanto's: back to "same as nbits"
@@ -836,7 +845,12 @@ def test_the_page_fields_leave_bad_numbers_to_the_project_checks(handlers):
         "type_k",
         "type_v",
         "layout",
-    }
+        "float8",
+        "keys",
+        "block_rule",
+        "tensor_scale",
+        "kv_group_size",
+    }  # quantized_kv_start: a number
     for field_ in options:
         assert field_.preprocess(-1) == -1 and field_.preprocess("Growing") == "Growing", field_.label
     fns["prefill"](CONTEXT, *HQQ, _request())

@@ -85,3 +85,26 @@ def transformers_rule(
     """The `DeployRule` of a backend that is one of transformers' `QuantizedCache` backends (quanto, hqq, fp8):
     `transformers_lines` of its name and options."""
     return transformers_lines(backend.name, backend.options, given, resolved, model_config)
+
+
+def vllm_skip_layers(resolved: SpecOptions, model_config: PreTrainedConfig) -> str:
+    """vLLM's `--kv-cache-dtype-skip-layers` for a spec's `sliding` and `protect` on this model: the layers vLLM then
+    keeps in the model's dtype (`kv_cache_dtype="auto"`), as kvdemo keeps them: `sliding_window` for every
+    sliding-window layer kept (`sliding=keep`), and the index of each layer `protect` keeps; "" where none is kept
+    (every attention layer in the one dtype). vLLM's `CacheConfig.kv_cache_dtype_skip_layers` takes layer indices and
+    `sliding_window` as words."""
+    from kvdemo.cache.model.layer_kinds import layer_actions
+    from kvdemo.cache.policies import PROTECT_CHOICES, SLIDING_CHOICES
+
+    sliding = str(resolved.get("sliding", SLIDING_CHOICES[0]))
+    protect = str(resolved.get("protect", PROTECT_CHOICES[0]))
+    by_kind = layer_actions(model_config, True, sliding)  # what `sliding` alone keeps
+    kept = layer_actions(model_config, True, sliding, protect)
+    skipped = [str(i) for i, (a, b) in enumerate(zip(by_kind, kept)) if a != b]  # the layers `protect` keeps
+    windows = sliding == SLIDING_CHOICES[0] and any(t in SLIDING_KINDS for t in layer_types(model_config))
+    words = skipped + (["sliding_window"] if windows else [])
+    return f" --kv-cache-dtype-skip-layers {' '.join(words)}" if words else ""
+
+
+SLIDING_KINDS = ("sliding_attention", "chunked_attention")
+"""The layer kinds vLLM's `sliding_window` skip word names (kvdemo's `sliding` option acts on the same)."""

@@ -2,7 +2,7 @@
 (`kvdemo.cache.layers.flush`), `dynamic`'s storage policies (`kvdemo.cache.layers.storage`), the rotations
 (`kvdemo.cache.layers.rotation`), hqq's `optimize` switch (`kvdemo.cache.formats.hqq.optimize`) and what a quantized
 backend does with sliding-window layers (`kvdemo.cache.model.layer_kinds`, `kvdemo.cache.layers.sliding`), the edge
-layers a quantized backend protects (`protect`), fp8's scales (`kvdemo.cache.formats.fp8.layers`) and TurboQuant's norm
+layers a quantized backend protects (`protect`) and TurboQuant's norm
 correction (`kvdemo.cache.formats.turboquant.layers`).
 
 Plain tuples that import nothing, so that the registry, and with it the command line's `--help`, reads the
@@ -37,11 +37,6 @@ without state layers, none on a hybrid one (a linear-attention, conv or Mamba la
 
 VLLM_PROTECT = PROTECT_CHOICES[-1]
 """`protect=vllm`: vLLM's boundary rule (`PROTECT_CHOICES`)."""
-
-FP8_SCALES = ("per_tensor", "per_token_head")
-"""fp8's `scale` option: transformers' one scale per tensor frozen at the first update (the default), or one scale per
-token and KV head (vLLM's per-token-head dynamic KV scales, #38378;
-`kvdemo.cache.formats.fp8.layers.PerTokenHeadFp8Layer`)."""
 
 NORM_CORRECTION_CHOICES = ("false", "true")
 """TurboQuant's `norm_correction`: store each key's norm as it is (the paper), or divided by its code's norm so the

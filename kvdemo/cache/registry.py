@@ -18,7 +18,7 @@ from kvdemo.cache.backend import Backend
 from kvdemo.cache.layer_plan import PLAN
 from kvdemo.cache.options import SHOWN_ORDER
 
-FORMATS = ("dynamic", "quanto", "hqq", "fp8", "turboquant", "ggml", "nvfp4", "mlx")
+FORMATS = ("dynamic", "quanto", "hqq", "fp8", "turboquant", "ggml", "nvfp4", "mlx", "int8")
 """The formats' folders under `kvdemo.cache.formats`, in the order the page, `--help` and the README list them;
 `dynamic` (the full-precision baseline) first. A folder's name is its format's name in a spec."""
 

@@ -66,10 +66,14 @@ def dequantize_e4m3(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
     return bits.view(torch.float32).mul_(scale * E4M3_TO_FLOAT32_FACTOR).to(dtype)
 
 
+PER_TOKEN_HEAD_FLOOR = 1e-6
+"""vLLM's floor on a per-token-head scale (`tl.maximum(absmax / QUANT_MAX, 1e-6)`)."""
+
+
 def quantize_per_token_head(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float8_e4m3 codes of `tensor` with one scale per token and head: amax over head_dim / 448, as vLLM's
-    per-token-head dynamic KV scales (vLLM #38378) and transformers' own per-tensor formula
-    (`Fp8QuantizedLayer._quantize`) applied to each vector.
+    """float8_e4m3 codes of `tensor` with one scale per token and head, as vLLM's `fp8_per_token_head` cache writes
+    them (vllm#38378; its reference `_quantize_per_token_head_ref`, tests/quantization/test_per_token_kv_cache.py):
+    `scale = max(amax over head_dim / 448, 1e-6)` in float32, codes `tensor * (1 / scale)` clamped to +-448.
 
     Args:
         tensor: [batch, kv_heads, tokens, head_dim], any float dtype.
@@ -79,8 +83,9 @@ def quantize_per_token_head(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.T
         per value and 4 bytes per token and head.
     """
     fp8_max = torch.finfo(Fp8QuantizedLayer.fp8_dtype).max
-    scale = (tensor.abs().amax(dim=-1, keepdim=True).float() / fp8_max).clamp(min=torch.finfo(torch.float32).tiny)
-    return (tensor.float() / scale).to(Fp8QuantizedLayer.fp8_dtype), scale
+    scale = (tensor.float().abs().amax(dim=-1, keepdim=True) / fp8_max).clamp(min=PER_TOKEN_HEAD_FLOOR)
+    codes = (tensor.float() * (1.0 / scale)).clamp(-fp8_max, fp8_max).to(Fp8QuantizedLayer.fp8_dtype)
+    return codes, scale
 
 
 def placeable(codes: torch.Tensor, scale: torch.Tensor) -> bool:

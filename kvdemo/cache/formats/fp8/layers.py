@@ -1,13 +1,13 @@
 """The `fp8` format's layers: transformers' `Fp8QuantizedLayer` de-quantizing by bit placement (`ExactFp8Layer`, the
-arithmetic and its measure in `kvdemo.cache.layers.float8`), its per-token-head variant, both over a sliding window,
-and the cache of them (`fp8_cache`).
+arithmetic and its measure in `kvdemo.cache.layers.float8`), its per-token-head variant, the engines' scale rules
+(`EngineFp8Layer`), each over a sliding window, and the cache of them (`fp8_cache`).
 """
 
 from __future__ import annotations
 
 import torch
 from transformers import PreTrainedConfig, QuantizedCache
-from transformers.cache_utils import Fp8QuantizedLayer
+from transformers.cache_utils import BaseQuantizedLayer, Fp8QuantizedLayer
 
 from kvdemo.cache.layers.by_kind import library_cache, sliding_windows, with_kept_layers
 from kvdemo.cache.layers.float8 import (
@@ -20,7 +20,12 @@ from kvdemo.cache.layers.float8 import (
 )
 from kvdemo.cache.layers.sliding import SlidingWindowMask
 from kvdemo.cache.model.layer_kinds import quantized_layers
-from kvdemo.cache.policies import FP8_SCALES, PROTECT_CHOICES, SLIDING_CHOICES
+from kvdemo.cache.policies import PROTECT_CHOICES, SLIDING_CHOICES
+
+from . import CALCULATED_RANGES, FLOAT8_FORMATS, SCALES
+
+FLOAT8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+"""The torch dtype of each `float8` word."""
 
 
 class ExactFp8Layer(Fp8QuantizedLayer):
@@ -91,6 +96,47 @@ class PerTokenHeadFp8Layer(ExactFp8Layer):
         return self._dequantize(self._quantized_keys), self._dequantize(self._quantized_values)
 
 
+class EngineFp8Layer(ExactFp8Layer):
+    """fp8 as vLLM and SGLang store it: one float32 scale per layer and tensor, 1.0 (`rule="one"`) or vLLM's
+    `--calculate-kv-scales` at the first update (`rule="calculated"`: amax / 200 of the keys, amax / 100 of the values,
+    `CALCULATED_RANGES`), then frozen; codes `states / scale` saturated at the format's largest value (vLLM's
+    `scaled_fp8_conversion`, `__NV_SATFINITE`), e4m3 or e5m2 (`float8`). The store is transformers' `(codes, scale)`.
+    """
+
+    def __init__(self, rule: str = "one", float8: str = FLOAT8_FORMATS[0]) -> None:
+        super().__init__()
+        self.rule, self.float8 = rule, float8
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """The store of the first update's states ([batch, kv_heads, tokens, head_dim]) under the rule's scales."""
+        BaseQuantizedLayer.lazy_initialization(self, key_states, value_states)  # dtype, device: DynamicLayer's
+        self._quantized_keys = self._quantize(key_states, self._first_scale(key_states, CALCULATED_RANGES[0]))
+        self._quantized_values = self._quantize(value_states, self._first_scale(value_states, CALCULATED_RANGES[1]))
+
+    def _first_scale(self, states: torch.Tensor, calculated_range: float) -> torch.Tensor:
+        """1.0, or vLLM's `torch.abs(states).max() / range` (floored at float32's smallest normal: an all-zero
+        tensor gives no zero scale), as a float32 scalar tensor."""
+        if self.rule == SCALES[2]:
+            return torch.tensor(1.0, device=states.device)
+        return (states.abs().amax().float() / calculated_range).clamp(min=torch.finfo(torch.float32).tiny)
+
+    def _quantize(self, tensor, scale=None):
+        """`(codes, scale)`: `tensor / scale` clamped to the format's range and rounded to it (`scale`: the store's)."""
+        dtype = FLOAT8_DTYPES[self.float8]
+        top = torch.finfo(dtype).max
+        codes = (tensor.float() / scale).clamp(-top, top).to(dtype)
+        if not self._nan_codes and dtype == torch.float8_e4m3fn and has_nan_codes(codes):  # a NaN state
+            self._nan_codes = True
+        return codes, scale
+
+    def _dequantize(self, qtensor):
+        """e4m3 by bit placement (`ExactFp8Layer`); e5m2 by the library's arithmetic."""
+        if self.float8 == FLOAT8_FORMATS[0]:
+            return super()._dequantize(qtensor)
+        codes, scale = qtensor
+        return (codes.float() * scale).to(self.keys.dtype)
+
+
 class SlidingFp8Layer(SlidingWindowMask, ExactFp8Layer):
     """transformers' `Fp8QuantizedLayer` (de-quantizing by bit placement, `kvdemo.cache.formats.fp8.layers`) over the
     window."""
@@ -128,28 +174,41 @@ class SlidingPerTokenHeadFp8Layer(SlidingFp8Layer, PerTokenHeadFp8Layer):
     `sliding_window - 1` codes kept with their scales."""
 
 
+class SlidingEngineFp8Layer(SlidingFp8Layer, EngineFp8Layer):
+    """`EngineFp8Layer` over the window (`SlidingFp8Layer`'s update keeps the last `sliding_window - 1` codes)."""
+
+    def __init__(self, sliding_window: int, rule: str, float8: str) -> None:
+        super().__init__(sliding_window)
+        self.rule, self.float8 = rule, float8
+
+
 def fp8_cache(
     config: PreTrainedConfig,
     sliding: str = SLIDING_CHOICES[0],
     protect: str = PROTECT_CHOICES[0],
-    scale: str = FP8_SCALES[0],
+    scale: str = SCALES[0],
+    float8: str = FLOAT8_FORMATS[0],
 ) -> QuantizedCache:
     """transformers' `QuantizedCache("fp8", config)` built by layer kind (`kvdemo.cache.layers.by_kind`): each quantized
-    layer an `ExactFp8Layer` (`scale=per_tensor`) or a `PerTokenHeadFp8Layer` (`per_token_head`), a sliding one over
-    its window; the others as `sliding` and `protect` say.
+    layer an `ExactFp8Layer` (`scale=per_tensor`), a `PerTokenHeadFp8Layer` (`per_token_head`) or an `EngineFp8Layer`
+    (`one`, `calculated`; e4m3 or e5m2), a sliding one over its window; the others as `sliding` and `protect` say.
 
     Raises:
-        ValueError: `scale` is not one of `FP8_SCALES`."""
-    if scale not in FP8_SCALES:
-        raise ValueError(f"scale={scale!r} is not one of {', '.join(FP8_SCALES)}")
+        ValueError: `scale` is not one of `SCALES`, or `float8` not one of `FLOAT8_FORMATS`."""
+    if scale not in SCALES or float8 not in FLOAT8_FORMATS:
+        raise ValueError(f"scale={scale!r}, float8={float8!r}: scale is one of {', '.join(SCALES)}, float8 e4m3|e5m2")
     cache = library_cache("fp8", config)
-    windows, per_tensor = sliding_windows(config), scale == FP8_SCALES[0]
+    windows = sliding_windows(config)
     layers: list = list(cache.layers)
     for index in quantized_layers(config, sliding, protect):
         window = windows[index]
-        if per_tensor:
+        if scale == SCALES[0]:
             layers[index] = ExactFp8Layer() if window is None else SlidingFp8Layer(window)
-        else:
+        elif scale == SCALES[1]:
             layers[index] = PerTokenHeadFp8Layer() if window is None else SlidingPerTokenHeadFp8Layer(window)
+        else:
+            layers[index] = (
+                EngineFp8Layer(scale, float8) if window is None else SlidingEngineFp8Layer(window, scale, float8)
+            )
     cache.layers = layers
     return with_kept_layers(cache, config, sliding, protect)

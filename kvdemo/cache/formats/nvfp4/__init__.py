@@ -14,9 +14,9 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvdemo.cache.backend import Backend
-from kvdemo.cache.deploy import Deployment
+from kvdemo.cache.deploy import Deployment, vllm_skip_layers
 from kvdemo.cache.options import PROTECT_OPTION, SLIDING_OPTION, Option
-from kvdemo.cache.policies import PROTECT_CHOICES, SLIDING_CHOICES
+from kvdemo.cache.policies import SLIDING_CHOICES
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
@@ -86,24 +86,18 @@ def engine_dtype(resolved) -> str | None:
 
 
 def _deploy(backend: Backend, given, resolved, config: PreTrainedConfig) -> tuple[Deployment, ...]:
-    """vLLM's, SGLang's and TensorRT-LLM's lines, where each stores the same layers the same way: every attention
-    layer in the one dtype (sliding-window layers too; vLLM keeps them at full precision with
-    `--kv-cache-dtype-skip-layers sliding_window`), no protected layer; the tensor scale 1.0 (vLLM, SGLang without a
-    checkpoint scale) or the calibrated amax (TensorRT-LLM through ModelOpt, which kvdemo computes from the prefill)."""
-    from kvdemo.cache.layers.by_kind import sliding_windows
-
-    if resolved.get("protect", PROTECT_CHOICES[0]) != PROTECT_CHOICES[0]:
-        return ()
-    kept = resolved.get("sliding") == SLIDING_CHOICES[0] and any(w is not None for w in sliding_windows(config))
+    """vLLM's line, its kept layers as `--kv-cache-dtype-skip-layers` (`kvdemo.cache.deploy.vllm_skip_layers`); SGLang's
+    and TensorRT-LLM's where every attention layer is in the one dtype (sliding-window layers too, no protected layer).
+    The tensor scale: 1.0 (vLLM, SGLang without a checkpoint scale) or the calibrated amax (TensorRT-LLM through
+    ModelOpt, which kvdemo computes from the prefill)."""
+    skip = vllm_skip_layers(resolved, config)
     dtype, lines = engine_dtype(resolved), []
     if dtype:
-        skip = " --kv-cache-dtype-skip-layers sliding_window" if kept else ""
         lines.append(Deployment("vllm", f"vLLM: --kv-cache-dtype {dtype}{skip}"))
-        if dtype == "nvfp4" and not kept:
-            sglang = "SGLang: --kv-cache-dtype nvfp4"
-            lines.append(Deployment("sglang", sglang))
+        if dtype == "nvfp4" and not skip:
+            lines.append(Deployment("sglang", "SGLang: --kv-cache-dtype nvfp4"))
     ptq = {"keys": "nvfp4", "block_rule": "max6", "tensor_scale": "prefill"}
-    if not kept and all(resolved.get(k) == v for k, v in ptq.items()):
+    if not skip and all(resolved.get(k) == v for k, v in ptq.items()):
         ptq_line = (
             "TensorRT-LLM: ModelOpt hf_ptq.py --kv_cache_qformat nvfp4 (its calibration sets the tensor scales; kvdemo "
             'sets them from this prefill), then LLM(..., kv_cache_config=KvCacheConfig(dtype="nvfp4"))'

@@ -15,7 +15,7 @@ from transformers import PreTrainedConfig
 from transformers.cache_utils import BaseQuantizedLayer, Cache
 
 from kvdemo.cache.layers.by_kind import sliding_windows, with_kept_layers
-from kvdemo.cache.layers.sliding import SlidingWindowMask
+from kvdemo.cache.layers.sliding import SlidingStoreWindow
 from kvdemo.cache.model.layer_kinds import quantized_layers
 
 from . import BLOCK_RULES, KEY_FORMATS, TENSOR_SCALES
@@ -85,30 +85,8 @@ class Nvfp4Layer(BaseQuantizedLayer):
         return self._dequantize(self._quantized_keys), self._dequantize(self._quantized_values)
 
 
-class SlidingNvfp4Layer(SlidingWindowMask, Nvfp4Layer):
-    """`Nvfp4Layer` over a sliding window: the last `sliding_window - 1` tokens' codes and block scales kept, as
-    `DynamicSlidingWindowLayer` keeps its states (`kvdemo.cache.layers.sliding`)."""
-
-    def __init__(self, sliding_window: int, **options: str) -> None:
-        super().__init__(**options)
-        self.sliding_window = sliding_window
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`Nvfp4Layer.update` keeping the last `sliding_window - 1` tokens (compact copies, so the longer store is
-        not pinned); returns what `DynamicSlidingWindowLayer.update` returns, read back (the first update: the new
-        states as given)."""
-        keep, first = self.sliding_window - 1, not self.is_initialized
-        keys, values = super().update(key_states, value_states, *args, **kwargs)
-        self._quantized_keys, self._quantized_values = (
-            type(s)(*(t[..., -keep:, :].clone() if t.dim() and t.shape[-2] > keep else t for t in s))
-            for s in (self._quantized_keys, self._quantized_values)
-        )
-        if first:
-            return keys, values
-        visible = keep + key_states.shape[-2]
-        return keys[..., -visible:, :], values[..., -visible:, :]
+class SlidingNvfp4Layer(SlidingStoreWindow, Nvfp4Layer):
+    """`Nvfp4Layer` over a sliding window (`kvdemo.cache.layers.sliding.SlidingStoreWindow`)."""
 
 
 def nvfp4_cache(
@@ -137,5 +115,5 @@ def nvfp4_cache(
     layers: list = [None] * len(windows)  # the layers kept at full precision: `with_kept_layers`
     for index in quantized_layers(config, sliding, protect):
         window = windows[index]
-        layers[index] = Nvfp4Layer(**options) if window is None else SlidingNvfp4Layer(window, **options)
+        layers[index] = Nvfp4Layer(**options) if window is None else SlidingNvfp4Layer(sliding_window=window, **options)
     return with_kept_layers(Cache(layers=layers), config, sliding, protect)
