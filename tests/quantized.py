@@ -61,6 +61,8 @@ def quantization_step(spec: CacheSpec, reference: torch.Tensor, what: str = "key
     nbits = int(opts.get("nbits_value", opts.get("nbits", 0)) if values else opts.get("nbits", 0))
     if spec.backend == "nvfp4" and (values or opts["keys"] == "nvfp4"):  # E2M1's widest gap (4 to 6) x block scale
         return 2 * max(float(reference.abs().max()) / 6 * (1 + 2**-FP8_MANTISSA_BITS), NVFP4_SCALE_FLOOR)
+    if spec.backend == "int8":  # a step of amax / 127 per token and head: at most the tensor's amax / 127
+        return float(reference.abs().max()) / 127
     float8 = spec.backend in ("fp8", "nvfp4")  # nvfp4's float8 keys (`keys=e4m3`)
     if float8 or (spec.backend == "turboquant" and not values and nbits == 8):
         top = float(reference.abs().max())

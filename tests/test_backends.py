@@ -33,11 +33,11 @@ def _config(kv_heads=3, head_dim=64, layers=1, **extra) -> LlamaConfig:
 
 
 def test_registry_lists_the_formats_and_their_options():
-    assert list(BACKENDS) == ["dynamic", "quanto", "hqq", "fp8", "turboquant", "ggml", "nvfp4"]
+    assert list(BACKENDS) == ["dynamic", "quanto", "hqq", "fp8", "turboquant", "ggml", "nvfp4", "mlx", "int8"]
     assert BACKENDS["quanto"].options["nbits"].choices == (2, 4)
     assert BACKENDS["hqq"].options["nbits"].choices == (1, 2, 3, 4, 8)
     assert BACKENDS["turboquant"].options["nbits"].choices == (2, 3, 4, 8)
-    assert list(BACKENDS["fp8"].options) == ["sliding", "protect", "scale"]
+    assert list(BACKENDS["fp8"].options) == ["sliding", "protect", "scale", "float8"]
     assert list(BACKENDS["dynamic"].options) == ["storage"]
     assert BACKENDS["dynamic"].options["storage"].choices == ("concat", "growing")
     assert BACKENDS["hqq"].options["residual_length"].default == 128
@@ -71,7 +71,7 @@ def test_spec_defaults_and_label():
     }
     assert spec.label == "hqq nbits=2 q_group_size=64 residual_length=4"
     assert spec.replace(rotation="hadamard").label == "hqq nbits=2 q_group_size=64 residual_length=4 rotation=hadamard"
-    assert CacheSpec("fp8").resolved() == {"sliding": "keep", "protect": "0:0", "scale": "per_tensor"}
+    assert CacheSpec("fp8").resolved() == {"sliding": "keep", "protect": "0:0", "scale": "per_tensor", "float8": "e4m3"}
     assert CacheSpec("fp8").label == "fp8" and CacheSpec("fp8").full_text == "fp8"  # quiet options at their defaults
     assert CacheSpec("fp8", scale="per_token_head").full_text == "fp8,scale=per_token_head"
     assert CacheSpec("fp8", sliding="quantize").label == "fp8 sliding=quantize"
@@ -112,7 +112,7 @@ def test_spec_syntax_round_trips(text, spec):
         ("hqq:four", "nbits='four' must be an integer"),
         ("hqq:4,residual_length=1_6", "residual_length='1_6' must be an integer"),
         ("hqq:+4", "nbits='+4' must be an integer"),
-        ("int8", "backend='int8' is not a backend"),
+        ("int3", "backend='int3' is not a backend"),
         ("hqq:4,bits=2", "'bits' is not an option; options: nbits, q_group_size"),
         ("hqq:4,nbits=2", "nbits is given twice"),
         ("hqq:4,residual_length", "is not option=value"),
@@ -129,13 +129,13 @@ def test_spec_syntax_errors_say_what_to_write(text, message):
 @pytest.mark.parametrize(
     "spec, message",
     [
-        (CacheSpec("int8"), "backend='int8' is not a backend; choose one of dynamic, quanto, hqq, fp8, turboquant"),
+        (CacheSpec("int3"), "backend='int3' is not a backend; choose one of dynamic, quanto, hqq, fp8, turboquant"),
         (CacheSpec("quanto", nbits=3), "nbits=3 is not allowed for quanto; allowed: 2, 4"),
         (CacheSpec("hqq", nbits=5), "nbits=5 is not allowed for hqq; allowed: 1, 2, 3, 4, 8"),
         (CacheSpec("hqq", nbits=0), "nbits=0 is not allowed for hqq; allowed: 1, 2, 3, 4, 8"),
         (
             CacheSpec("fp8", nbits=4),
-            "nbits=4 is not an option of the fp8 backend (it takes sliding, protect, scale); leave it unset",
+            "nbits=4 is not an option of the fp8 backend (it takes sliding, protect, scale, float8); leave it unset",
         ),
         (CacheSpec("fp8", residual_length=8), "residual_length=8 is not an option of the fp8 backend"),
         (CacheSpec("dynamic", q_group_size=32), "q_group_size=32 is not an option of the dynamic backend"),

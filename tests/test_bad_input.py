@@ -137,7 +137,7 @@ TABLE: list[tuple[str, str, Callable[[Env], Any], str]] = [
     ("api", "max_new_tokens huge", lambda e: e.qa.ask(QUESTION, 10**9), "lower max_new_tokens to at most"),
     ("api", "max_new_tokens=2.5", lambda e: e.qa.ask(QUESTION, 2.5), "max_new_tokens=2.5 must be a whole number"),
     ("api", "ask before prefill", lambda e: QASession(e.tiny).ask(QUESTION), "prefill a context before asking"),
-    ("api", "unknown backend", lambda e: QASession(e.tiny, CacheSpec("int8")), "backend='int8' is not a backend"),
+    ("api", "unknown backend", lambda e: QASession(e.tiny, CacheSpec("int3")), "backend='int3' is not a backend"),
     (
         "api",
         "nbits a backend does not take",
@@ -148,7 +148,8 @@ TABLE: list[tuple[str, str, Callable[[Env], Any], str]] = [
         "api",
         "option a backend does not take",
         lambda e: QASession(e.tiny, CacheSpec("fp8", residual_length=8)),
-        "residual_length=8 is not an option of the fp8 backend (it takes sliding, protect, scale); leave it unset",
+        "residual_length=8 is not an option of the fp8 backend (it takes sliding, protect, scale, float8); leave it "
+        "unset",
     ),
     (
         "api",
@@ -283,8 +284,8 @@ TABLE: list[tuple[str, str, Callable[[Env], Any], str]] = [
     (
         "app",
         "a backend not in the list",
-        lambda e: e.fns["prefill"](CONTEXT, "int8", 4, 64, 4, 0, 0, _req()),
-        "backend='int8' is not a backend",
+        lambda e: e.fns["prefill"](CONTEXT, "int3", 4, 64, 4, 0, 0, _req()),
+        "backend='int3' is not a backend",
     ),
     ("app", "KV cache over the server's budget", _over_budget, "the KV budget is"),
     (

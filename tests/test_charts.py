@@ -57,7 +57,8 @@ def test_display_frame_shows_mib_and_groups_memory_fidelity_speed(report):
     assert groups["memory"][:3] == ["KV MiB", "bytes/token", "× dynamic"] and groups["speed"][0] == "tokens/s"
     # every header is explained, and the order is spec, then memory, fidelity, speed
     assert set(display.columns) <= set(DISPLAY_HELP)
-    assert list(display.columns) == ["spec"] + groups["memory"] + groups["fidelity"] + groups["speed"]
+    assert list(display.columns) == ["spec"] + groups["memory"] + groups["fidelity"] + groups["speed"] + ["deploy"]
+    assert display["deploy"].tolist()[0] == "every engine's default cache"
     grouped = comparison_display_frame(full, grouped=True)
     assert grouped.columns.nlevels == 2 and grouped[("memory", "KV MiB")].tolist() == display["KV MiB"].tolist()
     assert len(grouped.columns) == len(display.columns)

@@ -520,7 +520,7 @@ def test_compare_perplexity_on_the_tail_of_a_text_file(embedded, capsys, tmp_pat
     [
         (["--spec", "hqq:5"], "error: nbits=5 is not allowed for hqq; allowed: 1, 2, 3, 4, 8"),
         (["--spec", "hqq:4,group=32"], "error: spec 'hqq:4,group=32': 'group' is not an option"),
-        (["--spec", "int8"], "error: backend='int8' is not a backend"),
+        (["--spec", "int3"], "error: backend='int3' is not a backend"),
         (["--spec", "hqq:4,q_group_size=48"], "error: q_group_size=48 (axis_key=0)"),
         (["--unanswerable-from-case", "0"], "error: --unanswerable-from-case must be >= 1"),
         (["--max-new-tokens", "0"], "error: max_new_tokens=0 must be a whole number >= 1"),

@@ -182,6 +182,20 @@ def test_compare_against_sessions_and_kv_memory(tiny):
     assert not math.isnan(frame["F1"].iloc[0]) and frame["restored"].all()
     data = json.loads(json.dumps(report.to_dict()))
     assert data["results"][1]["questions"][0]["token_ids"] == list(hqq.questions[0].token_ids)
+    # each row's deploy lines: the engines that store it the same way, kvdemo's own last (compare --json, MCP)
+    for row, result in zip(data["results"], report.results):
+        spec = CacheSpec.parse(result.spec_text)
+        assert row["deploy"] == [d.line for d in spec.deployments(tiny.config)] and row["deploy"][-1].startswith(
+            "kvdemo:"
+        )
+    assert frame["deploy"].tolist() == [
+        "every engine's default cache",
+        'transformers: model.generate(..., cache_implementation="quantized", cache_config={"backend": "hqq", '
+        '"nbits": 2, "residual_length": 2})',
+        'transformers: model.generate(..., cache_implementation="quantized", cache_config={"backend": "fp8"}) · '
+        "TensorRT-LLM: ModelOpt hf_ptq.py --kv_cache_qformat fp8 (its calibration sets the scales; kvdemo sets them "
+        'from this prefill), then LLM(..., kv_cache_config=KvCacheConfig(dtype="fp8"))',
+    ]
 
 
 def test_compare_without_gold_has_nan_gold_columns(tiny):

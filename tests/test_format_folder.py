@@ -58,7 +58,7 @@ def test_a_copied_format_folder_and_one_registry_line_work_through_every_door(tm
     doors = json.loads(run.stdout.strip().splitlines()[-1])
 
     assert doors["package"] == str(package)  # the copy ran, not the project's package
-    assert doors["formats"][-2:] == ["ggml", NEW]
+    assert doors["formats"][-2:] == ["int8", NEW]
     # the same code under another name: the same bytes and tokens as the original format, through every door
     tokens, answer = doors["original"], doors["text"]
     assert len(tokens) == 6 and doors["session"] == doors["reopened"] == tokens

@@ -195,6 +195,8 @@ def test_deploy_lines(embedded):
     assert [line.split(":")[0] for line in lines["dynamic"]] == [
         "llama.cpp",
         "vLLM",
+        "SGLang",
+        "TensorRT-LLM",
         "transformers",
         "mlx-lm",
         "kvdemo",

@@ -242,7 +242,7 @@ def test_cancel_acts_within_one_chunk_of_a_long_prefill(tiny):
         (dict(specs=[]), "give a list of specs"),
         (dict(specs="dynamic"), "give a list of specs"),
         (dict(specs=["hqq:5"]), "nbits=5 is not allowed for hqq"),
-        (dict(specs=["int8"]), "backend='int8' is not a backend"),
+        (dict(specs=["int3"]), "backend='int3' is not a backend"),
         (dict(lengths=[]), "give a list of context lengths"),
         (dict(lengths=[200.5]), "length 200.5 must be a whole number of tokens >= 1"),
         (dict(lengths=[True]), "length True must be a whole number"),

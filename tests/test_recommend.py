@@ -142,12 +142,21 @@ def test_candidates_come_from_the_registry_for_each_engine():
     assert [s.short_text for s in transformers] == ["dynamic", "quanto:2", "quanto:4", "hqq:2", "hqq:3", "hqq:4",
                                                     "hqq:8", "fp8"]  # fmt: skip
     served = candidate_specs(LLAMA, "vllm")
+    calculated = "fp8_e4m3 --calculate-kv-scales  # from its first forward pass: kvdemo's from the whole prefill"
     assert served[0].text == "dynamic" and [s.deployments(LLAMA)[0].line for s in served[1:]] == [
+        *(f"vLLM: --kv-cache-dtype {name}" for name in ("fp8_per_token_head", "fp8_e4m3", calculated)),
+        "vLLM: --kv-cache-dtype fp8_e5m2",  # fp8's own candidate, after its grid
         *(f"vLLM: --kv-cache-dtype turboquant_{name}" for name in ("k8v4", "4bit_nc", "k3v4_nc", "3bit_nc")),
         *(f"vLLM: --kv-cache-dtype {name}" for name in ("nvfp4", "nvfp4_4over6", "fp8_k_nvfp4_v")),
+        "vLLM: --kv-cache-dtype int8_per_token_head",
     ]
-    assert [s.short_text for s in candidate_specs(LLAMA, "sglang")] == ["dynamic", "nvfp4"]
-    assert [s.short_text for s in candidate_specs(LLAMA, "tensorrt-llm")] == ["dynamic", "nvfp4,tensor_scale=prefill"]
+    assert [s.short_text for s in candidate_specs(LLAMA, "sglang")] == [
+        "dynamic", "fp8,scale=one", "fp8,scale=one,float8=e5m2", "nvfp4"]  # fmt: skip
+    assert [s.short_text for s in candidate_specs(LLAMA, "tensorrt-llm")] == [
+        "dynamic",
+        "fp8",
+        "nvfp4,tensor_scale=prefill",
+    ]
     with pytest.raises(ValueError, match="not one of any, llama.cpp"):
         candidate_specs(LLAMA, "tensorrt")
 
@@ -176,11 +185,11 @@ def test_deploy_lines_name_only_what_the_engine_stores():
     ]
     assert '"q_group_size": 32' in lines["hqq:2,q_group_size=32"][0]
     assert lines["fp8"][0].endswith('cache_config={"backend": "fp8"})')
+    assert lines["fp8,scale=per_token_head"][0] == "vLLM: --kv-cache-dtype fp8_per_token_head"
     for own in (
         "quanto:4,rotation=hadamard",
         "hqq:4,optimize=false",
         "quanto:4,flush=append",
-        "fp8,scale=per_token_head",
     ):
         assert len(lines[own]) == 1 and lines[own][0].startswith("kvdemo: python -m kvdemo ask")  # kvdemo's own
         assert lines[own][0].endswith(f'CacheSpec.parse("{own}")')  # options: no engine stores them so
@@ -356,7 +365,6 @@ def test_recommend_stops_and_keeps_what_was_measured(tiny, short_text, questions
         ({"bytes_per_token": 0.0}, "must be a number > 0"),
         ({"max_kl": 0.02, "bytes_per_token": 100.0}, "not both"),
         ({"bytes_per_token": 10.0}, "the smallest takes"),
-        ({"engine": "vllm"}, "choose --engine among any, llama.cpp, transformers, kvdemo"),
         ({"engine": "tensorrt"}, "not one of"),
         ({"questions": ["Who?", " "]}, "a question is empty"),
     ],
@@ -461,11 +469,25 @@ def test_verify_refuses_a_pick_llama_cpp_does_not_store():
         verify(dataclasses.replace(found, pick=""), Path("model.gguf"))
 
 
-@pytest.mark.model  # the refusal reads the model's candidates: main() loads the embedded model itself
-def test_cli_recommend_refuses_an_engine_with_no_candidate_with_exit_2(capsys):
+def test_recommend_refuses_an_engine_with_no_candidate_on_this_model(embedded, short_text, monkeypatch):
+    odd = make_tiny(embedded.tokenizer, head_dim=40)  # no MLX group size divides it
+    QASession(odd)  # the model check of `dynamic`, before the forward is taken
+
+    def no_forward(*args, **kw):
+        raise AssertionError("a forward pass ran")
+
+    monkeypatch.setattr(odd, "forward", no_forward)
+    refusal = "kvdemo stores none of mlx-lm's quantized cache formats for this model, so it cannot measure what mlx-lm"
+    with pytest.raises(ValueError, match=refusal + " would do; choose --engine among any, "):
+        recommend(odd, short_text, ["Who were the Normans?"], engine="mlx-lm")
+
+
+def test_cli_recommend_refuses_an_engine_it_does_not_know_with_exit_2(capsys):
     case = str(example_path("normans"))
-    assert main(["recommend", "--context-file", case, "--engine", "mlx", "--no-progress"]) == 2
-    assert "kvdemo stores none of mlx's quantized cache formats" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stopped:
+        main(["recommend", "--context-file", case, "--engine", "mlx", "--no-progress"])
+    assert stopped.value.code == 2
+    assert "invalid choice: 'mlx' (choose from 'any', 'llama.cpp', 'vllm', 'sglang'" in capsys.readouterr().err
 
 
 # ---- what the weights say ------------------------------------------------------------------------------------------

@@ -377,7 +377,7 @@ def test_mcp_recommend_uses_the_sessions_context_and_refuses_bad_input(tiny, nor
     assert set(app.kv.holders()) == {"cache:mcp:a"}  # the recommendation's reservation is released
     for call, message in [
         (lambda: tools.recommend_setting("", ["Who?"], 0.0, "any", "a"), "max_kl=0.0 must be a number > 0"),
-        (lambda: tools.recommend_setting("", ["Who?"], 0.02, "vllm", "a"), "kvdemo stores none of vllm's"),
+        (lambda: tools.recommend_setting("", ["Who?"], 0.02, "mlx", "a"), "engine 'mlx' is not one of any, llama.cpp"),
         (lambda: tools.recommend_setting("", "Who?", 0.02, "any", "a"), "questions must be a list"),
         (lambda: tools.recommend_setting("", ["Who?"], 0.02, "any", "nobody"), "Nothing is prefilled"),
     ]:

@@ -109,11 +109,14 @@ DISPLAY_COLUMNS: tuple[tuple[str, str, str, int], ...] = (
     ("speed", "tokens/s", "tokens/s", 1),
     ("speed", "prefill s", "prefill s", 2),
     ("speed", "flush s", "flush s", 2),
+    ("", "deploy", "deploy", -1),
 )
 """The reader's table: (group, header, column of `ComparisonReport.to_frame()`, decimals; -1: as it is)."""
 
 DISPLAY_HELP: dict[str, str] = {
     "spec": "the backend and the options set (backend[:nbits][,option=value])",
+    "deploy": "the engines that store this cache the same way, each with the flag that asks it to (kvdemo only: none "
+    "does)",
     "KV MiB": "the KV cache after the prefill (MiB, measured from the tensors held)",
     "kept MiB": "of it, the layers a quantized backend keeps at full precision (sliding windows, recurrent states)",
     "bytes/token": "KV bytes per context token",

@@ -84,10 +84,16 @@ def _grid(model_config: PreTrainedConfig) -> list[CacheSpec]:
                 specs.append(CacheSpec(name, **bits, **dict(zip(varied, words))))  # type: ignore[arg-type]
         for preset, options in info.presets.items():  # a preset that sets `sliding` (vLLM's) is taken as it is
             ways = [(None,) * len(varied)] if "sliding" in options else _sliding(varied)
-            specs += [CacheSpec.parse(f"{name}:{preset}").replace(**dict(zip(varied, w))) for w in ways]
+            specs += [CacheSpec.parse(f"{name}:{preset}").replace(**_unset(varied, w, options)) for w in ways]
         for options in info.candidates:  # the backend's own further candidates (ggml's mixed key and value types)
-            specs += [CacheSpec(name, **options).replace(**dict(zip(varied, w))) for w in _sliding(varied)]  # type: ignore[arg-type]
+            specs += [CacheSpec(name, **options).replace(**_unset(varied, w, options)) for w in _sliding(varied)]  # type: ignore[arg-type]
     return specs
+
+
+def _unset(varied: dict[str, list], words: tuple, options: dict[str, int | str]) -> dict[str, int | str | None]:
+    """The varied options' `words` for a preset or a backend's candidate, but those it sets itself (fp8's e5m2 sets
+    `scale=one`: kept)."""
+    return {option: word for option, word in zip(varied, words) if option not in options}
 
 
 def has_windows(model_config: PreTrainedConfig) -> bool:

@@ -132,6 +132,7 @@ def measure_spec(
     result = _spec_result(
         spec, prefill, answers, flush_seconds, questions_out, parts, kv_error, drift_runs, ppl, dynamic_kv_bytes
     )
+    result = replace(result, deploy=tuple(d.line for d in spec.deployments(run.loaded_model.config)))
     own_reference = None
     if reference is None:
         own_reference = Reference(

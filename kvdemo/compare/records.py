@@ -13,7 +13,7 @@ from typing import Any, cast
 import pandas as pd
 
 from kvdemo.cache.options import SpecOptions
-from kvdemo.cache.registry import BACKENDS, SPEC_OPTIONS
+from kvdemo.cache.registry import BACKENDS, BASELINE, SPEC_OPTIONS
 from kvdemo.evals.cache_error import KVError
 from kvdemo.evals.fidelity import KLStats, PerplexityResult
 
@@ -125,6 +125,8 @@ class SpecResult:
             the context's error after the last flush of the longest run / after the prefill, and that run's flushes
             (None and 0 without flushes).
         perplexity: `fidelity.PerplexityResult` with its ratio to `dynamic`'s (None without `perplexity_tokens`).
+        deploy: the lines of the engines that store this cache the same way on the model (`CacheSpec.deployments`),
+            kvdemo's own last.
     """
 
     spec: str
@@ -150,6 +152,17 @@ class SpecResult:
     drift_flushes: int
     perplexity: PerplexityResult | None = None
     kept_bytes: int = 0
+    deploy: tuple[str, ...] = ()
+
+    @property
+    def deploy_cell(self) -> str:
+        """The engines' lines for a table cell, joined by ` · ` (`vLLM: --kv-cache-dtype nvfp4 · SGLang: ...`), each
+        without its shell comment (`deploy` keeps it); `every engine's default cache` for the full-precision baseline,
+        `kvdemo only` where no engine stores this cache the same way."""
+        engines = [line.split("  #")[0] for line in self.deploy if not line.startswith("kvdemo:")]
+        if self.backend == BASELINE and len(engines) > 1:
+            return "every engine's default cache"
+        return " · ".join(engines) if engines else "kvdemo only"
 
 
 def _mean(values: list[float]) -> float:
@@ -196,6 +209,7 @@ class ComparisonReport:
     COLUMNS = (
         "spec",
         "spec text",
+        "deploy",
         "backend",
         *SPEC_OPTIONS,  # nbits first, then the other options in the registry's order
         "KV bytes",
@@ -237,8 +251,9 @@ class ComparisonReport:
     def to_frame(self) -> pd.DataFrame:
         """The full table: one row per spec, `COLUMNS` (also when there is none).
 
-        Columns: `spec` (label), `spec text`, `backend`, `nbits` and the other options of `SPEC_OPTIONS` (the flush
-        policy and `dynamic`'s storage included; empty where the backend does not take it);
+        Columns: `spec` (label), `spec text`, `deploy` (`SpecResult.deploy_cell`), `backend`, `nbits` and the other
+        options of `SPEC_OPTIONS` (the flush policy and `dynamic`'s storage included; empty where the backend does not
+        take it);
         `KV bytes`, `bytes/token`, `ratio to dynamic`; `identical to dynamic` (share of answers), `common prefix
         (tokens)` (mean); `KL (nats)` (the mean KL per position, llama.cpp's "Mean KLD"), `median KLD`, `99.0% KLD`,
         `99.9% KLD`, `max KLD` (nats/token), `same top p (%)`, `RMS Δp (%)` (llama.cpp's), `mean |Δ log p|`,
@@ -258,6 +273,7 @@ class ComparisonReport:
                 {
                     "spec": r.spec,
                     "spec text": r.spec_text,
+                    "deploy": r.deploy_cell,
                     "backend": r.backend,
                     "nbits": r.nbits,
                     **{name: r.options.get(name) for name in SPEC_OPTIONS if name != "nbits"},
