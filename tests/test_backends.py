@@ -43,8 +43,9 @@ def test_registry_lists_the_formats_and_their_options():
     assert BACKENDS["hqq"].options["residual_length"].default == 128
     assert BACKENDS["turboquant"].options["flush"].default == "append"  # vLLM codes each token once
     assert BACKENDS["quanto"].pip == "pip install optimum-quanto==0.2.7"
-    assert [b.has_residual for b in BACKENDS.values()] == [False, True, True, False, True, False]
-    assert all("protect" in b.options for b in BACKENDS.values() if b.quantized and b.name != "ggml")
+    assert [b.has_residual for b in BACKENDS.values()] == [False, True, True, False, True, False, False, False, False]
+    assert all("protect" in b.options for b in BACKENDS.values() if b.quantized and b.name not in ("ggml", "mlx"))
+    assert list(BACKENDS["mlx"].options) == ["nbits", "kv_group_size", "quantized_kv_start"]  # mlx-lm keeps no layer
     assert list(BACKENDS["ggml"].options) == ["type_k", "type_v", "rotation", "sliding"]  # llama.cpp keeps no layer
 
 
