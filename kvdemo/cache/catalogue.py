@@ -11,7 +11,7 @@ from kvdemo.cache.spec import CacheSpec
 
 
 def all_specs() -> list[CacheSpec]:
-    """Every backend at every nbits it allows, the other options unset (the backend's defaults), then each other
+    """Every backend at every nbits it allows (at its default where `nbits` is not `in_matrix`), the other options unset (the backend's defaults), then each other
     choice of a text option (`storage=growing`, `flush=append`) at the default nbits, and the default nbits with
     the values one step lower (`quanto:4,nbits_value=2`, `hqq:4,nbits_value=3`): what the tests' matrix runs and
     the Compare tab offers. No per-layer `plan` (one is written for one model's layer count) and no option that acts
@@ -28,6 +28,8 @@ def all_specs() -> list[CacheSpec]:
         # nbits is an integer option: its choices and default are ints (`Option` types them for both kinds)
         nbits_choices = cast("tuple[int, ...]", nbits.choices) if nbits is not None else (None,)
         default_nbits = cast("int", nbits.default) if nbits else None
+        if nbits is not None and not nbits.in_matrix:  # one layer class at every bits (mlx): its own tests
+            nbits_choices = (cast("int", default_nbits),)
         specs += [CacheSpec(name, nbits=n) for n in nbits_choices]
         for option in info.options.values():
             if option.canonical is not None or option.acts_on or not option.in_matrix:

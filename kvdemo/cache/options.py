@@ -97,7 +97,8 @@ class Option:
         in_matrix: False for an option `all_specs` leaves at its default because it changes which layers are
             quantized rather than how (`protect`: each of its values keeps layers as `dynamic` keeps them; its own
             tests run it on every backend, `tests/test_protect.py`), or only which block format one layer class
-            writes (`ggml`'s `type_k` and `type_v`: each type byte for byte in `tests/test_ggml.py`).
+            writes (`ggml`'s `type_k` and `type_v`: each type byte for byte in `tests/test_ggml.py`; mlx's `nbits`,
+            nvfp4's rules, fp8's `float8`: each in its format's tests).
         quiet: True for an option added after specs were written without it (`sliding`, `protect`, `scale`,
             `norm_correction`): at its default, `CacheSpec.full_text` and the page's spec leave it out, so a text
             without it keeps meaning what it meant.

@@ -100,7 +100,13 @@ BACKEND = Backend(
     make_cache=_cache,
     kv_bytes=mlx_bytes,
     options={
-        "nbits": Option("nbits", 4, choices=BITS, help="bits per value, mlx-lm's --kv-bits"),
+        "nbits": Option(
+            "nbits",
+            4,
+            choices=BITS,
+            help="bits per value, mlx-lm's --kv-bits",
+            in_matrix=False,  # one layer at every bits: each bits byte for byte in tests/test_mlx.py
+        ),
         "kv_group_size": Option(
             "kv_group_size", 64, choices=GROUP_SIZES, help="values per scale and bias, mlx-lm's --kv-group-size"
         ),

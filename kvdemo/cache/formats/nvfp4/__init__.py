@@ -146,12 +146,14 @@ BACKEND = Backend(
             BLOCK_RULES,
             "max6: each block's scale from its amax / 6 (NVIDIA's); 4over6: from amax / 6 or amax / 4, whichever "
             "errs less (vLLM's nvfp4_4over6)",
+            in_matrix=False,  # the same layer: each rule byte for byte in tests/test_nvfp4.py
         ),
         "tensor_scale": _words(
             "tensor_scale",
             TENSOR_SCALES,
             "one: 1.0 (vLLM and SGLang without a checkpoint scale); prefill: amax / (6 x 448) of the prefill, frozen "
             "(ModelOpt's calibrated rule)",
+            in_matrix=False,  # the same layer: each rule in tests/test_nvfp4.py
         ),
         "sliding": dataclasses.replace(
             SLIDING_OPTION,
