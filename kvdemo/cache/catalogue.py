@@ -11,8 +11,9 @@ from kvdemo.cache.spec import CacheSpec
 
 
 def all_specs() -> list[CacheSpec]:
-    """Every backend at every nbits it allows (at its default where `nbits` is not `in_matrix`), the other options unset (the backend's defaults), then each other
-    choice of a text option (`storage=growing`, `flush=append`) at the default nbits, and the default nbits with
+    """Every backend at every nbits it allows (at its default where `nbits` is not `in_matrix`), the other options
+    unset (the backend's defaults), then each other choice of a text option (`storage=growing`, `flush=append`) at
+    the default nbits, and the default nbits with
     the values one step lower (`quanto:4,nbits_value=2`, `hqq:4,nbits_value=3`): what the tests' matrix runs and
     the Compare tab offers. No per-layer `plan` (one is written for one model's layer count) and no option that acts
     on other layer kinds only (`sliding=quantize`: the model-family matrix runs it, `tests/families.py`) or that is
