@@ -51,6 +51,14 @@ class Env:
         return str(path)
 
 
+def _fields(**values) -> list:
+    """The page's option fields in `GROUP_OPTIONS`' order, as the prefill handler takes them, `values` set and the
+    others empty (the chosen format's defaults)."""
+    from kvdemo.cache.registry import GROUP_OPTIONS
+
+    return [values.get(name) for name in GROUP_OPTIONS]
+
+
 def _req(name: str = "tab-1") -> gr.Request:
     return gr.Request(session_hash=name)
 
@@ -286,6 +294,18 @@ TABLE: list[tuple[str, str, Callable[[Env], Any], str]] = [
         "a backend not in the list",
         lambda e: e.fns["prefill"](CONTEXT, "int3", 4, 64, 4, 0, 0, _req()),
         "backend='int3' is not a backend",
+    ),
+    (
+        "app",
+        "a block rule nvfp4 does not take",
+        lambda e: e.fns["prefill"](CONTEXT, "nvfp4", *_fields(block_rule="max5"), _req()),
+        "block_rule='max5' is not allowed for nvfp4; allowed: max6, 4over6",
+    ),
+    (
+        "app",
+        "fp8's e5m2 with a scale the engines do not store",
+        lambda e: e.fns["prefill"](CONTEXT, "fp8", *_fields(scale="per_tensor", float8="e5m2"), _req()),
+        "float8=e5m2 is stored unscaled (vLLM's and SGLang's fp8_e5m2), so it takes scale=one",
     ),
     ("app", "KV cache over the server's budget", _over_budget, "the KV budget is"),
     (

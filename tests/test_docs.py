@@ -113,3 +113,44 @@ def test_the_settings_table_lists_every_option_of_app_help(capsys):
         cells = rows[first].split("|")
         assert all(f"`{flag}`" in cells[1] for flag in flags), f"{first}: the row names {flags}"
         assert all(v in cells[2] for v in variables), f"{first}: the row names {sorted(variables)}"
+
+
+FORMAT_ROWS = (
+    "dynamic", "quanto:4", "hqq:4", "fp8", "fp8,scale=per_token_head", "fp8,scale=one", "fp8,scale=one,float8=e5m2",
+    "fp8,scale=calculated", "turboquant:k8v4", "turboquant:4bit_nc", "ggml:q8_0", "ggml:q4_0", "nvfp4",
+    "nvfp4:nvfp4_4over6", "nvfp4:fp8_k_nvfp4_v", "nvfp4,tensor_scale=prefill", "mlx:4", "mlx:8", "int8",
+)  # fmt: skip
+"""The specs docs/formats.md lists: each format at the settings the engines deploy."""
+
+
+def formats_table() -> str:
+    """docs/formats.md's table: per spec of `FORMAT_ROWS`, the bytes a token takes per KV head and layer (keys and
+    values, at 4,096 tokens, float16 where a format keeps the model's dtype, no residual), at head_dim 64 and 128, from
+    the format's byte formula (`tests/test_budget.py` checks it against the tensors); the engines that store it and
+    their line on a plain full-attention model; the reference its bytes are checked against (`Backend.reference`)."""
+    import torch
+    from transformers import LlamaConfig
+
+    from kvdemo.cache.spec import CacheSpec, estimate_kv_bytes
+
+    rows = [
+        "| spec | bytes/token per KV head and layer, head_dim 64 · 128 | engines that store it, and the line | checked "
+        "against |",
+        "|---|---|---|---|",
+    ]
+    tokens = 4096
+    for text in FORMAT_ROWS:
+        spec, sizes = CacheSpec.parse(text), []
+        for dim in (64, 128):
+            config = LlamaConfig(num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1, head_dim=dim,
+                                 hidden_size=dim, max_position_embeddings=2 * tokens)  # fmt: skip
+            sizes.append(f"{estimate_kv_bytes(spec, config, tokens, torch.float16) / tokens:.1f}")
+        lines = [d.line.split("  #")[0] for d in spec.deployments(config) if d.engine != "kvdemo"]
+        engines = "<br>".join(f"`{line}`" for line in lines) if spec.backend != "dynamic" else "every engine's default"
+        rows.append(f"| `{text}` | {sizes[0]} · {sizes[1]} | {engines or 'kvdemo only'} | {spec.info.reference} |")
+    return "\n".join(rows)
+
+
+def test_the_formats_page_holds_every_format_s_bytes_engines_and_reference():
+    page = (ROOT / "docs" / "formats.md").read_text(encoding="utf-8")
+    assert formats_table() in page, "docs/formats.md's table differs: paste tests.test_docs.formats_table()"

@@ -244,6 +244,8 @@ def test_mcp_tools_obey_the_server_budget_and_refuse_bad_input(tiny, normans):
         (lambda: tools.prefill_context(context, "hqq:4,nbits=2", "a"), "nbits is given twice"),
         (lambda: tools.prefill_context(context, 4, "a"), "spec must be a text like hqq:4,residual_length=16"),
         (lambda: tools.prefill_context(context, "dynamic", "../etc"), "session='../etc' must be 1-64 letters"),
+        (lambda: tools.prefill_context(context, "mlx:4,kv_group_size=48", "a"), "kv_group_size=48 is not allowed"),
+        (lambda: tools.prefill_context(context, "nvfp4:nvfp4_4over5", "a"), "presets: nvfp4, nvfp4_4over6"),
         (lambda: tools.ask_question("Who?", 0, "a"), "max_new_tokens=0 must be a whole number >= 1"),
         (lambda: tools.ask_question("", 4, "a"), "the question is empty"),
         (lambda: tools.compare_backends(["Who?"], ["hqq:9"], 4, "", "a"), "nbits=9 is not allowed for hqq"),

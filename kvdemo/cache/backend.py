@@ -74,6 +74,7 @@ class Backend:
             only.
         on_device: `on_device(device) -> a note or None`, what a GPU job sets up for this format before it runs
             (quanto's unpacking on CUDA, `kvdemo.cache.formats.quanto.device`); None: nothing.
+        reference: the implementation its bytes are checked against, and the test that checks them (docs/formats.md).
         examples: named spec texts the rest of kvdemo starts from (`kvdemo.cache.catalogue.examples`): purpose ->
             {text of this backend: its place among every backend's texts for that purpose}, e.g.
             `{"needle": {"hqq:2": 1, "hqq:4": 2}}`, so that no other module names a backend.
@@ -99,6 +100,7 @@ class Backend:
     prefill_reads_cache: bool = False
     stored: Callable[[], dict[str, type]] | None = None
     on_device: Callable[[torch.device], str | None] | None = None
+    reference: str = ""
 
     def set_up(self, device: torch.device) -> str | None:
         """Its set-up on `device` before a GPU job runs (`on_device`), or None where it has none."""

@@ -78,4 +78,5 @@ BACKEND = Backend(
     },
     deploy=_deploy,
     examples={"baseline": {NAME: 0}, "needle": {NAME: 0}},
+    reference="transformers' DynamicCache itself",
 )

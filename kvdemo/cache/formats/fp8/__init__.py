@@ -133,4 +133,8 @@ BACKEND = Backend(
     combination_rule=fp8_combination_problem,
     deploy=_deploy,
     examples={"needle": {NAME: 4}},
+    reference=(
+        "transformers' Fp8QuantizedLayer; vLLM's per-token-head reference and scale rules, written out "
+        "(tests/test_fp8.py)"
+    ),
 )

@@ -182,4 +182,5 @@ BACKEND = Backend(
     deploy=_deploy,
     examples={"more": {f"{NAME}:q4_0": 2}},
     stored=_stored,
+    reference="gguf.quants (ggml's reference quantizers) and llama.cpp itself (tests/test_ggml.py, make bench-peers)",
 )

@@ -95,4 +95,8 @@ BACKEND = Backend(
     pip="pip install hqq==0.2.8.post1",
     deploy=transformers_rule,
     examples={"needle": {f"{NAME}:2": 1, f"{NAME}:4": 2}, "more": {f"{NAME}:4,residual_length=16": 0}},
+    reference=(
+        "hqq's own quantizer, through transformers' QuantizedCache (tests/test_dequantize.py, "
+        "tests/test_hqq_optimize.py)"
+    ),
 )

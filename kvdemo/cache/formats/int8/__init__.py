@@ -74,4 +74,5 @@ BACKEND = Backend(
     compare_nbits=(),
     deploy=_deploy,
     stored=_stored,
+    reference="vLLM's own reference, _quantize_per_token_head_ref, written out (tests/test_int8.py)",
 )

@@ -122,4 +122,5 @@ BACKEND = Backend(
     width_rule=mlx_width_problem,
     deploy=_deploy,
     stored=_stored,
+    reference="mlx.core.quantize of mlx-cpu 0.32.4 (tests/test_mlx.py); mlx-lm 0.32.2 itself (benchmarks/mlx_peer.py)",
 )

@@ -169,4 +169,5 @@ BACKEND = Backend(
     candidates=({"tensor_scale": TENSOR_SCALES[1]},),  # the calibrated scale TensorRT-LLM deploys through ModelOpt
     deploy=_deploy,
     stored=_stored,
+    reference="torchao 0.18.0's nvfp4_quantize (tests/test_nvfp4.py)",
 )

@@ -98,4 +98,5 @@ BACKEND = Backend(
     },
     stored=_stored,
     on_device=_on_device,
+    reference="optimum-quanto's own quantizer, through transformers' QuantizedCache (tests/test_dequantize.py)",
 )

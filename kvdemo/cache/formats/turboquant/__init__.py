@@ -201,4 +201,8 @@ BACKEND = Backend(
     combination_rule=turboquant_combination_problem,
     deploy=_deploy,
     stored=_stored,
+    reference=(
+        "the paper's MSE table and vLLM's TurboQuant layout, written out (tests/test_turboquant.py, "
+        "tests/test_turboquant_vllm.py)"
+    ),
 )
