@@ -31,9 +31,10 @@ _log = logging.getLogger(__name__)
 BUILT_IN_CASE = "normans"
 BUILT_IN_PARAGRAPHS = "0-2"
 BUILT_IN_QUESTIONS = 2
-FORMAT = 3
+FORMAT = 4
 """The stored record's format: a file of another is measured again (3: `ggml`'s prefill attends through its blocks,
-as llama.cpp's does, so its rows measured before are stale; the ids scored are kept)."""
+as llama.cpp's does, so its rows measured before are stale; the ids scored are kept; 4: NVFP4, the engines' fp8
+scales, int8 and mlx are candidates, which a record measured before never weighed)."""
 
 _LOCK = threading.Lock()
 
