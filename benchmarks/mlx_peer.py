@@ -6,10 +6,12 @@ safetensors copy on a text (SQuAD's Normans, paragraphs 0-5) and answers each qu
 teacher-forced sequence on every side. mlx-lm (`mlx-lm` 0.32.2 on `mlx-cpu`, from `.venv/oracles`, run in a child
 process) loads the same safetensors, prefills the same prefix ids in one forward pass (its prompt cache), quantizes the
 cache at once (`maybe_quantize_kv_cache`, `--quantized-kv-start 0`), then reads the question's ids in one pass and the
-answer one token at a time, as kvdemo's `QASession.score` does. Printed, per `--kv-bits`: mlx-lm's mean KL against its
-own full precision, kvdemo's against its own, and the share of layer 0's key codes that are the same bytes on both
-sides (their full-precision keys differ by float rounding between the two frameworks, so a value near a rounding
-boundary may take the next code). Also the KL between the two full-precision runs: the frameworks' own float noise.
+answer one token at a time, as kvdemo's `QASession.score` does, and trims the cache back to the context after each
+question (`trim_prompt_cache`: mlx-lm's own restore, the stored codes untouched). Printed, per `--kv-bits`: mlx-lm's
+mean KL against its own full precision, kvdemo's against its own, and the share of layer 0's key codes that are the same
+bytes on both sides (their full-precision keys differ by float rounding between the two frameworks, so a value near a
+rounding boundary may take the next code). Also the KL between the two full-precision runs: the frameworks' own float
+noise.
 
     .venv/bin/python benchmarks/mlx_peer.py          # `make setup` installs mlx-lm into .venv/oracles
 """
@@ -44,22 +46,22 @@ MLX_SIDE = """
 import numpy as np, mlx.core as mx
 from mlx_lm import load
 from mlx_lm.generate import maybe_quantize_kv_cache
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 model, _ = load(inputs["folder"])
-prefix = mx.array(inputs["prefix"][None])
 for bits in [0, *BITS]:
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array(inputs["prefix"][None]), cache=cache))  # the context, one forward pass in full precision
+    if bits:
+        maybe_quantize_kv_cache(cache, quantized_kv_start=0, kv_group_size=GROUP, kv_bits=bits)
+        outputs[f"codes_{bits}"] = np.array(cache[0].keys[0]).view(np.uint8)
     for i in range(int(inputs["questions"])):
-        cache = make_prompt_cache(model)
-        mx.eval(model(prefix, cache=cache))  # the context, one forward pass in full precision
-        if bits:
-            maybe_quantize_kv_cache(cache, quantized_kv_start=0, kv_group_size=GROUP, kv_bits=bits)
-            if i == 0:
-                outputs[f"codes_{bits}"] = np.array(cache[0].keys[0]).view(np.uint8)
-        rows = [model(mx.array(inputs[f"question_{i}"][None]), cache=cache)[0, -1]]
-        for token in inputs[f"answer_{i}"][:-1]:
+        question, answer = inputs[f"question_{i}"], inputs[f"answer_{i}"]
+        rows = [model(mx.array(question[None]), cache=cache)[0, -1]]
+        for token in answer[:-1]:
             rows.append(model(mx.array([[int(token)]]), cache=cache)[0, -1])
         logits = mx.stack(rows).astype(mx.float32)
         outputs[f"logp_{bits}_{i}"] = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+        trim_prompt_cache(cache, len(question) + len(answer) - 1)  # back to the context, as kvdemo restores
 """
 
 
