@@ -42,12 +42,14 @@ class Nvfp4Layer(BaseQuantizedLayer):
     """One decoder layer's keys and values as NVFP4 blocks (see the module docstring).
 
     Attributes:
-        key_format: `KEY_FORMATS`; block_rule: `kvdemo.cache.formats.nvfp4.blocks.BLOCK_RULES`; tensor_rule:
-            `TENSOR_SCALES`.
-        _quantized_keys, _quantized_values: an `Nvfp4Store` each (the keys an `Fp8Store` with `key_format=fp8`).
+        key_format, block_rule, tensor_rule: the card's `KEY_FORMATS`, `BLOCK_RULES`, `TENSOR_SCALES` words
+            (`kvdemo.cache.formats.nvfp4`).
+        _quantized_keys, _quantized_values: an `Nvfp4Store` each (the keys an `Fp8Store` with `key_format=e4m3`).
     """
 
-    def __init__(self, key_format: str = KEY_FORMATS[0], block_rule: str = BLOCK_RULES[0], tensor_rule: str = "one"):
+    def __init__(
+        self, key_format: str = KEY_FORMATS[0], block_rule: str = BLOCK_RULES[0], tensor_rule: str = TENSOR_SCALES[0]
+    ):
         super().__init__()
         self.key_format, self.block_rule, self.tensor_rule = key_format, block_rule, tensor_rule
 
