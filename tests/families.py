@@ -137,10 +137,14 @@ SPECS = (
     CacheSpec("quanto", nbits=4, sliding="quantize"),
     CacheSpec("turboquant", nbits=4),
     CacheSpec("ggml", type_k="q4_0"),
+    CacheSpec("nvfp4"),
+    CacheSpec("mlx", nbits=4, kv_group_size=32),
+    CacheSpec("int8"),
 )
 """One spec per backend of the registry (hqq rotated: a rotation must be undone where the model reads the cache;
 turboquant's keys are always rotated; ggml's q4_0 rotated by llama.cpp's rule, its sliding layers quantized as
-llama.cpp's are), and quanto with its sliding-window layers quantized too (`sliding=quantize`)."""
+llama.cpp's are; nvfp4 and int8 with theirs quantized as the engines store them; mlx in groups of 32, which the tiny
+head_dims take), and quanto with its sliding-window layers quantized too (`sliding=quantize`)."""
 
 
 def family_config(name: str) -> PreTrainedConfig:

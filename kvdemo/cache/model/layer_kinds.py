@@ -166,6 +166,7 @@ def serving_problem(
     model_config: PreTrainedConfig,
     sliding: str = SLIDING_CHOICES[0],
     protect: str = PROTECT_CHOICES[0],
+    takes_sliding: bool = True,
 ) -> str | None:
     """Why `backend` cannot serve this model's layers, with what would work, or None.
 
@@ -174,6 +175,7 @@ def serving_problem(
         quantized: whether it is a quantized backend (`Backend.quantized`).
         model_config: the model's config.
         sliding: the spec's `sliding` option (`keep` or `quantize`).
+        takes_sliding: whether the backend takes `sliding` (mlx keeps sliding-window layers, as mlx-lm must).
         protect: the spec's `protect` option (`first:last`); protecting every quantized layer is refused.
     """
     types = layer_types(model_config)
@@ -190,7 +192,10 @@ def serving_problem(
         slides = any(LAYER_KINDS[t].sliding and not LAYER_KINDS[t].in_place_state for t in types)
         fix = (
             "set sliding=quantize to quantize the sliding-window layers (llama.cpp's choice), or use backend=dynamic"
-            if slides and sliding != "quantize"
+            if slides and sliding != "quantize" and takes_sliding
+            else f"{backend} keeps sliding-window layers at full precision: use a backend that takes sliding=quantize, "
+            "or backend=dynamic"
+            if slides and not takes_sliding
             else "backend=dynamic serves it"
         )
         return (

@@ -48,7 +48,7 @@ def check_on_model(spec: _Spec, model_config: PreTrainedConfig) -> None:
 
     sliding = str(spec.resolved().get("sliding", SLIDING_CHOICES[0]))
     protect = str(spec.resolved().get("protect", PROTECT_CHOICES[0]))
-    problem = serving_problem(spec.backend, info.quantized, model_config, sliding, protect)
+    problem = serving_problem(spec.backend, info.quantized, model_config, sliding, protect, "sliding" in info.options)
     if problem:
         raise UnsupportedModelError(problem)
     if spec.plan:
