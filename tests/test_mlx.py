@@ -47,6 +47,7 @@ def mlx(rows):
     return run_oracle(MLX, **{f"{name}_rows": x.float().numpy() for name, x in rows.items()})
 
 
+@pytest.mark.process  # the reference runs in a process of its own (tests/oracles.py)
 @pytest.mark.parametrize("name", list(DTYPES))
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
 def test_groups_are_mlx_s_bytes(rows, mlx, name, bits):

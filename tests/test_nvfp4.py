@@ -60,6 +60,7 @@ def _bytes(store):
     return store.codes.reshape(-1, 32).numpy(), store.block_scales.view(torch.uint8).reshape(-1, 4).numpy()
 
 
+@pytest.mark.process  # the reference runs in a process of its own (tests/oracles.py)
 @pytest.mark.parametrize("scale", ["one", "amax"])
 def test_blocks_are_torchao_s_bytes(states, torchao, scale):
     tensor_scale = torch.from_numpy(torchao[f"{scale}_scale"])
@@ -70,6 +71,7 @@ def test_blocks_are_torchao_s_bytes(states, torchao, scale):
     np.testing.assert_array_equal(scales, torchao[f"{scale}_6_scales"])
 
 
+@pytest.mark.process  # the reference runs in a process of its own (tests/oracles.py)
 @pytest.mark.parametrize("scale", ["one", "amax"])
 def test_4over6_keeps_per_block_torchao_s_block_that_errs_less(states, torchao, scale):
     tensor_scale = torch.from_numpy(torchao[f"{scale}_scale"])
