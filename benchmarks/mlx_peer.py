@@ -2,16 +2,16 @@
 against mlx-lm's own full precision, beside kvdemo's `mlx:4` and `mlx:8` against its `dynamic`.
 
 The job (the project's one: prefill a context once, then answer): kvdemo's `dynamic` prefills the embedded model's
-safetensors copy on a text (SQuAD's Normans, paragraphs 0-5) and answers each question greedily; its answers are the
+safetensors copy on a text (SQuAD's Normans, `PARAGRAPHS`) and answers each question greedily; its answers are the
 teacher-forced sequence on every side. mlx-lm (`mlx-lm` 0.32.2 on `mlx-cpu`, from `.venv/oracles`, run in a child
 process) loads the same safetensors, prefills the same prefix ids in one forward pass (its prompt cache), quantizes the
-cache at once (`maybe_quantize_kv_cache`, `--quantized-kv-start 0`), then reads the question's ids in one pass and the
-answer one token at a time, as kvdemo's `QASession.score` does, and trims the cache back to the context after each
-question (`trim_prompt_cache`: mlx-lm's own restore, the stored codes untouched). Printed, per `--kv-bits`: mlx-lm's
-mean KL against its own full precision, kvdemo's against its own, and the share of layer 0's key codes that are the same
-bytes on both sides (their full-precision keys differ by float rounding between the two frameworks, so a value near a
-rounding boundary may take the next code). Also the KL between the two full-precision runs: the frameworks' own float
-noise.
+cache at once (each layer's `to_quantized`, what `maybe_quantize_kv_cache` does at `--quantized-kv-start 0`), then reads
+the question's ids in one pass and the answer one token at a time, as kvdemo's `QASession.score` does, and trims the
+cache back to the context after each question (`trim_prompt_cache`: mlx-lm's own restore, the stored codes untouched).
+Printed, per `--kv-bits`: mlx-lm's mean KL against its own full precision, kvdemo's against its own, and the share of
+layer 0's key codes that are the same bytes on both sides (their full-precision keys differ by float rounding between
+the two frameworks, so a value near a rounding boundary may take the next code). Also the KL between the two full-
+precision runs: the frameworks' own float noise.
 
     .venv/bin/python benchmarks/mlx_peer.py          # `make setup` installs mlx-lm into .venv/oracles
 """
@@ -39,20 +39,23 @@ from kvdemo.qa.models import converted_dir, embedded_gguf_path  # noqa: E402
 
 BITS = (4, 8)
 GROUP = 64
-MAX_NEW_TOKENS = 24
+MAX_NEW_TOKENS = 16
+PARAGRAPHS, QUESTIONS = "0-2", 3
+"""A short text: mlx's CPU backend took about 9 minutes for one forward pass over 1,044 tokens of the embedded model
+on this machine (2026-12-07), so mlx-lm prefills once and each kv-bits quantizes that one prefill."""
 ORACLES = Path(sys.prefix) / "oracles"
 
 MLX_SIDE = """
 import numpy as np, mlx.core as mx
 from mlx_lm import load
-from mlx_lm.generate import maybe_quantize_kv_cache
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 model, _ = load(inputs["folder"])
+full = make_prompt_cache(model)
+mx.eval(model(mx.array(inputs["prefix"][None]), cache=full))  # the context, one forward pass in full precision
 for bits in [0, *BITS]:
-    cache = make_prompt_cache(model)
-    mx.eval(model(mx.array(inputs["prefix"][None]), cache=cache))  # the context, one forward pass in full precision
+    # `maybe_quantize_kv_cache(..., quantized_kv_start=0)`: each layer's `to_quantized`, from the one prefill
+    cache = [c.to_quantized(group_size=GROUP, bits=bits) for c in full] if bits else full
     if bits:
-        maybe_quantize_kv_cache(cache, quantized_kv_start=0, kv_group_size=GROUP, kv_bits=bits)
         outputs[f"codes_{bits}"] = np.array(cache[0].keys[0]).view(np.uint8)
     for i in range(int(inputs["questions"])):
         question, answer = inputs[f"question_{i}"], inputs[f"answer_{i}"]
@@ -88,8 +91,8 @@ def mlx_run(folder: Path, prefix: list[int], questions: list[list[int]], answers
 def main() -> None:
     loaded = load_model()
     folder = converted_dir(embedded_gguf_path())
-    case = load_case(example_path("normans")).select("0-5")
-    questions = [q.question for q in case.questions[:4]]
+    case = load_case(example_path("normans")).select(PARAGRAPHS)
+    questions = [q.question for q in case.questions[:QUESTIONS]]
     dynamic = QASession(loaded, CacheSpec("dynamic"))
     dynamic.prefill(case.context)
     answers = [list(dynamic.ask(q, MAX_NEW_TOKENS).token_ids) for q in questions]

@@ -16,7 +16,8 @@ import shlex
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvdemo.cache.model.layer_kinds import layer_types
+from kvdemo.cache.model.layer_kinds import layer_actions, layer_types
+from kvdemo.cache.policies import PROTECT_CHOICES, SLIDING_CHOICES
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
@@ -25,6 +26,9 @@ if TYPE_CHECKING:
 
 ENGINES = ("llama.cpp", "vllm", "sglang", "tensorrt-llm", "transformers", "mlx-lm", "kvdemo")
 """The engines a deployment names, as `recommend --engine` takes them (`any`: every one)."""
+
+SLIDING_KINDS = ("sliding_attention", "chunked_attention")
+"""The layer kinds vLLM's `sliding_window` skip word names (kvdemo's `sliding` option acts on the same)."""
 
 TRANSFORMERS_OPTIONS = ("nbits", "axis_key", "axis_value", "q_group_size", "residual_length")
 """The options transformers' `QuantizedCache` takes (its `__init__`); the others must be at kvdemo's defaults."""
@@ -93,9 +97,6 @@ def vllm_skip_layers(resolved: SpecOptions, model_config: PreTrainedConfig) -> s
     sliding-window layer kept (`sliding=keep`), and the index of each layer `protect` keeps; "" where none is kept
     (every attention layer in the one dtype). vLLM's `CacheConfig.kv_cache_dtype_skip_layers` takes layer indices and
     `sliding_window` as words."""
-    from kvdemo.cache.model.layer_kinds import layer_actions
-    from kvdemo.cache.policies import PROTECT_CHOICES, SLIDING_CHOICES
-
     sliding = str(resolved.get("sliding", SLIDING_CHOICES[0]))
     protect = str(resolved.get("protect", PROTECT_CHOICES[0]))
     by_kind = layer_actions(model_config, True, sliding)  # what `sliding` alone keeps
@@ -104,7 +105,3 @@ def vllm_skip_layers(resolved: SpecOptions, model_config: PreTrainedConfig) -> s
     windows = sliding == SLIDING_CHOICES[0] and any(t in SLIDING_KINDS for t in layer_types(model_config))
     words = skipped + (["sliding_window"] if windows else [])
     return f" --kv-cache-dtype-skip-layers {' '.join(words)}" if words else ""
-
-
-SLIDING_KINDS = ("sliding_attention", "chunked_attention")
-"""The layer kinds vLLM's `sliding_window` skip word names (kvdemo's `sliding` option acts on the same)."""
