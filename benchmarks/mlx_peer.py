@@ -88,9 +88,23 @@ def mlx_run(folder: Path, prefix: list[int], questions: list[list[int]], answers
             return dict(out)
 
 
+def mlx_folder(folder: Path, into: Path) -> Path:
+    """`folder` as mlx-lm 0.32.2 reads it: its files linked into `into`, and config.json with `rope_theta` written at
+    the top level too. transformers 5 saves it under `rope_parameters`, which mlx-lm's `ModelArgs` do not read: it would
+    take its default 10,000 instead of the model's (100,000 for SmolLM2), another model (KL 0.32 against kvdemo's in
+    a first run, layer 0's keys 4-13 % the same bytes)."""
+    for path in folder.iterdir():
+        if path.name != "config.json":
+            (into / path.name).symlink_to(path)
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    config.setdefault("rope_theta", config.get("rope_parameters", {}).get("rope_theta"))
+    (into / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    return into
+
+
 def main() -> None:
     loaded = load_model()
-    folder = converted_dir(embedded_gguf_path())
+    folder = mlx_folder(converted_dir(embedded_gguf_path()), Path(tempfile.mkdtemp()))
     case = load_case(example_path("normans")).select(PARAGRAPHS)
     questions = [q.question for q in case.questions[:QUESTIONS]]
     dynamic = QASession(loaded, CacheSpec("dynamic"))
