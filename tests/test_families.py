@@ -80,7 +80,7 @@ def _cache_free(loaded: LoadedModel, prompt: list[int], answer: tuple[int, ...])
 
 
 def _layer_classes(spec: CacheSpec, loaded) -> list[type]:
-    """The classes of the layers of an empty cache of `spec` built now (under a patch: the classes of the whole read)."""
+    """The classes of the layers of an empty cache of `spec` built now (under the patch: those of the whole read)."""
     return [type(layer) for layer in build_cache(spec, loaded.config).layers]
 
 
