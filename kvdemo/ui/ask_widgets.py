@@ -207,8 +207,13 @@ class AskWidgets:
         start, start_values = START_SPEC.resolved(), {}
         with gr.Row(equal_height=False):
             w["backend"] = gr.Radio(
-                list(BACKENDS), value=START_SPEC.backend, label="cache backend", scale=5, min_width=600
-            )  # wide enough for every backend on one line
+                list(BACKENDS),
+                value=START_SPEC.backend,
+                label="cache backend",
+                scale=5,
+                min_width=600,
+                elem_id="backend-radio",
+            )  # every backend on one line at 1,400 px: wide, and its choices compact (`kvdemo.ui.page.PAGE_CSS`)
             for name in FIRST_FIELDS:
                 start_values[name] = self._build_field(options[name], start, scale=1, min_width=120)
         with gr.Row(equal_height=False):

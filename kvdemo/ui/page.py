@@ -26,9 +26,15 @@ from kvdemo.ui.recommend_tab import RecommendTab
 
 PAGE_CSS = """
 .prose code { white-space: pre-wrap; overflow-wrap: anywhere; }
+#backend-radio { padding-left: 6px !important; padding-right: 6px !important; }
+#backend-radio div.wrap:not(.default) { gap: 2px !important; }
+#backend-radio label { padding: 4px !important; font-size: 0.9em; }
+#backend-radio label input { width: 12px !important; height: 12px !important; margin-right: 3px !important; }
 """
 """The page's own CSS, given to `demo.launch(css=PAGE_CSS)` (Gradio 6 takes CSS at launch): a spec written as code
-(`quanto:4,q_group_size=64,...`, one word to the browser) wraps inside its column instead of running past it."""
+(`quanto:4,q_group_size=64,...`, one word to the browser) wraps inside its column instead of running past it; the
+backend's choices (nine formats) stay on one line beside the first fields at 1,280-1,400 px, so the Ask button stays
+in view after a prefill (tests/e2e/test_new_user.py): compact chips, smaller radio circles."""
 
 
 class ModelBar:
