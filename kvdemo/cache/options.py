@@ -6,7 +6,7 @@ order the page and the command line show them in, and the options several format
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypedDict
 
 from kvdemo.cache.layer_plan import PLAN, canonical_plan
@@ -145,6 +145,15 @@ SLIDING_OPTION = Option(
 )
 """The quantized backends' `sliding` option (`kvdemo.cache.policies.SLIDING_CHOICES`,
 `kvdemo.cache.model.layer_kinds`)."""
+
+ENGINE_SLIDING_OPTION = replace(
+    SLIDING_OPTION,
+    default=SLIDING_CHOICES[1],
+    help="sliding-window layers: quantize them in the same format, as vLLM and SGLang store every attention layer "
+    "(the default), or keep them at full precision (vLLM's --kv-cache-dtype-skip-layers sliding_window)",
+)
+"""`sliding` for a format an engine stores in one dtype for every attention layer (nvfp4, int8): quantized by
+default; kept is vLLM's skip-layers line (`kvdemo.cache.deploy.vllm_skip_layers`)."""
 
 PROTECT_OPTION = Option(
     "protect",

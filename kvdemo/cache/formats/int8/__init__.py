@@ -6,14 +6,13 @@ Its folder: the card (here) and the codes, layer and cache (`layers`).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvdemo.cache.backend import Backend
 from kvdemo.cache.deploy import Deployment, vllm_skip_layers
-from kvdemo.cache.options import PROTECT_OPTION, SLIDING_OPTION
-from kvdemo.cache.policies import PROTECT_CHOICES, SLIDING_CHOICES
+from kvdemo.cache.options import ENGINE_SLIDING_OPTION, PROTECT_OPTION
+from kvdemo.cache.policies import PROTECT_CHOICES
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
@@ -63,12 +62,7 @@ BACKEND = Backend(
     make_cache=_cache,
     kv_bytes=int8_bytes,
     options={
-        "sliding": dataclasses.replace(
-            SLIDING_OPTION,
-            default=SLIDING_CHOICES[1],
-            help="sliding-window layers: quantize them too, as vLLM does (the default), or keep them at full "
-            "precision (vLLM's --kv-cache-dtype-skip-layers sliding_window)",
-        ),
+        "sliding": ENGINE_SLIDING_OPTION,
         "protect": PROTECT_OPTION,
     },
     compare_nbits=(),

@@ -9,14 +9,12 @@ and cache (`layers`).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvdemo.cache.backend import Backend
 from kvdemo.cache.deploy import Deployment, vllm_skip_layers
-from kvdemo.cache.options import PROTECT_OPTION, SLIDING_OPTION, Option
-from kvdemo.cache.policies import SLIDING_CHOICES
+from kvdemo.cache.options import ENGINE_SLIDING_OPTION, PROTECT_OPTION, Option
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
@@ -155,12 +153,7 @@ BACKEND = Backend(
             "(ModelOpt's calibrated rule)",
             in_matrix=False,  # the same layer: each rule in tests/test_nvfp4.py
         ),
-        "sliding": dataclasses.replace(
-            SLIDING_OPTION,
-            default=SLIDING_CHOICES[1],
-            help="sliding-window layers: quantize them in the same format, as the engines do (the default), or keep "
-            "them at full precision (vLLM's --kv-cache-dtype-skip-layers sliding_window)",
-        ),
+        "sliding": ENGINE_SLIDING_OPTION,
         "protect": PROTECT_OPTION,
     },
     compare_nbits=(),
