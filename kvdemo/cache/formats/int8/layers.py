@@ -15,8 +15,9 @@ from typing import NamedTuple
 
 import torch
 from transformers import PreTrainedConfig
-from transformers.cache_utils import BaseQuantizedLayer, Cache
+from transformers.cache_utils import Cache
 
+from kvdemo.cache.layers.appended import AppendedLayer
 from kvdemo.cache.layers.by_kind import sliding_windows, with_kept_layers
 from kvdemo.cache.layers.sliding import SlidingStoreWindow
 from kvdemo.cache.model.layer_kinds import quantized_layers
@@ -49,32 +50,16 @@ def dequantize_int8(store: Int8Store, dtype: torch.dtype) -> torch.Tensor:
     return (store.codes.float() * store.scales).to(dtype)
 
 
-class Int8Layer(BaseQuantizedLayer):
-    """One decoder layer's keys and values as `Int8Store`s: the first update (the prefill handed over,
-    `kvdemo.qa.prefill.hand_over`) is coded whole and returned as given, each later one coded and appended (new
-    tensors, so the snapshot's `vars(layer).copy()` restores it), every stored token returned read back."""
+class Int8Layer(AppendedLayer):
+    """One decoder layer's keys and values as `Int8Store`s, each token coded as it is written
+    (`kvdemo.cache.layers.appended`)."""
 
-    def _quantize(self, tensor: torch.Tensor) -> Int8Store:
-        return quantize_int8(tensor)
+    def _code(self, states: torch.Tensor, keys: bool, store: Int8Store | None) -> Int8Store:
+        return quantize_int8(states)
 
     def _dequantize(self, q_tensor: Int8Store) -> torch.Tensor:
         assert self.keys is not None  # set by the first update
         return dequantize_int8(q_tensor, self.keys.dtype)
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Code the new tokens ([batch, kv_heads, new tokens, head_dim]) and append them (see the class)."""
-        self.cumulative_length += key_states.shape[-2]
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)  # DynamicLayer's: dtype, device, empty keys
-            self._quantized_keys, self._quantized_values = quantize_int8(key_states), quantize_int8(value_states)
-            return key_states, value_states
-        stores = []
-        for store, states in ((self._quantized_keys, key_states), (self._quantized_values, value_states)):
-            stores.append(Int8Store(*(torch.cat([a, b], dim=-2) for a, b in zip(store, quantize_int8(states)))))
-        self._quantized_keys, self._quantized_values = stores
-        return self._dequantize(self._quantized_keys), self._dequantize(self._quantized_values)
 
 
 class SlidingInt8Layer(SlidingStoreWindow, Int8Layer):

@@ -4,7 +4,7 @@ as it is written (no residual, never flushes), over a sliding window where the l
 The prefill attends in full precision and hands the whole context over in one update per layer
 (`kvdemo.qa.prefill.hand_over`), which sets each tensor's scale (`tensor_scale=one`: 1.0; `prefill`: from that
 update's amax) and codes it; each decode step codes its new token under the same tensor scale, with its own block
-scales, and appends it, as the engines write a token into their paged cache
+scales, and appends it (`kvdemo.cache.layers.appended`), as the engines write a token into their paged cache
 (`kvdemo.cache.formats.nvfp4.blocks`).
 """
 
@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import torch
 from transformers import PreTrainedConfig
-from transformers.cache_utils import BaseQuantizedLayer, Cache
+from transformers.cache_utils import Cache
 
+from kvdemo.cache.layers.appended import AppendedLayer
 from kvdemo.cache.layers.by_kind import sliding_windows, with_kept_layers
 from kvdemo.cache.layers.sliding import SlidingStoreWindow
 from kvdemo.cache.model.layer_kinds import quantized_layers
@@ -32,13 +33,7 @@ from .blocks import (
 Store = Nvfp4Store | Fp8Store
 
 
-def _append(store: Store, new: Store) -> Store:
-    """`store` with `new`'s tokens after its own (new tensors, so a snapshot's `vars(layer).copy()` restores it); the
-    tensor scale is the store's."""
-    return type(store)(*(torch.cat([a, b], dim=-2) if a.dim() else a for a, b in zip(store, new)))  # type: ignore[arg-type]
-
-
-class Nvfp4Layer(BaseQuantizedLayer):
+class Nvfp4Layer(AppendedLayer):
     """One decoder layer's keys and values as NVFP4 blocks (see the module docstring).
 
     Attributes:
@@ -53,14 +48,17 @@ class Nvfp4Layer(BaseQuantizedLayer):
         super().__init__()
         self.key_format, self.block_rule, self.tensor_rule = key_format, block_rule, tensor_rule
 
-    def _quantize(self, tensor: torch.Tensor, keys: bool = False, scale: torch.Tensor | None = None) -> Store:
-        """`tensor` ([batch, kv_heads, tokens, head_dim]) coded as this layer stores keys (`keys`) or values, under
-        `scale` (the store's tensor scale) or, at the first update, the one `tensor_rule` gives."""
+    def _code(self, states: torch.Tensor, keys: bool, store: Store | None) -> Store:
+        """`states` ([batch, kv_heads, tokens, head_dim]) coded as this layer stores keys (`keys`) or values, under the
+        store's tensor scale or, at the first update, the one `tensor_rule` gives."""
         fp8 = keys and self.key_format == KEY_FORMATS[1]
-        if scale is None:
-            one = torch.tensor(1.0, device=tensor.device)
-            scale = one if self.tensor_rule == TENSOR_SCALES[0] else amax_scale(tensor, fp8)
-        return quantize_fp8(tensor, scale) if fp8 else quantize_nvfp4(tensor, scale, self.block_rule)
+        if store is not None:
+            scale = store.tensor_scale
+        elif self.tensor_rule == TENSOR_SCALES[0]:
+            scale = torch.tensor(1.0, device=states.device)
+        else:
+            scale = amax_scale(states, fp8)
+        return quantize_fp8(states, scale) if fp8 else quantize_nvfp4(states, scale, self.block_rule)
 
     def _dequantize(self, q_tensor: Store) -> torch.Tensor:
         """The store read back, [batch, kv_heads, tokens, head_dim] of the model's dtype."""
@@ -68,23 +66,6 @@ class Nvfp4Layer(BaseQuantizedLayer):
         if isinstance(q_tensor, Fp8Store):
             return dequantize_fp8(q_tensor, self.keys.dtype)
         return dequantize_nvfp4(q_tensor, self.keys.dtype)
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Code the new tokens ([batch, kv_heads, new tokens, head_dim]) and append them; returns every stored token
-        read back (the first update: the new states as given, as transformers' fp8 layer does)."""
-        self.cumulative_length += key_states.shape[-2]
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)  # DynamicLayer's: dtype, device, empty keys
-            self._quantized_keys = self._quantize(key_states, keys=True)
-            self._quantized_values = self._quantize(value_states)
-            return key_states, value_states
-        keys = self._quantize(key_states, True, self._quantized_keys.tensor_scale)
-        values = self._quantize(value_states, False, self._quantized_values.tensor_scale)
-        self._quantized_keys = _append(self._quantized_keys, keys)
-        self._quantized_values = _append(self._quantized_values, values)
-        return self._dequantize(self._quantized_keys), self._dequantize(self._quantized_values)
 
 
 class SlidingNvfp4Layer(SlidingStoreWindow, Nvfp4Layer):
