@@ -13,8 +13,9 @@ tokens under the same mask (`get_mask_sizes` is the sliding layer's own).
   at the first update; each step appends the new codes and keeps the last `sliding_window - 1` (a compact copy, so no
   longer storage stays pinned); with `scale=per_token_head` (`SlidingPerTokenHeadFp8Layer`) each kept token keeps its
   own scales.
-- A format that codes every token as it comes into a record of per-token tensors (nvfp4, int8; `SlidingStoreWindow`):
-  each update appends, then every per-token tensor of the store keeps its last `sliding_window - 1` tokens.
+- A format that codes every token as it comes into a record of per-token tensors and per-tensor scales (nvfp4, int8,
+  fp8's `(codes, scale)`; `SlidingStoreWindow`): each update appends, then every per-token tensor of the store keeps
+  its last `sliding_window - 1` tokens.
 
 All assign new tensors at every update, so the snapshot's `vars(layer).copy()` restores them exactly
 (`kvdemo.cache.state.snapshot`). Pattern: llama.cpp quantizes its sliding-window (SWA) KV cache with the same
@@ -106,10 +107,10 @@ def sliding_layer(layer_class: type) -> type:
 
 class SlidingStoreWindow(SlidingWindowMask):
     """`sliding=quantize` for a layer (after this mixin in the bases) whose `update` appends each new token's codes to
-    `_quantized_keys` and `_quantized_values`, records (named tuples) of per-token tensors ([..., tokens, x]) and
-    per-tensor scalars (0-d): after the update, each per-token tensor keeps its last `sliding_window - 1` tokens (a
-    compact copy, so the longer store is not pinned), as `DynamicSlidingWindowLayer` keeps its states. Built with
-    `sliding_window` beside the layer's own options."""
+    `_quantized_keys` and `_quantized_values`, records (named tuples, or fp8's plain `(codes, scale)`) of per-token
+    tensors ([..., tokens, x]) and per-tensor scalars (0-d): after the update, each per-token tensor keeps its last
+    `sliding_window - 1` tokens (a compact copy, so the longer store is not pinned), as `DynamicSlidingWindowLayer`
+    keeps its states. Built with `sliding_window` beside the layer's own options."""
 
     def __init__(self, sliding_window: int, **options) -> None:
         super().__init__(**options)
@@ -124,10 +125,17 @@ class SlidingStoreWindow(SlidingWindowMask):
         keep, first = self.sliding_window - 1, not self.is_initialized  # type: ignore[attr-defined]
         keys, values = super().update(key_states, value_states, *args, **kwargs)  # type: ignore[misc]
         self._quantized_keys, self._quantized_values = (
-            type(store)(*(t[..., -keep:, :].clone() if t.dim() and t.shape[-2] > keep else t for t in store))
+            _window(store, keep)
             for store in (self._quantized_keys, self._quantized_values)  # type: ignore[has-type]
         )
         if first:
             return keys, values
         visible = keep + key_states.shape[-2]
         return keys[..., -visible:, :], values[..., -visible:, :]
+
+
+def _window(store, keep: int):
+    """`store` (a record or a plain tuple of per-token tensors [..., tokens, x] and per-tensor scalars) with each
+    per-token tensor cut to its last `keep` tokens (a compact copy, so the longer one is not pinned)."""
+    kept = [t[..., -keep:, :].clone() if t.dim() and t.shape[-2] > keep else t for t in store]
+    return type(store)(*kept) if hasattr(store, "_fields") else tuple(kept)

@@ -18,7 +18,7 @@ from kvdemo.cache.layers.float8 import (
     placeable,
     quantize_per_token_head,
 )
-from kvdemo.cache.layers.sliding import SlidingWindowMask
+from kvdemo.cache.layers.sliding import SlidingStoreWindow
 from kvdemo.cache.model.layer_kinds import quantized_layers
 from kvdemo.cache.policies import PROTECT_CHOICES, SLIDING_CHOICES
 
@@ -137,36 +137,10 @@ class EngineFp8Layer(ExactFp8Layer):
         return (codes.float() * scale).to(self.keys.dtype)
 
 
-class SlidingFp8Layer(SlidingWindowMask, ExactFp8Layer):
+class SlidingFp8Layer(SlidingStoreWindow, ExactFp8Layer):
     """transformers' `Fp8QuantizedLayer` (de-quantizing by bit placement, `kvdemo.cache.formats.fp8.layers`) over the
-    window."""
-
-    def __init__(self, sliding_window: int) -> None:
-        super().__init__()
-        self.sliding_window = sliding_window
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """transformers' fp8 update (scale frozen at the first update, new codes appended) keeping the last
-        `sliding_window - 1` codes; returns what `DynamicSlidingWindowLayer.update` returns, de-quantized (the
-        prefill's first chunk: the new states as given)."""
-        keep = self.sliding_window - 1
-        first = not self.is_initialized
-        keys, values = super().update(key_states, value_states, *args, **kwargs)
-        stores = []
-        for store in (self._quantized_keys, self._quantized_values):
-            codes, scale = store
-            if codes.shape[-2] > keep:
-                codes = codes[..., -keep:, :].clone()  # compact: the longer codes are not pinned
-                if scale.dim() == codes.dim():  # a scale per token and head: kept with its tokens
-                    scale = scale[..., -keep:, :].clone()
-            stores.append((codes, scale))
-        self._quantized_keys, self._quantized_values = stores
-        if first:
-            return keys, values
-        visible = keep + key_states.shape[-2]
-        return keys[..., -visible:, :], values[..., -visible:, :]
+    window: its update (scale frozen at the first update, new codes appended), then the last `sliding_window - 1`
+    codes kept, a scale per token and head with its tokens (`kvdemo.cache.layers.sliding.SlidingStoreWindow`)."""
 
 
 class SlidingPerTokenHeadFp8Layer(SlidingFp8Layer, PerTokenHeadFp8Layer):
