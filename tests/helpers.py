@@ -20,6 +20,15 @@ def spec_id(spec: CacheSpec) -> str:
     return spec.label.replace(" ", ",")
 
 
+def read_whole(returned: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's `update` result as attention reads it whole: a decode step's marked tail (the store handed to
+    kvdemo's attention, `kvdemo.cache.layers.blockwise.marked_tail`) joined with every stored token; else as it is."""
+    from kvdemo.cache.layers.blockwise import blocks_of
+
+    blocks = blocks_of(returned[0])
+    return returned if blocks is None else blocks.materialized(*returned)
+
+
 def filled_layer(spec: CacheSpec, config, keys: torch.Tensor, values: torch.Tensor, steps: int = 0):
     """Layer 0 of a cache of `spec` for `config` after a prefill of `keys`, `values` ([batch, kv_heads, tokens,
     head_dim]) and `steps` decode steps that feed the same rows again, one token each."""

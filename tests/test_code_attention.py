@@ -16,7 +16,7 @@ from kvdemo import CacheSpec, QASession
 from kvdemo.cache.formats.hqq.layers import hqq_codes
 from kvdemo.cache.formats.quanto.layers import AppendQuantoLayer, RotatedQuantoLayer, quanto_codes
 from kvdemo.cache.formats.turboquant.layers import quantize_uniform, uniform_codes
-from kvdemo.cache.layers.attention import ATTENTION, _joined_layers, decode_read
+from kvdemo.cache.layers.attention import ATTENTION, _joined_layers, decode_read, materialized_blocks
 from kvdemo.cache.layers.blockwise import _FLASH, StoreBlocks, attend_blockwise, code_reader, dequantized_reads
 from kvdemo.cache.read.code_attention import MAX_DIM, attend_codes, dequantize_codes, kernel
 from kvdemo.cache.spec import build_cache
@@ -35,12 +35,14 @@ SERVED = (
     "quanto:2", "quanto:4", "quanto:4,q_group_size=32", "quanto:4,flush=append", "quanto:4,rotation=hadamard",
     "hqq:1", "hqq:2", "hqq:3", "hqq:4", "hqq:8", "hqq:4,axis_key=1,axis_value=1,q_group_size=32",
     "hqq:4,nbits_value=2", "turboquant:2", "turboquant:3", "turboquant:4", "turboquant:4,nbits_value=8",
-    "turboquant:3,nbits_value=2,norm_correction=true", "turboquant:4,flush=requantize", "ggml:q8_0", "ggml:q4_0",
-    "ggml:q4_1", "ggml:q5_0,rotation=none", "ggml,type_k=q5_1,type_v=iq4_nl", "ggml,type_k=f16",
+    "turboquant:3,nbits_value=2,norm_correction=true", "turboquant:4,flush=requantize", "turboquant:8,nbits_value=4",
+    "ggml:q8_0", "ggml:q4_0", "ggml:q4_1", "ggml:q5_0,rotation=none", "ggml,type_k=q5_1,type_v=iq4_nl",
+    "ggml,type_k=f16", "fp8", "fp8,scale=per_token_head", "fp8,scale=calculated", "fp8,scale=one,float8=e5m2", "int8",
+    "nvfp4", "nvfp4,block_rule=4over6,tensor_scale=prefill", "nvfp4,keys=e4m3",
 )  # fmt: skip
 """Every store layout the kernel reads: each backend's bit widths, group sizes and axes, flush policies, the
-query-side rotation, mixed key and value precision, llama.cpp's block types (every token written as blocks: no
-residual)."""
+query-side rotation, mixed key and value precision, TurboQuant's float8 keys, llama.cpp's block types, float8 under
+each scale rule, int8 and NVFP4 (these last three write every token as codes: no residual)."""
 
 
 def _config(head_dim: int = 64) -> LlamaConfig:
@@ -154,7 +156,7 @@ def test_stores_and_calls_the_kernel_does_not_take_return_none():
     assert kernel() is not None  # the set-up compiled it
 
 
-@pytest.mark.parametrize("text", ["quanto:4", "hqq:4", "turboquant:4", "ggml:q4_0"])
+@pytest.mark.parametrize("text", ["quanto:4", "hqq:4", "turboquant:4", "ggml:q4_0", "fp8", "nvfp4"])
 def test_the_embedded_model_decodes_the_same_tokens_with_logits_within_1e_3(embedded, normans, text):
     """Eight greedy decode steps over a prefill of 700 tokens (the store, a flushed block where the flush appends,
     the residual): at each step, from the same cache state (restored by the snapshot), the logits on the codes path
@@ -193,8 +195,10 @@ def test_the_embedded_model_decodes_the_same_tokens_with_logits_within_1e_3(embe
         ("quanto:4", "reads the stored codes in 30 layers"),
         ("turboquant:4", "reads the stored codes in 30 layers"),
         ("ggml:q4_0", "reads the stored codes in 30 layers"),
-        ("turboquant:8,nbits_value=4", "de-quantizes each block in 30 layers"),
-        ("fp8", "de-quantizes the whole store in 30 layers"),
+        ("turboquant:8,nbits_value=4", "reads the stored codes in 30 layers"),
+        ("fp8", "reads the stored codes in 30 layers"),
+        ("int8", "reads the stored codes in 30 layers"),
+        ("turboquant:4,layout=vllm", "de-quantizes the whole store in 30 layers"),
         ("dynamic", "full precision in 30 layers"),
     ],
 )
@@ -206,16 +210,44 @@ def test_the_prefill_report_says_which_path_decode_steps_take(embedded, text, ex
 
 
 def test_the_report_counts_each_layer_s_path_on_a_model_of_two_kinds(embedded):
-    """Gemma 3's tiny family: three sliding-window layers (ggml writes them as blocks too, read back whole as a window)
-    and one full-attention layer, whose decode attention reads the codes; the sliding layers' attention modules pass
-    a window, which `attend_blockwise` does not take (`_joined_layers`)."""
+    """Gemma 3's tiny family: three sliding-window layers and one full-attention layer. The sliding layers' attention
+    modules pass a window (`_joined_layers`), which the kernel takes where the layer's store is the window's (ggml's
+    rows, fp8's codes: each decode step hands the window alone), not where a residual format keeps tokens past it
+    (turboquant re-codes its window at a flush and reads it whole)."""
     loaded = tiny_family("Gemma 3", embedded.tokenizer)
-    assert _joined_layers(loaded.model) == {
-        i for i, kind in enumerate(loaded.config.layer_types) if kind != "full_attention"
-    }
-    report = QASession(loaded, CacheSpec.parse("ggml:q4_0")).prefill(
-        "The Normans were the people who in the 10th and 11th centuries gave their name to Normandy. " * 3
-    )
-    assert report.decode_read == (
-        "Decode attention de-quantizes the whole store in 3 layers; reads the stored codes in 1 layer"
-    )
+    sliding = {i for i, kind in enumerate(loaded.config.layer_types) if kind != "full_attention"}
+    assert _joined_layers(loaded.model) == dict.fromkeys(sliding, {"sliding_window"})
+    text = "The Normans were the people who in the 10th and 11th centuries gave their name to Normandy. " * 3
+    for spec, expected in (
+        ("ggml:q4_0", "reads the stored codes in 4 layers"),
+        ("fp8,sliding=quantize", "reads the stored codes in 4 layers"),
+        (
+            "turboquant:4,sliding=quantize",
+            "de-quantizes the whole store in 3 layers; reads the stored codes in 1 layer",
+        ),
+    ):
+        assert QASession(loaded, CacheSpec.parse(spec)).prefill(text).decode_read == "Decode attention " + expected
+
+
+@pytest.mark.parametrize("text", ["ggml:q8_0", "int8,sliding=quantize", "nvfp4,sliding=quantize"])
+def test_sliding_layers_read_from_their_window_s_codes_decode_as_the_whole_read(embedded, text):
+    """Tiny Gemma 3 (a window of 16 tokens in three of its four layers): 24 decode steps after a prefill of 40 tokens,
+    each from the same cache state on the codes path and on the whole read (`materialized_blocks`: every layer's store
+    joined, then sdpa under the model's sliding mask). The same logits within the float order's bound at every step:
+    the window's store holds exactly the tokens the mask leaves visible."""
+    loaded = tiny_family("Gemma 3", embedded.tokenizer)
+    ids = QASession(loaded).context_ids("The Normans gave their name to Normandy, a region in France. " * 6)[:40]
+    cache = build_cache(CacheSpec.parse(text), loaded.config)
+    run_prefill(loaded, cache, ids, handed=CacheSpec.parse(text).info.hands_over)
+    assert decode_read(cache, loaded.model).endswith("reads the stored codes in 4 layers")
+    token, gaps = 13, []
+    with torch.no_grad():
+        for _ in range(24):
+            saved = snapshot.take(cache)
+            codes = loaded.model(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True).logits[0, -1]
+            snapshot.restore(cache, saved)
+            with materialized_blocks():
+                whole = loaded.model(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True).logits[0, -1]
+            gaps.append(float((codes - whole).abs().max() / whole.abs().max()))
+            token = int(whole.argmax())
+    assert max(gaps) <= 1e-4 and max(gaps) > 0, gaps

@@ -1,9 +1,11 @@
 """Layers that code every token as it is written and append its record (`AppendedLayer`): no residual, no flush. The
 first update (the prefill handed over in one update, `kvdemo.qa.prefill.hand_over`) is coded whole and returned as
 given, as transformers' fp8 layer returns its first states; each later update codes its tokens, appends them to the
-store (new tensors, so the snapshot's `vars(layer).copy()` restores it) and returns every stored token read back. A
-format's layer says how it codes (`_code`) and reads (`_dequantize`): nvfp4's blocks, int8's rows. Their window is
-`kvdemo.cache.layers.sliding.SlidingStoreWindow`.
+store (new tensors, so the snapshot's `vars(layer).copy()` restores it) and returns every stored token read back,
+except a decode step where kvdemo's attention reads the store: that returns an empty tail marked with the store
+(`kvdemo.cache.layers.blockwise.marked_tail`), which the decode kernel reads from its codes. A format's layer says how
+it codes (`_code`), reads (`_dequantize`) and hands the kernel its codes (`_codes_of`): fp8's rows, nvfp4's blocks,
+int8's rows. Their window is `kvdemo.cache.layers.sliding.SlidingStoreWindow`.
 """
 
 from __future__ import annotations
@@ -11,26 +13,41 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from transformers import PreTrainedConfig
 from transformers.cache_utils import BaseQuantizedLayer
+
+from kvdemo.cache.layers.blockwise import StoreBlocks, code_reader, marked_tail
+from kvdemo.cache.layers.flush import attends_through_kvdemo
+from kvdemo.cache.read.code_attention import StoreCodes
 
 
 def append_records(store: Any, new: Any) -> Any:
-    """`store` (a record, a named tuple of per-token tensors [..., tokens, x] and per-tensor scalars) with `new`'s
-    tokens after its own; a scalar (0-d: a tensor scale) stays the store's."""
-    return type(store)(*(torch.cat([a, b], dim=-2) if a.dim() else a for a, b in zip(store, new)))
+    """`store` (a record, a named tuple or a plain tuple of per-token tensors [..., tokens, x] and per-tensor scalars)
+    with `new`'s tokens after its own; a scalar (0-d: a tensor scale) stays the store's."""
+    joined = [torch.cat([a, b], dim=-2) if a.dim() else a for a, b in zip(store, new)]
+    return type(store)(*joined) if hasattr(store, "_fields") else tuple(joined)
 
 
 class AppendedLayer(BaseQuantizedLayer):
     """One decoder layer whose keys and values are records appended token by token (see the module docstring).
 
     Attributes:
-        _quantized_keys, _quantized_values: the format's records (named tuples).
+        _quantized_keys, _quantized_values: the format's records (named tuples, or fp8's `(codes, scale)`).
+        reads_blocks: decode steps hand kvdemo's attention the store (`marked_tail`); set by the cache builder
+            where the model attends through `kvdemo_attention` (`kvdemo.cache.layers.flush.attends_through_kvdemo`).
     """
+
+    reads_blocks = False
 
     def _code(self, states: torch.Tensor, keys: bool, store: Any) -> Any:
         """`states` ([batch, kv_heads, tokens, head_dim]) as the format's record of keys (`keys`) or values; `store`:
         the record they are appended to (None at the first update)."""
         raise NotImplementedError
+
+    def _codes_of(self, q_tensor: Any) -> StoreCodes | None:
+        """A record as the decode kernel reads it (`kvdemo.cache.read.code_attention`), or None: it is read back
+        with `_dequantize` (a format's layer that defines `_dequantize` defines this beside it: `code_reader`)."""
+        return None
 
     def _quantize(self, tensor: torch.Tensor) -> Any:
         return self._code(tensor, False, None)
@@ -41,12 +58,31 @@ class AppendedLayer(BaseQuantizedLayer):
         """Code the new tokens ([batch, kv_heads, new tokens, head_dim]) and append them (see the module docstring)."""
         self.cumulative_length += key_states.shape[-2]
         if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)  # DynamicLayer's: dtype, device, empty keys
-            self._quantized_keys = self._code(key_states, True, None)
-            self._quantized_values = self._code(value_states, False, None)
+            BaseQuantizedLayer.lazy_initialization(self, key_states, value_states)  # dtype, device, empty keys
+            # contiguous codes for the kernel: an element-wise op keeps a transposed layout, so code contiguous states
+            self._quantized_keys = self._code(key_states.contiguous(), True, None)
+            self._quantized_values = self._code(value_states.contiguous(), False, None)
             return key_states, value_states
         self._quantized_keys = append_records(self._quantized_keys, self._code(key_states, True, self._quantized_keys))
         self._quantized_values = append_records(
             self._quantized_values, self._code(value_states, False, self._quantized_values)
         )
+        if self.reads_blocks and key_states.shape[-2] == 1 and key_states.device.type == "cpu":
+            return marked_tail(key_states, self.stored_blocks())
         return self._dequantize(self._quantized_keys), self._dequantize(self._quantized_values)
+
+    def stored_blocks(self, tokens: int | None = None) -> StoreBlocks:
+        """The store as one block for `attend_blockwise` (read from its codes where `code_reader` allows); `tokens`:
+        how many it holds where each is visible to the step (a window's store)."""
+        codes = self._codes_of if code_reader(type(self)) else None
+        return StoreBlocks([self._quantized_keys], [self._quantized_values], self._dequantize, codes, tokens)
+
+
+def reading_blocks(layers: list, config: PreTrainedConfig) -> list:
+    """`layers` (a cache's, built for `config`), each `AppendedLayer` among them handing its decode steps' store to
+    kvdemo's attention (`reads_blocks`) where the model attends through it (`attends_through_kvdemo`)."""
+    if attends_through_kvdemo(config):
+        for layer in layers:
+            if isinstance(layer, AppendedLayer):
+                layer.reads_blocks = True
+    return layers

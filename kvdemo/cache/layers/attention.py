@@ -41,8 +41,9 @@ from transformers.cache_utils import BaseQuantizedLayer, Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from kvdemo.cache.layers.blockwise import attend_blockwise, blocks_of, code_reader, codes_read
+from kvdemo.cache.layers.blockwise import StoreBlocks, attend_blockwise, blocks_of, code_reader, codes_read
 from kvdemo.cache.layers.rotation import ROTATED_MARK, QueryRotation
+from kvdemo.cache.layers.sliding import SlidingWindowMask
 from kvdemo.cache.read import c_build, code_attention
 
 ATTENTION = "kvdemo_sdpa"
@@ -78,7 +79,7 @@ def kvdemo_attention(
     if rotation is not None:
         query = rotation.forward(query)
     blocks = blocks_of(key)
-    if blocks is not None and _blockwise_call(query, attention_mask, kwargs) and not _MATERIALIZE.get():
+    if blocks is not None and _blockwise_call(query, key, blocks, attention_mask, kwargs) and not _MATERIALIZE.get():
         output, weights = attend_blockwise(query, key, value, blocks, kwargs.get("scaling")), None
     else:
         if blocks is not None:  # a call the block-wise path does not take: the whole store, as transformers'
@@ -87,13 +88,31 @@ def kvdemo_attention(
     return (rotation.back_values(output) if rotation is not None and rotation.values else output), weights
 
 
-def _blockwise_call(query: torch.Tensor, attention_mask: torch.Tensor | None, kwargs: dict) -> bool:
+def _blockwise_call(
+    query: torch.Tensor, tail: torch.Tensor, blocks: StoreBlocks, attention_mask: torch.Tensor | None, kwargs: dict
+) -> bool:
     """Whether `attend_blockwise` gives this call's attention: one new token on the CPU (its kernel is torch's CPU
-    flash attention), no mask (every key visible), no dropout, and none of the options it does not apply (a
-    sliding window, attention sinks, a soft cap)."""
-    unsupported = any(kwargs.get(name) is not None for name in ("sliding_window", "s_aux", "softcap"))
-    plain = attention_mask is None and not kwargs.get("dropout") and not unsupported
-    return query.shape[-2] == 1 and query.device.type == "cpu" and plain
+    flash attention), every key visible, no dropout, no attention sinks and no soft cap (options it does not apply).
+
+    Every key is visible where there is no mask and no sliding window, or where the store is a window's (its
+    `blocks.tokens` known: `kvdemo.cache.layers.sliding.SlidingStoreWindow`) no longer than the window, and any mask
+    covers exactly its tokens and the tail and hides none (a sliding layer's mask once the window is full)."""
+    if query.shape[-2] != 1 or query.device.type != "cpu" or kwargs.get("dropout"):
+        return False
+    if any(kwargs.get(name) is not None for name in ("s_aux", "softcap")):
+        return False
+    window = kwargs.get("sliding_window")
+    if attention_mask is None and window is None:
+        return True
+    if blocks.tokens is None:
+        return False
+    keys = blocks.tokens + tail.shape[-2]
+    if window is not None and keys > window:
+        return False
+    if attention_mask is None:
+        return True
+    visible = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+    return attention_mask.shape[-1] == keys and bool(visible.all())
 
 
 @dataclass
@@ -210,8 +229,9 @@ def layer_reads(cache: Cache, model: torch.nn.Module) -> list[str | None]:
     - `codes` where `kvdemo_attention` reads the store's codes (`kvdemo.cache.read.code_attention`): a layer that
       hands attention its blocks (`reads_blocks`: the block-wise layers, `GgmlLayer` on the query side) and whose
       blocks the kernel reads, the model in float32 on the CPU, the kernel built, outside `dequantized_reads`, and an
-      attention module that passes none of the options `attend_blockwise` does not take (`_blockwise_call`: a
-      sliding window, attention sinks, a soft cap);
+      attention module that passes none of the options `attend_blockwise` does not take (`_blockwise_call`:
+      attention sinks, a soft cap; a sliding window, unless the layer's store is the window's: a block-wise
+      `kvdemo.cache.layers.sliding.SlidingWindowMask`, whose decode steps hand the window alone);
     - `blocks` where it de-quantizes block by block (`kvdemo.cache.layers.blockwise`);
     - `whole` for another quantized layer, or one whose attention takes the whole store joined (a GPU, one of those
       options);
@@ -224,7 +244,8 @@ def layer_reads(cache: Cache, model: torch.nn.Module) -> list[str | None]:
     layer: Any
     for index, layer in enumerate(cache.layers):
         if getattr(layer, "reads_blocks", False):
-            if joined is None or index in joined:
+            options = None if joined is None else joined.get(index, set())
+            if options is None or options - ({"sliding_window"} if isinstance(layer, SlidingWindowMask) else set()):
                 reads.append("whole")
                 continue
             codes = getattr(layer, "_codes_of", None) if kernel and code_reader(layer.__class__) else None
@@ -239,20 +260,22 @@ def layer_reads(cache: Cache, model: torch.nn.Module) -> list[str | None]:
     return reads
 
 
-def _joined_layers(model: torch.nn.Module) -> frozenset[int]:
-    """The layer indexes whose attention module hands `kvdemo_attention` an option `attend_blockwise` does not take
-    (`_blockwise_call`: `sliding_window`, attention sinks as `s_aux`, `softcap`), read from the modules' attributes
-    that transformers passes as those options (`sliding_window`, `sinks`, `attn_logit_softcapping`)."""
-    joined = set()
+def _joined_layers(model: torch.nn.Module) -> dict[int, set[str]]:
+    """Layer index -> the attention module's attributes that transformers passes as options `attend_blockwise` does
+    not take in general (`sliding_window`, attention sinks as `s_aux`, `softcap`): `sliding_window`,
+    `sinks`, `attn_logit_softcapping`; layers with none are left out."""
+    joined: dict[int, set[str]] = {}
     for module in model.modules():
         index = getattr(module, "layer_idx", None)
         if isinstance(index, int) and type(module).__name__.endswith("Attention"):
-            if any(
-                getattr(module, name, None) is not None
+            names = {
+                name
                 for name in ("sliding_window", "sinks", "attn_logit_softcapping")
-            ):
-                joined.add(index)
-    return frozenset(joined)
+                if getattr(module, name, None) is not None
+            }
+            if names:
+                joined[index] = names
+    return joined
 
 
 def decode_read(cache: Cache, model: torch.nn.Module) -> str:

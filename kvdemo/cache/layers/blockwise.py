@@ -83,12 +83,16 @@ class StoreBlocks:
         codes: the layer's `_codes_of`, one block as the decode kernel reads it
             (`kvdemo.cache.read.code_attention`), where `code_reader` finds its `_dequantize` plain; None: every
             block is de-quantized.
+        tokens: how many tokens the blocks hold, where the layer knows every one is visible to this step (a
+            window's store: `kvdemo_attention` then takes a sliding window or a mask that hides none of them); None:
+            not known, and such a call reads the whole store joined.
     """
 
     keys: Sequence[object]
     values: Sequence[object]
     dequantize: Callable[[object], torch.Tensor]
     codes: Callable[[object], StoreCodes | None] | None = None
+    tokens: int | None = None
 
     def materialized(self, tail_keys: torch.Tensor, tail_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(keys, values) [batch, kv_heads, stored + tail tokens, head_dim]: every block de-quantized and joined
@@ -97,6 +101,15 @@ class StoreBlocks:
         keys = torch.cat([*(self.dequantize(b) for b in self.keys), tail_keys], dim=-2)
         values = torch.cat([*(self.dequantize(b) for b in self.values), tail_values], dim=-2)
         return keys, values
+
+
+def marked_tail(like: torch.Tensor, blocks: StoreBlocks) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step's (keys, values) for a layer that writes every token into its store (no residual): empty,
+    [batch, kv_heads, 0, head_dim] like `like`, the keys marked with `blocks` (the whole store, read by
+    `attend_blockwise` from its codes, or joined where attention cannot)."""
+    keys = like.new_empty(*like.shape[:2], 0, like.shape[-1])
+    setattr(keys, BLOCKS_MARK, blocks)
+    return keys, like.new_empty(keys.shape)
 
 
 def blocks_of(keys: torch.Tensor) -> StoreBlocks | None:

@@ -15,7 +15,9 @@ tokens under the same mask (`get_mask_sizes` is the sliding layer's own).
   own scales.
 - A format that codes every token as it comes into a record of per-token tensors and per-tensor scales (nvfp4, int8,
   fp8's `(codes, scale)`; `SlidingStoreWindow`): each update appends, then every per-token tensor of the store keeps
-  its last `sliding_window - 1` tokens.
+  its last `sliding_window - 1` tokens. A decode step that hands kvdemo's attention the store
+  (`kvdemo.cache.layers.appended`) hands it the window before the cut: the last `sliding_window - 1` tokens and the
+  new one, every one visible to the step, so the decode kernel reads them as a full layer's store.
 
 All assign new tensors at every update, so the snapshot's `vars(layer).copy()` restores them exactly
 (`kvdemo.cache.state.snapshot`). Pattern: llama.cpp quantizes its sliding-window (SWA) KV cache with the same
@@ -24,8 +26,11 @@ All assign new tensors at every update, so the snapshot's `vars(layer).copy()` r
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
+from kvdemo.cache.layers.blockwise import blocks_of, marked_tail
 from kvdemo.cache.layers.rotation import LibraryLayer
 
 
@@ -130,6 +135,11 @@ class SlidingStoreWindow(SlidingWindowMask):
         )
         if first:
             return keys, values
+        blocks = blocks_of(keys)
+        if blocks is not None:  # a decode step handing attention its store: the window before the cut, all visible
+            record: tuple = blocks.keys[0]  # type: ignore[assignment]  # this mixin's layers hold records
+            held = next(t.shape[-2] for t in record if t.dim())
+            return marked_tail(key_states, replace(blocks, tokens=held))
         visible = keep + key_states.shape[-2]
         return keys[..., -visible:, :], values[..., -visible:, :]
 

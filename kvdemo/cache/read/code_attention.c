@@ -19,6 +19,11 @@
  *   kind 3, float: float32 rows as they are (the full-precision residual, read with the store in one call).
  *   kind 4, ggml: llama.cpp's blocks of 32 values, type `bits` (ggml_dequant.c's numbers), row_bytes per row.
  *   kind 5, half: float16 rows (llama.cpp's f16 cache type).
+ *   kind 6, scaled: one code per value, `bits` 8 (a byte each) or 4 (two a byte, the even value in the low nibble),
+ *     row_bytes per row; a code's value is table[code] (float8 e4m3/e5m2, int8, E2M1: exact in float32), times a
+ *     scale: the row's float32 (`row_scale`: fp8 and int8 per token and head), or per block of `cols` values the
+ *     block's uint8 code (`zero`, its value from the table `row_zero`: NVFP4's e4m3 block scales) times the tensor's
+ *     float32 scale (`scale`), or the tensor's scale alone (fp8 per tensor); 1 where no scale is given.
  * Compiled without fused multiply-add (kvdemo.cache.read.c_build.FLAGS), so each de-quantization step rounds as torch's
  * operations do. The scores and the sums (`dot`, `add_weighted`: AVX2 fused multiply-adds where the CPU has them) are
  * float32 in another order than torch's kernel: the bound is in the module docstring. */
@@ -180,6 +185,44 @@ static void packed_rows(const Codes *c, int64_t r0, int64_t n, int64_t dim, floa
     }
 }
 
+/* scaled codes: n rows (head_dim values each) from row r0 into out, as the formats' `codes.float() * scale` and
+ * NVFP4's `E2M1[code] * (float(block_scale) * tensor_scale)` round: one product per value */
+static void scaled_rows(const Codes *c, int64_t r0, int64_t n, int64_t dim, float *out) {
+    const float *table = PTR(float, c->table);
+    const float tensor = c->scale ? PTR(float, c->scale)[0] : 1.0f;
+    for (int64_t r = r0; r < r0 + n; r++) {
+        const uint8_t *bytes = PTR(uint8_t, c->codes) + r * c->row_bytes;
+        float *o = out + (r - r0) * dim;
+        if (c->cols) { /* a scale per block of cols values (cols even) */
+            const uint8_t *blocks = PTR(uint8_t, c->zero) + r * (dim / c->cols);
+            const float *block_table = PTR(float, c->row_zero);
+            for (int64_t b = 0; b < dim / c->cols; b++) {
+                const float s = block_table[blocks[b]] * tensor;
+                float *ob = o + b * c->cols;
+                if (c->bits == 4) {
+                    const uint8_t *w = bytes + b * c->cols / 2;
+                    for (int64_t k = 0; k < c->cols / 2; k++) {
+                        ob[2 * k] = table[w[k] & 0x0f] * s;
+                        ob[2 * k + 1] = table[w[k] >> 4] * s;
+                    }
+                } else {
+                    const uint8_t *w = bytes + b * c->cols;
+                    for (int64_t k = 0; k < c->cols; k++) ob[k] = table[w[k]] * s;
+                }
+            }
+            continue;
+        }
+        const float s = c->row_scale ? PTR(float, c->row_scale)[r] : tensor;
+        if (c->bits == 4)
+            for (int64_t k = 0; k < dim / 2; k++) {
+                o[2 * k] = table[bytes[k] & 0x0f] * s;
+                o[2 * k + 1] = table[bytes[k] >> 4] * s;
+            }
+        else
+            for (int64_t k = 0; k < dim; k++) o[k] = table[bytes[k]] * s;
+    }
+}
+
 static void dequantize(const Codes *c, int64_t row, int64_t n, int64_t dim, float *out) {
     if (c->kind == 0)
         affine(c, row * dim, n * dim, out);
@@ -192,6 +235,8 @@ static void dequantize(const Codes *c, int64_t row, int64_t n, int64_t dim, floa
                                       out + r * dim + b * 32);
     else if (c->kind == 5)
         for (int64_t k = 0; k < n * dim; k++) out[k] = row_value(c->codes, 1, row * dim + k);
+    else if (c->kind == 6)
+        scaled_rows(c, row, n, dim, out);
     else
         packed_rows(c, row, n, dim, out);
 }

@@ -25,8 +25,12 @@ before):
 - llama.cpp's blocks (`ggml_codes`: q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl, the `ggml` backend's; `ggml_dequant.c`'s
   arithmetic, which this kernel includes) and its `f16` rows (`half_rows`);
 - TurboQuant's keys at 2 to 4 bits (`lookup_codes`: x = centroid[code] x norm) and uniform values at 2 to 8 bits
-  (`uniform_codes`: x = code x scale + zero), norms, scales and zeros in float16 or float32; its float8 keys (nbits 8)
-  and vLLM's layout are de-quantized.
+  (`uniform_codes`: x = code x scale + zero), norms, scales and zeros in float16 or float32; vLLM's layout is
+  de-quantized;
+- a code's value times a scale (`scaled_codes`): float8 e4m3 or e5m2 and int8 with a float32 scale per tensor or per
+  token and head (the `fp8` format under every scale rule, `int8`, TurboQuant's float8 keys), and NVFP4's E2M1 codes
+  with an e4m3 scale per 16 values and a float32 one per tensor (`nvfp4`); x = table[code] x scale, or
+  table[code] x (block scale x tensor scale), as the formats' `codes.float() * scale` rounds.
 
 **The same keys, another order of sums.** Each tile is de-quantized by the library's formula operation for
 operation, compiled without fused multiply-add, so every key and value the kernel reads equals the library's
@@ -66,9 +70,9 @@ SOURCE = Path(__file__).with_name("code_attention.c")
 MAX_DIM, MAX_ROWS = 256, 64
 """The kernel's limits: head_dim, and query rows per KV head (query heads per KV head x new tokens)."""
 
-AFFINE, LOOKUP, UNIFORM, FLOAT, GGML, HALF = 0, 1, 2, 3, 4, 5
+AFFINE, LOOKUP, UNIFORM, FLOAT, GGML, HALF, SCALED = 0, 1, 2, 3, 4, 5, 6
 """`Codes.kind`: group-wise integer codes (quanto, hqq), TurboQuant's keys, TurboQuant's values, float32 rows (the
-residual), llama.cpp's blocks, float16 rows (llama.cpp's f16)."""
+residual), llama.cpp's blocks, float16 rows (llama.cpp's f16), a code's value times a scale (float8, int8, NVFP4)."""
 
 FIELDS = (
     "kind", "bits", "codes", "word_bytes", "shift0", "shift_step", "by_row", "zero_first", "half", "rows", "cols",
@@ -175,6 +179,61 @@ def float_rows(tensor: torch.Tensor) -> StoreCodes | None:
     if tensor.dtype != torch.float32 or tensor.dim() != 4 or tensor.shape[2] < 1:
         return None
     return store_codes(tuple(tensor.shape), {"codes": tensor}, kind=FLOAT, bits=32, row_bytes=4 * tensor.shape[-1])
+
+
+@lru_cache(maxsize=8)
+def byte_table(dtype: torch.dtype) -> torch.Tensor:
+    """[256] float32: the value of each byte read as `dtype` (float8_e4m3fn, float8_e5m2, int8), exact (every such
+    value is a float32), NaN codes included: the table `scaled_codes` reads 8-bit codes through."""
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
+
+
+def scaled_codes(
+    codes: torch.Tensor,
+    table: torch.Tensor,
+    *,
+    row_scale: torch.Tensor | None = None,
+    tensor_scale: torch.Tensor | None = None,
+    block_scales: torch.Tensor | None = None,
+) -> StoreCodes | None:
+    """A store of one code per value times a scale, as the kernel reads it (`code_attention.c`, kind 6).
+
+    Args:
+        codes: [batch, kv_heads, tokens, head_dim] of a 1-byte dtype (float8, int8, uint8: a code a byte), or
+            [batch, kv_heads, tokens, head_dim / 2] uint8 with `block_scales` (E2M1: two codes a byte, the even value
+            in the low nibble).
+        table: float32, each code's value (`byte_table`, or NVFP4's 16 E2M1 values).
+        row_scale: [batch, kv_heads, tokens, 1] float32: x = table[code] x row_scale (fp8, int8 per token and head).
+        tensor_scale: a float32 scalar tensor: x = table[code] x tensor_scale; with `block_scales` [batch, kv_heads,
+            tokens, blocks] float8_e4m3fn, x = table[code] x (float(block_scale) x tensor_scale) (NVFP4). None: 1.
+
+    Returns:
+        The descriptor, or None for a dtype or layout the kernel does not read.
+    """
+    if codes.dim() != 4 or codes.element_size() != 1 or table.dtype != torch.float32:
+        return None
+    nibbles = block_scales is not None and table.numel() == 16
+    dim = codes.shape[-1] * (2 if nibbles else 1)
+    shape = (*codes.shape[:-1], dim)
+    pointers = {"codes": codes.view(torch.uint8), "table": table}
+    fields = dict(kind=SCALED, bits=4 if nibbles else 8, row_bytes=codes.shape[-1])
+    if row_scale is not None:
+        if row_scale.dtype != torch.float32 or row_scale.shape != (*codes.shape[:-1], 1):
+            return None
+        pointers["row_scale"] = row_scale
+    if tensor_scale is not None:
+        if tensor_scale.dtype != torch.float32 or tensor_scale.numel() != 1:
+            return None
+        pointers["scale"] = tensor_scale
+    if block_scales is not None:
+        blocks = block_scales.shape[-1]
+        if block_scales.dtype != torch.float8_e4m3fn or blocks < 1 or dim % blocks or (dim // blocks) % 2:
+            return None
+        pointers |= {"zero": block_scales.view(torch.uint8), "row_zero": byte_table(torch.float8_e4m3fn)}
+        fields["cols"] = dim // blocks
+    elif table.numel() != 256:
+        return None
+    return store_codes(shape, pointers, **fields)
 
 
 def kernel():

@@ -1,14 +1,20 @@
 """The `fp8` format's layers: transformers' `Fp8QuantizedLayer` de-quantizing by bit placement (`ExactFp8Layer`, the
 arithmetic and its measure in `kvdemo.cache.layers.float8`), its per-token-head variant, the engines' scale rules
 (`EngineFp8Layer`), each over a sliding window, and the cache of them (`fp8_cache`).
+
+Each is an `AppendedLayer` (`kvdemo.cache.layers.appended`: transformers' fp8 update, which codes every token under
+the frozen scale and appends it, written once for all of them), so a decode step where kvdemo's attention reads the
+store hands it the codes (`_codes_of`), read by the decode kernel (`kvdemo.cache.read.code_attention`) as
+`codes.float() * scale`, the library's de-quantization bit for bit.
 """
 
 from __future__ import annotations
 
 import torch
 from transformers import PreTrainedConfig, QuantizedCache
-from transformers.cache_utils import BaseQuantizedLayer, Fp8QuantizedLayer
+from transformers.cache_utils import Fp8QuantizedLayer
 
+from kvdemo.cache.layers.appended import AppendedLayer, reading_blocks
 from kvdemo.cache.layers.by_kind import library_cache, sliding_windows, with_kept_layers
 from kvdemo.cache.layers.float8 import (
     E4M3_TO_FLOAT32_FACTOR,
@@ -21,6 +27,7 @@ from kvdemo.cache.layers.float8 import (
 from kvdemo.cache.layers.sliding import SlidingStoreWindow
 from kvdemo.cache.model.layer_kinds import quantized_layers
 from kvdemo.cache.policies import PROTECT_CHOICES, SLIDING_CHOICES
+from kvdemo.cache.read.code_attention import StoreCodes, byte_table, scaled_codes
 
 from . import CALCULATED_RANGES, FLOAT8_FORMATS, SCALES
 
@@ -28,8 +35,9 @@ FLOAT8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 """The torch dtype of each `float8` word."""
 
 
-class ExactFp8Layer(Fp8QuantizedLayer):
-    """transformers' `Fp8QuantizedLayer` de-quantizing by bit placement (see the module docstring).
+class ExactFp8Layer(AppendedLayer, Fp8QuantizedLayer):
+    """transformers' `Fp8QuantizedLayer` de-quantizing by bit placement (see the module docstring): the first update's
+    amax / 448 is the scale of every later token (its `_quantize`).
 
     Attributes:
         _nan_codes: whether a NaN code may be in the store (set by `_quantize` when it makes one; an attribute of
@@ -38,9 +46,13 @@ class ExactFp8Layer(Fp8QuantizedLayer):
 
     _nan_codes = False
 
+    def _code(self, states: torch.Tensor, keys: bool, store: tuple | None) -> tuple:
+        """`(codes, scale)` of `states` under the store's scale (the first update: its own)."""
+        return self._quantize(states, None if store is None else store[1])
+
     def _quantize(self, tensor, scale=None):
         """transformers' quantization (`(q, scale)`); notes a NaN code in `q` (a NaN in `tensor`)."""
-        quant_tensor, scale = super()._quantize(tensor, scale)
+        quant_tensor, scale = Fp8QuantizedLayer._quantize(self, tensor, scale)
         if not self._nan_codes and has_nan_codes(quant_tensor):
             self._nan_codes = True
         return quant_tensor, scale
@@ -52,6 +64,11 @@ class ExactFp8Layer(Fp8QuantizedLayer):
         if self._nan_codes or not torch.isfinite(scale * E4M3_TO_FLOAT32_FACTOR):
             return super()._dequantize(qtensor)
         return dequantize_e4m3(quant_tensor, scale, self.keys.dtype)
+
+    def _codes_of(self, q_tensor) -> StoreCodes | None:
+        """The store as the decode kernel reads it: `codes.float() * scale`."""
+        codes, scale = q_tensor
+        return scaled_codes(codes, byte_table(codes.dtype), tensor_scale=scale)
 
 
 class PerTokenHeadFp8Layer(ExactFp8Layer):
@@ -74,26 +91,19 @@ class PerTokenHeadFp8Layer(ExactFp8Layer):
             self._nan_codes = True
         return codes, scale
 
+    def _code(self, states: torch.Tensor, keys: bool, store: tuple | None) -> tuple:
+        """`(codes, scales)` of `states`, each token and head with its own scale."""
+        return self._quantize(states)
+
     def _dequantize(self, qtensor):
         """The store de-quantized, [batch, kv_heads, tokens, head_dim] of the model's dtype."""
         codes, scale = qtensor
         return dequantize_per_token_head(codes, scale, self.keys.dtype, by_bits=not self._nan_codes)
 
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append the new tokens ([batch, kv_heads, new tokens, head_dim]) quantized with their own scales; returns
-        every stored token de-quantized (the prefill: the new states as given), as transformers' fp8 update does."""
-        self.cumulative_length += key_states.shape[-2]
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-            return key_states, value_states
-        stores = []
-        for store, states in ((self._quantized_keys, key_states), (self._quantized_values, value_states)):
-            codes, scale = self._quantize(states)
-            stores.append((torch.cat([store[0], codes], dim=-2), torch.cat([store[1], scale], dim=-2)))
-        self._quantized_keys, self._quantized_values = stores
-        return self._dequantize(self._quantized_keys), self._dequantize(self._quantized_values)
+    def _codes_of(self, q_tensor) -> StoreCodes | None:
+        """The store as the decode kernel reads it: `codes.float() * scales`, a scale per token and head."""
+        codes, scale = q_tensor
+        return scaled_codes(codes, byte_table(codes.dtype), row_scale=scale)
 
 
 class EngineFp8Layer(ExactFp8Layer):
@@ -107,11 +117,11 @@ class EngineFp8Layer(ExactFp8Layer):
         super().__init__()
         self.rule, self.float8 = rule, float8
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """The store of the first update's states ([batch, kv_heads, tokens, head_dim]) under the rule's scales."""
-        BaseQuantizedLayer.lazy_initialization(self, key_states, value_states)  # dtype, device: DynamicLayer's
-        self._quantized_keys = self._quantize(key_states, self._first_scale(key_states, CALCULATED_RANGES[0]))
-        self._quantized_values = self._quantize(value_states, self._first_scale(value_states, CALCULATED_RANGES[1]))
+    def _code(self, states: torch.Tensor, keys: bool, store: tuple | None) -> tuple:
+        """`(codes, scale)` of `states` under the store's scale; the first update's under the rule's."""
+        if store is None:
+            return self._quantize(states, self._first_scale(states, CALCULATED_RANGES[0 if keys else 1]))
+        return self._quantize(states, store[1])
 
     def _first_scale(self, states: torch.Tensor, calculated_range: float) -> torch.Tensor:
         """1.0, or vLLM's `torch.abs(states).max() / range` (floored at float32's smallest normal: an all-zero
@@ -135,6 +145,11 @@ class EngineFp8Layer(ExactFp8Layer):
             return super()._dequantize(qtensor)
         codes, scale = qtensor
         return (codes.float() * scale).to(self.keys.dtype)
+
+    def _codes_of(self, q_tensor) -> StoreCodes | None:
+        """The store as the decode kernel reads it: `codes.float() * scale`, e4m3 or e5m2 codes."""
+        codes, scale = q_tensor
+        return scaled_codes(codes, byte_table(codes.dtype), tensor_scale=scale)
 
 
 class SlidingFp8Layer(SlidingStoreWindow, ExactFp8Layer):
@@ -184,5 +199,5 @@ def fp8_cache(
             layers[index] = (
                 EngineFp8Layer(scale, float8) if window is None else SlidingEngineFp8Layer(window, scale, float8)
             )
-    cache.layers = layers
+    cache.layers = reading_blocks(layers, config)
     return with_kept_layers(cache, config, sliding, protect)

@@ -47,7 +47,7 @@ import torch
 from transformers import PreTrainedConfig
 from transformers.cache_utils import BaseQuantizedLayer, Cache
 
-from kvdemo.cache.layers.blockwise import BLOCKS_MARK, StoreBlocks
+from kvdemo.cache.layers.blockwise import StoreBlocks, marked_tail
 from kvdemo.cache.layers.by_kind import sliding_windows, with_kept_layers
 from kvdemo.cache.layers.flush import attends_through_kvdemo, written
 from kvdemo.cache.layers.rotation import hadamard, mark_rotated
@@ -220,18 +220,18 @@ class GgmlLayer(BaseQuantizedLayer):
         """Decode steps hand kvdemo's attention the store as one block (`_blocks`): on the query side."""
         return self.query_side
 
-    def _blocks(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _blocks(self, like: torch.Tensor, tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """A decode step's (keys, values) for kvdemo's attention: no tail ([batch, kv_heads, 0, head_dim]), the keys
         marked with the store as one block (`kvdemo.cache.layers.blockwise.StoreBlocks`: read from its codes, or
-        de-quantized where attention cannot) and with the rotation."""
-        keys = like.new_empty(*like.shape[:2], 0, like.shape[-1])
+        de-quantized where attention cannot; `tokens`: a window's store, every token visible) and with the
+        rotation."""
         read = cast("Callable[[object], torch.Tensor]", self._dequantize)  # handed this layer's blocks only
         codes = cast("Callable[[object], StoreCodes | None]", self._codes_of)
-        store = StoreBlocks([self._quantized_keys], [self._quantized_values], read, codes)
-        setattr(keys, BLOCKS_MARK, store)
+        blocks = StoreBlocks([self._quantized_keys], [self._quantized_values], read, codes, tokens)
+        keys, values = marked_tail(like, blocks)
         if self.query_rotation.key_block or self.query_rotation.values:
             mark_rotated(keys, self.query_rotation)  # type: ignore[arg-type]
-        return keys, like.new_empty(keys.shape)
+        return keys, values
 
     def _codes_of(self, q_tensor: GgmlRows) -> StoreCodes | None:
         """A store as the decode kernel reads it (`kvdemo.cache.read.code_attention`), or None."""
@@ -258,22 +258,19 @@ class GgmlLayer(BaseQuantizedLayer):
 
 class SlidingGgmlLayer(SlidingWindowMask, GgmlLayer):
     """`GgmlLayer` over a sliding window: it keeps the last `sliding_window - 1` tokens' rows (a compact copy, so the
-    longer store is not pinned) and returns what `DynamicSlidingWindowLayer.update` returns, de-quantized."""
+    longer store is not pinned) and returns what `DynamicSlidingWindowLayer.update` returns, de-quantized, or at a
+    decode step the window's rows for the decode kernel."""
 
     def __init__(self, type_k: str, type_v: str, rotation: GgmlRotation, query_side: bool, sliding_window: int) -> None:
         super().__init__(type_k, type_v, rotation, query_side)
         self.sliding_window = sliding_window
 
-    @property
-    def reads_blocks(self) -> bool:
-        """Never: a decode step reads a view of the window, de-quantized (its `update`)."""
-        return False
-
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The window's last `sliding_window - 1` tokens and the new ones, de-quantized; the store keeps the last
-        `sliding_window - 1`."""
+        """The window's last `sliding_window - 1` tokens and the new ones, de-quantized, or at a decode step on the
+        query side the window's store marked for kvdemo's attention (`_blocks`: every token it holds is visible); the
+        store keeps the last `sliding_window - 1`."""
         keep, first = self.sliding_window - 1, not self.is_initialized
         self.cumulative_length += key_states.shape[-2]
         if first:
@@ -281,7 +278,10 @@ class SlidingGgmlLayer(SlidingWindowMask, GgmlLayer):
         self._append(key_states, value_states)
         visible = keep + key_states.shape[-2]
         keys, values = self._quantized_keys, self._quantized_values
-        returned = self._read(keys.tail(visible), values.tail(visible))
+        if self.reads_blocks and not first and key_states.shape[-2] == 1 and key_states.device.type == "cpu":
+            returned = self._blocks(key_states, tokens=keys.rows.shape[-2])  # at most the window: kept last update
+        else:
+            returned = self._read(keys.tail(visible), values.tail(visible))
         if keys.rows.shape[-2] > keep:  # compact: the longer rows are not pinned
             self._quantized_keys = keys._replace(rows=keys.rows[..., -keep:, :].clone())
             self._quantized_values = values._replace(rows=values.rows[..., -keep:, :].clone())

@@ -17,10 +17,11 @@ import torch
 from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache
 
-from kvdemo.cache.layers.appended import AppendedLayer
+from kvdemo.cache.layers.appended import AppendedLayer, reading_blocks
 from kvdemo.cache.layers.by_kind import sliding_windows, with_kept_layers
 from kvdemo.cache.layers.sliding import SlidingStoreWindow
 from kvdemo.cache.model.layer_kinds import quantized_layers
+from kvdemo.cache.read.code_attention import StoreCodes, byte_table, scaled_codes
 
 INT8_MAX = 127.0
 """The scale's divisor (vLLM's `quant_max`); codes are clamped to [-128, 127]."""
@@ -61,6 +62,10 @@ class Int8Layer(AppendedLayer):
         assert self.keys is not None  # set by the first update
         return dequantize_int8(q_tensor, self.keys.dtype)
 
+    def _codes_of(self, q_tensor: Int8Store) -> StoreCodes | None:
+        """The store as the decode kernel reads it: `codes.float() * scales`."""
+        return scaled_codes(q_tensor.codes, byte_table(torch.int8), row_scale=q_tensor.scales)
+
 
 class SlidingInt8Layer(SlidingStoreWindow, Int8Layer):
     """`Int8Layer` over a sliding window (`kvdemo.cache.layers.sliding.SlidingStoreWindow`)."""
@@ -74,4 +79,4 @@ def int8_cache(config: PreTrainedConfig, sliding: str, protect: str) -> Cache:
     for index in quantized_layers(config, sliding, protect):
         window = windows[index]
         layers[index] = Int8Layer() if window is None else SlidingInt8Layer(sliding_window=window)
-    return with_kept_layers(Cache(layers=layers), config, sliding, protect)
+    return with_kept_layers(Cache(layers=reading_blocks(layers, config)), config, sliding, protect)

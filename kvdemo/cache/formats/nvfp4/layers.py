@@ -14,13 +14,15 @@ import torch
 from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache
 
-from kvdemo.cache.layers.appended import AppendedLayer
+from kvdemo.cache.layers.appended import AppendedLayer, reading_blocks
 from kvdemo.cache.layers.by_kind import sliding_windows, with_kept_layers
 from kvdemo.cache.layers.sliding import SlidingStoreWindow
 from kvdemo.cache.model.layer_kinds import quantized_layers
+from kvdemo.cache.read.code_attention import StoreCodes, byte_table, scaled_codes
 
 from . import BLOCK_RULES, KEY_FORMATS, TENSOR_SCALES
 from .blocks import (
+    E2M1_VALUES,
     Fp8Store,
     Nvfp4Store,
     amax_scale,
@@ -67,6 +69,15 @@ class Nvfp4Layer(AppendedLayer):
             return dequantize_fp8(q_tensor, self.keys.dtype)
         return dequantize_nvfp4(q_tensor, self.keys.dtype)
 
+    def _codes_of(self, q_tensor: Store) -> StoreCodes | None:
+        """The store as the decode kernel reads it: `E2M1[code] * (block_scale * tensor_scale)`, or the float8
+        keys' `codes * tensor_scale`."""
+        if isinstance(q_tensor, Fp8Store):
+            return scaled_codes(q_tensor.codes, byte_table(q_tensor.codes.dtype), tensor_scale=q_tensor.tensor_scale)
+        return scaled_codes(
+            q_tensor.codes, E2M1_VALUES, tensor_scale=q_tensor.tensor_scale, block_scales=q_tensor.block_scales
+        )
+
 
 class SlidingNvfp4Layer(SlidingStoreWindow, Nvfp4Layer):
     """`Nvfp4Layer` over a sliding window (`kvdemo.cache.layers.sliding.SlidingStoreWindow`)."""
@@ -99,4 +110,4 @@ def nvfp4_cache(
     for index in quantized_layers(config, sliding, protect):
         window = windows[index]
         layers[index] = Nvfp4Layer(**options) if window is None else SlidingNvfp4Layer(sliding_window=window, **options)
-    return with_kept_layers(Cache(layers=layers), config, sliding, protect)
+    return with_kept_layers(Cache(layers=reading_blocks(layers, config)), config, sliding, protect)

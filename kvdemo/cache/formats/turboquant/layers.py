@@ -54,7 +54,16 @@ from kvdemo.cache.policies import (
     SLIDING_CHOICES,
     TURBOQUANT_LAYOUTS,
 )
-from kvdemo.cache.read.code_attention import LOOKUP, UNIFORM, StoreCodes, float32_table, row_values, store_codes
+from kvdemo.cache.read.code_attention import (
+    LOOKUP,
+    UNIFORM,
+    StoreCodes,
+    byte_table,
+    float32_table,
+    row_values,
+    scaled_codes,
+    store_codes,
+)
 
 from .lloyd_max import decode_integers, decode_packed, exact_marginal, pack_codes
 from .vllm import VllmFp8Keys, VllmKeys, VllmValues
@@ -229,10 +238,12 @@ class TurboQuantLayer(QuantizedLayer):
 
     def _codes_of(self, q_tensor) -> StoreCodes | None:
         """A store as the decode kernel reads it (`kvdemo.cache.read.code_attention`): kvdemo's layout, keys in
-        the rotated basis (the query side) at 2-4 bits, values at 2-8 bits; None for any other store (fp8 keys,
-        vLLM's layout)."""
+        the rotated basis (the query side) at 2-4 bits or float8 with a scale per token and head (nbits 8), values at
+        2-8 bits; None for any other store (vLLM's layout)."""
         if isinstance(q_tensor, UniformValues):
             return uniform_codes(q_tensor.codes, q_tensor.scale, q_tensor.zero, self.nbits_value)
+        if type(q_tensor) is tuple and self.nbits == FP8_KEY_BITS:  # float8 keys: (codes, scales)
+            return scaled_codes(q_tensor[0], byte_table(q_tensor[0].dtype), row_scale=q_tensor[1])
         if isinstance(q_tensor, TurboKeys) and self.rotated_store:
             dimension = q_tensor.codes.shape[-1] * 8 // self.nbits
             return lookup_codes(
