@@ -50,9 +50,11 @@ from kvdemo.cache.state.speedlimit import probe_bandwidth, speed_limit  # noqa: 
 
 SPECS = (
     "quanto:4", "hqq:4", "turboquant:4", "turboquant:3", "quanto:2", "hqq:4,flush=append", "ggml:q4_0", "ggml:q8_0",
+    "fp8", "fp8,scale=per_token_head", "turboquant:8,nbits_value=4", "int8", "nvfp4",
 )  # fmt: skip
-"""The issue's three 4-bit specs, TurboQuant at 3 bits, quanto at 2, hqq's append flush (many blocks) and llama.cpp's
-q4_0 and q8_0 (every token written as blocks, no residual)."""
+"""The three 4-bit residual specs, TurboQuant at 3 bits, quanto at 2, hqq's append flush (many blocks), llama.cpp's
+q4_0 and q8_0 (every token written as blocks, no residual), fp8 per tensor and per token and head, TurboQuant's
+float8 keys, vLLM's int8 and NVFP4 (every token written as codes)."""
 
 PATHS = {"codes": nullcontext, "dequantize": dequantized_reads}
 """Each quantized spec's two decode paths: kvdemo's build now, and the de-quantize path it replaced."""
@@ -115,7 +117,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", default="2048,7800,16000", help="context tokens, comma-separated")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--specs", help="specs separated by ';' (default: SPECS)")
     args = parser.parse_args()
+    specs = args.specs.split(";") if args.specs else list(SPECS)
     lengths = [int(n) for n in args.lengths.split(",")]
     loaded = load_model()
     out: dict = {"load_average_start": os.getloadavg(), "threads": torch.get_num_threads(), "lengths": {}}
@@ -123,7 +127,7 @@ def main() -> None:
     kv = base_kv(loaded, 2048)
     for length in lengths:
         log(f"{length:,} tokens")
-        rows = out["lengths"][str(length)] = per_length(loaded, kv, length, args.rounds, bandwidth, SPECS)
+        rows = out["lengths"][str(length)] = per_length(loaded, kv, length, args.rounds, bandwidth, specs)
         print(f"\n{length:,} tokens (load average {rows['load_average'][0]:.2f}): step, x dynamic, floor, x floor")
         for name, row in rows.items():
             if name == "load_average":

@@ -8,6 +8,8 @@ Cost: about 15 s (the embedded model's decoded answers 8 s)."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 from transformers import LlamaConfig
@@ -17,8 +19,22 @@ from kvdemo.cache.formats.hqq.layers import hqq_codes
 from kvdemo.cache.formats.quanto.layers import AppendQuantoLayer, RotatedQuantoLayer, quanto_codes
 from kvdemo.cache.formats.turboquant.layers import quantize_uniform, uniform_codes
 from kvdemo.cache.layers.attention import ATTENTION, _joined_layers, decode_read, materialized_blocks
-from kvdemo.cache.layers.blockwise import _FLASH, StoreBlocks, attend_blockwise, code_reader, dequantized_reads
-from kvdemo.cache.read.code_attention import MAX_DIM, attend_codes, dequantize_codes, kernel
+from kvdemo.cache.layers.blockwise import (
+    _FLASH,
+    StoreBlocks,
+    attend_blockwise,
+    blocks_of,
+    code_reader,
+    dequantized_reads,
+)
+from kvdemo.cache.read.code_attention import (
+    MAX_DIM,
+    NotFinite,
+    attend_codes,
+    dequantize_codes,
+    float_rows,
+    kernel,
+)
 from kvdemo.cache.spec import build_cache
 from kvdemo.cache.state import snapshot
 from kvdemo.qa.prefill import run_prefill
@@ -251,3 +267,60 @@ def test_sliding_layers_read_from_their_window_s_codes_decode_as_the_whole_read(
             gaps.append(float((codes - whole).abs().max() / whole.abs().max()))
             token = int(whole.argmax())
     assert max(gaps) <= 1e-4 and max(gaps) > 0, gaps
+
+
+POISONED = ("quanto:4", "hqq:4", "turboquant:4", "turboquant:8,nbits_value=4", "ggml:q4_0", "ggml,type_k=f16", "fp8",
+            "int8", "nvfp4")  # fmt: skip
+"""One spec per kind of store the kernel reads: affine, lookup and uniform, scaled, llama.cpp's blocks, float16 rows,
+float8 and int8 rows, NVFP4 blocks; the float32 residual (kind 3) where the poisoned token waits in it."""
+
+
+@pytest.mark.parametrize("text", POISONED)
+@pytest.mark.parametrize(("where", "bad"), [("key", float("nan")), ("key", float("inf")), ("value", float("-inf"))])
+@pytest.mark.parametrize("stored", [True, False], ids=["stored", "new token"])
+def test_a_poisoned_cache_propagates_nan_and_infinity_as_torch_does(text, where, bad, stored):
+    """A key or value holding NaN or infinity, in the prefill's store or in the decode step's new token (the residual
+    where the format keeps one): the codes path's output is NaN exactly where the de-quantize path's (torch's kernel)
+    is, infinite where it is with the same value, and equal to it elsewhere within the bound. Where the quantizer
+    keeps the poison (a residual holds the new token as it is; fp8's scale from an amax that is not finite), it
+    reaches attention; other quantizers may code it as a finite value (fp8 saturates a new infinite token), and then
+    every path reads the same finite store. The reference is the store read whole by sdpa: torch's flash kernel over a
+    block of one NaN key returns 0 where sdpa returns NaN, so `attend_blockwise` reads a poisoned store whole."""
+    spec = CacheSpec.parse(text + (",residual_length=8" if CacheSpec.parse(text).info.has_residual else ""))
+    keys, values = _states(41)
+    poisoned = keys if where == "key" else values
+    poisoned[0, 1, 17 if stored else 40, 5] = bad
+    query = torch.randn(1, 6, 1, 64, generator=torch.Generator().manual_seed(5))
+    layer = filled_layer(spec, _config(), keys[..., :40, :], values[..., :40, :])
+    tail_keys, tail_values = layer.update(keys[..., 40:, :], values[..., 40:, :])
+    blocks = blocks_of(tail_keys)
+    assert blocks is not None, text  # a decode step handed attention the store
+    whole_keys, whole_values = blocks.materialized(tail_keys, tail_values)
+    reference = torch.nn.functional.scaled_dot_product_attention(
+        query, whole_keys.repeat_interleave(3, 1), whole_values.repeat_interleave(3, 1), scale=0.125
+    ).transpose(1, 2)
+    if stored and text == "fp8" or not stored and spec.info.has_residual:
+        assert not torch.isfinite(reference).all(), text  # the poison reached attention
+    infinite, finite = torch.isinf(reference), torch.isfinite(reference)
+    for reads in (nullcontext, dequantized_reads):
+        with reads():
+            read = attend_blockwise(query, tail_keys, tail_values, blocks, 0.125)
+        assert torch.equal(torch.isnan(read), torch.isnan(reference)), text
+        assert torch.equal(torch.isinf(read), infinite) and torch.equal(read[infinite], reference[infinite]), text
+        if finite.any():
+            assert (read[finite] - reference[finite]).abs().max() <= OUTPUT_BOUND * 20, text
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_the_kernel_gives_back_a_call_whose_keys_or_values_are_not_finite(bad):
+    """Every store kind reaches the same scores and sums once de-quantized (the kernel's tile), so one kind stands
+    for all here: a key or a value of float32 rows holding NaN or an infinity, and the kernel raises `NotFinite`;
+    finite rows it reads."""
+    keys, values = _states(40)
+    query = torch.randn(1, 2, 3, 64)
+    assert attend_codes(query, [(float_rows(keys), float_rows(values))], None) is not None
+    for poisoned in (keys, values):
+        poisoned[0, 1, 17, 5] = bad
+        with pytest.raises(NotFinite):
+            attend_codes(query, [(float_rows(keys), float_rows(values))], None)
+        poisoned[0, 1, 17, 5] = 0.0

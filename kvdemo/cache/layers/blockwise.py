@@ -44,7 +44,7 @@ import torch
 from transformers.cache_utils import QuantizedLayer
 
 from kvdemo.cache.layers.rotation import LibraryLayer, QueryRotationMixin, mark_rotated
-from kvdemo.cache.read.code_attention import StoreCodes, attend_codes, float_rows
+from kvdemo.cache.read.code_attention import NotFinite, StoreCodes, attend_codes, float_rows
 
 BLOCKS_MARK = "_kvdemo_blocks"
 """The attribute `BlockwiseReadMixin.update` sets on the key tensor it returns (a `StoreBlocks`); read by
@@ -196,7 +196,41 @@ def attend_blockwise(
 
     Returns:
         [batch, new tokens, heads, head_dim], as transformers' `sdpa_attention_forward` returns it.
+
+    A key or value that is NaN or infinite (a broken model's) is read as the whole store joined, by torch's sdpa
+    (`_read_whole`): the decode kernel reports one (`NotFinite`), and a de-quantized block or the tail is checked,
+    since torch's flash kernel over a block of one NaN key returns 0 where sdpa over the whole store returns NaN.
     """
+    try:
+        return _attend_parts(query, tail_keys, tail_values, blocks, scaling)
+    except NotFinite:
+        return _read_whole(query, tail_keys, tail_values, blocks, scaling)
+
+
+def _read_whole(
+    query: torch.Tensor, tail_keys: torch.Tensor, tail_values: torch.Tensor, blocks: StoreBlocks, scaling: float | None
+) -> torch.Tensor:
+    """Attention over every block de-quantized and joined with the tail, by torch's sdpa (what transformers'
+    `sdpa_attention_forward` computes): [batch, new tokens, heads, head_dim]."""
+    keys, values = blocks.materialized(tail_keys, tail_values)
+    output = torch.nn.functional.scaled_dot_product_attention(query, keys, values, scale=scaling, enable_gqa=True)
+    return output.transpose(1, 2).contiguous()
+
+
+def _finite(*tensors: torch.Tensor) -> None:
+    """Raise `NotFinite` where one of `tensors` holds NaN or an infinity."""
+    if not all(bool(torch.isfinite(t).all()) for t in tensors):
+        raise NotFinite("a key or value of the store is NaN or infinite")
+
+
+def _attend_parts(
+    query: torch.Tensor, tail_keys: torch.Tensor, tail_values: torch.Tensor, blocks: StoreBlocks, scaling: float | None
+) -> torch.Tensor:
+    """`attend_blockwise` over the parts: the coded blocks by the kernel, the others and the tail by torch's flash
+    kernel, merged by log-sum-exp.
+
+    Raises:
+        NotFinite: a key or value is NaN or infinite."""
     batch, heads, tokens, head_dim = query.shape
     kv_heads = tail_keys.shape[1]
     # the query heads that share a KV head attend as extra query rows of it (no repeat of the keys)
@@ -223,10 +257,12 @@ def attend_blockwise(
         # the private kernel skips sdpa's layout checks and misreads a last axis that is not contiguous (a block
         # de-quantized along axis -1 has stride > 1 there; pytorch PR#187506): hand it contiguous blocks only
         keys, values = blocks.dequantize(key_block).contiguous(), blocks.dequantize(value_block).contiguous()
+        _finite(keys, values)
         output, lse = _FLASH(grouped, keys, values, scale=scaling)
         outputs.append(output)
         lses.append(lse)
     if tail_keys.shape[-2]:  # ggml's decode steps hand no tail
+        _finite(tail_keys, tail_values)
         output, lse = _FLASH(grouped, tail_keys.contiguous(), tail_values.contiguous(), scale=scaling)
         outputs.append(output)
         lses.append(lse)

@@ -290,11 +290,21 @@ static void add_weighted(float *acc, const float *w, const float *v, int64_t n, 
         for (int64_t i = 0; i < n; i++) acc[d] += w[i] * v[i * dim + d];
 }
 
-/* one head's tokens [t0, t1): running maximum m, sum l and unnormalised output acc of each query row */
-static void attend_range(const float *q, const Codes *keys, const Codes *values, int64_t head, int64_t tokens,
+/* whether x is neither infinite nor NaN, read from its bits: the kernel is compiled with -ffast-math, under which the
+ * compiler may assume every float finite and fold isfinite() away; an integer test it cannot fold */
+static int finite_bits(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    return (bits & 0x7f800000u) != 0x7f800000u;
+}
+
+/* one head's tokens [t0, t1): running maximum m, sum l and unnormalised output acc of each query row; returns 0, or 1
+ * where a score is not finite (a key holding NaN or infinity: the caller hands the call to torch) */
+static int attend_range(const float *q, const Codes *keys, const Codes *values, int64_t head, int64_t tokens,
                          int64_t dim, int64_t rows, float scale, int64_t t0, int64_t t1, float *m, float *l,
                          float *acc) {
     float kbuf[TILE * MAX_DIM], vbuf[TILE * MAX_DIM], p[MAX_ROWS * TILE];
+    int bad = 0;
     for (int64_t r = 0; r < rows; r++) {
         m[r] = -FLT_MAX;
         l[r] = 0.0f;
@@ -309,6 +319,7 @@ static void attend_range(const float *q, const Codes *keys, const Codes *values,
             float *pr = p + r * TILE, top = m[r];
             for (int64_t i = 0; i < n; i++) {
                 pr[i] = dot(qr, kbuf + i * dim, dim) * scale;
+                bad |= !finite_bits(pr[i]);
                 top = pr[i] > top ? pr[i] : top;
             }
             const float correction = expf(m[r] - top);
@@ -324,12 +335,15 @@ static void attend_range(const float *q, const Codes *keys, const Codes *values,
             add_weighted(ar, pr, vbuf, n, dim);
         }
     }
+    return bad;
 }
 
 /* query: [heads, rows, dim] float32 (the query rows that share each KV head; heads = batch x kv_heads);
  * stores[2b], stores[2b + 1]: block b's keys and values, [heads, stores[2b].tokens, dim]; out: [heads, rows, dim];
  * lse: [heads, rows] (natural log), over every block's tokens. Returns 0, -1 for a shape it does not take
- * (dim > MAX_DIM, rows > MAX_ROWS, no tokens), -2 where memory runs out. */
+ * (dim > MAX_DIM, rows > MAX_ROWS, no tokens), -2 where memory runs out, -3 where a score or an output is not finite
+ * (a key or value holding NaN or infinity): the caller then reads the store with torch's kernel, so a broken cache
+ * propagates NaN and infinity exactly as torch's attention propagates them. */
 int code_attention(const float *query, const Codes *stores, int64_t blocks, int64_t heads, int64_t rows, int64_t dim,
                    float scale, float *out, float *lse, int threads) {
     int64_t total = 0;
@@ -355,10 +369,11 @@ int code_attention(const float *query, const Codes *stores, int64_t blocks, int6
             where[3 * at + 1] = t;
             where[3 * at + 2] = t + chunk < end ? t + chunk : end;
         }
-#pragma omp parallel for num_threads(threads) schedule(dynamic)
+    int bad = 0;
+#pragma omp parallel for num_threads(threads) schedule(dynamic) reduction(| : bad)
     for (int64_t item = 0; item < items; item++) {
         const int64_t head = item / ranges, *range = where + 3 * (item % ranges), b = range[0];
-        attend_range(query + head * rows * dim, stores + 2 * b, stores + 2 * b + 1, head, stores[2 * b].tokens, dim,
+        bad |= attend_range(query + head * rows * dim, stores + 2 * b, stores + 2 * b + 1, head, stores[2 * b].tokens, dim,
                      rows, scale, range[1], range[2], m + item * rows, l + item * rows, acc + item * rows * dim);
     }
     for (int64_t head = 0; head < heads; head++) {
@@ -373,12 +388,15 @@ int code_attention(const float *query, const Codes *stores, int64_t blocks, int6
                 sum += l[i * rows + r] * w;
                 for (int64_t d = 0; d < dim; d++) o[d] += a[d] * w;
             }
-            for (int64_t d = 0; d < dim; d++) o[d] /= sum;
+            for (int64_t d = 0; d < dim; d++) {
+                o[d] /= sum;
+                bad |= !finite_bits(o[d]);
+            }
             lse[head * rows + r] = top + logf(sum);
         }
     }
     free(where), free(m), free(l), free(acc);
-    return 0;
+    return bad ? -3 : 0;
 }
 
 /* rows [row0, row0 + n) of a store ([heads x tokens, dim]) de-quantized into out ([n, dim]), as the attention's tiles

@@ -49,6 +49,12 @@ It serves float32 queries and stores on the CPU, one decode step (no mask), head
 rows per KV head; any other call, a store of another dtype (a bfloat16 model's), or a machine with no C compiler
 (`c_build.build_problem`) takes the de-quantize path, and `kvdemo.cache.layers.attention.decode_read` says which one
 each of a cache's layers takes.
+
+**NaN and infinity.** The kernel is compiled with `-ffast-math` (for the vector `expf`), under which the compiler may
+assume every float finite, so a store holding NaN or infinity (a broken model's keys) would not propagate as torch's
+attention propagates it. The kernel tests every score and every output's bits (an integer test no flag folds away)
+and raises `NotFinite` where one is not finite; `kvdemo.cache.layers.blockwise.attend_blockwise` then reads the store
+whole with torch's sdpa, the reference (`tests/test_code_attention.py` poisons a cache of every kind).
 """
 
 from __future__ import annotations
@@ -244,6 +250,11 @@ def kernel():
     return c_build.function(SOURCE, "code_attention", ctypes.c_int, arguments)
 
 
+class NotFinite(ArithmeticError):
+    """The kernel met a score or an output that is not finite (a store holding NaN or infinity): the caller reads the
+    store whole with torch, whose NaN and infinities are the reference's."""
+
+
 def attend_codes(
     grouped: torch.Tensor, stores: Sequence[tuple[StoreCodes, StoreCodes]], scaling: float | None
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -258,6 +269,9 @@ def attend_codes(
     Returns:
         (output [batch, kv_heads, rows, head_dim], log-sum-exp [batch, kv_heads, rows]), float32; None where the
         kernel does not take the call (no compiler, another dtype or shape): the caller de-quantizes instead.
+
+    Raises:
+        NotFinite: a score or an output is not finite (module docstring).
     """
     batch, kv_heads, rows, dim = grouped.shape
     if grouped.dtype != torch.float32 or rows > MAX_ROWS or not stores:
@@ -277,6 +291,8 @@ def attend_codes(
         query.data_ptr(), descriptors.data_ptr(), len(stores), batch * kv_heads, rows, dim, scale, out.data_ptr(),
         lse.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
+    if done == -3:
+        raise NotFinite("a key or value of the store is NaN or infinite")
     return (out, lse) if done == 0 else None
 
 
