@@ -9,12 +9,8 @@ tokens under the same mask (`get_mask_sizes` is the sliding layer's own).
   returns. At a flush the window is re-quantized (a window is small: 511 tokens on Gemma 3), so `flush=append` does
   not apply to these layers. Between flushes the store may still hold up to `residual_length - 1` tokens that have
   left the window (never returned to attention): held bytes are at most (window + residual_length - 1) tokens.
-- fp8 (`kvdemo.cache.formats.fp8.layers.SlidingFp8Layer`, on `SlidingWindowMask`): transformers' per-tensor scale frozen
-  at the first update; each step appends the new codes and keeps the last `sliding_window - 1` (a compact copy, so no
-  longer storage stays pinned); with `scale=per_token_head` (`SlidingPerTokenHeadFp8Layer`) each kept token keeps its
-  own scales.
 - A format that codes every token as it comes into a record of per-token tensors and per-tensor scales (nvfp4, int8,
-  fp8's `(codes, scale)`; `SlidingStoreWindow`): each update appends, then every per-token tensor of the store keeps
+  fp8's `(codes, scale)` under transformers' frozen scale or a scale per token and head; `SlidingStoreWindow`): each update appends, then every per-token tensor of the store keeps
   its last `sliding_window - 1` tokens. A decode step that hands kvdemo's attention the store
   (`kvdemo.cache.layers.appended`) hands it the window before the cut: the last `sliding_window - 1` tokens and the
   new one, every one visible to the step, so the decode kernel reads them as a full layer's store.
