@@ -10,10 +10,11 @@ tokens under the same mask (`get_mask_sizes` is the sliding layer's own).
   not apply to these layers. Between flushes the store may still hold up to `residual_length - 1` tokens that have
   left the window (never returned to attention): held bytes are at most (window + residual_length - 1) tokens.
 - A format that codes every token as it comes into a record of per-token tensors and per-tensor scales (nvfp4, int8,
-  fp8's `(codes, scale)` under transformers' frozen scale or a scale per token and head; `SlidingStoreWindow`): each update appends, then every per-token tensor of the store keeps
-  its last `sliding_window - 1` tokens. A decode step that hands kvdemo's attention the store
-  (`kvdemo.cache.layers.appended`) hands it the window before the cut: the last `sliding_window - 1` tokens and the
-  new one, every one visible to the step, so the decode kernel reads them as a full layer's store.
+  fp8's `(codes, scale)` under transformers' frozen scale or a scale per token and head; `SlidingStoreWindow`): each
+  update appends, then every per-token tensor of the store keeps its last `sliding_window - 1` tokens. A decode step
+  that hands kvdemo's attention the store (`kvdemo.cache.layers.appended`) hands it the window before the cut: the
+  last `sliding_window - 1` tokens and the new one, every one visible to the step, so the decode kernel reads them as
+  a full layer's store.
 
 All assign new tensors at every update, so the snapshot's `vars(layer).copy()` restores them exactly
 (`kvdemo.cache.state.snapshot`). Pattern: llama.cpp quantizes its sliding-window (SWA) KV cache with the same
