@@ -18,7 +18,7 @@ from kvdemo import CacheSpec, QASession
 from kvdemo.cache.formats.hqq.layers import hqq_codes
 from kvdemo.cache.formats.quanto.layers import AppendQuantoLayer, RotatedQuantoLayer, quanto_codes
 from kvdemo.cache.formats.turboquant.layers import quantize_uniform, uniform_codes
-from kvdemo.cache.layers.attention import ATTENTION, _joined_layers, decode_read, materialized_blocks
+from kvdemo.cache.layers.attention import ATTENTION, _joined_layers, decode_read
 from kvdemo.cache.layers.blockwise import (
     _FLASH,
     StoreBlocks,
@@ -27,6 +27,7 @@ from kvdemo.cache.layers.blockwise import (
     code_reader,
     dequantized_reads,
 )
+from kvdemo.cache.layers.flush import read_whole
 from kvdemo.cache.read.code_attention import (
     MAX_DIM,
     NotFinite,
@@ -227,9 +228,9 @@ def test_the_prefill_report_says_which_path_decode_steps_take(embedded, text, ex
 
 def test_the_report_counts_each_layer_s_path_on_a_model_of_two_kinds(embedded):
     """Gemma 3's tiny family: three sliding-window layers and one full-attention layer. The sliding layers' attention
-    modules pass a window (`_joined_layers`), which the kernel takes where the layer's store is the window's (ggml's
-    rows, fp8's codes: each decode step hands the window alone), not where a residual format keeps tokens past it
-    (turboquant re-codes its window at a flush and reads it whole)."""
+    modules pass a window (`_joined_layers`), which the kernel takes where a decode step hands the window alone
+    (ggml's rows, fp8's codes; a residual format's store less its tokens past the window). TurboQuant's sliding
+    layers rotate their 4-bit keys back on read, so their blocks are de-quantized, one at a time."""
     loaded = tiny_family("Gemma 3", embedded.tokenizer)
     sliding = {i for i, kind in enumerate(loaded.config.layer_types) if kind != "full_attention"}
     assert _joined_layers(loaded.model) == dict.fromkeys(sliding, {"sliding_window"})
@@ -239,34 +240,48 @@ def test_the_report_counts_each_layer_s_path_on_a_model_of_two_kinds(embedded):
         ("fp8,sliding=quantize", "reads the stored codes in 4 layers"),
         (
             "turboquant:4,sliding=quantize",
-            "de-quantizes the whole store in 3 layers; reads the stored codes in 1 layer",
+            "de-quantizes each block in 3 layers; reads the stored codes in 1 layer",
         ),
     ):
         assert QASession(loaded, CacheSpec.parse(spec)).prefill(text).decode_read == "Decode attention " + expected
 
 
-@pytest.mark.parametrize("text", ["ggml:q8_0", "int8,sliding=quantize", "nvfp4,sliding=quantize"])
-def test_sliding_layers_read_from_their_window_s_codes_decode_as_the_whole_read(embedded, text):
+@pytest.mark.parametrize(
+    "text",
+    [
+        "ggml:q8_0",
+        "int8,sliding=quantize",
+        "nvfp4,sliding=quantize",
+        "quanto:4,sliding=quantize,residual_length=4",
+        "turboquant:8,nbits_value=4,sliding=quantize,residual_length=4",
+    ],
+)
+def test_sliding_layers_read_from_their_window_s_codes_decode_as_the_layer_s_own_read(embedded, text):
     """Tiny Gemma 3 (a window of 16 tokens in three of its four layers): 24 decode steps after a prefill of 40 tokens,
-    each from the same cache state on the codes path and on the whole read (`materialized_blocks`: every layer's store
-    joined, then sdpa under the model's sliding mask). The same logits within the float order's bound at every step:
-    the window's store holds exactly the tokens the mask leaves visible."""
+    on a cache whose sliding layers hand attention their window's codes and on one built under `read_whole` (each
+    layer's own update: the window joined, then sdpa under the model's sliding mask), fed the same tokens. The
+    window's store (and a residual format's store less its tokens past the window, skipped in place) holds exactly
+    the tokens the mask leaves visible: the typical step's logits agree to the float order (measured 4e-7 of the
+    largest logit; a window one token off parts by more than 1e-3 at every step); a step where a re-coding flush
+    lands a code across a boundary parts further (seen 5e-3 on hqq)."""
     loaded = tiny_family("Gemma 3", embedded.tokenizer)
     ids = QASession(loaded).context_ids("The Normans gave their name to Normandy, a region in France. " * 6)[:40]
-    cache = build_cache(CacheSpec.parse(text), loaded.config)
-    run_prefill(loaded, cache, ids, handed=CacheSpec.parse(text).info.hands_over)
+    spec = CacheSpec.parse(text)
+    cache = build_cache(spec, loaded.config)
+    with read_whole():
+        whole_cache = build_cache(spec, loaded.config)
+    for built in (cache, whole_cache):
+        run_prefill(loaded, built, ids, handed=spec.info.hands_over)
     assert decode_read(cache, loaded.model).endswith("reads the stored codes in 4 layers")
+    assert decode_read(whole_cache, loaded.model).endswith("de-quantizes the whole store in 4 layers")
     token, gaps = 13, []
     with torch.no_grad():
         for _ in range(24):
-            saved = snapshot.take(cache)
             codes = loaded.model(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True).logits[0, -1]
-            snapshot.restore(cache, saved)
-            with materialized_blocks():
-                whole = loaded.model(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True).logits[0, -1]
+            whole = loaded.model(input_ids=torch.tensor([[token]]), cache=whole_cache, use_cache=True).logits[0, -1]
             gaps.append(float((codes - whole).abs().max() / whole.abs().max()))
             token = int(whole.argmax())
-    assert max(gaps) <= 1e-4 and max(gaps) > 0, gaps
+    assert sorted(gaps)[len(gaps) // 2] <= 1e-5 and max(gaps) <= 1e-2, gaps
 
 
 POISONED = ("quanto:4", "hqq:4", "turboquant:4", "turboquant:8,nbits_value=4", "ggml:q4_0", "ggml,type_k=f16", "fp8",

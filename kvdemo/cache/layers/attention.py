@@ -252,7 +252,8 @@ def layer_reads(cache: Cache, model: torch.nn.Module) -> list[str | None]:
             stores = [
                 s[0] if isinstance(s, list) and s else s for s in (layer._quantized_keys, layer._quantized_values)
             ]
-            reads.append("codes" if codes and all(codes(store) is not None for store in stores) else "blocks")
+            coded = codes and all(store is not None and codes(store) is not None for store in stores)
+            reads.append("codes" if coded else "blocks")
         elif isinstance(layer, BaseQuantizedLayer):
             reads.append("whole")
         else:

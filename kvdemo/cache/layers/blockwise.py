@@ -83,9 +83,11 @@ class StoreBlocks:
         codes: the layer's `_codes_of`, one block as the decode kernel reads it
             (`kvdemo.cache.read.code_attention`), where `code_reader` finds its `_dequantize` plain; None: every
             block is de-quantized.
-        tokens: how many tokens the blocks hold, where the layer knows every one is visible to this step (a
+        tokens: how many tokens of the blocks this step reads, where the layer knows every one is visible to it (a
             window's store: `kvdemo_attention` then takes a sliding window or a mask that hides none of them); None:
             not known, and such a call reads the whole store joined.
+        first: tokens at the start of each head's store that left the window and are not read (a residual format's
+            window, `kvdemo.cache.layers.sliding.SlidingQuantizedMixin`, whose store is one block).
     """
 
     keys: Sequence[object]
@@ -93,13 +95,26 @@ class StoreBlocks:
     dequantize: Callable[[object], torch.Tensor]
     codes: Callable[[object], StoreCodes | None] | None = None
     tokens: int | None = None
+    first: int = 0
+
+    def read(self, block: object) -> torch.Tensor:
+        """One block de-quantized, less its first `first` tokens: [batch, kv_heads, tokens, head_dim]."""
+        values = self.dequantize(block)
+        return values[..., self.first :, :] if self.first else values
+
+    def coded(self, block: object) -> StoreCodes | None:
+        """One block as the decode kernel reads it, less its first `first` tokens, or None."""
+        codes = self.codes(block) if self.codes is not None else None
+        if codes is None or not self.first:
+            return codes
+        return codes.window(self.first, codes.shape[2] - self.first)
 
     def materialized(self, tail_keys: torch.Tensor, tail_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(keys, values) [batch, kv_heads, stored + tail tokens, head_dim]: every block de-quantized and joined
         with the tail, as transformers' `QuantizedLayer.update` returns them (the fallback for an attention call
         `attend_blockwise` does not take)."""
-        keys = torch.cat([*(self.dequantize(b) for b in self.keys), tail_keys], dim=-2)
-        values = torch.cat([*(self.dequantize(b) for b in self.values), tail_values], dim=-2)
+        keys = torch.cat([*(self.read(b) for b in self.keys), tail_keys], dim=-2)
+        values = torch.cat([*(self.read(b) for b in self.values), tail_values], dim=-2)
         return keys, values
 
 
@@ -238,7 +253,7 @@ def _attend_parts(
     outputs, lses = [], []
     pairs = list(zip(blocks.keys, blocks.values))
     if blocks.codes is not None and _CODES.get():  # the blocks read from their codes
-        stores = [(blocks.codes(k), blocks.codes(v)) for k, v in pairs]
+        stores = [(blocks.coded(k), blocks.coded(v)) for k, v in pairs]
         coded = [(k, v) for k, v in stores if k is not None and v is not None]
         tail: list[tuple[StoreCodes, StoreCodes]] = []  # none for ggml, which writes every token as blocks
         if tail_keys.shape[-2]:
@@ -256,7 +271,7 @@ def _attend_parts(
     for key_block, value_block in pairs:
         # the private kernel skips sdpa's layout checks and misreads a last axis that is not contiguous (a block
         # de-quantized along axis -1 has stride > 1 there; pytorch PR#187506): hand it contiguous blocks only
-        keys, values = blocks.dequantize(key_block).contiguous(), blocks.dequantize(value_block).contiguous()
+        keys, values = blocks.read(key_block).contiguous(), blocks.read(value_block).contiguous()
         _finite(keys, values)
         output, lse = _FLASH(grouped, keys, values, scale=scaling)
         outputs.append(output)

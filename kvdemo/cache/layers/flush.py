@@ -259,8 +259,8 @@ def _own_layer(
     """kvdemo's layer of the family `layers` for one quantized layer of precision `precision` (a sliding one of
     `window` tokens), built with the options of transformers' own layer `first`.
 
-    A sliding layer (`kvdemo.cache.layers.sliding`) re-quantizes its window at a flush and reads it whole, rotated back
-    on read: no `append`, no block-wise read, no query-side rotation."""
+    A sliding layer (`kvdemo.cache.layers.sliding`) re-quantizes its window at a flush, rotated back on read: no
+    `append`, no query-side rotation; its decode steps hand kvdemo's attention the window's part of the store."""
     layer_class = _layer_class(
         layers,
         flush if window is None else FLUSH_POLICIES[0],
@@ -276,7 +276,10 @@ def _own_layer(
     # the same options as transformers' own layers (built from the same keywords, so validated the same way)
     kwargs = {name: getattr(first, name) for name in ("axis_key", "axis_value")}
     kwargs.update(nbits=precision.nbits, q_group_size=first.q_group_size, residual_length=first.residual_length)
-    return layer_class(**kwargs, **extra)
+    layer = layer_class(**kwargs, **extra)
+    if window is not None:
+        layer.reads_blocks = blockwise  # its decode steps hand attention the window's part of the store
+    return layer
 
 
 def quantized_cache(

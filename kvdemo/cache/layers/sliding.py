@@ -27,7 +27,7 @@ from dataclasses import replace
 
 import torch
 
-from kvdemo.cache.layers.blockwise import blocks_of, marked_tail
+from kvdemo.cache.layers.blockwise import BLOCKS_MARK, StoreBlocks, blocks_of, code_reader, marked_tail
 from kvdemo.cache.layers.rotation import LibraryLayer
 
 
@@ -53,11 +53,39 @@ class SlidingWindowMask:
 
 class SlidingQuantizedMixin(SlidingWindowMask, LibraryLayer):
     """`sliding=quantize` for a transformers `QuantizedLayer` subclass (and kvdemo's rotation and value-precision
-    layers): see the module docstring. Built with `sliding_window` beside the library's own options."""
+    layers): see the module docstring. Built with `sliding_window` beside the library's own options.
+
+    Attributes:
+        reads_blocks: decode steps hand kvdemo's attention the window's part of the store and the residual
+            (`_window_blocks`); set by the cache builder where the model attends through `kvdemo_attention`.
+        _held: the tokens the store holds (its last re-coding's), an attribute the snapshot restores with the store.
+    """
+
+    reads_blocks = False
+    _held = 0
 
     def __init__(self, *, sliding_window: int, **options) -> None:
         super().__init__(**options)
         self.sliding_window = sliding_window
+
+    def _window_blocks(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """A decode step (one new token, no flush) on the codes: the token appended to the residual, and (residual
+        keys marked with the store's visible part, residual values) returned, or None where this step cannot be
+        read so (the window would hide a residual token; the step is the layer's own `update` then). The store's
+        first tokens past the window are skipped in place (`StoreBlocks.first`), no copy."""
+        residual = self.keys.shape[-2] if self.keys is not None and self.keys.dim() == 4 else 0
+        hidden = max(0, self._held + residual + 1 - self.sliding_window)  # stored tokens that left the window
+        if hidden > self._held or residual + 1 >= self.residual_length or self._pending_beam_idx is not None:
+            return None
+        self.cumulative_length += 1
+        self.keys = torch.cat([self.keys, key_states], dim=-2)  # new tensors: a snapshot holds the old ones
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        codes = self._codes_of if code_reader(type(self)) else None  # type: ignore[attr-defined]
+        stored = ([self._quantized_keys], [self._quantized_values]) if hidden < self._held else ([], [])
+        blocks = StoreBlocks(*stored, self._dequantize, codes, self._held - hidden, hidden)  # type: ignore[attr-defined]
+        keys = self.keys.view(self.keys.shape)  # a new tensor object: the mark never sticks to the stored residual
+        setattr(keys, BLOCKS_MARK, blocks)
+        return keys, self.values
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
@@ -72,11 +100,16 @@ class SlidingQuantizedMixin(SlidingWindowMask, LibraryLayer):
             `DynamicSlidingWindowLayer.update` returns them (the prefill's first chunk: the new states as given).
         """
         keep = self.sliding_window - 1
+        if self.reads_blocks and self.is_initialized and key_states.shape[-2] == 1 and key_states.is_cpu:
+            read = self._window_blocks(key_states, value_states)
+            if read is not None:
+                return read
         self.cumulative_length += key_states.shape[-2]
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
             self._quantized_keys = self._quantize(key_states[..., -keep:, :].contiguous(), axis=self.axis_key)
             self._quantized_values = self._quantize(value_states[..., -keep:, :].contiguous(), axis=self.axis_value)
+            self._held = min(keep, key_states.shape[-2])
             return key_states, value_states
         assert self.keys is not None and self.values is not None  # set by the first update
         residual = self.keys.shape[-2] if self.keys.dim() == 4 else 0
@@ -87,6 +120,7 @@ class SlidingQuantizedMixin(SlidingWindowMask, LibraryLayer):
         if residual + key_states.shape[-2] >= self.residual_length:  # a flush: the window quantized anew
             self._quantized_keys = self._quantize(keys[..., -keep:, :].contiguous(), axis=self.axis_key)
             self._quantized_values = self._quantize(values[..., -keep:, :].contiguous(), axis=self.axis_value)
+            self._held = min(keep, keys.shape[-2])
             self.keys = torch.tensor([], dtype=key_states.dtype, device=key_states.device)
             self.values = torch.tensor([], dtype=key_states.dtype, device=key_states.device)
         else:

@@ -45,7 +45,13 @@
 typedef struct { /* every field an int64_t, pointers included (the Python side fills one int64 row per store) */
     int64_t kind, bits, codes, word_bytes, shift0, shift_step, by_row, zero_first, half, rows, cols, step, row_bytes;
     int64_t scale, zero, table, row_scale, row_zero, tokens;
+    int64_t first, stride; /* the tokens read are [first, first + tokens) of each head's `stride` stored (0: tokens) */
 } Codes;
+
+/* the storage row of token t of head `head` in a store */
+static int64_t store_row(const Codes *c, int64_t head, int64_t t) {
+    return head * (c->stride ? c->stride : c->tokens) + c->first + t;
+}
 
 #define PTR(type, field) ((const type *)(intptr_t)(field))
 
@@ -300,7 +306,7 @@ static int finite_bits(float x) {
 
 /* one head's tokens [t0, t1): running maximum m, sum l and unnormalised output acc of each query row; returns 0, or 1
  * where a score is not finite (a key holding NaN or infinity: the caller hands the call to torch) */
-static int attend_range(const float *q, const Codes *keys, const Codes *values, int64_t head, int64_t tokens,
+static int attend_range(const float *q, const Codes *keys, const Codes *values, int64_t head,
                          int64_t dim, int64_t rows, float scale, int64_t t0, int64_t t1, float *m, float *l,
                          float *acc) {
     float kbuf[TILE * MAX_DIM], vbuf[TILE * MAX_DIM], p[MAX_ROWS * TILE];
@@ -312,8 +318,8 @@ static int attend_range(const float *q, const Codes *keys, const Codes *values, 
     memset(acc, 0, sizeof(float) * rows * dim);
     for (int64_t t = t0; t < t1; t += TILE) {
         const int64_t n = t1 - t < TILE ? t1 - t : TILE;
-        dequantize(keys, head * tokens + t, n, dim, kbuf);
-        dequantize(values, head * tokens + t, n, dim, vbuf);
+        dequantize(keys, store_row(keys, head, t), n, dim, kbuf);
+        dequantize(values, store_row(values, head, t), n, dim, vbuf);
         for (int64_t r = 0; r < rows; r++) {
             const float *qr = q + r * dim;
             float *pr = p + r * TILE, top = m[r];
@@ -373,7 +379,7 @@ int code_attention(const float *query, const Codes *stores, int64_t blocks, int6
 #pragma omp parallel for num_threads(threads) schedule(dynamic) reduction(| : bad)
     for (int64_t item = 0; item < items; item++) {
         const int64_t head = item / ranges, *range = where + 3 * (item % ranges), b = range[0];
-        bad |= attend_range(query + head * rows * dim, stores + 2 * b, stores + 2 * b + 1, head, stores[2 * b].tokens, dim,
+        bad |= attend_range(query + head * rows * dim, stores + 2 * b, stores + 2 * b + 1, head, dim,
                      rows, scale, range[1], range[2], m + item * rows, l + item * rows, acc + item * rows * dim);
     }
     for (int64_t head = 0; head < heads; head++) {

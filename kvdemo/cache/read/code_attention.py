@@ -82,7 +82,7 @@ residual), llama.cpp's blocks, float16 rows (llama.cpp's f16), a code's value ti
 
 FIELDS = (
     "kind", "bits", "codes", "word_bytes", "shift0", "shift_step", "by_row", "zero_first", "half", "rows", "cols",
-    "step", "row_bytes", "scale", "zero", "table", "row_scale", "row_zero", "tokens",
+    "step", "row_bytes", "scale", "zero", "table", "row_scale", "row_zero", "tokens", "first", "stride",
 )  # fmt: skip
 """The C `Codes` descriptor's fields, in order, each an int64 (pointers as addresses; `code_attention.c`)."""
 
@@ -100,6 +100,19 @@ class StoreCodes:
     row: tuple[int, ...]
     shape: tuple[int, ...]
     tensors: tuple[torch.Tensor, ...]
+
+    def window(self, first: int, tokens: int) -> StoreCodes:
+        """The block's tokens [first, first + tokens) of each head, read in place (a sliding window's visible part of
+        a store that holds more): [batch, kv_heads, tokens, head_dim].
+
+        Raises:
+            ValueError: the range is not within the block's tokens."""
+        stored = self.shape[2]
+        if first < 0 or tokens < 1 or first + tokens > stored:
+            raise ValueError(f"tokens [{first}, {first + tokens}) are not within the block's {stored}")
+        row = list(self.row)
+        row[_FIELD["first"]], row[_FIELD["stride"]], row[_FIELD["tokens"]] = first, stored, tokens
+        return StoreCodes(tuple(row), (*self.shape[:2], tokens, self.shape[3]), self.tensors)
 
 
 _FIELD = {name: index for index, name in enumerate(FIELDS)}

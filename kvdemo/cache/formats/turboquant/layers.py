@@ -333,4 +333,6 @@ def turboquant_cache(
         layer_class = _layer_class(nbits, flush, window, own_attention)
         extra = {} if window is None else {"sliding_window": window}
         layers[index] = layer_class(**options, norm_correction=norm_correction == "true", vllm=vllm, **extra)
+        if window is not None:
+            layers[index].reads_blocks = own_attention  # decode steps hand attention the window's part of the store
     return with_kept_layers(Cache(layers=layers), config, sliding, protect)
