@@ -77,6 +77,7 @@ class SlidingQuantizedMixin(SlidingWindowMask, LibraryLayer):
         hidden = max(0, self._held + residual + 1 - self.sliding_window)  # stored tokens that left the window
         if hidden > self._held or residual + 1 >= self.residual_length or self._pending_beam_idx is not None:
             return None
+        assert self.keys is not None and self.values is not None  # set by the first update
         self.cumulative_length += 1
         self.keys = torch.cat([self.keys, key_states], dim=-2)  # new tensors: a snapshot holds the old ones
         self.values = torch.cat([self.values, value_states], dim=-2)
