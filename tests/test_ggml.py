@@ -155,6 +155,26 @@ def test_query_side_and_read_side_give_the_same_keys_and_values():
     assert (rk - keys).abs().max() < 0.3 * keys.abs().max()  # q4_0 keys near the originals, not another basis
 
 
+def test_a_decode_step_copies_no_row_of_the_context():
+    """Each decode step writes its token's rows into the answer's block: the context's rows (the prefill's store) stay
+    the same tensor, never copied, and the rows are those of the whole sequence coded at once (blocks are per token).
+    An update of several tokens (a question) joins the answer's rows to the store, in order."""
+    torch.manual_seed(1)
+    keys, values = torch.randn(1, 2, 50, 64), torch.randn(1, 2, 50, 64)
+    layer = GgmlLayer("q4_0", "q8_0", GgmlRotation(0, 0), True)
+    layer.update(keys[:, :, :40], values[:, :, :40])
+    context = layer._quantized_keys.rows
+    pointer = context.untyped_storage().data_ptr()
+    for t in range(40, 50):
+        layer.update(keys[:, :, t : t + 1], values[:, :, t : t + 1])
+    assert layer._quantized_keys.rows is context and context.untyped_storage().data_ptr() == pointer
+    assert layer._answer_keys is not None and layer._answer_keys.rows.shape[-2] == 10
+    assert torch.equal(torch.cat([context, layer._answer_keys.rows], dim=-2), quantize_rows(keys, "q4_0"))
+    layer.update(keys[:, :, :3], values[:, :, :3])
+    assert layer._answer_keys is None and layer._quantized_values.rows.shape[-2] == 53
+    assert torch.equal(layer._quantized_keys.rows, quantize_rows(torch.cat([keys, keys[:, :, :3]], dim=-2), "q4_0"))
+
+
 def test_a_ggml_session_holds_the_formula_bytes_and_says_how_to_deploy(embedded):
     tiny = make_tiny(embedded.tokenizer, kv_heads=2, head_dim=64, layers=2)
     session = QASession(tiny, CacheSpec.parse("ggml:q4_0,type_v=q8_0"))

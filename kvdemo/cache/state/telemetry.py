@@ -34,8 +34,9 @@ from kvdemo.cache.model.layer_kinds import STATE_ATTRIBUTES
 if TYPE_CHECKING:
     from kvdemo.cache.state.snapshot import CacheSnapshot
 
-_QUANTIZED_ATTRIBUTES = ("_quantized_keys", "_quantized_values")
-"""The layer attributes that hold a quantized store: the keys' and the values'."""
+_QUANTIZED_ATTRIBUTES = ("_quantized_keys", "_quantized_values", "_answer_keys", "_answer_values")
+"""The layer attributes that hold a quantized store: the keys' and the values', and the rows `GgmlLayer` writes for
+the tokens decoded since its last update of several tokens (`kvdemo.cache.formats.ggml.layers`)."""
 _KV_ATTRIBUTES = (*_QUANTIZED_ATTRIBUTES, "keys", "values")
 
 LAYER_GROUPS = ("quantized", "sliding", "full", "state")

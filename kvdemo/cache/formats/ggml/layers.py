@@ -129,6 +129,15 @@ class GgmlRows(NamedTuple):
         return self._replace(rows=self.rows[..., -tokens:, :])
 
 
+def _joined(first: GgmlRows | None, *others: GgmlRows) -> GgmlRows:
+    """`first`'s rows followed by each of `others`' (a new tensor; `first` alone where there are no others)."""
+    if first is None:
+        first, others = others[0], others[1:]
+    if not others:
+        return first
+    return first._replace(rows=torch.cat([first.rows, *(o.rows for o in others)], dim=-2))
+
+
 def ggml_codes(rows: torch.Tensor, type_number: int, width: int, block_bytes: int) -> StoreCodes | None:
     """llama.cpp's blocks: `rows` uint8 [batch, kv_heads, tokens, row bytes], each row `width` values as blocks of 32
     values in `block_bytes` bytes of the type `type_number` (`kvdemo.cache.formats.ggml.blocks.KERNEL_TYPES`' index), x
@@ -161,6 +170,11 @@ class GgmlLayer(BaseQuantizedLayer):
             back.
     """
 
+    _answer_keys: GgmlRows | None = None
+    """The rows of the tokens decoded since the last update of several tokens (a second block, `_append`); None: none.
+    Restoring a snapshot taken before them drops the attribute, back to this default."""
+    _answer_values: GgmlRows | None = None
+
     def __init__(self, type_k: str, type_v: str, rotation: GgmlRotation, query_side: bool) -> None:
         super().__init__()
         self.type_k, self.type_v = type_k, type_v
@@ -180,16 +194,30 @@ class GgmlLayer(BaseQuantizedLayer):
             return q_tensor.rows.to(dtype)
         return dequantize_rows(q_tensor.rows, q_tensor.block_type, q_tensor.width).to(dtype)
 
-    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Rotate and quantize the new tokens and append their rows to the store."""
+    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor, answer: bool = False) -> None:
+        """Rotate and quantize the new tokens and append their rows: to the store, or with `answer` (a decode step of
+        `GgmlLayer`) to the answer's block, so that a decode step copies the rows decoded so far, never the
+        context's (`torch.cat` of the whole store at every step cost 3 ms at 2,048 tokens). An update of several
+        tokens joins the answer's block to the store first: the rows stay in order."""
         keys = written(self._quantize(_rotate(key_states, self.query_rotation.key_block), self.type_k))
         values = written(self._quantize(_rotate(value_states, self.query_rotation.value_block), self.type_v))
         if self._quantized_keys is None:
             self._quantized_keys, self._quantized_values = keys, values
             return
-        for name, new in (("_quantized_keys", keys), ("_quantized_values", values)):
-            old = getattr(self, name)
-            setattr(self, name, old._replace(rows=torch.cat([old.rows, new.rows], dim=-2)))
+        if not answer and self._answer_keys is not None:
+            keys, values = _joined(self._answer_keys, keys), _joined(self._answer_values, values)
+            self._answer_keys = self._answer_values = None
+        store = ("_answer_keys", "_answer_values") if answer else ("_quantized_keys", "_quantized_values")
+        for name, new in zip(store, (keys, values)):
+            setattr(self, name, _joined(getattr(self, name), new))
+
+    def _stores(self) -> tuple[list[GgmlRows], list[GgmlRows]]:
+        """The store's blocks, keys and values: the context's rows, then the answer's where there are any."""
+        keys, values = [self._quantized_keys], [self._quantized_values]
+        if self._answer_keys is not None:
+            keys.append(self._answer_keys)
+            values.append(self._answer_values)
+        return keys, values
 
     def _read(self, keys: GgmlRows, values: GgmlRows) -> tuple[torch.Tensor, torch.Tensor]:
         """Stores de-quantized for attention: marked in the rotated basis (query side), or rotated back."""
@@ -210,10 +238,11 @@ class GgmlLayer(BaseQuantizedLayer):
         first = not self.is_initialized
         if first:
             self.lazy_initialization(key_states, value_states)
-        self._append(key_states, value_states)
+        self._append(key_states, value_states, answer=not first and key_states.shape[-2] == 1)
         if self.reads_blocks and not first and key_states.shape[-2] == 1 and key_states.device.type == "cpu":
             return self._blocks(key_states)
-        return self._read(self._quantized_keys, self._quantized_values)
+        keys, values = self._stores()
+        return self._read(_joined(*keys), _joined(*values))
 
     @property
     def reads_blocks(self) -> bool:
@@ -227,7 +256,7 @@ class GgmlLayer(BaseQuantizedLayer):
         rotation."""
         read = cast("Callable[[object], torch.Tensor]", self._dequantize)  # handed this layer's blocks only
         codes = cast("Callable[[object], StoreCodes | None]", self._codes_of)
-        blocks = StoreBlocks([self._quantized_keys], [self._quantized_values], read, codes, tokens)
+        blocks = StoreBlocks(*self._stores(), read, codes, tokens)
         keys, values = marked_tail(like, blocks)
         if self.query_rotation.key_block or self.query_rotation.values:
             mark_rotated(keys, self.query_rotation)  # type: ignore[arg-type]
@@ -242,9 +271,9 @@ class GgmlLayer(BaseQuantizedLayer):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search reorders the rows (no rounding: the blocks are per token)."""
-        if self._quantized_keys is not None:
-            for name in ("_quantized_keys", "_quantized_values"):
-                store = getattr(self, name)
+        for name in ("_quantized_keys", "_quantized_values", "_answer_keys", "_answer_values"):
+            store = getattr(self, name)
+            if store is not None:
                 setattr(self, name, store._replace(rows=store.rows.index_select(0, beam_idx.to(store.rows.device))))
 
     def rotation_cost(self, query_heads: int, kv_heads: int, stored_tokens: int) -> tuple[int, str]:
