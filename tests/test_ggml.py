@@ -17,12 +17,15 @@ from kvdemo import CacheSpec, QASession
 from kvdemo.cache.formats import ggml as ggml_backend
 from kvdemo.cache.formats.ggml import BLOCK_BYTES
 from kvdemo.cache.formats.ggml.blocks import (
+    KERNEL_TYPES,
     KVALUES_IQ4NL,
     dequantize_rows,
     kernel,
     quantize_rows,
+    quantizer,
     row_bytes,
     torch_dequantize_rows,
+    torch_quantize_rows,
 )
 from kvdemo.cache.formats.ggml.layers import (
     VALUE_ROTATION_BLOCK,
@@ -64,6 +67,26 @@ def test_blocks_are_ggml_reference_bytes(block_type):
     reference = quants.quantize(rows, getattr(GGMLQuantizationType, block_type.upper()))
     assert ours.shape == reference.shape == (300, 128 // 32 * BLOCK_BYTES[block_type])
     assert np.array_equal(ours, reference), f"{int((ours != reference).sum())} bytes differ"
+
+
+@pytest.mark.parametrize("block_type", KERNEL_TYPES)
+def test_the_c_quantizer_writes_the_bytes_of_the_torch_arithmetic(block_type):
+    """`quantize_rows` on the CPU runs ggml's reference C (`quantize.c`); its torch twin (`torch_quantize_rows`, for a
+    GPU or a machine without a compiler) is the arithmetic checked against gguf above. The same bytes, on values
+    that make ties, zeros of either sign first, all-zero blocks, tiny and huge scales."""
+    assert quantizer() is not None  # the set-up compiled it
+    torch.manual_seed(0)
+    cases = [
+        torch.randn(3, 7, 128) * 3,
+        torch.randn(500, 64) * torch.rand(500, 1) * 10,
+        torch.round(torch.randn(4, 256) * 8) / 4,  # many equal values and exact halves
+        torch.zeros(2, 64),
+        torch.tensor([[0.0] * 31 + [-0.0], [-0.0] + [0.0] * 31, [0.0, -0.0] * 16, [-1.0, 1.0] * 16]),
+        torch.randn(2, 64) * 1e4,
+        torch.randn(2, 64) * 1e-20,
+    ]
+    for values in cases:
+        assert torch.equal(quantize_rows(values, block_type), torch_quantize_rows(values, block_type))
 
 
 @pytest.mark.parametrize("block_type", [*ORACLE, "iq4_nl"])

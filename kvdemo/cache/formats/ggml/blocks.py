@@ -135,7 +135,9 @@ def _iq4_nl(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_rows(tensor: torch.Tensor, block_type: str) -> torch.Tensor:
     """`tensor` [..., width] (width a multiple of 32; any float dtype, computed in float32) as ggml blocks: uint8
-    [..., width / 32 * BLOCK_BYTES[block_type]], the bytes `ggml_quantize_chunk` writes for each row.
+    [..., width / 32 * BLOCK_BYTES[block_type]], the bytes `ggml_quantize_chunk` writes for each row. On the CPU by
+    ggml's reference C (`quantizer`, one pass: a decode step's token in microseconds), else `torch_quantize_rows`:
+    the same bytes.
 
     Raises:
         ValueError: an unknown block type, or a width that is not a multiple of 32.
@@ -145,6 +147,20 @@ def quantize_rows(tensor: torch.Tensor, block_type: str) -> torch.Tensor:
     width = tensor.shape[-1]
     if width % BLOCK:
         raise ValueError(f"ggml blocks hold {BLOCK} values, so a row of {width} cannot be stored as {block_type}")
+    function = quantizer() if tensor.device.type == "cpu" else None
+    if function is None:
+        return torch_quantize_rows(tensor, block_type)
+    values = tensor.float().contiguous()
+    out = torch.empty(*tensor.shape[:-1], row_bytes(block_type, width), dtype=torch.uint8)
+    rows = values.numel() // width
+    function(KERNEL_TYPES.index(block_type), values.data_ptr(), out.data_ptr(), rows, width, out.shape[-1])
+    return out
+
+
+def torch_quantize_rows(tensor: torch.Tensor, block_type: str) -> torch.Tensor:
+    """`quantize_rows` in torch operations (any device): ggml's reference arithmetic, one operation per step of its
+    loop; `block_type` and the width already checked."""
+    width = tensor.shape[-1]
     blocks = tensor.float().reshape(*tensor.shape[:-1], width // BLOCK, BLOCK)
     if block_type == "q8_0":
         d = blocks.abs().amax(dim=-1, keepdim=True) / 127
@@ -188,6 +204,17 @@ SOURCE = Path(__file__).parents[2] / "read" / "ggml_dequant.c"
 
 KERNEL_TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl")
 """The kernel's type numbers: the index in this tuple."""
+
+
+QUANTIZE_SOURCE = Path(__file__).with_name("quantize.c")
+"""ggml's reference block quantizers in C (`ggml_quantize`)."""
+
+
+def quantizer():
+    """The C function `ggml_quantize` (`quantize.c`, compiled once per machine by `kvdemo.cache.read.c_build`), or
+    None where no C compiler built it (`c_build.build_problem(QUANTIZE_SOURCE)` says why)."""
+    arguments = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+    return c_build.function(QUANTIZE_SOURCE, "ggml_quantize", ctypes.c_int, arguments)
 
 
 def kernel():
