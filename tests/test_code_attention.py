@@ -284,6 +284,27 @@ def test_sliding_layers_read_from_their_window_s_codes_decode_as_the_layer_s_own
     assert sorted(gaps)[len(gaps) // 2] <= 1e-5 and max(gaps) <= 1e-2, gaps
 
 
+@pytest.mark.parametrize("text", ["fp8", "fp8,scale=per_token_head", "fp8,scale=one", "int8", "nvfp4"])
+def test_a_decode_step_copies_no_code_of_the_context(text):
+    """The formats that write every token as codes put a decode step's token in the answer's record: the context's
+    codes stay the same tensor, never copied; the records joined are those of the same tokens written in one update
+    (a question's several tokens, which join the answer's record to the store first)."""
+    keys, values = _states(50)
+    layer = filled_layer(CacheSpec.parse(text), _config(), keys[..., :40, :], values[..., :40, :])
+    context = layer._quantized_keys[0]
+    pointer = context.untyped_storage().data_ptr()
+    for t in range(40, 50):
+        layer.update(keys[..., t : t + 1, :], values[..., t : t + 1, :])
+    assert layer._quantized_keys[0] is context and context.untyped_storage().data_ptr() == pointer
+    assert layer._answer_keys[0].shape[-2] == 10
+    whole = filled_layer(CacheSpec.parse(text), _config(), keys[..., :40, :], values[..., :40, :])
+    whole.update(keys[..., 40:, :], values[..., 40:, :])
+    for ours, theirs in zip((*layer._records()[0], *layer._records()[1]), (*whole._records()[0], *whole._records()[1])):
+        assert torch.equal(ours, theirs), text
+    layer.update(keys[..., :2, :], values[..., :2, :])  # a question: the answer's record joins the store, in order
+    assert layer._answer_keys is None and layer._quantized_keys[0].shape[-2] == 52
+
+
 POISONED = ("quanto:4", "hqq:4", "turboquant:4", "turboquant:8,nbits_value=4", "ggml:q4_0", "ggml,type_k=f16", "fp8",
             "int8", "nvfp4")  # fmt: skip
 """One spec per kind of store the kernel reads: affine, lookup and uniform, scaled, llama.cpp's blocks, float16 rows,

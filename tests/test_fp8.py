@@ -72,7 +72,7 @@ def test_a_nan_state_is_read_the_library_s_way_until_the_store_is_restored():
     step = torch.randn(1, 2, 1, 8)
     step[0, 1, 0, 3] = float("nan")
     ours, theirs = mine.update(step, step), library.update(step, step)
-    assert mine._nan_codes and has_nan_codes(mine._quantized_keys[0])
+    assert mine._nan_codes and has_nan_codes(mine._records()[0][0])  # the step sits in the answer's record
     assert torch.equal(ours[0].isnan(), theirs[0].isnan()) and int(ours[0].isnan().sum()) == 1
     finite = ~theirs[0].isnan()
     assert torch.equal(ours[0][finite], theirs[0][finite])
@@ -171,3 +171,36 @@ def test_fp8_deploy_lines_follow_the_scale_rule(tiny, embedded):
     assert [d.line for d in protected][:-1] == ["vLLM: --kv-cache-dtype fp8_e4m3 --kv-cache-dtype-skip-layers 0 29"]
     with pytest.raises(ValueError, match="float8=e5m2 is stored unscaled .* so it takes scale=one"):
         CacheSpec.parse("fp8,float8=e5m2")
+
+
+def test_the_c_writer_writes_torch_s_bytes():
+    """A decode step's codes are written in one C pass (`kvdemo/cache/layers/row_codes.c`): the bytes of torch's own
+    operations (transformers' `(x / scale).to(float8_e4m3fn)`, vLLM's per-token-head float8 and int8 references), on
+    values over 18 decades, random float32 bit patterns (subnormals included), e4m3's ties and its saturation, NaN and
+    the infinities (float8 only: torch's int8 cast of NaN is not defined)."""
+    from kvdemo.cache.layers.float8 import PER_TOKEN_HEAD_FLOOR, ROW_E4M3, ROW_INT8, TENSOR_E4M3, write_codes
+
+    torch.manual_seed(0)
+    spread = torch.randn(2, 3, 200, 64) * torch.logspace(-12, 6, 200).reshape(1, 1, 200, 1)
+    patterns = torch.randint(-(2**31), 2**31 - 1, (1, 1, 2000, 64), dtype=torch.int64).to(torch.int32)
+    patterns = patterns.view(torch.float32).nan_to_num(0.0)
+    edges = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), 448.0, 464.0, 480.0, 479.9, 2**-9, 2**-10]
+    special = torch.tensor(edges * 6)[:64].reshape(1, 1, 1, 64)
+    for values in (spread, patterns, special):
+        for scale in (torch.tensor(1.0), torch.tensor(0.37), torch.tensor(1e-30)):
+            written = write_codes(TENSOR_E4M3, values, scale)
+            assert written is not None and written.scales is None
+            expected = (values / scale).to(torch.float8_e4m3fn)
+            assert torch.equal(written.codes.view(torch.uint8), expected.view(torch.uint8))
+            assert written.nan_codes == bool(values.isnan().any())
+        written = write_codes(ROW_E4M3, values)
+        scales = (values.abs().amax(dim=-1, keepdim=True) / 448.0).clamp(min=PER_TOKEN_HEAD_FLOOR)
+        expected = (values * (1.0 / scales)).clamp(-448, 448).to(torch.float8_e4m3fn)
+        assert written is not None and torch.equal(written.codes.view(torch.uint8), expected.view(torch.uint8))
+        assert torch.equal(written.scales.nan_to_num(7.0), scales.nan_to_num(7.0))
+        finite = values.nan_to_num(0.0, posinf=0.0, neginf=0.0)
+        written = write_codes(ROW_INT8, finite)
+        scales = (finite.abs().amax(dim=-1, keepdim=True) / 127.0).clamp(min=1e-6)
+        assert written is not None and torch.equal(written.scales, scales)
+        assert torch.equal(written.codes, torch.round(finite * (1.0 / scales)).clamp(-128, 127).to(torch.int8))
+    assert write_codes(ROW_E4M3, spread.to(torch.bfloat16)) is None  # a bfloat16 model's states: torch codes them

@@ -40,7 +40,7 @@ def test_the_layer_codes_prefill_and_steps_as_a_whole_and_keeps_the_window():
         for step in steps:
             keys, _ = layer.update(*step)
     every = torch.cat([prefill[0], *(s[0] for s in steps)], dim=-2)
-    assert torch.equal(full._quantized_keys.codes, quantize_int8(every).codes)  # per token: appending is coding whole
+    assert torch.equal(full._records()[0].codes, quantize_int8(every).codes)  # per token: appending is coding whole
     assert torch.equal(sliding._quantized_keys.codes, quantize_int8(every[..., -15:, :]).codes)  # window - 1 kept
     assert keys.shape[-2] == 33
 

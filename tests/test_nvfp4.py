@@ -119,7 +119,7 @@ def test_the_layer_codes_prefill_and_steps_as_the_blocks_do(tiny, text):
     scale = layer._quantized_values.tensor_scale
     expected = torch.cat([prefill[1], *(s[1] for s in steps)], dim=-2)
     whole = quantize_nvfp4(expected, scale, spec.resolved()["block_rule"])
-    assert torch.equal(layer._quantized_values.codes, whole.codes)  # per-token blocks: appending is coding whole
+    assert torch.equal(layer._records()[1].codes, whole.codes)  # per-token blocks: appending is coding whole
     assert torch.equal(values, dequantize_nvfp4(whole, torch.float32))
     if spec.keys == "e4m3":
         assert layer._quantized_keys.codes.dtype == torch.float8_e4m3fn and keys.shape == (1, 2, 33, 64)

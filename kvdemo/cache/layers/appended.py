@@ -3,7 +3,10 @@ first update (the prefill handed over in one update, `kvdemo.qa.prefill.hand_ove
 given, as transformers' fp8 layer returns its first states; each later update codes its tokens, appends them to the
 store (new tensors, so the snapshot's `vars(layer).copy()` restores it) and returns every stored token read back,
 except a decode step where kvdemo's attention reads the store: that returns an empty tail marked with the store
-(`kvdemo.cache.layers.blockwise.marked_tail`), which the decode kernel reads from its codes. A format's layer says how
+(`kvdemo.cache.layers.blockwise.marked_tail`), which the decode kernel reads from its codes. A decode step's token
+goes to the answer's record (`_answer_keys`, `_answer_values`), a second block, so that a step copies the tokens
+decoded so far and never the context's (at 2,048 tokens the copy of an fp8 store cost 30 µs per tensor and layer);
+an update of several tokens (a question) joins it to the store first. A format's layer says how
 it codes (`_code`), reads (`_dequantize`) and hands the kernel its codes (`_codes_of`): fp8's rows, nvfp4's blocks,
 int8's rows. Their window is `kvdemo.cache.layers.sliding.SlidingStoreWindow`.
 """
@@ -38,6 +41,11 @@ class AppendedLayer(BaseQuantizedLayer):
     """
 
     reads_blocks = False
+    answer_block = True
+    """Decode steps write into the answer's record (module docstring); a window's layer, which cuts its store at every
+    update, keeps one record."""
+    _answer_keys: Any = None
+    _answer_values: Any = None
 
     def _code(self, states: torch.Tensor, keys: bool, store: Any) -> Any:
         """`states` ([batch, kv_heads, tokens, head_dim]) as the format's record of keys (`keys`) or values; `store`:
@@ -63,19 +71,44 @@ class AppendedLayer(BaseQuantizedLayer):
             self._quantized_keys = self._code(key_states.contiguous(), True, None)
             self._quantized_values = self._code(value_states.contiguous(), False, None)
             return key_states, value_states
-        self._quantized_keys = append_records(self._quantized_keys, self._code(key_states, True, self._quantized_keys))
-        self._quantized_values = append_records(
-            self._quantized_values, self._code(value_states, False, self._quantized_values)
-        )
+        new_keys = self._code(key_states, True, self._quantized_keys)
+        new_values = self._code(value_states, False, self._quantized_values)
+        if self.answer_block and key_states.shape[-2] == 1:  # a decode step: the answer's record
+            self._answer_keys = new_keys if self._answer_keys is None else append_records(self._answer_keys, new_keys)
+            self._answer_values = (
+                new_values if self._answer_values is None else append_records(self._answer_values, new_values)
+            )
+        else:
+            if self._answer_keys is not None:  # the answer's tokens first, in order
+                new_keys = append_records(self._answer_keys, new_keys)
+                new_values = append_records(self._answer_values, new_values)
+                self._answer_keys = self._answer_values = None
+            self._quantized_keys = append_records(self._quantized_keys, new_keys)
+            self._quantized_values = append_records(self._quantized_values, new_values)
         if self.reads_blocks and key_states.shape[-2] == 1 and key_states.device.type == "cpu":
             return marked_tail(key_states, self.stored_blocks())
-        return self._dequantize(self._quantized_keys), self._dequantize(self._quantized_values)
+        keys, values = self._records()
+        return self._dequantize(keys), self._dequantize(values)
+
+    def _records(self) -> tuple[Any, Any]:
+        """The keys' and the values' records, the answer's joined to the store's (a new record where there is one)."""
+        if self._answer_keys is None:
+            return self._quantized_keys, self._quantized_values
+        return (
+            append_records(self._quantized_keys, self._answer_keys),
+            append_records(self._quantized_values, self._answer_values),
+        )
 
     def stored_blocks(self, tokens: int | None = None) -> StoreBlocks:
-        """The store as one block for `attend_blockwise` (read from its codes where `code_reader` allows); `tokens`:
-        how many it holds where each is visible to the step (a window's store)."""
+        """The store for `attend_blockwise`: its record, then the answer's where there is one (read from their codes
+        where `code_reader` allows); `tokens`: how many it holds where each is visible to the step (a window's
+        store)."""
         codes = self._codes_of if code_reader(type(self)) else None
-        return StoreBlocks([self._quantized_keys], [self._quantized_values], self._dequantize, codes, tokens)
+        keys, values = [self._quantized_keys], [self._quantized_values]
+        if self._answer_keys is not None:
+            keys.append(self._answer_keys)
+            values.append(self._answer_values)
+        return StoreBlocks(keys, values, self._dequantize, codes, tokens)
 
 
 def reading_blocks(layers: list, config: PreTrainedConfig) -> list:

@@ -30,8 +30,14 @@ torch's element-wise integer operations.
 
 from __future__ import annotations
 
+import ctypes
+from pathlib import Path
+from typing import NamedTuple
+
 import torch
 from transformers.cache_utils import Fp8QuantizedLayer
+
+from kvdemo.cache.read import c_build
 
 E4M3_TO_FLOAT32_SHIFT = 20
 """float32's 23 mantissa bits less e4m3's 3: the left shift that puts a code's mantissa at the top of float32's."""
@@ -70,6 +76,51 @@ PER_TOKEN_HEAD_FLOOR = 1e-6
 """vLLM's floor on a per-token-head scale (`tl.maximum(absmax / QUANT_MAX, 1e-6)`)."""
 
 
+ROW_CODES = Path(__file__).with_name("row_codes.c")
+"""The C writer of a decode step's codes (`write_codes`)."""
+
+TENSOR_E4M3, ROW_E4M3, ROW_INT8 = 0, 1, 2
+"""`write_codes`' modes: float8 e4m3 under a tensor scale, e4m3 with a scale per row, int8 with a scale per row."""
+
+
+class Written(NamedTuple):
+    """What `write_codes` wrote: `codes` [..., head_dim] float8_e4m3fn or int8, `scales` [..., 1] float32 (a per-row
+    mode; None under a tensor scale), and whether a code is one of e4m3's NaN codes (`nan_codes`: a NaN state)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor | None
+    nan_codes: bool
+
+
+def write_codes(mode: int, tensor: torch.Tensor, scale: torch.Tensor | None = None) -> Written | None:
+    """`tensor` [..., head_dim] coded in one C pass (`row_codes.c`), the bytes torch's operations write (module
+    docstring of `row_codes.c`; `tests/test_fp8.py` compares them). `scale`: the tensor scale of `TENSOR_E4M3`, a
+    float32 scalar tensor. None where the C writer does not serve the call (another device or dtype than a float32
+    CPU tensor and scale, or no C compiler: `c_build.build_problem(ROW_CODES)`): the caller codes with torch.
+    """
+    if not tensor.is_cpu or tensor.dtype != torch.float32 or tensor.shape[-1] < 1:
+        return None
+    if mode == TENSOR_E4M3 and (scale is None or not scale.is_cpu or scale.dtype != torch.float32):
+        return None
+    if scale is not None and scale.numel() != 1:
+        return None
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    arguments = [ctypes.c_int, pointer, size, size, pointer, size, pointer, size, pointer]
+    function = c_build.function(ROW_CODES, "write_codes", ctypes.c_int, arguments)
+    if function is None:
+        return None
+    values = tensor.contiguous()
+    dim = values.shape[-1]
+    rows = values.numel() // dim
+    codes = torch.empty(values.shape, dtype=torch.uint8)
+    scales = None if mode == TENSOR_E4M3 else torch.empty(*values.shape[:-1], 1, dtype=torch.float32)
+    nan_codes = function(
+        mode, values.data_ptr(), rows, dim, codes.data_ptr(), dim, 0 if scales is None else scales.data_ptr(), 1,
+        0 if scale is None else scale.data_ptr(),
+    )  # fmt: skip
+    return Written(codes.view(torch.int8 if mode == ROW_INT8 else torch.float8_e4m3fn), scales, nan_codes > 0)
+
+
 def quantize_per_token_head(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """float8_e4m3 codes of `tensor` with one scale per token and head, as vLLM's `fp8_per_token_head` cache writes
     them (vllm#38378; its reference `_quantize_per_token_head_ref`, tests/quantization/test_per_token_kv_cache.py):
@@ -82,6 +133,9 @@ def quantize_per_token_head(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.T
         (codes [batch, kv_heads, tokens, head_dim] float8_e4m3fn, scales [batch, kv_heads, tokens, 1] float32): 1 byte
         per value and 4 bytes per token and head.
     """
+    written = write_codes(ROW_E4M3, tensor)
+    if written is not None and written.scales is not None:
+        return written.codes, written.scales
     fp8_max = torch.finfo(Fp8QuantizedLayer.fp8_dtype).max
     scale = (tensor.float().abs().amax(dim=-1, keepdim=True) / fp8_max).clamp(min=PER_TOKEN_HEAD_FLOOR)
     codes = (tensor.float() * (1.0 / scale)).clamp(-fp8_max, fp8_max).to(Fp8QuantizedLayer.fp8_dtype)

@@ -149,6 +149,9 @@ class SlidingStoreWindow(SlidingWindowMask):
     `sliding_window - 1` tokens (a compact copy, so the longer store is not pinned), as `DynamicSlidingWindowLayer`
     keeps its states. Built with `sliding_window` beside the layer's own options."""
 
+    answer_block = False
+    """One record, cut to the window at every update (`kvdemo.cache.layers.appended.AppendedLayer`)."""
+
     def __init__(self, sliding_window: int, **options) -> None:
         super().__init__(**options)
         self.sliding_window = sliding_window

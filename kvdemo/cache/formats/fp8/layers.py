@@ -18,11 +18,13 @@ from kvdemo.cache.layers.appended import AppendedLayer, reading_blocks
 from kvdemo.cache.layers.by_kind import library_cache, sliding_windows, with_kept_layers
 from kvdemo.cache.layers.float8 import (
     E4M3_TO_FLOAT32_FACTOR,
+    TENSOR_E4M3,
     dequantize_e4m3,
     dequantize_per_token_head,
     has_nan_codes,
     placeable,
     quantize_per_token_head,
+    write_codes,
 )
 from kvdemo.cache.layers.sliding import SlidingStoreWindow
 from kvdemo.cache.model.layer_kinds import quantized_layers
@@ -51,8 +53,16 @@ class ExactFp8Layer(AppendedLayer, Fp8QuantizedLayer):
         return self._quantize(states, None if store is None else store[1])
 
     def _quantize(self, tensor, scale=None):
-        """transformers' quantization (`(q, scale)`); notes a NaN code in `q` (a NaN in `tensor`)."""
-        quant_tensor, scale = Fp8QuantizedLayer._quantize(self, tensor, scale)
+        """transformers' quantization (`(q, scale)`, written in one C pass where it serves: `write_codes`); notes a
+        NaN code in `q` (a NaN in `tensor`)."""
+        if scale is None:  # transformers' scale from the first update's amax
+            scale = (tensor.abs().amax().float() / self.fp8_max).clamp(min=torch.finfo(torch.float32).tiny)
+        written = write_codes(TENSOR_E4M3, tensor, scale)
+        if written is not None:
+            if written.nan_codes:  # an attribute only where set: a restore drops it with the store
+                self._nan_codes = True
+            return written.codes, scale
+        quant_tensor = (tensor.float() / scale).to(self.fp8_dtype)
         if not self._nan_codes and has_nan_codes(quant_tensor):
             self._nan_codes = True
         return quant_tensor, scale
@@ -134,6 +144,11 @@ class EngineFp8Layer(ExactFp8Layer):
         """`(codes, scale)`: `tensor / scale` clamped to the format's range and rounded to it (`scale`: the store's)."""
         dtype = FLOAT8_DTYPES[self.float8]
         top = torch.finfo(dtype).max
+        written = write_codes(TENSOR_E4M3, tensor, scale) if dtype == torch.float8_e4m3fn else None
+        if written is not None:
+            if written.nan_codes:  # an attribute only where set: a restore drops it with the store
+                self._nan_codes = True
+            return written.codes, scale
         codes = (tensor.float() / scale).clamp(-top, top).to(dtype)
         if not self._nan_codes and dtype == torch.float8_e4m3fn and has_nan_codes(codes):  # a NaN state
             self._nan_codes = True

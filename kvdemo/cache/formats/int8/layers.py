@@ -19,6 +19,7 @@ from transformers.cache_utils import Cache
 
 from kvdemo.cache.layers.appended import AppendedLayer, reading_blocks
 from kvdemo.cache.layers.by_kind import sliding_windows, with_kept_layers
+from kvdemo.cache.layers.float8 import ROW_INT8, write_codes
 from kvdemo.cache.layers.sliding import SlidingStoreWindow
 from kvdemo.cache.model.layer_kinds import quantized_layers
 from kvdemo.cache.read.code_attention import StoreCodes, byte_table, scaled_codes
@@ -41,6 +42,9 @@ class Int8Store(NamedTuple):
 def quantize_int8(states: torch.Tensor) -> Int8Store:
     """`states` ([batch, kv_heads, tokens, head_dim], any float dtype) as vLLM's int8 per token and head (module
     docstring)."""
+    written = write_codes(ROW_INT8, states)  # one C pass, the same bytes (`kvdemo.cache.layers.row_codes.c`)
+    if written is not None and written.scales is not None:
+        return Int8Store(written.codes, written.scales)
     scales = (states.float().abs().amax(dim=-1, keepdim=True) / INT8_MAX).clamp(min=SCALE_FLOOR)
     codes = torch.round(states.float() * (1.0 / scales)).clamp(-128, 127).to(torch.int8)
     return Int8Store(codes, scales)
