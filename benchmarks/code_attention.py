@@ -50,11 +50,13 @@ from kvdemo.cache.state.speedlimit import probe_bandwidth, speed_limit  # noqa: 
 
 SPECS = (
     "quanto:4", "hqq:4", "turboquant:4", "turboquant:3", "quanto:2", "hqq:4,flush=append", "ggml:q4_0", "ggml:q8_0",
-    "fp8", "fp8,scale=per_token_head", "turboquant:8,nbits_value=4", "int8", "nvfp4",
+    "fp8", "fp8,scale=per_token_head", "turboquant:8,nbits_value=4", "int8", "nvfp4", "turboquant:k8v4",
+    "turboquant:4bit_nc",
 )  # fmt: skip
 """The three 4-bit residual specs, TurboQuant at 3 bits, quanto at 2, hqq's append flush (many blocks), llama.cpp's
 q4_0 and q8_0 (every token written as blocks, no residual), fp8 per tensor and per token and head, TurboQuant's
-float8 keys, vLLM's int8 and NVFP4 (every token written as codes)."""
+float8 keys, vLLM's int8 and NVFP4 (every token written as codes), and vLLM's TurboQuant presets (its layout: read
+whole, every token flushed)."""
 
 PATHS = {"codes": nullcontext, "dequantize": dequantized_reads}
 """Each quantized spec's two decode paths: kvdemo's build now, and the de-quantize path it replaced."""
