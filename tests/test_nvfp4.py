@@ -101,6 +101,24 @@ def test_ties_round_to_the_even_code_and_the_sign_is_kept():
     assert E2M1_VALUES[codes].tolist()[:8] == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0]
 
 
+def test_the_c_writer_writes_the_bytes_of_the_torch_arithmetic():
+    """On the CPU a float32 tensor is coded in one C pass (`write_nvfp4`, kvdemo/cache/layers/row_codes.c); the torch
+    arithmetic (torchao's, checked above) codes the same values given in float64 (`quantize_nvfp4` computes in
+    float32 either way). The same bytes over 18 decades, at the ties, for zeros of either sign, NaN and the
+    infinities, under tensor scales of 1, an amax's and a tiny one."""
+    torch.manual_seed(2)
+    spread = torch.randn(2, 3, 100, 64) * torch.logspace(-12, 6, 100).reshape(1, 1, 100, 1)
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0])
+    ties = torch.cat([ties, -ties])
+    edges = torch.tensor([0.0, -0.0, float("nan"), 1.0, float("inf"), -1.0, float("-inf"), 2.0] * 2)
+    for values in (spread, torch.stack([ties, ties * 3, ties / 7, edges]).reshape(1, 1, 4, 16)):
+        finite = values.nan_to_num(0.0, 0.0, 0.0)
+        for scale in (torch.tensor(1.0), amax_scale(finite, fp8=False), torch.tensor(1e-30)):
+            ours, theirs = quantize_nvfp4(values, scale), quantize_nvfp4(values.double(), scale)
+            assert torch.equal(ours.codes, theirs.codes)
+            assert torch.equal(ours.block_scales.view(torch.uint8), theirs.block_scales.view(torch.uint8))
+
+
 def test_fp8_keys_saturate_as_vllm_writes_them():
     store = quantize_fp8(torch.tensor([1000.0, -1000.0, 0.3]), torch.tensor(1.0))
     assert store.codes.float().tolist() == [448.0, -448.0, 0.3125]  # no NaN: saturated

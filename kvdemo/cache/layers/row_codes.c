@@ -90,3 +90,52 @@ int write_codes(int mode, const float *x, int64_t rows, int64_t dim, uint8_t *co
     }
     return nan_codes;
 }
+
+/* e4m3 code -> its value (exact in float32; 0x7f and 0xff NaN) */
+static float e4m3_value(uint8_t code) {
+    const int exponent = (code >> 3) & 0x0f, mantissa = code & 7;
+    if (exponent == 0x0f && mantissa == 7) return NAN;
+    const float magnitude = exponent ? ldexpf(1.0f + mantissa / 8.0f, exponent - 7) : ldexpf((float)mantissa, -9);
+    return code & 0x80 ? -magnitude : magnitude;
+}
+
+/* the nearest E2M1 code of a value within +-6, ties to the even code, the sign bit from the value's sign */
+static uint8_t e2m1(float v) {
+    const float m = fabsf(v);
+    const uint8_t code = (uint8_t)((m > 0.25f) + (m >= 0.75f) + (m > 1.25f) + (m >= 1.75f) + (m > 2.5f) + (m >= 3.5f) +
+                                   (m > 5.0f));
+    return code | (signbit(v) ? 8 : 0);
+}
+
+/* NVFP4 blocks with the max/6 rule (kvdemo.cache.formats.nvfp4.blocks.quantize_nvfp4, torchao's arithmetic): per
+ * block of 16 values the e4m3 scale of clamp(amax / 6 / tensor_scale, 2^-6, 448), codes of x * ((1 / tensor_scale) /
+ * scale) clamped to +-6, two a byte (the even value low). Rows of `dim` floats; codes dim / 2 bytes a row, block scales
+ * dim / 16 a row. Returns 0, or -1 where dim is not a multiple of 16. */
+int write_nvfp4(const float *x, int64_t rows, int64_t dim, uint8_t *codes, uint8_t *block_scales,
+                const float *tensor_scale) {
+    if (dim % 16) return -1;
+    const float inverse = 1.0f / tensor_scale[0];
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t b = 0; b < dim / 16; b++) {
+            const float *xb = x + r * dim + b * 16;
+            float amax = 0.0f;
+            for (int k = 0; k < 16; k++) {
+                const float a = fabsf(xb[k]);
+                if (a > amax || isnan(a)) amax = a;
+                if (isnan(amax)) break;
+            }
+            float s = amax / 6.0f / tensor_scale[0];
+            if (!isnan(s)) s = s < 0.015625f ? 0.015625f : (s > 448.0f ? 448.0f : s);
+            const uint8_t scale_code = e4m3(s);
+            block_scales[r * (dim / 16) + b] = scale_code;
+            const float reciprocal = inverse / e4m3_value(scale_code);
+            uint8_t *out = codes + r * (dim / 2) + b * 8;
+            for (int k = 0; k < 16; k += 2) {
+                float v0 = xb[k] * reciprocal, v1 = xb[k + 1] * reciprocal;
+                if (!isnan(v0)) v0 = v0 < -6.0f ? -6.0f : (v0 > 6.0f ? 6.0f : v0);
+                if (!isnan(v1)) v1 = v1 < -6.0f ? -6.0f : (v1 > 6.0f ? 6.0f : v1);
+                out[k / 2] = (uint8_t)(e2m1(v0) | (e2m1(v1) << 4));
+            }
+        }
+    return 0;
+}
