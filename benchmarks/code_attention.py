@@ -17,6 +17,7 @@ the window compute the same way), not its answers.
 
     .venv/bin/python benchmarks/code_attention.py                       # about 8 minutes on 2 cores
     .venv/bin/python benchmarks/code_attention.py --lengths 2048 --rounds 3
+    .venv/bin/python benchmarks/code_attention.py --model gemma3 --lengths 2048,6000   # where Gemma 3 270M is installed
 """
 
 from __future__ import annotations
@@ -57,6 +58,14 @@ SPECS = (
 q4_0 and q8_0 (every token written as blocks, no residual), fp8 per tensor and per token and head, TurboQuant's
 float8 keys, vLLM's int8 and NVFP4 (every token written as codes), and vLLM's TurboQuant presets (its layout: read
 whole, every token flushed)."""
+
+GEMMA_SPECS = (
+    "turboquant:8,nbits_value=4,sliding=quantize", "turboquant:4,sliding=quantize", "quanto:4,sliding=quantize",
+    "fp8", "fp8,sliding=quantize", "int8,sliding=quantize", "nvfp4,sliding=quantize", "ggml:q8_0", "ggml:q4_0",
+)  # fmt: skip
+"""Gemma 3 270M's (`--model gemma3`): the recommendation's start (`turboquant:8,nbits_value=4,sliding=quantize`), the
+residual formats and the formats that write every token, sliding windows quantized (its 15 sliding layers) or kept
+(`fp8`: transformers' own full-precision windows)."""
 
 PATHS = {"codes": nullcontext, "dequantize": dequantized_reads}
 """Each quantized spec's two decode paths: kvdemo's build now, and the de-quantize path it replaced."""
@@ -119,11 +128,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", default="2048,7800,16000", help="context tokens, comma-separated")
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--specs", help="specs separated by ';' (default: SPECS)")
+    parser.add_argument("--specs", help="specs separated by ';' (default: SPECS, or GEMMA_SPECS)")
+    parser.add_argument("--model", choices=["embedded", "gemma3"], default="embedded")
     args = parser.parse_args()
-    specs = args.specs.split(";") if args.specs else list(SPECS)
+    specs = args.specs.split(";") if args.specs else list(GEMMA_SPECS if args.model == "gemma3" else SPECS)
     lengths = [int(n) for n in args.lengths.split(",")]
-    loaded = load_model()
+    if args.model == "gemma3":
+        from kvdemo.qa.packaged import gemma3_path
+
+        loaded = load_model(gemma3_path())
+    else:
+        loaded = load_model()
     out: dict = {"load_average_start": os.getloadavg(), "threads": torch.get_num_threads(), "lengths": {}}
     out["bandwidth_bytes_per_second"] = bandwidth = probe_bandwidth()
     kv = base_kv(loaded, 2048)
@@ -147,7 +162,12 @@ def main() -> None:
         f"\nbandwidth {bandwidth / 1e9:.1f} GB/s, {out['threads']} threads, "
         f"load average {out['load_average_start'][0]:.2f} -> {out['load_average_end'][0]:.2f}"
     )
-    path = ROOT / "artifacts" / "bench" / "code_attention.json"
+    path = (
+        ROOT
+        / "artifacts"
+        / "bench"
+        / ("code_attention.json" if args.model == "embedded" else "code_attention_gemma3.json")
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2))
     print(f"written to {path.relative_to(ROOT)}")

@@ -23,7 +23,9 @@
  *     row_bytes per row; a code's value is table[code] (float8 e4m3/e5m2, int8, E2M1: exact in float32), times a
  *     scale: the row's float32 (`row_scale`: fp8 and int8 per token and head), or per block of `cols` values the
  *     block's uint8 code (`zero`, its value from the table `row_zero`: NVFP4's e4m3 block scales) times the tensor's
- *     float32 scale (`scale`), or the tensor's scale alone (fp8 per tensor); 1 where no scale is given.
+ *     float32 scale (`scale`), or the tensor's scale alone (fp8 per tensor); 1 where no scale is given. `shift0` says
+ *     how a byte's value is found: 0 the table, 1 e4m3 by placing its bits in a float32 (vectorised; exact, as
+ *     kvdemo.cache.layers.float8 places them; NaN codes blended in), 2 int8 by conversion.
  * Compiled without fused multiply-add (kvdemo.cache.read.c_build.FLAGS), so each de-quantization step rounds as torch's
  * operations do. The scores and the sums (`dot`, `add_weighted`: AVX2 fused multiply-adds where the CPU has them) are
  * float32 in another order than torch's kernel: the bound is in the module docstring. */
@@ -191,6 +193,14 @@ static void packed_rows(const Codes *c, int64_t r0, int64_t n, int64_t dim, floa
     }
 }
 
+/* whether x is neither infinite nor NaN, read from its bits: the kernel is compiled with -ffast-math, under which the
+ * compiler may assume every float finite and fold isfinite() away; an integer test it cannot fold */
+static int finite_bits(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    return (bits & 0x7f800000u) != 0x7f800000u;
+}
+
 /* scaled codes: n rows (head_dim values each) from row r0 into out, as the formats' `codes.float() * scale` and
  * NVFP4's `E2M1[code] * (float(block_scale) * tensor_scale)` round: one product per value */
 static void scaled_rows(const Codes *c, int64_t r0, int64_t n, int64_t dim, float *out) {
@@ -219,6 +229,23 @@ static void scaled_rows(const Codes *c, int64_t r0, int64_t n, int64_t dim, floa
             continue;
         }
         const float s = c->row_scale ? PTR(float, c->row_scale)[r] : tensor;
+        if (c->shift0 == 2) { /* int8: the code converted, times the scale */
+            const int8_t *q = (const int8_t *)bytes;
+            for (int64_t k = 0; k < dim; k++) o[k] = (float)q[k] * s;
+            continue;
+        }
+        const float placed = s * 0x1p120f; /* 2^(127 - 7) x s: exact where finite (a power of two times s) */
+        if (c->shift0 == 1 && finite_bits(placed)) { /* e4m3: sign, exponent and mantissa placed in float32's fields */
+            const uint32_t nan_bits = 0x7fc00000u;
+            for (int64_t k = 0; k < dim; k++) {
+                const uint32_t bits = ((uint32_t)(int32_t)(int8_t)bytes[k] << 20) & 0x87f00000u;
+                float value, nan_value;
+                memcpy(&value, &bits, sizeof value);
+                memcpy(&nan_value, &nan_bits, sizeof nan_value);
+                o[k] = (bytes[k] & 0x7f) == 0x7f ? nan_value : value * placed;
+            }
+            continue;
+        }
         if (c->bits == 4)
             for (int64_t k = 0; k < dim / 2; k++) {
                 o[2 * k] = table[bytes[k] & 0x0f] * s;
@@ -294,14 +321,6 @@ static void add_weighted(float *acc, const float *w, const float *v, int64_t n, 
 #endif
     for (; d < dim; d++)
         for (int64_t i = 0; i < n; i++) acc[d] += w[i] * v[i * dim + d];
-}
-
-/* whether x is neither infinite nor NaN, read from its bits: the kernel is compiled with -ffast-math, under which the
- * compiler may assume every float finite and fold isfinite() away; an integer test it cannot fold */
-static int finite_bits(float x) {
-    uint32_t bits;
-    memcpy(&bits, &x, sizeof bits);
-    return (bits & 0x7f800000u) != 0x7f800000u;
 }
 
 /* one head's tokens [t0, t1): running maximum m, sum l and unnormalised output acc of each query row; returns 0, or 1
