@@ -58,7 +58,8 @@ class SlidingQuantizedMixin(SlidingWindowMask, LibraryLayer):
     Attributes:
         reads_blocks: decode steps hand kvdemo's attention the window's part of the store and the residual
             (`_window_blocks`); set by the cache builder where the model attends through `kvdemo_attention`.
-        _held: the tokens the store holds (its last re-coding's), an attribute the snapshot restores with the store.
+        _held: the tokens the store holds (its last re-coding's), an attribute the snapshot restores with the store;
+            where it is missing, decode steps take the layer's own update.
     """
 
     reads_blocks = False
@@ -73,6 +74,8 @@ class SlidingQuantizedMixin(SlidingWindowMask, LibraryLayer):
         keys marked with the store's visible part, residual values) returned, or None where this step cannot be
         read so (the window would hide a residual token; the step is the layer's own `update` then). The store's
         first tokens past the window are skipped in place (`StoreBlocks.first`), no copy."""
+        if "_held" not in vars(self):  # a store not counted here (a layer opened from an older session file)
+            return None
         residual = self.keys.shape[-2] if self.keys is not None and self.keys.dim() == 4 else 0
         hidden = max(0, self._held + residual + 1 - self.sliding_window)  # stored tokens that left the window
         if hidden > self._held or residual + 1 >= self.residual_length or self._pending_beam_idx is not None:
