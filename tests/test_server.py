@@ -46,7 +46,8 @@ def test_a_dynamic_session_holds_its_tokens_in_full_precision_and_nothing_more(t
 
 def _held_with_snapshot(qa: QASession) -> int:
     """Bytes of every tensor storage the cache and its snapshot hold, each counted once (as `kv_memory` counts)."""
-    names, seen, total = ("_quantized_keys", "_quantized_values", "keys", "values"), set(), 0
+    names = ("_quantized_keys", "_quantized_values", "_answer_keys", "_answer_values", "keys", "values")
+    seen, total = set(), 0
     for layer, saved in zip(qa.cache.layers, qa._snapshot.layers):
         total += _bytes(tuple(getattr(layer, name, None) for name in names), seen)
         if saved.attributes is not None:
