@@ -284,6 +284,21 @@ def test_sliding_layers_read_from_their_window_s_codes_decode_as_the_layer_s_own
     assert sorted(gaps)[len(gaps) // 2] <= 1e-5 and max(gaps) <= 1e-2, gaps
 
 
+def test_a_residual_window_whose_stored_count_is_missing_takes_the_layer_s_own_update(embedded):
+    """A sliding layer opened from a session file written before it counted its stored tokens (`_held`) cannot say
+    which of them left the window: its decode steps take the layer's own update (the window joined), not the codes."""
+    loaded = tiny_family("Gemma 3", embedded.tokenizer)
+    cache = build_cache(CacheSpec.parse("quanto:4,sliding=quantize,residual_length=4"), loaded.config)
+    layer = cache.layers[0]
+    states = _states(40, head_dim=loaded.config.head_dim)[0][:, :1]
+    layer.update(states, states)
+    step = states[..., :1, :]
+    assert blocks_of(layer.update(step, step)[0]) is not None  # counted: the window's codes
+    del layer._held
+    keys, _ = layer.update(step, step)
+    assert blocks_of(keys) is None and keys.shape[-2] == loaded.config.sliding_window  # the window, joined
+
+
 @pytest.mark.parametrize("text", ["fp8", "fp8,scale=per_token_head", "fp8,scale=one", "int8", "nvfp4"])
 def test_a_decode_step_copies_no_code_of_the_context(text):
     """The formats that write every token as codes put a decode step's token in the answer's record: the context's
