@@ -95,8 +95,8 @@ def _blockwise_call(
     flash attention), every key visible, no dropout, no attention sinks and no soft cap (options it does not apply).
 
     Every key is visible where there is no mask and no sliding window, or where the store is a window's (its
-    `blocks.tokens` known: `kvdemo.cache.layers.sliding.SlidingStoreWindow`) no longer than the window, and any mask
-    covers exactly its tokens and the tail and hides none (a sliding layer's mask once the window is full)."""
+    `blocks.tokens` known: `kvdemo.cache.layers.sliding`, ggml's `SlidingGgmlLayer`) no longer than the window, and any
+    mask covers exactly its tokens and the tail and hides none (a sliding layer's mask once the window is full)."""
     if query.shape[-2] != 1 or query.device.type != "cpu" or kwargs.get("dropout"):
         return False
     if any(kwargs.get(name) is not None for name in ("s_aux", "softcap")):

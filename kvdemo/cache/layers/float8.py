@@ -92,21 +92,27 @@ class Written(NamedTuple):
     nan_codes: bool
 
 
+def _row_writer(name: str, arguments: list, tensor: torch.Tensor, scale: torch.Tensor | None):
+    """The C function `name` of `row_codes.c`, where it serves `tensor` (a float32 CPU tensor, rows of at least one
+    value) under `scale` (None, or a float32 CPU scalar tensor); else None, as where no compiler built it."""
+    if not tensor.is_cpu or tensor.dtype != torch.float32 or tensor.shape[-1] < 1:
+        return None
+    if scale is not None and (not scale.is_cpu or scale.dtype != torch.float32 or scale.numel() != 1):
+        return None
+    return c_build.function(ROW_CODES, name, ctypes.c_int, arguments)
+
+
 def write_codes(mode: int, tensor: torch.Tensor, scale: torch.Tensor | None = None) -> Written | None:
     """`tensor` [..., head_dim] coded in one C pass (`row_codes.c`), the bytes torch's operations write (module
     docstring of `row_codes.c`; `tests/test_fp8.py` compares them). `scale`: the tensor scale of `TENSOR_E4M3`, a
     float32 scalar tensor. None where the C writer does not serve the call (another device or dtype than a float32
     CPU tensor and scale, or no C compiler: `c_build.build_problem(ROW_CODES)`): the caller codes with torch.
     """
-    if not tensor.is_cpu or tensor.dtype != torch.float32 or tensor.shape[-1] < 1:
-        return None
-    if mode == TENSOR_E4M3 and (scale is None or not scale.is_cpu or scale.dtype != torch.float32):
-        return None
-    if scale is not None and scale.numel() != 1:
+    if mode == TENSOR_E4M3 and scale is None:
         return None
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     arguments = [ctypes.c_int, pointer, size, size, pointer, size, pointer, size, pointer]
-    function = c_build.function(ROW_CODES, "write_codes", ctypes.c_int, arguments)
+    function = _row_writer("write_codes", arguments, tensor, scale)
     if function is None:
         return None
     values = tensor.contiguous()
@@ -119,6 +125,25 @@ def write_codes(mode: int, tensor: torch.Tensor, scale: torch.Tensor | None = No
         0 if scale is None else scale.data_ptr(),
     )  # fmt: skip
     return Written(codes.view(torch.int8 if mode == ROW_INT8 else torch.float8_e4m3fn), scales, nan_codes > 0)
+
+
+def write_nvfp4(tensor: torch.Tensor, tensor_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """NVFP4 blocks of `tensor` [..., head_dim] (head_dim a multiple of 16) under `tensor_scale` with the max/6 rule,
+    in one C pass (`row_codes.c`'s `write_nvfp4`: the bytes of `kvdemo.cache.formats.nvfp4.blocks.quantize_nvfp4`'s
+    torch arithmetic, `tests/test_nvfp4.py`): (codes [..., head_dim / 2] uint8, block scales [..., head_dim / 16]
+    float8_e4m3fn), or None where the C writer does not serve the call."""
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    function = _row_writer("write_nvfp4", [pointer, size, size, pointer, pointer, pointer], tensor, tensor_scale)
+    if function is None:
+        return None
+    values = tensor.contiguous()
+    dim = values.shape[-1]
+    codes = torch.empty(*values.shape[:-1], dim // 2, dtype=torch.uint8)
+    scales = torch.empty(*values.shape[:-1], dim // 16, dtype=torch.uint8)
+    function(
+        values.data_ptr(), values.numel() // dim, dim, codes.data_ptr(), scales.data_ptr(), tensor_scale.data_ptr()
+    )
+    return codes, scales.view(torch.float8_e4m3fn)
 
 
 def quantize_per_token_head(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

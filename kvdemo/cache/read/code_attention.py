@@ -209,7 +209,7 @@ def byte_table(dtype: torch.dtype) -> torch.Tensor:
 
 def scaled_codes(
     codes: torch.Tensor,
-    table: torch.Tensor,
+    table: torch.Tensor | None = None,
     *,
     row_scale: torch.Tensor | None = None,
     tensor_scale: torch.Tensor | None = None,
@@ -221,7 +221,8 @@ def scaled_codes(
         codes: [batch, kv_heads, tokens, head_dim] of a 1-byte dtype (float8, int8, uint8: a code a byte), or
             [batch, kv_heads, tokens, head_dim / 2] uint8 with `block_scales` (E2M1: two codes a byte, the even value
             in the low nibble).
-        table: float32, each code's value (`byte_table`, or NVFP4's 16 E2M1 values).
+        table: float32, each code's value: NVFP4's 16 E2M1 values; None, the value of each byte read as `codes`'
+            dtype (`byte_table`).
         row_scale: [batch, kv_heads, tokens, 1] float32: x = table[code] x row_scale (fp8, int8 per token and head).
         tensor_scale: a float32 scalar tensor: x = table[code] x tensor_scale; with `block_scales` [batch, kv_heads,
             tokens, blocks] float8_e4m3fn, x = table[code] x (float(block_scale) x tensor_scale) (NVFP4). None: 1.
@@ -229,6 +230,7 @@ def scaled_codes(
     Returns:
         The descriptor, or None for a dtype or layout the kernel does not read.
     """
+    table = byte_table(codes.dtype) if table is None else table
     if codes.dim() != 4 or codes.element_size() != 1 or table.dtype != torch.float32:
         return None
     nibbles = block_scales is not None and table.numel() == 16

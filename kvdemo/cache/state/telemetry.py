@@ -35,8 +35,9 @@ if TYPE_CHECKING:
     from kvdemo.cache.state.snapshot import CacheSnapshot
 
 _QUANTIZED_ATTRIBUTES = ("_quantized_keys", "_quantized_values", "_answer_keys", "_answer_values")
-"""The layer attributes that hold a quantized store: the keys' and the values', and the rows `GgmlLayer` writes for
-the tokens decoded since its last update of several tokens (`kvdemo.cache.formats.ggml.layers`)."""
+"""The layer attributes that hold a quantized store: the keys' and the values', and the answer's records that
+`GgmlLayer` and `AppendedLayer` write for the tokens decoded since their last update of several tokens
+(`kvdemo.cache.layers.appended`)."""
 _KV_ATTRIBUTES = (*_QUANTIZED_ATTRIBUTES, "keys", "values")
 
 LAYER_GROUPS = ("quantized", "sliding", "full", "state")

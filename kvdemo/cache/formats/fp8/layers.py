@@ -29,7 +29,7 @@ from kvdemo.cache.layers.float8 import (
 from kvdemo.cache.layers.sliding import SlidingStoreWindow
 from kvdemo.cache.model.layer_kinds import quantized_layers
 from kvdemo.cache.policies import PROTECT_CHOICES, SLIDING_CHOICES
-from kvdemo.cache.read.code_attention import StoreCodes, byte_table, scaled_codes
+from kvdemo.cache.read.code_attention import StoreCodes, scaled_codes
 
 from . import CALCULATED_RANGES, FLOAT8_FORMATS, SCALES
 
@@ -53,19 +53,28 @@ class ExactFp8Layer(AppendedLayer, Fp8QuantizedLayer):
         return self._quantize(states, None if store is None else store[1])
 
     def _quantize(self, tensor, scale=None):
-        """transformers' quantization (`(q, scale)`, written in one C pass where it serves: `write_codes`); notes a
-        NaN code in `q` (a NaN in `tensor`)."""
-        if scale is None:  # transformers' scale from the first update's amax
-            scale = (tensor.abs().amax().float() / self.fp8_max).clamp(min=torch.finfo(torch.float32).tiny)
+        """transformers' quantization (`(q, scale)`): under a given scale (a decode step's tokens) in one C pass where
+        it serves (`_written`), else (the first update, whose amax sets the scale) the library's own; notes a NaN
+        code in `q` (a NaN in `tensor`)."""
+        codes = None if scale is None else self._written(tensor, scale)
+        if codes is not None:
+            return codes, scale
+        codes, scale = Fp8QuantizedLayer._quantize(self, tensor, scale)
+        self._note_nan_codes(codes)
+        return codes, scale
+
+    def _written(self, tensor: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
+        """e4m3 codes of `tensor / scale`, saturated, by the C writer (`write_codes`: torch's bytes), noting a NaN
+        code; None where the writer does not serve the call."""
         written = write_codes(TENSOR_E4M3, tensor, scale)
-        if written is not None:
-            if written.nan_codes:  # an attribute only where set: a restore drops it with the store
-                self._nan_codes = True
-            return written.codes, scale
-        quant_tensor = (tensor.float() / scale).to(self.fp8_dtype)
-        if not self._nan_codes and has_nan_codes(quant_tensor):
+        if written is not None and written.nan_codes:  # an attribute only where set: a restore drops it with the store
             self._nan_codes = True
-        return quant_tensor, scale
+        return None if written is None else written.codes
+
+    def _note_nan_codes(self, codes: torch.Tensor) -> None:
+        """Set `_nan_codes` where `codes` (float8_e4m3fn) hold a NaN code."""
+        if not self._nan_codes and has_nan_codes(codes):
+            self._nan_codes = True
 
     def _dequantize(self, qtensor):
         """The store `(q, scale)` de-quantized, [batch, kv_heads, tokens, head_dim] of the model's dtype, by
@@ -78,7 +87,7 @@ class ExactFp8Layer(AppendedLayer, Fp8QuantizedLayer):
     def _codes_of(self, q_tensor) -> StoreCodes | None:
         """The store as the decode kernel reads it: `codes.float() * scale`."""
         codes, scale = q_tensor
-        return scaled_codes(codes, byte_table(codes.dtype), tensor_scale=scale)
+        return scaled_codes(codes, tensor_scale=scale)
 
 
 class PerTokenHeadFp8Layer(ExactFp8Layer):
@@ -113,7 +122,7 @@ class PerTokenHeadFp8Layer(ExactFp8Layer):
     def _codes_of(self, q_tensor) -> StoreCodes | None:
         """The store as the decode kernel reads it: `codes.float() * scales`, a scale per token and head."""
         codes, scale = q_tensor
-        return scaled_codes(codes, byte_table(codes.dtype), row_scale=scale)
+        return scaled_codes(codes, row_scale=scale)
 
 
 class EngineFp8Layer(ExactFp8Layer):
@@ -143,15 +152,13 @@ class EngineFp8Layer(ExactFp8Layer):
     def _quantize(self, tensor, scale=None):
         """`(codes, scale)`: `tensor / scale` clamped to the format's range and rounded to it (`scale`: the store's)."""
         dtype = FLOAT8_DTYPES[self.float8]
-        top = torch.finfo(dtype).max
-        written = write_codes(TENSOR_E4M3, tensor, scale) if dtype == torch.float8_e4m3fn else None
-        if written is not None:
-            if written.nan_codes:  # an attribute only where set: a restore drops it with the store
-                self._nan_codes = True
-            return written.codes, scale
-        codes = (tensor.float() / scale).clamp(-top, top).to(dtype)
-        if not self._nan_codes and dtype == torch.float8_e4m3fn and has_nan_codes(codes):  # a NaN state
-            self._nan_codes = True
+        e4m3 = dtype == torch.float8_e4m3fn
+        codes = self._written(tensor, scale) if e4m3 else None  # the writer saturates at +-448, as the clamp does
+        if codes is None:
+            top = torch.finfo(dtype).max
+            codes = (tensor.float() / scale).clamp(-top, top).to(dtype)
+            if e4m3:
+                self._note_nan_codes(codes)  # a NaN state
         return codes, scale
 
     def _dequantize(self, qtensor):
@@ -161,10 +168,7 @@ class EngineFp8Layer(ExactFp8Layer):
         codes, scale = qtensor
         return (codes.float() * scale).to(self.keys.dtype)
 
-    def _codes_of(self, q_tensor) -> StoreCodes | None:
-        """The store as the decode kernel reads it: `codes.float() * scale`, e4m3 or e5m2 codes."""
-        codes, scale = q_tensor
-        return scaled_codes(codes, byte_table(codes.dtype), tensor_scale=scale)
+    _codes_of = ExactFp8Layer._codes_of  # e4m3 or e5m2 codes, beside this class's `_dequantize` (`code_reader`)
 
 
 class SlidingFp8Layer(SlidingStoreWindow, ExactFp8Layer):

@@ -8,8 +8,8 @@
  * high one; bit j of the little-endian qh is code j's fifth bit. Compiled without fused multiply-add
  * (`kvdemo.cache.read.c_build.FLAGS`), so the iq4_nl scale's float32 sums round as the reference's loop.
  *
- * x: rows of `width` floats, row r at x + r * width; out: row r's blocks at out + r * out_stride bytes (a decode step
- * writes one token per head into the store, rows `out_stride` apart). Returns 0, or -1 for a type it does not know. */
+ * x: rows of `width` floats, row r at x + r * width; out: row r's blocks at out + r * out_stride bytes. Returns 0, or
+ * -1 for a type it does not know. */
 /* IEEE arithmetic for this file: the reference keeps the first of equal values, a zero's sign included, and its scale
  * from x - min; under -ffast-math (c_build's flags, for the decode kernel's vector expf) the compiler may treat -0 and
  * +0 alike and reorder the sums. */

@@ -22,7 +22,7 @@ from kvdemo.cache.layers.by_kind import sliding_windows, with_kept_layers
 from kvdemo.cache.layers.float8 import ROW_INT8, write_codes
 from kvdemo.cache.layers.sliding import SlidingStoreWindow
 from kvdemo.cache.model.layer_kinds import quantized_layers
-from kvdemo.cache.read.code_attention import StoreCodes, byte_table, scaled_codes
+from kvdemo.cache.read.code_attention import StoreCodes, scaled_codes
 
 INT8_MAX = 127.0
 """The scale's divisor (vLLM's `quant_max`); codes are clamped to [-128, 127]."""
@@ -68,7 +68,7 @@ class Int8Layer(AppendedLayer):
 
     def _codes_of(self, q_tensor: Int8Store) -> StoreCodes | None:
         """The store as the decode kernel reads it: `codes.float() * scales`."""
-        return scaled_codes(q_tensor.codes, byte_table(torch.int8), row_scale=q_tensor.scales)
+        return scaled_codes(q_tensor.codes, row_scale=q_tensor.scales)
 
 
 class SlidingInt8Layer(SlidingStoreWindow, Int8Layer):

@@ -17,13 +17,11 @@ code 6, and spends the grid's steps on the block's range instead.
 
 from __future__ import annotations
 
-import ctypes
 from typing import NamedTuple
 
 import torch
 
-from kvdemo.cache.layers.float8 import ROW_CODES, TENSOR_E4M3, write_codes
-from kvdemo.cache.read import c_build
+from kvdemo.cache.layers.float8 import TENSOR_E4M3, write_codes, write_nvfp4
 
 from . import BLOCK, BLOCK_RULES
 
@@ -100,10 +98,9 @@ def quantize_nvfp4(tensor: torch.Tensor, tensor_scale: torch.Tensor, block_rule:
         raise ValueError(f"NVFP4 stores blocks of {BLOCK} values, so head_dim must be a multiple of 16, not {width}")
     if block_rule not in BLOCK_RULES:
         raise ValueError(f"block_rule={block_rule!r} is not one of {', '.join(BLOCK_RULES)}")
-    if block_rule == BLOCK_RULES[0]:
-        written = _written(tensor, tensor_scale)
-        if written is not None:
-            return written
+    written = write_nvfp4(tensor, tensor_scale) if block_rule == BLOCK_RULES[0] else None  # one C pass, same bytes
+    if written is not None:
+        return Nvfp4Store(*written, tensor_scale)
     codes, scales, read = _blocks(tensor, tensor_scale, E2M1_MAX)
     if block_rule == BLOCK_RULES[1]:
         codes4, scales4, read4 = _blocks(tensor, tensor_scale, 4.0)
@@ -114,27 +111,6 @@ def quantize_nvfp4(tensor: torch.Tensor, tensor_scale: torch.Tensor, block_rule:
     codes = codes.flatten(-2)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return Nvfp4Store(packed, scales, tensor_scale)
-
-
-def _written(tensor: torch.Tensor, tensor_scale: torch.Tensor) -> Nvfp4Store | None:
-    """`quantize_nvfp4` with the max/6 rule in one C pass (`write_nvfp4`, kvdemo/cache/layers/row_codes.c: the same
-    bytes, `tests/test_nvfp4.py`), or None where it does not serve (not a float32 CPU tensor and scale, no compiler)."""
-    if not tensor.is_cpu or tensor.dtype != torch.float32 or tensor_scale.dtype != torch.float32:
-        return None
-    if not tensor_scale.is_cpu or tensor_scale.numel() != 1:
-        return None
-    pointer, size = ctypes.c_void_p, ctypes.c_int64
-    arguments = [pointer, size, size, pointer, pointer, pointer]
-    function = c_build.function(ROW_CODES, "write_nvfp4", ctypes.c_int, arguments)
-    if function is None:
-        return None
-    values = tensor.contiguous()
-    dim = values.shape[-1]
-    codes = torch.empty(*values.shape[:-1], dim // 2, dtype=torch.uint8)
-    scales = torch.empty(*values.shape[:-1], dim // BLOCK, dtype=torch.uint8)
-    rows = values.numel() // dim
-    function(values.data_ptr(), rows, dim, codes.data_ptr(), scales.data_ptr(), tensor_scale.data_ptr())
-    return Nvfp4Store(codes, scales.view(torch.float8_e4m3fn), tensor_scale)
 
 
 def dequantize_nvfp4(store: Nvfp4Store, dtype: torch.dtype) -> torch.Tensor:

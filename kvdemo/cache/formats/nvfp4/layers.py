@@ -18,7 +18,7 @@ from kvdemo.cache.layers.appended import AppendedLayer, reading_blocks
 from kvdemo.cache.layers.by_kind import sliding_windows, with_kept_layers
 from kvdemo.cache.layers.sliding import SlidingStoreWindow
 from kvdemo.cache.model.layer_kinds import quantized_layers
-from kvdemo.cache.read.code_attention import StoreCodes, byte_table, scaled_codes
+from kvdemo.cache.read.code_attention import StoreCodes, scaled_codes
 
 from . import BLOCK_RULES, KEY_FORMATS, TENSOR_SCALES
 from .blocks import (
@@ -73,7 +73,7 @@ class Nvfp4Layer(AppendedLayer):
         """The store as the decode kernel reads it: `E2M1[code] * (block_scale * tensor_scale)`, or the float8
         keys' `codes * tensor_scale`."""
         if isinstance(q_tensor, Fp8Store):
-            return scaled_codes(q_tensor.codes, byte_table(q_tensor.codes.dtype), tensor_scale=q_tensor.tensor_scale)
+            return scaled_codes(q_tensor.codes, tensor_scale=q_tensor.tensor_scale)
         return scaled_codes(
             q_tensor.codes, E2M1_VALUES, tensor_scale=q_tensor.tensor_scale, block_scales=q_tensor.block_scales
         )

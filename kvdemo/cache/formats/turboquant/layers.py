@@ -58,7 +58,6 @@ from kvdemo.cache.read.code_attention import (
     LOOKUP,
     UNIFORM,
     StoreCodes,
-    byte_table,
     float32_table,
     row_values,
     scaled_codes,
@@ -243,7 +242,7 @@ class TurboQuantLayer(QuantizedLayer):
         if isinstance(q_tensor, UniformValues):
             return uniform_codes(q_tensor.codes, q_tensor.scale, q_tensor.zero, self.nbits_value)
         if type(q_tensor) is tuple and self.nbits == FP8_KEY_BITS:  # float8 keys: (codes, scales)
-            return scaled_codes(q_tensor[0], byte_table(q_tensor[0].dtype), row_scale=q_tensor[1])
+            return scaled_codes(q_tensor[0], row_scale=q_tensor[1])
         if isinstance(q_tensor, TurboKeys) and self.rotated_store:
             dimension = q_tensor.codes.shape[-1] * 8 // self.nbits
             return lookup_codes(
