@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 import pandas as pd
+
+from kvdemo.qa.records import Cancelled
 
 FULL = "full"
 """A row measured on every answer token of every question (and, where it could be the pick, on the held-out tokens)."""
@@ -295,9 +297,14 @@ def _how(row: RecommendRow) -> str:
     return row.measured or row.note[:60]
 
 
-class RecommendationCancelled(Exception):
-    """The recommendation was stopped; `recommendation` holds the rows measured so far (`finished` False, no pick)."""
+class RecommendationCancelled(Cancelled):
+    """The recommendation was stopped; `recommendation` (`partial`) holds the rows measured so far (`finished`
+    False, no pick)."""
 
     def __init__(self, recommendation: Recommendation):
-        super().__init__("the recommendation was stopped")
-        self.recommendation = recommendation
+        super().__init__("the recommendation was stopped", recommendation)
+
+    @property
+    def recommendation(self) -> Recommendation:
+        """The rows measured before the stop."""
+        return cast("Recommendation", self.partial)

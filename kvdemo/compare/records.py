@@ -16,6 +16,7 @@ from kvdemo.cache.options import SpecOptions
 from kvdemo.cache.registry import BACKENDS, BASELINE, SPEC_OPTIONS
 from kvdemo.evals.cache_error import KVError
 from kvdemo.evals.fidelity import KLStats, PerplexityResult
+from kvdemo.qa.records import Cancelled
 
 
 @dataclass(frozen=True)
@@ -364,9 +365,13 @@ class ComparisonReport:
         return self.to_frame().to_csv(index=False)
 
 
-class ComparisonCancelled(Exception):
-    """Raised by `compare` when its `cancel` event is set; `report` holds the specs finished before."""
+class ComparisonCancelled(Cancelled):
+    """Raised by `compare` when its `cancel` event is set; `report` (`partial`) holds the specs finished before."""
 
     def __init__(self, report: ComparisonReport):
-        super().__init__(f"comparison cancelled after {len(report.results)} spec(s)")
-        self.report = report
+        super().__init__(f"comparison cancelled after {len(report.results)} spec(s)", report)
+
+    @property
+    def report(self) -> ComparisonReport:
+        """The specs finished before the cancel."""
+        return cast("ComparisonReport", self.partial)

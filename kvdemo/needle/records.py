@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pandas as pd
+
+from kvdemo.qa.records import Cancelled
 
 
 # ---- the grid --------------------------------------------------------------------------------------------
@@ -205,10 +207,14 @@ class NeedleGrid:
         return csv_path, json_path
 
 
-class NeedleCancelled(Exception):
-    """Raised by `needle_grid` when its `cancel` event is set; `grid` holds the cells finished before
+class NeedleCancelled(Cancelled):
+    """Raised by `needle_grid` when its `cancel` event is set; `grid` (`partial`) holds the cells finished before
     (`complete=False`)."""
 
     def __init__(self, grid: NeedleGrid):
-        super().__init__(f"needle grid cancelled after {len(grid.cells)} cell(s)")
-        self.grid = grid
+        super().__init__(f"needle grid cancelled after {len(grid.cells)} cell(s)", grid)
+
+    @property
+    def grid(self) -> NeedleGrid:
+        """The cells finished before the cancel."""
+        return cast("NeedleGrid", self.partial)

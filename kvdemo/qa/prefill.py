@@ -40,6 +40,7 @@ from transformers.cache_utils import BaseQuantizedLayer, Cache, DynamicLayer
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kvdemo.qa.models import LoadedModel
+from kvdemo.qa.records import Cancelled
 
 PREFILL_CHUNK_TOKENS = 256
 """Tokens per forward pass of a prefill: about 1-2 s each on 2 CPU cores for the embedded model, so progress
@@ -102,8 +103,9 @@ def check_rope(loaded: LoadedModel, context_tokens: int, more_tokens: int, hint:
     )
 
 
-class PrefillStopped(Exception):
-    """The prefill was stopped between two chunks (Stop, or a new prefill); the cache it was building is dropped."""
+class PrefillStopped(Cancelled):
+    """The prefill was stopped between two chunks (Stop, or a new prefill); the cache it was building is dropped
+    (`partial` is None)."""
 
 
 def hand_over(cache: Cache, index: int, layer: DynamicLayer) -> None:

@@ -10,6 +10,32 @@ from typing import Any
 from kvdemo.cache.state.telemetry import MemoryReport
 
 
+class Cancelled(Exception):
+    """A job stopped before its end (Stop, Cancel, a caller's bound), with what it finished: `partial` (a comparison's
+    report of the specs done, a grid of the cells done, the rows of a recommendation measured; None for a prefill,
+    whose unfinished cache is dropped). The one type of a stopped job: each job's own subclass names its partial
+    result. It pickles whole, so a job stopped in a device worker is raised again in the server as itself.
+
+    Args:
+        message: what was stopped and when; partial: what finished before.
+    """
+
+    def __init__(self, message: str, partial: Any = None):
+        super().__init__(message)
+        self.partial = partial
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _cancelled, (type(self), str(self), self.partial)
+
+
+def _cancelled(cls: type[Cancelled], message: str, partial: Any) -> Cancelled:
+    """A `Cancelled` of class `cls` made again from its message and partial result (its own `__init__` may take
+    other arguments)."""
+    error = cls.__new__(cls)
+    Cancelled.__init__(error, message, partial)
+    return error
+
+
 @dataclass(frozen=True)
 class PrefillReport:
     """What a prefill did.

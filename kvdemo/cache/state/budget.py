@@ -3,6 +3,8 @@ before anything runs, and the refusal when they exceed a budget."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers import PreTrainedConfig
 
@@ -21,6 +23,9 @@ class KVBudgetError(ValueError):
         super().__init__(message)
         self.estimate_bytes = estimate_bytes
         self.budget_bytes = budget_bytes
+
+    def __reduce__(self) -> tuple[Any, ...]:  # pickled whole: a refusal in a device worker is raised again as itself
+        return type(self), (str(self), self.estimate_bytes, self.budget_bytes)
 
 
 def held_bytes_estimate(
