@@ -146,6 +146,17 @@ class PreparedContext:
         """The token ids a prefill of this context feeds (length = its context tokens)."""
         return self.split.prefix
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled without its tokenizer (a job sent to a device worker: ids and text, a few kB); `bound` gives it
+        the worker's model's."""
+        return PreparedContext, (self.text, self.split, None)
+
+    def bound(self, tokenizer: Any) -> PreparedContext:
+        """This context for a model of `tokenizer`: itself, or (one that was pickled, `tokenizer` None) a copy
+        that `tokenizer` owns. The worker serves the one model the server prepared it with (`kvdemo.serve.device`
+        checks the model's name before any job)."""
+        return self if self.tokenizer is not None else PreparedContext(self.text, self.split, tokenizer)
+
 
 @dataclass(frozen=True)
 class PreparedQuestion:

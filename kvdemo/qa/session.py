@@ -14,7 +14,7 @@ import copy
 import threading
 import time
 from collections.abc import Callable, Generator, Sequence
-from typing import cast
+from typing import Any, Protocol, cast
 
 import torch
 from transformers import Cache, PreTrainedConfig
@@ -34,6 +34,31 @@ from kvdemo.qa.probe import check_model
 from kvdemo.qa.prompt import PreparedContext, PreparedQuestion, PromptLayout, PromptSplit
 from kvdemo.qa.records import Answer, PrefillReport
 from kvdemo.qa.text import check_question, check_text
+
+
+class Session(Protocol):
+    """A prefilled session as the server holds it: a `QASession` (its cache in this process), or a session whose
+    cache a device worker holds (`kvdemo.serve.device.RemoteSession`). What the page, the MCP tools and the door read
+    and call; the cache itself only a runner touches (`kvdemo.serve.runner`)."""
+
+    loaded: LoadedModel
+    spec: CacheSpec
+    kv_budget_bytes: int | None
+    context: str | None
+    prefill_report: PrefillReport | None
+    history: list[Answer]
+    reserve_tokens: int
+
+    @property
+    def cache_length(self) -> int: ...
+
+    def request_stop(self) -> None: ...
+
+    def check_prefill(self, context_tokens: int, reserve_tokens: int) -> None: ...
+
+    def prepare_question(self, question: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> PreparedQuestion: ...
+
+    def speed_limit(self) -> Any: ...
 
 
 class QASession:
@@ -372,12 +397,21 @@ class QASession:
         """
         if not isinstance(question, PreparedQuestion):
             question = self.prepare_question(question, max_new_tokens)
-        elif question.split is not self._split:
+        elif question.split != self._split:  # the same split by value: a question prepared on the server, sent here
             raise ValueError("the question was prepared for another prefill; prepare it again for this context")
         self._close_active()
         self._stop.clear()
         self._active = self._decode(question.text, list(question.ids), question.max_new_tokens, logprobs)
         return self._active
+
+    def speed_limit(self) -> Any:
+        """The decode floor of the cache as it is now (`kvdemo.cache.state.speedlimit.SpeedLimit`). Raises
+        ValueError: nothing is prefilled."""
+        from kvdemo.cache.state.speedlimit import speed_limit
+
+        if self.cache is None:
+            raise ValueError("prefill a context first")
+        return speed_limit(self.loaded.model, self.cache)
 
     def request_stop(self) -> None:
         """Ask the answer now streaming to end after its current decode step, or the prefill now running to
