@@ -14,8 +14,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 CALLERS = {
-    "kvdemo/ui/ask_tab.py": {"prefill", "answer", "stop", "speed", "reference"},
-    "kvdemo/ui/session_box.py": {"open_file", "save_file", "speed"},
+    "kvdemo/ui/ask_tab.py": {"prefill", "answer", "stop", "reference"},
+    "kvdemo/ui/session_box.py": {"open_file", "save_file"},
     "kvdemo/ui/mcp_tools.py": {"prefill", "answer", "stop", "long_job", "job.compare", "job.recommend"},
     "kvdemo/ui/compare_tab.py": {"long_job", "job.compare"},
     "kvdemo/ui/needle_tab.py": {"long_job", "job.needle"},
@@ -27,8 +27,10 @@ CALLERS = {
 
 THE_DOOR = {
     "kvdemo/serve/door.py": "the door itself",
-    "kvdemo/serve/device.py": "the door's device side: the worker's records turned back into the door's",
-    "kvdemo/serve/gpu_job.py": "the worker's side: the model work of each job kind, in a ZeroGPU worker",
+    "kvdemo/serve/jobs.py": "the job records: each kind's model work, run by a runner",
+    "kvdemo/serve/runner.py": "the runner in this process (and the app's session files as a job's place)",
+    "kvdemo/serve/device.py": "the runner of a device worker: a job sent there, its records turned back",
+    "kvdemo/serve/gpu_job.py": "the worker's side: a job record run in a ZeroGPU worker, its sessions kept warm",
     "kvdemo/serve/session_files.py": "the door's folder of session files (opened in place of a prefill, saved after)",
     "kvdemo/serve/warm_sessions.py": "the worker's warm sessions",
     "kvdemo/serve/recommended.py": "the page default, measured once per model at its load, before any session",
@@ -96,8 +98,8 @@ def test_the_door_holds_every_part_of_a_job():
         "user.lock",
         "kv.reserve(",
         "kv.transfer(",
-        "files.open(",
-        "files.save(",
+        "self.runner.run(PrefillJob(",
+        "self.runner.run(OpenJob(",
         "user.qa, user.chat, user.events",
         "sessions.long_job(",
         "user.interrupt()",

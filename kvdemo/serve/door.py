@@ -10,45 +10,51 @@ recommendation). The Ask tab, the session box, the other tabs, the MCP tools and
 - the install in the store (`UserSession.qa`, its chat and events emptied, the freed reason forgotten);
 - progress (callbacks) and cancellation (Stop: `UserSession.interrupt`; Cancel: `SessionStore.long_job`'s event).
 
-Where the model work runs is the door's choice, not the callers': in this process (a `QASession` in `UserSession.qa`),
-or on a ZeroGPU Space in `@spaces.GPU` jobs (`kvdemo.serve.device.Device`: a `RemoteSession` in its place, the cache
-in the worker). Either way the callers get the same records (`PrefillReport`, `StepEvent`, `Answer`,
-`ComparisonReport`, `NeedleGrid`, `Recommendation`) and the same exceptions.
+Where the model work runs is the door's runner's business (`kvdemo.serve.runner`): the door builds a job record
+(`kvdemo.serve.jobs`) and hands it over, in this process (`InProcess`: a `QASession` in `UserSession.qa`) or on a
+ZeroGPU Space in `@spaces.GPU` jobs (`kvdemo.serve.device.Device`: a `RemoteSession` in its place, the cache in the
+worker). Either way the callers get the same records (`PrefillReport`, `StepEvent`, `Answer`, `ComparisonReport`,
+`NeedleGrid`, `Recommendation`) and the same exceptions, with their own types.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import closing, contextmanager, nullcontext
 from pathlib import Path
-from typing import Any, Protocol, TypeAlias
+from typing import Any, Protocol, cast
 
 from kvdemo import checks
 from kvdemo.cache.registry import BASELINE
 from kvdemo.cache.spec import CacheSpec
 from kvdemo.cache.state.telemetry import StepEvent
-from kvdemo.compare.recommendation import Recommendation, RecommendationCancelled
-from kvdemo.compare.records import ComparisonCancelled, ComparisonReport
-from kvdemo.needle.records import NeedleCancelled, NeedleGrid
+from kvdemo.compare.recommendation import Recommendation
+from kvdemo.compare.records import ComparisonReport
+from kvdemo.needle.records import NeedleGrid
 from kvdemo.qa.limits import DEFAULT_MAX_NEW_TOKENS, QUESTION_RESERVE_TOKENS
 from kvdemo.qa.models import LoadedModel
 from kvdemo.qa.prompt import PreparedContext, PreparedQuestion
 from kvdemo.qa.records import PrefillReport
-from kvdemo.qa.session import QASession
-from kvdemo.qa.session_file import SavedSession, check_fits, open_session, read_manifest, save_session
+from kvdemo.qa.session import Session
+from kvdemo.qa.session_file import SavedSession, check_fits, read_manifest
 from kvdemo.serve.accounting import KVAccount, prefill_tokens, session_kv_bytes
-from kvdemo.serve.device import Device, RemoteSession
-from kvdemo.serve.gpu_job import GpuRequest
+from kvdemo.serve.jobs import (
+    AnswerJob,
+    CompareJob,
+    LongJobRecord,
+    NeedleJob,
+    OpenJob,
+    PrefillDone,
+    PrefillJob,
+    RecommendJob,
+)
+from kvdemo.serve.runner import InProcess, Runner, drive, progress
 from kvdemo.serve.runs import AnswerRun, FullPrecisionAnswer, Prefilled
 from kvdemo.serve.session_files import SessionFiles
 from kvdemo.serve.store import SessionStore, UserSession
-
-Session: TypeAlias = "QASession | RemoteSession"
-"""A prefilled session as the door's callers hold it: in this process, or in a device worker."""
 
 MAX_CONTEXT_BYTES = 2 * 1024 * 1024
 """The longest context a server prefills, in UTF-8 bytes (an upload's limit too): a model's window holds
@@ -76,19 +82,18 @@ class Door:
 
     Args:
         app: the server state: the model, the sessions, the KV account and the folder of session files.
-        device: where the model work runs: None in this process; a `Device` on a ZeroGPU Space.
+        runner: where the model work runs: None in this process (`InProcess`); a `Device` on a ZeroGPU Space.
     """
 
-    def __init__(self, app: Served, device: Device | None = None):
-        self.app, self.device = app, device
+    def __init__(self, app: Served, runner: Runner | None = None):
+        self.app = app
+        self.runner: Runner = runner or InProcess(app.wait_for_model, lambda: app.session_files)
 
     # ---- a session's own jobs ----------------------------------------------------------------------
     def new_session(self, loaded: LoadedModel, spec: CacheSpec) -> Session:
         """An empty session of `spec` on `loaded`, with the app's per-cache budget. Raises ValueError, ImportError:
         the spec does not validate, or (in process) the model cannot serve it (`QASession`)."""
-        if self.device is not None:
-            return self.device.session(loaded, spec, self.app.kv_budget_bytes)
-        return QASession(loaded, spec, kv_budget_bytes=self.app.kv_budget_bytes)
+        return self.runner.session(loaded, spec, self.app.kv_budget_bytes)
 
     def prefill(
         self,
@@ -153,7 +158,7 @@ class Door:
                 f"the context is {size / 2**20:,.1f} MiB of text; the limit is {MAX_CONTEXT_BYTES / 2**20:.0f} MiB, "
                 f"and the model's {session.loaded.max_context_tokens:,}-token window holds far less: paste a part of it"
             )
-        if isinstance(context, str) and context.strip():  # tokenized once: for the reservation and the prefill
+        if isinstance(context, str):  # tokenized once: for the reservation and the prefill (a blank one refused)
             context = session.loaded.prepare(context)
         tokens = prefill_tokens(session.loaded, context)
         session.check_prefill(tokens, reserve)  # the window and the session's budget first: waiting would not help
@@ -161,7 +166,10 @@ class Door:
             f"a {session.spec.label} KV cache for {tokens:,} context tokens + {reserve} for a question and its answer"
         )
         with self._reserving(key, session, tokens, reserve, what):
-            return self._prefill_or_open(session, context, max_new_tokens, on_progress, on_quantize)
+            done = drive(
+                self.runner.run(PrefillJob(context, max_new_tokens), session), progress(on_progress, on_quantize)
+            )
+            return cast(PrefillDone, done).report
 
     @contextmanager
     def _reserving(self, key: str, session: Session, tokens: int, reserve: int, what: str) -> Iterator[None]:
@@ -188,29 +196,6 @@ class Door:
         and the reason an earlier session was freed forgotten."""
         user.qa, user.chat, user.events, user.answer_line, user.prefill_timing = session, [], [], "", ""
         self.app.sessions.forget_freed(key)
-
-    def _prefill_or_open(
-        self,
-        session: Session,
-        context: str | PreparedContext,
-        max_new_tokens: int,
-        on_progress: Callable[[int, int], None] | None,
-        on_quantize: Callable[[int, int], None] | None,
-    ) -> PrefillReport:
-        """The prefill, or the session file of the same context, model and spec when the app's folder holds one (and
-        the prefill saved there when it does not); on a device, the worker does both with its own folder."""
-        if isinstance(session, RemoteSession):
-            assert self.device is not None and isinstance(context, PreparedContext)  # a non-blank text was prepared
-            return self.device.prefill(session, context, max_new_tokens, on_progress, on_quantize)
-        files = self.app.session_files
-        if files is None or not isinstance(context, PreparedContext):
-            return session.prefill(context, max_new_tokens, on_progress=on_progress, on_quantize=on_quantize)
-        opened = files.open(session, context)
-        if opened is not None:
-            return opened
-        report = session.prefill(context, max_new_tokens, on_progress=on_progress, on_quantize=on_quantize)
-        files.save(session, context)
-        return report
 
     def open_file(
         self,
@@ -243,12 +228,7 @@ class Door:
             reserve = QUESTION_RESERVE_TOKENS + DEFAULT_MAX_NEW_TOKENS
             session.check_prefill(tokens, reserve)
             with self._reserving(key, session, tokens, reserve, f"a {session.spec.label} session file"):
-                if isinstance(session, RemoteSession):
-                    assert self.device is not None
-                    text = str(manifest.get("context") or "")
-                    self.device.open(session, str(path), text, loaded.prepare(text).split)
-                else:
-                    open_session(loaded, path, session.spec, session=session)
+                drive(self.runner.run(OpenJob(str(path)), session))
             self._install(key, user, session)
         return session
 
@@ -266,11 +246,7 @@ class Door:
             if session is None:
                 raise ValueError("nothing is prefilled in this tab; press Prefill first")
             target = path(session) if callable(path) else path
-            if isinstance(session, RemoteSession):
-                start = time.perf_counter()
-                shutil.copyfile(session.session_path, target)
-                return session, SavedSession(target, target.stat().st_size, time.perf_counter() - start)
-            return session, save_session(session, target)
+            return session, self.runner.save(session, target)
 
     def reserve_answer(self, key: str, session: Session, question: str, max_new_tokens: int) -> PreparedQuestion:
         """Before an answer: grow the session's reservation `cache:<key>` to cover it (the prefill reserved
@@ -320,36 +296,29 @@ class Door:
         if not user.lock.acquire(blocking=False):
             raise ValueError(busy)
         try:
-            with user.answering() as began:
+            with user.answering() as stop:
                 session = user.qa  # read under the lock: a prefill that just finished has replaced it
                 if session is None:
                     raise ValueError("this session was freed; prefill again to rebuild the cache")
                 if self.app.loaded is not session.loaded:
                     raise ValueError("The model changed since your prefill; prefill again to rebuild the cache on it")
                 prepared = self.reserve_answer(key, session, question, max_new_tokens)
-                with self._streaming(session, prepared) as stream:
-                    began(session)  # a Stop pressed while the answer waited applies now
+                with self._streaming(session, prepared, stop) as stream:
                     yield AnswerRun(session, prepared, stream)
         finally:
             self.app.sessions.touch(user)
             user.lock.release()
 
     @contextmanager
-    def _streaming(self, session: Session, prepared: PreparedQuestion) -> Iterator[Generator[StepEvent, None, None]]:
-        """`session`'s answer to `prepared` as a stream of `StepEvent`s, in this process or in the device's worker,
-        for the `with` block: leaving it closes the stream (the cache restored, the answer recorded in the session's
-        history) and, on a device, ends the session's job (also for an answer closed before its first step)."""
-        if isinstance(session, RemoteSession):
-            assert self.device is not None
-            stream = self.device.answer(session, prepared)
-        else:
-            stream = session.stream(prepared)
-        try:
-            with closing(stream):
-                yield stream
-        finally:
-            if isinstance(session, RemoteSession):
-                session.end_job()
+    def _streaming(
+        self, session: Session, prepared: PreparedQuestion, stop: threading.Event
+    ) -> Iterator[Generator[StepEvent, None, None]]:
+        """`session`'s answer to `prepared` as a stream of `StepEvent`s (`AnswerJob`), for the `with` block: leaving
+        it closes the stream (the cache restored, the answer recorded in the session's history). `stop` (a Stop since
+        the Ask click) ends it after its current decode step."""
+        stream = cast("Generator[StepEvent, None, None]", self.runner.run(AnswerJob(prepared), session, stop))
+        with closing(stream):
+            yield stream
 
     def reference(
         self, key: str, question: str, max_new_tokens: Any, on_progress: Callable[[int, int], None] | None = None
@@ -394,10 +363,9 @@ class Door:
             )
             user.reference = baseline
             try:
-                self._prefill_or_open(baseline, context, max_new_tokens, on_progress, None)
-                with self._streaming(baseline, baseline.prepare_question(question, max_new_tokens)) as stream:
-                    if user.answer_stop.is_set():  # a Stop since the Ask click
-                        baseline.request_stop()
+                drive(self.runner.run(PrefillJob(context, max_new_tokens), baseline), progress(on_progress))
+                prepared = baseline.prepare_question(question, max_new_tokens)
+                with self._streaming(baseline, prepared, user.answer_stop) as stream:  # Stop since the Ask click
                     for _ in stream:
                         pass
                 answer = baseline.history[-1]
@@ -417,17 +385,6 @@ class Door:
         user = self.app.sessions.peek(key)
         if user is not None:
             user.interrupt()
-
-    @staticmethod
-    def speed(session: Session) -> Any:
-        """The decode floor of the session's cache as it is now (`kvdemo.cache.state.speedlimit.SpeedLimit`): measured
-        here, or as the device worker last measured it."""
-        if isinstance(session, RemoteSession):
-            return session.speed
-        from kvdemo.cache.state.speedlimit import speed_limit
-
-        assert session.cache is not None  # asked once prefilled
-        return speed_limit(session.loaded.model, session.cache)
 
     # ---- long jobs ------------------------------------------------------------------------------------
     @contextmanager
@@ -458,7 +415,7 @@ class Door:
 
 class LongJob:
     """A long job of one session (`Door.long_job`): `cancel` is set by Cancel (or a caller's bound); each method
-    reserves its KV bytes for its run and runs it in this process or on the device.
+    builds its job record (`kvdemo.serve.jobs`), reserves its KV bytes for its run and hands it to the door's runner.
 
     Attributes:
         cancel: the job's cancel event (set it to stop at the next prefill chunk or decode step).
@@ -467,9 +424,16 @@ class LongJob:
     def __init__(self, door: Door, key: str, cancel: threading.Event):
         self.door, self.key, self.cancel = door, key, cancel
 
-    @property
-    def _device(self) -> Device | None:
-        return self.door.device
+    def run(self, job: LongJobRecord, on_progress: Callable[[int, int, str], None] | None = None) -> Any:
+        """`job` run holding `<job.holder>:<key>` (`LongJobRecord.reservation`); returns its result.
+
+        Raises:
+            ServerKVBudgetError, ValueError, ImportError: refused (nothing ran); `Cancelled`: cancelled (with what
+                finished).
+        """
+        nbytes, what = job.reservation(self.door.app.wait_for_model())
+        with self.door.holding(f"{job.holder}:{self.key}", nbytes, what):
+            return drive(self.door.runner.run(job, None, self.cancel), progress(on_progress))
 
     def compare(
         self,
@@ -483,40 +447,14 @@ class LongJob:
         plans: Sequence[tuple[CacheSpec, float]] = (),
         on_progress: Callable[[int, int, str], None] | None = None,
     ) -> ComparisonReport:
-        """`kvdemo.compare.run.compare` on the context (tokenized once here for the reservation), holding
-        `compare:<key>`: one spec at a time, so the largest `session_kv_bytes` of its specs.
-
-        Raises:
-            ServerKVBudgetError, ValueError, ImportError: refused (nothing ran); ComparisonCancelled: cancelled (its
-                report holds the specs finished).
-        """
-        loaded = self.door.app.wait_for_model()
-        prepared = loaded.prepare(context)
-        reserve = QUESTION_RESERVE_TOKENS + checks.max_new_tokens(max_new_tokens)
-        tokens = len(prepared.ids)
-        nbytes = max(
-            session_kv_bytes(spec.validate(loaded.config), loaded, tokens, reserve)
-            for spec in [CacheSpec(BASELINE), *specs]
-        )
-        what = f"a comparison of {len(specs)} spec(s) on {tokens:,} context tokens"
-        budget = self.door.app.kv_budget_bytes
-        with self.door.holding(f"compare:{self.key}", nbytes, what):
-            if self._device is None:
-                from kvdemo.compare.run import compare
-
-                return compare(
-                    loaded, prepared, questions, specs, max_new_tokens, gold_answers, cancel=self.cancel,
-                    on_progress=on_progress, kv_budget_bytes=budget, perplexity_tokens=perplexity_tokens,
-                    continuation=continuation, plans=plans,
-                )  # fmt: skip
-            request = GpuRequest(
-                "compare", context=context, max_new_tokens=max_new_tokens, kv_budget_bytes=budget or 0,
-                questions=tuple(questions), specs=tuple(s.text for s in specs),
-                golds=None if gold_answers is None else tuple(tuple(g) for g in gold_answers),
-                perplexity_tokens=perplexity_tokens, continuation=continuation,
-                plans=tuple((base.text, float(b)) for base, b in plans),
-            )  # fmt: skip
-            return self._device.long_job(request, ComparisonCancelled, self.cancel, on_progress)
+        """`kvdemo.compare.run.compare` on the context, tokenized once here for the reservation and every spec
+        (`CompareJob`). Raises: as `run`; ComparisonCancelled holds the specs finished."""
+        job = CompareJob(
+            self.door.app.wait_for_model().prepare(context), tuple(questions), tuple(specs), max_new_tokens,
+            None if gold_answers is None else tuple(tuple(g) for g in gold_answers), perplexity_tokens, continuation,
+            tuple(plans), self.door.app.kv_budget_bytes,
+        )  # fmt: skip
+        return cast(ComparisonReport, self.run(job, on_progress))
 
     def needle(
         self,
@@ -528,32 +466,13 @@ class LongJob:
         seed: int = 0,
         on_progress: Callable[[int, int, str], None] | None = None,
     ) -> NeedleGrid:
-        """`kvdemo.needle.grid.needle_grid`, holding `grid:<key>`: one spec at a time, so at most the largest
-        `session_kv_bytes` of its specs at the longest length.
-
-        Raises:
-            ServerKVBudgetError, ValueError, ImportError: refused; NeedleCancelled: cancelled (its grid holds the
-                cells finished).
-        """
-        loaded = self.door.app.wait_for_model()
-        longest, reserve = max(lengths, default=0), QUESTION_RESERVE_TOKENS + max_new_tokens
-        nbytes = max((session_kv_bytes(s, loaded, longest, reserve) for s in specs), default=0)
-        what = f"a needle grid of {len(specs)} spec(s) up to {longest:,} tokens"
-        budget = self.door.app.kv_budget_bytes
-        with self.door.holding(f"grid:{self.key}", nbytes, what):
-            if self._device is None:
-                from kvdemo.needle.grid import needle_grid
-
-                return needle_grid(
-                    loaded, specs, lengths, depths, needles_per_context=needles_per_context, seed=seed,
-                    max_new_tokens=max_new_tokens, cancel=self.cancel, kv_budget_bytes=budget, on_progress=on_progress,
-                )  # fmt: skip
-            request = GpuRequest(
-                "needle", max_new_tokens=max_new_tokens, kv_budget_bytes=budget or 0,
-                specs=tuple(s.text for s in specs), lengths=tuple(lengths), depths=tuple(depths), seed=seed,
-                needles_per_context=needles_per_context or 0,
-            )  # fmt: skip
-            return self._device.long_job(request, NeedleCancelled, self.cancel, on_progress)
+        """`kvdemo.needle.grid.needle_grid` (`NeedleJob`). Raises: as `run`; NeedleCancelled holds the cells
+        finished."""
+        job = NeedleJob(
+            tuple(specs), tuple(lengths), tuple(depths), max_new_tokens, needles_per_context, seed,
+            self.door.app.kv_budget_bytes,
+        )  # fmt: skip
+        return cast(NeedleGrid, self.run(job, on_progress))
 
     def recommend(
         self,
@@ -565,26 +484,7 @@ class LongJob:
         plans: bool = True,
         on_progress: Callable[[int, int, str], None] | None = None,
     ) -> Recommendation:
-        """`kvdemo.compare.recommend.recommend`, holding `compare:<key>`: `dynamic`'s reference cache for the whole
-        run and one candidate's at a time, at most as large, so twice `dynamic`'s bytes.
-
-        Raises:
-            ServerKVBudgetError, ValueError: refused; RecommendationCancelled: cancelled (the rows measured so far).
-        """
-        loaded = self.door.app.wait_for_model()
-        reserve = QUESTION_RESERVE_TOKENS + checks.max_new_tokens(32)
-        tokens = prefill_tokens(loaded, context)
-        nbytes = 2 * session_kv_bytes(CacheSpec(BASELINE).validate(loaded.config), loaded, tokens, reserve)
-        with self.door.holding(f"compare:{self.key}", nbytes, f"a recommendation on {tokens:,} context tokens"):
-            if self._device is None:
-                from kvdemo.compare.recommend import recommend
-
-                return recommend(
-                    loaded, context, questions, max_kl=max_kl, bytes_per_token=bytes_per_token, engine=engine,
-                    plans=plans, cancel=self.cancel, on_progress=on_progress,
-                )  # fmt: skip
-            request = GpuRequest(
-                "recommend", context=context, questions=tuple(questions), engine=engine, plan=plans, max_kl=max_kl,
-                bytes_per_token=bytes_per_token,
-            )  # fmt: skip
-            return self._device.long_job(request, RecommendationCancelled, self.cancel, on_progress)
+        """`kvdemo.compare.recommend.recommend` (`RecommendJob`). Raises: as `run`; RecommendationCancelled holds the
+        rows measured so far."""
+        job = RecommendJob(context, tuple(questions), max_kl, bytes_per_token, engine, plans)
+        return cast(Recommendation, self.run(job, on_progress))

@@ -10,8 +10,7 @@ from dataclasses import dataclass
 from kvdemo.cache.state.telemetry import StepEvent
 from kvdemo.qa.prompt import PreparedQuestion
 from kvdemo.qa.records import Answer
-from kvdemo.qa.session import QASession
-from kvdemo.serve.device import RemoteSession
+from kvdemo.qa.session import Session
 
 
 @dataclass(frozen=True)
@@ -20,7 +19,7 @@ class Prefilled:
     the prefill itself: `queued_seconds` waiting for the session's lock (its running answer), `set_up_seconds`
     building the session (a backend's first use on a model probes it and warms its kernels)."""
 
-    session: QASession | RemoteSession
+    session: Session
     queued_seconds: float
     set_up_seconds: float
 
@@ -30,7 +29,7 @@ class AnswerRun:
     """An answer as it runs (`Door.answer`): iterate it for its `StepEvent`s; `answer` is the finished `Answer`
     once the iteration has ended (stopped, finished or failed: the session restored its cache)."""
 
-    session: QASession | RemoteSession
+    session: Session
     question: PreparedQuestion
     events: Generator[StepEvent, None, None]
 

@@ -21,9 +21,9 @@ from kvdemo.compare.recommendation import Recommendation
 from kvdemo.qa.models import LoadedModel, is_hub_id, load_model
 from kvdemo.qa.probe import check_model
 from kvdemo.serve.accounting import KVAccount
-from kvdemo.serve.device import Device
 from kvdemo.serve.door import Door
 from kvdemo.serve.recommended import page_default, page_start
+from kvdemo.serve.runner import Runner
 from kvdemo.serve.session_files import SessionFiles
 from kvdemo.serve.store import SessionStore
 
@@ -59,7 +59,8 @@ class App:
             load (a minute or more, once per model); False: only a stored one is used.
         recommended_start: the Ask tab starts each model on its page default (`recommended`); False: on its fixed
             spec (`kvdemo.ui.ask_widgets.START_SPEC`) for every model.
-        device: where the jobs' model work runs (`kvdemo.serve.device.Device`: a ZeroGPU worker); None: here.
+        device: the runner of the jobs' model work on a device (`kvdemo.serve.device.Device`: a ZeroGPU worker);
+            None: in this process (`kvdemo.serve.runner.InProcess`).
 
     Attributes:
         kv: the `KVAccount`; a freed session's cache is released from it (`SessionStore.on_free`).
@@ -78,7 +79,7 @@ class App:
         session_files: SessionFiles | None = None,
         measure_defaults: bool = False,
         recommended_start: bool = True,
-        device: Device | None = None,
+        device: Runner | None = None,
     ):
         self.model_source = model_source
         self.loader = loader

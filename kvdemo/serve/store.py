@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvdemo.cache.spec import CacheSpec
-from kvdemo.qa.session import QASession
-from kvdemo.serve.device import RemoteSession
+from kvdemo.qa.session import Session
 
 API_KEY = "api"
 """The session key of a call that comes with no request (a direct call of a handler, a script)."""
@@ -59,7 +58,7 @@ class UserSession:
             answer beside one (the Ask tab's `reference` runs it once per answer); None: none is due.
     """
 
-    qa: QASession | RemoteSession | None = None
+    qa: Session | None = None
     chat: list[dict[str, str]] = field(default_factory=list)
     events: list = field(default_factory=list)
     answers: list = field(default_factory=list)
@@ -67,7 +66,7 @@ class UserSession:
     compare_cancel: threading.Event = field(default_factory=threading.Event)
     compare_lock: threading.Lock = field(default_factory=threading.Lock)
     compare_pending: bool = False
-    prefilling: QASession | RemoteSession | None = None
+    prefilling: Session | None = None
     last_used: float = 0.0
     page_shows: tuple[str, CacheSpec | None] | None = None
     answer_stop: threading.Event = field(default_factory=threading.Event)
@@ -76,7 +75,7 @@ class UserSession:
     prefill_clicked: float | None = None
     prefill_timing: str = ""
     references: dict[tuple, Any] = field(default_factory=dict)
-    reference: QASession | RemoteSession | None = None
+    reference: Session | None = None
     reference_due: int | None = None
 
     def interrupt(self) -> None:
@@ -105,20 +104,15 @@ class UserSession:
         return self.answers_queued > 0
 
     @contextmanager
-    def answering(self) -> Iterator[Callable[[QASession | RemoteSession], None]]:
+    def answering(self) -> Iterator[threading.Event]:
         """The one protocol of a session's answer (the Ask tab's, the `ask_question` tool's), entered with `lock`
-        held: Stop applies from the Ask click (`queue_answer`) or, for a call that no button queued, from now.
-        Yields `began(qa)`, to call once `qa.stream(...)` has been created (which clears `qa`'s own stop flag): a
-        Stop that came before it then ends the answer after its first decode step, with `finish_reason`
-        `stopped` (the pattern of `SessionStore.long_job`'s Cancel)."""
+        held: yields the answer's stop signal (`answer_stop`), from the Ask click (`queue_answer`) or, for a call
+        that no button queued, from now. The answer's job looks at it after every decode step, so a Stop that came
+        before the first ends the answer after it, with `finish_reason` `stopped` (the pattern of
+        `SessionStore.long_job`'s Cancel)."""
         if not self.answer_pending:
             self.answer_stop.clear()
-
-        def began(qa: QASession | RemoteSession) -> None:
-            if self.answer_stop.is_set():
-                qa.request_stop()
-
-        yield began
+        yield self.answer_stop
 
     @property
     def long_job_active(self) -> bool:

@@ -16,7 +16,8 @@ import gradio as gr
 
 from kvdemo.cache.registry import GROUP_OPTIONS
 from kvdemo.qa.prefill import PrefillStopped
-from kvdemo.serve.door import ANSWER_BUSY, Session
+from kvdemo.qa.session import Session
+from kvdemo.serve.door import ANSWER_BUSY
 from kvdemo.serve.runs import AnswerRun
 from kvdemo.serve.server import App, switched_reason
 from kvdemo.serve.store import UserSession, request_key
@@ -113,7 +114,7 @@ class AskTab(AskWidgets):
         user.prefill_timing = times.from_click(qa, total, queued, done.set_up_seconds, _first_use(qa))
         # Ask as the page now stands: the options may have changed meanwhile
         matches = page_state.page_differs(user) is None
-        return PrefillView.prefilled(qa, self.app.door.speed(qa), user.answers, matches, cleared, user.prefill_timing)
+        return PrefillView.prefilled(qa, qa.speed_limit(), user.answers, matches, cleared, user.prefill_timing)
 
     def _answerable_session(self, request: gr.Request | None, context: str | None) -> UserSession:
         """This tab's session with a prefilled cache of the page's context.
@@ -217,7 +218,7 @@ class AskTab(AskWidgets):
             stats=f"reading the question ({len(question.ids):,} tokens) on top of the {qa.cache_length:,}-token "
             "context…",
             step_plot=views.step_times([], streaming=True),  # drawn once, when the answer ends (`views.step_times`)
-            speed_limit=views.speed_limit_after(self.app.door.speed(qa), []),  # the floor now, not the last step's
+            speed_limit=views.speed_limit_after(qa.speed_limit(), []),  # the floor now, not the last step's
         )
         try:
             for event in _guarded(run, qa):
@@ -250,7 +251,7 @@ class AskTab(AskWidgets):
             residual_plot=views.residual_chart(user.events, qa.spec),
             step_plot=views.step_times(user.events),
             answers_table=views.answers_table(user.answers),
-            speed_limit=views.speed_limit_after(self.app.door.speed(qa), user.events),
+            speed_limit=views.speed_limit_after(qa.speed_limit(), user.events),
         )
 
     def stop(self, request: gr.Request) -> None:

@@ -16,7 +16,7 @@ from kvdemo.cache.spec import CacheSpec
 from kvdemo.cache.state.speedlimit import SpeedLimit
 from kvdemo.charts.steps import KEPT_SERIES, MEMORY_SERIES, answers_frame
 from kvdemo.qa.limits import DEFAULT_MAX_NEW_TOKENS
-from kvdemo.serve.door import Session
+from kvdemo.qa.session import Session
 from kvdemo.serve.secret import browser_state_secret
 from kvdemo.ui import option_fields, views
 from kvdemo.ui.examples import EXAMPLES
@@ -54,7 +54,7 @@ class PrefillView(NamedTuple):
     ) -> PrefillView:
         """What a prefill, or a session file opened in its place, shows: the summary line (with `timing` after its
         time, then `note`), an empty chat and charts, the tab's answers table, Ask as `ask_enabled` says, and the new
-        cache's speed floor `speed` (`Door.speed`; no step measured yet)."""
+        cache's speed floor `speed` (`Session.speed_limit`; no step measured yet)."""
         return cls.emptied(views.prefill_summary(qa, timing) + note, qa.spec)._replace(
             answers_table=views.answers_table(answers),
             ask_button=gr.update(interactive=ask_enabled),

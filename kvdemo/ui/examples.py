@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 
 from kvdemo.evals.cases import example_path, load_case
-from kvdemo.serve.door import Session
+from kvdemo.qa.session import Session
 
 EXAMPLES = {"Normans": ("normans", "0-7"), "Southern California": ("southern_california", "0-5")}
 """Button name -> (case file stem, paragraphs)."""

@@ -18,8 +18,8 @@ import gradio as gr
 
 from kvdemo.cache.registry import BACKENDS, GROUP_OPTIONS
 from kvdemo.cache.spec import CacheSpec
+from kvdemo.qa.session import Session
 from kvdemo.qa.session_file import SUFFIX
-from kvdemo.serve.door import Session
 from kvdemo.serve.server import App
 from kvdemo.serve.store import request_key
 from kvdemo.ui import option_fields, page_state, views
@@ -88,7 +88,7 @@ def open_file(app: App, path: str | None, request: gr.Request) -> tuple[Any, ...
         held = app.sessions.peek_request(request)
         shown = held is not None and held.qa is not None and page_state.page_differs(held) is None
         return (*keep, *PrefillView.refused(refusal(error, "opening the session file"), shown), None)
-    view = PrefillView.prefilled(qa, app.door.speed(qa), user.answers, ask_enabled=True)  # page set to the file's
+    view = PrefillView.prefilled(qa, qa.speed_limit(), user.answers, ask_enabled=True)  # page set to the file's
     return (qa.context, backend, *values, *view, None)  # the box emptied for the next file (the line names this one)
 
 

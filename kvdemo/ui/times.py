@@ -12,7 +12,7 @@ from typing import Any
 from kvdemo.charts.steps import flush_timing
 from kvdemo.compare.recommendation import Recommendation
 from kvdemo.qa.job import seconds_left
-from kvdemo.serve.door import Session
+from kvdemo.qa.session import Session
 
 
 def from_click(qa: Session, total: float, queued: float, set_up: float, first_use: bool) -> str:

@@ -33,7 +33,7 @@ from kvdemo.compare.records import ComparisonReport
 from kvdemo.evals.metrics import common_prefix
 from kvdemo.qa.models import LoadedModel
 from kvdemo.qa.records import Answer
-from kvdemo.serve.door import Session
+from kvdemo.qa.session import Session
 from kvdemo.serve.runs import FullPrecisionAnswer
 from kvdemo.serve.session_files import SAVED_COPY
 

@@ -6,7 +6,7 @@ across, the duration callable called in the server's process. The scheduler poli
 (default `fresh`: a new worker forked for every call, the case where nothing is warm).
 
 `KVDEMO_STAND_IN_LOG`, when set, names a file where each call's worker appends one line, `<pid> <kind>` (the job's
-`GpuRequest.kind`): what the tests read to see that the model work ran in forked workers.
+`WorkOrder.kind`): what the tests read to see that the model work ran in forked workers.
 """
 
 from __future__ import annotations
