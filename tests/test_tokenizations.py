@@ -11,6 +11,9 @@ own tokens before holding its tail out: `fidelity.perplexity_inputs`.) Before th
 page split its context 8 times (273 calls in
 `compare` alone), a page prefill twice, and a page answer tokenized its question 3 times.
 
+Each test runs on both runners (`kvdemo.serve.runner.InProcess`, and `kvdemo.serve.device.Device` with the worker's
+generator run here, so that its calls are counted too): the worker takes the prepared ids and tokenizes nothing again.
+
 Cost: 12 s in a pytest-xdist worker on 2 cores (2026-12-04): prefills and comparisons on the embedded model."""
 
 from __future__ import annotations
@@ -20,7 +23,10 @@ import pytest
 from kvdemo.cache.spec import CacheSpec
 from kvdemo.qa.prompt import PreparedContext
 from kvdemo.qa.session import QASession
+from kvdemo.serve.device import Device
+from kvdemo.serve.gpu_job import gpu_job, serve_model
 from kvdemo.serve.server import App
+from kvdemo.serve.warm_sessions import WARM
 
 QUESTION = "Who gave their name to Normandy, a region in France?"
 
@@ -51,12 +57,17 @@ def _counting_after_one_preparation(monkeypatch, tiny, context: str) -> tuple[li
     return calls, one_preparation
 
 
-@pytest.fixture()
-def app(tiny) -> App:
-    app = App(loader=lambda source: tiny)
+@pytest.fixture(params=["in process", "worker"])
+def app(tiny, request, tmp_path) -> App:
+    device = None
+    if request.param == "worker":
+        serve_model(tiny)
+        device = Device(gpu_job, str(tmp_path / "sessions"), tmp_path / "stops")
+    app = App(loader=lambda source: tiny, device=device)
     app.start_loading()
     app.wait_for_model()
-    return app
+    yield app
+    WARM.clear()
 
 
 def test_a_comparison_of_three_specs_tokenizes_its_context_once(tiny, normans, app, monkeypatch):
@@ -77,13 +88,13 @@ def test_a_page_prefill_tokenizes_its_context_once(tiny, normans, app, monkeypat
     calls, one_preparation = _counting_after_one_preparation(monkeypatch, tiny, context)
     qa = app.door.prefill("k", CacheSpec.parse("hqq:4"), context, 8).session
     assert one_preparation > 0 and len(calls) == one_preparation
-    assert qa.prefill_report.context_tokens == len(qa.context_ids(context)) == qa.cache_length
+    assert qa.prefill_report.context_tokens == len(tiny.context_ids(context)) == qa.cache_length
 
 
 def test_an_answer_tokenizes_its_question_once(tiny, normans, app, monkeypatch):
     qa = app.door.prefill("k", CacheSpec.parse("quanto:4,residual_length=4"), normans.paragraphs[0], 8).session
     calls = _counting(monkeypatch, tiny.tokenizer, QUESTION)
-    q_ids = qa.question_ids(QUESTION)
+    q_ids = tiny.layout.question_ids(qa.split, QUESTION)
     one_tokenization = len(calls)
     calls.clear()
     with app.door.answer("k", QUESTION, 6) as run:  # what the Ask tab, the MCP tool and the command line do

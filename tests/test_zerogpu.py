@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import pickle
 import re
+import threading
 import types
 from pathlib import Path
 
@@ -29,12 +30,24 @@ from kvdemo.cache.spec import CacheSpec
 from kvdemo.cache.state.telemetry import StepEvent
 from kvdemo.charts.steps import memory_frame, residual_frame
 from kvdemo.compare.records import ComparisonCancelled
-from kvdemo.qa.records import Answer, PrefillReport
+from kvdemo.qa.prompt import PreparedQuestion
+from kvdemo.qa.records import Answer
 from kvdemo.qa.session import QASession
-from kvdemo.qa.session_file import save_session
+from kvdemo.qa.session_file import SessionFileError, save_session
 from kvdemo.serve import gpu_job as job_module
-from kvdemo.serve.device import Device, GpuJobError, RemoteSession
-from kvdemo.serve.gpu_job import AnswerDone, GpuRequest, JobProgress, PrefillDone, gpu_job, job_seconds, serve_model
+from kvdemo.serve.device import Device, RemoteSession
+from kvdemo.serve.gpu_job import Finished, Raised, SessionRef, WorkOrder, gpu_job, job_seconds, serve_model
+from kvdemo.serve.jobs import (
+    AnswerJob,
+    CompareJob,
+    JobProgress,
+    NeedleJob,
+    OpenJob,
+    PrefillDone,
+    PrefillJob,
+    RecommendJob,
+)
+from kvdemo.serve.runner import InProcess, drive
 from kvdemo.serve.server import App
 from kvdemo.serve.warm_sessions import WARM, WarmSessions
 from kvdemo.ui import build_demo, session_box
@@ -180,7 +193,8 @@ def test_the_page_runs_its_model_work_in_the_worker_under_every_policy(served, i
         assert out == in_process
         assert out["stopped"] == ("stopped", out["a"], True)
         warm = [
-            v.warm for kind, _, v in harness.crossed if kind == "yield" and isinstance(v, AnswerDone)
+            v.warm for kind, _, v in harness.crossed
+            if kind == "yield" and isinstance(v, Finished) and isinstance(v.result, Answer)
         ]  # fmt: skip
         assert warm[:4] == WARM_PATTERN[policy]
         kinds = [v[0][0].kind for kind, _, v in harness.crossed if kind == "args"]
@@ -201,11 +215,14 @@ def test_refusals_keep_their_message_and_a_bug_raises(served, tmp_path):
         view = fns["prefill"](CONTEXTS["a"] * 40, *FIELDS, _request("a"))  # past the tiny model's window: here
         assert "window" in view.notice
         assert [kind for kind, *_ in harness.crossed].count("args") == 1  # refused here, before any job
-        records = list(harness.stream(job_module._gpu_job, GpuRequest("decode")))
-        assert records[0].message.startswith("kind='decode' is not a GPU job")
-        gone = GpuRequest("answer", session_path=str(tmp_path / "gone.kvsession"), question="Why?")
-        with pytest.raises(GpuJobError, match="is not a file; give the path of a session file"):
-            list(device._records(gone))
+        a = app.sessions.peek("a").qa
+        order = WorkOrder(AnswerJob(a.prepare_question("Why?", 4)), a.ref(), "another/model", "")
+        (refused,) = harness.stream(job_module._gpu_job, order)  # a job prepared for another model
+        assert isinstance(refused, Raised) and "prepared for another/model" in str(refused.error)
+        gone = RemoteSession(a.loaded, a.spec, session_path=str(tmp_path / "gone.kvsession"), split=a.split,
+                             prefill_report=a.prefill_report)  # fmt: skip
+        with pytest.raises(SessionFileError, match="is not a file; give the path of a session file"):
+            drive(device.run(AnswerJob(gone.prepare_question("Why?", 4)), gone))  # its own type, as in process
         with pytest.raises(WorkerError, match="AttributeError"):  # a bug is not a refusal: it raises, as on ZeroGPU
             list(harness.stream(job_module._gpu_job, None))
         with app.door.long_job("a", "busy") as job:  # Cancel reaches the worker through the stop file
@@ -223,20 +240,25 @@ def test_refusals_keep_their_message_and_a_bug_raises(served, tmp_path):
     _no_orphans(harness)
 
 
-def test_the_records_cross_as_plain_dicts_too(served, tmp_path):
-    """Every record a job yields has `to_dict`/`from_dict` (numbers and strings): the charts draw from them alone."""
-    records = list(gpu_job(GpuRequest("prefill", SPEC, CONTEXTS["a"], folder=str(tmp_path), max_new_tokens=TOKENS)))
+def test_the_records_cross_pickled_and_small(served, tmp_path):
+    """The one wire format is pickle: every record a job yields comes back equal and small; the charts draw from
+    the events as they came."""
+    prepared = served.prepare(CONTEXTS["a"])
+    ref = SessionRef(CacheSpec.parse(SPEC), None, hold=str(tmp_path / "a.kvsession"))
+    records = list(gpu_job(WorkOrder(PrefillJob(prepared, TOKENS), ref, served.name, "", str(tmp_path))))
     done = records[-1]
-    assert isinstance(done, PrefillDone) and all(isinstance(r, JobProgress) for r in records[:-1]) and records[:-1]
-    assert PrefillReport.from_dict(done.report.to_dict()) == done.report
-    answer = list(gpu_job(GpuRequest("answer", session_path=done.session_path, question=QUESTIONS[0])))
+    assert isinstance(done, Finished) and isinstance(done.result, PrefillDone) and done.warm == ""
+    assert records[:-1] and all(isinstance(r, JobProgress) for r in records[:-1])
+    question = PreparedQuestion(QUESTIONS[0], tuple(served.layout.question_ids(done.result.split, QUESTIONS[0])),
+                                TOKENS, done.result.split)  # fmt: skip
+    ref = SessionRef(CacheSpec.parse(SPEC), None, done.result.path)
+    answer = list(gpu_job(WorkOrder(AnswerJob(question), ref, served.name, "")))
     events, end = answer[:-1], answer[-1]
-    assert events and all(StepEvent.from_dict(e.to_dict()) == e for e in events)
-    assert Answer.from_dict(end.answer.to_dict()) == dataclasses.replace(
-        end.answer, seconds=round(end.answer.seconds, 4), question_seconds=round(end.answer.question_seconds, 4)
-    )
-    assert memory_frame([StepEvent.from_dict(e.to_dict()) for e in events]).equals(memory_frame(events))
-    assert JobProgress.from_dict(JobProgress(1, 2, "x").to_dict()) == JobProgress(1, 2, "x")
+    assert events and all(isinstance(e, StepEvent) for e in events) and end.warm == "hit"
+    crossed = [pickle.loads(pickle.dumps(r)) for r in records + answer]
+    assert crossed[: len(records) - 1] == records[:-1] and crossed[len(records) : -1] == events
+    assert crossed[-1].result == end.result and crossed[len(records) - 1].result == done.result
+    assert memory_frame(crossed[len(records) : -1]).equals(memory_frame(events))
     assert all(len(pickle.dumps(r)) <= SMALL_BYTES for r in answer)
     WARM.clear()
 
@@ -247,29 +269,35 @@ def test_a_warm_session_is_never_served_for_a_rewritten_file(served, tmp_path):
     assert gpu_job is job_module._gpu_job  # `spaces` is not installed here
     path, question = tmp_path / "visitor.kvsession", QUESTIONS[0]
 
-    def ask(spec: str = "") -> AnswerDone:
-        *_, end = gpu_job(GpuRequest("answer", spec, session_path=str(path), question=question, max_new_tokens=TOKENS))
-        if not isinstance(end, AnswerDone):
-            raise GpuJobError(end.message)
+    def ask(session: QASession, spec: str = SPEC) -> Finished:
+        prepared = session.prepare_question(question, TOKENS)
+        ref = SessionRef(CacheSpec.parse(spec), None, str(path))
+        *_, end = gpu_job(WorkOrder(AnswerJob(prepared), ref, served.name, ""))
+        if isinstance(end, Raised):
+            raise end.error
         return end
 
-    reference = {}
+    reference, sessions = {}, {}
     for visitor, context in CONTEXTS.items():
-        session = QASession(served, CacheSpec.parse(SPEC))
+        session = sessions[visitor] = QASession(served, CacheSpec.parse(SPEC))
         session.prefill(context, max_new_tokens=TOKENS)
         reference[visitor] = session.ask(question, TOKENS).token_ids
     try:
-        list(gpu_job(GpuRequest("prefill", SPEC, CONTEXTS["a"], session_path=str(path), max_new_tokens=TOKENS)))
-        answer = ask()
-        assert (answer.warm, answer.answer.token_ids) == ("hit", reference["a"])
+        ref = SessionRef(CacheSpec.parse(SPEC), None, hold=str(path))
+        job = PrefillJob(served.prepare(CONTEXTS["a"]), TOKENS)
+        list(gpu_job(WorkOrder(job, ref, served.name, "", str(tmp_path / "folder"))))
+        answer = ask(sessions["a"])
+        assert (answer.warm, answer.result.token_ids) == ("hit", reference["a"])
         other = QASession(served, CacheSpec.parse(SPEC))
         other.prefill(CONTEXTS["b"], max_new_tokens=TOKENS)
         save_session(other, path)  # another process writes the file again
-        answer = ask()
-        assert (answer.warm, answer.answer.token_ids) == ("miss", reference["b"])
+        answer = ask(sessions["b"])
+        assert (answer.warm, answer.result.token_ids) == ("miss", reference["b"])
+        with pytest.raises(ValueError, match="the question was prepared for another prefill"):
+            ask(sessions["a"])  # a's question on b's file: refused, never answered on either
         assert WARM.paths() == [str(path.resolve())]
-        with pytest.raises(GpuJobError, match="holds a `hqq:4,residual_length=4` cache, not `quanto:4`"):
-            ask("quanto:4")
+        with pytest.raises(SessionFileError, match="holds a `hqq:4,residual_length=4` cache, not `quanto:4`"):
+            ask(sessions["b"], "quanto:4")
     finally:
         WARM.clear()
     first = QASession(served, CacheSpec.parse(SPEC))
@@ -292,22 +320,26 @@ def test_a_warm_session_is_never_served_for_a_rewritten_file(served, tmp_path):
     assert held.get(path, dataclasses.replace(served)) is None  # another model's session is not served
 
 
-def test_the_duration_is_computed_from_the_job():
-    assert job_seconds(GpuRequest("prefill", context="A short text.")) == job_module.MIN_SECONDS  # 15.02 s
-    assert job_seconds(GpuRequest("answer", question="Why?", max_new_tokens=8)) == 21  # 15 + 5 + 8 x 0.12
-    assert job_seconds(GpuRequest("open", session_path="x")) == job_module.MIN_SECONDS  # 15 + 5
-    # 15 s to start + 30,000 characters / 3 per token x 4 ms
-    assert job_seconds(GpuRequest("prefill", context="x" * 30_000)) == 55
-    assert (
-        job_seconds(GpuRequest("answer", question="q" * 300, max_new_tokens=100)) == 32
-    )  # 15 + 5 + 300 / 3 x 0.004 + 100 x 0.12
-    long = GpuRequest("compare", context="x" * 30_000, questions=("a", "b"), specs=("hqq:4",), max_new_tokens=32)
-    assert job_seconds(long) == round(15 + 2 * (40 + 2 * 2 * 32 * 0.12))  # dynamic and hqq:4
-    grid = GpuRequest("needle", specs=("hqq:4", "dynamic"), lengths=(1024, 2048), depths=(0.0, 50.0), max_new_tokens=8)
-    assert job_seconds(grid) == round(15 + 4 * 0.004 * 1536 + 4 * 2 * 2 * 8 * 0.12)
-    found = GpuRequest("recommend", context="x" * 3_000, max_new_tokens=24)
-    assert job_seconds(found) == round(15 + 4 + 3 * 24 * 0.12 + 50 * 4)
-    assert job_seconds(dataclasses.replace(long, context="x" * 10**7)) == job_module.MAX_SECONDS
+def test_the_duration_is_computed_from_the_job(served):
+    def seconds(job) -> int:
+        return job_seconds(WorkOrder(job, None, "", ""))
+
+    short, long = served.prepare("A short text."), served.prepare("x " * 3_000)
+    tokens = len(long.ids)
+    assert seconds(PrefillJob(short, 8)) == job_module.MIN_SECONDS  # 15 s + a few tokens x 4 ms
+    assert seconds(PrefillJob(long, 8)) == round(15 + tokens * 0.004)
+    question = PreparedQuestion("Why?", (1, 2, 3), 8, long.split)
+    assert seconds(AnswerJob(question)) == round(15 + 5 + (3 + 8) * 0.12)
+    assert seconds(AnswerJob(PreparedQuestion("q", (1,) * 100, 100, long.split))) == round(15 + 5 + 200 * 0.12)
+    assert seconds(OpenJob("x")) == job_module.MIN_SECONDS  # 15 + 5
+    compare = CompareJob(long, ("a", "b"), (CacheSpec.parse("hqq:4"),), 32)
+    assert seconds(compare) == round(15 + 2 * (tokens * 0.004 + 2 * 2 * 32 * 0.12))  # dynamic and hqq:4
+    specs = (CacheSpec.parse("hqq:4"), CacheSpec.parse("dynamic"))
+    assert seconds(NeedleJob(specs, (1024, 2048), (0.0, 50.0), 8)) == round(
+        15 + 4 * 0.004 * 1536 + 4 * 2 * 2 * 8 * 0.12
+    )
+    assert seconds(RecommendJob("x" * 3_000)) == round(15 + 4 + 3 * 32 * 0.12 + 50 * 4)
+    assert seconds(RecommendJob("x" * 10**7)) == job_module.MAX_SECONDS
 
 
 def test_quanto_on_cuda_falls_back_to_its_pure_torch_unpacking(monkeypatch):
@@ -353,7 +385,7 @@ def test_the_job_is_decorated_with_spaces_gpu_where_spaces_is_installed():
     assert done.returncode == 0 and done.stdout.strip() == "decorated gpu_job", done.stderr[-2000:]
 
 
-def test_on_zerogpu_the_app_serves_the_model_to_the_job_from_the_cpu(monkeypatch):
+def test_on_zerogpu_the_app_places_the_model_on_cuda_at_start_up(monkeypatch):
     import app as app_module
 
     for name in ("KVDEMO_CONCURRENCY", "SPACE_ID"):
@@ -365,8 +397,11 @@ def test_on_zerogpu_the_app_serves_the_model_to_the_job_from_the_cpu(monkeypatch
     assert app_module.parse_args([]).concurrency == 2  # a GPU Space's page
     asked = {}
     monkeypatch.setattr("kvdemo.qa.models.load_model", lambda source=None, device=None: asked.update(device=device))
-    app_module._cpu_loader("some/model")
-    assert asked == {"device": "cpu"}
+    app_module._zero_gpu_loader("some/model")
+    assert asked == {"device": "cuda"}  # on `cuda` at start-up, as ZeroGPU's docs ask (its main process emulates it)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    app_module._zero_gpu_loader("some/model")
+    assert asked == {"device": "cpu"}  # the CPU stand-in: the same call
     assert isinstance(app_module._zero_gpu_device(1), Device)
 
 
@@ -435,3 +470,89 @@ def test_a_session_keeps_its_own_file_and_its_stop_files_go_with_its_jobs(served
         assert "one ZeroGPU call may take at most 300 s here: ask for fewer specs or questions" in huge.compare_status
         assert len(harness.crossed) == sent  # refused here: no job sent
     _no_orphans(harness)
+
+
+def test_two_visitors_at_once_get_their_own_answers_and_a_stop_touches_one(served, in_process, tmp_path):
+    """Two visitors on the page at the same time (the page's concurrency above 1): their prefills and answers
+    interleave in two workers, each answer equals the same page's in process, and a Stop of one visitor's answer ends
+    that answer alone."""
+    with Harness("reuse") as harness:
+        device = Device(harness.gpu(duration=job_seconds)(job_module._gpu_job), str(tmp_path / "s"), tmp_path / "x")
+        app, fns = _page(served, device)
+        out: dict = {}
+        errors: list[BaseException] = []
+        together = threading.Barrier(2)
+
+        def visit(visitor: str) -> None:
+            try:
+                together.wait(30)
+                fns["prefill"](CONTEXTS[visitor], *FIELDS, _request(visitor))
+                for question in QUESTIONS:
+                    list(fns["ask"](question, TOKENS, _request(visitor)))
+                    answer = app.sessions.peek(visitor).qa.history[-1]
+                    out[visitor, question] = (answer.token_ids, answer.finish_reason, answer.cache_length_after)
+                together.wait(30)  # a stops its long answer while b answers
+                if visitor == "a":
+                    stream = fns["ask"]("Tell me everything about the Normans.", 60, _request("a"))
+                    next(stream), next(stream)  # the question shown, then the first step
+                    fns["stop"](_request("a"))
+                    list(stream)
+                    stopped = app.sessions.peek("a").qa.history[-1]
+                    out["stopped"] = (stopped.finish_reason, stopped.cache_length_after)
+                else:
+                    list(fns["ask"](QUESTIONS[1], 24, _request("b")))
+                    out["b beside the stop"] = app.sessions.peek("b").qa.history[-1].finish_reason
+            except BaseException as error:  # raised in the test's thread below
+                errors.append(error)
+
+        threads = [threading.Thread(target=visit, args=(visitor,)) for visitor in CONTEXTS]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(300)
+        assert not errors, errors
+        assert harness.most_at_once == 2 and len(harness.forked) >= 2  # the calls overlapped, in two workers
+        for visitor in CONTEXTS:
+            for question in QUESTIONS:
+                assert out[visitor, question] == in_process[visitor, question]
+        assert out["stopped"] == ("stopped", in_process["a"])
+        assert out["b beside the stop"] in ("eos", "max_new_tokens")
+    _no_orphans(harness)
+
+
+def test_each_kinds_refusal_reaches_the_caller_with_its_own_type_and_message(served, tmp_path):
+    """The same job record refused in this process and in the worker: the same exception type and message (the
+    worker's exception is pickled whole and raised again in the server)."""
+    spec = CacheSpec.parse(SPEC)
+    prepared, other = served.prepare(CONTEXTS["a"]), served.prepare(CONTEXTS["b"])
+
+    def refusals(runner) -> list[tuple[type, str]]:
+        tight = runner.session(served, spec, 1)  # a 1-byte budget: the prefill refuses it
+        prefilled = runner.session(served, spec, None)
+        drive(runner.run(PrefillJob(prepared, TOKENS), prefilled))
+        foreign = PreparedQuestion("Why?", (1, 2), 4, other.split)  # prepared for another prefill
+        jobs = [
+            (PrefillJob(prepared, TOKENS), tight),
+            (OpenJob(str(tmp_path / "missing.kvsession")), runner.session(served, spec, None)),
+            (AnswerJob(foreign), prefilled),
+            (CompareJob(prepared, ("  ",), (spec,), 4), None),
+            (NeedleJob((spec,), (served.max_context_tokens * 4,), (50.0,), 4), None),
+            (RecommendJob("Too short a text."), None),
+        ]
+        out = []
+        for job, session in jobs:
+            with pytest.raises((ValueError, ImportError)) as refused:
+                drive(runner.run(job, session))
+            out.append((type(refused.value), str(refused.value)))
+        return out
+
+    here = refusals(InProcess(lambda: served, lambda: None))
+    with Harness("reuse") as harness:
+        device = Device(harness.gpu(duration=job_seconds)(job_module._gpu_job), str(tmp_path / "s"), tmp_path / "x")
+        there = refusals(device)
+        raised = [v for kind, _, v in harness.crossed if kind == "yield" and isinstance(v, Raised)]
+    _no_orphans(harness)
+    assert there == here and len(raised) == len(here) == 6  # each refused in the worker, not before it
+    assert [t.__name__ for t, _ in here] == [
+        "KVBudgetError", "SessionFileError", "ValueError", "ValueError", "ValueError", "ValueError"
+    ]  # fmt: skip

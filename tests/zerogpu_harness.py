@@ -14,7 +14,9 @@
   call's arguments, as the scheduler's request does, and kept in `Harness.durations`;
 - an exception in the worker comes back as its class name, message and traceback (`WorkerError`), as ZeroGPU's
   `ExceptionResult`; a worker that dies during a call is reported, not waited on forever;
-- four scheduler policies: `reuse` (one worker, reused while alive: the scheduler says idle), `fresh` (a new worker
+- calls at once (two visitors): a worker runs one call at a time; a call that finds every worker busy forks another,
+  as the scheduler does (`most_at_once` counts the calls that overlapped);
+- four scheduler policies: `reuse` (a worker reused while alive and idle), `fresh` (a new worker
   forked for each call; the old one stays alive and unused, as `spaces` leaves it), `kill` (the worker is killed
   after each call: the GPU and the process taken back), `swap` (two workers, and each visitor's calls alternate
   between them, so a visitor's next call lands on the worker that served the other visitor).
@@ -35,6 +37,7 @@ import inspect
 import multiprocessing
 import os
 import pickle
+import threading
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -58,6 +61,7 @@ class _Worker:
     args: Any
     results: Any
     stop: Any
+    busy: bool = False
 
 
 def _put(results: Any, out: tuple[str, Any]) -> bool:
@@ -145,6 +149,9 @@ class Harness:
     _pools: dict[int, list[_Worker]] = field(default_factory=dict)
     _calls: dict[str, int] = field(default_factory=dict)
     _all: list[_Worker] = field(default_factory=list)
+    most_at_once: int = 0
+    _running: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -183,8 +190,22 @@ class Harness:
         return worker
 
     def _worker(self, task: Callable[..., Any], visitor: str) -> _Worker:
+        """A worker for `visitor`'s call (the policy's), marked busy until `_done`."""
+        with self._lock:
+            worker = self._choose(task, visitor)
+            worker.busy = True
+            self._running += 1
+            self.most_at_once = max(self.most_at_once, self._running)
+            return worker
+
+    def _done(self, worker: _Worker) -> None:
+        with self._lock:
+            worker.busy = False
+            self._running -= 1
+
+    def _choose(self, task: Callable[..., Any], visitor: str) -> _Worker:
         pool = self._pools.setdefault(id(task), [])
-        alive = [w for w in pool if w.process.is_alive()]
+        alive = [w for w in pool if w.process.is_alive() and not w.busy]
         if self.policy == "swap":
             while len(pool) < 2:
                 pool.append(self._fork(task))
@@ -198,7 +219,10 @@ class Harness:
         if self.policy == "reuse" and alive:
             return alive[0]
         worker = self._fork(task)
-        pool[:] = [worker]  # `fresh`: the old worker stays alive, unused, as `spaces` drops it
+        if self.policy == "reuse":
+            pool.append(worker)  # every worker busy: one more, reused later too
+        else:
+            pool[:] = [w for w in pool if w.busy] + [worker]  # `fresh`: the old worker stays alive, unused
         return worker
 
     def call(
@@ -214,11 +238,14 @@ class Harness:
         sent = pickle.dumps((args, kwargs))
         self.crossed.append(("args", len(sent), pickle.loads(sent)))
         worker = self._worker(task, visitor)
-        worker.args.put((args, kwargs))
-        status, value = self._next(worker)
-        if self.policy == "kill":
-            worker.process.kill()
-            worker.process.join(10)
+        try:
+            worker.args.put((args, kwargs))
+            status, value = self._next(worker)
+            if self.policy == "kill":
+                worker.process.kill()
+                worker.process.join(10)
+        finally:
+            self._done(worker)
         if status != "ok":
             raise WorkerError(value)
         self.crossed.append(("result", len(pickle.dumps(value)), value))
@@ -268,6 +295,7 @@ class Harness:
             if self.policy == "kill":
                 worker.process.kill()
                 worker.process.join(10)
+            self._done(worker)
 
     def close(self) -> None:
         """Stop and join every worker forked (killed where it does not end at once)."""
