@@ -77,26 +77,13 @@ class PrefillReport:
     decode_read: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict of every field (the memory per layer, the clock in ISO 8601), which `from_dict` reads
-        back equal: what crosses from a device worker to the page (`kvdemo.serve.gpu_job`)."""
+        """A JSON-ready dict of every field (the memory per layer, the clock in ISO 8601): the command line's and
+        the MCP tools' JSON (a device worker's records cross pickled, `kvdemo.serve.gpu_job`)."""
         out = {name: getattr(self, name) for name in self.__dataclass_fields__}
         out["memory"] = self.memory.to_dict(per_layer=True)
         out["template_clock"] = self.template_clock.isoformat() if self.template_clock is not None else None
         out["deploy"] = list(self.deploy)
         return out
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> PrefillReport:
-        """The report `to_dict` gave. Raises KeyError, TypeError, ValueError: a field is missing or malformed."""
-        clock = data.get("template_clock")
-        return cls(
-            **dict(
-                data,
-                memory=MemoryReport.from_dict(data["memory"]),
-                template_clock=datetime.fromisoformat(clock) if clock else None,
-                deploy=tuple(data.get("deploy", ())),
-            )
-        )
 
     @property
     def clock_note(self) -> str | None:
@@ -198,20 +185,3 @@ class Answer:
             "cache_length_after": self.cache_length_after,
             "finish_reason": self.finish_reason,
         }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Answer:
-        """The answer `to_dict` gave (its rounded seconds). Raises KeyError: a field is missing."""
-        return cls(
-            question=data["question"],
-            text=data["answer"],
-            token_ids=tuple(data["token_ids"]),
-            steps=data["steps"],
-            flushes=tuple(data["flushes_per_layer"]),
-            seconds=data["seconds"],
-            cache_length_after=data["cache_length_after"],
-            finish_reason=data["finish_reason"],
-            question_tokens=data["question_tokens"],
-            question_seconds=data["question_seconds"],
-            question_flushes=data["question_flushes"],
-        )

@@ -199,14 +199,6 @@ class MemoryReport:
             out["layers"] = [asdict(layer) for layer in self.layers]
         return out
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> MemoryReport:
-        """The report `to_dict(per_layer=True)` gave (the totals are recomputed from the layers).
-
-        Raises:
-            KeyError, TypeError: `data` holds no `layers`, or a layer's fields are not `LayerMemory`'s."""
-        return cls(tuple(LayerMemory(**layer) for layer in data["layers"]), data.get("device_allocated_bytes"))
-
 
 STEP_KINDS = ("question pass", "decode step", "flush step")
 """The kinds of decode step: the question's own forward pass (step 0), decode steps without a flush, and decode
@@ -241,18 +233,12 @@ class StepEvent:
     full_precision_bytes: int
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict of every field (the memory per layer), which `from_dict` reads back equal: what crosses
-        from a device worker to the page (`kvdemo.serve.gpu_job`)."""
+        """A JSON-ready dict of every field (the memory per layer): the command line's and the MCP tools' JSON (a
+        device worker's records cross pickled, `kvdemo.serve.gpu_job`)."""
         out = asdict(self)
         out["memory"] = self.memory.to_dict(per_layer=True)
         out["flushed_layers"] = list(self.flushed_layers)
         return out
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> StepEvent:
-        """The event `to_dict` gave. Raises KeyError, TypeError: a field is missing or of another shape."""
-        fields = dict(data, memory=MemoryReport.from_dict(data["memory"]))
-        return cls(**dict(fields, flushed_layers=tuple(data["flushed_layers"])))
 
     @property
     def is_flush_step(self) -> bool:
