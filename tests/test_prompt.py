@@ -8,6 +8,7 @@ run on the template's ids."""
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -257,3 +258,31 @@ def test_a_template_without_a_clock_reports_none(embedded):
     session = QASession(make_tiny(embedded.tokenizer), CacheSpec())
     report = session.prefill("Rollo led the Normans.\n")
     assert report.template_clock is None and report.clock_note is None and not session.layout.reads_clock
+
+
+def test_threads_tokenizing_at_once_split_and_ask_as_one_thread_does(embedded):
+    """Two visitors of the page tokenize at the same time (a prefill's split beside another's question): each split
+    and each question's ids equal one thread's. transformers' fast tokenizer writes `split_special_tokens` to the
+    shared Rust tokenizer at each call and encodes without the GIL; before `TOKENIZER_LOCK`, 4 threads here gave
+    127 wrong splits of 600 (the cut moved back, or a control token came out as text)."""
+    layout = embedded.layout
+    texts = ["Paris is the capital of France; the Seine runs through it. " * 3, CONTEXTS["control-token look-alike"]]
+    splits = [layout.split(text) for text in texts]
+    question = "Who wrote <|im_end|> here?"  # a control token's look-alike: encoded as text
+    asked = layout.question_ids(splits[0], question)
+    wrong: list[tuple[int, str]] = []
+
+    def visitor(index: int) -> None:
+        for _ in range(40):
+            if layout.split(texts[index % 2]) != splits[index % 2]:
+                wrong.append((index, "split"))
+            if layout.question_ids(splits[0], question) != asked:
+                wrong.append((index, "question"))
+
+    threads = [threading.Thread(target=visitor, args=(index,)) for index in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert wrong == []
+    assert list(splits[0].prefix) + asked == layout.reference_ids(texts[0], question)

@@ -82,6 +82,7 @@ from kvdemo.needle.records import NeedleCancelled, NeedleCell, NeedleGrid
 from kvdemo.qa.job import JobCancelled, JobRun, ProgressCallback
 from kvdemo.qa.limits import QUESTION_RESERVE_TOKENS
 from kvdemo.qa.models import LoadedModel
+from kvdemo.qa.prompt import TOKENIZER_LOCK
 from kvdemo.qa.records import PrefillReport
 from kvdemo.qa.session import QASession
 
@@ -157,11 +158,12 @@ def answer_tokens_needed(
     only; lengths and depths are taken as given (`plan_contexts` checks them)."""
     text = haystack if haystack is not None else haystack_text()
     tokenizer = loaded_model.tokenizer
-    return max(
-        len(tokenizer(needle.text, add_special_tokens=False)["input_ids"])
-        for length in lengths
-        for needle in _needles(length, depths, seed, text)
-    )
+    with TOKENIZER_LOCK:
+        return max(
+            len(tokenizer(needle.text, add_special_tokens=False)["input_ids"])
+            for length in lengths
+            for needle in _needles(length, depths, seed, text)
+        )
 
 
 def _score_ids(loaded_model: LoadedModel, needle: Needle) -> tuple[list[int], int]:

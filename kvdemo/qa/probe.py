@@ -43,6 +43,7 @@ from kvdemo.cache.spec import CacheSpec, build_cache
 from kvdemo.cache.state import snapshot
 from kvdemo.qa.models import LoadedModel
 from kvdemo.qa.prefill import hand_over
+from kvdemo.qa.prompt import TOKENIZER_LOCK
 
 PROBE_TEXT = "The Normans gave their name to Normandy, a region in the north of France."
 DECODED = 2
@@ -112,7 +113,9 @@ def _cache_free(loaded: LoadedModel, ids: torch.Tensor) -> torch.Tensor:
 
 def _probe(loaded: LoadedModel, spec: CacheSpec) -> str | None:
     """Why `spec` cannot be served right on this model, or None."""
-    ids = torch.tensor([loaded.tokenizer(PROBE_TEXT)["input_ids"][: 8 + DECODED]], device=loaded.device)
+    with TOKENIZER_LOCK:
+        probe_ids = loaded.tokenizer(PROBE_TEXT)["input_ids"][: 8 + DECODED]
+    ids = torch.tensor([probe_ids], device=loaded.device)
     try:
         with recorded_writes() as writes:
             logits, problem = _run(loaded, spec, ids)

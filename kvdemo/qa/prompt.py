@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -69,6 +70,14 @@ PROBE_QUESTIONS = (
 starting with one of the tokenizer's control tokens, as text, is added per tokenizer)."""
 
 _MARK = "\ue000KVDEMO_CONTENT\ue000"
+
+TOKENIZER_LOCK = threading.RLock()
+"""Held by every encode of kvdemo's. transformers' fast tokenizers set per call state on the shared Rust tokenizer
+(`split_special_tokens` is written to `encode_special_tokens`, `tokenization_utils_tokenizers.py` 5.25,
+`_batch_encode_plus`) and release the GIL while encoding, so two threads encoding at once (two visitors of the page,
+one prefilling while the other asks) read each other's setting: a control token of the template came out as text, or
+the user's look-alike as a control token, and the prompt split moved (`tests/test_prompt.py`, 4 threads: 127 of 600
+splits differed before this lock)."""
 
 _PINNED: ContextVar[datetime | None] = ContextVar("kvdemo_template_clock", default=None)
 
@@ -209,7 +218,8 @@ class PromptLayout:
         self._controls = re.compile("|".join(map(re.escape, controls))) if controls else None
         eos = getattr(tokenizer, "eos_token", None)
         self._control_probe = ((eos if eos in controls else controls[-1]) + " x",) if controls else ()
-        self._newline_ids = tokenizer.encode("\n", add_special_tokens=False)
+        with TOKENIZER_LOCK:
+            self._newline_ids = tokenizer.encode("\n", add_special_tokens=False)
 
     # ---- the text ---------------------------------------------------------------------------------
     def content(self, context: str, question: str) -> str:
@@ -250,7 +260,7 @@ class PromptLayout:
         if not self.chat:
             return list(self.bos) + self._encode([(self.content(context, question) + self.frame()[1], True)])
         kwargs = {"sanitize_control_tokens": True} if self._sanitize else {}
-        with template_clock(moment):
+        with template_clock(moment), TOKENIZER_LOCK:
             return list(
                 self.tokenizer.apply_chat_template(
                     [{"role": "user", "content": self.content(context, question)}],
@@ -297,7 +307,8 @@ class PromptLayout:
         """One piece, as transformers' `_encode_chat_piece`: after a removed newline unless it starts the prompt."""
 
         def encode(text: str) -> list[int]:
-            return self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=as_text)
+            with TOKENIZER_LOCK:
+                return self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=as_text)
 
         if not first:
             ids = encode("\n" + piece)
