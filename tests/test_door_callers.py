@@ -100,7 +100,7 @@ def test_the_door_holds_every_part_of_a_job():
         "kv.transfer(",
         "self.runner.run(PrefillJob(",
         "self.runner.run(OpenJob(",
-        "user.qa, user.chat, user.events",
+        "user.qa = session",
         "sessions.long_job(",
         "user.interrupt()",
         "user.answering()",

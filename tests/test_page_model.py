@@ -17,6 +17,7 @@ from kvdemo.serve.server import App
 from kvdemo.serve.session_files import SessionFiles
 from kvdemo.ui import build_demo, option_fields, page_state, session_box, times, views
 from kvdemo.ui.ask_widgets import START_SPEC
+from kvdemo.ui.tab_view import tab_view
 from tests.helpers import named_handlers
 
 CONTEXT = "The Normans were the people who gave their name to Normandy, a region in France. Rollo led them."
@@ -91,7 +92,9 @@ def test_a_prefill_through_the_page_says_its_time_from_the_click(tiny):
     user.prefill_clicked -= 5.0  # the click, five seconds before the prefill began
     summary = fns["prefill"](CONTEXT, *QUANTO, _request())[0]
     assert " s from the click** (" in summary and "waiting in the queue" in summary
-    assert user.prefill_timing and user.prefill_timing in page_state.page_line(user, CONTEXT, user.qa.spec)
+    assert tab_view(user).prefill_timing and tab_view(user).prefill_timing in page_state.page_line(
+        user, CONTEXT, user.qa.spec
+    )
 
 
 def test_a_backend_click_takes_its_defaults_or_what_the_user_set_on_it():

@@ -24,6 +24,7 @@ from kvdemo.ui import build_demo, times, views
 from kvdemo.ui.examples import EXAMPLES, example
 from kvdemo.ui.inputs import MAX_UPLOAD_BYTES, read_upload, spec_from_inputs
 from kvdemo.ui.option_fields import backend_option_updates
+from kvdemo.ui.tab_view import tab_view
 from tests.helpers import named_handlers, plot_title, plotted, refused
 
 CONTEXT = "The Normans were the people who gave their name to Normandy, a region in France. Rollo led them."
@@ -76,7 +77,7 @@ def test_prefill_then_ask_streams_and_restores(handlers, tiny):
     assert f"cache length after restore = {context_tokens:,} (context)" in stats
     assert chat[-1] == {"role": "assistant", "content": qa.history[-1].text}
     assert list(memory["step"].unique()) == [0, 1, 2, 3, 4, 5] and len(memory) == 24  # 4 series for hqq
-    events = app.sessions.get("tab-1").events
+    events = tab_view(app.sessions.get("tab-1")).events
     held = memory[memory["series"] == "held (cache + snapshot)"]["MiB"].tolist()
     assert held == pytest.approx([e.memory.total_bytes / 2**20 for e in events])  # the snapshot counted
     assert residual["title"] == "Residual fill (layer 0): flushes at residual_length=4" and residual["y_lim"][0] == 0
@@ -88,7 +89,9 @@ def test_prefill_then_ask_streams_and_restores(handlers, tiny):
     flushes = flushes.sort_values("step")
     assert flushes["step"].tolist() == list(range(6)) and flushes["kind"].iloc[0] == "question pass"
     assert flushes["kind"].tolist() == [e.kind for e in events] and "flush step" in set(flushes["kind"])
-    assert flushes["ms"].tolist() == pytest.approx([e.seconds * 1000 for e in app.sessions.get("tab-1").events])
+    assert flushes["ms"].tolist() == pytest.approx(
+        [e.seconds * 1000 for e in tab_view(app.sessions.get("tab-1")).events]
+    )
     if (flushes["kind"] == "flush step").any():
         assert " flush step(s), " in stats and " ms each (median) vs " in stats
     assert table["tokens"].tolist() == [6] and table["cache length after"].tolist() == [context_tokens]
@@ -885,7 +888,7 @@ def test_the_click_echoes_the_question_and_a_refusal_takes_it_back(handlers):
     assert fns["before_answer"]("Who?", _request())[2] is views.KEEP  # nothing prefilled: nothing to echo
     fns["prefill"](CONTEXT, *HQQ, _request())
     _ask(fns, "Who led the Normans?", 3)
-    before = list(app.sessions.get("tab-1").chat)
+    before = list(tab_view(app.sessions.get("tab-1")).chat)
     assert len(before) == 2
     _, _, echoed, _ = fns["before_answer"]("  Where?  ", _request())
     assert echoed[:2] == before and echoed[2] == {"role": "user", "content": "Where?"}
@@ -1007,12 +1010,12 @@ def test_compare_estimates_its_time_from_the_tabs_own_measurements(handlers):
     assert times.compare_estimate(6, 1, 32, None, []) == ""  # nothing measured here yet: no promise
     fns["prefill"](CONTEXT, *HQQ, _request())
     user = app.sessions.get("tab-1")
-    assert times.compare_estimate(6, 1, 32, user.qa, user.events) == ""  # a prefill, no decode step yet
+    assert times.compare_estimate(6, 1, 32, user.qa, tab_view(user).events) == ""  # a prefill, no decode step yet
     _ask(fns, "Who led the Normans?", 6)
-    step = sorted(e.seconds for e in user.events if e.kind == "decode step")
-    text = times.compare_estimate(6, 2, 32, user.qa, user.events)
+    step = sorted(e.seconds for e in tab_view(user).events if e.kind == "decode step")
+    text = times.compare_estimate(6, 2, 32, user.qa, tab_view(user).events)
     assert text.startswith(" (about ") and "6 prefills of " in text and "768 decode steps of " in text
-    seconds = 6 * (user.qa.prefill_report.seconds + 2 * 2 * 32 * views.flush_timing(user.events)[2])
+    seconds = 6 * (user.qa.prefill_report.seconds + 2 * 2 * 32 * views.flush_timing(tab_view(user).events)[2])
     assert f"about {times.duration(seconds)}:" in text and step
 
 

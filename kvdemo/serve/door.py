@@ -192,9 +192,9 @@ class Door:
             self.app.kv.release(f"cache:{key}")
 
     def _install(self, key: str, user: UserSession, session: Session) -> None:
-        """`session` becomes the one of `key`'s tab: its chat, events, last answer line and prefill timing emptied,
-        and the reason an earlier session was freed forgotten."""
-        user.qa, user.chat, user.events, user.answer_line, user.prefill_timing = session, [], [], "", ""
+        """`session` becomes the one of `key`'s tab (the page's view of the tab goes with the session it was made
+        for: `kvdemo.ui.tab_view`), and the reason an earlier session was freed forgotten."""
+        user.qa = session
         self.app.sessions.forget_freed(key)
 
     def open_file(

@@ -45,22 +45,18 @@ class UserSession:
             pressed while the answer waits in the queue, or before its stream has begun, still stops it.
         answers_queued: Ask clicks whose answer has not ended yet, refused or run (`queue_answer`,
             `answer_ended`); `answer_pending` while there is one.
-        answer_line: the line the last answer ended with (its tokens, speed, flushes and restore), shown again
-            when a refusal beside Ask no longer applies; "" before the first answer on this cache.
         prefill_clicked: `time.monotonic()` at the last Prefill click (before the queue), which the prefill's line
             counts its time from; None where no page clicked (an API caller).
-        prefill_timing: what the prefill's line says of the time from that click (`kvdemo.ui.times.from_click`),
-            kept with the cache so that the line says it each time it is shown; "" for a cache opened from a file.
         references: the full-precision answers made for this tab (`Door.reference`), by (model, context, question,
             max_new_tokens): kept across prefills of the same text, whatever their spec.
         reference: the `dynamic` session `Door.reference` runs now (Stop reaches it), else None.
         reference_due: the max_new_tokens of an answer that ended since the page last put the full-precision
             answer beside one (the Ask tab's `reference` runs it once per answer); None: none is due.
+        view: what the page shows of this tab's session (its chat, step events, answer line and prefill timing):
+            the UI's own record (`kvdemo.ui.tab_view.TabView`), kept here for the tab and read by the UI alone.
     """
 
     qa: Session | None = None
-    chat: list[dict[str, str]] = field(default_factory=list)
-    events: list = field(default_factory=list)
     answers: list = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     compare_cancel: threading.Event = field(default_factory=threading.Event)
@@ -71,12 +67,11 @@ class UserSession:
     page_shows: tuple[str, CacheSpec | None] | None = None
     answer_stop: threading.Event = field(default_factory=threading.Event)
     answers_queued: int = 0
-    answer_line: str = ""
     prefill_clicked: float | None = None
-    prefill_timing: str = ""
     references: dict[tuple, Any] = field(default_factory=dict)
     reference: Session | None = None
     reference_due: int | None = None
+    view: Any = None
 
     def interrupt(self) -> None:
         """Stop this session's answer after its current decode step (also one asked that has not begun: see
@@ -128,7 +123,7 @@ class UserSession:
         """Stop what runs (it ends after its current decode step and restores) and drop the cache."""
         self.compare_cancel.set()
         self.interrupt()
-        self.qa, self.events = None, []
+        self.qa = None
 
 
 class ServerFull(ValueError):

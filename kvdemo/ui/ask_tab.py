@@ -25,6 +25,7 @@ from kvdemo.ui import context_box, option_fields, page_state, session_box, times
 from kvdemo.ui.ask_widgets import START_SPEC, AnswerView, AskWidgets, PrefillView
 from kvdemo.ui.examples import example, suggested_questions
 from kvdemo.ui.inputs import page_event, read_upload, refusal, spec_from_inputs
+from kvdemo.ui.tab_view import tab_view
 
 _log = logging.getLogger(__name__)
 
@@ -111,10 +112,12 @@ class AskTab(AskWidgets):
         )
         queued = asked - clicked + done.queued_seconds
         total = time.monotonic() - clicked
-        user.prefill_timing = times.from_click(qa, total, queued, done.set_up_seconds, _first_use(qa))
+        tab_view(user).prefill_timing = times.from_click(qa, total, queued, done.set_up_seconds, _first_use(qa))
         # Ask as the page now stands: the options may have changed meanwhile
         matches = page_state.page_differs(user) is None
-        return PrefillView.prefilled(qa, qa.speed_limit(), user.answers, matches, cleared, user.prefill_timing)
+        return PrefillView.prefilled(
+            qa, qa.speed_limit(), user.answers, matches, cleared, tab_view(user).prefill_timing
+        )
 
     def _answerable_session(self, request: gr.Request | None, context: str | None) -> UserSession:
         """This tab's session with a prefilled cache of the page's context.
@@ -166,7 +169,9 @@ class AskTab(AskWidgets):
             except ValueError as error:
                 held = self.app.sessions.peek_request(request)
                 # the chat without the question the click echoed
-                yield AnswerView.refused(refusal(error, "a question"), list(held.chat) if held is not None else [])
+                yield AnswerView.refused(
+                    refusal(error, "a question"), list(tab_view(held).chat) if held is not None else []
+                )
                 return
             yield from self._answer(user, run)
 
@@ -206,15 +211,16 @@ class AskTab(AskWidgets):
         """The answer's updates, with the session's lock held (`Door.answer`)."""
         qa, question = run.session, run.question
         answered = len(qa.history)  # the answer is recorded once its stream closes (on a device, when its end came)
-        user.chat = user.chat + [
+        view = tab_view(user)
+        view.chat = view.chat + [
             {"role": "user", "content": question.text.strip()},
             {"role": "assistant", "content": "…"},
         ]
-        user.events = []
+        view.events = []
         first_token = drawn_at = None
         # at once, before the question's own forward pass (seconds on a long context): what is happening
         yield AnswerView(
-            chat=list(user.chat),
+            chat=list(view.chat),
             stats=f"reading the question ({len(question.ids):,} tokens) on top of the {qa.cache_length:,}-token "
             "context…",
             step_plot=views.step_times([], streaming=True),  # drawn once, when the answer ends (`views.step_times`)
@@ -224,34 +230,34 @@ class AskTab(AskWidgets):
             for event in _guarded(run, qa):
                 if first_token is None:
                     first_token = event.elapsed
-                user.events.append(event)
-                user.chat = user.chat[:-1] + [{"role": "assistant", "content": event.text}]
+                view.events.append(event)
+                view.chat = view.chat[:-1] + [{"role": "assistant", "content": event.text}]
                 due = views.charts_due(event, drawn_at)  # at most 4 redraws a second, and at every flush
                 drawn_at = event.elapsed if due else drawn_at
                 yield AnswerView(
-                    chat=user.chat,
+                    chat=view.chat,
                     stats=views.step_line(event, qa.spec),
-                    memory_plot=views.memory_chart(user.events, qa.spec) if due else views.KEEP,
-                    residual_plot=views.residual_chart(user.events, qa.spec) if due else views.KEEP,
+                    memory_plot=views.memory_chart(view.events, qa.spec) if due else views.KEEP,
+                    residual_plot=views.residual_chart(view.events, qa.spec) if due else views.KEEP,
                 )
         finally:  # also a stopped, disconnected or failed answer: the session recorded it when its stream closed
             run.events.close()
             if len(qa.history) > answered:
                 user.answers.append(dict(qa.history[-1].to_dict(), spec=views.table_spec(qa.spec)))
-        if not user.events:
-            user.chat[-1] = {"role": "assistant", "content": qa.history[-1].text}
+        if not view.events:
+            view.chat[-1] = {"role": "assistant", "content": qa.history[-1].text}
         if qa.history[-1].finish_reason == "stopped":  # marked where the reader looks, not only in the line
-            user.chat[-1] = {"role": "assistant", "content": f"{qa.history[-1].text} [stopped]"}
-        user.answer_line = views.answer_stats(qa, first_token, user.events)
+            view.chat[-1] = {"role": "assistant", "content": f"{qa.history[-1].text} [stopped]"}
+        view.answer_line = views.answer_stats(qa, first_token, view.events)
         user.reference_due = question.max_new_tokens  # the page's next event puts the full-precision one beside it
         yield AnswerView(
-            chat=user.chat,
-            stats=user.answer_line,
-            memory_plot=views.memory_chart(user.events, qa.spec),
-            residual_plot=views.residual_chart(user.events, qa.spec),
-            step_plot=views.step_times(user.events),
+            chat=view.chat,
+            stats=view.answer_line,
+            memory_plot=views.memory_chart(view.events, qa.spec),
+            residual_plot=views.residual_chart(view.events, qa.spec),
+            step_plot=views.step_times(view.events),
             answers_table=views.answers_table(user.answers),
-            speed_limit=views.speed_limit_after(qa.speed_limit(), user.events),
+            speed_limit=views.speed_limit_after(qa.speed_limit(), view.events),
         )
 
     def stop(self, request: gr.Request) -> None:
@@ -272,7 +278,7 @@ class AskTab(AskWidgets):
             user.queue_answer()
             if user.qa is not None and isinstance(question, str) and question.strip() and not user.lock.locked():
                 chat = [
-                    *user.chat,
+                    *tab_view(user).chat,
                     {"role": "user", "content": question.strip()},
                     {"role": "assistant", "content": "… waiting for the model"},
                 ]
@@ -302,7 +308,7 @@ class AskTab(AskWidgets):
         while the Context box and the options are exactly what the cache was prefilled with; otherwise the line
         says what differs, and `UserSession.page_shows` records the page so that `ask` refuses Enter in the question
         box (which the disabled button does not stop). Once the page matches again, a refusal beside Ask gives way
-        to the last answer's line (`UserSession.answer_line`). The page calls it through `page_event` (without
+        to the last answer's line (`TabView.answer_line`). The page calls it through `page_event` (without
         progress: it runs outside the queue, before any queued answer), with a large Context box's fingerprint in
         place of its text (`context_box.sync_js`, compared by `page_state.same_context`)."""
         user, loaded = self.app.sessions.peek_request(request), self.app.loaded
@@ -317,7 +323,7 @@ class AskTab(AskWidgets):
         if user is None or user.qa is None or not page_state.prefilled_matches(user, context, spec, loaded):
             return line, "", gr.update(interactive=False), views.KEEP
         idle = not (user.lock.locked() or user.answer_pending)  # a streaming answer keeps its own line
-        return line, "", gr.update(interactive=True), user.answer_line if idle else views.KEEP
+        return line, "", gr.update(interactive=True), tab_view(user).answer_line if idle else views.KEEP
 
     def gate_after_answer(self, context, backend, options: dict[str, Any], request: gr.Request) -> tuple[Any, ...]:
         """The gate's (prefill line, notice, Ask button) after an answer: the line beside Ask stays as the answer

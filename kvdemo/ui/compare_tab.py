@@ -31,6 +31,7 @@ from kvdemo.ui.inputs import (
     refusal,
     user_errors,
 )
+from kvdemo.ui.tab_view import tab_view
 
 _log = logging.getLogger(__name__)
 
@@ -139,7 +140,7 @@ class CompareTab:
                 plans = plan_request(plan_base, plan_budget)
                 golds = gold_answers_for(context, questions)
                 user = self.app.sessions.peek_request(request)
-                qa, events = (user.qa, user.events) if user is not None else (None, [])
+                qa, events = (user.qa, tab_view(user).events) if user is not None else (None, [])
                 estimate = times.compare_estimate(len(specs) + len(plans), len(questions), max_new_tokens, qa, events)
                 progress(0, desc=f"Starting the comparison{estimate}…")
                 report = job.compare(

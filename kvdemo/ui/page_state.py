@@ -17,6 +17,7 @@ from kvdemo.cache.registry import BACKENDS, GROUP_OPTIONS
 from kvdemo.cache.spec import CacheSpec
 from kvdemo.serve.store import UserSession
 from kvdemo.ui import views
+from kvdemo.ui.tab_view import tab_view
 
 LARGE_CONTEXT_CHARS = 65_536
 """Above this many characters (UTF-16 code units, what the browser's `String.length` counts) the Context box is large:
@@ -110,7 +111,7 @@ def page_line(
             f"this text on it; until then Ask is disabled. Now: {shown}"
         )
     if prefilled_matches(user, context, spec):
-        return views.prefill_summary(user.qa, user.prefill_timing)
+        return views.prefill_summary(user.qa, tab_view(user).prefill_timing)
     what = "options" if same_context(context, user.qa.context) else "Context box"
     return (
         f"⚠ The {what} changed since the prefill (the cache holds {views.prefilled_tokens(user.qa):,} "
