@@ -31,6 +31,7 @@ from kvdemo.qa.session import check_answer, check_prefill
 from kvdemo.qa.session_file import SUFFIX, SavedSession
 from kvdemo.qa.text import check_question
 from kvdemo.serve.gpu_job import (
+    DAILY_QUOTA_MINUTES,
     MAX_SECONDS,
     Finished,
     Raised,
@@ -49,12 +50,14 @@ class GpuJobError(ValueError):
 def check_duration(job: Job) -> None:
     """Refuse, before any GPU time is asked, a job whose estimate (`Job.estimated_seconds`, this machine's CPU
     figures: an upper bound) passes the longest call kvdemo asks of ZeroGPU (`MAX_SECONDS`): the platform would end
-    it midway with no result. Raises GpuJobError saying what to cut (`Job.cut`)."""
+    it midway with no result. Raises GpuJobError saying what to cut (`Job.cut`) and a visitor's daily quota."""
     seconds = job.estimated_seconds()
+    quota = ", ".join(f"{minutes} minutes {who}" for who, minutes in DAILY_QUOTA_MINUTES)
     if seconds > MAX_SECONDS:
         raise GpuJobError(
             f"this {job.kind} would take up to {seconds:,.0f} s of GPU time; one ZeroGPU call may take at most "
-            f"{MAX_SECONDS} s here: ask for {job.cut} (or run kvdemo on your own machine, where no such bound applies)"
+            f"{MAX_SECONDS} s here: ask for {job.cut} (or run kvdemo on your own machine, where no such bound "
+            f"applies). A visitor's daily ZeroGPU time is {quota}"
         )
 
 

@@ -53,6 +53,9 @@ from kvdemo.serve.warm_sessions import WARM, device_model
 
 MIN_SECONDS, MAX_SECONDS = 20, 300
 """The bounds of a job's duration (seconds): the longest call kvdemo asks of ZeroGPU is `MAX_SECONDS`."""
+DAILY_QUOTA_MINUTES = (("unauthenticated", 2), ("with a free account", 5), ("with PRO", 40))
+"""A visitor's daily ZeroGPU time (hub-docs `docs/hub/spaces-zerogpu.md`, 2026-08; reset 24 hours after the first
+use): what the page says when it refuses a job past the call bound."""
 SESSION_FILES_BYTES = 2 << 30
 """The bound of the jobs' folder of session files (`kvdemo.serve.session_files.SessionFiles`, least recently used
 first out): 2 GiB, the app's `--session-files-mib` default."""
