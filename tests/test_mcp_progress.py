@@ -86,7 +86,7 @@ def _steps(seen: list[tuple[float, str]]) -> list[tuple[int, int]]:
 def test_progress_keeps_a_client_alive_past_its_timeout(mcp_url, tiny, normans):
     url, _ = mcp_url
     context = normans.select("0").context
-    arguments = {"questions": QUESTIONS, "specs": ["hqq:4", "fp8"], "max_new_tokens": 64, "context": context}
+    arguments = {"questions": QUESTIONS, "specs": ["hqq:4", "fp8"], "max_new_tokens": 96, "context": context}
     out = anyio.run(_call, url, "compare_backends", arguments | {"session": "alive"}, 3.0)
     assert "timed_out" not in out and not out["result"].isError, out
     assert out["seconds"] > 3.0  # it outlived the client's timeout
@@ -100,7 +100,7 @@ def test_progress_keeps_a_client_alive_past_its_timeout(mcp_url, tiny, normans):
     for row, text in zip(report["results"], ["dynamic", "hqq:4", "fp8"]):
         alone = QASession(tiny, CacheSpec.parse(text))
         alone.prefill(context)
-        assert row["answers"] == [alone.ask(question, 64).text for question in QUESTIONS]
+        assert row["answers"] == [alone.ask(question, 96).text for question in QUESTIONS]
 
 
 def test_a_client_that_leaves_frees_the_comparison_slot(mcp_url, tiny, normans, monkeypatch, caplog):
