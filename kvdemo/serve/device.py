@@ -40,7 +40,7 @@ from kvdemo.serve.gpu_job import (
     WorkOrder,
     job_seconds,
 )
-from kvdemo.serve.jobs import Job, Note, PrefillDone, Stop
+from kvdemo.serve.jobs import POLL_SECONDS, Job, Note, PrefillDone, Stop
 
 
 class GpuJobError(ValueError):
@@ -215,7 +215,8 @@ class Device:
 
 
 class _watching:
-    """For a `with` block: `stop` (set from another thread) written to the job's stop file, looked at every 0.1 s."""
+    """For a `with` block: `stop` (set from another thread) written to the job's stop file, looked at every
+    `POLL_SECONDS` (the worker looks at the file as often: `kvdemo.serve.jobs.threaded`, and after each decode step)."""
 
     def __init__(self, stop: Stop | None, file: StopFile):
         self.stop, self.file, self.ended = stop, file, threading.Event()
@@ -227,7 +228,7 @@ class _watching:
         stop, file, ended = self.stop, self.file, self.ended
 
         def watch() -> None:
-            while not ended.wait(0.1):
+            while not ended.wait(POLL_SECONDS):
                 if stop.is_set():
                     file.set()
                     return
