@@ -37,6 +37,7 @@ questions all read the date its prefill read, even after midnight; a fresh sessi
 from __future__ import annotations
 
 import inspect
+import os
 import re
 import threading
 from collections.abc import Callable, Iterator
@@ -71,7 +72,34 @@ starting with one of the tokenizer's control tokens, as text, is added per token
 
 _MARK = "\ue000KVDEMO_CONTENT\ue000"
 
-TOKENIZER_LOCK = threading.RLock()
+
+class _TokenizerLock:
+    """A re-entrant lock that a fork leaves usable: the forking thread takes it first (`os.register_at_fork`), so a
+    worker is never forked while another thread is inside the tokenizer (a ZeroGPU worker is forked from the server's
+    process while visitors' questions are tokenized there), and the child starts with a fresh, free lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        os.register_at_fork(before=self._take, after_in_parent=self._give, after_in_child=self._renew)
+
+    def _take(self) -> None:
+        self._lock.acquire()
+
+    def _give(self) -> None:
+        self._lock.release()
+
+    def _renew(self) -> None:
+        self._lock = threading.RLock()
+
+    def __enter__(self) -> _TokenizerLock:
+        self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+TOKENIZER_LOCK = _TokenizerLock()
 """Held by every encode of kvdemo's. transformers' fast tokenizers set per call state on the shared Rust tokenizer
 (`split_special_tokens` is written to `encode_special_tokens`, `tokenization_utils_tokenizers.py` 5.25,
 `_batch_encode_plus`) and release the GIL while encoding, so two threads encoding at once (two visitors of the page,

@@ -189,6 +189,8 @@ class Device:
                             session.take(record)
                         return record.result
                     yield record
+                    if stop is not None and stop.is_set():  # set while the note was handled: on at once
+                        file.set()
             finally:
                 if session is not None and session.running is file:
                     session.running = None

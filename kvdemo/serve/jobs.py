@@ -253,18 +253,23 @@ class AnswerJob(Job):
 
 
 class LongJobRecord(Job):
-    """A job of no session, holding its own KV bytes for its run (`reservation`)."""
+    """A job of no session, holding its own KV bytes for its run (`reservation`): its `work` runs in a thread
+    (`threaded`), its progress streamed as it comes, `stop` handed to it as its cancel event."""
 
     holder: ClassVar[str]
     """The reservation's name before `:<key>` (`compare`, `grid`)."""
 
+    def run(self, place: Place, session: QASession | None, stop: Stop) -> Generator[Note, None, Any]:
+        return (yield from threaded(lambda emit: self.work(place.loaded, emit, stop), stop))
+
+    def work(self, loaded: LoadedModel, emit: Callable[..., None], stop: Stop) -> Any:
+        """The job on `loaded`: `emit(done, total, what)` after each unit, `stop.is_set()` checked between units.
+        Returns its result; raises as `run`."""
+        raise NotImplementedError
+
     def reservation(self, loaded: LoadedModel) -> tuple[int, str]:
         """The most KV bytes the job holds at once on `loaded`, and what they are for (the refusal's words)."""
         raise NotImplementedError
-
-
-def _long(work: Callable[[Callable[..., None]], Any], stop: Stop) -> Generator[Note, None, Any]:
-    return (yield from threaded(work, stop))
 
 
 @dataclass(frozen=True)
@@ -285,20 +290,14 @@ class CompareJob(LongJobRecord):
     holder: ClassVar[str] = "compare"
     cut: ClassVar[str] = "fewer specs or questions, or fewer max_new_tokens or perplexity tokens"
 
-    def run(self, place: Place, session: QASession | None, stop: Stop) -> Generator[Note, None, Any]:
+    def work(self, loaded: LoadedModel, emit: Callable[..., None], stop: Stop) -> Any:
         from kvdemo.compare.run import compare
 
         golds = None if self.gold_answers is None else [list(g) for g in self.gold_answers]
-        return (
-            yield from _long(
-                lambda emit: compare(
-                    place.loaded, self.context.bound(place.loaded.tokenizer), list(self.questions), list(self.specs),
-                    self.max_new_tokens, golds, cancel=stop, on_progress=emit,  # type: ignore[arg-type]
-                    kv_budget_bytes=self.kv_budget_bytes, perplexity_tokens=self.perplexity_tokens,
-                    continuation=self.continuation, plans=list(self.plans),
-                ),
-                stop,
-            )
+        return compare(
+            loaded, self.context.bound(loaded.tokenizer), list(self.questions), list(self.specs), self.max_new_tokens,
+            golds, cancel=stop, on_progress=emit, kv_budget_bytes=self.kv_budget_bytes,  # type: ignore[arg-type]
+            perplexity_tokens=self.perplexity_tokens, continuation=self.continuation, plans=list(self.plans),
         )  # fmt: skip
 
     def reservation(self, loaded: LoadedModel) -> tuple[int, str]:
@@ -334,18 +333,13 @@ class NeedleJob(LongJobRecord):
     holder: ClassVar[str] = "grid"
     cut: ClassVar[str] = "fewer specs, lengths or depths"
 
-    def run(self, place: Place, session: QASession | None, stop: Stop) -> Generator[Note, None, Any]:
+    def work(self, loaded: LoadedModel, emit: Callable[..., None], stop: Stop) -> Any:
         from kvdemo.needle.grid import needle_grid
 
-        return (
-            yield from _long(
-                lambda emit: needle_grid(
-                    place.loaded, list(self.specs), list(self.lengths), list(self.depths),
-                    needles_per_context=self.needles_per_context, seed=self.seed, max_new_tokens=self.max_new_tokens,
-                    cancel=stop, on_progress=emit, kv_budget_bytes=self.kv_budget_bytes,  # type: ignore[arg-type]
-                ),
-                stop,
-            )
+        return needle_grid(
+            loaded, list(self.specs), list(self.lengths), list(self.depths),
+            needles_per_context=self.needles_per_context, seed=self.seed, max_new_tokens=self.max_new_tokens,
+            cancel=stop, on_progress=emit, kv_budget_bytes=self.kv_budget_bytes,  # type: ignore[arg-type]
         )  # fmt: skip
 
     def reservation(self, loaded: LoadedModel) -> tuple[int, str]:
@@ -375,18 +369,12 @@ class RecommendJob(LongJobRecord):
     holder: ClassVar[str] = "compare"
     cut: ClassVar[str] = "a shorter text"
 
-    def run(self, place: Place, session: QASession | None, stop: Stop) -> Generator[Note, None, Any]:
+    def work(self, loaded: LoadedModel, emit: Callable[..., None], stop: Stop) -> Any:
         from kvdemo.compare.recommend import recommend
 
-        return (
-            yield from _long(
-                lambda emit: recommend(
-                    place.loaded, self.text, list(self.questions), max_kl=self.max_kl,
-                    bytes_per_token=self.bytes_per_token, engine=self.engine, plans=self.plans,
-                    cancel=stop, on_progress=emit,  # type: ignore[arg-type]
-                ),
-                stop,
-            )
+        return recommend(
+            loaded, self.text, list(self.questions), max_kl=self.max_kl, bytes_per_token=self.bytes_per_token,
+            engine=self.engine, plans=self.plans, cancel=stop, on_progress=emit,  # type: ignore[arg-type]
         )  # fmt: skip
 
     def reservation(self, loaded: LoadedModel) -> tuple[int, str]:
