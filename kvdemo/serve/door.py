@@ -7,7 +7,7 @@ recommendation). The Ask tab, the session box, the other tabs, the MCP tools and
 - the KV reservation within the server-wide budget (`KVAccount`: `prefill:<key>` becoming `cache:<key>`, grown for
   an answer, `compare:<key>` and `grid:<key>` for the long jobs' duration);
 - the session file (`SessionFiles`: opened instead of a prefill of the same context, model and spec; saved after);
-- the install in the store (`UserSession.qa`, its chat and events emptied, the freed reason forgotten);
+- the install in the store (`UserSession.qa`, the freed reason forgotten; the page's view of the tab is the UI's);
 - progress (callbacks) and cancellation (Stop: `UserSession.interrupt`; Cancel: `SessionStore.long_job`'s event).
 
 Where the model work runs is the door's runner's business (`kvdemo.serve.runner`): the door builds a job record
@@ -106,7 +106,7 @@ class Door:
     ) -> Prefilled:
         """Prefill `context` into a new cache of `spec` for the session of `key` (created when missing), replacing
         its context once the prefill succeeds: what runs in it is stopped first, the lock is taken, the cache is
-        reserved (`prefill_reserved`), and the session is installed with its chat and events emptied.
+        reserved (`prefill_reserved`), and the session is installed (`_install`).
 
         Raises:
             ServerFull, ModelNotLoaded, ValueError, KVBudgetError, ServerKVBudgetError, ImportError: refused (the
