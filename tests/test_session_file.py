@@ -182,6 +182,15 @@ def test_another_model_spec_or_version_is_refused(small, written, held, monkeypa
     _refused(small, written[0], held, f"session format {session_file.FORMAT - 1} .*reads format {session_file.FORMAT}")
 
 
+def test_the_same_cache_spelled_with_its_defaults_opens_the_file(small, written):
+    """The page spells every option (`axis_key=0,axis_value=0`), a typed spec leaves the defaults out: the same cache
+    (`full_text`), so the file opens either way (a breaker found the server's folder throwing such files away)."""
+    spelled = CacheSpec.parse("hqq:4,q_group_size=64,axis_key=0,axis_value=0")
+    assert spelled.text != CacheSpec.parse("hqq:4").text
+    opened = open_session(small, written[0], spelled)
+    assert opened.ask(QUESTIONS[0], ANSWER_TOKENS).token_ids == written[1].ask(QUESTIONS[0], ANSWER_TOKENS).token_ids
+
+
 def test_another_kvdemo_release_of_the_same_format_opens_the_file(small, written, monkeypatch):
     """An upgrade that keeps the layout keeps the files (issue 57: every file refused at each release before)."""
     ours = session_file.versions()

@@ -568,3 +568,42 @@ def test_each_kinds_refusal_reaches_the_caller_with_its_own_type_and_message(ser
     assert [t.__name__ for t, _ in here] == [
         "KVBudgetError", "SessionFileError", "ValueError", "ValueError", "ValueError", "ValueError"
     ]  # fmt: skip
+
+
+class _Left(Exception):
+    """The caller's own failure in a progress callback (its connection gone)."""
+
+
+def test_a_caller_that_leaves_stops_the_work_and_its_answer_is_recorded(served, tmp_path):
+    """Found by a breaker: a long job whose caller raised in its progress callback ran on to its end, unaccounted (its
+    reservation and slot already freed; in the worker too), and on the worker an answer closed early was missing
+    from the session's history. Now leaving stops the work at its next check, on both runners, and a closed answer is
+    recorded `stopped` on both."""
+
+    def leave(app: App) -> tuple:
+        notes = []
+
+        def on_progress(done: int, total: int, what: str) -> None:
+            notes.append(what)
+            if len(notes) == 2:
+                raise _Left
+
+        with app.door.long_job("a", "busy") as job, pytest.raises(_Left):
+            job.compare(CONTEXTS["a"], QUESTIONS * 3, [CacheSpec.parse(SPEC)] * 1, 40, on_progress=on_progress)
+        running = [t.name for t in threading.enumerate() if t.name in ("kvdemo-job", "kvdemo-stop-watch")]
+        fns = named_handlers(build_demo(app))
+        fns["prefill"](CONTEXTS["a"], *FIELDS, _request("a"))
+        with app.door.answer("a", QUESTIONS[0], 40) as run:
+            next(iter(run))  # the caller leaves after the first step
+        last = app.sessions.peek("a").qa.history[-1]
+        return running, app.kv.holders(), last.finish_reason, 1 <= len(last.token_ids) <= 2
+
+    here = leave(_page(served, None)[0])
+    with Harness("reuse") as harness:
+        there = leave(_page(served, Device(harness.gpu(duration=job_seconds)(job_module._gpu_job), str(tmp_path / "s"),
+                                           tmp_path / "x"))[0])  # fmt: skip
+    _no_orphans(harness)
+    assert here[0] == there[0] == []  # no job thread left running
+    assert "compare:a" not in here[1] and "compare:a" not in there[1]
+    assert here[2:] == there[2:] == ("stopped", True)
+    assert list((tmp_path / "x").glob("*.stop")) == []

@@ -261,7 +261,7 @@ def check_fits(manifest: dict[str, Any], loaded: LoadedModel, spec: CacheSpec | 
                 f"differ in their {field}): load that model to open it, or prefill the context again"
             )
     saved = CacheSpec.parse(str(manifest.get("spec")))
-    if spec is not None and spec.validate(loaded.config).text != saved.validate(loaded.config).text:
+    if spec is not None and spec.validate(loaded.config).full_text != saved.validate(loaded.config).full_text:
         raise SessionFileError(
             f"the file holds a `{saved.text}` cache, not `{spec.text}`: choose `{saved.text}` to open it, or prefill "
             "the context again with this spec"

@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +33,7 @@ from kvdemo.qa.text import check_question
 from kvdemo.serve.gpu_job import (
     DAILY_QUOTA_MINUTES,
     MAX_SECONDS,
+    Answered,
     Finished,
     Raised,
     SessionRef,
@@ -179,25 +180,36 @@ class Device:
             job, session.ref() if session is not None else None, session.loaded.name if session is not None else "",
             str(file.path), self.folder, self.folder_bytes,
         )  # fmt: skip
-        with _watching(stop, file):
+        if stop is not None and stop.is_set():  # a Stop before the job: the worker sees it at its first check
+            file.set()
+        records = self._records(order)
+        with _watching(stop, file), closing(records):
             try:
-                for record in self._records(order):
-                    if isinstance(record, Raised):
-                        raise record.error
-                    if isinstance(record, Finished):
+                for record in records:
+                    if isinstance(record, Finished | Raised):
+                        return _ended(record, session)
+                    if isinstance(record, Answered):  # an answer that failed in the worker: recorded, as in process
                         if session is not None:
-                            session.take(record)
-                        return record.result
+                            session.history.append(record.answer)
+                        continue
                     yield record
                     if stop is not None and stop.is_set():  # set while the note was handled: on at once
                         file.set()
+            except GeneratorExit:  # the caller left: the job is stopped and its end read, as closing it in process
+                file.set()
+                for record in records:
+                    if isinstance(record, Finished | Raised):
+                        if isinstance(record, Finished) and session is not None:
+                            session.take(record)
+                        break
+                raise
             finally:
                 if session is not None and session.running is file:
                     session.running = None
                 file.close()
         raise GpuJobError(f"the worker ended the {order.job.kind} job without a result")
 
-    def _records(self, order: WorkOrder) -> Iterator[Any]:
+    def _records(self, order: WorkOrder) -> Generator[Any, None, None]:
         from kvdemo.serve import gpu_job
 
         with closing((self.job or gpu_job.gpu_job)(order)) as records:
@@ -216,6 +228,15 @@ class Device:
         return job_seconds(WorkOrder(job, None, "", ""))
 
 
+def _ended(record: Finished | Raised, session: RemoteSession | None) -> Any:
+    """A job's end record: its result (the session told what changed), or its exception raised with its own type."""
+    if isinstance(record, Raised):
+        raise record.error
+    if session is not None:
+        session.take(record)
+    return record.result
+
+
 class _watching:
     """For a `with` block: `stop` (set from another thread) written to the job's stop file, looked at every
     `POLL_SECONDS` (the worker looks at the file as often: `kvdemo.serve.jobs.threaded`, and after each decode step)."""
@@ -230,10 +251,11 @@ class _watching:
         stop, file, ended = self.stop, self.file, self.ended
 
         def watch() -> None:
-            while not ended.wait(POLL_SECONDS):
+            while not ended.is_set():
                 if stop.is_set():
                     file.set()
                     return
+                ended.wait(POLL_SECONDS)
 
         self.thread = threading.Thread(target=watch, daemon=True, name="kvdemo-stop-watch")
         self.thread.start()

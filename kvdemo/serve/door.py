@@ -122,8 +122,10 @@ class Door:
             session = self.new_session(loaded, spec)
             set_up = time.monotonic() - locked
             user.prefilling = session
+            user.prefill_stop.clear()  # a Stop from now on stops this prefill (the one above stopped what ran)
             try:
-                self.prefill_reserved(key, session, context, max_new_tokens, on_progress, on_quantize)
+                stop = user.prefill_stop
+                self.prefill_reserved(key, session, context, max_new_tokens, on_progress, on_quantize, stop)
             finally:
                 user.prefilling = None
             self._install(key, user, session)
@@ -137,6 +139,7 @@ class Door:
         max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
         on_progress: Callable[[int, int], None] | None = None,
         on_quantize: Callable[[int, int], None] | None = None,
+        stop: threading.Event | None = None,
     ) -> PrefillReport:
         """The prefill of `session` (not installed: `prefill` does that) within the server-wide KV budget.
 
@@ -166,10 +169,8 @@ class Door:
             f"a {session.spec.label} KV cache for {tokens:,} context tokens + {reserve} for a question and its answer"
         )
         with self._reserving(key, session, tokens, reserve, what):
-            done = drive(
-                self.runner.run(PrefillJob(context, max_new_tokens), session), progress(on_progress, on_quantize)
-            )
-            return cast(PrefillDone, done).report
+            notes = self.runner.run(PrefillJob(context, max_new_tokens), session, stop)  # `stop`: a Stop since the lock
+            return cast(PrefillDone, drive(notes, progress(on_progress, on_quantize))).report
 
     @contextmanager
     def _reserving(self, key: str, session: Session, tokens: int, reserve: int, what: str) -> Iterator[None]:

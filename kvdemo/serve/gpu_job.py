@@ -117,6 +117,14 @@ class Finished:
 
 
 @dataclass(frozen=True)
+class Answered:
+    """An answer that ended with an error in the worker (a decode step failed): the `Answer` the session recorded
+    (`finish_reason` "error"), sent before the exception so that the server's session records it too."""
+
+    answer: Any
+
+
+@dataclass(frozen=True)
 class Raised:
     """A job refused (`ValueError`, `ImportError`) or stopped (`Cancelled`): the exception itself, raised again in
     the server."""
@@ -130,11 +138,13 @@ class StopFile:
 
     def __init__(self, path: str | Path):
         self.path, self.closed = Path(path), not str(path)  # "": no file, never set
+        self._lock = threading.Lock()  # a Stop from another thread never writes the file after `close`
 
     def set(self) -> None:
         """Ask the job to stop (idempotent; nothing once the job has ended)."""
-        if not self.closed:
-            self.path.touch()
+        with self._lock:
+            if not self.closed:
+                self.path.touch()
 
     def is_set(self) -> bool:
         """Whether the job has been asked to stop."""
@@ -142,9 +152,10 @@ class StopFile:
 
     def close(self) -> None:
         """Remove the file (the job has ended)."""
-        if not self.closed:
-            self.closed = True
-            self.path.unlink(missing_ok=True)
+        with self._lock:
+            if not self.closed:
+                self.closed = True
+                self.path.unlink(missing_ok=True)
 
 
 def serve_model(model: LoadedModel | Callable[[], LoadedModel]) -> None:
@@ -248,7 +259,13 @@ def _gpu_job(order: WorkOrder) -> Generator[Any, None, None]:
             hold = order.session.hold if order.session is not None else ""
             place = WorkerPlace(loaded, session_files(order.folder, order.folder_bytes), hold)
             session, warm = place.session(order.session)
-            result = yield from order.job.run(place, session, StopFile(order.stop_path))
+            answered = len(session.history) if session is not None else 0
+            try:
+                result = yield from order.job.run(place, session, StopFile(order.stop_path))
+            except Exception:
+                if session is not None and len(session.history) > answered:  # a failed answer, recorded here
+                    yield Answered(session.history[-1])
+                raise
         except (ValueError, ImportError, Cancelled) as error:
             yield Raised(error)
             return

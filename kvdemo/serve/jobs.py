@@ -30,6 +30,7 @@ from kvdemo.cache.spec import CacheSpec
 from kvdemo.cache.state.telemetry import StepEvent
 from kvdemo.qa.limits import QUESTION_RESERVE_TOKENS
 from kvdemo.qa.models import LoadedModel
+from kvdemo.qa.prefill import PrefillStopped
 from kvdemo.qa.prompt import PreparedContext, PreparedQuestion, PromptSplit
 from kvdemo.qa.records import PrefillReport
 from kvdemo.qa.session import QASession
@@ -108,8 +109,9 @@ class PrefillDone:
 def threaded(work: Callable[[Callable[..., None]], Any], stop: Stop, on_stop: Callable[[], None] | None = None):
     """Run `work(emit)` in a thread and yield each `JobProgress` it emits (`emit(done, total, what, unit)`) as it
     comes; `emit` returns once the note has been handled (the generator resumed), so a caller's Stop pressed in a
-    progress callback applies before the next unit, as a callback in the work's own thread would. `on_stop()` is called
-    once `stop` is set (the work then ends at its next check), or when the generator is closed early. Returns (to
+    progress callback applies before the next unit, as a callback in the work's own thread would (in a device worker the
+    note is handled once it is sent: a Stop there lands a unit later). `on_stop()` is called while `stop` is set (the
+    work then ends at its next check), and when the generator is closed early. Returns (to
     `yield from`) what `work` returned; raises what it raised."""
     notes: queue.Queue[Any] = queue.Queue()
     handled = threading.Semaphore(0)
@@ -131,16 +133,14 @@ def threaded(work: Callable[[Callable[..., None]], Any], stop: Stop, on_stop: Ca
 
     thread = threading.Thread(target=run, daemon=True, name="kvdemo-job")
     thread.start()
-    asked = False
     try:
         while True:
+            if on_stop is not None and stop.is_set():  # again at each note: a prefill clears its flag as it starts
+                on_stop()
             try:
                 note = notes.get(timeout=POLL_SECONDS)
             except queue.Empty:
                 note = ...
-            if not asked and on_stop is not None and stop.is_set():
-                asked = True
-                on_stop()
             if note is None:
                 break
             if note is not ...:
@@ -191,6 +191,8 @@ class PrefillJob(Job):
         opened = place.open(session, context)
         if opened is not None:
             return PrefillDone(opened[0], opened[1], True, context.text, session.split, session.reserve_tokens)
+        if stop.is_set():  # a Stop while the prefill was set up (the session clears its own flag as it starts)
+            raise PrefillStopped("the prefill was stopped before it began")
         report = yield from threaded(
             lambda emit: session.prefill(
                 context, self.max_new_tokens,
@@ -218,8 +220,8 @@ class OpenJob(Job):
         from kvdemo.qa.session_file import open_session
 
         assert session is not None
-        path = place.keep(self.path)
-        open_session(place.loaded, path, session.spec, session=session)
+        path = place.keep(self.path)  # the session's own copy, for its answers; the given path read, named in refusals
+        open_session(place.loaded, self.path, session.spec, session=session)
         assert session.prefill_report is not None and session.context is not None
         return PrefillDone(session.prefill_report, path, True, session.context, session.split, session.reserve_tokens)
         yield  # a generator, as every job's `run`
@@ -252,6 +254,19 @@ class AnswerJob(Job):
         return START_SECONDS + OPEN_SECONDS + (len(self.question.ids) + self.question.max_new_tokens) * STEP_SECONDS
 
 
+class _Halt:
+    """A long job's cancel event: its caller's `stop`, or set here when the caller has left."""
+
+    def __init__(self, stop: Stop):
+        self.stop, self.left = stop, threading.Event()
+
+    def set(self) -> None:
+        self.left.set()
+
+    def is_set(self) -> bool:
+        return self.left.is_set() or self.stop.is_set()
+
+
 class LongJobRecord(Job):
     """A job of no session, holding its own KV bytes for its run (`reservation`): its `work` runs in a thread
     (`threaded`), its progress streamed as it comes, `stop` handed to it as its cancel event."""
@@ -260,7 +275,8 @@ class LongJobRecord(Job):
     """The reservation's name before `:<key>` (`compare`, `grid`)."""
 
     def run(self, place: Place, session: QASession | None, stop: Stop) -> Generator[Note, None, Any]:
-        return (yield from threaded(lambda emit: self.work(place.loaded, emit, stop), stop))
+        halt = _Halt(stop)  # also set when the caller leaves: the work ends at its next check, not at its end
+        return (yield from threaded(lambda emit: self.work(place.loaded, emit, halt), stop, halt.set))
 
     def work(self, loaded: LoadedModel, emit: Callable[..., None], stop: Stop) -> Any:
         """The job on `loaded`: `emit(done, total, what)` after each unit, `stop.is_set()` checked between units.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Generator
+from contextlib import closing
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -48,14 +49,16 @@ class Runner(Protocol):
 
 
 def drive(notes: Generator[Note, None, Any], on_note: Callable[[Note], None] | None = None) -> Any:
-    """Run a job's generator to its end, each note to `on_note`; returns its result."""
-    while True:
-        try:
-            note = next(notes)
-        except StopIteration as done:
-            return done.value
-        if on_note is not None:
-            on_note(note)
+    """Run a job's generator to its end, each note to `on_note`; returns its result. Where `on_note` raises, the job
+    is closed (its work stopped at its next check) before the exception goes on."""
+    with closing(notes):
+        while True:
+            try:
+                note = next(notes)
+            except StopIteration as done:
+                return done.value
+            if on_note is not None:
+                on_note(note)
 
 
 def progress(

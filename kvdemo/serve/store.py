@@ -43,6 +43,8 @@ class UserSession:
             (an API or MCP caller). An answer is refused while it is not what `qa` holds.
         answer_stop: set by Stop (`interrupt`) since the answer was asked (`queue_answer`, `answering`): a Stop
             pressed while the answer waits in the queue, or before its stream has begun, still stops it.
+        prefill_stop: set by Stop (`interrupt`) since the running prefill took the lock (`Door.prefill` clears it
+            then): the prefill's job looks at it, so a Stop pressed while the prefill is set up still stops it.
         answers_queued: Ask clicks whose answer has not ended yet, refused or run (`queue_answer`,
             `answer_ended`); `answer_pending` while there is one.
         prefill_clicked: `time.monotonic()` at the last Prefill click (before the queue), which the prefill's line
@@ -66,6 +68,7 @@ class UserSession:
     last_used: float = 0.0
     page_shows: tuple[str, CacheSpec | None] | None = None
     answer_stop: threading.Event = field(default_factory=threading.Event)
+    prefill_stop: threading.Event = field(default_factory=threading.Event)
     answers_queued: int = 0
     prefill_clicked: float | None = None
     references: dict[tuple, Any] = field(default_factory=dict)
@@ -78,6 +81,7 @@ class UserSession:
         `answering`) and its prefill before its next chunk (Stop, or a new prefill); a comparison has its own
         Cancel."""
         self.answer_stop.set()
+        self.prefill_stop.set()
         for qa in (self.qa, self.prefilling, self.reference):
             if qa is not None:
                 qa.request_stop()
