@@ -1,7 +1,8 @@
 """The whole app as a ZeroGPU Space runs it, on the CPU: `python app.py` with `SPACES_ZERO_GPU` set and a stand-in
 `spaces` that forks a fresh worker for every `@spaces.GPU` call (tests/stand_in/spaces, on the CPU harness), driven
 through gradio_client by the maintainers' smoke script (`scripts/zerogpu_smoke.py`): a prefill, three questions, a
-Stop and a comparison on the page's own endpoints. Every job ran in a worker of its own, never in the server's process;
+Stop and a comparison on the page's own endpoints; then, with the page at concurrency 2, two visitors at once, each
+prefilling its own context and asking twice. Every job ran in a worker of its own, never in the server's process;
 the answers equal an in-process `QASession`'s on the same model; the Stop ended its answer with the cache restored; no
 worker holds a connection of the page open (a browser's Stop would wait behind it) or outlives the app.
 
@@ -14,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -46,6 +48,41 @@ def _wait_for(url: str, process: subprocess.Popen, timeout: float = 180) -> None
     raise AssertionError(f"the app did not answer on {url} in {timeout} s")
 
 
+VISITORS = {
+    "a": (zerogpu_smoke.normans_context().split("\n\n")[0], "Who gave their name to Normandy?"),
+    "b": (zerogpu_smoke.normans_context().split("\n\n")[1], "Who was the duke in the battle of Hastings?"),
+}
+"""Two visitors' contexts and questions, for the page at concurrency 2."""
+
+
+def _two_visitors_at_once(url: str) -> dict[str, list[str]]:
+    """Two gradio_client visitors, each in its own thread: a prefill, then the same question twice; their answers."""
+    from gradio_client import Client
+
+    out: dict[str, list[str]] = {}
+    errors: list[BaseException] = []
+    together = threading.Barrier(2)
+
+    def visit(visitor: str) -> None:
+        try:
+            context, question = VISITORS[visitor]
+            client = Client(url, verbose=False, analytics_enabled=False)
+            together.wait(60)
+            client.predict(context, *zerogpu_smoke.SPEC_FIELDS.values(), api_name="/prefill")
+            answers = [zerogpu_smoke._ask(client, question, context, zerogpu_smoke.MAX_NEW_TOKENS) for _ in range(2)]
+            out[visitor] = [answer["answer"] for answer in answers]
+        except BaseException as error:  # raised in the test's thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=visit, args=(visitor,)) for visitor in VISITORS]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    assert not errors, errors
+    return out
+
+
 @pytest.mark.process
 def test_the_app_on_zerogpu_runs_every_job_in_a_forked_worker(embedded, tmp_path):
     port, log = free_port(), tmp_path / "jobs.log"
@@ -64,12 +101,14 @@ def test_the_app_on_zerogpu_runs_every_job_in_a_forked_worker(embedded, tmp_path
         old.unlink()
     with open(tmp_path / "app.log", "w", encoding="utf-8") as printed_to:
         app = subprocess.Popen(
-            [sys.executable, str(ROOT / "app.py"), "--port", str(port)],
+            [sys.executable, str(ROOT / "app.py"), "--port", str(port), "--concurrency", "2"],
             cwd=ROOT, env=env, stdout=printed_to, stderr=subprocess.STDOUT,
         )  # fmt: skip
         try:
             _wait_for(f"http://127.0.0.1:{port}/", app)
             out = zerogpu_smoke.smoke(f"http://127.0.0.1:{port}/")
+            smoke_jobs = len(log.read_text(encoding="utf-8").splitlines())
+            both = _two_visitors_at_once(f"http://127.0.0.1:{port}/")
             workers = [psutil.Process(int(line.split()[0])) for line in log.read_text(encoding="utf-8").splitlines()]
             # a worker holds none of the page's connections (a browser would wait on them: its Stop, queued)
             held = {w.pid: w.net_connections(kind="tcp") for w in workers if w.is_running()}
@@ -89,7 +128,9 @@ def test_the_app_on_zerogpu_runs_every_job_in_a_forked_worker(embedded, tmp_path
     assert not left, "workers outlived the app"
     assert out["problems"] == [], printed[-3000:]
     assert "the page's model work runs in @spaces.GPU jobs" in printed
-    assert [kind for _, kind in jobs] == ["prefill", "answer", "answer", "answer", "answer", "compare"], jobs
+    smoke_kinds = [kind for _, kind in jobs[:smoke_jobs]]
+    assert smoke_kinds == ["prefill", "answer", "answer", "answer", "answer", "compare"], jobs
+    assert sorted(kind for _, kind in jobs[smoke_jobs:]) == ["answer"] * 4 + ["prefill"] * 2
     pids = [int(pid) for pid, _ in jobs]
     assert len(set(pids)) == len(pids) and app.pid not in pids  # a fresh worker each, never the server's process
     assert out["stop"]["stopped"] and out["stop"]["restored"] and out["stop"]["tokens"] < zerogpu_smoke.STOP_TOKENS
@@ -102,7 +143,13 @@ def test_the_app_on_zerogpu_runs_every_job_in_a_forked_worker(embedded, tmp_path
         reference = QASession(embedded, spec)
         tokens = reference.prefill(zerogpu_smoke.normans_context()).context_tokens
         expected = [reference.ask(q, zerogpu_smoke.MAX_NEW_TOKENS).text for q in zerogpu_smoke.QUESTIONS]
+        alone = {}
+        for visitor, (context, question) in VISITORS.items():
+            reference = QASession(embedded, spec)
+            reference.prefill(context)
+            alone[visitor] = [reference.ask(question, zerogpu_smoke.MAX_NEW_TOKENS).text] * 2
     finally:
         torch.set_num_threads(threads)
     assert out["context_tokens"] == tokens
     assert [answer["answer"] for answer in out["answers"]] == expected
+    assert both == alone  # two visitors at once, each with its own answers (the page at concurrency 2)
