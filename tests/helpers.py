@@ -3,6 +3,8 @@ config, a fault injected into a forward pass, and the page's handlers called as 
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -170,3 +172,23 @@ def logits_through(loaded: LoadedModel, cache, ids: list[int]) -> torch.Tensor:
     """The model's logits [len(ids), vocab] for `ids` fed through `cache` in one forward pass (no gradients)."""
     with torch.no_grad():
         return loaded.model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True).logits[0]
+
+
+def at_once(visit: Callable[[str], None], visitors: Iterable[str], timeout: float = 300) -> None:
+    """`visit(visitor)` for every visitor, each in a thread of its own, all started together (two visitors of the
+    page at the same time); raises the first error a visit raised, once every thread has ended."""
+    errors: list[BaseException] = []
+
+    def run(visitor: str) -> None:
+        try:
+            visit(visitor)
+        except BaseException as error:  # raised in the caller's thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(visitor,)) for visitor in visitors]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout)
+    if errors:
+        raise errors[0]

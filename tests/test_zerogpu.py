@@ -38,6 +38,7 @@ from kvdemo.serve import gpu_job as job_module
 from kvdemo.serve.device import Device, RemoteSession
 from kvdemo.serve.gpu_job import Finished, Raised, SessionRef, WorkOrder, gpu_job, job_seconds, serve_model
 from kvdemo.serve.jobs import (
+    JOBS,
     AnswerJob,
     CompareJob,
     JobProgress,
@@ -52,7 +53,7 @@ from kvdemo.serve.server import App
 from kvdemo.serve.warm_sessions import WARM, WarmSessions
 from kvdemo.ui import build_demo, session_box
 from kvdemo.ui.tab_view import tab_view
-from tests.helpers import named_handlers
+from tests.helpers import at_once, named_handlers
 from tests.zerogpu_harness import POLICIES, Harness, WorkerError
 
 SPEC = "hqq:4,residual_length=4"
@@ -492,37 +493,28 @@ def test_two_visitors_at_once_get_their_own_answers_and_a_stop_touches_one(serve
         device = Device(harness.gpu(duration=job_seconds)(job_module._gpu_job), str(tmp_path / "s"), tmp_path / "x")
         app, fns = _page(served, device)
         out: dict = {}
-        errors: list[BaseException] = []
         together = threading.Barrier(2)
 
         def visit(visitor: str) -> None:
-            try:
-                together.wait(30)
-                fns["prefill"](CONTEXTS[visitor], *FIELDS, _request(visitor))
-                for question in QUESTIONS:
-                    list(fns["ask"](question, TOKENS, _request(visitor)))
-                    answer = app.sessions.peek(visitor).qa.history[-1]
-                    out[visitor, question] = (answer.token_ids, answer.finish_reason, answer.cache_length_after)
-                together.wait(30)  # a stops its long answer while b answers
-                if visitor == "a":
-                    stream = fns["ask"]("Tell me everything about the Normans.", 60, _request("a"))
-                    next(stream), next(stream)  # the question shown, then the first step
-                    fns["stop"](_request("a"))
-                    list(stream)
-                    stopped = app.sessions.peek("a").qa.history[-1]
-                    out["stopped"] = (stopped.finish_reason, stopped.cache_length_after)
-                else:
-                    list(fns["ask"](QUESTIONS[1], 24, _request("b")))
-                    out["b beside the stop"] = app.sessions.peek("b").qa.history[-1].finish_reason
-            except BaseException as error:  # raised in the test's thread below
-                errors.append(error)
+            together.wait(30)
+            fns["prefill"](CONTEXTS[visitor], *FIELDS, _request(visitor))
+            for question in QUESTIONS:
+                list(fns["ask"](question, TOKENS, _request(visitor)))
+                answer = app.sessions.peek(visitor).qa.history[-1]
+                out[visitor, question] = (answer.token_ids, answer.finish_reason, answer.cache_length_after)
+            together.wait(30)  # a stops its long answer while b answers
+            if visitor == "a":
+                stream = fns["ask"]("Tell me everything about the Normans.", 60, _request("a"))
+                next(stream), next(stream)  # the question shown, then the first step
+                fns["stop"](_request("a"))
+                list(stream)
+                stopped = app.sessions.peek("a").qa.history[-1]
+                out["stopped"] = (stopped.finish_reason, stopped.cache_length_after)
+            else:
+                list(fns["ask"](QUESTIONS[1], 24, _request("b")))
+                out["b beside the stop"] = app.sessions.peek("b").qa.history[-1].finish_reason
 
-        threads = [threading.Thread(target=visit, args=(visitor,)) for visitor in CONTEXTS]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(300)
-        assert not errors, errors
+        at_once(visit, CONTEXTS)
         assert harness.most_at_once == 2 and len(harness.forked) >= 2  # the calls overlapped, in two workers
         for visitor in CONTEXTS:
             for question in QUESTIONS:
@@ -551,6 +543,7 @@ def test_each_kinds_refusal_reaches_the_caller_with_its_own_type_and_message(ser
             (NeedleJob((spec,), (served.max_context_tokens * 4,), (50.0,), 4), None),
             (RecommendJob("Too short a text."), None),
         ]
+        assert {type(job) for job, _ in jobs} == set(JOBS)  # every kind: a new one gets its refusal here
         out = []
         for job, session in jobs:
             with pytest.raises((ValueError, ImportError)) as refused:

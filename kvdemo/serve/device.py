@@ -39,7 +39,6 @@ from kvdemo.serve.gpu_job import (
     SessionRef,
     StopFile,
     WorkOrder,
-    job_seconds,
 )
 from kvdemo.serve.jobs import POLL_SECONDS, Job, Note, PrefillDone, Stop
 
@@ -222,10 +221,6 @@ class Device:
         start = time.perf_counter()
         shutil.copyfile(session.session_path, path)
         return SavedSession(Path(path), Path(path).stat().st_size, time.perf_counter() - start)
-
-    def seconds(self, job: Job) -> int:
-        """The duration the worker's call reserves for `job` (`kvdemo.serve.gpu_job.job_seconds`)."""
-        return job_seconds(WorkOrder(job, None, "", ""))
 
 
 def _ended(record: Finished | Raised, session: RemoteSession | None) -> Any:

@@ -45,7 +45,7 @@ from kvdemo.cache.registry import BACKENDS
 from kvdemo.cache.spec import CacheSpec
 from kvdemo.qa.models import LoadedModel
 from kvdemo.qa.prompt import PreparedContext
-from kvdemo.qa.records import Cancelled, PrefillReport
+from kvdemo.qa.records import Cancelled
 from kvdemo.qa.session import QASession
 from kvdemo.serve.jobs import Job, PrefillDone
 from kvdemo.serve.session_files import SessionFiles
@@ -197,11 +197,9 @@ class WorkerPlace:
     def __init__(self, loaded: LoadedModel, files: SessionFiles, hold: str):
         self.loaded, self.files, self.hold = loaded, files, hold
 
-    def open(self, session: QASession, context: PreparedContext) -> tuple[PrefillReport, str] | None:
-        report = self.files.open(session, context)
-        if report is None:
-            return None
-        return report, self.keep(str(self.files.path(self.loaded, session.spec, context)))
+    def open(self, session: QASession, context: PreparedContext) -> str | None:
+        opened = self.files.open(session, context)
+        return self.keep(str(opened)) if opened is not None else None
 
     def save(self, session: QASession, context: PreparedContext) -> str:
         from kvdemo.qa.session_file import save_session
@@ -232,7 +230,7 @@ class WorkerPlace:
             return QASession(self.loaded, ref.spec, ref.kv_budget_bytes), ""
         path = Path(ref.path)
         warm = WARM.get(path, self.loaded)
-        if warm is not None and ref.spec.validate(self.loaded.config).text == warm.spec.text:
+        if warm is not None and ref.spec.validate(self.loaded.config).full_text == warm.spec.full_text:
             return warm, "hit"
         session = open_session(self.loaded, path, ref.spec, ref.kv_budget_bytes)  # another spec: refused with why
         WARM.put(path, session)

@@ -50,7 +50,8 @@ CHARS_PER_TOKEN = 3.0
 """Characters per token, on the low side (English runs at about 4 with SmolLM2's tokenizer), for a text the job
 tokenizes itself (a recommendation's)."""
 RECOMMEND_ANSWER_TOKENS = 32
-"""The answer tokens a recommendation reserves and decodes per question (`kvdemo.compare.recommend`'s)."""
+"""The answer tokens a recommendation's reservation and estimate allow per answer: above the 24 it decodes
+(`kvdemo.compare.recommend.MAX_NEW_TOKENS`), as the door reserved before the job records."""
 POLL_SECONDS = 0.2
 """How often a job running in a thread looks at its stop signal (seconds)."""
 
@@ -67,8 +68,8 @@ class Place(Protocol):
 
     loaded: LoadedModel
 
-    def open(self, session: QASession, context: PreparedContext) -> tuple[PrefillReport, str] | None:
-        """The file of the same context, model and spec opened into `session`: its report and path; None: none."""
+    def open(self, session: QASession, context: PreparedContext) -> str | None:
+        """The file of the same context, model and spec opened into `session`: its path; None: none."""
 
     def save(self, session: QASession, context: PreparedContext) -> str:
         """`session`'s prefill of `context` saved where later jobs find it; its path ("": not saved)."""
@@ -94,13 +95,11 @@ Note = JobProgress | StepEvent
 
 @dataclass(frozen=True)
 class PrefillDone:
-    """A prefill's (or an opened file's) end: its report, the session file that holds it ("": none), whether it was
-    opened rather than prefilled, the context and prompt split the session now holds, and the tokens it keeps free
-    for a question and its answer."""
+    """A prefill's (or an opened file's) end: its report, the session file that holds it ("": none), the context and
+    prompt split the session now holds, and the tokens it keeps free for a question and its answer."""
 
     report: PrefillReport
     path: str
-    opened: bool
     context: str
     split: PromptSplit
     reserve_tokens: int
@@ -190,7 +189,8 @@ class PrefillJob(Job):
         context = self.context.bound(place.loaded.tokenizer)
         opened = place.open(session, context)
         if opened is not None:
-            return PrefillDone(opened[0], opened[1], True, context.text, session.split, session.reserve_tokens)
+            assert session.prefill_report is not None  # the file's
+            return PrefillDone(session.prefill_report, opened, context.text, session.split, session.reserve_tokens)
         if stop.is_set():  # a Stop while the prefill was set up (the session clears its own flag as it starts)
             raise PrefillStopped("the prefill was stopped before it began")
         report = yield from threaded(
@@ -202,7 +202,7 @@ class PrefillJob(Job):
             stop, session.request_stop,
         )  # fmt: skip
         path = place.save(session, context)
-        return PrefillDone(report, path, False, context.text, session.split, session.reserve_tokens)
+        return PrefillDone(report, path, context.text, session.split, session.reserve_tokens)
 
     def estimated_seconds(self) -> float:
         return START_SECONDS + len(self.context.ids) * PREFILL_SECONDS_PER_TOKEN
@@ -223,7 +223,7 @@ class OpenJob(Job):
         path = place.keep(self.path)  # the session's own copy, for its answers; the given path read, named in refusals
         open_session(place.loaded, self.path, session.spec, session=session)
         assert session.prefill_report is not None and session.context is not None
-        return PrefillDone(session.prefill_report, path, True, session.context, session.split, session.reserve_tokens)
+        return PrefillDone(session.prefill_report, path, session.context, session.split, session.reserve_tokens)
         yield  # a generator, as every job's `run`
 
     def estimated_seconds(self) -> float:

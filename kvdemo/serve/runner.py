@@ -15,7 +15,6 @@ from typing import Any, Protocol
 from kvdemo.cache.spec import CacheSpec
 from kvdemo.qa.models import LoadedModel
 from kvdemo.qa.prompt import PreparedContext
-from kvdemo.qa.records import PrefillReport
 from kvdemo.qa.session import QASession, Session
 from kvdemo.qa.session_file import SavedSession, save_session
 from kvdemo.serve.jobs import Job, JobProgress, Note, Stop
@@ -113,11 +112,9 @@ class _Here:
     def __init__(self, loaded: LoadedModel, files: SessionFiles | None):
         self.loaded, self.files = loaded, files
 
-    def open(self, session: QASession, context: PreparedContext) -> tuple[PrefillReport, str] | None:
-        report = self.files.open(session, context) if self.files is not None else None
-        if report is None or self.files is None:
-            return None
-        return report, str(self.files.path(session.loaded, session.spec, context))
+    def open(self, session: QASession, context: PreparedContext) -> str | None:
+        opened = self.files.open(session, context) if self.files is not None else None
+        return str(opened) if opened is not None else None
 
     def save(self, session: QASession, context: PreparedContext) -> str:
         saved = self.files.save(session, context) if self.files is not None else None

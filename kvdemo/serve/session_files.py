@@ -22,7 +22,6 @@ from pathlib import Path
 from kvdemo.cache.spec import CacheSpec
 from kvdemo.qa.models import LoadedModel
 from kvdemo.qa.prompt import PreparedContext
-from kvdemo.qa.records import PrefillReport
 from kvdemo.qa.session import QASession
 from kvdemo.qa.session_file import (
     FORMAT,
@@ -74,9 +73,10 @@ class SessionFiles:
         )
         return self.folder / (hashlib.sha256(made_of.encode("utf-8", "surrogatepass")).hexdigest()[:32] + SUFFIX)
 
-    def open(self, qa: QASession, prepared: PreparedContext) -> PrefillReport | None:
-        """Open the file of `prepared` into `qa` when there is one; None when there is none or it cannot be opened
-        (it is then removed). Raises what `QASession.adopt` raises (the window, the budget)."""
+    def open(self, qa: QASession, prepared: PreparedContext) -> Path | None:
+        """Open the file of `prepared` into `qa` when there is one (`qa.prefill_report` is then the file's): its path;
+        None when there is none or it cannot be opened (it is then removed). Raises what `QASession.adopt` raises (the
+        window, the budget)."""
         path = self.path(qa.loaded, qa.spec, prepared)
         if self._linked(path) or not path.is_file():
             return None
@@ -87,7 +87,7 @@ class SessionFiles:
             path.unlink(missing_ok=True)
             return None
         os.utime(path)  # recently used: trimmed last
-        return qa.prefill_report
+        return path
 
     def save(self, qa: QASession, prepared: PreparedContext) -> Path | None:
         """Write `qa`'s prefill of `prepared` to its file, then trim the folder to `max_bytes`; the path, or None when
