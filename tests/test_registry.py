@@ -56,7 +56,7 @@ def test_a_fifth_backend_needs_only_its_registry_entry(with_dummy, tiny):
     fresh.prefill("The Normans were in Normandy. Rollo led them.")
     assert session.ask("Who led them?", 4).token_ids == fresh.ask("Who led them?", 4).token_ids
     assert kv_memory(session.cache).seq_length == report.context_tokens
-    assert "| `dummy` | DynamicCache under another name" in markdown_table()
+    assert "| [`dummy`](docs/formats.md#dummy) | DynamicCache under another name" in markdown_table()
 
 
 def test_a_fifth_backend_reaches_the_command_line(with_dummy, capsys):

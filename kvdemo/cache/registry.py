@@ -70,10 +70,30 @@ def backends_help() -> str:
     )
 
 
+FORMATS_PAGE = "docs/formats.md"
+"""The docs page holding each format's options table (`options_markdown`), one section per format named after it."""
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")  # a bare | would end the table cell
+
+
 def markdown_table() -> str:
-    """The README's backend table (a test checks the README holds exactly this)."""
-    rows = ["| backend | what stores the cache | options (allowed values, default) |", "|---|---|---|"]
+    """The README's backend table: each format linked to its section of `FORMATS_PAGE`, what stores its cache, the
+    names of its options (their values, defaults and meaning: `options_markdown`). A test checks the README holds
+    exactly this."""
+    rows = ["| format | what stores the cache | options |", "|---|---|---|"]
     for b in BACKENDS.values():
-        options = b.options_text().replace("|", "\\|")  # a bare | would end the table cell
-        rows.append(f"| `{b.name}` | {b.summary} | {options} |")
+        names = ", ".join(f"`{name}`" for name in b.options) or "none"
+        rows.append(f"| [`{b.name}`]({FORMATS_PAGE}#{b.name}) | {b.summary} | {names} |")
+    return "\n".join(rows)
+
+
+def options_markdown(name: str) -> str:
+    """Format `name`'s options as a table for its section of `FORMATS_PAGE`: each option's allowed values, default and
+    help line, from its card (a test checks the page holds exactly this)."""
+    rows = ["| option | values | default | what it sets |", "|---|---|---|---|"]
+    for option in BACKENDS[name].options.values():
+        rows.append(f"| `{option.name}` | {_cell(option.allowed_text())} | {_cell(option.default_text)} | "
+                    f"{_cell(option.help)} |")  # fmt: skip
     return "\n".join(rows)
