@@ -3,6 +3,12 @@ after every answer, and see the cache's real memory and residual flushes.
 
 Public surface: `load_model`, `LoadedModel`, `CacheSpec`, `BACKENDS`, `build_cache`, `QASession`
 (and its `PrefillReport`, `StepEvent`, `Answer`), `kv_memory`, `MemoryReport`, `quiet` (no loading bars).
+
+The packages, in the order imports point (docs/DESIGN.md, "The package order"): the faces, `ui` (the Gradio page)
+and `cli` (`python -m kvdemo`, `__main__`); `serve` (what the page shares across users); `compare` and `needle` (jobs
+over several specs); `evals` (measures against full precision); `charts` (figures from records); `qa` (one context,
+many questions); `cache` (the KV cache itself); and beneath them all `checks` (argument checks), `quiet` (quiet
+output) and `paths` (the kvdemo cache folder).
 """
 
 import importlib
