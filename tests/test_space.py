@@ -50,13 +50,17 @@ def test_requirements_install_on_a_space():
 
 
 def test_readme_still_opens_with_the_two_set_up_commands():
+    """The title, one paragraph of what it is, then the two commands as the first code block."""
     _, rest = front_matter()
     lines = [line for line in rest.splitlines() if line.strip()]
-    assert lines[:4] == [
-        "# kvdemo",
+    assert lines[0] == "# kvdemo"
+    fence = lines.index("```")
+    assert fence <= 10 and not any(line.startswith("#") for line in lines[1:fence]), "one paragraph, then the commands"
+    assert lines[fence : fence + 4] == [
         "```",
         "make run     # start the app on the embedded model",
         "make test    # run the tests",
+        "```",
     ]
 
 
