@@ -14,7 +14,9 @@ import app as app_module
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 PAGES = sorted((ROOT / "docs").glob("*.md"))
-README_LINES = 200
+README_LINES = 120
+FIRST_EXAMPLE_WITHIN = 60
+"""The README's first code example starts within this many lines after the Space's front matter."""
 SCREENSHOTS = ("docs/images/ask.png", "docs/images/compare.png")
 SCREENSHOT_BYTES = 300_000
 LINK = re.compile(r"!?\[([^\]]*)\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
@@ -44,9 +46,13 @@ def links(path: Path) -> list[tuple[str, str]]:
     return LINK.findall(_prose(path.read_text(encoding="utf-8")))
 
 
-def test_the_readme_is_short():
-    lines = README.read_text(encoding="utf-8").count("\n")
+def test_the_readme_is_short_and_shows_code_on_its_first_screen():
+    text = README.read_text(encoding="utf-8")
+    lines = text.count("\n")
     assert lines <= README_LINES, f"README.md has {lines} lines; move detail into a docs/ page ({README_LINES} at most)"
+    body = text.split("\n---\n", 1)[1].splitlines()  # after the Space's front matter
+    first = next(i for i, line in enumerate(body, 1) if line.startswith("```python"))
+    assert first <= FIRST_EXAMPLE_WITHIN, f"README.md's first Python example is {first} lines after the front matter"
 
 
 @pytest.mark.parametrize("path", [README, *PAGES], ids=lambda p: p.relative_to(ROOT).as_posix())
@@ -154,3 +160,76 @@ def formats_table() -> str:
 def test_the_formats_page_holds_every_format_s_bytes_engines_and_reference():
     page = (ROOT / "docs" / "formats.md").read_text(encoding="utf-8")
     assert formats_table() in page, "docs/formats.md's table differs: paste tests.test_docs.formats_table()"
+
+
+def test_the_formats_page_holds_each_format_s_options_under_its_own_heading():
+    from kvdemo.cache.registry import BACKENDS, FORMATS_PAGE, options_markdown
+
+    page = (ROOT / FORMATS_PAGE).read_text(encoding="utf-8")
+    for name in BACKENDS:
+        section = page.split(f"\n### `{name}`\n", 1)
+        assert len(section) == 2, f"{FORMATS_PAGE} has no '### `{name}`' section (the README's table links it)"
+        assert section[1].split("\n### ", 1)[0].lstrip().startswith(options_markdown(name)), (
+            f"{FORMATS_PAGE}, section `{name}`: paste kvdemo.cache.registry.options_markdown({name!r}) under it"
+        )
+
+
+DESIGN_PAGE = ROOT / "docs" / "DESIGN.md"
+PACKAGES = "ui|cli|serve|compare|needle|evals|charts|qa|cache"
+PICTURED = re.compile(rf"(?<![\w.])((?:{PACKAGES})(?:\.(?:\w+|<name>))+)|, \.(\w+)")
+"""A dotted name of kvdemo in a picture (`serve.door.Door.prefill`, `cache.formats.<name>.layers`), or `, .name`: a
+sibling of the name before it (`QASession.prefill, .stream`)."""
+
+
+def resolve(dotted: str) -> object:
+    """`kvdemo.<dotted>`: the longest prefix that imports as a module, then attributes. Raises LookupError naming
+    the first part that is not there."""
+    import importlib
+
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            found: object = importlib.import_module("kvdemo." + ".".join(parts[:cut]))
+        except ModuleNotFoundError:
+            continue
+        for part in parts[cut:]:
+            if not hasattr(found, part):
+                raise LookupError(f"{dotted}: no {part!r} in {'.'.join(parts[:cut])}")
+            found = getattr(found, part)
+        return found
+    raise LookupError(f"{dotted}: no such module")
+
+
+def pictures(section: str) -> list[str]:
+    """The fenced blocks of docs/DESIGN.md's section `section` (a `## ` heading's text)."""
+    text = DESIGN_PAGE.read_text(encoding="utf-8").split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^```text\n(.*?)^```", text, flags=re.M | re.S)
+
+
+def test_the_design_opens_with_its_pictures_then_its_invariants():
+    lines = DESIGN_PAGE.read_text(encoding="utf-8").splitlines()
+    heads = [line for line in lines if line.startswith("## ")]
+    assert heads[:3] == ["## The data path", "## The two seams", heads[2]] and heads[2].startswith("## The invariants")
+    assert lines.index(heads[2]) < 80, "docs/DESIGN.md's invariants start within its first 80 lines"
+    assert len(pictures("The data path")) == 1 and len(pictures("The two seams")) == 2
+
+
+@pytest.mark.parametrize("section", ["The data path", "The two seams"])
+def test_every_name_in_the_design_s_pictures_exists(section):
+    """Each dotted name in the pictures is a module, class, function or attribute of kvdemo; `<name>` stands for
+    every quantized format's folder. A renamed step makes the picture fail here, not mislead a reader."""
+    from kvdemo.cache.registry import BASELINE, FORMATS
+
+    missing, checked, before = [], 0, ""
+    for block in pictures(section):
+        for match in PICTURED.finditer(block):
+            dotted = match.group(1) or f"{before.rsplit('.', 1)[0]}.{match.group(2)}"
+            before = dotted if match.group(1) else before
+            names = [dotted.replace("<name>", f) for f in FORMATS if f != BASELINE] if "<name>" in dotted else [dotted]
+            for name in names:
+                checked += 1
+                try:
+                    resolve(name)
+                except LookupError as error:
+                    missing.append(str(error))
+    assert checked >= 20 and not missing, f"docs/DESIGN.md, {section}: {missing}"
