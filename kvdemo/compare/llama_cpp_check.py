@@ -7,7 +7,7 @@ accumulates an f16 V in f16 and a quantized one in f32, and rounds the query to 
 `ggml_compute_forward_flash_attn_ext_f16_one_chunk`), so switching to any quantized type switches kernels. q8_0's
 storage moves the model by KL 0.0002-0.0013 (kvdemo's figure), while llama.cpp's q8_0 run moves it by 0.002-0.011
 (docs/ggml.md, docs/recommend.md): that is a floor under every quantized type's figure in llama.cpp, printed beside
-the two figures so that a reader can tell the engine's arithmetic from the cache. The bar (issue 66): the two
+the two figures so that a reader can tell the engine's arithmetic from the cache. The bar: the two
 figures within 2x of each other.
 
 Each run: the prefix evaluated once, then for each question the cache cut back to the prefix

@@ -131,7 +131,7 @@ class EngineCheck:
 
     @property
     def agrees(self) -> bool:
-        """The two figures within a factor of 2 of each other (issue 66's bar)."""
+        """The two figures within a factor of 2 of each other (the bar `kvdemo.compare.llama_cpp_check` states)."""
         return 0.5 <= self.ratio <= 2
 
     def lines(self) -> list[str]:

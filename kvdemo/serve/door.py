@@ -1,7 +1,7 @@
 """One door per job: `Door` runs every job a caller asks of the shared `App`: a prefill (or a session file opened in
 its place), an answer, a Stop, a saved session file, and the long jobs (a comparison, a needle grid, a
 recommendation). The Ask tab, the session box, the other tabs, the MCP tools and the command line only call it
-(`tests/test_doors.py` names its callers); it does, once, what each of them used to repeat:
+(`tests/test_door_callers.py` names its callers); it does, once, for every caller:
 
 - the per-session lock (`UserSession.lock`: one prefill or answer at a time; a long job's own slot, `long_job`);
 - the KV reservation within the server-wide budget (`KVAccount`: `prefill:<key>` becoming `cache:<key>`, grown for

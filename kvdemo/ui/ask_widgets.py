@@ -113,7 +113,7 @@ class AskWidgets:
 
     def build(self) -> None:
         """The tab's widgets (inside a `gr.Blocks` and `gr.Tab` context), kept in `self.w` by name. At 1,400 × 900,
-        without scrolling (issue 67): the options in one row (backend and the fields a user of
+        without scrolling: the options in one row (backend and the fields a user of
         the field sets most; the rest and the backend's description folded under them), then the context with
         Prefill, the chat with Ask, and the memory and residual charts side by side, so that the charts and the chat
         are in view together while an answer streams. Below: the step-time chart, the answers table. (The explainer,

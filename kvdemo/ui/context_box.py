@@ -2,9 +2,9 @@
 `page_state.fingerprint`, computed in the browser), the note under the box, what the browser keeps, and the box's
 events (`wire`).
 
-Why, as measured in Chromium on Gradio 6.31 (tests/e2e/test_context_box.py): the box may hold 2 MiB. Each change
-used to send the whole text with every listener's request (the gate, the browser's copy, the example questions) and
-again as the change event's own data, and the browser's copy came back down. Gradio re-dispatches a whole event,
+Why, as measured in Chromium on Gradio 6.31 (tests/e2e/test_context_box.py): the box may hold 2 MiB. Wired plainly,
+each change sends the whole text with every listener's request (the gate, the browser's copy, the example questions)
+and again as the change event's own data, and the browser's copy comes back down. Gradio re-dispatches a whole event,
 every listener of it, when one deferred listener (`trigger_mode="always_last"`) ends, so two listeners with a
 request each on one change re-triggered each other for as long as anyone typed: about eleven requests a second of
 each, tens of seconds after five characters, at any size. And every request's inputs are copied (Svelte's

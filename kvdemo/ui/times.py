@@ -1,7 +1,7 @@
 """What the page says of time, from what this machine measured: a prefill's time from the click and where it went
 (`from_click`), a long job's time left at its own pace (`Paced`), the estimates Compare and Recommend give before
-their first unit, and the full-precision answer's. Pure functions of records, as `views` (issue 67: times the machine
-does not keep are not promised)."""
+their first unit, and the full-precision answer's. Pure functions of records, as `views`: a time this machine did
+not measure is never promised."""
 
 from __future__ import annotations
 

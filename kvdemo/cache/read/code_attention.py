@@ -1,9 +1,9 @@
 """Decode attention over a quantized store's codes: a decode step scores the stored keys and sums the stored values
 straight from their packed codes, one tile of 32 tokens at a time, and never builds a float copy of the store.
 
-Before, a decode step de-quantized each stored block whole (`kvdemo.cache.layers.blockwise.attend_blockwise`: a float
-tensor of every stored token, written then read again by torch's flash kernel), so a 4-bit step moved more bytes
-than `dynamic`'s: the codes, then 32-bit floats out and in. Here a C kernel (`code_attention.c`, compiled once per
+Why: de-quantizing each stored block whole (`kvdemo.cache.layers.blockwise.dequantized_reads`: a float tensor of
+every stored token, written then read again by torch's flash kernel) makes a 4-bit step move more bytes than
+`dynamic`'s: the codes, then 32-bit floats out and in. Here a C kernel (`code_attention.c`, compiled once per
 machine by `kvdemo.cache.read.c_build`, OpenMP over ranges of tokens of each KV head) reads each block's codes, scales
 and zeros, de-quantizes one tile of keys and values into a buffer on its stack (at most 2 x 32 x head_dim floats per
 thread), scores the tile for every query head that shares the KV head, and keeps FlashAttention's running maximum

@@ -10,7 +10,7 @@ min-max rounding: `round(x * scale + zero)` clamped, what optimum-quanto does to
   operations, each a pass over the tensor, one of them a fractional power; on the blocks a KV cache flushes (a
   128-token block of 3 heads of 64: 24,576 values) each operation costs 3-5 us of dispatch and the power 55 us, so
   one tensor takes about 3 ms and a flush of the embedded model's 30 layers (keys and values) 180 ms, 3.4 plain
-  decode steps (issue 57). `ProximalQuantizer` runs the same iterations with the same stopping rule in one C loop
+  decode steps. `ProximalQuantizer` runs the same iterations with the same stopping rule in one C loop
   per group (`proximal.c`, compiled once per machine by `kvdemo.cache.read.c_build`), about 4 times faster. It
   differs from hqq's solver in float rounding only (the power as expf(p * logf(a)), sums in another order): the
   tests bound the zero points and codes against hqq's own solver on real keys and values. Where the kernel cannot

@@ -4,7 +4,7 @@ optimum-quanto 0.2.7 JIT-builds its extension (`optimum.quanto.library.extension
 `torch.utils.cpp_extension.load` into a `build` folder inside site-packages, on its first de-quantize in each process.
 Every process runs ninja there again, and ninja compiles again whenever the command line differs from the one it
 logged (another compiler, flag or source path), so two kinds of process rebuilt it in turn, 170-200 s each,
-while the others waited on its lock (issue 43). Here, before kvdemo builds its first quanto cache
+while the others waited on its lock. Here, before kvdemo builds its first quanto cache
 (`kvdemo.cache.registry`), each extension is pointed at one folder of the kvdemo cache folder
 (`kvdemo.paths.cache_dir() / "quanto" / <key>`), keyed by what the built library depends on; the first process
 compiles into it under torch's own lock, and every later one imports the built module directly, without ninja.
