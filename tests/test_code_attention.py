@@ -17,7 +17,9 @@ from transformers import LlamaConfig
 from kvdemo import CacheSpec, QASession
 from kvdemo.cache.formats.hqq.layers import hqq_codes
 from kvdemo.cache.formats.quanto.layers import AppendQuantoLayer, RotatedQuantoLayer, quanto_codes
-from kvdemo.cache.formats.turboquant.layers import quantize_uniform, uniform_codes
+from kvdemo.cache.formats.turboquant.codes import uniform_codes
+from kvdemo.cache.formats.turboquant.layers import quantize_uniform
+from kvdemo.cache.layers.appended import AppendedLayer
 from kvdemo.cache.layers.attention import ATTENTION, _joined_layers, decode_read
 from kvdemo.cache.layers.blockwise import (
     _FLASH,
@@ -55,11 +57,13 @@ SERVED = (
     "turboquant:3,nbits_value=2,norm_correction=true", "turboquant:4,flush=requantize", "turboquant:8,nbits_value=4",
     "ggml:q8_0", "ggml:q4_0", "ggml:q4_1", "ggml:q5_0,rotation=none", "ggml,type_k=q5_1,type_v=iq4_nl",
     "ggml,type_k=f16", "fp8", "fp8,scale=per_token_head", "fp8,scale=calculated", "fp8,scale=one,float8=e5m2", "int8",
-    "nvfp4", "nvfp4,block_rule=4over6,tensor_scale=prefill", "nvfp4,keys=e4m3",
+    "nvfp4", "nvfp4,block_rule=4over6,tensor_scale=prefill", "nvfp4,keys=e4m3", "turboquant:4bit_nc",
+    "turboquant:k8v4", "turboquant:k3v4_nc", "turboquant:3bit_nc",
 )  # fmt: skip
 """Every store layout the kernel reads: each backend's bit widths, group sizes and axes, flush policies, the
 query-side rotation, mixed key and value precision, TurboQuant's float8 keys, llama.cpp's block types, float8 under
-each scale rule, int8 and NVFP4 (these last three write every token as codes: no residual)."""
+each scale rule, int8 and NVFP4 (these last three write every token as codes: no residual), and vLLM's TurboQuant
+layouts, written token by token too."""
 
 
 def _config(head_dim: int = 64) -> LlamaConfig:
@@ -79,6 +83,12 @@ def _states(tokens: int, head_dim: int = 64, seed: int = 0) -> tuple[torch.Tenso
     return keys, torch.randn(1, 2, tokens, head_dim, generator=generator) * 2
 
 
+def _read(layer):
+    """How a decode step's attention reads one of `layer`'s blocks: the layer's `_dequantize`, or the basis of the query
+    it scores (vLLM's TurboQuant keys, in the rotated basis: `stored_blocks`)."""
+    return layer.stored_blocks().dequantize if hasattr(layer, "stored_blocks") else layer._dequantize
+
+
 def _blocks(layer) -> list:
     store_keys, store_values = layer._quantized_keys, layer._quantized_values
     return list(zip(*(s if isinstance(s, list) else [s] for s in (store_keys, store_values))))
@@ -89,7 +99,7 @@ def served(request):
     """(spec text, layer 0 after a prefill of 70 tokens and 12 decode steps with an 8-token residual where the backend
     keeps one: two blocks where the flush appends)."""
     spec = CacheSpec.parse(request.param)
-    if spec.info.has_residual:
+    if spec.keeps_residual:
         spec = CacheSpec.parse(request.param + ",residual_length=8")
     keys, values = _states(70)
     return request.param, filled_layer(spec, _config(), keys, values, steps=12)
@@ -99,20 +109,25 @@ def test_the_kernel_reads_each_store_as_the_library_de_quantizes_it(served):
     text, layer = served
     assert code_reader(type(layer)), text
     blocks = _blocks(layer)
-    assert len(blocks) == (2 if "append" in text or text.startswith("turboquant:") and "requantize" not in text else 1)
+    residual = not isinstance(layer, AppendedLayer)  # vLLM's layout writes every token: one record
+    residual_blocks = residual and text.startswith("turboquant:") and "requantize" not in text
+    assert len(blocks) == (2 if "append" in text or residual_blocks else 1)
     for key_block, value_block in blocks:
         for block in (key_block, value_block):
             codes = layer._codes_of(block)
             assert codes is not None, text
-            assert torch.equal(dequantize_codes(codes), layer._dequantize(block)), text  # bit for bit
+            if "_nc" in text and block is key_block:  # the kernel sums the centroids' |c|^2 in its own order
+                assert torch.allclose(dequantize_codes(codes), _read(layer)(block), rtol=1e-6, atol=0), text
+            else:
+                assert torch.equal(dequantize_codes(codes), _read(layer)(block)), text  # bit for bit
 
 
 def test_attention_over_the_codes_is_torch_s_over_the_de_quantized_store_within_the_bound(served):
     text, layer = served
     blocks = _blocks(layer)
     query = torch.randn(1, 2, 3, 64, generator=torch.Generator().manual_seed(1)) * 2
-    keys = torch.cat([layer._dequantize(k) for k, _ in blocks], dim=-2)
-    values = torch.cat([layer._dequantize(v) for _, v in blocks], dim=-2)
+    keys = torch.cat([_read(layer)(k) for k, _ in blocks], dim=-2)
+    values = torch.cat([_read(layer)(v) for _, v in blocks], dim=-2)
     expected, expected_lse = _FLASH(query, keys, values, scale=0.125)
     read = attend_codes(query, [(layer._codes_of(k), layer._codes_of(v)) for k, v in blocks], 0.125)
     assert read is not None
@@ -216,6 +231,7 @@ def test_the_embedded_model_decodes_the_same_tokens_with_logits_within_1e_3(embe
         ("fp8", "reads the stored codes in 30 layers"),
         ("int8", "reads the stored codes in 30 layers"),
         ("turboquant:4,layout=vllm", "de-quantizes the whole store in 30 layers"),
+        ("turboquant:4bit_nc", "reads full precision in 4 layers; reads the stored codes in 26 layers"),
         ("dynamic", "full precision in 30 layers"),
     ],
 )
@@ -254,6 +270,7 @@ def test_the_report_counts_each_layer_s_path_on_a_model_of_two_kinds(embedded):
         "nvfp4,sliding=quantize",
         "quanto:4,sliding=quantize,residual_length=4",
         "turboquant:8,nbits_value=4,sliding=quantize,residual_length=4",
+        "turboquant:4bit_nc,protect=0:0",
     ],
 )
 def test_sliding_layers_read_from_their_window_s_codes_decode_as_the_layer_s_own_read(embedded, text):
@@ -321,9 +338,10 @@ def test_a_decode_step_copies_no_code_of_the_context(text):
 
 
 POISONED = ("quanto:4", "hqq:4", "turboquant:4", "turboquant:8,nbits_value=4", "ggml:q4_0", "ggml,type_k=f16", "fp8",
-            "int8", "nvfp4")  # fmt: skip
+            "int8", "nvfp4", "turboquant:4bit_nc")  # fmt: skip
 """One spec per kind of store the kernel reads: affine, lookup and uniform, scaled, llama.cpp's blocks, float16 rows,
-float8 and int8 rows, NVFP4 blocks; the float32 residual (kind 3) where the poisoned token waits in it."""
+float8 and int8 rows, NVFP4 blocks, vLLM's `_nc` keys (lookup over the centroids' norm); the float32 residual (kind 3)
+where the poisoned token waits in it."""
 
 
 @pytest.mark.parametrize("text", POISONED)
@@ -337,7 +355,9 @@ def test_a_poisoned_cache_propagates_nan_and_infinity_as_torch_does(text, where,
     reaches attention; other quantizers may code it as a finite value (fp8 saturates a new infinite token), and then
     every path reads the same finite store. The reference is the store read whole by sdpa: torch's flash kernel over a
     block of one NaN key returns 0 where sdpa returns NaN, so `attend_blockwise` reads a poisoned store whole."""
-    spec = CacheSpec.parse(text + (",residual_length=8" if CacheSpec.parse(text).info.has_residual else ""))
+    spec = CacheSpec.parse(text)
+    if spec.keeps_residual:
+        spec = CacheSpec.parse(text + ",residual_length=8")
     keys, values = _states(41)
     poisoned = keys if where == "key" else values
     poisoned[0, 1, 17 if stored else 40, 5] = bad

@@ -14,7 +14,9 @@
  *     shift0 + shift_step * (j / step). A group is a row (`by_row`) or a column; per group a float32 scale and zero:
  *     quanto x = code * scale - zero (its shift), hqq x = (code - zero) * scale (zero_first).
  *   kind 1, lookup: TurboQuant's keys, one row of head_dim codes per token and head, `bits` bits each packed densely
- *     (code k at bit k * bits of the row, little-endian), x = table[code] * norm (the row's float16 or float32 norm).
+ *     (code k at bit k * bits of the row, little-endian), x = table[code] * norm (the row's float16 or float32 norm);
+ *     with `unit`, the row's table values divided by their Euclidean norm first, x = (table[code] / |c|) * norm with
+ *     |c| = sqrt(sum of table[code]^2 + 1e-16) (vLLM's `_nc` keys; the sum in this loop's order).
  *   kind 2, uniform: TurboQuant's values, the same packing, x = code * scale + zero (per row).
  *   kind 3, float: float32 rows as they are (the full-precision residual, read with the store in one call).
  *   kind 4, ggml: llama.cpp's blocks of 32 values, type `bits` (ggml_dequant.c's numbers), row_bytes per row.
@@ -48,6 +50,7 @@ typedef struct { /* every field an int64_t, pointers included (the Python side f
     int64_t kind, bits, codes, word_bytes, shift0, shift_step, by_row, zero_first, half, rows, cols, step, row_bytes;
     int64_t scale, zero, table, row_scale, row_zero, tokens;
     int64_t first, stride; /* the tokens read are [first, first + tokens) of each head's `stride` stored (0: tokens) */
+    int64_t unit;          /* kind 1: each row's table values divided by their norm first (vLLM's `_nc` keys) */
 } Codes;
 
 /* the storage row of token t of head `head` in a store */
@@ -157,6 +160,15 @@ static void packed_rows(const Codes *c, int64_t r0, int64_t n, int64_t dim, floa
         const uint8_t *bytes = PTR(uint8_t, c->codes) + r * c->row_bytes;
         float *o = out + (r - r0) * dim;
         const float s = row_value(c->row_scale, c->half, r);
+        if (c->kind == 1 && c->unit) { /* vLLM's _nc: (c / |c|) * norm, each step rounded as torch's operations */
+            uint8_t codes[MAX_DIM];
+            float sum = 0.0f;
+            expand(bytes, dim, bits, codes);
+            for (int64_t k = 0; k < dim; k++) sum += table[codes[k]] * table[codes[k]];
+            const float norm = sqrtf(sum + 1e-16f);
+            for (int64_t k = 0; k < dim; k++) o[k] = (table[codes[k]] / norm) * s;
+            continue;
+        }
         const float z = c->kind == 1 ? 0.0f : row_value(c->row_zero, c->half, r);
         int64_t k = 0;
 #if defined(__AVX2__)

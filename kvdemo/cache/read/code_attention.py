@@ -24,9 +24,10 @@ before):
   or 1, float32: x = (code - zero) x scale (`hqq_codes`);
 - llama.cpp's blocks (`ggml_codes`: q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl, the `ggml` backend's; `ggml_dequant.c`'s
   arithmetic, which this kernel includes) and its `f16` rows (`half_rows`);
-- TurboQuant's keys at 2 to 4 bits (`lookup_codes`: x = centroid[code] x norm) and uniform values at 2 to 8 bits
-  (`uniform_codes`: x = code x scale + zero), norms, scales and zeros in float16 or float32; vLLM's layout is
-  de-quantized;
+- TurboQuant's keys at 2 to 4 bits (`kvdemo.cache.formats.turboquant.codes.lookup_codes`: x = centroid[code] x
+  norm, or for vLLM's `_nc` keys x = (centroid[code] / |c|) x norm, |c| the norm of the row's centroids) and uniform
+  values at 2 to 8 bits (`uniform_codes`: x = code x scale + zero), norms, scales and zeros in float16 or float32, in
+  kvdemo's layout and in vLLM's;
 - a code's value times a scale (`scaled_codes`): float8 e4m3 or e5m2 and int8 with a float32 scale per tensor or per
   token and head (the `fp8` format under every scale rule, `int8`, TurboQuant's float8 keys), and NVFP4's E2M1 codes
   with an e4m3 scale per 16 values and a float32 one per tensor (`nvfp4`); x = table[code] x scale, or
@@ -34,7 +35,8 @@ before):
 
 **The same keys, another order of sums.** Each tile is de-quantized by the library's formula operation for
 operation, compiled without fused multiply-add, so every key and value the kernel reads equals the library's
-de-quantized one bit for bit (`dequantize_codes` is the test's handle on it). The scores q.k, the softmax and the
+de-quantized one bit for bit (`dequantize_codes` is the test's handle on it), but for vLLM's `_nc` keys, whose |c| the
+kernel sums in its own order (within 1e-6 relative). The scores q.k, the softmax and the
 weighted sum of the values are float32 sums in another order than torch's kernel (fused multiply-adds where the CPU
 has them, `expf` from the vector math library, within 4 units in the last place), so the output differs from the
 de-quantize path by float rounding. The bound, checked by `tests/test_code_attention.py` on every format, bit width and
@@ -82,7 +84,7 @@ residual), llama.cpp's blocks, float16 rows (llama.cpp's f16), a code's value ti
 
 FIELDS = (
     "kind", "bits", "codes", "word_bytes", "shift0", "shift_step", "by_row", "zero_first", "half", "rows", "cols",
-    "step", "row_bytes", "scale", "zero", "table", "row_scale", "row_zero", "tokens", "first", "stride",
+    "step", "row_bytes", "scale", "zero", "table", "row_scale", "row_zero", "tokens", "first", "stride", "unit",
 )  # fmt: skip
 """The C `Codes` descriptor's fields, in order, each an int64 (pointers as addresses; `code_attention.c`)."""
 

@@ -2,8 +2,8 @@
 keys randomly rotated and coded by Lloyd-Max with a norm, values uniform per token and head, a full-precision residual;
 vLLM's `kv_cache_dtype` presets.
 
-Its folder: the card (here), kvdemo's layout and the cache (`layers`), vLLM's layout (`vllm`) and the Lloyd-Max codes
-(`lloyd_max`).
+Its folder: the card (here), kvdemo's layout and the cache (`layers`), vLLM's layout (`vllm`) and its token-by-token
+layers (`vllm_layers`), the Lloyd-Max codes (`lloyd_max`), and the stores as the decode kernel reads them (`codes`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from kvdemo.cache.backend import Backend
 from kvdemo.cache.deploy import Deployment
 from kvdemo.cache.options import PROTECT_OPTION, SLIDING_OPTION, Option, group_options
-from kvdemo.cache.policies import FLUSH_POLICIES, NORM_CORRECTION_CHOICES, TURBOQUANT_LAYOUTS
+from kvdemo.cache.policies import FLUSH_POLICIES, NORM_CORRECTION_CHOICES, TURBOQUANT_LAYOUTS, vllm_write_path
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
@@ -109,6 +109,12 @@ values (4.9x, +20.59 %). kvdemo's own variant of each is the preset with `layout
 its models; kvdemo measures its own, docs/turboquant.md)."""
 
 
+def keeps_residual(resolved) -> bool:
+    """Whether a turboquant spec keeps a residual: all but vLLM's write path (`kvdemo.cache.policies.vllm_write_path`:
+    every preset), which codes each token as it comes."""
+    return not vllm_write_path(resolved.get("layout"), resolved.get("residual_length"), resolved.get("flush"))
+
+
 def vllm_dtype(resolved) -> str | None:
     """vLLM's `--kv-cache-dtype` of a spec that stores exactly what a preset of vLLM stores, or None."""
     for name, preset in TURBOQUANT_PRESETS.items():
@@ -199,6 +205,7 @@ BACKEND = Backend(
     width_rule=turboquant_width_problem,
     presets=TURBOQUANT_PRESETS,
     combination_rule=turboquant_combination_problem,
+    residual_rule=keeps_residual,
     deploy=_deploy,
     stored=_stored,
     reference=(

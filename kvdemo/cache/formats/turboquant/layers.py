@@ -53,23 +53,18 @@ from kvdemo.cache.policies import (
     PROTECT_CHOICES,
     SLIDING_CHOICES,
     TURBOQUANT_LAYOUTS,
+    vllm_write_path,
 )
-from kvdemo.cache.read.code_attention import (
-    LOOKUP,
-    UNIFORM,
-    StoreCodes,
-    float32_table,
-    row_values,
-    scaled_codes,
-    store_codes,
-)
+from kvdemo.cache.read.code_attention import StoreCodes, scaled_codes
 
+from .codes import lookup_codes, uniform_codes
 from .lloyd_max import decode_integers, decode_packed, exact_marginal, pack_codes
 from .vllm import VllmFp8Keys, VllmKeys, VllmValues
 from .vllm import dequantize_keys as vllm_dequantize_keys
 from .vllm import dequantize_values as vllm_dequantize_values
 from .vllm import quantize_keys as vllm_quantize_keys
 from .vllm import quantize_values as vllm_quantize_values
+from .vllm_layers import vllm_turboquant_cache
 
 KEY_ROTATION = QueryRotation(signed=True, values=False)
 """TurboQuant's rotation of the keys: (k D) H, the values left in the model's basis."""
@@ -147,29 +142,6 @@ def dequantize_uniform(store: UniformValues, bits: int, dtype: torch.dtype) -> t
     """`quantize_uniform` undone: [batch, kv_heads, tokens, head_dim] of `dtype`."""
     values = decode_integers(store.codes, bits, dtype)
     return values.mul_(store.scale.to(dtype)).add_(store.zero.to(dtype))
-
-
-def lookup_codes(codes: torch.Tensor, norms: torch.Tensor, bits: int, table: torch.Tensor) -> StoreCodes | None:
-    """TurboQuant's keys: `codes` [batch, kv_heads, tokens, head_dim x bits / 8] uint8 (`lloyd_max.pack_codes`),
-    `norms` [batch, kv_heads, tokens, 1], `table` the 2^bits centroids; x = float32(centroid) x norm. None for bits
-    outside 1-4 or another dtype."""
-    rows = row_values(norms)
-    if rows is None or not 1 <= bits <= 4 or codes.dtype != torch.uint8:
-        return None
-    shape = (*codes.shape[:-1], codes.shape[-1] * 8 // bits)
-    fields = dict(kind=LOOKUP, bits=bits, half=rows[1], row_bytes=codes.shape[-1])
-    return store_codes(shape, {"codes": codes, "row_scale": rows[0][0], "table": float32_table(table)}, **fields)
-
-
-def uniform_codes(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> StoreCodes | None:
-    """TurboQuant's values: `codes` as `lookup_codes`'s, `scale` and `zero` [batch, kv_heads, tokens, 1]; x = code x
-    scale + zero. None for bits outside 1-4 and 8, or another dtype."""
-    rows = row_values(scale, zero)
-    if rows is None or not (1 <= bits <= 4 or bits == 8) or codes.dtype != torch.uint8:
-        return None
-    shape = (*codes.shape[:-1], codes.shape[-1] * 8 // bits)
-    fields = dict(kind=UNIFORM, bits=bits, half=rows[1], row_bytes=codes.shape[-1])
-    return store_codes(shape, {"codes": codes, "row_scale": rows[0][0], "row_zero": rows[0][1]}, **fields)
 
 
 class TurboQuantLayer(QuantizedLayer):
@@ -308,9 +280,10 @@ def turboquant_cache(
         flush: `append` (each residual block coded once, vLLM's and KIVI's pattern) or `requantize`.
         norm_correction: `true` or `false` (module docstring).
         sliding, protect: as `kvdemo.cache.layers.flush.quantized_cache` takes them.
-        layout: `kvdemo` or `vllm` (vLLM's store byte for byte, `kvdemo.cache.formats.turboquant.vllm`: its keys are
-            coded from the model's basis, so its layers read on the read side, the store's keys rotated back at every
-            read).
+        layout: `kvdemo` or `vllm` (vLLM's store byte for byte, `kvdemo.cache.formats.turboquant.vllm`). With
+            `residual_length=1` and `flush=append` (every preset) vLLM's write path, each token coded as it comes and
+            decode reading the codes (`kvdemo.cache.formats.turboquant.vllm_layers`); otherwise the residual layers,
+            the store's keys rotated back at every read.
 
     Raises:
         ValueError: a flush policy, norm_correction or layout word that is not one.
@@ -324,6 +297,8 @@ def turboquant_cache(
             f"flush={flush!r}, norm_correction={norm_correction!r}, layout={layout!r}: a word is not allowed"
         )
     vllm = layout == TURBOQUANT_LAYOUTS[1]
+    if vllm_write_path(layout, residual_length, flush):  # every token coded as it comes, as vLLM's
+        return vllm_turboquant_cache(config, nbits, nbits_value, norm_correction == "true", sliding, protect)
     own_attention, windows = attends_through_kvdemo(config) and not vllm, sliding_windows(config)
     layers: list = [None] * len(windows)
     options: dict[str, Any] = dict(nbits=nbits, nbits_value=nbits_value, residual_length=residual_length)
