@@ -92,7 +92,7 @@ def test_answers_restore_the_cache_and_equal_fresh_runs(tiny, context, spec):
     for question, answer in zip(QUESTIONS, answers):
         assert answer.token_ids == _fresh_tokens(tiny, spec, context, question, 9)
     assert answers[3].token_ids == answers[0].token_ids
-    if spec.info.has_residual and spec.residual_length in (1, 4):
+    if spec.keeps_residual and spec.residual_length in (1, 4):
         assert all(a.flush_count > 0 for a in answers)
 
 
@@ -196,7 +196,7 @@ def test_kvpress_slicing_cannot_restore_a_quantized_cache(tiny, context, spec):
         for _ in range(6):
             token = tiny.model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1].argmax()
             ids = token.view(1, 1)
-    if not spec.info.has_residual:  # fp8 holds no 4-D residual: the slicing fails outright
+    if not spec.keeps_residual:  # fp8 (every format that codes each token) holds no 4-D residual: slicing fails
         with pytest.raises(IndexError):
             _kvpress_trim(cache, lengths)
         return

@@ -83,7 +83,7 @@ def test_what_a_session_may_hold_bounds_its_cache_and_snapshot_during_an_answer(
     assert peak == pytest.approx(limit, rel=0.03)
     store = estimate_kv_bytes(qa.spec, tiny.config, qa.prefill_report.context_tokens, tiny.dtype)
     assert qa.estimate_kv_bytes(qa.prefill_report.context_tokens, decoded) == limit
-    assert (qa.history[-1].flush_count > 0) == (flushes and spec.info.has_residual) or not spec.info.has_residual
+    assert (qa.history[-1].flush_count > 0) == (flushes and spec.keeps_residual) or not spec.keeps_residual
     assert store > 0
 
 

@@ -647,6 +647,18 @@ def test_each_chart_shows_what_exists_for_the_backend(handlers, backend, series,
         assert plotted(residual)["residual tokens"].isna().all()
 
 
+def test_a_spec_that_codes_every_token_charts_no_residual():
+    """vLLM's TurboQuant presets code each token as it comes (`CacheSpec.keeps_residual` False): the residual chart
+    says so and the memory chart has no quantized-store-beside-a-residual series; the same format with a residual
+    keeps them."""
+    preset, residual = CacheSpec.parse("turboquant:4bit_nc"), CacheSpec.parse("turboquant:4bit_nc,residual_length=16")
+    assert not preset.keeps_residual and residual.keeps_residual
+    assert "keeps no residual" in views.residual_chart([], preset)["title"]
+    assert "flushes at residual_length=16" in views.residual_chart([], residual)["title"]
+    assert "quantized store" not in set(views.memory_data([], preset)["series"])
+    assert "quantized store" in set(views.memory_data([], residual)["series"])
+
+
 def test_prefill_shows_real_progress_and_stop_ends_it(handlers):
     app, fns = handlers
     long_context = " ".join(f"Council {i} met at Rouen." for i in range(40))  # ~300 tokens: 2 chunks

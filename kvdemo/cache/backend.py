@@ -75,6 +75,9 @@ class Backend:
         on_device: `on_device(device) -> a note or None`, what a GPU job sets up for this format before it runs
             (quanto's unpacking on CUDA, `kvdemo.cache.formats.quanto.device`); None: nothing.
         reference: the implementation its bytes are checked against, and the test that checks them (docs/formats.md).
+        residual_rule: `rule(resolved options) -> bool`, whether a spec of these options keeps a full-precision
+            residual it flushes (`CacheSpec.keeps_residual`); None: whenever the format takes `residual_length`
+            (turboquant's vLLM write path, `residual_length=1` under `layout=vllm`, codes every token as it comes).
         examples: named spec texts the rest of kvdemo starts from (`kvdemo.cache.catalogue.examples`): purpose ->
             {text of this backend: its place among every backend's texts for that purpose}, e.g.
             `{"needle": {"hqq:2": 1, "hqq:4": 2}}`, so that no other module names a backend.
@@ -101,6 +104,7 @@ class Backend:
     stored: Callable[[], dict[str, type]] | None = None
     on_device: Callable[[torch.device], str | None] | None = None
     reference: str = ""
+    residual_rule: Callable[[SpecOptions], bool] | None = None
 
     def set_up(self, device: torch.device) -> str | None:
         """Its set-up on `device` before a GPU job runs (`on_device`), or None where it has none."""
@@ -120,7 +124,8 @@ class Backend:
 
     @property
     def has_residual(self) -> bool:
-        """True where the cache keeps a full-precision residual that is flushed (quanto, hqq)."""
+        """True where the format can keep a full-precision residual that is flushed (it takes `residual_length`);
+        whether a spec of it does: `CacheSpec.keeps_residual`."""
         return "residual_length" in self.options
 
     def empty_cache(self, options: SpecOptions, model_config: PreTrainedConfig) -> Cache:

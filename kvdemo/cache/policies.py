@@ -54,3 +54,10 @@ def parse_protect(protect: str) -> tuple[int, int]:
 TURBOQUANT_LAYOUTS = ("kvdemo", "vllm")
 """TurboQuant's `layout`: kvdemo's own (the exact marginal's code, signed rotation, fp8 keys with a scale; the default)
 or vLLM's store byte for byte (`kvdemo.cache.formats.turboquant.vllm`; the presets under vLLM's names)."""
+
+
+def vllm_write_path(layout: object, residual_length: object, flush: object) -> bool:
+    """Whether turboquant's options are vLLM's write path, each token coded as it comes with no residual
+    (`kvdemo.cache.formats.turboquant.vllm_layers`): `layout=vllm`, `residual_length=1`, `flush=append` (every
+    preset)."""
+    return str(layout) == TURBOQUANT_LAYOUTS[1] and str(residual_length) == "1" and str(flush) == FLUSH_POLICIES[1]

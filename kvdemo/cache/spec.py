@@ -98,6 +98,13 @@ class CacheSpec:
             raise ValueError(f"backend={shown(self.backend)} is not a backend; choose one of {', '.join(BACKENDS)}")
         return BACKENDS[self.backend]
 
+    @property
+    def keeps_residual(self) -> bool:
+        """Whether this spec's cache keeps a full-precision residual that it flushes: the format takes
+        `residual_length` and its `residual_rule`, where it has one, says these options keep one."""
+        info = self.info
+        return info.has_residual and (info.residual_rule is None or info.residual_rule(self.resolved()))
+
     def given(self) -> SpecOptions:
         """The options set on this spec (not None), by name."""
         return cast(SpecOptions, dict(self.options))

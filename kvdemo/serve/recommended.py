@@ -50,7 +50,7 @@ recommendation measures, the short answers of a QA text show a straight ramp and
 def page_start(pick: CacheSpec) -> CacheSpec:
     """The spec the page's fields start at for a recommended `pick`: the pick, with a residual longer than
     `PAGE_RESIDUAL_LENGTH` cut to it (the note under the fields says so: `views.recommended_note`)."""
-    if pick.info.has_residual and pick.resolved()["residual_length"] > PAGE_RESIDUAL_LENGTH:
+    if pick.keeps_residual and pick.resolved()["residual_length"] > PAGE_RESIDUAL_LENGTH:
         return pick.replace(residual_length=PAGE_RESIDUAL_LENGTH)
     return pick
 

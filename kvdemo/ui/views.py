@@ -242,7 +242,7 @@ def step_line(event: Any, spec: CacheSpec) -> str:
             f"{memory.snapshot_bytes / 2**20:,.2f})"
         )
     line = f"step {event.step + 1:,} · {held} · cache length {event.cache_length:,}"
-    if spec.info.has_residual and event.memory.layers:
+    if spec.keeps_residual and event.memory.layers:
         if event.memory.layers[0].residual_tokens + 1 >= spec.resolved()["residual_length"]:
             line += (
                 f" · the next step flushes: every layer re-quantizes its {event.cache_length + 1:,} tokens, "
@@ -458,9 +458,7 @@ RESIDUAL_SERIES = ("residual (first quantized layer)", "residual_length")
 
 def memory_data(events: list, spec: CacheSpec) -> Any:
     """The memory chart's data (`charts.memory_frame`): `spec`'s series, each in the legend."""
-    series = memory_series(
-        spec.info.quantized, spec.info.has_residual, bool(events) and events[0].memory.kept_bytes > 0
-    )
+    series = memory_series(spec.info.quantized, spec.keeps_residual, bool(events) and events[0].memory.kept_bytes > 0)
     return with_every_series(memory_frame(events, series), "series", series)
 
 
@@ -468,9 +466,9 @@ def residual_data(events: list, spec: CacheSpec) -> Any:
     """The residual chart's data: the first quantized layer's fill (`charts.residual_frame`, as floats) and, for a
     backend with a residual, the `residual_length` level at every step (`RESIDUAL_SERIES`), each series in the
     legend."""
-    fill = residual_frame(events if spec.info.has_residual else []).astype({"residual tokens": "float64"})
+    fill = residual_frame(events if spec.keeps_residual else []).astype({"residual tokens": "float64"})
     frame = fill.assign(series=RESIDUAL_SERIES[0])
-    if not spec.info.has_residual:
+    if not spec.keeps_residual:
         return with_every_series(frame, "series", RESIDUAL_SERIES[:1])
     level = fill.assign(**{"residual tokens": float(spec.resolved()["residual_length"]), "series": RESIDUAL_SERIES[1]})
     return with_every_series(pd.concat([frame, level], ignore_index=True), "series", RESIDUAL_SERIES)
@@ -481,7 +479,7 @@ def residual_chart(events: list, spec: CacheSpec) -> dict[str, Any]:
     layer) under the `residual_length` line, on a y-axis from 0, or, for a backend that keeps no residual, an empty
     chart whose title says so. Never `value=None`: Gradio then draws an empty box without the title."""
     frame = residual_data(events, spec)
-    if not spec.info.has_residual:
+    if not spec.keeps_residual:
         title = f"Residual fill: {spec.backend} keeps no residual (nothing to show)"
         return gr.update(value=frame, title=title, x_lim=_steps(frame), y_lim=[0, 1])
     limit = spec.resolved()["residual_length"]
@@ -560,7 +558,7 @@ def recommended_note(found: Recommendation, shown: CacheSpec | None = None) -> s
         f"{found.context_tokens:,} tokens; the **Recommend** tab measures yours)"
     )
     picked = CacheSpec.parse(found.pick)
-    if shown is not None and shown.info.has_residual:
+    if shown is not None and shown.keeps_residual:
         page, measured = shown.resolved()["residual_length"], picked.resolved()["residual_length"]
         if page != measured:
             line += f", shown at `residual_length={page}` so that the first answer flushes (measured at {measured})"

@@ -53,7 +53,7 @@ def held_bytes_estimate(
         spec, config, context_tokens + reserve_tokens, dtype, residual_tokens=reserve_tokens, blocks=blocks
     )
     info = spec.info
-    flushes = not info.has_residual or reserve_tokens >= spec.resolved()["residual_length"]
+    flushes = not spec.keeps_residual or reserve_tokens >= spec.resolved()["residual_length"]
     if info.quantized and reserve_tokens > 0 and flushes:
         # the post-prefill store's tokens; its per-layer constants (fp8's scales, the store of no token) are the
         # very tensors the cache still holds, counted once
