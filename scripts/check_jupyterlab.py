@@ -43,9 +43,12 @@ from kvdemo.quiet import NOISE  # noqa: E402  (a bar or a warning: not for the r
 
 NOTEBOOK = ROOT / "notebooks" / "01_quickstart.ipynb"
 STDERR_MIME = "application/vnd.jupyter.stderr"
-# JupyterLab's user settings: no news toast over the notebook, no update check (offline anyway).
+# JupyterLab's user settings: no news toast over the notebook, no update check (offline anyway); every cell attached
+# and rendered (`windowingMode` none: by default a cell scrolled out of view is skipped, and its prompt and outputs
+# read as "", as a notebook with a chart or a long table showed).
 SETTINGS = {
-    "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {"fetchNews": "false", "checkForUpdates": False}
+    "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {"fetchNews": "false", "checkForUpdates": False},
+    "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
 }
 
 

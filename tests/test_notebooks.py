@@ -74,6 +74,7 @@ def test_the_walkthroughs_are_there():
         "03_backends_side_by_side.ipynb",
         "04_needle_in_a_haystack.ipynb",
         "05_why_rotation.ipynb",
+        "06_which_kv_setting.ipynb",
     ]
 
 
