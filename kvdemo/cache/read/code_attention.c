@@ -159,19 +159,15 @@ static void packed_rows(const Codes *c, int64_t r0, int64_t n, int64_t dim, floa
     for (int64_t r = r0; r < r0 + n; r++) {
         const uint8_t *bytes = PTR(uint8_t, c->codes) + r * c->row_bytes;
         float *o = out + (r - r0) * dim;
-        const float s = row_value(c->row_scale, c->half, r);
-        if (c->kind == 1 && c->unit) { /* vLLM's _nc: (c / |c|) * norm, each step rounded as torch's operations */
-            uint8_t codes[MAX_DIM];
-            float sum = 0.0f;
-            expand(bytes, dim, bits, codes);
-            for (int64_t k = 0; k < dim; k++) sum += table[codes[k]] * table[codes[k]];
-            const float norm = sqrtf(sum + 1e-16f);
-            for (int64_t k = 0; k < dim; k++) o[k] = (table[codes[k]] / norm) * s;
-            continue;
-        }
+        /* vLLM's _nc rows: the centroids first (times 1, exact), their squares summed, then (c / |c|) * norm, each
+         * step rounded as torch's separate operations round it (the sum in this loop's order) */
+        const int unit = c->kind == 1 && c->unit;
+        const float norm = row_value(c->row_scale, c->half, r), s = unit ? 1.0f : norm;
+        float squares = 0.0f;
         const float z = c->kind == 1 ? 0.0f : row_value(c->row_zero, c->half, r);
         int64_t k = 0;
 #if defined(__AVX2__)
+        __m256 sum8 = _mm256_setzero_ps();
         const __m256 vs = _mm256_set1_ps(s), vz = _mm256_set1_ps(z);
         for (; k + 8 <= dim; k += 8) {
             __m256i index;
@@ -191,16 +187,29 @@ static void packed_rows(const Codes *c, int64_t r0, int64_t n, int64_t dim, floa
                 const __m256 a = _mm256_permutevar8x32_ps(table_lo, index);
                 const __m256 b = _mm256_permutevar8x32_ps(table_hi, index);
                 x = _mm256_mul_ps(_mm256_blendv_ps(a, b, _mm256_castsi256_ps(_mm256_slli_epi32(index, 28))), vs);
+                if (unit) sum8 = _mm256_add_ps(sum8, _mm256_mul_ps(x, x));
             } else {
                 x = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(index), vs), vz);
             }
             _mm256_storeu_ps(o + k, x);
         }
+        if (unit) {
+            float lanes[8];
+            _mm256_storeu_ps(lanes, sum8);
+            for (int i = 0; i < 8; i++) squares += lanes[i];
+        }
 #endif
         if (k < dim) {
             uint8_t codes[MAX_DIM];
             expand(bytes, dim, bits, codes);
-            for (; k < dim; k++) o[k] = c->kind == 1 ? table[codes[k]] * s : (float)codes[k] * s + z;
+            for (; k < dim; k++) {
+                o[k] = c->kind == 1 ? table[codes[k]] * s : (float)codes[k] * s + z;
+                if (unit) squares += o[k] * o[k];
+            }
+        }
+        if (unit) {
+            const float length = sqrtf(squares + 1e-16f);
+            for (int64_t i = 0; i < dim; i++) o[i] = (o[i] / length) * norm;
         }
     }
 }
