@@ -88,8 +88,10 @@ def vllm_centroids(dimension: int, bits: int) -> torch.Tensor:
     return torch.tensor(centroids, dtype=torch.float32)
 
 
+@lru_cache(maxsize=32)
 def vllm_midpoints(dimension: int, bits: int) -> torch.Tensor:
-    """The float32 midpoints between neighbouring centroids, as vLLM computes its thresholds on the device."""
+    """The float32 midpoints between neighbouring centroids, as vLLM computes its thresholds on the device (cached:
+    read-only)."""
     centroids = vllm_centroids(dimension, bits)
     return (centroids[:-1] + centroids[1:]) / 2
 
