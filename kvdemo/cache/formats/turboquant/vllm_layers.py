@@ -100,9 +100,10 @@ class VllmTurboLayer(AppendedLayer):
         table = vllm_centroids(dimension, self.nbits)
         return lookup_codes(q_tensor.codes, q_tensor.norms, self.nbits, table, unit=self.norm_correction)
 
-    def _read_rotated(self, q_tensor: VllmKeys | VllmFp8Keys | VllmValues) -> torch.Tensor:
-        """A record read back as a decode step's attention reads it: Lloyd-Max keys in the rotated basis (centroid x
-        norm, as the kernel computes them), anything else as `_dequantize`; [batch, kv_heads, tokens, head_dim]."""
+    def _read_rotated(self, q_tensor: Any) -> torch.Tensor:
+        """A record (a `VllmKeys`, `VllmFp8Keys` or `VllmValues`) read back as a decode step's attention reads it:
+        Lloyd-Max keys in the rotated basis (centroid x norm, as the kernel computes them), anything else as
+        `_dequantize`; [batch, kv_heads, tokens, head_dim]."""
         if not isinstance(q_tensor, VllmKeys):
             return self._dequantize(q_tensor)
         assert self.keys is not None
@@ -152,12 +153,13 @@ def vllm_turboquant_cache(
     `DynamicCache(config=...)` builds them."""
     windows = sliding_windows(config)
     layers: list = [None] * len(windows)  # the layers kept at full precision: `with_kept_layers`
-    options = dict(nbits=nbits, nbits_value=nbits_value, norm_correction=norm_correction)
     for index in quantized_layers(config, sliding, protect):
         window = windows[index]
         layers[index] = (
-            VllmTurboQuantLayer(**options)
+            VllmTurboQuantLayer(nbits, nbits_value, norm_correction)
             if window is None
-            else SlidingVllmTurboQuantLayer(sliding_window=window, **options)
+            else SlidingVllmTurboQuantLayer(
+                window, nbits=nbits, nbits_value=nbits_value, norm_correction=norm_correction
+            )
         )
     return with_kept_layers(Cache(layers=reading_blocks(layers, config)), config, sliding, protect)
