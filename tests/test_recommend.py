@@ -332,8 +332,14 @@ def test_recommend_keeps_dynamic_only_when_every_smaller_setting_is_over(tiny, s
 
 
 def test_recommend_within_a_byte_budget_and_an_engine(tiny, short_text, questions):
+    """Also on shorter answers (`answer_tokens`): every row measured in full is scored on the same answer tokens,
+    at most that many per question."""
     budget = 5000.0
-    found = recommend(tiny, short_text, questions, bytes_per_token=budget, engine="transformers", plans=False)
+    found = recommend(
+        tiny, short_text, questions, bytes_per_token=budget, engine="transformers", plans=False, answer_tokens=6
+    )
+    assert 0 < found.rows[0].positions <= 6 * len(questions)
+    assert {r.positions for r in found.rows if r.measured == FULL} == {found.rows[0].positions}
     picked = found.picked
     assert picked is not None and picked.bytes_per_token[0] <= budget and picked.measured == FULL
     measured = [r for r in found.rows[1:] if r.measured in (FULL, BOUND)]
@@ -367,6 +373,8 @@ def test_recommend_stops_and_keeps_what_was_measured(tiny, short_text, questions
         ({"bytes_per_token": 10.0}, "the smallest takes"),
         ({"engine": "tensorrt"}, "not one of"),
         ({"questions": ["Who?", " "]}, "a question is empty"),
+        ({"answer_tokens": 0}, "answer_tokens=0 must be a whole number from 1 to 256"),
+        ({"answer_tokens": 10_000}, "answer_tokens=10000 must be a whole number"),
     ],
 )
 def test_recommend_refuses_bad_input_before_any_forward_pass(own_tiny, text, monkeypatch, kwargs, message):

@@ -78,7 +78,10 @@ MIN_CONTEXT_TOKENS = 64
 LENGTHS = (8192, 32768)
 """The other context lengths each row's bytes per token are given at."""
 MAX_NEW_TOKENS = 24
-"""Tokens per `dynamic` answer that every candidate is scored on."""
+"""Tokens per `dynamic` answer that every candidate is scored on, by default (`recommend`'s `answer_tokens`)."""
+
+MAX_ANSWER_TOKENS = 256
+"""The most `answer_tokens` a recommendation takes (every candidate decodes that many per question)."""
 
 
 def text_questions(text: str, count: int = 3) -> list[str]:
@@ -122,6 +125,7 @@ def recommend(
     plans: bool = True,
     cancel: threading.Event | None = None,
     on_progress: ProgressCallback | None = None,
+    answer_tokens: int = MAX_NEW_TOKENS,
 ) -> Recommendation:
     """Measure the candidates on `text` and pick the setting for `loaded_model` (see the module's docstring).
 
@@ -133,11 +137,13 @@ def recommend(
         plans: also measure a per-layer plan (kvdemo only; one more prefill-sized pass).
         cancel: set it to stop at the next decode step; `RecommendationCancelled` then holds what was measured.
         on_progress: `on_progress(done, total, what)`.
+        answer_tokens: the tokens of each of `dynamic`'s answers every candidate is scored on, 1 to
+            `MAX_ANSWER_TOKENS`: fewer is faster and says less (a notebook's quick run), more says more.
 
     Raises:
-        ValueError: before any work: a bad target, an unknown engine, an engine that deploys nothing quantized on
-            this model, a budget below the smallest candidate's bytes, an empty text or question, a text under
-            `MIN_CONTEXT_TOKENS` tokens (each message says what would work).
+        ValueError: before any work: a bad target or `answer_tokens`, an unknown engine, an engine that deploys
+            nothing quantized on this model, a budget below the smallest candidate's bytes, an empty text or
+            question, a text under `MIN_CONTEXT_TOKENS` tokens (each message says what would work).
         RecommendationCancelled: `cancel` was set.
 
     Example:
@@ -145,14 +151,21 @@ def recommend(
         >>> found.pick, found.why, found.picked.deploy
     """
     target, limit = check_target(max_kl, bytes_per_token)
-    return _Run(loaded_model, text, questions, target, limit, engine, plans, cancel, on_progress).run()
+    if (
+        isinstance(answer_tokens, bool)
+        or not isinstance(answer_tokens, int)
+        or not 0 < answer_tokens <= MAX_ANSWER_TOKENS
+    ):
+        raise ValueError(f"answer_tokens={answer_tokens!r} must be a whole number from 1 to {MAX_ANSWER_TOKENS}")
+    return _Run(loaded_model, text, questions, target, limit, engine, plans, cancel, on_progress, answer_tokens).run()
 
 
 class _Run:
     """One recommendation's state: the checks, the reference, the search and the pick."""
 
-    def __init__(self, loaded, text, questions, target, limit, engine, plans, cancel, on_progress):
+    def __init__(self, loaded, text, questions, target, limit, engine, plans, cancel, on_progress, answer_tokens):
         self.loaded, self.target, self.limit, self.engine = loaded, target, limit, engine
+        self.answer_tokens = answer_tokens
         self.cancel, self.on_progress, self.start, self.done = cancel, on_progress, time.perf_counter(), 0
         self.weights = read_weights(loaded)  # before anything runs: an outlier layer adds protected candidates
         self.specs = candidate_specs(loaded.config, engine, self.weights.protect)  # raises on an unknown engine
@@ -238,12 +251,12 @@ class _Run:
         self.reference = QASession(self.loaded)
         chunk = lambda done, total: self.step(f"prefilling dynamic (the reference): {done:,} of {total:,} tokens", 0)  # noqa: E731
         with recording_queries(planner.QUERY_TOKENS) as self.queries:  # what a per-layer plan measures with
-            self.reference.prefill(self.prepared, max_new_tokens=MAX_NEW_TOKENS, on_progress=chunk)
+            self.reference.prefill(self.prepared, max_new_tokens=self.answer_tokens, on_progress=chunk)
         self.step("answering with dynamic")
         self.logprobs: list[torch.Tensor] = []
         for question in self.questions:
             rows: list[torch.Tensor] = []  # `score` of the answer, from the answer's own decode steps
-            answer = self.reference.ask(question, MAX_NEW_TOKENS, logprobs=rows)
+            answer = self.reference.ask(question, self.answer_tokens, logprobs=rows)
             self.step(f"dynamic answered {len(self.answers) + 1} of {len(self.questions)}", 2)
             if answer.token_ids:
                 self.answers.append((question, list(answer.token_ids)))
