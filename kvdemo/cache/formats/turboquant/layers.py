@@ -64,13 +64,11 @@ from .vllm import dequantize_keys as vllm_dequantize_keys
 from .vllm import dequantize_values as vllm_dequantize_values
 from .vllm import quantize_keys as vllm_quantize_keys
 from .vllm import quantize_values as vllm_quantize_values
-from .vllm_layers import vllm_turboquant_cache
+from .vllm_layers import FP8_KEY_BITS, vllm_turboquant_cache
 
 KEY_ROTATION = QueryRotation(signed=True, values=False)
 """TurboQuant's rotation of the keys: (k D) H, the values left in the model's basis."""
 
-FP8_KEY_BITS = 8
-"""nbits at which the keys are float8_e4m3 with a scale per token and head, not rotated (vLLM's `k8v4`)."""
 
 _TINY = torch.finfo(torch.float32).tiny
 

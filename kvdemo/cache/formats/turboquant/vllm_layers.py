@@ -52,7 +52,8 @@ VLLM_KEY_ROTATION = QueryRotation(signed=False, values=False)
 same way at a decode step."""
 
 FP8_KEY_BITS = 8
-"""nbits of k8v4's float8 keys (no rotation)."""
+"""nbits at which the keys are float8_e4m3, not rotated (vLLM's `k8v4`: no scale; kvdemo's layout: a scale per token
+and head)."""
 
 
 class VllmTurboLayer(AppendedLayer):
