@@ -131,6 +131,16 @@ def quantize_keys(keys: torch.Tensor, bits: int) -> VllmKeys | VllmFp8Keys:
     return VllmKeys(pack_codes(indices.to(torch.uint8), bits), norms.to(torch.float16))
 
 
+def rotated_keys(store: VllmKeys, bits: int, norm_correction: bool) -> torch.Tensor:
+    """A Lloyd-Max key store read back in the rotated basis, as the decode kernel reads it: centroid x norm (with
+    `norm_correction`, the centroids over their own norm first), [batch, kv_heads, tokens, head_dim] float32."""
+    indices = unpack_codes(store.codes, bits)
+    centroids = vllm_centroids(indices.shape[-1], bits)[indices]
+    if norm_correction:
+        centroids = centroids / torch.sqrt((centroids * centroids).sum(-1, keepdim=True) + 1e-16)
+    return centroids * store.norms.float()
+
+
 def dequantize_keys(
     store: VllmKeys | VllmFp8Keys, bits: int, norm_correction: bool, dtype: torch.dtype
 ) -> torch.Tensor:
@@ -138,11 +148,7 @@ def dequantize_keys(
     H is its own inverse)."""
     if isinstance(store, VllmFp8Keys):
         return store.codes.to(dtype)
-    indices = unpack_codes(store.codes, bits)
-    centroids = vllm_centroids(indices.shape[-1], bits)[indices]
-    if norm_correction:
-        centroids = centroids / torch.sqrt((centroids * centroids).sum(-1, keepdim=True) + 1e-16)
-    rotated = centroids * store.norms.float()
+    rotated = rotated_keys(store, bits, norm_correction)
     return (rotated @ hadamard(rotated.shape[-1], torch.float32)).to(dtype)
 
 

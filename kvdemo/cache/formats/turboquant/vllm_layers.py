@@ -35,7 +35,6 @@ from kvdemo.cache.model.layer_kinds import quantized_layers
 from kvdemo.cache.read.code_attention import StoreCodes, scaled_codes
 
 from .codes import lookup_codes, uniform_codes
-from .lloyd_max import unpack_codes
 from .vllm import (
     VllmFp8Keys,
     VllmKeys,
@@ -44,6 +43,7 @@ from .vllm import (
     dequantize_values,
     quantize_keys,
     quantize_values,
+    rotated_keys,
     vllm_centroids,
 )
 
@@ -108,11 +108,7 @@ class VllmTurboLayer(AppendedLayer):
         if not isinstance(q_tensor, VllmKeys):
             return self._dequantize(q_tensor)
         assert self.keys is not None
-        indices = unpack_codes(q_tensor.codes, self.nbits)
-        centroids = vllm_centroids(indices.shape[-1], self.nbits)[indices]
-        if self.norm_correction:
-            centroids = centroids / torch.sqrt((centroids * centroids).sum(-1, keepdim=True) + 1e-16)
-        return (centroids * q_tensor.norms.float()).to(self.keys.dtype)
+        return rotated_keys(q_tensor, self.nbits, self.norm_correction).to(self.keys.dtype)
 
     def stored_blocks(self, tokens: int | None = None) -> StoreBlocks:
         """The store for a decode step's attention, read in the basis of the query it scores (`_read_rotated`)."""
