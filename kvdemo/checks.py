@@ -21,10 +21,11 @@ def shown(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def max_new_tokens(value: Any, most: int | None = None, what: str = "an answer") -> int:
+def max_new_tokens(value: Any, most: int | None = None, what: str = "an answer", name: str = "max_new_tokens") -> int:
     """`value` as the number of tokens an answer may generate: a whole number >= 1 (a float that is whole, as
     the page's number fields send, is accepted), and at most `most` when given (`what` names the job that has
-    that limit in the message, e.g. "a comparison").
+    that limit in the message, e.g. "a comparison"; `name`, the argument the caller was given, e.g. `recommend`'s
+    "answer_tokens").
 
     Example:
         >>> max_new_tokens(32.0)
@@ -38,9 +39,9 @@ def max_new_tokens(value: Any, most: int | None = None, what: str = "an answer")
         # typeshed's numbers.Real has no __int__, but int() takes every Real, as it takes a float
         number = int(cast(SupportsInt, value)) if float(value).is_integer() else value
     if isinstance(number, bool) or not isinstance(number, numbers.Integral) or number < 1:
-        raise ValueError(f"max_new_tokens={shown(value)} must be a whole number >= 1")
+        raise ValueError(f"{name}={shown(value)} must be a whole number >= 1")
     if most is not None and number > most:
-        raise ValueError(f"max_new_tokens={int(number)} is more than {what} runs here; use at most {most:,}")
+        raise ValueError(f"{name}={int(number)} is more than {what} runs here; use at most {most:,}")
     return int(number)
 
 

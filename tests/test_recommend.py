@@ -373,8 +373,8 @@ def test_recommend_stops_and_keeps_what_was_measured(tiny, short_text, questions
         ({"bytes_per_token": 10.0}, "the smallest takes"),
         ({"engine": "tensorrt"}, "not one of"),
         ({"questions": ["Who?", " "]}, "a question is empty"),
-        ({"answer_tokens": 0}, "answer_tokens=0 must be a whole number from 1 to 256"),
-        ({"answer_tokens": 10_000}, "answer_tokens=10000 must be a whole number"),
+        ({"answer_tokens": 0}, "answer_tokens=0 must be a whole number >= 1"),
+        ({"answer_tokens": 10_000}, "answer_tokens=10000 is more than a recommendation runs here; use at most 256"),
     ],
 )
 def test_recommend_refuses_bad_input_before_any_forward_pass(own_tiny, text, monkeypatch, kwargs, message):

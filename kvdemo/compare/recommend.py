@@ -42,6 +42,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kvdemo import checks
 from kvdemo.cache.deploy import ENGINES
 from kvdemo.cache.layer_plan import PLAN
 from kvdemo.cache.layers.attention import recording_queries
@@ -151,12 +152,7 @@ def recommend(
         >>> found.pick, found.why, found.picked.deploy
     """
     target, limit = check_target(max_kl, bytes_per_token)
-    if (
-        isinstance(answer_tokens, bool)
-        or not isinstance(answer_tokens, int)
-        or not 0 < answer_tokens <= MAX_ANSWER_TOKENS
-    ):
-        raise ValueError(f"answer_tokens={answer_tokens!r} must be a whole number from 1 to {MAX_ANSWER_TOKENS}")
+    answer_tokens = checks.max_new_tokens(answer_tokens, MAX_ANSWER_TOKENS, "a recommendation", name="answer_tokens")
     return _Run(loaded_model, text, questions, target, limit, engine, plans, cancel, on_progress, answer_tokens).run()
 
 
